@@ -1,0 +1,115 @@
+"""Plain greedy decode speed: quickdraft vs Hugging Face transformers `generate`, side by side.
+
+Same converted weights, dtype, prompt and token count for both. Decode tok/s is measured as
+(N - 1) / (time(N tokens) - time(1 token)) for both engines, so prefill and the first token are
+excluded symmetrically; one warm-up run each is excluded too. Prints one JSON object last.
+
+    python bench/decode.py --models smollm2-135m qwen2.5-coder-1.5b --tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import emit, machine, peak_rss_mb, read_bandwidth_gbs  # noqa: E402
+
+from quickdraft.config import parse_dtype  # noqa: E402
+from quickdraft.generate import LoadedModel, load, stream  # noqa: E402
+from quickdraft.sampling import SamplingParams  # noqa: E402
+
+PROMPT = "Write a Python function that parses an ISO 8601 date string and returns a datetime."
+
+
+def ours_time(lm: LoadedModel, ids: list[int], n: int) -> float:
+    req = lm.new_request(ids, SamplingParams(max_tokens=n, ignore_eos=True))
+    t = time.perf_counter()
+    for _ in stream(lm, req):
+        pass
+    assert len(req.output_ids) == n
+    return time.perf_counter() - t
+
+
+def hf_time(model: torch.nn.Module, ids: list[int], n: int) -> float:
+    x = torch.tensor([ids])
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(  # type: ignore[operator]
+            x, max_new_tokens=n, min_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(x)
+        )
+    assert out.shape[1] == len(ids) + n
+    return time.perf_counter() - t
+
+
+def decode_tps(timer, n: int, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    timer(8)  # warm-up
+    one = min(timer(1) for _ in range(repeats))
+    full = min(timer(n) for _ in range(repeats))
+    return (n - 1) / (full - one)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.nbytes
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-1.5b"])
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    args = ap.parse_args()
+    bandwidth = read_bandwidth_gbs()
+    rows = []
+    for name in args.models:
+        lm = load(name, args.dtype, progress=True)
+        ids = lm.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
+        # bytes one decode step streams: every weight once (the embedding row read is tiny, but
+        # the tied lm_head reads the whole table, so counting it once is right)
+        wbytes = weight_bytes(lm.model)
+        ours = decode_tps(lambda n, lm=lm, ids=ids: ours_time(lm, ids, n), args.tokens, args.repeats)
+        row = {
+            "model": name,
+            "dtype": args.dtype,
+            "prompt_tokens": len(ids),
+            "tokens": args.tokens,
+            "weight_gb": round(wbytes / 1e9, 3),
+            "ours_tok_s": round(ours, 2),
+            "ours_pct_roofline": round(100 * wbytes * ours / 1e9 / bandwidth, 1),
+        }
+        del lm
+        if not args.no_hf:
+            import transformers
+
+            hf = transformers.AutoModelForCausalLM.from_pretrained(
+                str(load_path(name, args.dtype)), dtype=parse_dtype(args.dtype)
+            ).eval()
+            theirs = decode_tps(lambda n, hf=hf, ids=ids: hf_time(hf, ids, n), args.tokens, args.repeats)
+            row["hf_tok_s"] = round(theirs, 2)
+            row["speedup_vs_hf"] = round(ours / theirs, 2)
+            del hf
+        rows.append(row)
+        print(row, file=sys.stderr)
+    emit("decode", {"bench": "decode", "read_bandwidth_gbs": round(bandwidth, 1),
+                    "peak_rss_mb": round(peak_rss_mb()), **machine(), "results": rows})
+
+
+def load_path(name: str, dtype: str) -> Path:
+    from quickdraft import hub
+
+    return hub.resolve(name, dtype, progress=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Frozen configuration records.
+
+`ModelConfig.from_hf` reads a Hugging Face `config.json` (+ `generation_config.json`) into the
+fields our model code uses; nothing else in the package parses config files.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """What the dense decoder (models/llama.py) needs. Field names follow Hugging Face."""
+
+    model_type: str  # "llama" | "qwen2" | "qwen3" (see models/registry.py)
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)  # the raw config.json
+
+    @classmethod
+    def from_hf(cls, path: str | Path) -> ModelConfig:
+        """Read `config.json` (and `generation_config.json` for EOS ids) from a model dir."""
+        path = Path(path)
+        raw: dict[str, Any] = json.loads((path / "config.json").read_text())
+        gen_path = path / "generation_config.json"
+        gen: dict[str, Any] = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+        return cls.from_dict(raw, gen)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], gen: dict[str, Any] | None = None) -> ModelConfig:
+        gen = gen or {}
+        model_type = raw.get("model_type", "")
+        heads = raw["num_attention_heads"]
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            # Scaled RoPE variants change logits beyond the native context; refuse rather
+            # than silently produce different text from the reference.
+            raise ValueError(f"rope type {rope_type!r} is not supported yet (model {model_type})")
+        rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+        eos = gen.get("eos_token_id", raw.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            model_type=model_type,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            eos_token_ids=eos_ids,
+            bos_token_id=gen.get("bos_token_id", raw.get("bos_token_id")),
+            extra=raw,
+        )

@@ -1,0 +1,117 @@
+"""Building blocks shared by every model file: RMSNorm, RoPE, fused projections, attention.
+
+Contract: all functions take packed tokens `[num_tokens, ...]` (no batch dim); attention runs
+per sequence against that sequence's KVCache. Math follows the Hugging Face reference so that
+fp32 logits match it to < 1e-4 (tests/test_models.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from quickdraft.kernels import linear
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / rms(x)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # One fused op; it accumulates in fp32 for bf16 input, so it matches HF's explicit fp32
+        # upcast in fp32 and is at least as accurate in bf16.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class LinearView(nn.Module):
+    """One HF-named projection whose weight (and bias) are views into a fused tensor, so the
+    state_dict keeps HF names while the forward runs one GEMV over the fused weight."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        # nn.Parameter aliases the storage of its argument: copying into it fills the fused tensor.
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+
+def fused_projections(
+    owner: nn.Module,
+    in_features: int,
+    outs: dict[str, int],
+    bias: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[Tensor, Tensor | None]:
+    """Register `owner.<name>` LinearViews for each entry of `outs` and return the fused
+    weight `[sum(outs), in_features]` (and bias). Build the model on its final device and
+    dtype: `.to()` afterwards would re-allocate the views and break the aliasing."""
+    total = sum(outs.values())
+    weight = torch.empty(total, in_features, dtype=dtype, device=device)
+    fused_bias = torch.zeros(total, dtype=dtype, device=device) if bias else None
+    start = 0
+    for name, size in outs.items():
+        b = None if fused_bias is None else fused_bias[start : start + size]
+        owner.add_module(name, LinearView(weight[start : start + size], b))
+        start += size
+    return weight, fused_bias
+
+
+class Rope:
+    """Rotary embedding tables (fp32, HF "default" rope), grown on demand."""
+
+    def __init__(self, head_dim: int, theta: float, device: torch.device) -> None:
+        self.inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+        )
+        self.cos = torch.empty(0, head_dim, device=device)
+        self.sin = torch.empty(0, head_dim, device=device)
+
+    def tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin `[num_tokens, 1, head_dim]` for `positions` `[num_tokens]`."""
+        need = int(positions.max()) + 1
+        if need > self.cos.shape[0]:
+            size = max(need, 2 * self.cos.shape[0], 256)
+            t = torch.arange(size, device=self.inv_freq.device, dtype=torch.float32)
+            freqs = torch.outer(t, self.inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.cos, self.sin = emb.cos(), emb.sin()
+        return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x `[num_tokens, heads, head_dim]`; rotate-half convention (HF Llama/Qwen)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float) -> Tensor:
+    """Causal grouped-query attention of n new queries at positions [start, start + n).
+
+    q `[n, heads, head_dim]`; k, v `[kv_heads, start + n, head_dim]` -> `[n, heads * head_dim]`.
+    The query heads sharing a kv head are folded into the query-row dimension
+    (`[1, kv_heads, group * n, d]`): SDPA then takes its fast fused CPU kernel in bf16 as well
+    (its enable_gqa and per-head bmm paths are 4-20x slower here) and the cache is never repeated.
+    """
+    n, heads, d = q.shape
+    kv_heads = k.shape[0]
+    group = heads // kv_heads
+    qg = q.view(n, kv_heads, group, d).permute(1, 2, 0, 3).reshape(1, kv_heads, group * n, d)
+    mask = None
+    if n > 1:
+        # row (g, i) is query i at absolute position start + i: it sees keys 0..start + i
+        rows = torch.arange(n, device=q.device).repeat(group)[:, None] + start
+        mask = torch.arange(k.shape[1], device=q.device)[None, :] <= rows  # [group * n, S]
+    out = F.scaled_dot_product_attention(qg, k[None], v[None], attn_mask=mask, scale=scale)
+    return out[0].view(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
+
+
+def project(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The one entry point for weight GEMMs (fast bf16 small-M kernel when it applies)."""
+    return linear(x, weight, bias)
+

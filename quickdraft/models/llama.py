@@ -1,0 +1,194 @@
+"""Dense decoder-only transformers: Llama / SmolLM2, Qwen2 / Qwen2.5, Qwen3.
+
+Stage: the target (and draft) model. One `forward` runs N new tokens of one or more sequences
+packed together (prefill, decode, or a k+1-token verify): projections and MLPs run on all
+`[N, hidden]` rows at once (weights are streamed once), attention runs per sequence against its
+own KVCache. It writes each sequence's new KV past `cache.length` and leaves committing to the
+caller. Parameter names are Hugging Face's (state_dict keys match HF checkpoints).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from quickdraft.config import ModelConfig
+from quickdraft.kv_cache import KVCache
+from quickdraft.models.layers import (
+    LinearView,
+    RMSNorm,
+    Rope,
+    apply_rope,
+    attend,
+    fused_projections,
+    project,
+)
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    logits: Tensor  # [len(logit_rows), vocab] fp32
+    hidden: Tensor | None = None  # [num_tokens, hidden] post-final-norm, if asked for
+    layer_hidden: dict[int, Tensor] = field(default_factory=dict)  # layer idx -> its output
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_weight, self.qkv_bias = fused_projections(
+            self,
+            cfg.hidden_size,
+            {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
+            cfg.attention_bias,
+            dtype,
+            device,
+        )
+        self.o_proj = LinearView(torch.empty(cfg.hidden_size, q_size, dtype=dtype, device=device), None)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: Tensor,  # [N, hidden]
+        rope: tuple[Tensor, Tensor],  # cos, sin [N, 1, head_dim]
+        caches: Sequence[KVCache],
+        num_new: Sequence[int],
+    ) -> Tensor:
+        n, d = x.shape[0], self.head_dim
+        qkv = project(x, self.qkv_weight, self.qkv_bias)  # [N, (H + 2 Hkv) * d]
+        q = qkv[:, : self.num_heads * d].view(n, self.num_heads, d)
+        k = qkv[:, self.num_heads * d : (self.num_heads + self.num_kv_heads) * d]
+        k = k.view(n, self.num_kv_heads, d)
+        v = qkv[:, (self.num_heads + self.num_kv_heads) * d :].view(n, self.num_kv_heads, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        outs, start = [], 0
+        for cache, count in zip(caches, num_new, strict=True):
+            seg = slice(start, start + count)
+            keys, values = cache.write(
+                self.layer_idx, k[seg].transpose(0, 1), v[seg].transpose(0, 1)
+            )
+            outs.append(attend(q[seg], keys, values, cache.length, self.scale))
+            start += count
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, H * d]
+        return project(out, self.o_proj.weight)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_weight, _ = fused_projections(
+            self, cfg.hidden_size, {"gate_proj": self.inter, "up_proj": self.inter}, False, dtype, device
+        )
+        self.down_proj = LinearView(
+            torch.empty(cfg.hidden_size, self.inter, dtype=dtype, device=device), None
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate_up = project(x, self.gate_up_weight)  # [N, 2 * inter]
+        act = F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
+        return project(act, self.down_proj.weight)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, idx, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(cfg, dtype, device)
+
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor], caches: Sequence[KVCache], num_new: Sequence[int]
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, caches, num_new)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class DecoderModel(nn.Module):
+    """HF's `model.` submodule: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        super().__init__()
+        device = torch.device(device)
+        self.config, self.dtype, self.device = cfg, dtype, device
+        self.model = DecoderModel(cfg, dtype, device)
+        head = self.model.embed_tokens.weight if cfg.tie_word_embeddings else None
+        if head is None:
+            head = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.lm_head = LinearView(head, None)
+        self.rope = Rope(cfg.head_dim, cfg.rope_theta, device)
+        self.requires_grad_(False)
+
+    def new_cache(self, capacity: int) -> KVCache:
+        cfg = self.config
+        return KVCache(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, self.dtype, self.device
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: Tensor,  # [N] new tokens of all sequences, packed in `caches` order
+        caches: Sequence[KVCache],
+        num_new: Sequence[int],  # new tokens per sequence; sums to N
+        logit_rows: Tensor | None = None,  # rows of N to score; default: last row of each seq
+        return_hidden: bool = False,
+        hidden_layers: Sequence[int] = (),
+    ) -> ForwardOutput:
+        assert input_ids.dim() == 1 and sum(num_new) == input_ids.shape[0]
+        for cache, n in zip(caches, num_new, strict=True):
+            if cache.length + n > self.config.max_position_embeddings:
+                raise ValueError(
+                    f"sequence of {cache.length + n} tokens exceeds the model context "
+                    f"({self.config.max_position_embeddings})"
+                )
+            cache.reserve(n)
+        positions = torch.cat(
+            [torch.arange(c.length, c.length + n, device=self.device) for c, n in zip(caches, num_new, strict=True)]
+        )
+        rope = self.rope.tables(positions, self.dtype)
+        x = self.model.embed_tokens(input_ids)  # [N, hidden]
+        layer_hidden: dict[int, Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, rope, caches, num_new)
+            if i in hidden_layers:
+                layer_hidden[i] = x
+        if logit_rows is None:
+            ends = torch.tensor(list(num_new), device=self.device).cumsum(0) - 1
+            logit_rows = ends
+        if return_hidden:
+            hidden = self.model.norm(x)
+            logits = project(hidden[logit_rows], self.lm_head.weight).float()
+            return ForwardOutput(logits, hidden, layer_hidden)
+        logits = project(self.model.norm(x[logit_rows]), self.lm_head.weight).float()
+        return ForwardOutput(logits, None, layer_hidden)

@@ -1,0 +1,121 @@
+"""A generation request and its output bookkeeping: EOS, stop strings, max_tokens.
+
+`Request.append(ids)` takes the tokens a step produced (one, or a whole accepted speculative
+block) and consumes them one by one, stopping exactly at the first EOS / stop string / max_tokens:
+tokens after that point are dropped, the text is cut at the stop string, and the text that could
+still be the start of a stop string is held back from streaming until it is resolved.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from quickdraft.sampling import SamplingParams
+from quickdraft.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens
+    ABORT = "abort"  # cancelled by the client
+
+
+@dataclass(slots=True)
+class Timing:
+    created: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.created
+
+
+class Request:
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        eos_ids: tuple[int, ...],
+        request_id: str = "",
+    ) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        self.id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.eos_ids = () if params.ignore_eos else eos_ids
+        self.output_ids: list[int] = []
+        self.text = ""
+        self.sent = 0  # chars of `text` already handed out by stream_delta()
+        self.finish_reason: FinishReason | None = None
+        self.timing = Timing()
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._max_stop = max((len(s) for s in params.stop), default=0)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def append(self, ids: list[int]) -> int:
+        """Consume generated ids in order; return how many were kept (<= len(ids))."""
+        if self.timing.first_token is None:
+            self.timing.first_token = time.perf_counter()
+        kept = 0
+        for tok in ids:
+            if self.finished:
+                break
+            kept += 1
+            if tok in self.eos_ids:
+                self._finish(FinishReason.STOP)
+                break
+            self.output_ids.append(tok)
+            old_len = len(self.text)
+            self.text += self._detok.push(tok)
+            if self._max_stop and self._cut_at_stop(old_len):
+                break
+            if len(self.output_ids) >= self.params.max_tokens:
+                self._finish(FinishReason.LENGTH)
+        return kept
+
+    def abort(self) -> None:
+        if not self.finished:
+            self._finish(FinishReason.ABORT)
+
+    def stream_delta(self) -> str:
+        """New text safe to show: excludes a tail that may still become a stop string."""
+        end = len(self.text)
+        if not self.finished and self._max_stop:
+            end -= self._pending_stop_prefix()
+        delta = self.text[self.sent : end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return delta
+
+    def _cut_at_stop(self, old_len: int) -> bool:
+        search_from = max(0, old_len - self._max_stop + 1)
+        hits = [i for s in self.params.stop if (i := self.text.find(s, search_from)) >= 0]
+        if not hits:
+            return False
+        self.text = self.text[: min(hits)]
+        self._finish(FinishReason.STOP)
+        return True
+
+    def _pending_stop_prefix(self) -> int:
+        """Length of the longest suffix of text that is a proper prefix of a stop string."""
+        text = self.text
+        for n in range(min(self._max_stop - 1, len(text)), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self.params.stop):
+                return n
+        return 0
+
+    def _finish(self, reason: FinishReason) -> None:
+        self.finish_reason = reason
+        self.timing.finished = time.perf_counter()

@@ -1,0 +1,95 @@
+"""Sampling: turn target logits into a token, identically for plain decode, drafters and verify.
+
+`probabilities()` applies, in this order, temperature -> top-k -> top-p -> min-p and returns the
+distribution that is actually sampled from; speculative verification compares exactly these
+distributions, so filtering can never make verification lossy. temperature == 0 means greedy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+MAX_STOP_STRINGS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0 -> greedy (argmax)
+    top_k: int = 0  # 0 -> off
+    top_p: float = 1.0  # 1 -> off
+    min_p: float = 0.0  # 0 -> off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (0.0 <= self.temperature <= 2.0) or math.isnan(self.temperature):
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """A per-request RNG: seeded runs repeat exactly; unseeded ones draw a fresh seed."""
+        gen = torch.Generator(device=device)
+        if self.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(self.seed)
+        return gen
+
+
+def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
+    """logits `[N, vocab]` -> the sampling distribution `[N, vocab]` (fp32, rows sum to 1).
+
+    For greedy params this is the one-hot argmax, so greedy is the temperature->0 limit and
+    rejection sampling against it reduces to exact matching.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # drop a token when the mass strictly before it already reaches top_p (keeps >= 1)
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if params.min_p > 0.0:
+        floor = params.min_p * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
+    """probs `[N, vocab]` -> token ids `[N]`."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def next_tokens(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> Tensor:
+    """logits `[N, vocab]` -> ids `[N]`: argmax when greedy (no RNG use), else a sample."""
+    if params.greedy:
+        return logits.argmax(-1)
+    return sample(probabilities(logits, params), generator)

@@ -1,0 +1,122 @@
+"""Shared fixtures: tiny random-weight Hugging Face models saved as real checkpoints, and the
+real packaged models (pulled and converted once into QUICKDRAFT_HOME)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+    ),
+    "qwen3": dict(
+        model_type="qwen3",
+        architectures=["Qwen3ForCausalLM"],
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+    ),
+}
+
+
+def make_tiny_hf_model(arch: str, directory: Path, seed: int = 0) -> Any:
+    """A random-weight transformers model of `arch`, saved to `directory` (fp32)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg_dict = dict(TINY_CONFIGS[arch])
+    cfg = transformers.AutoConfig.for_model(**cfg_dict)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    with torch.no_grad():  # HF init is small-std; widen it so logits are not all near-ties
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0, 0.08)
+    model.eval()
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_CONFIGS))
+def tiny_hf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Any]:
+    """(arch, checkpoint dir, the transformers reference model), one per architecture."""
+    arch = request.param
+    directory = tmp_path_factory.mktemp(f"tiny-{arch}")
+    model = make_tiny_hf_model(arch, directory)
+    return arch, directory, model
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TINY_SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]  # ids 256..259
+
+
+def write_tiny_tokenizer(directory: Path) -> None:
+    """A real byte-level tokenizer (one token per byte, no merges) + ChatML template: 260 ids,
+    within the tiny models' 320-entry vocabulary, so tiny models run the whole text pipeline."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(TINY_SPECIALS)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHATML, "bos_token": "<s>", "eos_token": "<|im_end|>"})
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A complete tiny Qwen2-architecture model directory (weights, config, tokenizer)."""
+    directory = tmp_path_factory.mktemp("tiny-complete")
+    make_tiny_hf_model("qwen2", directory, seed=3)
+    write_tiny_tokenizer(directory)
+    return directory

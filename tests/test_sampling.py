@@ -1,0 +1,75 @@
+"""Sampling filters and RNG behaviour."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quickdraft.sampling import SamplingParams, next_tokens, probabilities, sample
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+
+
+def test_probabilities_greedy_is_one_hot_argmax() -> None:
+    probs = probabilities(LOGITS, SamplingParams())
+    assert probs.tolist() == [[1.0, 0, 0, 0, 0, 0]]
+
+
+def test_probabilities_temperature_one_is_softmax() -> None:
+    probs = probabilities(LOGITS, SamplingParams(temperature=1.0))
+    assert torch.allclose(probs, torch.softmax(LOGITS, -1))
+
+
+def test_probabilities_top_k_keeps_k_largest() -> None:
+    probs = probabilities(LOGITS, SamplingParams(temperature=1.0, top_k=2))
+    assert (probs[0, 2:] == 0).all()
+    expected = torch.softmax(LOGITS[0, :2], -1)
+    assert torch.allclose(probs[0, :2], expected)
+
+
+def test_probabilities_top_p_keeps_smallest_prefix_reaching_p() -> None:
+    full = torch.softmax(LOGITS, -1)[0]  # ~[0.61, 0.22, 0.14, ...]
+    probs = probabilities(LOGITS, SamplingParams(temperature=1.0, top_p=0.7))
+    kept = (probs[0] > 0).nonzero().flatten().tolist()
+    assert kept == [0, 1]  # 0.61 < 0.7, 0.61 + 0.22 >= 0.7
+    assert torch.allclose(probs[0, :2], full[:2] / full[:2].sum())
+
+
+def test_probabilities_min_p_drops_below_fraction_of_max() -> None:
+    full = torch.softmax(LOGITS, -1)[0]
+    probs = probabilities(LOGITS, SamplingParams(temperature=1.0, min_p=0.3))
+    assert ((probs[0] > 0) == (full >= 0.3 * full.max())).all()
+
+
+def test_sample_seeded_is_reproducible() -> None:
+    params = SamplingParams(temperature=1.0, seed=1234)
+    logits = torch.randn(1, 1000)
+    a = [int(next_tokens(logits, params, g)[0]) for g in [params.generator()] for _ in range(20)]
+    b = [int(next_tokens(logits, params, g)[0]) for g in [params.generator()] for _ in range(20)]
+    assert a == b and len(set(a)) > 1
+
+
+def test_sample_frequencies_match_probabilities() -> None:
+    probs = torch.softmax(torch.tensor([[1.0, 0.2, -0.5, 0.7]]), -1)
+    gen = torch.Generator().manual_seed(0)
+    draws = sample(probs.expand(50_000, 4).contiguous(), gen)
+    freq = torch.bincount(draws, minlength=4).float() / 50_000
+    assert torch.allclose(freq, probs[0], atol=0.01)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("temperature", -0.1), ("temperature", 2.5), ("top_p", 0.0), ("top_p", 1.5),
+     ("max_tokens", 0), ("top_k", -1), ("min_p", 1.5)],
+    ids=lambda v: str(v),
+)
+def test_sampling_params_reject_out_of_range(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+def test_sampling_params_reject_bad_stop_lists() -> None:
+    with pytest.raises(ValueError, match="at most 4"):
+        SamplingParams(stop=("a", "b", "c", "d", "e"))
+    with pytest.raises(ValueError, match="non-empty"):
+        SamplingParams(stop=("",))
