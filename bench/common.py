@@ -17,7 +17,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
         return out.stdout.strip() or "unknown"
     except OSError:
         return "unknown"

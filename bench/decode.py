@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, machine, peak_rss_mb, read_bandwidth_gbs  # noqa: E402
+from common import emit, machine, peak_rss_mb, read_bandwidth_gbs
 
-from quickdraft.config import parse_dtype  # noqa: E402
-from quickdraft.generate import LoadedModel, load, stream  # noqa: E402
-from quickdraft.sampling import SamplingParams  # noqa: E402
+from quickdraft.config import parse_dtype
+from quickdraft.generate import LoadedModel, load, stream
+from quickdraft.sampling import SamplingParams
 
 PROMPT = "Write a Python function that parses an ISO 8601 date string and returns a datetime."
 
@@ -40,7 +40,11 @@ def hf_time(model: torch.nn.Module, ids: list[int], n: int) -> float:
     t = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(  # type: ignore[operator]
-            x, max_new_tokens=n, min_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(x)
+            x,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            attention_mask=torch.ones_like(x),
         )
     assert out.shape[1] == len(ids) + n
     return time.perf_counter() - t
@@ -78,7 +82,9 @@ def main() -> None:
         # bytes one decode step streams: every weight once (the embedding row read is tiny, but
         # the tied lm_head reads the whole table, so counting it once is right)
         wbytes = weight_bytes(lm.model)
-        ours = decode_tps(lambda n, lm=lm, ids=ids: ours_time(lm, ids, n), args.tokens, args.repeats)
+        ours = decode_tps(
+            lambda n, lm=lm, ids=ids: ours_time(lm, ids, n), args.tokens, args.repeats
+        )
         row = {
             "model": name,
             "dtype": args.dtype,
@@ -95,14 +101,24 @@ def main() -> None:
             hf = transformers.AutoModelForCausalLM.from_pretrained(
                 str(load_path(name, args.dtype)), dtype=parse_dtype(args.dtype)
             ).eval()
-            theirs = decode_tps(lambda n, hf=hf, ids=ids: hf_time(hf, ids, n), args.tokens, args.repeats)
+            theirs = decode_tps(
+                lambda n, hf=hf, ids=ids: hf_time(hf, ids, n), args.tokens, args.repeats
+            )
             row["hf_tok_s"] = round(theirs, 2)
             row["speedup_vs_hf"] = round(ours / theirs, 2)
             del hf
         rows.append(row)
         print(row, file=sys.stderr)
-    emit("decode", {"bench": "decode", "read_bandwidth_gbs": round(bandwidth, 1),
-                    "peak_rss_mb": round(peak_rss_mb()), **machine(), "results": rows})
+    emit(
+        "decode",
+        {
+            "bench": "decode",
+            "read_bandwidth_gbs": round(bandwidth, 1),
+            "peak_rss_mb": round(peak_rss_mb()),
+            **machine(),
+            "results": rows,
+        },
+    )
 
 
 def load_path(name: str, dtype: str) -> Path:

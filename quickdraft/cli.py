@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from quickdraft.config import SpeculativeConfig
+
 DEFAULT_MODEL = "qwen2.5-coder-1.5b"
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome."
 
@@ -30,24 +32,55 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--model", default=DEFAULT_MODEL,
+        "--model",
+        default=DEFAULT_MODEL,
         help="catalog name (see `quickdraft models`), HF directory, or .gguf path",
     )
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
 
 
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative-method", default="none", choices=["none", "ngram", "draft"])
+    p.add_argument("--num-draft-tokens", type=int, default=5, help="draft length ceiling k")
+    p.add_argument("--draft-model", default=None, help="draft model (same tokenizer as target)")
+    p.add_argument("--ngram-min", type=int, default=2)
+    p.add_argument("--ngram-max", type=int, default=4)
+    p.add_argument(
+        "--no-adaptive", action="store_true", help="always draft k tokens (no cost model)"
+    )
+
+
+def spec_config(args: argparse.Namespace) -> SpeculativeConfig:
+    return SpeculativeConfig(
+        method=args.speculative_method,
+        num_draft_tokens=args.num_draft_tokens,
+        draft_model=args.draft_model,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        adaptive=not args.no_adaptive,
+    )
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from quickdraft.generate import load, stream
     from quickdraft.sampling import SamplingParams
+    from quickdraft.speculate import make_speculation
 
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop),
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
     t0 = time.perf_counter()
+    cfg = spec_config(args)
     lm = load(args.model, args.dtype)
+    spec = make_speculation(lm, cfg)
     load_s = time.perf_counter() - t0
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     if args.chat:
@@ -57,7 +90,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     req = lm.new_request(ids, params)
     if not args.chat:
         sys.stdout.write(prompt)
-    for delta in stream(lm, req):
+    for delta in stream(lm, req, spec):
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -69,7 +102,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(
         f"[{lm.name} {args.dtype}] prompt {len(ids)} tok, output {n} tok, "
         f"TTFT {t.ttft:.2f}s, decode {tps:.1f} tok/s, finish={req.finish_reason}, "
-        f"load {load_s:.1f}s",
+        f"load {load_s:.1f}s\n[{req.spec.summary()}]",
         file=sys.stderr,
     )
     return 0
@@ -99,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt, streaming to the terminal")
     _add_model_args(g)
     _add_sampling_args(g)
+    _add_spec_args(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("prompt", nargs="?", default=None)
     g.set_defaults(func=cmd_generate)

@@ -94,3 +94,35 @@ class ModelConfig:
             bos_token_id=gen.get("bos_token_id", raw.get("bos_token_id")),
             extra=raw,
         )
+
+
+SPEC_METHODS = ("none", "ngram", "draft")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """How a request speculates. `num_draft_tokens` is the ceiling; the adaptive policy
+    (quickdraft/policy.py) picks k <= it per cycle, down to 0 (no drafting) when it cannot pay."""
+
+    method: str = "none"  # "none" | "ngram" | "draft"
+    num_draft_tokens: int = 5
+    draft_model: str | None = None  # catalog name / path, for method "draft"
+    ngram_min: int = 2
+    ngram_max: int = 4
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method {self.method!r}: choose one of {SPEC_METHODS}")
+        if not 0 <= self.num_draft_tokens <= 32:
+            raise ValueError(f"num_draft_tokens must be in [0, 32], got {self.num_draft_tokens}")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative method 'draft' needs a draft model (--draft-model)")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none" and self.num_draft_tokens > 0

@@ -1,25 +1,39 @@
 """Single-stream generation: load a model by name/path, then prefill + decode one request.
 
-Stage: the plain (speculation-off) decode loop, used by `quickdraft generate` and the benchmark.
-Each cycle: forward the last token -> pick the next -> Request.append (stop checks) -> commit.
+Stage: the decode loop used by `quickdraft generate` and the benchmarks. One cycle:
+    k = policy.choose()                      (0 when speculation is off or cannot pay)
+    draft = drafter.propose(tokens, k)
+    out = target([last, d_1..d_k])          one forward, k+1 logit rows
+    verdict = verify(draft, out)             accepted drafts + one recovered/bonus token
+    cache.commit(length + 1 + accepted)      rollback of the rejected rows is this commit
+    request.append(verdict.tokens); drafter.commit(tokens)
+Plain decoding is the same cycle with k = 0, so both paths share every line.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from quickdraft import hub
 from quickdraft.config import parse_dtype
+from quickdraft.drafters.base import Draft
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.llama import CausalLM, ForwardOutput
 from quickdraft.models.loader import load_model
+from quickdraft.policy import AdaptiveK, measure_verify_cost
 from quickdraft.request import Request
-from quickdraft.sampling import SamplingParams, next_tokens
+from quickdraft.sampling import SamplingParams, probabilities
 from quickdraft.tokenizer import Tokenizer
+from quickdraft.verify import Verdict, verify_greedy, verify_sampled
+
+if TYPE_CHECKING:
+    from quickdraft.speculate import Speculation
 
 PREFILL_CHUNK = 512  # bounds the [chunk, context] attention mask and activations of long prompts
 
@@ -28,15 +42,19 @@ PREFILL_CHUNK = 512  # bounds the [chunk, context] attention mask and activation
 class LoadedModel:
     name: str
     path: Path
+    dtype_name: str
     model: CausalLM
     tokenizer: Tokenizer
     eos_ids: tuple[int, ...]
+    _verify_cost: list[float] = field(default_factory=list)
 
     @property
     def context_length(self) -> int:
         return self.model.config.max_position_embeddings
 
-    def new_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "") -> Request:
+    def new_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str = ""
+    ) -> Request:
         total = len(prompt_ids) + params.max_tokens
         if total > self.context_length:
             raise ValueError(
@@ -45,15 +63,23 @@ class LoadedModel:
             )
         return Request(prompt_ids, params, self.tokenizer, self.eos_ids, request_id)
 
+    def verify_cost(self, max_tokens: int) -> list[float]:
+        """Measured cost of a forward over n tokens relative to 1 (n = 1..max_tokens); cached."""
+        if len(self._verify_cost) <= max_tokens:
+            self._verify_cost = measure_verify_cost(self.model, max_tokens)
+        return self._verify_cost
 
-def load(model: str, dtype: str = "bf16", device: str = "cpu", progress: bool = True) -> LoadedModel:
-    path = hub.resolve(model, dtype if dtype != "fp16" else "fp32", progress=progress)
+
+def load(
+    model: str, dtype: str = "bf16", device: str = "cpu", progress: bool = True
+) -> LoadedModel:
+    path = hub.resolve(model, dtype, progress=progress)
     net = load_model(path, parse_dtype(dtype), device)
     tokenizer = Tokenizer(path)
     eos = set(net.config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
-    return LoadedModel(model, path, net, tokenizer, tuple(sorted(eos)))
+    return LoadedModel(model, path, dtype, net, tokenizer, tuple(sorted(eos)))
 
 
 def prefill(model: CausalLM, cache: KVCache, ids: list[int]) -> ForwardOutput:
@@ -67,23 +93,60 @@ def prefill(model: CausalLM, cache: KVCache, ids: list[int]) -> ForwardOutput:
     return out
 
 
-def stream(lm: LoadedModel, req: Request) -> Iterator[str]:
+def verify(
+    draft: Draft, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+) -> Verdict:
+    """logits `[k + 1, vocab]` for inputs [last, d_1..d_k] -> accepted drafts + one token."""
+    if params.greedy:
+        return verify_greedy(draft.tokens, logits)
+    return verify_sampled(draft.tokens, draft.p_draft, probabilities(logits, params), gen)
+
+
+def stream(lm: LoadedModel, req: Request, spec: Speculation | None = None) -> Iterator[str]:
     """Generate for `req`, yielding text deltas (stop-string safe) until it finishes."""
-    model = lm.model
-    cache = model.new_cache(len(req.prompt_ids) + req.params.max_tokens + 1)
-    gen = req.params.generator(model.device)
+    model, params = lm.model, req.params
+    k_max = spec.config.num_draft_tokens if spec else 0
+    cache = model.new_cache(len(req.prompt_ids) + params.max_tokens + k_max + 1)
+    gen = params.generator(model.device)
+    state = spec.drafter.new_state(req.prompt_ids) if spec else None
+    policy = AdaptiveK(k_max, spec.cost, spec.config.adaptive) if spec else None
+    req.spec.method = spec.config.method if spec else "none"
     try:
         out = prefill(model, cache, req.prompt_ids)
+        verdict = verify(Draft([]), out.logits[-1:], params, gen)
         while True:
-            token = int(next_tokens(out.logits[-1:], req.params, gen)[0])
-            req.append([token])
+            req.append(verdict.tokens)
+            if spec is not None:
+                spec.drafter.commit(state, req.all_ids)
             delta = req.stream_delta()
             if delta:
                 yield delta
             if req.finished:
                 return
-            out = model(torch.tensor([token], device=model.device), [cache], [1])
-            cache.commit(cache.length + 1)
+            # cache holds every committed token but the last one, which this cycle feeds
+            last = verdict.tokens[-1]
+            room = (
+                min(params.max_tokens - len(req.output_ids), lm.context_length - cache.length) - 1
+            )
+            k = min(policy.choose(), room) if policy is not None else 0
+            t0 = time.perf_counter()
+            draft = (
+                spec.drafter.propose(state, req.all_ids, k, params, gen)
+                if spec and k > 0
+                else Draft([])
+            )
+            t1 = time.perf_counter()
+            n = 1 + len(draft.tokens)
+            ids = torch.tensor([last, *draft.tokens], device=model.device)
+            out = model(ids, [cache], [n], logit_rows=torch.arange(n, device=model.device))
+            verdict = verify(draft, out.logits, params, gen)
+            cache.commit(cache.length + 1 + verdict.accepted)
+            req.spec.draft_seconds += t1 - t0
+            req.spec.verify_seconds += time.perf_counter() - t1
+            req.spec.record(len(draft.tokens), verdict.accepted)
+            if policy is not None:
+                policy.update(len(draft.tokens), verdict.accepted)
     finally:
         req.abort()  # no-op when finished; marks a consumer that stopped early
-        del cache
+        if spec is not None:
+            spec.drafter.free(state)

@@ -33,6 +33,63 @@ class Timing:
         return None if self.first_token is None else self.first_token - self.created
 
 
+@dataclass(slots=True)
+class SpecStats:
+    """Speculation telemetry of one request (vLLM's counting: accepted excludes the bonus)."""
+
+    method: str = "none"
+    cycles: int = 0  # target forwards after prefill (each emits >= 1 token)
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [pos] -> times accepted
+    drafted_per_position: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.cycles += 1
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+        grow = num_drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for i in range(num_drafted):
+            self.drafted_per_position[i] += 1
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per target forward, bonus included: 1 + accepted / cycles."""
+        return 1.0 + self.accepted / self.cycles if self.cycles else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "method": self.method,
+            "cycles": self.cycles,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+            "accepted_per_position": self.accepted_per_position,
+            "draft_seconds": round(self.draft_seconds, 4),
+            "verify_seconds": round(self.verify_seconds, 4),
+        }
+
+    def summary(self) -> str:
+        return (
+            f"spec={self.method} drafted {self.drafted} accepted {self.accepted} "
+            f"({100 * self.acceptance_rate:.0f}%) AL {self.mean_acceptance_length:.2f} "
+            f"cycles {self.cycles} draft {self.draft_seconds:.2f}s "
+            f"verify {self.verify_seconds:.2f}s"
+        )
+
+
 class Request:
     def __init__(
         self,
@@ -53,6 +110,7 @@ class Request:
         self.sent = 0  # chars of `text` already handed out by stream_delta()
         self.finish_reason: FinishReason | None = None
         self.timing = Timing()
+        self.spec = SpecStats()
         self._detok = IncrementalDetokenizer(tokenizer)
         self._max_stop = max((len(s) for s in params.stop), default=0)
 

@@ -84,8 +84,14 @@ def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
 
 
 def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
-    """probs `[N, vocab]` -> token ids `[N]`."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """probs `[N, vocab]` -> token ids `[N]`.
+
+    Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i exactly
+    (the Gumbel-max trick in another form), in two vectorised passes; torch.multinomial costs
+    ~20 ms on a 150k-token row here.
+    """
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return (probs / race).argmax(-1)
 
 
 def next_tokens(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> Tensor:

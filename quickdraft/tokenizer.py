@@ -25,11 +25,16 @@ def _raise_exception(message: str) -> None:
 
 
 def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
     sort_keys: bool = False,
 ) -> str:
     # jinja's own tojson HTML-escapes; templates expect plain JSON
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 @lru_cache(maxsize=16)
@@ -67,13 +72,20 @@ class Tokenizer:
         self.eos_token_id: int | None = eos_id
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
+    def fingerprint(self) -> int:
+        """Identity of the id <-> token mapping (two tokenizers that agree here are
+        interchangeable for speculative decoding)."""
+        return hash(frozenset(self._tok.get_vocab(with_added_tokens=True).items()))
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         return _compile(self.chat_template).render(

@@ -80,7 +80,9 @@ def make_tiny_hf_model(arch: str, directory: Path, seed: int = 0) -> Any:
 
 
 @pytest.fixture(scope="session", params=sorted(TINY_CONFIGS))
-def tiny_hf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Any]:
+def tiny_hf(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, Path, Any]:
     """(arch, checkpoint dir, the transformers reference model), one per architecture."""
     arch = request.param
     directory = tmp_path_factory.mktemp(f"tiny-{arch}")

@@ -23,13 +23,20 @@ def run(lm: LoadedModel, ids: list[int], **kw: object) -> list[int]:
 
 
 def hf_greedy(model_dir: Path, ids: list[int], n: int) -> list[int]:
+    """transformers' own forward + KV cache, argmax each step, EOS not special (no
+    `generate`: its min_new_tokens masks EOS, which would change the tokens)."""
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    x = torch.tensor([ids])
-    out = hf.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                      attention_mask=torch.ones_like(x))
-    return out[0, len(ids):].tolist()
+    out = hf(torch.tensor([ids]), use_cache=True)
+    tokens: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = hf(
+                torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True
+            )
+    return tokens
 
 
 def test_generate_greedy_matches_transformers_tiny(tiny_model_dir: Path) -> None:
@@ -58,13 +65,28 @@ def test_generate_prompt_beyond_context_is_clear_error(tiny_model_dir: Path) -> 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "quickdraft", *args], capture_output=True,
-                          text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "quickdraft", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 def test_cli_generate_streams_and_summarises(tiny_model_dir: Path) -> None:
-    res = cli("generate", "--model", str(tiny_model_dir), "--dtype", "fp32", "--max-tokens", "8",
-              "--ignore-eos", "--chat", "hi")
+    res = cli(
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "fp32",
+        "--max-tokens",
+        "8",
+        "--ignore-eos",
+        "--chat",
+        "hi",
+    )
     assert res.returncode == 0, res.stderr
     assert "output 8 tok" in res.stderr and "tok/s" in res.stderr
 

@@ -82,7 +82,9 @@ def test_kvcache_rollback_then_continue_equals_recompute(
     got = model(tail, [cache], [2], logit_rows=torch.arange(2)).logits
     fresh = model.new_cache(16)
     ref_ids = torch.cat([prompt, spec[:keep], tail])
-    expected = model(ref_ids, [fresh], [len(ref_ids)], logit_rows=torch.arange(len(ref_ids))[-2:]).logits
+    expected = model(
+        ref_ids, [fresh], [len(ref_ids)], logit_rows=torch.arange(len(ref_ids))[-2:]
+    ).logits
     assert torch.allclose(got, expected, atol=1e-5)
 
 
@@ -110,7 +112,10 @@ def test_fused_projection_views_share_storage(tiny_hf: tuple[str, Path, Any]) ->
     _, directory, _ = tiny_hf
     model = our_model(directory)
     attn = model.model.layers[0].self_attn
-    assert attn.k_proj.weight.data_ptr() == attn.qkv_weight[attn.num_heads * attn.head_dim :].data_ptr()
+    assert (
+        attn.k_proj.weight.data_ptr()
+        == attn.qkv_weight[attn.num_heads * attn.head_dim :].data_ptr()
+    )
     sd = model.state_dict()
     assert "model.layers.0.self_attn.q_proj.weight" in sd
     assert "model.layers.0.mlp.gate_proj.weight" in sd

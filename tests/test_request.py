@@ -73,10 +73,14 @@ def test_tokenizer_chat_template_matches_transformers(tiny_model_dir: Path) -> N
     import transformers
 
     ours = Tokenizer(tiny_model_dir)
-    ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tiny_model_dir / "tokenizer.json"))
+    ref = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(tiny_model_dir / "tokenizer.json")
+    )
     ref.chat_template = ours.chat_template
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi ü"}]
-    assert ours.render_chat(msgs) == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert ours.render_chat(msgs) == ref.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_request_rejects_empty_prompt(tok: Tokenizer) -> None:

@@ -59,8 +59,15 @@ def test_sample_frequencies_match_probabilities() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("temperature", -0.1), ("temperature", 2.5), ("top_p", 0.0), ("top_p", 1.5),
-     ("max_tokens", 0), ("top_k", -1), ("min_p", 1.5)],
+    [
+        ("temperature", -0.1),
+        ("temperature", 2.5),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("max_tokens", 0),
+        ("top_k", -1),
+        ("min_p", 1.5),
+    ],
     ids=lambda v: str(v),
 )
 def test_sampling_params_reject_out_of_range(field: str, value: float) -> None:

@@ -66,7 +66,8 @@ class Rope:
 
     def __init__(self, head_dim: int, theta: float, device: torch.device) -> None:
         self.inv_freq = 1.0 / (
-            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+            theta
+            ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
         )
         self.cos = torch.empty(0, head_dim, device=device)
         self.sin = torch.empty(0, head_dim, device=device)
@@ -114,4 +115,3 @@ def attend(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float) -> Tensor:
 def project(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """The one entry point for weight GEMMs (fast bf16 small-M kernel when it applies)."""
     return linear(x, weight, bias)
-

@@ -51,9 +51,15 @@ class Attention(nn.Module):
             dtype,
             device,
         )
-        self.o_proj = LinearView(torch.empty(cfg.hidden_size, q_size, dtype=dtype, device=device), None)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.o_proj = LinearView(
+            torch.empty(cfg.hidden_size, q_size, dtype=dtype, device=device), None
+        )
+        self.q_norm = (
+            RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        )
+        self.k_norm = (
+            RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        )
         self.scale = self.head_dim**-0.5
 
     def forward(
@@ -90,7 +96,12 @@ class MLP(nn.Module):
         super().__init__()
         self.inter = cfg.intermediate_size
         self.gate_up_weight, _ = fused_projections(
-            self, cfg.hidden_size, {"gate_proj": self.inter, "up_proj": self.inter}, False, dtype, device
+            self,
+            cfg.hidden_size,
+            {"gate_proj": self.inter, "up_proj": self.inter},
+            False,
+            dtype,
+            device,
         )
         self.down_proj = LinearView(
             torch.empty(cfg.hidden_size, self.inter, dtype=dtype, device=device), None
@@ -111,7 +122,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, dtype, device)
 
     def forward(
-        self, x: Tensor, rope: tuple[Tensor, Tensor], caches: Sequence[KVCache], num_new: Sequence[int]
+        self,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor],
+        caches: Sequence[KVCache],
+        num_new: Sequence[int],
     ) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, caches, num_new)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -120,7 +135,9 @@ class DecoderLayer(nn.Module):
 class Embedding(nn.Module):
     def __init__(self, vocab: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab, dim, dtype=dtype, device=device), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(vocab, dim, dtype=dtype, device=device), requires_grad=False
+        )
 
     def forward(self, ids: Tensor) -> Tensor:
         return F.embedding(ids, self.weight)
@@ -132,7 +149,9 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
@@ -142,9 +161,11 @@ class CausalLM(nn.Module):
         device = torch.device(device)
         self.config, self.dtype, self.device = cfg, dtype, device
         self.model = DecoderModel(cfg, dtype, device)
-        head = self.model.embed_tokens.weight if cfg.tie_word_embeddings else None
-        if head is None:
-            head = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        head: Tensor = (
+            self.model.embed_tokens.weight
+            if cfg.tie_word_embeddings
+            else torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        )
         self.lm_head = LinearView(head, None)
         self.rope = Rope(cfg.head_dim, cfg.rope_theta, device)
         self.requires_grad_(False)
@@ -152,7 +173,12 @@ class CausalLM(nn.Module):
     def new_cache(self, capacity: int) -> KVCache:
         cfg = self.config
         return KVCache(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, self.dtype, self.device
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            capacity,
+            self.dtype,
+            self.device,
         )
 
     @torch.inference_mode()
@@ -174,7 +200,10 @@ class CausalLM(nn.Module):
                 )
             cache.reserve(n)
         positions = torch.cat(
-            [torch.arange(c.length, c.length + n, device=self.device) for c, n in zip(caches, num_new, strict=True)]
+            [
+                torch.arange(c.length, c.length + n, device=self.device)
+                for c, n in zip(caches, num_new, strict=True)
+            ]
         )
         rope = self.rope.tables(positions, self.dtype)
         x = self.model.embed_tokens(input_ids)  # [N, hidden]

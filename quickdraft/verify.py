@@ -1,0 +1,125 @@
+"""Verify stage: decide which drafted tokens the target keeps. Pure tensor functions, no model code.
+
+Contract: the target has scored the inputs `[last_committed, d_1..d_k]` in one forward, giving
+k + 1 rows (row i predicts the token after input i). A `Verdict` holds the accepted draft prefix
+followed by exactly one token chosen by the target, so every cycle emits >= 1 token and the
+emitted sequence is distributed exactly as plain decoding from the target would be.
+
+Glossary (vLLM's vocabulary):
+  draft      the proposed tokens d_1..d_k, from any drafter.
+  target     the model being served; its filtered sampling distribution is `p_target`.
+  p_draft    the drafter's distribution each d_i was sampled from; None = one-hot at d_i
+             (n-gram lookup, argmax drafts).
+  accepted   draft tokens kept. EXCLUDES the extra token below.
+  recovered  the target's token at the first rejection (replaces the rejected d_i).
+  bonus      the target's extra token from row k when all k drafts were accepted.
+  mean acceptance length (AL) = tokens emitted per target forward = 1 + accepted / cycles.
+
+`verify_greedy` is exact matching against the argmax. `verify_sampled` is lossless rejection
+sampling (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023); given one-hot (greedy)
+`p_target` it returns exactly what `verify_greedy` returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from quickdraft.sampling import sample
+
+
+@dataclass(slots=True)
+class Verdict:
+    tokens: list[int]  # accepted drafts + ONE recovered-or-bonus token: len == accepted + 1
+    accepted: int  # draft tokens kept (the extra token is not counted)
+    bonus: bool  # True when all drafts were accepted, i.e. tokens[-1] came from row k
+
+
+def verify_greedy(draft: list[int], target_logits: Tensor) -> Verdict:
+    """Accept d_i while it equals the argmax of row i-1; then emit that row's argmax."""
+    k = len(draft)
+    assert target_logits.dim() == 2 and target_logits.shape[0] == k + 1, (
+        f"need [k + 1, vocab] target logits for k={k}, got {tuple(target_logits.shape)}"
+    )
+    # One argmax over all rows and one device sync; the compare is k python ints.
+    target_ids: list[int] = target_logits.argmax(-1).tolist()  # [k + 1]
+    accepted = 0
+    while accepted < k and draft[accepted] == target_ids[accepted]:
+        accepted += 1
+    # The accepted drafts equal the target's argmaxes, so the verdict is a prefix of target_ids.
+    return Verdict(target_ids[: accepted + 1], accepted, bonus=accepted == k)
+
+
+def verify_sampled(
+    draft: list[int],
+    p_draft: Tensor | None,
+    p_target: Tensor,
+    generator: torch.Generator,
+) -> Verdict:
+    """Lossless rejection sampling of `draft` against the target.
+
+    p_target `[k + 1, vocab]`: the target's filtered distributions (`sampling.probabilities`).
+    p_draft `[k, vocab]` (same filtering) or None for drafters without a distribution.
+    Accept d_i with probability min(1, p_target[i-1, d_i] / p_draft[i-1, d_i]); at the first
+    rejection sample the recovered token from normalize(max(p_target - p_draft, 0)); if all
+    are accepted sample the bonus from p_target[k].
+
+    RNG use is fixed: k uniforms, then one multinomial draw, all from `generator`, whatever
+    the outcome, so a seeded request replays exactly.
+    """
+    k = len(draft)
+    vocab = p_target.shape[-1]
+    assert p_target.dim() == 2 and p_target.shape[0] == k + 1, (
+        f"need [k + 1, vocab] p_target for k={k}, got {tuple(p_target.shape)}"
+    )
+    assert p_draft is None or tuple(p_draft.shape) == (k, vocab), (
+        f"need [k, vocab] p_draft for k={k}, got {tuple(p_draft.shape)}"
+    )
+    device = p_target.device
+    # Flat offsets of (row i-1, d_i): one index tensor serves both [k(+1), vocab] tables.
+    at_draft = torch.tensor(
+        [i * vocab + d for i, d in enumerate(draft)], dtype=torch.long, device=device
+    )  # [k]
+    # k scalars each, fetched in one sync; the accept loop below is plain python over k floats.
+    target_at_draft: list[float] = torch.take(p_target, at_draft).tolist()  # p_target[i-1, d_i]
+    # p_draft[i-1, d_i]; None is one-hot at d_i
+    draft_at_draft: list[float] = (
+        [1.0] * k if p_draft is None else torch.take(p_draft, at_draft).tolist()
+    )
+    u: list[float] = torch.rand(k, generator=generator, device=device).tolist()  # in [0, 1)
+
+    accepted = 0
+    while accepted < k:
+        pt, pd = target_at_draft[accepted], draft_at_draft[accepted]
+        # p_draft[d_i] == 0: the drafter proposed a token it gave no probability, so d_i was
+        # not sampled from that row (sampling never draws a zero-probability token). The only
+        # proposal we can still be lossless for is a deterministic one, so the row is treated
+        # as one-hot at d_i: accept with probability p_target[d_i], recover from p_target with
+        # d_i zeroed. Accepting whenever p_target[d_i] > 0 (the q -> 0 limit of the ratio)
+        # would emit d_i with probability 1 here.
+        ratio = pt / pd if pd > 0.0 else pt
+        # Strict `<`: P(u < r) = min(r, 1) exactly for u in [0, 1), and a token the target
+        # filtered out (ratio 0) is never accepted, even on a draw of exactly 0.0.
+        if not u[accepted] < ratio:
+            break
+        accepted += 1
+
+    if accepted == k:
+        token = int(sample(p_target[k : k + 1], generator))
+        return Verdict([*draft, token], k, bonus=True)
+
+    row = accepted  # the first rejection: d_{row+1} was judged against p_target[row]
+    if p_draft is None or draft_at_draft[row] <= 0.0:
+        residual = p_target[row].clone()  # [vocab]
+        residual[draft[row]] = 0.0
+    else:
+        residual = (p_target[row] - p_draft[row]).clamp_min(0.0)  # [vocab]
+    if residual.sum().item() <= 0.0:
+        # p_target <= p_draft everywhere means they are equal, and then a rejection has
+        # probability 0; reached only through rounding, where p_target is the right answer.
+        residual = p_target[row]
+    # multinomial normalises its weights itself: the residual need not be divided by its mass
+    token = int(sample(residual[None], generator))  # residual[None]: [1, vocab]
+    return Verdict([*draft[:row], token], row, bonus=False)

@@ -1,0 +1,177 @@
+"""Speculative decoding end to end (fp32, tiny random models): greedy output is token-identical
+to speculation off for every drafter (with drafts proposed AND accepted, so it cannot pass
+vacuously), a draft equal to the target is accepted ~always, sampled output keeps the target's
+distribution, and EOS / max_tokens / stop strings inside an accepted block cut exactly there."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from quickdraft.config import SpeculativeConfig
+from quickdraft.generate import LoadedModel, load, stream
+from quickdraft.request import Request
+from quickdraft.sampling import SamplingParams
+from quickdraft.speculate import make_speculation
+
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef add(",
+    "the cat sat on the mat. the cat sat on the",
+    '{"name": "x", "id": 1}, {"name": "y", "id": 2}, {"name": ',
+    "abcabcabcabc",
+    "Hello, world! Hello, world! Hello",
+    "1, 2, 3, 4, 5, 6, 7,",
+    "for i in range(10):\n    print(i)\nfor j in range(",
+    "zzz yyy xxx zzz yyy",
+]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir: Path) -> LoadedModel:
+    return load(str(tiny_model_dir), "fp32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def near_draft_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target with small weight noise: agrees often but not always (exercises rejections)."""
+    out = tmp_path_factory.mktemp("near-draft")
+    for f in tiny_model_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    weights = load_file(str(out / "model.safetensors"))
+    gen = torch.Generator().manual_seed(5)
+    noisy = {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
+    save_file(noisy, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def generate(
+    lm: LoadedModel, prompt: str, params: SamplingParams, cfg: SpeculativeConfig
+) -> Request:
+    spec = make_speculation(lm, cfg)
+    req = lm.new_request(lm.tokenizer.encode(prompt), params)
+    for _ in stream(lm, req, spec):
+        pass
+    return req
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft-near", "draft-self"])
+def test_speculative_greedy_equals_plain(
+    target: LoadedModel, near_draft_dir: Path, tiny_model_dir: Path, method: str
+) -> None:
+    draft_dir = {"draft-near": near_draft_dir, "draft-self": tiny_model_dir}.get(method)
+    cfg = SpeculativeConfig(
+        method="ngram" if method == "ngram" else "draft",
+        num_draft_tokens=4,
+        draft_model=str(draft_dir) if draft_dir else None,
+        ngram_min=1,
+        ngram_max=3,
+        adaptive=False,  # always draft, so every prompt exercises verify + rollback
+    )
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        plain = generate(target, prompt, params, SpeculativeConfig())
+        spec = generate(target, prompt, params, cfg)
+        assert spec.output_ids == plain.output_ids, prompt
+        drafted += spec.spec.drafted
+        accepted += spec.spec.accepted
+    assert drafted > 0 and accepted > 0
+    if method == "draft-self":
+        assert accepted / drafted >= 0.98
+    else:
+        assert accepted < drafted  # some rejections happened too: rollback was exercised
+
+
+def test_speculative_sampled_matches_target_distribution(
+    target: LoadedModel, near_draft_dir: Path
+) -> None:
+    """Second emitted token under speculation (k=2, sampled drafts) vs its exact marginal."""
+    cfg = SpeculativeConfig(
+        method="draft", num_draft_tokens=2, draft_model=str(near_draft_dir), adaptive=False
+    )
+    spec = make_speculation(target, cfg)
+    prompt = target.tokenizer.encode("ab")
+    params = dict(max_tokens=2, temperature=1.0, top_k=6, ignore_eos=True)
+    # exact marginal of token 2: sum_t1 p(t1) p(t2 | t1), over the top-6 support
+    from quickdraft.sampling import probabilities
+
+    model = target.model
+    sp = SamplingParams(**params)  # type: ignore[arg-type]
+    out = model(torch.tensor(prompt), [model.new_cache(8)], [len(prompt)])
+    p1 = probabilities(out.logits, sp)[0]
+    marginal = torch.zeros_like(p1)
+    for t1 in p1.nonzero().flatten().tolist():
+        o = model(torch.tensor([*prompt, t1]), [model.new_cache(8)], [len(prompt) + 1])
+        marginal += p1[t1] * probabilities(o.logits, sp)[0]
+    counts = torch.zeros_like(p1)
+    n = 3000
+    for seed in range(n):
+        req = target.new_request(prompt, SamplingParams(**params, seed=seed))  # type: ignore[arg-type]
+        for _ in stream(target, req, spec):
+            pass
+        counts[req.output_ids[1]] += 1
+    support = marginal > 0
+    assert counts[~support].sum() == 0
+    expected = marginal[support] * n
+    chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
+    dof = int(support.sum()) - 1
+    assert chi2 < dof + 4 * (2 * dof) ** 0.5 + 10, (chi2, dof)  # ~p < 0.001 for these dof
+
+
+@pytest.mark.parametrize("case", ["eos", "max_tokens", "stop"])
+def test_speculative_block_truncates_exactly(
+    target: LoadedModel, tiny_model_dir: Path, case: str
+) -> None:
+    """A draft == target accepts whole blocks; finishing inside one must cut exactly there."""
+    prompt = PROMPTS[1]
+    free = generate(
+        target, prompt, SamplingParams(max_tokens=40, ignore_eos=True), SpeculativeConfig()
+    )
+    cfg = SpeculativeConfig(
+        method="draft", num_draft_tokens=5, draft_model=str(tiny_model_dir), adaptive=False
+    )
+    if case == "eos":
+        eos = free.output_ids[13]
+        first = free.output_ids.index(eos)
+        lm = LoadedModel(target.name, target.path, "fp32", target.model, target.tokenizer, (eos,))
+        req = generate(lm, prompt, SamplingParams(max_tokens=40), cfg)
+        assert req.output_ids == free.output_ids[:first]
+    elif case == "max_tokens":
+        req = generate(target, prompt, SamplingParams(max_tokens=11, ignore_eos=True), cfg)
+        assert req.output_ids == free.output_ids[:11] and req.finish_reason == "length"
+    else:
+        assert len(free.text) >= 12, free.text
+        mid = len(free.text) // 2
+        stop = free.text[mid : mid + 3]
+        req = generate(
+            target, prompt, SamplingParams(max_tokens=40, ignore_eos=True, stop=(stop,)), cfg
+        )
+        assert req.text == free.text[: free.text.index(stop)] and req.finish_reason == "stop"
+    assert req.spec.accepted > 0
+
+
+def test_speculative_disable_env_forces_off(
+    target: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("QUICKDRAFT_DISABLE_SPECULATION", "1")
+    assert make_speculation(target, SpeculativeConfig(method="ngram")) is None
+
+
+def test_speculative_draft_with_other_tokenizer_is_refused(
+    target: LoadedModel, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    import json
+
+    for f in tiny_model_dir.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    tok = json.loads((tmp_path / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[10:12]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, different id mapping
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="tokenizer"):
+        make_speculation(target, SpeculativeConfig(method="draft", draft_model=str(tmp_path)))
