@@ -1,4 +1,4 @@
-"""Command line: `quickdraft generate | pull | models`.
+"""Command line: `quickdraft generate | bench | pull | models`.
 
 Each subcommand is a small function over the library; errors a user can fix (unknown model,
 bad hash, prompt too long, bad sampling values) print one clear line and exit 2.
@@ -10,6 +10,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -120,8 +121,25 @@ def cmd_pull(args: argparse.Namespace) -> int:
 def cmd_models(args: argparse.Namespace) -> int:
     from quickdraft import hub
 
-    for row in hub.list_models():
-        print(row)
+    print(f"{'name':<20} {'arch':<7} {'size':>8}  {'downloaded':<10}  {'converted':<10}  description")
+    for m in hub.list_models():
+        size = f"{m.size_bytes / 1e6:.0f} MB"
+        converted = ",".join(m.converted) or "-"
+        print(
+            f"{m.name:<20} {m.arch:<7} {size:>8}  {'yes' if m.downloaded else 'no':<10}  "
+            f"{converted:<10}  {m.description}"
+        )
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from quickdraft.benchmark import markdown, run
+
+    report = run(
+        args.model, args.draft_model, args.dtype, args.max_tokens, args.per_set, args.sets,
+        args.num_draft_tokens, not args.no_hf, Path(args.out),
+    )
+    print(markdown(report))
     return 0
 
 
@@ -141,6 +159,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="+")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.set_defaults(func=cmd_pull)
+
+    b = sub.add_parser("bench", help="speculation A/B benchmark (JSON + markdown + PNG)")
+    _add_model_args(b)
+    b.add_argument("--draft-model", default="qwen2.5-coder-0.5b")
+    b.add_argument("--num-draft-tokens", type=int, default=5)
+    b.add_argument("--max-tokens", type=int, default=128)
+    b.add_argument("--per-set", type=int, default=3, help="prompts per set (each set has >= 10)")
+    b.add_argument("--sets", nargs="*", default=None, help="code prose json repetitive")
+    b.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    b.add_argument("--out", default="bench/results")
+    b.set_defaults(func=cmd_bench)
 
     m = sub.add_parser("models", help="list the packaged-model catalog")
     m.set_defaults(func=cmd_models)

@@ -25,11 +25,12 @@ PREFILL_CHUNK = 512
 class DraftState:
     cache: KVCache
     fed: list[int] = field(default_factory=list)  # tokens whose KV is in `cache`
+    stable: int = 0  # fed[:stable] are committed tokens: they never change, skip comparing them
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
     n = min(len(a), len(b))
-    i = 0
+    i = min(start, n)
     while i < n and a[i] == b[i]:
         i += 1
     return i
@@ -54,10 +55,9 @@ class DraftModelDrafter:
     def _sync(self, state: DraftState, tokens: list[int]) -> torch.Tensor:
         """Feed the cache what it lacks of `tokens` (at least the last token, whose logits we
         need) and return the logits after tokens[-1]: `[1, vocab]`."""
-        keep = common_prefix(state.fed, tokens)
-        keep = min(
-            keep, len(tokens) - 1
-        )  # always re-feed at least the last token: we need its logits
+        # re-feed at least the last token: its logits are what the first draft comes from
+        keep = min(common_prefix(state.fed, tokens, state.stable), len(tokens) - 1)
+        state.stable = min(state.stable, keep)
         state.cache.commit(keep)
         del state.fed[keep:]
         out = None
@@ -102,9 +102,10 @@ class DraftModelDrafter:
 
     def commit(self, state: DraftState, tokens: list[int]) -> None:
         # Roll back now what the target rejected (O(1)); the new tokens are fed at next propose.
-        keep = common_prefix(state.fed, tokens)
+        keep = common_prefix(state.fed, tokens, state.stable)
         state.cache.commit(keep)
         del state.fed[keep:]
+        state.stable = keep
 
     def free(self, state: DraftState) -> None:
         state.fed.clear()

@@ -1,0 +1,30 @@
+"""Speculative decoding A/B (see quickdraft/benchmark.py); JSON as the last line.
+
+    python bench/speculative.py --per-set 3 --tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from quickdraft.benchmark import run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--per-set", type=int, default=3)
+    ap.add_argument("--sets", nargs="*", default=None)
+    ap.add_argument("-k", type=int, default=5)
+    ap.add_argument("--no-hf", action="store_true")
+    a = ap.parse_args()
+    report = run(a.target, a.draft, a.dtype, a.tokens, a.per_set, a.sets, a.k, not a.no_hf)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

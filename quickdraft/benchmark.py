@@ -1,0 +1,232 @@
+"""A/B benchmark of speculative decoding: speculation off vs n-gram vs draft model, and the
+Hugging Face transformers baselines (plain `generate`, `prompt_lookup_num_tokens`,
+`assistant_model`) on the same converted weights, dtype and prompts, in ONE run.
+
+Per prompt set (code, prose, json, repetitive): tok/s (output tokens / request wall time, prefill
+included, the same for every engine), speedup vs our speculation-off, mean acceptance length,
+acceptance rate, TTFT, and parity with speculation off (in bf16 a k-token verify can flip
+near-tie argmaxes: where outputs diverge we report the position and the target's top-2 logit gap
+there). Warm-up runs are excluded. Writes JSON, a markdown table and a PNG chart.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quickdraft.config import SpeculativeConfig, parse_dtype
+from quickdraft.generate import LoadedModel, load, stream
+from quickdraft.sampling import SamplingParams
+from quickdraft.speculate import Speculation, make_speculation
+
+
+def prompt_sets() -> dict[str, list[str]]:
+    text = resources.files("quickdraft.prompts").joinpath("spec_bench.json").read_text()
+    data: dict[str, list[str]] = json.loads(text)
+    return data
+
+
+@dataclass(slots=True)
+class Run:
+    tokens: list[int]
+    seconds: float
+    ttft: float
+    drafted: int = 0
+    accepted: int = 0
+    cycles: int = 0
+
+
+@dataclass(slots=True)
+class Cell:
+    runs: list[Run] = field(default_factory=list)
+
+    def summary(self, base: Cell | None) -> dict[str, Any]:
+        tps = sum(len(r.tokens) for r in self.runs) / sum(r.seconds for r in self.runs)
+        out: dict[str, Any] = {"tok_s": round(tps, 2)}
+        if base is not None:
+            base_tps = sum(len(r.tokens) for r in base.runs) / sum(r.seconds for r in base.runs)
+            out["speedup"] = round(tps / base_tps, 3)
+        cycles = sum(r.cycles for r in self.runs)
+        drafted = sum(r.drafted for r in self.runs)
+        if cycles:
+            out["mean_acceptance_length"] = round(1 + sum(r.accepted for r in self.runs) / cycles, 3)
+        if drafted:
+            out["acceptance_rate"] = round(sum(r.accepted for r in self.runs) / drafted, 3)
+        out["ttft_s"] = round(statistics.median(r.ttft for r in self.runs), 3)
+        return out
+
+
+def ours(lm: LoadedModel, ids: list[int], n: int, spec: Speculation | None) -> Run:
+    req = lm.new_request(ids, SamplingParams(max_tokens=n))
+    t = time.perf_counter()
+    for _ in stream(lm, req, spec):
+        pass
+    seconds = time.perf_counter() - t
+    s = req.spec
+    return Run(req.output_ids, seconds, req.timing.ttft or 0.0, s.drafted, s.accepted, s.cycles)
+
+
+def hf_run(model: Any, ids: list[int], n: int, eos: tuple[int, ...], **kw: Any) -> Run:
+    x = torch.tensor([ids])
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+            eos_token_id=list(eos), **kw,
+        )
+    seconds = time.perf_counter() - t
+    new = out[0, len(ids) :].tolist()
+    return Run(new, seconds, float("nan"))
+
+
+def divergence(lm: LoadedModel, ids: list[int], ref: list[int], got: list[int]) -> dict[str, Any] | None:
+    """Where `got` leaves `ref`, and the target's top-2 logit gap at that position."""
+    pos = next((i for i, (a, b) in enumerate(zip(ref, got, strict=False)) if a != b), None)
+    if pos is None:
+        return None if len(ref) == len(got) else {"position": min(len(ref), len(got)), "gap": None}
+    model = lm.model
+    seq = ids + ref[:pos]
+    cache = model.new_cache(len(seq))
+    logits = model(torch.tensor(seq), [cache], [len(seq)]).logits[-1]
+    top = torch.topk(logits, 2).values
+    return {"position": pos, "top2_logit_gap": round(float(top[0] - top[1]), 4)}
+
+
+def run(
+    target: str = "qwen2.5-coder-1.5b",
+    draft: str = "qwen2.5-coder-0.5b",
+    dtype: str = "bf16",
+    tokens: int = 128,
+    per_set: int = 3,
+    sets: list[str] | None = None,
+    k: int = 5,
+    hf: bool = True,
+    out_dir: Path = Path("bench/results"),
+) -> dict[str, Any]:
+    all_sets = prompt_sets()
+    chosen = sets or list(all_sets)
+    lm = load(target, dtype)
+    specs: dict[str, Speculation | None] = {
+        "none": None,
+        "ngram": make_speculation(lm, SpeculativeConfig(method="ngram", num_draft_tokens=k)),
+        "draft": make_speculation(
+            lm, SpeculativeConfig(method="draft", num_draft_tokens=k, draft_model=draft)
+        ),
+    }
+    hf_models: dict[str, Any] = {}
+    if hf:
+        import transformers
+
+        torch_dtype = parse_dtype(dtype)
+        hf_models["target"] = transformers.AutoModelForCausalLM.from_pretrained(
+            str(lm.path), dtype=torch_dtype
+        ).eval()
+        from quickdraft import hub
+
+        hf_models["assistant"] = transformers.AutoModelForCausalLM.from_pretrained(
+            str(hub.resolve(draft, dtype)), dtype=torch_dtype
+        ).eval()
+    engines: dict[str, Any] = {name: (lambda ids, s=s: ours(lm, ids, tokens, s)) for name, s in specs.items()}
+    if hf:
+        tgt, asst = hf_models["target"], hf_models["assistant"]
+        engines["hf"] = lambda ids: hf_run(tgt, ids, tokens, lm.eos_ids)
+        engines["hf_prompt_lookup"] = lambda ids: hf_run(
+            tgt, ids, tokens, lm.eos_ids, prompt_lookup_num_tokens=k
+        )
+        engines["hf_assisted"] = lambda ids: hf_run(tgt, ids, tokens, lm.eos_ids, assistant_model=asst)
+    warm = lm.tokenizer.encode_chat([{"role": "user", "content": "Say hi."}])
+    for fn in engines.values():
+        fn(warm)  # warm-up (JIT kernels, allocator, HF caches): excluded
+    results: dict[str, Any] = {}
+    for set_name in chosen:
+        cells = {name: Cell() for name in engines}
+        parity: dict[str, list[Any]] = {name: [] for name in engines if name != "none"}
+        for prompt in all_sets[set_name][:per_set]:
+            ids = lm.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+            for name, fn in engines.items():
+                cells[name].runs.append(fn(ids))
+            ref = cells["none"].runs[-1].tokens
+            for name in parity:
+                parity[name].append(divergence(lm, ids, ref, cells[name].runs[-1].tokens))
+        base = cells["none"]
+        row: dict[str, Any] = {}
+        for name, cell in cells.items():
+            row[name] = cell.summary(None if name == "none" else base)
+            if name in parity:
+                row[name]["identical"] = sum(p is None for p in parity[name])
+                row[name]["divergences"] = [p for p in parity[name] if p is not None]
+        for name in ("hf_prompt_lookup", "hf_assisted"):
+            if name in row:
+                row[name]["speedup_vs_hf"] = round(row[name]["tok_s"] / row["hf"]["tok_s"], 3)
+        if "hf" in row:
+            row["draft"]["speedup_vs_hf_assisted"] = round(
+                row["draft"]["tok_s"] / row["hf_assisted"]["tok_s"], 3
+            )
+        results[set_name] = row
+        print(set_name, json.dumps(row), flush=True)
+    report = {
+        "bench": "speculative",
+        "target": target,
+        "draft": draft,
+        "dtype": dtype,
+        "tokens": tokens,
+        "prompts_per_set": per_set,
+        "k_max": k,
+        "results": results,
+    }
+    write_reports(report, out_dir)
+    return report
+
+
+def markdown(report: dict[str, Any]) -> str:
+    engines = ["none", "ngram", "draft", "hf", "hf_prompt_lookup", "hf_assisted"]
+    lines = [
+        f"target {report['target']}, draft {report['draft']}, {report['dtype']}, "
+        f"{report['tokens']} tokens, {report['prompts_per_set']} prompts/set, k <= {report['k_max']}",
+        "",
+        "| set | engine | tok/s | speedup vs none | AL | accept rate | TTFT s | identical |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for set_name, row in report["results"].items():
+        for name in engines:
+            if name not in row:
+                continue
+            c = row[name]
+            lines.append(
+                f"| {set_name} | {name} | {c['tok_s']} | {c.get('speedup', 1.0 if name == 'none' else '')}"
+                f" | {c.get('mean_acceptance_length', '')} | {c.get('acceptance_rate', '')}"
+                f" | {c['ttft_s'] if c['ttft_s'] == c['ttft_s'] else ''} | {c.get('identical', '')} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def write_reports(report: dict[str, Any], out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "speculative.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / "speculative.md").write_text(markdown(report))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = list(report["results"])
+    engines = [e for e in ["none", "ngram", "draft", "hf", "hf_prompt_lookup", "hf_assisted"]
+               if e in report["results"][sets[0]]]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(engines)
+    for i, e in enumerate(engines):
+        ax.bar([s + i * width for s in range(len(sets))],
+               [report["results"][s][e]["tok_s"] for s in sets], width, label=e)
+    ax.set_xticks([s + 0.4 - width / 2 for s in range(len(sets))], sets)
+    ax.set_ylabel("tok/s")
+    ax.set_title(f"{report['target']} ({report['dtype']}): speculation A/B")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "speculative.png", dpi=100)

@@ -1,0 +1,344 @@
+"""The small-M bf16 CPU linear kernel: parity with the fp32 reference, that the fast path is
+really taken where it should be, and that every other case falls back to F.linear correctly."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from quickdraft.kernels import (
+    cpu_linear,
+    kernel_calls,
+    kernels_available,
+    linear,
+    path_for,
+    reference_linear,
+)
+
+needs_kernel = pytest.mark.skipif(
+    not cpu_linear.cpu_supported(), reason="CPU lacks AVX2/FMA/F16C: the kernel cannot run here"
+)
+
+U32 = 2.0**-24  # fp32 unit roundoff
+BF16_ULP = 2.0**-7  # bf16 spacing relative to the value
+
+
+@pytest.fixture(autouse=True)
+def _kernels_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A developer bisecting with QUICKDRAFT_NO_KERNELS=1 must not turn these tests into no-ops.
+    monkeypatch.delenv(cpu_linear.DISABLE_ENV, raising=False)
+
+
+def assert_close_to_reference(out: Tensor, x: Tensor, w: Tensor, b: Tensor | None) -> None:
+    """out vs the fp32 reference, compared in fp32 with a tolerance from the fp32 error bound:
+    two fp32 sums of K products differ by O(sqrt(K) * u * sum|x*w|) (a generous 16x margin);
+    a bf16 output may additionally land one bf16 ulp away."""
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    mag = F.linear(x.float().abs(), w.float().abs(), None if b is None else b.float().abs())
+    k = x.shape[-1]
+    tol = 16 * U32 * k**0.5 * mag + 1e-30
+    if out.dtype == torch.bfloat16:
+        tol = tol + BF16_ULP * ref.abs()
+    assert out.dtype == x.dtype
+    assert out.shape == ref.shape
+    err = (out.float() - ref).abs()
+    worst = int(torch.argmax(err - tol))
+    assert bool((err <= tol).all()), (
+        f"max excess at flat index {worst}: err {err.flatten()[worst]:.3g} > "
+        f"tol {tol.flatten()[worst]:.3g}"
+    )
+
+
+def make(
+    m: int, n: int, k: int, bias: bool, dtype: torch.dtype, seed: int = 0
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """x [m, k] in dtype, a bf16 weight [n, k] and optionally a bf16 bias [n]."""
+    g = torch.Generator().manual_seed(seed + 1000 * m + 7 * n + k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    return x, w, b
+
+
+def test_kernel_builds_when_cpu_supports_it() -> None:
+    if not cpu_linear.cpu_supported():
+        pytest.skip("CPU lacks AVX2/FMA/F16C: the kernel cannot run here")
+    assert kernels_available(), "AVX2 CPU but the kernel did not build (see the warning)"
+
+
+PARITY_M = [1, 2, 3, 4, 5, 8, 9, 16, 17, 32]
+PARITY_N = [1, 3, 7, 64, 1000]
+PARITY_K = [8, 64, 1536]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["xbf16", "xfp32"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("k", PARITY_K, ids=lambda k: f"K{k}")
+@pytest.mark.parametrize("n", PARITY_N, ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("m", PARITY_M, ids=lambda m: f"M{m}")
+def test_linear_matches_reference_on_kernel_path(
+    m: int, n: int, k: int, bias: bool, dtype: torch.dtype
+) -> None:
+    x, w, b = make(m, n, k, bias, dtype)
+    assert path_for(x, w, b) == "kernel"
+    before = kernel_calls()
+    out = linear(x, w, b)
+    assert kernel_calls() == before + 1
+    assert_close_to_reference(out, x, w, b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["xbf16", "xfp32"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 9, 17, 130], ids=lambda m: f"M{m}")
+def test_linear_exact_on_small_integers(m: int, dtype: torch.dtype) -> None:
+    # Integer inputs make every partial sum exact in fp32, so any order/offset mistake in the
+    # packing or tiling is a hard mismatch; sums reach ~10^4, far beyond bf16's 8-bit mantissa,
+    # so a bf16 output must also round exactly like torch (nearest-even).
+    g = torch.Generator().manual_seed(m)
+    k, n = 8 * 13 + 16 * 5, 37  # K % 16 == 8: exercises the 8-wide tail too
+    x = torch.randint(-3, 4, (m, k), generator=g).to(dtype)
+    w = torch.randint(-60, 61, (n, k), generator=g).bfloat16()
+    b = torch.randint(-5, 6, (n,), generator=g).float()
+    out = linear(x, w, b)
+    assert path_for(x, w, b) == "kernel"
+    assert torch.equal(out, reference_linear(x, w, b))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["xbf16", "xfp32"])
+def test_linear_3d_input_keeps_leading_dims(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 64, generator=g).to(dtype)
+    w = (torch.randn(48, 64, generator=g) * 0.1).bfloat16()
+    b = torch.randn(48, generator=g)
+    before = kernel_calls()
+    out = linear(x, w, b)
+    assert kernel_calls() == before + 1
+    assert out.shape == (2, 5, 48)
+    assert_close_to_reference(out, x, w, b)
+
+
+@needs_kernel
+def test_linear_non_contiguous_x_uses_kernel() -> None:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 6, generator=g).bfloat16().t()  # [6, 64], strides (1, 6)
+    w = (torch.randn(10, 64, generator=g) * 0.1).bfloat16()
+    assert path_for(x, w) == "kernel"
+    assert_close_to_reference(linear(x, w), x, w, None)
+
+
+@needs_kernel
+def test_linear_fused_weight_row_slice_uses_kernel() -> None:
+    # The model's q/k/v views are row slices of one fused weight: contiguous, offset storage.
+    g = torch.Generator().manual_seed(5)
+    fused = (torch.randn(96, 64, generator=g) * 0.1).bfloat16()
+    w = fused[32:80]
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    assert path_for(x, w) == "kernel"
+    assert_close_to_reference(linear(x, w), x, w, None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["xbf16", "xfp32"])
+def test_linear_propagates_nan_and_inf(dtype: torch.dtype) -> None:
+    x = torch.ones(3, 16, dtype=dtype)
+    x[0, 5] = float("nan")
+    x[1, 2] = float("inf")
+    w = torch.full((4, 16), 0.5, dtype=torch.bfloat16)
+    out = linear(x, w).float()
+    assert out[0].isnan().all()
+    assert (out[1] == float("inf")).all()
+    assert (out[2] == 8.0).all()
+
+
+@needs_kernel
+def test_linear_empty_batch_returns_empty() -> None:
+    x = torch.empty(0, 64, dtype=torch.bfloat16)
+    w = torch.zeros(5, 64, dtype=torch.bfloat16)
+    out = linear(x, w)
+    assert out.shape == (0, 5) and out.dtype == torch.bfloat16
+
+
+@needs_kernel
+def test_linear_bias_dtype_follows_reference() -> None:
+    x, w, _ = make(3, 33, 64, False, torch.float32)
+    b32 = torch.randn(33)  # fp32 bias with a bf16 weight: used as fp32, like the reference
+    assert_close_to_reference(linear(x, w, b32), x, w, b32)
+
+
+FALLBACKS = {
+    "K-not-multiple-of-8": lambda: (
+        torch.randn(3, 12).bfloat16(),
+        torch.randn(5, 12).bfloat16(),
+        torch.randn(5).bfloat16(),
+    ),
+    "fp32-weight": lambda: (torch.randn(3, 64), torch.randn(5, 64), None),
+    "fp16-weight": lambda: (torch.randn(3, 64).half(), torch.randn(5, 64).half(), None),
+    "fp16-x": lambda: (torch.randn(3, 64).half(), torch.randn(5, 64).bfloat16(), None),
+    "non-contiguous-weight": lambda: (
+        torch.randn(3, 64).bfloat16(),
+        torch.randn(64, 5).bfloat16().t(),
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FALLBACKS))
+def test_linear_fallback_cases_match_f_linear(case: str) -> None:
+    if case == "fp16-weight" and not _fp16_matmul_supported():
+        pytest.skip("this torch build has no fp16 CPU matmul")
+    x, w, b = FALLBACKS[case]()
+    assert path_for(x, w, b) == "fallback"
+    before = kernel_calls()
+    out = linear(x, w, b)
+    assert kernel_calls() == before
+    # Mixed dtypes (fp16 x, bf16 weight) run in x's dtype rather than raise like F.linear.
+    expected = F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("k", [12, 64], ids=["fallback-K12", "kernel-K64"])
+def test_linear_fp32_x_with_bf16_weight_works_on_every_path(k: int) -> None:
+    # The kernel takes fp32 activations with a bf16 weight; the fallback must not raise instead.
+    x, w, b = make(3, 6, k, True, torch.float32)
+    assert_close_to_reference(linear(x, w, b), x, w, b)
+
+
+def _fp16_matmul_supported() -> bool:
+    try:
+        F.linear(torch.ones(1, 8).half(), torch.ones(2, 8).half())
+    except RuntimeError:
+        return False
+    return True
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [65, 200], ids=lambda m: f"M{m}")
+def test_linear_prefill_sized_m_matches_reference(m: int) -> None:
+    # Beyond 64 tokens the kernel works in balanced token groups (65 -> 33 + 32).
+    x, w, b = make(m, 100, 64, True, torch.bfloat16)
+    expected_path = "kernel" if m <= cpu_linear.MAX_M else "fallback"
+    assert path_for(x, w, b) == expected_path
+    assert_close_to_reference(linear(x, w, b), x, w, b)
+
+
+def test_linear_m_above_limit_falls_back_and_stays_correct(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cpu_linear, "MAX_M", 8)
+    x, w, b = make(9, 200, 64, True, torch.bfloat16)
+    assert path_for(x, w, b) == "fallback"
+    before = kernel_calls()
+    out = linear(x, w, b)
+    assert kernel_calls() == before
+    assert torch.equal(out, F.linear(x, w, b))
+    assert_close_to_reference(out, x, w, b)
+
+
+def test_default_max_m_is_unlimited_without_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_linear, "_cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    assert cpu_linear.default_max_m() >= 1 << 31
+    monkeypatch.setattr(cpu_linear, "_cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    assert cpu_linear.default_max_m() == 64
+
+
+def test_linear_needing_grad_falls_back_with_grad() -> None:
+    x = torch.randn(2, 64, requires_grad=True)
+    w = torch.randn(5, 64).bfloat16()
+    assert path_for(x, w) == "fallback"
+    before = kernel_calls()
+    linear(x, w.float()).sum().backward()
+    assert kernel_calls() == before
+    assert x.grad is not None and torch.allclose(x.grad, w.float().sum(0).expand(2, 64))
+
+
+@needs_kernel
+def test_linear_requires_grad_inside_no_grad_uses_kernel() -> None:
+    x = torch.randn(2, 64, requires_grad=True)
+    w = torch.randn(5, 64).bfloat16()
+    with torch.no_grad():
+        assert path_for(x, w) == "kernel"
+        assert_close_to_reference(linear(x, w), x.detach(), w, None)
+
+
+def test_linear_non_cpu_tensors_use_f_linear() -> None:
+    # The meta device stands in for CUDA: anything off the CPU must never reach the extension.
+    x = torch.empty(3, 64, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(5, 64, dtype=torch.bfloat16, device="meta")
+    before = kernel_calls()
+    out = linear(x, w)
+    assert out.device.type == "meta" and out.shape == (3, 5)
+    assert path_for(x, w) == "fallback"
+    assert kernel_calls() == before
+
+
+@needs_kernel
+def test_linear_env_var_forces_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    x, w, b = make(4, 64, 64, True, torch.bfloat16)
+    monkeypatch.setenv(cpu_linear.DISABLE_ENV, "1")
+    assert not kernels_available()
+    assert path_for(x, w, b) == "fallback"
+    before = kernel_calls()
+    out = linear(x, w, b)
+    assert kernel_calls() == before
+    assert torch.equal(out, F.linear(x, w, b))
+
+
+@pytest.fixture()
+def _fresh_loader(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Pretend the extension was never loaded; the real state is restored afterwards."""
+    monkeypatch.setattr(cpu_linear, "_loaded", False)
+    monkeypatch.setattr(cpu_linear, "_ext", None)
+    yield
+
+
+@pytest.mark.usefixtures("_fresh_loader")
+def test_build_failure_warns_once_then_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils import cpp_extension
+
+    calls = []
+
+    def broken_load(*args: object, **kwargs: object) -> None:
+        calls.append(1)
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(cpp_extension, "load", broken_load)
+    monkeypatch.setattr(cpu_linear, "cpu_supported", lambda: True)
+    x, w, b = make(3, 8, 64, True, torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="building the CPU linear kernel failed"):
+        out = linear(x, w, b)
+    assert torch.equal(out, F.linear(x, w, b))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second warning (or a rebuild) would fail here
+        assert torch.equal(linear(x, w, b), F.linear(x, w, b))
+        assert not kernels_available()
+    assert len(calls) == 1
+
+
+@pytest.mark.usefixtures("_fresh_loader")
+def test_unsupported_cpu_never_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils import cpp_extension
+
+    def must_not_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("tried to build on an unsupported CPU")
+
+    monkeypatch.setattr(cpp_extension, "load", must_not_build)
+    monkeypatch.setattr(cpu_linear, "cpu_supported", lambda: False)
+    x, w, b = make(2, 8, 64, False, torch.bfloat16)
+    assert not kernels_available()
+    assert path_for(x, w, b) == "fallback"
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))
+
+
+def test_reference_linear_is_fp32_math_in_x_dtype() -> None:
+    x = torch.tensor([[1.0, 2.0]], dtype=torch.bfloat16)
+    w = torch.tensor([[3.0, 4.0]], dtype=torch.bfloat16)
+    b = torch.tensor([0.5], dtype=torch.bfloat16)
+    out = reference_linear(x, w, b)
+    assert out.dtype == torch.bfloat16 and out.tolist() == [[11.5]]
