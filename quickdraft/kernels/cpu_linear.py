@@ -2,20 +2,25 @@
 
 Contract:
     linear(x [..., K], weight [N, K], bias [N] | None) -> [..., N] in x.dtype
-computes x @ weight.T (+ bias) like `torch.nn.functional.linear`. It runs the C++ kernel in
-`linear_bf16.cpp` (JIT-built on first use) when all of these hold, else calls F.linear:
-  * x and weight on CPU, the CPU has AVX2 + FMA + F16C, `QUICKDRAFT_NO_KERNELS` is not "1";
-  * weight is a contiguous 2-D bf16 tensor, K % 8 == 0;
-  * x is bf16 or fp32 and M = x.numel() // K <= MAX_M (prefill-sized M goes to oneDNN, whose
-    blocked GEMM wins once the weights are re-used enough);
-  * no autograd is needed (no input requires grad while grad mode is on).
-The kernel accumulates in fp32 and rounds once to x.dtype, so it is at least as accurate as the
-reference `reference_linear`; results differ from F.linear only by summation order.
-A build failure warns once and then falls back for the life of the process.
+computes x @ weight.T (+ bias), the same function as `torch.nn.functional.linear`, except that
+a weight/bias of another floating dtype than x is used in x's dtype (the kernel takes fp32 x with
+a bf16 weight, so every path does; F.linear itself would raise). It runs the
+C++ kernel in `linear_bf16.cpp` (JIT-built on first CPU use, cached under
+`$QUICKDRAFT_HOME/torch_extensions`) when all of these hold, and F.linear otherwise:
+  * x and weight are on the CPU, the CPU has AVX2 + FMA + F16C, the build succeeded and the
+    environment variable QUICKDRAFT_NO_KERNELS is not "1" (read on every call, for bisecting);
+  * weight is a contiguous 2-D bf16 tensor and K % 8 == 0;
+  * x is bf16 or fp32 and M = x.numel() // K <= MAX_M (no limit on AVX2-only CPUs, where the
+    kernel beats torch's bf16 matmul at every measured M; 64 where AVX-512 is present, see
+    `default_max_m`);
+  * nothing needs a gradient (the kernel has no backward).
+The kernel accumulates in fp32 and rounds once to x.dtype, so it matches `reference_linear`
+up to summation order. A build failure warns once, then F.linear is used for the process.
 
-Why: decode streams every weight once per token, and a verify pass over k+1 tokens only pays if
-it costs about the same as one token. Torch's bf16 CPU matmul without AVX-512 is 5-17 GB/s at
-M=1 and grows ~linearly with M; the kernel reads each weight byte once per call for any M.
+Why: decode streams every weight once per token, and a verify pass over k+1 tokens only pays
+if it costs about the same as one token. Torch's bf16 CPU matmul without AVX-512 reads the
+weights at 5-20 GB/s and its cost grows ~linearly with M; the kernel reads them once per call
+at close to DRAM bandwidth for any M (numbers: bench/kernels.py).
 """
 
 from __future__ import annotations
@@ -27,9 +32,8 @@ import shutil
 import sys
 import threading
 import warnings
-from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -37,52 +41,72 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-MAX_M = 32  # largest token count routed to the kernel (see bench/kernels.py)
 DISABLE_ENV = "QUICKDRAFT_NO_KERNELS"
 
 _SOURCE = Path(__file__).with_name("linear_bf16.cpp")
 _EXT_NAME = "quickdraft_linear_bf16"
+# -fopenmp: at::parallel_for is header-inline and runs serially unless compiled with OpenMP;
+# the extension then shares torch's already-loaded libgomp pool (same soname).
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
-# -fopenmp makes at::parallel_for use torch's (already loaded) OpenMP pool; without it the
-# header-inline parallel_for silently runs single-threaded.
 _LDFLAGS = ["-fopenmp"]
 
-KernelFn = Callable[[Tensor, Tensor, Tensor | None], Tensor]
-
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "loaded": bool, "module": extension | None
+_loaded = False
+_ext: Any = None  # the compiled module once loaded; None if unsupported or the build failed
 
 
 def build_directory() -> Path:
-    """Where the JIT build lives: per torch/Python version, so upgrades never mix objects."""
+    """Where the JIT build lives; per torch and Python version so upgrades never mix objects."""
     root = Path(os.environ.get("QUICKDRAFT_HOME") or Path.home() / ".cache" / "quickdraft")
-    tag = f"{_EXT_NAME}-torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
-    return root / "torch_extensions" / tag.replace("+", "_")
+    py = f"{sys.version_info.major}{sys.version_info.minor}"
+    tag = f"{_EXT_NAME}-torch{torch.__version__}-py{py}".replace("+", "_")
+    return root / "torch_extensions" / tag
 
 
 def cpu_supported() -> bool:
-    """x86-64 with AVX2, FMA and F16C (the kernel is compiled with exactly those)."""
+    """x86-64 with AVX2, FMA and F16C: the instruction sets the kernel is compiled for."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        # No /proc (not Linux): trust torch's own dispatch level instead.
+    flags = _cpu_flags()
+    if not flags:  # no /proc/cpuinfo (not Linux): trust torch's own CPU dispatch level
         return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return {"avx2", "fma", "f16c"} <= set(line.split(":", 1)[1].split())
-    return False
+    return {"avx2", "fma", "f16c"} <= flags
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def default_max_m() -> int:
+    """Largest M routed to the kernel on this CPU.
+
+    Measured on the AVX2-only target (bench/kernels.py): the kernel beats F.linear bf16 at every
+    M tried, 1..2048 (1.5x at M=1, 6-7x at M=9..512, 2.3-6x at 2048; torch has no fast bf16
+    GEMM without AVX-512), so there is no limit. With AVX-512 (and more so AVX512_BF16/AMX),
+    oneDNN has real bf16 GEMMs that should win once weights are reused enough: there, only
+    decode/verify-sized M is taken (64; not measured, no such CPU was available).
+    """
+    flags = _cpu_flags()
+    return 64 if any(f.startswith(("avx512", "amx")) for f in flags) else sys.maxsize
+
+
+MAX_M = default_max_m()  # read by `linear` at each call, so tests may monkeypatch it
 
 
 def _ensure_ninja_on_path() -> None:
-    # torch's JIT build runs `ninja` from PATH; the pip package installs it next to the venv's
-    # python, which is not on PATH when python is run by full path.
+    # torch's JIT build runs `ninja` from PATH; pip installs it next to the venv's python, which
+    # is not on PATH when that python is started by its full path.
     if shutil.which("ninja"):
         return
     candidates = [Path(sys.executable).parent]
     try:
-        import ninja  # type: ignore[import-not-found]
+        import ninja  # type: ignore[import-not-found,unused-ignore]
 
         candidates.insert(0, Path(ninja.BIN_DIR))
     except ImportError:
@@ -93,12 +117,14 @@ def _ensure_ninja_on_path() -> None:
             return
 
 
-def _load() -> object | None:
-    """The compiled extension, building it on first use; None if unsupported or the build failed."""
+def _load() -> Any:
+    """The compiled extension, building it on first use; None if unsupported or the build failed.
+    Never raises: any build problem becomes one RuntimeWarning."""
+    global _loaded, _ext
     with _lock:
-        if _state.get("loaded"):
-            return _state["module"]
-        module: object | None = None
+        if _loaded:
+            return _ext
+        ext = None
         if cpu_supported():
             try:
                 from torch.utils import cpp_extension
@@ -107,7 +133,7 @@ def _load() -> object | None:
                 directory = build_directory()
                 directory.mkdir(parents=True, exist_ok=True)
                 log.info("building quickdraft CPU kernels in %s (first use only)", directory)
-                module = cpp_extension.load(
+                ext = cpp_extension.load(
                     name=_EXT_NAME,
                     sources=[str(_SOURCE)],
                     extra_cflags=_CFLAGS,
@@ -115,64 +141,63 @@ def _load() -> object | None:
                     build_directory=str(directory),
                     verbose=False,
                 )
-            except Exception as e:  # never crash the engine over a missing compiler
+            except Exception as e:  # a missing compiler must never take the engine down
                 warnings.warn(
                     f"quickdraft: building the CPU linear kernel failed ({type(e).__name__}: "
                     f"{e}); using torch.nn.functional.linear instead",
                     RuntimeWarning,
                     stacklevel=3,
                 )
-                module = None
-        _state["module"] = module
-        _state["loaded"] = True
-        return module
+                ext = None
+        _ext, _loaded = ext, True
+        return ext
 
 
-def _kernel() -> KernelFn | None:
-    module = _state["module"] if _state.get("loaded") else _load()
-    return None if module is None else module.linear_bf16  # type: ignore[attr-defined]
+def _extension() -> Any:
+    """The extension if it may be used right now, else None."""
+    if os.environ.get(DISABLE_ENV) == "1":
+        return None
+    return _ext if _loaded else _load()
 
 
 def kernels_available() -> bool:
-    """True when `linear` can use the C++ kernel here (builds it on first call)."""
-    return os.environ.get(DISABLE_ENV) != "1" and _kernel() is not None
+    """True when `linear` can use the C++ kernel here (builds it on the first call)."""
+    return _extension() is not None
 
 
-def _select(x: Tensor, weight: Tensor, bias: Tensor | None) -> KernelFn | None:
-    """The kernel if this call qualifies (see module docstring), else None for F.linear."""
-    if x.device.type != "cpu" or weight.device.type != "cpu":
-        return None
-    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
-        return None
-    if x.dtype not in (torch.bfloat16, torch.float32) or x.dim() == 0:
-        return None
-    k = weight.shape[1]
-    if k == 0 or k % 8 != 0 or x.shape[-1] != k or x.numel() // k > MAX_M:
-        return None
-    if bias is not None and (bias.device.type != "cpu" or bias.shape != (weight.shape[0],)):
-        return None
-    if torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    ):
-        return None  # the kernel has no backward
-    if os.environ.get(DISABLE_ENV) == "1":
-        return None
-    return _kernel()
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] @ weight[N, K].T (+ bias [N]) -> [..., N] in x.dtype (see module docstring)."""
+    if not x.is_cpu:
+        return _fallback(x, weight, bias)  # CUDA etc.: torch's own kernels only
+    ext = _extension()
+    if ext is None:
+        return _fallback(x, weight, bias)
+    # One C++ call checks eligibility and runs the kernel or the same fallback as below.
+    out: Tensor = ext.linear(x, weight, bias, MAX_M)
+    return out
+
+
+def _fallback(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """F.linear, with a weight/bias of another floating dtype cast to x's dtype first."""
+    if x.dtype.is_floating_point:
+        if weight.dtype != x.dtype and weight.dtype.is_floating_point:
+            weight = weight.to(x.dtype)
+        if bias is not None and bias.dtype != x.dtype and bias.dtype.is_floating_point:
+            bias = bias.to(x.dtype)
+    return F.linear(x, weight, bias)
 
 
 def path_for(
     x: Tensor, weight: Tensor, bias: Tensor | None = None
 ) -> Literal["kernel", "fallback"]:
-    """Which implementation `linear(x, weight, bias)` would run (for tests and debugging)."""
-    return "fallback" if _select(x, weight, bias) is None else "kernel"
+    """Which implementation `linear(x, weight, bias)` would run (tests, debugging)."""
+    ext = _extension() if x.is_cpu else None
+    return "kernel" if ext is not None and ext.eligible(x, weight, bias, MAX_M) else "fallback"
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x [..., K] @ weight[N, K].T (+ bias [N]) -> [..., N] in x.dtype (see module docstring)."""
-    fn = _select(x, weight, bias)
-    if fn is None:
-        return F.linear(x, weight, bias)
-    return fn(x, weight, bias)
+def kernel_calls() -> int:
+    """How many calls have run the C++ kernel in this process (0 if it is not built)."""
+    return int(_ext.kernel_calls()) if _ext is not None else 0
 
 
 def reference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -1,35 +1,43 @@
-// Small-M linear over a bf16 weight on AVX2 + FMA CPUs (JIT-built by quickdraft/kernels/cpu_linear.py).
+// Small-M linear over a bf16 weight for AVX2 + FMA CPUs; JIT-built by
+// quickdraft/kernels/cpu_linear.py, which owns the Python-facing contract.
 //
 // Contract: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for
-//   x    [M, K] bf16 or fp32, contiguous (the Python side flattens leading dims),
-//   w    [N, K] bf16, contiguous (the nn.Linear layout, never repacked),
-//   bias [N]    any floating dtype, optional,
-//   y    [M, N] in x's dtype; fp32 accumulation, one bf16 rounding (nearest-even) at the end.
-// Requires K % 8 == 0; the caller checks shapes/dtypes and falls back to F.linear otherwise.
+//   x    [..., K] bf16 or fp32 (any strides; flattened to M = numel / K rows),
+//   w    [N, K]   bf16, contiguous (the nn.Linear layout, never repacked),
+//   bias [N]      any floating dtype, optional,
+//   y    [..., N] in x's dtype; fp32 accumulation, one round-to-nearest-even at the end.
+// `linear` runs the kernel when `eligible` holds (CPU, K % 8 == 0, M <= max_m, no autograd,
+// ...) and otherwise calls at::linear, i.e. exactly what F.linear would do.
 //
 // Why: decode is bound by streaming the weights, and a speculative-decoding verify pass has
-// M = 2..17 rows. Torch's bf16 GEMM on AVX2 has no small-M fast path (its cost grows ~linearly
-// with M), so here each weight byte is read from DRAM once per call whatever M is, and the M
-// tokens are served from registers/L1.
+// M = 2..17 rows. Torch's bf16 CPU matmul without AVX-512 costs ~M times the M=1 time; here
+// each weight byte is read from DRAM once per call whatever M is, and the M tokens are served
+// from registers and L1, so the cost grows only with the FMA work.
 //
-// Layout tricks:
-// * bf16 -> fp32 is a 16-bit shift: for 16 bf16 loaded as 8 u32 lanes, lane j holds
-//   (w[2j] | w[2j+1] << 16), so `lane << 16` is fp32(w[2j]) and `lane & 0xffff0000` is
-//   fp32(w[2j+1]). Two cheap integer ops per 16 weights and no shuffles.
-// * x is therefore converted once per call into an fp32 scratch in the same "even 8, odd 8"
-//   order per 16-block (a trailing 8-block, when K % 16 == 8, stays in natural order).
-// * Register tile: R weight rows x T tokens of fp32 accumulators; token chunks loop inside a
-//   row group so the group's weights (R x K x 2 bytes) come from DRAM once and are re-read
-//   from L1/L2 by later chunks.
+// Design:
+// * bf16 -> fp32 is a 16-bit shift: 16 bf16 loaded as 8 u32 lanes hold (w[2j] | w[2j+1] << 16)
+//   in lane j, so `lane << 16` is fp32(w[2j]) and `lane & 0xffff0000` is fp32(w[2j+1]): one
+//   integer op per 8 weights, no shuffles.
+// * Hence x is converted once per call into an fp32 scratch in that same order ("even 8, odd 8"
+//   per 16-block; a trailing 8-block, when K % 16 == 8, stays in natural order).
+// * Register tile: R weight rows x T tokens of 8-lane fp32 accumulators (R*T + R + 1 <= 16 ymm).
+//   Token chunks run inside a row block (~48-64 KiB of weights), so the block comes from DRAM
+//   once and is re-read from L1/L2 by the later chunks; lane sums happen once per output.
+// * Threads (torch's intra-op pool, via at::parallel_for) each take a contiguous range of row
+//   blocks. Each thread software-prefetches its NEXT row block, spread evenly over the current
+//   block's tiles: DRAM then streams at a steady rate while the FMAs run, instead of idling
+//   during the cache-resident chunks and stalling at every block start.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 namespace {
 
@@ -38,7 +46,8 @@ using u16 = uint16_t;
 inline __m256 bf16_even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 
 inline __m256 bf16_odd(__m256i v) {
-  return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  const __m256i hi16 = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  return _mm256_castsi256_ps(_mm256_and_si256(v, hi16));
 }
 
 // 8 bf16 in natural order -> 8 fp32.
@@ -54,11 +63,30 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// fp32 -> bf16 bits, round to nearest even (what torch's .to(bfloat16) does); NaN stays NaN.
+// out[i] = sum of the 8 lanes of vector i, for n vectors stored contiguously (8 at a time through
+// an hadd tree: ~12 instructions per 8 sums instead of ~5 per sum).
+inline void hsum_many(const float* a, int n, float* out) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const float* v = a + i * 8;
+    __m256 h01 = _mm256_hadd_ps(_mm256_load_ps(v), _mm256_load_ps(v + 8));
+    __m256 h23 = _mm256_hadd_ps(_mm256_load_ps(v + 16), _mm256_load_ps(v + 24));
+    __m256 h45 = _mm256_hadd_ps(_mm256_load_ps(v + 32), _mm256_load_ps(v + 40));
+    __m256 h67 = _mm256_hadd_ps(_mm256_load_ps(v + 48), _mm256_load_ps(v + 56));
+    __m256 q0 = _mm256_hadd_ps(h01, h23);  // per 128-bit half: partial sums of vectors 0..3
+    __m256 q1 = _mm256_hadd_ps(h45, h67);  // ... and of 4..7
+    __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20),
+                             _mm256_permute2f128_ps(q0, q1, 0x31));
+    _mm256_storeu_ps(out + i, s);
+  }
+  for (; i < n; ++i) out[i] = hsum(_mm256_load_ps(a + i * 8));
+}
+
+// fp32 -> bf16 bits exactly as c10::BFloat16 does it: round to nearest even, NaN -> 0x7fc0.
 inline u16 to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<u16>((u >> 16) | 0x40u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<u16>(u >> 16);
 }
@@ -105,9 +133,10 @@ void pack_x(const void* x, bool x_bf16, int64_t M, int64_t K, float* xs, int64_t
         // per 128-bit lane: (a0 a2 b0 b2 | a4 a6 b4 b6); the 64-bit permute puts a's pairs first.
         __m256 e = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
         __m256 o = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
-        _mm256_storeu_ps(dst + k, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xd8)));
-        _mm256_storeu_ps(dst + k + 8,
-                         _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), 0xd8)));
+        e = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xd8));
+        o = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), 0xd8));
+        _mm256_storeu_ps(dst + k, e);
+        _mm256_storeu_ps(dst + k + 8, o);
       }
       if (K16 < K) std::memcpy(dst + K16, src + K16, 8 * sizeof(float));
     }
@@ -128,7 +157,7 @@ void pack_x(const void* x, bool x_bf16, int64_t M, int64_t K, float* xs, int64_t
 // spills badly beyond that (measured: 3x4 and 4x3 run at half the speed of 3x3).
 template <int R, int T>
 inline void tile(const u16* const* wr, const float* xs, int64_t ldx, int64_t K, bool init,
-                 float* acc_mem) {
+                 float* acc_mem, const char*& pf, const char* pf_end) {
   // T == 1 keeps separate even/odd accumulators: with one token there are otherwise only R
   // independent FMA chains, too few to hide the 4-cycle FMA latency.
   constexpr int A = (T == 1) ? 2 : 1;
@@ -144,7 +173,15 @@ inline void tile(const u16* const* wr, const float* xs, int64_t ldx, int64_t K, 
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) w[r] = wr[r];
   const int64_t K16 = K / 16 * 16;
+#pragma GCC unroll 2
   for (int64_t k = 0; k < K16; k += 16) {
+    if (pf < pf_end) {
+      // A step consumes R * 32 bytes of weights; with a single token chunk the prefetch must
+      // keep that pace (2 lines at R = 4), with several chunks a fraction of it suffices.
+      _mm_prefetch(pf, _MM_HINT_T0);
+      if constexpr (R >= 4) _mm_prefetch(pf + 64, _MM_HINT_T0);
+      pf += R >= 4 ? 128 : 64;
+    }
     __m256 wv[R];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
@@ -194,82 +231,77 @@ inline void tile(const u16* const* wr, const float* xs, int64_t ldx, int64_t K, 
 
 template <int R, int TMAX>
 void tile_dispatch(int T, const u16* const* wr, const float* xs, int64_t ldx, int64_t K,
-                   bool init, float* acc) {
-  static_assert(TMAX <= 8, "extend the switch");
+                   bool init, float* acc, const char*& pf, const char* pf_end) {
+  static_assert(TMAX >= 1 && TMAX <= 4, "extend the switch");
   switch (T) {
-    case 1: return tile<R, 1>(wr, xs, ldx, K, init, acc);
-    case 2: if constexpr (TMAX >= 2) return tile<R, 2>(wr, xs, ldx, K, init, acc); break;
-    case 3: if constexpr (TMAX >= 3) return tile<R, 3>(wr, xs, ldx, K, init, acc); break;
-    case 4: if constexpr (TMAX >= 4) return tile<R, 4>(wr, xs, ldx, K, init, acc); break;
-    case 5: if constexpr (TMAX >= 5) return tile<R, 5>(wr, xs, ldx, K, init, acc); break;
-    case 6: if constexpr (TMAX >= 6) return tile<R, 6>(wr, xs, ldx, K, init, acc); break;
-    case 7: if constexpr (TMAX >= 7) return tile<R, 7>(wr, xs, ldx, K, init, acc); break;
-    case 8: if constexpr (TMAX >= 8) return tile<R, 8>(wr, xs, ldx, K, init, acc); break;
+    case 1:
+      return tile<R, 1>(wr, xs, ldx, K, init, acc, pf, pf_end);
+    case 2:
+      if constexpr (TMAX >= 2) return tile<R, 2>(wr, xs, ldx, K, init, acc, pf, pf_end);
+      break;
+    case 3:
+      if constexpr (TMAX >= 3) return tile<R, 3>(wr, xs, ldx, K, init, acc, pf, pf_end);
+      break;
+    case 4:
+      if constexpr (TMAX >= 4) return tile<R, 4>(wr, xs, ldx, K, init, acc, pf, pf_end);
+      break;
   }
   TORCH_CHECK(false, "quickdraft linear_bf16: bad token chunk ", T);
 }
 
 struct Problem {
-  const u16* w;
-  const float* xs;
+  const u16* w;       // [N, K]
+  const float* xs;    // [M, ldx], packed (see top)
   const float* bias;  // fp32 [N] or nullptr
-  void* y;
+  void* y;            // [M, N], fp32 or bf16
   bool y_bf16;
   int64_t M, N, K, ldx;
-  int64_t rb, kb, pf;  // rows per block, k per block, prefetch distance (elements)
+  int64_t rb;        // rows per block (multiple of R)
+  int64_t kb;        // k per block (multiple of 16; K = no k-blocking)
+  bool prefetch;     // software-prefetch the next row block
 };
 
 template <int R, int TMAX>
 void run(const Problem& p) {
-  // Balanced token chunks (e.g. M=9, TMAX=5 -> 5+4), so no chunk degenerates to 1 token.
+  // Balanced token chunks (M=8 -> 3+3+2 rather than 3+3+1+1).
   const int64_t nch = (p.M + TMAX - 1) / TMAX;
-  const int64_t RB = std::max<int64_t>(R, p.rb / R * R);
-  const int64_t KB = p.kb > 0 ? std::max<int64_t>(16, p.kb / 16 * 16) : p.K;
+  const int64_t RB = p.rb, KB = p.kb;
   const int64_t nblocks = (p.N + RB - 1) / RB;
   const int64_t nk = (p.K + KB - 1) / KB;
-  // Software prefetch of the NEXT row block, spread evenly over this block's tiles: keeps DRAM
-  // busy at a steady rate while the FMAs run (hardware prefetchers alone leave the weight
-  // stream idle during the cache-resident token chunks, then stall on the next block).
-  const int64_t block_lines = (RB * p.K * 2 + 63) / 64;
+  const int64_t block_bytes = RB * p.K * 2;
   const int64_t tiles_per_block = nk * nch * ((RB + R - 1) / R);
-  const int64_t pf_lines = p.pf ? (block_lines + tiles_per_block - 1) / tiles_per_block : 0;
+  const int64_t pf_lines =
+      p.prefetch ? ((block_bytes + 63) / 64 + tiles_per_block - 1) / tiles_per_block : 0;
   const char* const w_end = reinterpret_cast<const char*>(p.w + p.N * p.K);
-  const int pf_hint = static_cast<int>(p.pf);
-  // Each thread should get at least ~128 KiB of weights: below that the OpenMP fork/join costs
-  // more than the second core saves.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{128} << 10) / (2 * RB * p.K));
+  // At least ~128 KiB of weights per thread: below that the fork/join costs more than the
+  // second core saves.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{128} << 10) / block_bytes);
   at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
     // acc[g][m][r][8]: lane partial sums for every (row, token) of one row block.
-    float* acc = static_cast<float*>(
-        std::aligned_alloc(64, (RB * p.M * 8 * sizeof(float) + 63) / 64 * 64));
+    std::unique_ptr<float, decltype(&std::free)> acc_buf(
+        static_cast<float*>(std::aligned_alloc(64, (RB * p.M * 32 + 63) / 64 * 64)), &std::free);
+    float* const acc = acc_buf.get();
     TORCH_CHECK(acc, "quickdraft linear_bf16: out of memory");
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * RB;
       const int64_t rows = std::min(RB, p.N - n0);
       const int64_t G = (rows + R - 1) / R;
-      const char* pf_ptr = reinterpret_cast<const char*>(p.w + (n0 + RB) * p.K);
-      const char* const pf_end =
-          b + 1 < b1 ? std::min(w_end, pf_ptr + RB * p.K * 2) : pf_ptr;  // own range only
+      // This thread's next block only: the other thread streams its own range.
+      const char* pf = reinterpret_cast<const char*>(p.w + (n0 + RB) * p.K);
+      const char* const pf_end = b + 1 < b1 ? std::min(w_end, pf + block_bytes) : pf;
       for (int64_t k0 = 0; k0 < p.K; k0 += KB) {
         const int64_t klen = std::min(KB, p.K - k0);
         int64_t m0 = 0;
         for (int64_t c = 0; c < nch; ++c) {
           const int T = static_cast<int>(p.M / nch + (c < p.M % nch ? 1 : 0));
           for (int64_t g = 0; g < G; ++g) {
-            for (int64_t i = 0; i < pf_lines && pf_ptr < pf_end; ++i, pf_ptr += 64) {
-              if (pf_hint == 2)
-                _mm_prefetch(pf_ptr, _MM_HINT_T1);
-              else if (pf_hint == 3)
-                _mm_prefetch(pf_ptr, _MM_HINT_NTA);
-              else
-                _mm_prefetch(pf_ptr, _MM_HINT_T0);
-            }
             // Rows past N alias the last valid row: computed and discarded, one code path.
             const u16* wr[R];
             for (int r = 0; r < R; ++r)
               wr[r] = p.w + (n0 + std::min<int64_t>(g * R + r, rows - 1)) * p.K + k0;
             tile_dispatch<R, TMAX>(T, wr, p.xs + m0 * p.ldx + k0, p.ldx, klen, k0 == 0,
-                                   acc + (g * p.M + m0) * R * 8);
+                                   acc + (g * p.M + m0) * R * 8, pf,
+                                   std::min(pf_end, pf + pf_lines * 64));
           }
           m0 += T;
         }
@@ -279,12 +311,12 @@ void run(const Problem& p) {
       for (int64_t c = 0; c < nch; ++c) {
         const int T = static_cast<int>(p.M / nch + (c < p.M % nch ? 1 : 0));
         for (int64_t g = 0; g < G; ++g) {
-          const float* a = acc + (g * p.M + m0) * R * 8;
+          float sums[R * TMAX];
+          hsum_many(acc + (g * p.M + m0) * R * 8, R * T, sums);
           for (int t = 0; t < T; ++t)
             for (int r = 0; r < R && g * R + r < rows; ++r) {
               const int64_t n = n0 + g * R + r;
-              const float v =
-                  hsum(_mm256_load_ps(a + (r * T + t) * 8)) + (p.bias ? p.bias[n] : 0.0f);
+              const float v = sums[r * T + t] + (p.bias ? p.bias[n] : 0.0f);
               const int64_t i = (m0 + t) * p.N + n;
               if (p.y_bf16)
                 static_cast<u16*>(p.y)[i] = to_bf16(v);
@@ -295,75 +327,162 @@ void run(const Problem& p) {
         m0 += T;
       }
     }
-    std::free(acc);
   });
 }
 
-// Tuning knobs exposed for bench/kernels.py; linear_bf16 uses the measured defaults.
-at::Tensor linear_bf16_tuned(const at::Tensor& x, const at::Tensor& w,
-                             const c10::optional<at::Tensor>& bias, std::vector<int64_t> knobs) {
-  TORCH_CHECK(knobs.size() == 8, "knobs: r1, rb1, kb1, r, tmax, rb, kb, pf");
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "quickdraft linear_bf16: CPU only");
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous(),
-              "quickdraft linear_bf16: weight must be a contiguous 2-D bf16 tensor");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
-              "quickdraft linear_bf16: x must be bf16 or fp32");
+// Kernel configuration; 0 in a field means "the measured default for this M and K".
+struct Knobs {
+  int64_t r = 0, tmax = 0;   // tile: rows x tokens (instances: 4x1, 4x2, 2x4, 3x3)
+  int64_t block_bytes = 0;   // target weight bytes per row block
+  int64_t kb = 0;            // k per block
+  int64_t prefetch = -1;     // -1 default (on), 0 off, 1 on
+};
+
+// Defaults measured with bench/kernels.py on a 2-core Zen 3 (AVX2): ~94% of FMA peak for 3x3
+// in cache; 3x4 / 4x3 / 2x6 spill (17+ ymm) and run at half speed; M=1 and M=2 are bound by
+// DRAM, so wide row tiles; 48-64 KiB blocks make the next-block prefetch distance right (far
+// more overflows L2, far less does not cover DRAM latency); k-blocking pays only when the
+// token chunk's x slice (T * K * 4 bytes) would no longer fit L1.
+Knobs resolve(Knobs k, int64_t M, int64_t K) {
+  if (k.r == 0 || k.tmax == 0) {
+    if (M == 1) k.r = 4, k.tmax = 1;
+    else if (M == 2) k.r = 4, k.tmax = 2;
+    else if (M == 4) k.r = 2, k.tmax = 4;
+    else k.r = 3, k.tmax = 3;
+  }
+  if (k.block_bytes == 0) k.block_bytes = M == 1 ? (48 << 10) : (64 << 10);
+  if (k.kb == 0) k.kb = (M > 1 && K > 4096) ? 1024 : K;
+  if (k.prefetch < 0) k.prefetch = 1;
+  return k;
+}
+
+std::atomic<int64_t> g_kernel_calls{0};
+
+at::Tensor run_kernel(const at::Tensor& x, const at::Tensor& w,
+                      const c10::optional<at::Tensor>& bias, Knobs knobs) {
   const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "quickdraft linear_bf16: x [..., K] vs w [N, K]");
-  TORCH_CHECK(K % 8 == 0 && K > 0, "quickdraft linear_bf16: K must be a positive multiple of 8");
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
+  g_kernel_calls.fetch_add(1, std::memory_order_relaxed);
   if (M == 0 || N == 0) return y.view(out_shape);
 
   at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "quickdraft linear_bf16: bias must have N elements");
-    b = bias->to(at::kFloat).contiguous();
+  if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
+  const int64_t ldx = (K + 15) / 16 * 16;  // every token row 64-byte aligned
+  // Decode-sized x reuses a per-thread buffer; prefill-sized x gets a per-call one, so a long
+  // prompt does not pin its scratch for the life of the process.
+  at::Tensor xs_owner;
+  float* xs;
+  if (M * ldx * 4 <= (int64_t{4} << 20)) {
+    xs = scratch(static_cast<size_t>(M * ldx));
+  } else {
+    xs_owner = at::empty({M * ldx}, x.options().dtype(at::kFloat));
+    xs = xs_owner.data_ptr<float>();
   }
-  const int64_t ldx = (K + 15) / 16 * 16;  // keeps every token row 64-byte aligned
-  float* xs = scratch(static_cast<size_t>(M * ldx));
   pack_x(x2.data_ptr(), x2.scalar_type() == at::kBFloat16, M, K, xs, ldx);
 
-  const bool one = M == 1;
-  int64_t R = one ? knobs[0] : knobs[3], TM = one ? 1 : knobs[4];
-  if (R == 0) {
-    // Measured best tiles per M (hot-cache GFMA/s, 3x3 ~ 94% of FMA peak).
-    R = M == 1 ? 4 : M == 2 ? 4 : (M == 4 || M == 5) ? 2 : 3;
-    TM = M == 1 ? 1 : M == 2 ? 2 : (M == 4 || M == 5) ? 5 : 3;
+  // Tokens go in balanced groups of at most kGroupM, each streaming the weight once: the
+  // chunk loop re-reads the group's x for every row block, which must stay cache-resident
+  // (measured: without groups, M=1024 x K=8960 ran at half the speed per token of M=64).
+  constexpr int64_t kGroupM = 64;
+  const int64_t ngroups = (M + kGroupM - 1) / kGroupM;
+  char* const y_base = static_cast<char*>(y.data_ptr());
+  int64_t g0 = 0;
+  for (int64_t gi = 0; gi < ngroups; ++gi) {
+    const int64_t gm = M / ngroups + (gi < M % ngroups ? 1 : 0);
+    const Knobs k = resolve(knobs, gm, K);
+    const int64_t R = k.r;
+    Problem p{reinterpret_cast<const u16*>(w.data_ptr<at::BFloat16>()),
+              xs + g0 * ldx,
+              b.defined() ? b.data_ptr<float>() : nullptr,
+              y_base + g0 * N * static_cast<int64_t>(y.element_size()),
+              y.scalar_type() == at::kBFloat16,
+              gm,
+              N,
+              K,
+              ldx,
+              std::max<int64_t>(R, k.block_bytes / (2 * K) / R * R),
+              k.kb >= K ? K : std::max<int64_t>(16, k.kb / 16 * 16),
+              k.prefetch != 0};
+    if (R == 4 && k.tmax == 1) run<4, 1>(p);
+    else if (R == 4 && k.tmax == 2) run<4, 2>(p);
+    else if (R == 2 && k.tmax == 4) run<2, 4>(p);
+    else if (R == 3 && k.tmax == 3) run<3, 3>(p);
+    else TORCH_CHECK(false, "quickdraft linear_bf16: no tile instance ", R, "x", k.tmax);
+    g0 += gm;
   }
-  Problem p{reinterpret_cast<const u16*>(w.data_ptr<at::BFloat16>()),
-            xs,
-            b.defined() ? b.data_ptr<float>() : nullptr,
-            y.data_ptr(),
-            y.scalar_type() == at::kBFloat16,
-            M,
-            N,
-            K,
-            ldx,
-            one ? knobs[1] : knobs[5],
-            one ? knobs[2] : knobs[6],
-            knobs[7]};
-#define QD_CASE(RR, TT) \
-  if (R == RR && TM == TT) return run<RR, TT>(p), y.view(out_shape);
-  QD_CASE(2, 1) QD_CASE(4, 1) QD_CASE(6, 1) QD_CASE(8, 1)
-  QD_CASE(2, 4) QD_CASE(2, 5) QD_CASE(3, 3) QD_CASE(4, 2)
-#undef QD_CASE
-  TORCH_CHECK(false, "quickdraft linear_bf16: no instance for R=", R, " TMAX=", TM);
+  return y.view(out_shape);
 }
 
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w,
-                       const c10::optional<at::Tensor>& bias) {
-  return linear_bf16_tuned(x, w, bias, {4, 16, 0, 0, 0, 16, 512, 0});
+bool eligible(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+              int64_t max_m) {
+  if (!x.defined() || !w.defined() || x.layout() != at::kStrided || w.layout() != at::kStrided)
+    return false;
+  if (!x.device().is_cpu() || !w.device().is_cpu()) return false;
+  if (w.scalar_type() != at::kBFloat16 || w.dim() != 2 || !w.is_contiguous()) return false;
+  if (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kFloat) return false;
+  const int64_t K = w.size(1);
+  if (x.dim() < 1 || K == 0 || K % 8 != 0 || x.size(-1) != K) return false;
+  if (x.numel() / K > max_m) return false;
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias && (bias->layout() != at::kStrided || !bias->device().is_cpu() ||
+                   !at::isFloatingType(bias->scalar_type()) || bias->dim() != 1 ||
+                   bias->size(0) != w.size(0)))
+    return false;
+  // No backward here: anything that needs a gradient goes to at::linear.
+  if (at::GradMode::is_enabled() &&
+      (x.requires_grad() || w.requires_grad() || (has_bias && bias->requires_grad())))
+    return false;
+  return true;
+}
+
+// at::linear, except that a weight/bias of another floating dtype than x is first cast to x's
+// dtype: the kernel accepts fp32 x with a bf16 weight, so every fallback must too.
+at::Tensor fallback(const at::Tensor& x, const at::Tensor& w,
+                    const c10::optional<at::Tensor>& bias) {
+  if (!x.defined() || !w.defined() || !at::isFloatingType(x.scalar_type()))
+    return at::linear(x, w, bias);
+  const auto dt = x.scalar_type();
+  const bool cast_w = at::isFloatingType(w.scalar_type()) && w.scalar_type() != dt;
+  const at::Tensor w2 = cast_w ? w.to(dt) : w;
+  c10::optional<at::Tensor> b2 = bias;
+  if (bias.has_value() && bias->defined() && at::isFloatingType(bias->scalar_type()) &&
+      bias->scalar_type() != dt)
+    b2 = bias->to(dt);
+  return at::linear(x, w2, b2);
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                  int64_t max_m) {
+  if (!eligible(x, w, bias, max_m)) return fallback(x, w, bias);
+  return run_kernel(x, w, bias, Knobs{});
+}
+
+// For bench/kernels.py --knobs: [r, tmax, block_bytes, kb, prefetch], 0 = default (-1 for
+// prefetch). Raises instead of falling back, so a benchmark never times at::linear by mistake.
+at::Tensor linear_tuned(const at::Tensor& x, const at::Tensor& w,
+                        const c10::optional<at::Tensor>& bias, std::vector<int64_t> knobs) {
+  TORCH_CHECK(knobs.size() == 5, "knobs: r, tmax, block_bytes, kb, prefetch");
+  TORCH_CHECK(eligible(x, w, bias, INT64_MAX), "quickdraft linear_bf16: inputs not eligible");
+  return run_kernel(x, w, bias, Knobs{knobs[0], knobs[1], knobs[2], knobs[3], knobs[4]});
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_bf16", &linear_bf16, "y = x @ w.T (+ bias) for bf16 w [N, K], small M",
-        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
-  m.def("linear_bf16_tuned", &linear_bf16_tuned, "linear_bf16 with explicit tuning knobs",
-        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("knobs"));
+  // The GIL is released: the kernel touches no Python objects, and other Python threads
+  // (an HTTP server loop) keep running during a forward.
+  m.def("linear", &linear, "x @ w.T (+ bias): the kernel when eligible, else at::linear",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("max_m"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("eligible", &eligible, "whether `linear` would run the kernel for these inputs",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("max_m"));
+  m.def("linear_tuned", &linear_tuned, "the kernel with explicit knobs (benchmarks only)",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("knobs"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("kernel_calls", [] { return g_kernel_calls.load(); },
+        "how many calls ran the kernel (tests check the fast path was taken)");
 }
