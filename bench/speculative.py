@@ -1,6 +1,6 @@
 """Speculative decoding A/B (see quickdraft/benchmark.py); JSON as the last line.
 
-    python bench/speculative.py --per-set 3 --tokens 128
+python bench/speculative.py --per-set 3 --tokens 128
 """
 
 from __future__ import annotations

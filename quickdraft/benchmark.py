@@ -56,7 +56,9 @@ class Cell:
         cycles = sum(r.cycles for r in self.runs)
         drafted = sum(r.drafted for r in self.runs)
         if cycles:
-            out["mean_acceptance_length"] = round(1 + sum(r.accepted for r in self.runs) / cycles, 3)
+            out["mean_acceptance_length"] = round(
+                1 + sum(r.accepted for r in self.runs) / cycles, 3
+            )
         if drafted:
             out["acceptance_rate"] = round(sum(r.accepted for r in self.runs) / drafted, 3)
         out["ttft_s"] = round(statistics.median(r.ttft for r in self.runs), 3)
@@ -78,15 +80,21 @@ def hf_run(model: Any, ids: list[int], n: int, eos: tuple[int, ...], **kw: Any) 
     t = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
-            x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-            eos_token_id=list(eos), **kw,
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=list(eos),
+            **kw,
         )
     seconds = time.perf_counter() - t
     new = out[0, len(ids) :].tolist()
     return Run(new, seconds, float("nan"))
 
 
-def divergence(lm: LoadedModel, ids: list[int], ref: list[int], got: list[int]) -> dict[str, Any] | None:
+def divergence(
+    lm: LoadedModel, ids: list[int], ref: list[int], got: list[int]
+) -> dict[str, Any] | None:
     """Where `got` leaves `ref`, and the target's top-2 logit gap at that position."""
     pos = next((i for i, (a, b) in enumerate(zip(ref, got, strict=False)) if a != b), None)
     if pos is None:
@@ -133,14 +141,18 @@ def run(
         hf_models["assistant"] = transformers.AutoModelForCausalLM.from_pretrained(
             str(hub.resolve(draft, dtype)), dtype=torch_dtype
         ).eval()
-    engines: dict[str, Any] = {name: (lambda ids, s=s: ours(lm, ids, tokens, s)) for name, s in specs.items()}
+    engines: dict[str, Any] = {
+        name: (lambda ids, s=s: ours(lm, ids, tokens, s)) for name, s in specs.items()
+    }
     if hf:
         tgt, asst = hf_models["target"], hf_models["assistant"]
         engines["hf"] = lambda ids: hf_run(tgt, ids, tokens, lm.eos_ids)
         engines["hf_prompt_lookup"] = lambda ids: hf_run(
             tgt, ids, tokens, lm.eos_ids, prompt_lookup_num_tokens=k
         )
-        engines["hf_assisted"] = lambda ids: hf_run(tgt, ids, tokens, lm.eos_ids, assistant_model=asst)
+        engines["hf_assisted"] = lambda ids: hf_run(
+            tgt, ids, tokens, lm.eos_ids, assistant_model=asst
+        )
     warm = lm.tokenizer.encode_chat([{"role": "user", "content": "Say hi."}])
     for fn in engines.values():
         fn(warm)  # warm-up (JIT kernels, allocator, HF caches): excluded
@@ -189,7 +201,8 @@ def markdown(report: dict[str, Any]) -> str:
     engines = ["none", "ngram", "draft", "hf", "hf_prompt_lookup", "hf_assisted"]
     lines = [
         f"target {report['target']}, draft {report['draft']}, {report['dtype']}, "
-        f"{report['tokens']} tokens, {report['prompts_per_set']} prompts/set, k <= {report['k_max']}",
+        f"{report['tokens']} tokens, {report['prompts_per_set']} prompts/set, "
+        f"k <= {report['k_max']}",
         "",
         "| set | engine | tok/s | speedup vs none | AL | accept rate | TTFT s | identical |",
         "|---|---|---|---|---|---|---|---|",
@@ -199,11 +212,19 @@ def markdown(report: dict[str, Any]) -> str:
             if name not in row:
                 continue
             c = row[name]
-            lines.append(
-                f"| {set_name} | {name} | {c['tok_s']} | {c.get('speedup', 1.0 if name == 'none' else '')}"
-                f" | {c.get('mean_acceptance_length', '')} | {c.get('acceptance_rate', '')}"
-                f" | {c['ttft_s'] if c['ttft_s'] == c['ttft_s'] else ''} | {c.get('identical', '')} |"
-            )
+            speedup = c.get("speedup", 1.0 if name == "none" else "")
+            ttft = c["ttft_s"] if c["ttft_s"] == c["ttft_s"] else ""  # NaN: not measured (HF)
+            cells = [
+                set_name,
+                name,
+                c["tok_s"],
+                speedup,
+                c.get("mean_acceptance_length", ""),
+                c.get("acceptance_rate", ""),
+                ttft,
+                c.get("identical", ""),
+            ]
+            lines.append("| " + " | ".join(str(x) for x in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -217,13 +238,20 @@ def write_reports(report: dict[str, Any], out_dir: Path) -> None:
     import matplotlib.pyplot as plt
 
     sets = list(report["results"])
-    engines = [e for e in ["none", "ngram", "draft", "hf", "hf_prompt_lookup", "hf_assisted"]
-               if e in report["results"][sets[0]]]
+    engines = [
+        e
+        for e in ["none", "ngram", "draft", "hf", "hf_prompt_lookup", "hf_assisted"]
+        if e in report["results"][sets[0]]
+    ]
     fig, ax = plt.subplots(figsize=(9, 4))
     width = 0.8 / len(engines)
     for i, e in enumerate(engines):
-        ax.bar([s + i * width for s in range(len(sets))],
-               [report["results"][s][e]["tok_s"] for s in sets], width, label=e)
+        ax.bar(
+            [s + i * width for s in range(len(sets))],
+            [report["results"][s][e]["tok_s"] for s in sets],
+            width,
+            label=e,
+        )
     ax.set_xticks([s + 0.4 - width / 2 for s in range(len(sets))], sets)
     ax.set_ylabel("tok/s")
     ax.set_title(f"{report['target']} ({report['dtype']}): speculation A/B")

@@ -121,7 +121,9 @@ def cmd_pull(args: argparse.Namespace) -> int:
 def cmd_models(args: argparse.Namespace) -> int:
     from quickdraft import hub
 
-    print(f"{'name':<20} {'arch':<7} {'size':>8}  {'downloaded':<10}  {'converted':<10}  description")
+    print(
+        f"{'name':<20} {'arch':<7} {'size':>8}  {'downloaded':<10}  {'converted':<10}  description"
+    )
     for m in hub.list_models():
         size = f"{m.size_bytes / 1e6:.0f} MB"
         converted = ",".join(m.converted) or "-"
@@ -136,8 +138,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from quickdraft.benchmark import markdown, run
 
     report = run(
-        args.model, args.draft_model, args.dtype, args.max_tokens, args.per_set, args.sets,
-        args.num_draft_tokens, not args.no_hf, Path(args.out),
+        args.model,
+        args.draft_model,
+        args.dtype,
+        args.max_tokens,
+        args.per_set,
+        args.sets,
+        args.num_draft_tokens,
+        not args.no_hf,
+        Path(args.out),
     )
     print(markdown(report))
     return 0

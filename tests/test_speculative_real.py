@@ -16,7 +16,7 @@ pytestmark = pytest.mark.real
 PROMPTS = [
     "Write a Python function that reverses a linked list.",
     "Repeat exactly twice: the quick brown fox jumps over the lazy dog.",
-    'Convert to JSON with keys name and age: Alice 31, Bob 25, Carol 42.',
+    "Convert to JSON with keys name and age: Alice 31, Bob 25, Carol 42.",
     "What is the capital of France? Answer in one sentence.",
     "List the numbers 1 to 20 separated by commas.",
     "Write a haiku about the sea.",
@@ -28,7 +28,8 @@ PROMPTS = [
 def run(lm: LoadedModel, prompt: str, cfg: SpeculativeConfig) -> tuple[list[int], int, int]:
     spec = make_speculation(lm, cfg)
     req = lm.new_request(
-        lm.tokenizer.encode_chat([{"role": "user", "content": prompt}]), SamplingParams(max_tokens=64)
+        lm.tokenizer.encode_chat([{"role": "user", "content": prompt}]),
+        SamplingParams(max_tokens=64),
     )
     for _ in stream(lm, req, spec):
         pass
