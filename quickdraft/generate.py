@@ -6,7 +6,7 @@ Stage: the decode loop used by `quickdraft generate` and the benchmarks. One cyc
     out = target([last, d_1..d_k])          one forward, k+1 logit rows
     verdict = verify(draft, out)             accepted drafts + one recovered/bonus token
     cache.commit(length + 1 + accepted)      rollback of the rejected rows is this commit
-    request.append(verdict.tokens); drafter.commit(tokens)
+    request.append(verdict.tokens); drafter.commit(tokens, hidden of the kept rows)
 Plain decoding is the same cycle with k = 0, so both paths share every line.
 """
 
@@ -82,14 +82,23 @@ def load(
     return LoadedModel(model, path, dtype, net, tokenizer, tuple(sorted(eos)))
 
 
-def prefill(model: CausalLM, cache: KVCache, ids: list[int]) -> ForwardOutput:
-    """Run `ids` into `cache` in chunks and commit them; returns the last chunk's output."""
+def prefill(
+    model: CausalLM, cache: KVCache, ids: list[int], return_hidden: bool = False
+) -> ForwardOutput:
+    """Run `ids` into `cache` in chunks and commit them; returns the last chunk's logits and,
+    if asked, the hidden states of every row of `ids` `[len(ids), hidden]`."""
     out = None
+    hidden = []
     for start in range(0, len(ids), PREFILL_CHUNK):
         chunk = ids[start : start + PREFILL_CHUNK]
-        out = model(torch.tensor(chunk, device=model.device), [cache], [len(chunk)])
+        ids_t = torch.tensor(chunk, device=model.device)
+        out = model(ids_t, [cache], [len(chunk)], return_hidden=return_hidden)
         cache.commit(cache.length + len(chunk))
+        if out.hidden is not None:
+            hidden.append(out.hidden)
     assert out is not None, "empty prompt"
+    if len(hidden) > 1:
+        out.hidden = torch.cat(hidden)
     return out
 
 
@@ -111,13 +120,15 @@ def stream(lm: LoadedModel, req: Request, spec: Speculation | None = None) -> It
     state = spec.drafter.new_state(req.prompt_ids) if spec else None
     policy = AdaptiveK(k_max, spec.cost, spec.config.adaptive) if spec else None
     req.spec.method = spec.config.method if spec else "none"
+    want_hidden = spec is not None and spec.drafter.needs_hidden
     try:
-        out = prefill(model, cache, req.prompt_ids)
+        out = prefill(model, cache, req.prompt_ids, return_hidden=want_hidden)
+        hidden = out.hidden  # [committed rows just run, hidden] or None
         verdict = verify(Draft([]), out.logits[-1:], params, gen)
         while True:
             req.append(verdict.tokens)
             if spec is not None:
-                spec.drafter.commit(state, req.all_ids)
+                spec.drafter.commit(state, req.all_ids, hidden)
             delta = req.stream_delta()
             if delta:
                 yield delta
@@ -138,9 +149,11 @@ def stream(lm: LoadedModel, req: Request, spec: Speculation | None = None) -> It
             t1 = time.perf_counter()
             n = 1 + len(draft.tokens)
             ids = torch.tensor([last, *draft.tokens], device=model.device)
-            out = model(ids, [cache], [n], logit_rows=torch.arange(n, device=model.device))
+            rows = torch.arange(n, device=model.device)
+            out = model(ids, [cache], [n], logit_rows=rows, return_hidden=want_hidden)
             verdict = verify(draft, out.logits, params, gen)
             cache.commit(cache.length + 1 + verdict.accepted)
+            hidden = None if out.hidden is None else out.hidden[: 1 + verdict.accepted]
             req.spec.draft_seconds += t1 - t0
             req.spec.verify_seconds += time.perf_counter() - t1
             req.spec.record(len(draft.tokens), verdict.accepted)

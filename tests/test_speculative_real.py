@@ -9,7 +9,7 @@ import pytest
 from quickdraft.config import SpeculativeConfig
 from quickdraft.generate import LoadedModel, load, stream
 from quickdraft.sampling import SamplingParams
-from quickdraft.speculate import make_speculation
+from quickdraft.speculate import Speculation, make_speculation
 
 pytestmark = pytest.mark.real
 
@@ -25,8 +25,7 @@ PROMPTS = [
 ]
 
 
-def run(lm: LoadedModel, prompt: str, cfg: SpeculativeConfig) -> tuple[list[int], int, int]:
-    spec = make_speculation(lm, cfg)
+def run(lm: LoadedModel, prompt: str, spec: Speculation | None) -> tuple[list[int], int, int]:
     req = lm.new_request(
         lm.tokenizer.encode_chat([{"role": "user", "content": prompt}]),
         SamplingParams(max_tokens=64),
@@ -51,10 +50,11 @@ def run(lm: LoadedModel, prompt: str, cfg: SpeculativeConfig) -> tuple[list[int]
 )
 def test_speculative_real_greedy_equals_plain(target: str, cfg: SpeculativeConfig) -> None:
     lm = load(target, "fp32")
+    spec = make_speculation(lm, cfg)  # once: a draft model loads and calibrates in seconds
     drafted = accepted = 0
     for prompt in PROMPTS:
-        plain, _, _ = run(lm, prompt, SpeculativeConfig())
-        spec, d, a = run(lm, prompt, cfg)
-        assert spec == plain, prompt
+        plain, _, _ = run(lm, prompt, None)
+        out, d, a = run(lm, prompt, spec)
+        assert out == plain, prompt
         drafted, accepted = drafted + d, accepted + a
     assert drafted > 0 and accepted > 0

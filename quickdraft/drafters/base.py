@@ -2,11 +2,20 @@
 
 Per request, a drafter keeps a state object. The engine calls, per speculative cycle:
   propose(state, tokens, k, params, generator) -> Draft   guess up to k next tokens
-  commit(state, tokens)                                    sync to the committed tokens
+  commit(state, tokens, hidden)                            sync to the committed tokens
 and free(state) when the request ends. `tokens` is always the full committed sequence
 (prompt + output); a drafter trims or extends its own state to match it, so rejected guesses,
 the target's recovered/bonus token and phases where speculation was off (k = 0) all resync the
 same way, and no separate undo path exists.
+
+Drafters that read the target's hidden states (MTP heads, block drafters) set
+`needs_hidden = True`; the engine then asks the target for them and passes `hidden`
+`[n, hidden_size]`: the target's post-final-norm hidden states of the n tokens that the target
+just ran AND that were committed, i.e. positions [len(tokens) - 1 - n, len(tokens) - 1) (the
+last committed token has not been through the target yet: it is the next cycle's first input).
+After prefill n is the prompt length; after a verify it is accepted + 1. Every committed
+position is passed exactly once, k = 0 cycles included, so the drafter's view never goes stale.
+For other drafters `hidden` is None.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ class Draft:
 
 class Drafter(Protocol):
     name: str
+    needs_hidden: bool  # commit() gets the target's hidden states (see module docstring)
 
     def new_state(self, prompt_ids: list[int]) -> Any: ...
 
@@ -40,6 +50,6 @@ class Drafter(Protocol):
         generator: torch.Generator,
     ) -> Draft: ...
 
-    def commit(self, state: Any, tokens: list[int]) -> None: ...
+    def commit(self, state: Any, tokens: list[int], hidden: Tensor | None) -> None: ...
 
     def free(self, state: Any) -> None: ...

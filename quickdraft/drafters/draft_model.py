@@ -38,6 +38,7 @@ def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
 
 class DraftModelDrafter:
     name = "draft"
+    needs_hidden = False
 
     def __init__(self, model: CausalLM, target_vocab_size: int) -> None:
         # The target's embedding table may be padded past the tokenizer (Qwen: 151936 rows for
@@ -100,7 +101,9 @@ class DraftModelDrafter:
             logits = out.logits
         return Draft(drafted, torch.stack(dists) if dists else None)
 
-    def commit(self, state: DraftState, tokens: list[int]) -> None:
+    def commit(
+        self, state: DraftState, tokens: list[int], hidden: torch.Tensor | None = None
+    ) -> None:
         # Roll back now what the target rejected (O(1)); the new tokens are fed at next propose.
         keep = common_prefix(state.fed, tokens, state.stable)
         state.cache.commit(keep)

@@ -34,6 +34,7 @@ class NgramState:
 
 class NgramDrafter:
     name = "ngram"
+    needs_hidden = False
 
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
@@ -68,7 +69,9 @@ class NgramDrafter:
                 return Draft(tokens[end : end + k])
         return Draft([])
 
-    def commit(self, state: NgramState, tokens: list[int]) -> None:
+    def commit(
+        self, state: NgramState, tokens: list[int], hidden: torch.Tensor | None = None
+    ) -> None:
         # Committed tokens only grow, and propose catches up with the new tail itself. A shorter
         # sequence cannot happen; if it does the index points past the end, so rebuild it.
         if len(tokens) < state.indexed:
