@@ -23,8 +23,7 @@ import torch
 from quickdraft import hub
 from quickdraft.config import parse_dtype
 from quickdraft.drafters.base import Draft
-from quickdraft.kv_cache import KVCache
-from quickdraft.models.llama import CausalLM, ForwardOutput
+from quickdraft.models.base import ForwardOutput, LanguageModel, SequenceCache
 from quickdraft.models.loader import load_model
 from quickdraft.policy import AdaptiveK, measure_verify_cost
 from quickdraft.request import Request
@@ -43,7 +42,7 @@ class LoadedModel:
     name: str
     path: Path
     dtype_name: str
-    model: CausalLM
+    model: LanguageModel
     tokenizer: Tokenizer
     eos_ids: tuple[int, ...]
     _verify_cost: list[float] = field(default_factory=list)
@@ -83,7 +82,7 @@ def load(
 
 
 def prefill(
-    model: CausalLM, cache: KVCache, ids: list[int], return_hidden: bool = False
+    model: LanguageModel, cache: SequenceCache, ids: list[int], return_hidden: bool = False
 ) -> ForwardOutput:
     """Run `ids` into `cache` in chunks and commit them; returns the last chunk's logits and,
     if asked, the hidden states of every row of `ids` `[len(ids), hidden]`."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quickdraft.models.llama import CausalLM
+from quickdraft.models.base import LanguageModel
 
 
 @dataclass(slots=True)
@@ -86,7 +86,7 @@ class AdaptiveK:
 
 
 def measure_verify_cost(
-    model: CausalLM, max_tokens: int, context: int = 16, reps: int = 2
+    model: LanguageModel, max_tokens: int, context: int = 16, reps: int = 2
 ) -> list[float]:
     """Time target forwards over 1..max_tokens new tokens after `context` cached tokens; return
     the ratios to the 1-token forward (index = number of tokens; [0] = 0)."""
@@ -110,7 +110,7 @@ def measure_verify_cost(
     return ratios
 
 
-def measure_step_seconds(model: CausalLM, context: int = 16, reps: int = 3) -> float:
+def measure_step_seconds(model: LanguageModel, context: int = 16, reps: int = 3) -> float:
     """Seconds of one 1-token forward after `context` cached tokens (best of reps)."""
     cache = model.new_cache(context + 2)
     ids = torch.randint(0, model.config.vocab_size, (context + 1,), device=model.device)

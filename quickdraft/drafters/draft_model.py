@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quickdraft.drafters.base import Draft
-from quickdraft.kv_cache import KVCache
-from quickdraft.models.llama import CausalLM
+from quickdraft.models.base import LanguageModel, SequenceCache
 from quickdraft.sampling import SamplingParams, probabilities, sample
 
 PREFILL_CHUNK = 512
@@ -23,7 +22,7 @@ PREFILL_CHUNK = 512
 
 @dataclass(slots=True)
 class DraftState:
-    cache: KVCache
+    cache: SequenceCache
     fed: list[int] = field(default_factory=list)  # tokens whose KV is in `cache`
     stable: int = 0  # fed[:stable] are committed tokens: they never change, skip comparing them
 
@@ -40,7 +39,7 @@ class DraftModelDrafter:
     name = "draft"
     needs_hidden = False
 
-    def __init__(self, model: CausalLM, target_vocab_size: int) -> None:
+    def __init__(self, model: LanguageModel, target_vocab_size: int) -> None:
         # The target's embedding table may be padded past the tokenizer (Qwen: 151936 rows for
         # 151665 tokens); what must agree is every id either model can emit.
         if model.config.vocab_size != target_vocab_size:

@@ -10,7 +10,6 @@ caller. Parameter names are Hugging Face's (state_dict keys match HF checkpoints
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +17,7 @@ from torch import Tensor, nn
 
 from quickdraft.config import ModelConfig
 from quickdraft.kv_cache import KVCache
+from quickdraft.models.base import ForwardOutput
 from quickdraft.models.layers import (
     LinearView,
     RMSNorm,
@@ -27,13 +27,6 @@ from quickdraft.models.layers import (
     fused_projections,
     project,
 )
-
-
-@dataclass(slots=True)
-class ForwardOutput:
-    logits: Tensor  # [len(logit_rows), vocab] fp32
-    hidden: Tensor | None = None  # [num_tokens, hidden] post-final-norm, if asked for
-    layer_hidden: dict[int, Tensor] = field(default_factory=dict)  # layer idx -> its output
 
 
 class Attention(nn.Module):

@@ -1,0 +1,77 @@
+"""What the engine, drafters and benchmarks may assume of any model and its per-sequence cache.
+
+Every model file (llama.py for dense decoders, hybrid files later) implements `LanguageModel`;
+nothing outside `models/` names a concrete model class. A forward runs N new tokens of one or
+more sequences packed together (prefill, decode, or a k+1-token verify) and writes their cache
+entries past `cache.length` WITHOUT moving it; the caller then `commit`s the length it keeps.
+Committing fewer tokens than the forward wrote is the rollback, O(1) for every cache kind
+(attention KV: a length; recurrent state: a checkpoint slot).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    logits: Tensor  # [len(logit_rows), vocab] fp32
+    hidden: Tensor | None = None  # [num_tokens, hidden] post-final-norm, if asked for
+    layer_hidden: dict[int, Tensor] = field(default_factory=dict)  # layer idx -> its output
+
+
+class SequenceCache(Protocol):
+    """The cache of one sequence. `length` = committed tokens."""
+
+    length: int
+
+    def reserve(self, num_new: int) -> None:
+        """Make room for `num_new` tokens past `length` (called by the model's forward)."""
+        ...
+
+    def commit(self, length: int) -> None:
+        """Keep the first `length` tokens: append (after a forward) and rollback alike."""
+        ...
+
+    def nbytes(self) -> int: ...
+
+
+class ModelShape(Protocol):
+    """The config fields code outside the model reads."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def max_position_embeddings(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+
+class LanguageModel(Protocol):
+    config: ModelShape
+    dtype: torch.dtype
+    device: torch.device
+
+    def new_cache(self, capacity: int) -> SequenceCache:
+        """An empty cache with room for `capacity` tokens (it grows past that on demand)."""
+        ...
+
+    def __call__(
+        self,
+        input_ids: Tensor,  # [N] new tokens of all sequences, packed in `caches` order
+        caches: Sequence[SequenceCache],
+        num_new: Sequence[int],  # new tokens per sequence; sums to N
+        logit_rows: Tensor | None = None,  # rows of N to score; default: last row of each seq
+        return_hidden: bool = False,
+        hidden_layers: Sequence[int] = (),
+    ) -> ForwardOutput: ...
