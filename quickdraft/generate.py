@@ -13,7 +13,7 @@ Plain decoding is the same cycle with k = 0, so both paths share every line.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -110,7 +110,9 @@ def verify(
     return verify_sampled(draft.tokens, draft.p_draft, probabilities(logits, params), gen)
 
 
-def stream(lm: LoadedModel, req: Request, spec: Speculation | None = None) -> Iterator[str]:
+def stream(
+    lm: LoadedModel, req: Request, spec: Speculation | None = None
+) -> Generator[str, None, None]:
     """Generate for `req`, yielding text deltas (stop-string safe) until it finishes."""
     model, params = lm.model, req.params
     k_max = spec.config.num_draft_tokens if spec else 0

@@ -1,0 +1,291 @@
+"""Engine: one thread owns the models; requests come and go through queues.
+
+Stage: the step loop between the server (or CLI/bench) and the models. The public API is what
+the server codes against, and stays fixed while the scheduling inside changes:
+
+    engine = Engine({"name": ServedModel(lm, spec_config)}, max_waiting=64)
+    engine.start()
+    handle = engine.submit("name", prompt_ids, SamplingParams(...), request_id="r1")
+    for out in handle: ...          # sync consumers (CLI, bench, tests)
+    async for out in handle: ...    # asyncio consumers (the server); bind with handle.bind_loop()
+    handle.cancel()                 # frees the sequence at the engine's next step
+    engine.configure("name", SpeculativeConfig(...))   # applies to requests submitted after it
+    engine.stop()
+
+Each `RequestOutput` carries the new text / token ids of one step (a whole accepted speculative
+block at once) and, on the last one, the finish reason; usage and speculation telemetry are
+readable on every output. `submit` raises `QueueFullError` when `max_waiting` requests are
+already waiting and `ValueError` for a request that cannot run (unknown model, too long).
+
+This version serves one request at a time (FIFO) with the single-stream decode loop of
+generate.py; requests wait their turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Generator, Iterator
+from dataclasses import dataclass, field
+
+from quickdraft.config import SpeculativeConfig
+from quickdraft.generate import LoadedModel, stream
+from quickdraft.request import FinishReason, Request, SpecStats, Timing
+from quickdraft.sampling import SamplingParams
+from quickdraft.speculate import Speculation, make_speculation
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting; the caller should retry later (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (crashed or shut down); no request will be served."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    text: str  # new text since the previous output (stop-string safe)
+    token_ids: list[int]  # new output token ids since the previous output
+    finish_reason: FinishReason | None  # set on the last output only
+    prompt_tokens: int
+    completion_tokens: int  # output tokens so far
+    spec: SpecStats  # the request's live telemetry (read-only for consumers)
+    timing: Timing
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class ServedModel:
+    """A loaded target and its current speculation settings (None drafter = speculation off)."""
+
+    lm: LoadedModel
+    spec_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    speculation: Speculation | None = None
+
+
+_DONE = object()  # end-of-stream marker in a handle's queue
+
+
+class RequestHandle:
+    """The consumer's side of one request: iterate outputs, or cancel."""
+
+    def __init__(self, request: Request, model: str) -> None:
+        self.request = request
+        self.model = model
+        self.id = request.id
+        self._cancelled = threading.Event()
+        self._sync: queue.Queue[object] = queue.Queue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._async: asyncio.Queue[object] | None = None
+
+    def bind_loop(self) -> RequestHandle:
+        """Deliver outputs to the running asyncio loop (call from that loop, before iterating)."""
+        self._loop = asyncio.get_running_loop()
+        self._async = asyncio.Queue()
+        # outputs that arrived before binding
+        while not self._sync.empty():
+            self._async.put_nowait(self._sync.get_nowait())
+        return self
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def _put(self, item: object) -> None:  # engine thread
+        if self._loop is not None and self._async is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._async.put_nowait, item)
+            except RuntimeError:  # the loop has closed: nobody is listening any more
+                self._cancelled.set()
+        else:
+            self._sync.put(item)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while (item := self._sync.get()) is not _DONE:
+            if isinstance(item, BaseException):
+                raise item
+            assert isinstance(item, RequestOutput)
+            yield item
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        assert self._async is not None, "call bind_loop() first"
+        while (item := await self._async.get()) is not _DONE:
+            if isinstance(item, BaseException):
+                raise item
+            assert isinstance(item, RequestOutput)
+            yield item
+
+
+class Engine:
+    def __init__(self, models: dict[str, ServedModel], max_waiting: int = 64) -> None:
+        if not models:
+            raise ValueError("the engine needs at least one model")
+        self.models = models
+        self.max_waiting = max_waiting
+        self._lock = threading.Lock()
+        self._waiting: deque[RequestHandle] = deque()
+        self._wake = threading.Condition(self._lock)
+        self._running: list[RequestHandle] = []
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self.error: BaseException | None = None  # what killed the engine thread, if anything
+        for name, served in models.items():
+            if served.speculation is None:
+                self.configure(name, served.spec_config)
+
+    # ------------------------------------------------------------------ public API
+
+    def start(self) -> None:
+        assert self._thread is None, "already started"
+        self._thread = threading.Thread(target=self._loop, name="quickdraft-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        with self._lock:
+            self._stop = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def configure(self, model: str, spec_config: SpeculativeConfig) -> None:
+        """Set `model`'s speculation for requests submitted from now on (loads a draft model
+        if needed, in the caller's thread; running requests keep what they started with)."""
+        served = self._served(model)
+        speculation = make_speculation(served.lm, spec_config)
+        with self._lock:
+            served.spec_config, served.speculation = spec_config, speculation
+
+    def submit(
+        self,
+        model: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> RequestHandle:
+        served = self._served(model)
+        rid = request_id or f"req-{next(self._ids)}"
+        request = served.lm.new_request(prompt_ids, params, rid)  # ValueError if too long
+        handle = RequestHandle(request, model)
+        with self._lock:
+            if not self.alive:
+                raise EngineDeadError("the engine is not running")
+            if len(self._waiting) >= self.max_waiting:
+                raise QueueFullError(f"{len(self._waiting)} requests are already waiting")
+            self._waiting.append(handle)
+            self._wake.notify()
+        return handle
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _served(self, model: str) -> ServedModel:
+        try:
+            return self.models[model]
+        except KeyError:
+            raise ValueError(f"unknown model {model!r}; serving {sorted(self.models)}") from None
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._waiting and not self._stop:
+                        self._wake.wait()
+                    if self._stop:
+                        break
+                    handle = self._waiting.popleft()
+                    self._running.append(handle)
+                    speculation = self.models[handle.model].speculation
+                try:
+                    self._serve(handle, speculation)
+                finally:
+                    with self._lock:
+                        self._running.remove(handle)
+                    handle._put(_DONE)  # after the bookkeeping: a consumer that saw the end
+                    # of its stream also sees the engine without its request
+        except BaseException as exc:  # the thread dies: every consumer must hear about it
+            self.error = exc
+            log.exception("engine thread died")
+            raise
+        finally:
+            with self._lock:
+                self._stop = True
+                orphans = list(self._waiting) + list(self._running)
+                self._waiting.clear()
+            for h in orphans:
+                h._put(EngineDeadError("the engine stopped"))
+                h._put(_DONE)
+
+    def _serve(self, handle: RequestHandle, speculation: Speculation | None) -> None:
+        req = handle.request
+        lm = self.models[handle.model].lm
+        sent_ids, finished_sent = 0, False
+        try:
+            for text in _deltas(stream(lm, req, speculation), handle):
+                out = self._output(req, text, sent_ids)
+                sent_ids, finished_sent = len(req.output_ids), out.finished
+                handle._put(out)
+        except Exception as exc:  # this request fails; the engine serves the next one
+            log.exception("request %s failed", req.id)
+            handle._put(exc)
+        finally:
+            if not finished_sent:  # EOS without text, cancellation, failure: say how it ended
+                req.abort()
+                handle._put(self._output(req, req.stream_delta(), sent_ids))
+        log.info(
+            "request %s finished (%s): %d prompt + %d output tokens, %s",
+            req.id,
+            req.finish_reason,
+            len(req.prompt_ids),
+            len(req.output_ids),
+            req.spec.summary(),
+        )
+
+    @staticmethod
+    def _output(req: Request, text: str, sent_ids: int) -> RequestOutput:
+        return RequestOutput(
+            req.id,
+            text,
+            req.output_ids[sent_ids:],
+            req.finish_reason,
+            len(req.prompt_ids),
+            len(req.output_ids),
+            req.spec,
+            req.timing,
+        )
+
+
+def _deltas(gen: Generator[str, None, None], handle: RequestHandle) -> Iterator[str]:
+    """The stream's deltas until the consumer cancels (closing the generator aborts it)."""
+    try:
+        for text in gen:
+            yield text
+            if handle.cancelled:
+                return
+    finally:
+        gen.close()  # runs stream()'s finally: request aborted if unfinished, drafter freed
