@@ -2,7 +2,7 @@
 
 Stage: the decode loop used by `quickdraft generate` and the benchmarks. One cycle:
     k = policy.choose()                      (0 when speculation is off or cannot pay)
-    draft = drafter.propose(tokens, k)
+    draft = drafter.propose([job(tokens, k)])
     out = target([last, d_1..d_k])          one forward, k+1 logit rows
     verdict = verify(draft, out)             accepted drafts + one recovered/bonus token
     cache.commit(length + 1 + accepted)      rollback of the rejected rows is this commit
@@ -22,7 +22,7 @@ import torch
 
 from quickdraft import hub
 from quickdraft.config import parse_dtype
-from quickdraft.drafters.base import Draft
+from quickdraft.drafters.base import Draft, DraftJob
 from quickdraft.models.base import ForwardOutput, LanguageModel, SequenceCache
 from quickdraft.models.loader import load_model
 from quickdraft.policy import AdaptiveK, measure_verify_cost
@@ -143,7 +143,7 @@ def stream(
             k = min(policy.choose(), room) if policy is not None else 0
             t0 = time.perf_counter()
             draft = (
-                spec.drafter.propose(state, req.all_ids, k, params, gen)
+                spec.drafter.propose([DraftJob(state, req.all_ids, k, params, gen)])[0]
                 if spec and k > 0
                 else Draft([])
             )

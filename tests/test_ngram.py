@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from quickdraft.drafters.base import DraftJob
 from quickdraft.drafters.ngram import NgramDrafter, NgramState
 from quickdraft.sampling import SamplingParams
 
@@ -17,7 +18,7 @@ GEN = torch.Generator()
 
 def propose(drafter: NgramDrafter, tokens: list[int], k: int, state: Any = None) -> list[int]:
     state = drafter.new_state(tokens) if state is None else state
-    draft = drafter.propose(state, tokens, k, PARAMS, GEN)
+    (draft,) = drafter.propose([DraftJob(state, tokens, k, PARAMS, GEN)])
     assert draft.p_draft is None  # n-gram drafts are one-hot
     return draft.tokens
 
@@ -176,7 +177,7 @@ def test_ngram_index_cost_is_incremental() -> None:
     for _ in range(steps):  # one token per cycle, as in decode
         tokens.append(rng.randrange(50))
         drafter.commit(state, tokens)
-        drafter.propose(state, tokens, 4, PARAMS, GEN)
+        drafter.propose([DraftJob(state, tokens, 4, PARAMS, GEN)])
     # every end position e < steps is written once per n <= e: ~steps x (max_n - min_n + 1)
     expected = sum(min(max_n, end) - min_n + 1 for end in range(min_n, steps))
     assert CountingDict.writes == expected

@@ -1,8 +1,10 @@
 """The Drafter protocol: what every drafter (n-gram, draft model, MTP head, block drafter) does.
 
 Per request, a drafter keeps a state object. The engine calls, per speculative cycle:
-  propose(state, tokens, k, params, generator) -> Draft   guess up to k next tokens
-  commit(state, tokens, hidden)                            sync to the committed tokens
+  propose([DraftJob(state, tokens, k, params, generator), ...]) -> [Draft, ...]
+                                          guess up to k next tokens for each request of a step,
+                                          batched where the drafter runs a model
+  commit(state, tokens, hidden)           sync one request to its committed tokens
 and free(state) when the request ends. `tokens` is always the full committed sequence
 (prompt + output); a drafter trims or extends its own state to match it, so rejected guesses,
 the target's recovered/bonus token and phases where speculation was off (k = 0) all resync the
@@ -20,6 +22,7 @@ For other drafters `hidden` is None.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -27,6 +30,17 @@ import torch
 from torch import Tensor
 
 from quickdraft.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class DraftJob:
+    """One request's share of a `propose` call."""
+
+    state: Any
+    tokens: list[int]  # the committed sequence (prompt + output)
+    k: int  # drafts wanted, >= 1
+    params: SamplingParams
+    generator: torch.Generator
 
 
 @dataclass(slots=True)
@@ -41,14 +55,9 @@ class Drafter(Protocol):
 
     def new_state(self, prompt_ids: list[int]) -> Any: ...
 
-    def propose(
-        self,
-        state: Any,
-        tokens: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator,
-    ) -> Draft: ...
+    def propose(self, jobs: Sequence[DraftJob]) -> list[Draft]:
+        """One Draft per job, in order (each with at most job.k tokens)."""
+        ...
 
     def commit(self, state: Any, tokens: list[int], hidden: Tensor | None) -> None: ...
 

@@ -2,20 +2,23 @@
 by sampling (then its distributions go to rejection sampling).
 
 State per request: its own KVCache and the list of tokens whose KV that cache holds. `propose`
-first syncs that cache to the committed tokens — trim to the common prefix (O(1) rollback), feed
+first syncs each cache to its committed tokens — trim to the common prefix (O(1) rollback), feed
 the tokens it has not seen (the target's recovered/bonus token, anything committed while
-speculation was off) in one forward — then runs k-1 more one-token steps. No re-prefill, ever.
+speculation was off) — then runs k-1 more one-token steps. The requests of one engine step go
+through the draft model together, packed into one forward per draft position, so a batch of B
+requests streams the draft weights k times, not B x k times. No re-prefill, ever.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from quickdraft.drafters.base import Draft
+from quickdraft.drafters.base import Draft, DraftJob
 from quickdraft.models.base import LanguageModel, SequenceCache
-from quickdraft.sampling import SamplingParams, probabilities, sample
+from quickdraft.sampling import probabilities, sample
 
 PREFILL_CHUNK = 512
 
@@ -52,53 +55,58 @@ class DraftModelDrafter:
     def new_state(self, prompt_ids: list[int]) -> DraftState:
         return DraftState(self.model.new_cache(len(prompt_ids) + 64))
 
-    def _sync(self, state: DraftState, tokens: list[int]) -> torch.Tensor:
-        """Feed the cache what it lacks of `tokens` (at least the last token, whose logits we
-        need) and return the logits after tokens[-1]: `[1, vocab]`."""
-        # re-feed at least the last token: its logits are what the first draft comes from
+    def _sync_rows(self, state: DraftState, tokens: list[int]) -> list[int]:
+        """Trim the cache to what it shares with `tokens` (O(1)) and return the tokens it must
+        still be fed: at least the last one, whose logits the first draft comes from."""
         keep = min(common_prefix(state.fed, tokens, state.stable), len(tokens) - 1)
         state.stable = min(state.stable, keep)
         state.cache.commit(keep)
         del state.fed[keep:]
-        out = None
-        for start in range(keep, len(tokens), PREFILL_CHUNK):
-            chunk = tokens[start : start + PREFILL_CHUNK]
-            out = self.model(
-                torch.tensor(chunk, device=self.model.device), [state.cache], [len(chunk)]
-            )
-            state.cache.commit(state.cache.length + len(chunk))
-            state.fed.extend(chunk)
-        assert out is not None
-        return out.logits[-1:]  # [1, vocab]
+        return tokens[keep:]
 
-    def propose(
-        self,
-        state: DraftState,
-        tokens: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator,
-    ) -> Draft:
-        if k == 0:
-            return Draft([])
-        logits = self._sync(state, tokens)
-        drafted: list[int] = []
-        dists: list[torch.Tensor] = []
-        for i in range(k):
-            if params.greedy:
-                tok = int(logits[0].argmax())
-            else:
-                p_draft = probabilities(logits, params)  # [1, vocab]
-                tok = int(sample(p_draft, generator)[0])
-                dists.append(p_draft[0])
-            drafted.append(tok)
-            if i == k - 1:
+    def _feed(self, states: list[DraftState], rows: list[list[int]]) -> torch.Tensor:
+        """One packed forward of each state's `rows`; returns the logits after each state's
+        last row `[len(states), vocab]` and commits the rows into the caches."""
+        ids = torch.tensor([t for r in rows for t in r], device=self.model.device)
+        out = self.model(ids, [s.cache for s in states], [len(r) for r in rows])
+        for state, r in zip(states, rows, strict=True):
+            state.cache.commit(state.cache.length + len(r))
+            state.fed.extend(r)
+        return out.logits
+
+    def propose(self, jobs: Sequence[DraftJob]) -> list[Draft]:
+        """All jobs advance together: one packed forward brings every draft cache up to its
+        committed tokens (long catch-ups in chunks first), then one packed one-token forward
+        per draft position for the jobs that still want more."""
+        states: list[DraftState] = [job.state for job in jobs]
+        rows = [self._sync_rows(s, job.tokens) for s, job in zip(states, jobs, strict=True)]
+        # Catch-ups longer than a chunk (a prompt, a long k = 0 phase) go first, chunk by chunk,
+        # so the packed forward below stays small.
+        for state, r in zip(states, rows, strict=True):
+            while len(r) > PREFILL_CHUNK:
+                self._feed([state], [r[:PREFILL_CHUNK]])
+                del r[:PREFILL_CHUNK]
+        logits = self._feed(states, rows)  # [B, vocab]
+        drafted: list[list[int]] = [[] for _ in jobs]
+        dists: list[list[torch.Tensor]] = [[] for _ in jobs]
+        active = list(range(len(jobs)))  # jobs (indices) whose logits row is in `logits`
+        for step in range(max(job.k for job in jobs)):
+            for row, j in enumerate(active):
+                params = jobs[j].params
+                if params.greedy:
+                    tok = int(logits[row].argmax())
+                else:
+                    p_draft = probabilities(logits[row : row + 1], params)  # [1, vocab]
+                    tok = int(sample(p_draft, jobs[j].generator)[0])
+                    dists[j].append(p_draft[0])
+                drafted[j].append(tok)
+            active = [j for j in active if jobs[j].k > step + 1]
+            if not active:
                 break
-            out = self.model(torch.tensor([tok], device=self.model.device), [state.cache], [1])
-            state.cache.commit(state.cache.length + 1)
-            state.fed.append(tok)
-            logits = out.logits
-        return Draft(drafted, torch.stack(dists) if dists else None)
+            logits = self._feed([states[j] for j in active], [[drafted[j][-1]] for j in active])
+        return [
+            Draft(d, torch.stack(p) if p else None) for d, p in zip(drafted, dists, strict=True)
+        ]
 
     def commit(
         self, state: DraftState, tokens: list[int], hidden: torch.Tensor | None = None

@@ -13,12 +13,12 @@ the hit. Longer matches first: a longer shared context predicts the continuation
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from quickdraft.drafters.base import Draft
-from quickdraft.sampling import SamplingParams
+from quickdraft.drafters.base import Draft, DraftJob
 
 NgramIndex = dict[tuple[int, ...], int]  # n-gram -> end (exclusive) of its latest occurrence
 
@@ -47,14 +47,10 @@ class NgramDrafter:
         self._catch_up(state, prompt_ids)
         return state
 
-    def propose(
-        self,
-        state: NgramState,
-        tokens: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator,
-    ) -> Draft:
+    def propose(self, jobs: Sequence[DraftJob]) -> list[Draft]:
+        return [self.lookup(job.state, job.tokens, job.k) for job in jobs]
+
+    def lookup(self, state: NgramState, tokens: list[int], k: int) -> Draft:
         """Up to k tokens that followed the latest earlier occurrence of the longest matching
         suffix of `tokens`; empty when no suffix of length >= min_n occurred before."""
         self._catch_up(state, tokens)
