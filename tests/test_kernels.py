@@ -12,10 +12,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from quickdraft.kernels import (
+    Int8Weight,
     cpu_linear,
     kernel_calls,
     kernels_available,
     linear,
+    linear_int8,
     path_for,
     reference_linear,
 )
@@ -342,3 +344,50 @@ def test_reference_linear_is_fp32_math_in_x_dtype() -> None:
     b = torch.tensor([0.5], dtype=torch.bfloat16)
     out = reference_linear(x, w, b)
     assert out.dtype == torch.bfloat16 and out.tolist() == [[11.5]]
+
+
+# --- int8 weights ---------------------------------------------------------------------------
+
+
+def test_int8_quantize_roundtrip_error_is_half_a_step() -> None:
+    w = torch.randn(50, 96, generator=torch.Generator().manual_seed(3))
+    q = Int8Weight.quantize(w)
+    assert q.qweight.dtype == torch.int8 and q.scale.dtype == torch.float32
+    assert int(q.qweight.abs().max()) == 127  # absmax maps to the end of the range
+    err = (q.dequantize(torch.float32) - w).abs()
+    assert bool((err <= q.scale[:, None] / 2 + 1e-7).all())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["xbf16", "xfp32"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("k", [8, 24, 64, 904], ids=lambda k: f"K{k}")
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 17, 70], ids=lambda m: f"M{m}")
+def test_linear_int8_matches_dequantized_reference(
+    m: int, k: int, bias: bool, dtype: torch.dtype
+) -> None:
+    x, w, b = make(m, 37, k, bias, dtype)
+    q = Int8Weight.quantize(w)
+    before = kernel_calls()
+    out = linear_int8(x, q, b)
+    assert kernel_calls() == before + 1  # the int8 kernel ran, not the dequantizing fallback
+    # The kernel computes (x . q) * scale; the reference x . (q * scale): same up to rounding.
+    assert_close_to_reference(out, x, q.dequantize(torch.float32), b)
+
+
+@needs_kernel
+def test_linear_int8_exact_on_small_integers() -> None:
+    # integer x and q with scale 1: every partial sum is exact, any order/offset bug shows
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 4, (5, 48), generator=g).float()
+    q = Int8Weight(torch.randint(-100, 101, (11, 48), generator=g).to(torch.int8), torch.ones(11))
+    assert torch.equal(linear_int8(x, q), x @ q.qweight.float().T)
+
+
+def test_linear_int8_ineligible_input_falls_back_correctly() -> None:
+    x, w, _ = make(2, 9, 12, False, torch.float32)  # K = 12: not a multiple of 8
+    q = Int8Weight.quantize(w)
+    before = kernel_calls()
+    out = linear_int8(x, q)
+    assert kernel_calls() == before
+    torch.testing.assert_close(out, F.linear(x, q.dequantize(torch.float32)))

@@ -1,13 +1,14 @@
-// Small-M linear over a bf16 weight for AVX2 + FMA CPUs; JIT-built by
-// quickdraft/kernels/cpu_linear.py, which owns the Python-facing contract.
+// Small-M linear over a bf16 (or int8 + per-row scale) weight for AVX2 + FMA CPUs; JIT-built
+// by quickdraft/kernels/cpu_linear.py, which owns the Python-facing contract.
 //
-// Contract: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for
-//   x    [..., K] bf16 or fp32 (any strides; flattened to M = numel / K rows),
-//   w    [N, K]   bf16, contiguous (the nn.Linear layout, never repacked),
-//   bias [N]      any floating dtype, optional,
-//   y    [..., N] in x's dtype; fp32 accumulation, one round-to-nearest-even at the end.
+// Contract: y[m, n] = sum_k x[m, k] * w[n, k] (* scale[n]) (+ bias[n]) for
+//   x     [..., K] bf16 or fp32 (any strides; flattened to M = numel / K rows),
+//   w     [N, K]   bf16, or int8 with scale [N] fp32; contiguous (nn.Linear layout, not repacked),
+//   bias  [N]      any floating dtype, optional,
+//   y     [..., N] in x's dtype; fp32 accumulation, one round-to-nearest-even at the end.
 // `linear` runs the kernel when `eligible` holds (CPU, K % 8 == 0, M <= max_m, no autograd,
-// ...) and otherwise calls at::linear, i.e. exactly what F.linear would do.
+// ...) and otherwise calls at::linear, i.e. exactly what F.linear would do. `linear_int8`
+// has no fallback (torch has no fast int8 CPU GEMV); cpu_linear.py checks eligibility first.
 //
 // Why: decode is bound by streaming the weights, and a speculative-decoding verify pass has
 // M = 2..17 rows. Torch's bf16 CPU matmul without AVX-512 costs ~M times the M=1 time; here
@@ -19,7 +20,9 @@
 //   in lane j, so `lane << 16` is fp32(w[2j]) and `lane & 0xffff0000` is fp32(w[2j+1]): one
 //   integer op per 8 weights, no shuffles.
 // * Hence x is converted once per call into an fp32 scratch in that same order ("even 8, odd 8"
-//   per 16-block; a trailing 8-block, when K % 16 == 8, stays in natural order).
+//   per 16-block; a trailing 8-block, when K % 16 == 8, stays in natural order). int8 weights
+//   sign-extend 8 at a time in natural order (x packed naturally), the scale is applied to the
+//   finished dot product. The weight format is a template policy (Bf16W, Int8W) of one kernel.
 // * Register tile: R weight rows x T tokens of 8-lane fp32 accumulators (R*T + R + 1 <= 16 ymm).
 //   Token chunks run inside a row block (~48-64 KiB of weights), so the block comes from DRAM
 //   once and is re-read from L1/L2 by the later chunks; lane sums happen once per output.
@@ -82,6 +85,33 @@ inline void hsum_many(const float* a, int n, float* out) {
   for (; i < n; ++i) out[i] = hsum(_mm256_load_ps(a + i * 8));
 }
 
+// Weight formats: how a 16-weight block of one row becomes two fp32 vectors. The activations are
+// packed (pack_x) in the matching order, so the FMAs pair the right x with each weight.
+struct Bf16W {
+  using elem = u16;
+  static constexpr bool kEvenOdd = true;  // lo = even k of the block, hi = odd k
+  static __m256 lo(const elem* p) {
+    return bf16_even(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static __m256 hi(const elem* p) {
+    return bf16_odd(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static __m256 tail8(const elem* p) { return bf16_8(p); }
+};
+
+// int8 with one fp32 scale per row (applied in the epilogue): half the bytes of bf16, so a
+// memory-bound decode step reads its weights twice as fast.
+struct Int8W {
+  using elem = int8_t;
+  static constexpr bool kEvenOdd = false;  // lo = k 0..7 of the block, hi = k 8..15
+  static __m256 lo(const elem* p) { return tail8(p); }
+  static __m256 hi(const elem* p) { return tail8(p + 8); }
+  static __m256 tail8(const elem* p) {
+    __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+  }
+};
+
 // fp32 -> bf16 bits exactly as c10::BFloat16 does it: round to nearest even, NaN -> 0x7fc0.
 inline u16 to_bf16(float f) {
   uint32_t u;
@@ -108,9 +138,23 @@ float* scratch(size_t floats) {
   return buf.get();
 }
 
-// x [M, K] -> xs [M, ldx] fp32 in the packed order described at the top.
-void pack_x(const void* x, bool x_bf16, int64_t M, int64_t K, float* xs, int64_t ldx) {
+// x [M, K] -> xs [M, ldx] fp32 in the packed order described at the top (even_odd), or in
+// natural order for weight formats that decode in natural order.
+void pack_x(const void* x, bool x_bf16, int64_t M, int64_t K, float* xs, int64_t ldx,
+            bool even_odd) {
   const int64_t K16 = K / 16 * 16;
+  if (!even_odd) {
+    for (int64_t m = 0; m < M; ++m) {
+      float* dst = xs + m * ldx;
+      if (x_bf16) {
+        const u16* src = static_cast<const u16*>(x) + m * K;
+        for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(dst + k, bf16_8(src + k));
+      } else {
+        std::memcpy(dst, static_cast<const float*>(x) + m * K, K * sizeof(float));
+      }
+    }
+    return;
+  }
   if (x_bf16) {
     const u16* xp = static_cast<const u16*>(x);
     for (int64_t m = 0; m < M; ++m) {
@@ -155,9 +199,10 @@ void pack_x(const void* x, bool x_bf16, int64_t M, int64_t K, float* xs, int64_t
 // epilogue so K can be split into blocks at no precision cost.
 // Registers: R*T accumulators + R weights + 1 x (+ the odd mask) must fit AVX2's 16 ymm; GCC
 // spills badly beyond that (measured: 3x4 and 4x3 run at half the speed of 3x3).
-template <int R, int T>
-inline void tile(const u16* const* wr, const float* xs, int64_t ldx, int64_t K, bool init,
-                 float* acc_mem, const char*& pf, const char* pf_end) {
+template <class W, int R, int T>
+inline void tile(const typename W::elem* const* wr, const float* xs, int64_t ldx, int64_t K,
+                 bool init, float* acc_mem, const char*& pf, const char* pf_end) {
+  using elem = typename W::elem;
   // T == 1 keeps separate even/odd accumulators: with one token there are otherwise only R
   // independent FMA chains, too few to hide the 4-cycle FMA latency.
   constexpr int A = (T == 1) ? 2 : 1;
@@ -169,23 +214,23 @@ inline void tile(const u16* const* wr, const float* xs, int64_t ldx, int64_t K, 
       acc[r][t][0] = init ? _mm256_setzero_ps() : _mm256_load_ps(acc_mem + (r * T + t) * 8);
       if constexpr (A == 2) acc[r][t][A - 1] = _mm256_setzero_ps();
     }
-  const u16* w[R];
+  const elem* w[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) w[r] = wr[r];
   const int64_t K16 = K / 16 * 16;
 #pragma GCC unroll 2
   for (int64_t k = 0; k < K16; k += 16) {
     if (pf < pf_end) {
-      // A step consumes R * 32 bytes of weights; with a single token chunk the prefetch must
-      // keep that pace (2 lines at R = 4), with several chunks a fraction of it suffices.
+      // A step consumes R * 16 * sizeof(elem) bytes of weights; with a single token chunk the
+      // prefetch must keep that pace (2 lines at R = 4 in bf16), with several chunks a
+      // fraction of it suffices.
       _mm_prefetch(pf, _MM_HINT_T0);
-      if constexpr (R >= 4) _mm_prefetch(pf + 64, _MM_HINT_T0);
-      pf += R >= 4 ? 128 : 64;
+      if constexpr (R * sizeof(elem) >= 8) _mm_prefetch(pf + 64, _MM_HINT_T0);
+      pf += R * sizeof(elem) >= 8 ? 128 : 64;
     }
     __m256 wv[R];
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r)
-      wv[r] = bf16_even(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + k)));
+    for (int r = 0; r < R; ++r) wv[r] = W::lo(w[r] + k);
 #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) {
       __m256 xv = _mm256_load_ps(xs + t * ldx + k);
@@ -195,9 +240,9 @@ inline void tile(const u16* const* wr, const float* xs, int64_t ldx, int64_t K, 
     }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const u16* p = w[r] + k;
+      const elem* p = w[r] + k;
       QD_LAUNDER(p);
-      wv[r] = bf16_odd(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      wv[r] = W::hi(p);
     }
 #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) {
@@ -211,7 +256,7 @@ inline void tile(const u16* const* wr, const float* xs, int64_t ldx, int64_t K, 
   if (K16 < K) {
     __m256 w8[R];
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) w8[r] = bf16_8(w[r] + K16);
+    for (int r = 0; r < R; ++r) w8[r] = W::tail8(w[r] + K16);
 #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) {
       __m256 xv = _mm256_load_ps(xs + t * ldx + K16);
@@ -229,28 +274,29 @@ inline void tile(const u16* const* wr, const float* xs, int64_t ldx, int64_t K, 
     }
 }
 
-template <int R, int TMAX>
-void tile_dispatch(int T, const u16* const* wr, const float* xs, int64_t ldx, int64_t K,
-                   bool init, float* acc, const char*& pf, const char* pf_end) {
+template <class W, int R, int TMAX>
+void tile_dispatch(int T, const typename W::elem* const* wr, const float* xs, int64_t ldx,
+                   int64_t K, bool init, float* acc, const char*& pf, const char* pf_end) {
   static_assert(TMAX >= 1 && TMAX <= 4, "extend the switch");
   switch (T) {
     case 1:
-      return tile<R, 1>(wr, xs, ldx, K, init, acc, pf, pf_end);
+      return tile<W, R, 1>(wr, xs, ldx, K, init, acc, pf, pf_end);
     case 2:
-      if constexpr (TMAX >= 2) return tile<R, 2>(wr, xs, ldx, K, init, acc, pf, pf_end);
+      if constexpr (TMAX >= 2) return tile<W, R, 2>(wr, xs, ldx, K, init, acc, pf, pf_end);
       break;
     case 3:
-      if constexpr (TMAX >= 3) return tile<R, 3>(wr, xs, ldx, K, init, acc, pf, pf_end);
+      if constexpr (TMAX >= 3) return tile<W, R, 3>(wr, xs, ldx, K, init, acc, pf, pf_end);
       break;
     case 4:
-      if constexpr (TMAX >= 4) return tile<R, 4>(wr, xs, ldx, K, init, acc, pf, pf_end);
+      if constexpr (TMAX >= 4) return tile<W, R, 4>(wr, xs, ldx, K, init, acc, pf, pf_end);
       break;
   }
   TORCH_CHECK(false, "quickdraft linear_bf16: bad token chunk ", T);
 }
 
 struct Problem {
-  const u16* w;       // [N, K]
+  const void* w;      // [N, K] in the weight format's element type
+  const float* scale;  // per-row scale [N] (int8) or nullptr
   const float* xs;    // [M, ldx], packed (see top)
   const float* bias;  // fp32 [N] or nullptr
   void* y;            // [M, N], fp32 or bf16
@@ -261,18 +307,20 @@ struct Problem {
   bool prefetch;     // software-prefetch the next row block
 };
 
-template <int R, int TMAX>
+template <class W, int R, int TMAX>
 void run(const Problem& p) {
+  using elem = typename W::elem;
+  const elem* const wbase = static_cast<const elem*>(p.w);
   // Balanced token chunks (M=8 -> 3+3+2 rather than 3+3+1+1).
   const int64_t nch = (p.M + TMAX - 1) / TMAX;
   const int64_t RB = p.rb, KB = p.kb;
   const int64_t nblocks = (p.N + RB - 1) / RB;
   const int64_t nk = (p.K + KB - 1) / KB;
-  const int64_t block_bytes = RB * p.K * 2;
+  const int64_t block_bytes = RB * p.K * static_cast<int64_t>(sizeof(elem));
   const int64_t tiles_per_block = nk * nch * ((RB + R - 1) / R);
   const int64_t pf_lines =
       p.prefetch ? ((block_bytes + 63) / 64 + tiles_per_block - 1) / tiles_per_block : 0;
-  const char* const w_end = reinterpret_cast<const char*>(p.w + p.N * p.K);
+  const char* const w_end = reinterpret_cast<const char*>(wbase + p.N * p.K);
   // At least ~128 KiB of weights per thread: below that the fork/join costs more than the
   // second core saves.
   const int64_t grain = std::max<int64_t>(1, (int64_t{128} << 10) / block_bytes);
@@ -287,7 +335,7 @@ void run(const Problem& p) {
       const int64_t rows = std::min(RB, p.N - n0);
       const int64_t G = (rows + R - 1) / R;
       // This thread's next block only: the other thread streams its own range.
-      const char* pf = reinterpret_cast<const char*>(p.w + (n0 + RB) * p.K);
+      const char* pf = reinterpret_cast<const char*>(wbase + (n0 + RB) * p.K);
       const char* const pf_end = b + 1 < b1 ? std::min(w_end, pf + block_bytes) : pf;
       for (int64_t k0 = 0; k0 < p.K; k0 += KB) {
         const int64_t klen = std::min(KB, p.K - k0);
@@ -296,10 +344,10 @@ void run(const Problem& p) {
           const int T = static_cast<int>(p.M / nch + (c < p.M % nch ? 1 : 0));
           for (int64_t g = 0; g < G; ++g) {
             // Rows past N alias the last valid row: computed and discarded, one code path.
-            const u16* wr[R];
+            const elem* wr[R];
             for (int r = 0; r < R; ++r)
-              wr[r] = p.w + (n0 + std::min<int64_t>(g * R + r, rows - 1)) * p.K + k0;
-            tile_dispatch<R, TMAX>(T, wr, p.xs + m0 * p.ldx + k0, p.ldx, klen, k0 == 0,
+              wr[r] = wbase + (n0 + std::min<int64_t>(g * R + r, rows - 1)) * p.K + k0;
+            tile_dispatch<W, R, TMAX>(T, wr, p.xs + m0 * p.ldx + k0, p.ldx, klen, k0 == 0,
                                    acc + (g * p.M + m0) * R * 8, pf,
                                    std::min(pf_end, pf + pf_lines * 64));
           }
@@ -316,7 +364,8 @@ void run(const Problem& p) {
           for (int t = 0; t < T; ++t)
             for (int r = 0; r < R && g * R + r < rows; ++r) {
               const int64_t n = n0 + g * R + r;
-              const float v = sums[r * T + t] + (p.bias ? p.bias[n] : 0.0f);
+              const float dot = sums[r * T + t] * (p.scale ? p.scale[n] : 1.0f);
+              const float v = dot + (p.bias ? p.bias[n] : 0.0f);
               const int64_t i = (m0 + t) * p.N + n;
               if (p.y_bf16)
                 static_cast<u16*>(p.y)[i] = to_bf16(v);
@@ -358,8 +407,19 @@ Knobs resolve(Knobs k, int64_t M, int64_t K) {
 
 std::atomic<int64_t> g_kernel_calls{0};
 
-at::Tensor run_kernel(const at::Tensor& x, const at::Tensor& w,
+template <class W>
+void run_format(const Problem& p, int64_t R, int64_t tmax) {
+  if (R == 4 && tmax == 1) run<W, 4, 1>(p);
+  else if (R == 4 && tmax == 2) run<W, 4, 2>(p);
+  else if (R == 2 && tmax == 4) run<W, 2, 4>(p);
+  else if (R == 3 && tmax == 3) run<W, 3, 3>(p);
+  else TORCH_CHECK(false, "quickdraft linear: no tile instance ", R, "x", tmax);
+}
+
+// w is bf16, or int8 with `scale` [N] fp32 (y = (x @ w.T) * scale + bias).
+at::Tensor run_kernel(const at::Tensor& x, const at::Tensor& w, const at::Tensor* scale,
                       const c10::optional<at::Tensor>& bias, Knobs knobs) {
+  const bool int8 = scale != nullptr;
   const int64_t N = w.size(0), K = w.size(1);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
@@ -382,7 +442,8 @@ at::Tensor run_kernel(const at::Tensor& x, const at::Tensor& w,
     xs_owner = at::empty({M * ldx}, x.options().dtype(at::kFloat));
     xs = xs_owner.data_ptr<float>();
   }
-  pack_x(x2.data_ptr(), x2.scalar_type() == at::kBFloat16, M, K, xs, ldx);
+  pack_x(x2.data_ptr(), x2.scalar_type() == at::kBFloat16, M, K, xs, ldx, !int8);
+  const int64_t elem_bytes = int8 ? 1 : 2;
 
   // Tokens go in balanced groups of at most kGroupM, each streaming the weight once: the
   // chunk loop re-reads the group's x for every row block, which must stay cache-resident
@@ -395,7 +456,8 @@ at::Tensor run_kernel(const at::Tensor& x, const at::Tensor& w,
     const int64_t gm = M / ngroups + (gi < M % ngroups ? 1 : 0);
     const Knobs k = resolve(knobs, gm, K);
     const int64_t R = k.r;
-    Problem p{reinterpret_cast<const u16*>(w.data_ptr<at::BFloat16>()),
+    Problem p{w.data_ptr(),
+              int8 ? scale->data_ptr<float>() : nullptr,
               xs + g0 * ldx,
               b.defined() ? b.data_ptr<float>() : nullptr,
               y_base + g0 * N * static_cast<int64_t>(y.element_size()),
@@ -404,14 +466,13 @@ at::Tensor run_kernel(const at::Tensor& x, const at::Tensor& w,
               N,
               K,
               ldx,
-              std::max<int64_t>(R, k.block_bytes / (2 * K) / R * R),
+              std::max<int64_t>(R, k.block_bytes / (elem_bytes * K) / R * R),
               k.kb >= K ? K : std::max<int64_t>(16, k.kb / 16 * 16),
               k.prefetch != 0};
-    if (R == 4 && k.tmax == 1) run<4, 1>(p);
-    else if (R == 4 && k.tmax == 2) run<4, 2>(p);
-    else if (R == 2 && k.tmax == 4) run<2, 4>(p);
-    else if (R == 3 && k.tmax == 3) run<3, 3>(p);
-    else TORCH_CHECK(false, "quickdraft linear_bf16: no tile instance ", R, "x", k.tmax);
+    if (int8)
+      run_format<Int8W>(p, R, k.tmax);
+    else
+      run_format<Bf16W>(p, R, k.tmax);
     g0 += gm;
   }
   return y.view(out_shape);
@@ -458,7 +519,35 @@ at::Tensor fallback(const at::Tensor& x, const at::Tensor& w,
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                   int64_t max_m) {
   if (!eligible(x, w, bias, max_m)) return fallback(x, w, bias);
-  return run_kernel(x, w, bias, Knobs{});
+  return run_kernel(x, w, nullptr, bias, Knobs{});
+}
+
+// y = (x @ qweight.T) * scale (+ bias) for an int8 weight [N, K] with one fp32 scale per row.
+// No fallback exists for int8 weights in torch on CPU that is worth using (at::
+// _weight_int8pack_mm reads ~1 GB/s here), so inputs must be eligible: the caller dequantizes
+// otherwise (see cpu_linear.py).
+bool eligible_int8(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale,
+                   const c10::optional<at::Tensor>& bias) {
+  if (!x.defined() || !qw.defined() || !scale.defined()) return false;
+  if (!x.device().is_cpu() || !qw.device().is_cpu() || !scale.device().is_cpu()) return false;
+  if (qw.scalar_type() != at::kChar || qw.dim() != 2 || !qw.is_contiguous()) return false;
+  if (scale.scalar_type() != at::kFloat || scale.dim() != 1 || !scale.is_contiguous() ||
+      scale.size(0) != qw.size(0))
+    return false;
+  if (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kFloat) return false;
+  const int64_t K = qw.size(1);
+  if (x.dim() < 1 || K == 0 || K % 8 != 0 || x.size(-1) != K) return false;
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias && (!bias->device().is_cpu() || !at::isFloatingType(bias->scalar_type()) ||
+                   bias->dim() != 1 || bias->size(0) != qw.size(0)))
+    return false;
+  return !(at::GradMode::is_enabled() && x.requires_grad());
+}
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(eligible_int8(x, qw, scale, bias), "quickdraft linear_int8: inputs not eligible");
+  return run_kernel(x, qw, &scale, bias, Knobs{});
 }
 
 // For bench/kernels.py --knobs: [r, tmax, block_bytes, kb, prefetch], 0 = default (-1 for
@@ -467,7 +556,8 @@ at::Tensor linear_tuned(const at::Tensor& x, const at::Tensor& w,
                         const c10::optional<at::Tensor>& bias, std::vector<int64_t> knobs) {
   TORCH_CHECK(knobs.size() == 5, "knobs: r, tmax, block_bytes, kb, prefetch");
   TORCH_CHECK(eligible(x, w, bias, INT64_MAX), "quickdraft linear_bf16: inputs not eligible");
-  return run_kernel(x, w, bias, Knobs{knobs[0], knobs[1], knobs[2], knobs[3], knobs[4]});
+  return run_kernel(x, w, nullptr, bias,
+                    Knobs{knobs[0], knobs[1], knobs[2], knobs[3], knobs[4]});
 }
 
 }  // namespace
@@ -483,6 +573,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_tuned", &linear_tuned, "the kernel with explicit knobs (benchmarks only)",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("knobs"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("linear_int8", &linear_int8, "(x @ qweight.T) * scale (+ bias), int8 weight",
+        py::arg("x"), py::arg("qweight"), py::arg("scale"), py::arg("bias"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("eligible_int8", &eligible_int8, "whether `linear_int8` accepts these inputs",
+        py::arg("x"), py::arg("qweight"), py::arg("scale"), py::arg("bias"));
   m.def("kernel_calls", [] { return g_kernel_calls.load(); },
         "how many calls ran the kernel (tests check the fast path was taken)");
 }
