@@ -2,7 +2,8 @@
 # One-time, idempotent set-up: a venv in .venv with torch 2.13.0 (the CPU build on this machine's
 # disk; a bare "torch" would pull a multi-GB CUDA build) and quickdraft installed editable.
 #   scripts/setup.sh          runtime deps
-#   scripts/setup.sh --dev    + test/lint deps
+#   scripts/setup.sh --dev    + test/lint deps, and chromium + chromedriver (apt, Debian/Ubuntu)
+#                             for the admin page's headless-browser test
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -14,5 +15,22 @@ fi
 .venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
 extra=""
 if [ "${1:-}" = "--dev" ]; then extra="[dev]"; fi
+
+install_browser() {
+  # tests/test_admin_browser.py drives the admin page in Debian's chromium through chromedriver
+  if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then return 0; fi
+  if ! command -v apt-get >/dev/null; then
+    echo "setup: no apt-get; install chromium + chromedriver for the browser test" >&2
+    return 0
+  fi
+  local sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+  echo "setup: installing chromium + chromium-driver (apt)"
+  if ! { $sudo apt-get update -qq && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install \
+      -y -qq --no-install-recommends chromium chromium-driver >/dev/null; }; then
+    echo "setup: WARNING: could not install chromium; the browser test will be skipped" >&2
+  fi
+}
+if [ -n "$extra" ]; then install_browser; fi
 .venv/bin/python -m pip install -q -e ".${extra}" "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
 .venv/bin/python -c "import quickdraft, torch; print('quickdraft ready: torch', torch.__version__)"

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from quickdraft.kernels import linear
+from quickdraft.kernels import Int8Weight, linear, linear_int8
 
 
 class RMSNorm(nn.Module):
@@ -112,6 +112,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float) -> Tensor:
     return out[0].view(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
 
 
-def project(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """The one entry point for weight GEMMs (fast bf16 small-M kernel when it applies)."""
+Weight = Tensor | Int8Weight  # a projection's GEMM operand: bf16/fp32, or int8 + row scales
+
+
+def project(x: Tensor, weight: Weight, bias: Tensor | None = None) -> Tensor:
+    """The one entry point for weight GEMMs (fast bf16 / int8 small-M kernels when they apply)."""
+    if isinstance(weight, Int8Weight):
+        return linear_int8(x, weight, bias)
     return linear(x, weight, bias)

@@ -16,12 +16,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quickdraft.config import ModelConfig
+from quickdraft.kernels import Int8Weight
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.base import ForwardOutput
 from quickdraft.models.layers import (
     LinearView,
     RMSNorm,
     Rope,
+    Weight,
     apply_rope,
     attend,
     fused_projections,
@@ -47,6 +49,10 @@ class Attention(nn.Module):
         self.o_proj = LinearView(
             torch.empty(cfg.hidden_size, q_size, dtype=dtype, device=device), None
         )
+        # The GEMM operands the forward reads: views of the HF-named parameters (loading fills
+        # them), replaced by int8 forms by `CausalLM.quantize_`.
+        self.qkv: Weight = self.qkv_weight
+        self.o: Weight = self.o_proj.weight.detach()
         self.q_norm = (
             RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         )
@@ -63,7 +69,7 @@ class Attention(nn.Module):
         num_new: Sequence[int],
     ) -> Tensor:
         n, d = x.shape[0], self.head_dim
-        qkv = project(x, self.qkv_weight, self.qkv_bias)  # [N, (H + 2 Hkv) * d]
+        qkv = project(x, self.qkv, self.qkv_bias)  # [N, (H + 2 Hkv) * d]
         q = qkv[:, : self.num_heads * d].view(n, self.num_heads, d)
         k = qkv[:, self.num_heads * d : (self.num_heads + self.num_kv_heads) * d]
         k = k.view(n, self.num_kv_heads, d)
@@ -81,7 +87,7 @@ class Attention(nn.Module):
             outs.append(attend(q[seg], keys, values, cache.length, self.scale))
             start += count
         out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, H * d]
-        return project(out, self.o_proj.weight)
+        return project(out, self.o)
 
 
 class MLP(nn.Module):
@@ -99,11 +105,13 @@ class MLP(nn.Module):
         self.down_proj = LinearView(
             torch.empty(cfg.hidden_size, self.inter, dtype=dtype, device=device), None
         )
+        self.gate_up: Weight = self.gate_up_weight  # GEMM operands, as in Attention
+        self.down: Weight = self.down_proj.weight.detach()
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = project(x, self.gate_up_weight)  # [N, 2 * inter]
+        gate_up = project(x, self.gate_up)  # [N, 2 * inter]
         act = F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
-        return project(act, self.down_proj.weight)
+        return project(act, self.down)
 
 
 class DecoderLayer(nn.Module):
@@ -160,8 +168,29 @@ class CausalLM(nn.Module):
             else torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         )
         self.lm_head = LinearView(head, None)
+        self.head: Weight = self.lm_head.weight.detach()  # GEMM operand, as in Attention
         self.rope = Rope(cfg.head_dim, cfg.rope_theta, device)
         self.requires_grad_(False)
+
+    def quantize_(self, fmt: str) -> None:
+        """Replace every projection's GEMM operand by its `fmt` form in place and free the
+        full-precision copies (the embedding table stays: a lookup reads one row). Only "int8"
+        exists: per-row absmax int8, half the bytes of bf16. Meant for draft models, where
+        precision only moves the acceptance rate; the state_dict is not usable afterwards."""
+        if fmt != "int8":
+            raise ValueError(f"unknown weight format {fmt!r}; supported: int8")
+        layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv, attn.o = _int8(attn.qkv), _int8(attn.o)
+            mlp.gate_up, mlp.down = _int8(mlp.gate_up), _int8(mlp.down)
+            attn.qkv_weight = mlp.gate_up_weight = torch.empty(0)
+        self.head = _int8(self.head)
+        # Drop the HF-named views: the full-precision projections are then freed (a tied
+        # lm_head's storage lives on in the embedding, which lookups still read).
+        for module in self.modules():
+            if isinstance(module, LinearView):
+                module.weight.data = torch.empty(0, dtype=self.dtype, device=self.device)
 
     def new_cache(self, capacity: int) -> KVCache:
         cfg = self.config
@@ -210,7 +239,11 @@ class CausalLM(nn.Module):
             logit_rows = ends
         if return_hidden:
             hidden = self.model.norm(x)
-            logits = project(hidden[logit_rows], self.lm_head.weight).float()
+            logits = project(hidden[logit_rows], self.head).float()
             return ForwardOutput(logits, hidden, layer_hidden)
-        logits = project(self.model.norm(x[logit_rows]), self.lm_head.weight).float()
+        logits = project(self.model.norm(x[logit_rows]), self.head).float()
         return ForwardOutput(logits, None, layer_hidden)
+
+
+def _int8(weight: Weight) -> Int8Weight:
+    return weight if isinstance(weight, Int8Weight) else Int8Weight.quantize(weight)

@@ -1,0 +1,104 @@
+"""The admin page: `/admin` (static HTML + JS, no build step) and its JSON API.
+
+Stage: the HTTP edge, for the operator. `GET /admin` serves the page itself (it holds no data);
+everything under `/admin/api/` needs `Authorization: Bearer <admin token>`, a token of its own
+(never the API key). `PUT /admin/api/models/{name}` changes a model's speculation for requests
+submitted from then on (running requests keep theirs), without a restart, and writes the
+settings file; a change the engine cannot apply (e.g. a draft model with another tokenizer)
+answers 400 and leaves the old settings in force.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import HTMLResponse, Response
+
+from quickdraft import hub
+from quickdraft.server.metrics import now
+from quickdraft.server.protocol import APIError
+from quickdraft.server.settings import METHODS, SpeculationSettings
+from quickdraft.server.state import ServerState
+
+STATIC = Path(__file__).resolve().parent / "static"
+# the page loads only its own script; no framing (clickjacking of the settings form)
+_PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'",
+    "X-Frame-Options": "DENY",
+    "Cache-Control": "no-store",
+}
+
+
+def router(state: ServerState) -> APIRouter:
+    r = APIRouter()
+
+    def require_admin(request: Request) -> None:
+        token = state.config.admin_token
+        if token is None:
+            raise APIError(401, "the admin API is disabled (start with --admin-token)")
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            raise APIError(401, "missing or invalid admin token", code="invalid_admin_token")
+
+    @r.get("/admin", include_in_schema=False)
+    async def page() -> HTMLResponse:
+        return HTMLResponse((STATIC / "admin.html").read_text(), headers=_PAGE_HEADERS)
+
+    @r.get("/admin/admin.js", include_in_schema=False)
+    async def script() -> Response:
+        js = (STATIC / "admin.js").read_text()
+        return Response(js, media_type="text/javascript", headers=_PAGE_HEADERS)
+
+    @r.get("/admin/api/state", dependencies=[Depends(require_admin)])
+    async def get_state() -> dict[str, Any]:
+        return snapshot(state)
+
+    @r.put("/admin/api/models/{name}", dependencies=[Depends(require_admin)])
+    async def put_model(name: str, body: SpeculationSettings) -> dict[str, Any]:
+        if name not in state.engine.models:
+            raise APIError(404, f"model {name!r} is not served", "name", "model_not_found")
+        if body.enabled and body.method == "draft" and not body.draft_model:
+            raise APIError(400, "method 'draft' needs a draft model", "draft_model")
+        try:
+            await state.reconfigure(name, body)
+        except (ValueError, hub.HubError, OSError) as exc:
+            raise APIError(400, f"cannot apply these settings: {exc}") from None
+        return snapshot(state)
+
+    return r
+
+
+def snapshot(state: ServerState) -> dict[str, Any]:
+    """Everything the page shows: per model its settings, what runs, and live statistics."""
+    t = now()
+    eng = state.engine
+    models = []
+    for name, served in eng.models.items():
+        cfg = served.spec_config
+        models.append(
+            {
+                "name": name,
+                "context_length": served.lm.context_length,
+                "settings": state.settings[name].model_dump(),
+                "active": {
+                    "method": cfg.method,
+                    "num_draft_tokens": cfg.num_draft_tokens,
+                    "draft_model": cfg.draft_model if cfg.method == "draft" else None,
+                    "adaptive": cfg.adaptive,
+                },
+                "stats": state.metrics.models[name].snapshot(t),
+            }
+        )
+    path = state.config.settings_path
+    return {
+        "models": models,
+        "methods": list(METHODS),
+        "draft_models": sorted(hub.CATALOG),
+        "settings_file": None if path is None else str(path),
+        "engine": {"alive": eng.alive, "running": eng.num_running, "waiting": eng.num_waiting},
+        "in_flight": state.in_flight,
+        "max_concurrency": state.config.max_concurrency,
+    }

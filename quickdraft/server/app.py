@@ -1,0 +1,394 @@
+"""The OpenAI-compatible HTTP server: `create_app(engine, config)` -> a FastAPI app.
+
+Stage: the HTTP edge. Routes turn a validated request into token ids (chat through the model's
+own chat template), submit it to the engine, and relay the engine's outputs either as one JSON
+body or as Server-Sent Events in OpenAI's chunk format. The event loop never touches tensors:
+the engine thread owns the models and hands back text deltas through each request's handle.
+
+Lifetime of a request: admit (a concurrency slot; 503 + Retry-After when full) -> submit ->
+relay outputs -> release the slot. Release cancels the handle, so a client that disconnects
+(or any failure on our side) frees its sequence at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from quickdraft.engine import EngineDeadError, QueueFullError, RequestHandle, RequestOutput
+from quickdraft.sampling import SamplingParams
+from quickdraft.server import admin
+from quickdraft.server.errors import (
+    BodyLimitMiddleware,
+    error_response,
+    install_error_handlers,
+    log,
+)
+from quickdraft.server.metrics import now
+from quickdraft.server.protocol import (
+    APIError,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    Delta,
+    GenerateRequest,
+    ModelCard,
+    ModelList,
+    Speculative,
+    Usage,
+)
+from quickdraft.server.settings import SpeculationSettings
+from quickdraft.server.state import ServerConfig, ServerState, Slot
+
+
+def create_app(
+    engine: Any,
+    config: ServerConfig | None = None,
+    settings: dict[str, SpeculationSettings] | None = None,
+) -> FastAPI:
+    """`engine`: a started quickdraft.engine.Engine; `settings`: the speculation settings the
+    engine was configured with (from the settings file), if any."""
+    state = ServerState.create(engine, config or ServerConfig(), settings)
+    app = FastAPI(title="quickdraft", docs_url=None, redoc_url=None)
+    app.state.qd = state
+    install_error_handlers(app, state.metrics.error)
+    # the last added runs first: the key is checked before any body byte is read
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=state.config.max_body_bytes, on_error=state.metrics.error
+    )
+    app.add_middleware(ApiKeyMiddleware, api_key=state.config.api_key, on_error=state.metrics.error)
+    app.include_router(admin.router(state))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        eng = state.engine
+        if not eng.alive:
+            why = f": {eng.error!r}" if eng.error is not None else ""
+            err = APIError(503, f"the engine thread is not running{why}", code="engine_dead")
+            return error_response(err)
+        return JSONResponse(
+            {"status": "ok", "running": eng.num_running, "waiting": eng.num_waiting}
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = state.metrics.scrape(state.engine.num_running, state.engine.num_waiting)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        cards = [
+            ModelCard(
+                id=name,
+                created=state.started,
+                max_model_len=served.lm.context_length,
+                speculative_method=served.spec_config.method,
+            )
+            for name, served in state.engine.models.items()
+        ]
+        return ModelList(data=cards)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        arrived = now()
+        body.check()
+        lm = _model(state, body.model)
+        try:
+            prompt_ids = lm.tokenizer.encode_chat(body.chat())
+        except (ValueError, jinja2.TemplateError) as exc:  # no template / template refused
+            raise APIError(400, f"cannot render the chat: {exc}", "messages") from None
+        return await _generate(state, request, body, prompt_ids, "chat", arrived)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        arrived = now()
+        body.check()
+        lm = _model(state, body.model)
+        prompt = body.single_prompt()
+        if isinstance(prompt, str):
+            prompt_ids = lm.tokenizer.encode(prompt)
+        else:
+            vocab = lm.model.config.vocab_size
+            if any(not 0 <= t < vocab for t in prompt):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+            prompt_ids = list(prompt)
+        return await _generate(state, request, body, prompt_ids, "completion", arrived)
+
+    return app
+
+
+def _model(state: ServerState, name: str) -> Any:
+    served = state.engine.models.get(name)
+    if served is None:
+        raise APIError(
+            404,
+            f"model {name!r} does not exist; this server serves {sorted(state.engine.models)}",
+            "model",
+            "model_not_found",
+        )
+    return served.lm
+
+
+async def _generate(
+    state: ServerState,
+    request: Request,
+    body: GenerateRequest,
+    prompt_ids: list[int],
+    kind: str,
+    arrived: float,
+) -> Response:
+    lm = _model(state, body.model)
+    room = lm.context_length - len(prompt_ids)
+    prompt_param = "messages" if kind == "chat" else "prompt"
+    if room < 1:
+        raise APIError(
+            400,
+            f"the prompt has {len(prompt_ids)} tokens; the model context is "
+            f"{lm.context_length} tokens",
+            prompt_param,
+            "context_length_exceeded",
+        )
+    requested = body.requested_max_tokens()
+    if requested is not None and requested > room:
+        raise APIError(
+            400,
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({requested}) = "
+            f"{len(prompt_ids) + requested} exceeds the model context of {lm.context_length} "
+            "tokens",
+            "max_tokens",
+            "context_length_exceeded",
+        )
+    try:
+        params = body.sampling(requested or min(state.config.default_max_tokens, room))
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+    rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    slot = _admit(state, body.model, prompt_ids, params, rid, arrived)
+    relay = _Relay(slot, body, rid, kind)
+    if body.stream:
+        return _SlotStreamingResponse(
+            slot, relay.events(), media_type="text/event-stream", headers=_SSE_HEADERS
+        )
+    try:
+        return JSONResponse(await relay.collect(request))
+    finally:
+        slot.release()
+
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _admit(
+    state: ServerState,
+    model: str,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    rid: str,
+    arrived: float,
+) -> Slot:
+    retry = {"Retry-After": str(state.config.retry_after_s)}
+    if state.in_flight >= state.config.max_concurrency:
+        raise APIError(
+            503,
+            f"the server is at its limit of {state.config.max_concurrency} concurrent "
+            "requests; retry later",
+            code="server_busy",
+            headers=retry,
+        )
+    try:
+        handle = state.engine.submit(model, prompt_ids, params, request_id=rid)
+    except QueueFullError as exc:
+        err = APIError(503, f"queue full: {exc}; retry later", code="queue_full", headers=retry)
+        raise err from None
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), code="engine_dead") from None
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+    handle.bind_loop()
+    state.in_flight += 1
+    return Slot(state, handle, state.metrics.track(model, len(prompt_ids), arrived))
+
+
+class _SlotStreamingResponse(StreamingResponse):
+    """Releases the slot however the response ends: finished, client gone (Starlette cancels
+    the body iterator when it sees the disconnect), or never started."""
+
+    def __init__(self, slot: Slot, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.slot = slot
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.slot.release()
+
+
+class _Relay:
+    """Engine outputs -> one JSON body or SSE chunks, with metrics on the way."""
+
+    def __init__(self, slot: Slot, body: GenerateRequest, rid: str, kind: str) -> None:
+        self.handle: RequestHandle = slot.handle
+        self.track = slot.track
+        self.body = body
+        self.rid = rid
+        self.chat = kind == "chat"
+        self.created = int(time.time())
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        async for out in self.handle:
+            self.track.output(out, now())
+            if out.finished:
+                self.track.finish(out, now())
+            yield out
+
+    async def collect(self, request: Request) -> dict[str, Any]:
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, self.handle))
+        try:
+            parts: list[str] = []
+            last: RequestOutput | None = None
+            async for out in self.outputs():
+                parts.append(out.text)
+                last = out
+        except Exception as exc:  # the request failed inside the engine; the engine lives on
+            raise self._failed(exc) from None
+        finally:
+            watcher.cancel()
+        assert last is not None and last.finished, "the engine ends every stream with a reason"
+        text, usage = "".join(parts), Usage.of(last.prompt_tokens, last.completion_tokens)
+        spec, reason = Speculative.of(last.spec), str(last.finish_reason)
+        result: BaseModel
+        if self.chat:
+            result = ChatCompletion(
+                id=self.rid,
+                created=self.created,
+                model=self.body.model,
+                choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=reason)],
+                usage=usage,
+                speculative=spec,
+            )
+        else:
+            result = Completion(
+                id=self.rid,
+                created=self.created,
+                model=self.body.model,
+                choices=[CompletionChoice(text=text, finish_reason=reason)],
+                usage=usage,
+                speculative=spec,
+            )
+        return result.model_dump()
+
+    async def events(self) -> AsyncIterator[str]:
+        try:
+            if self.chat:  # OpenAI opens with the role (lets clients render before token 1)
+                yield self._chunk(Delta(role="assistant", content=""))
+            last: RequestOutput | None = None
+            async for out in self.outputs():
+                last = out
+                if out.text:
+                    yield self._chunk(Delta(content=out.text), text=out.text)
+            assert last is not None and last.finished, "every stream ends with a reason"
+            spec = Speculative.of(last.spec)
+            yield self._chunk(Delta(), reason=str(last.finish_reason), spec=spec)
+            if self.body.include_usage:
+                usage = Usage.of(last.prompt_tokens, last.completion_tokens)
+                yield self._chunk(None, usage=usage, spec=spec)
+        except Exception as exc:  # as in collect(), but in-band: the stream has started
+            yield _sse(self._failed(exc).body())
+        yield "data: [DONE]\n\n"
+
+    def _failed(self, exc: Exception) -> APIError:
+        self.track.abort(self.rid, now(), reason="error")
+        if isinstance(exc, EngineDeadError):
+            return APIError(503, str(exc), code="engine_dead")
+        log.error("request %s failed: %r", self.rid, exc)
+        return APIError(500, f"generation failed: {exc}", code="generation_failed")
+
+    def _chunk(
+        self,
+        delta: Delta | None,
+        text: str = "",
+        reason: str | None = None,
+        usage: Usage | None = None,
+        spec: Speculative | None = None,
+    ) -> str:
+        """One SSE event. `delta` None = the usage-only chunk (`choices: []`)."""
+        chunk: BaseModel
+        if self.chat:
+            choices = [] if delta is None else [ChunkChoice(delta=delta, finish_reason=reason)]
+            chunk = ChatCompletionChunk(
+                id=self.rid, created=self.created, model=self.body.model, choices=choices
+            )
+        else:
+            c_choices = [] if delta is None else [CompletionChoice(text=text, finish_reason=reason)]
+            chunk = Completion(
+                id=self.rid, created=self.created, model=self.body.model, choices=c_choices
+            )
+        data = chunk.model_dump()
+        for choice in data["choices"]:
+            if "delta" in choice:  # OpenAI sends only the delta fields that are set
+                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+        # with include_usage every chunk carries "usage" (null until the last); otherwise none
+        if self.body.include_usage:
+            data["usage"] = None if usage is None else usage.model_dump()
+        else:
+            data.pop("usage")
+        if spec is None:
+            data.pop("speculative")
+        else:
+            data["speculative"] = spec.model_dump()
+        return _sse(data)
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+async def _cancel_on_disconnect(request: Request, handle: RequestHandle) -> None:
+    """For non-stream requests: the body has been read, so the next ASGI message is the
+    client going away (or the server finishing the response); cancel the request then."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            handle.cancel()
+            return
+
+
+class ApiKeyMiddleware:
+    """`Authorization: Bearer <api_key>` on /v1/* (when a key is set); checked before the body
+    is read, so an unauthenticated client learns nothing else about the server."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, on_error: Any) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.on_error = on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.api_key is None or scope["type"] != "http" or not scope["path"].startswith("/v1"):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        given = headers.get(b"authorization", b"").decode("latin-1")
+        if secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            await self.app(scope, receive, send)
+            return
+        self.on_error(401)
+        err = APIError(401, "missing or invalid API key", code="invalid_api_key")
+        await error_response(err)(scope, receive, send)

@@ -1,0 +1,165 @@
+"""Every failure at the HTTP edge becomes an OpenAI-shaped error with the right status.
+
+Stage: the HTTP edge, around the routes. FastAPI answers validation failures with 422 and its
+own body; OpenAI clients expect 400 and `{"error": {"message", "type", "param", "code"}}`, so the
+validation handler is replaced. The body limit is a small ASGI middleware of our own because
+Starlette's answers 413 in plain text (and only recent versions have one): it rejects on the
+declared Content-Length before reading anything, and otherwise counts the bytes as they arrive.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from quickdraft.server.protocol import APIError
+
+log = logging.getLogger("quickdraft.server")
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    """('body', 'messages', 0, 'content') -> 'messages[0].content'."""
+    parts = [p for p in loc if p != "body"]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or None
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    errors = list(exc.errors())
+    first: dict[str, Any] = dict(errors[0]) if errors else {"msg": "invalid request", "loc": ()}
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return APIError(400, f"invalid JSON body: {detail}".rstrip(": "), code="invalid_json")
+    loc = tuple(first.get("loc", ()))
+    if first.get("type") == "model_attributes_type" or loc == ("body",):
+        return APIError(400, "the request body must be a JSON object", code="invalid_body")
+    param = _param(loc)
+    # a union type reports one error per member; the first names the field well enough
+    msg = str(first.get("msg", "invalid value"))
+    if first.get("type") == "extra_forbidden":
+        msg = "unrecognized or unsupported request argument"
+    return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
+
+
+def install_error_handlers(app: FastAPI, on_error: Callable[[int], None]) -> None:
+    """Route every error to an OpenAI-shaped response; `on_error(status)` counts it."""
+
+    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        on_error(exc.status)
+        log.info("%s %s -> %d %s", request.method, request.url.path, exc.status, exc.message)
+        return error_response(exc)
+
+    async def on_validation(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return await on_api_error(request, validation_error(exc))
+
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPException)  # 404 unknown route, 405 wrong method, ...
+        err = APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
+        return await on_api_error(request, err)
+
+    async def on_bug(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return await on_api_error(request, APIError(500, f"internal error: {exc!r}"))
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(Exception, on_bug)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(HTTPException, on_http)
+
+
+class BodyLimitMiddleware:
+    """413 (OpenAI-shaped) for a request body over `max_bytes`; 400 for a bad Content-Length."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, on_error: Callable[[int], None]) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.on_error = on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                await self._reject(scope, send, APIError(400, "invalid Content-Length header"))
+                return
+            if size > self.max_bytes:
+                await self._drain(receive, 0)
+                await self._reject(scope, send, self._too_large(size))
+                return
+        # Chunked bodies declare no size: read them here (bounded) and replay them to the app.
+        body: list[Message] = []
+        received = 0
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # a disconnect before the body was complete
+                body.append(message)
+                break
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                if message.get("more_body", False):
+                    await self._drain(receive, received)
+                await self._reject(scope, send, self._too_large(received))
+                return
+            body.append(message)
+            more = message.get("more_body", False)
+
+        async def replay() -> Message:
+            return body.pop(0) if body else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _drain(self, receive: Receive, seen: int) -> None:
+        """Read (and drop) the rest of an oversized body, up to a cap: a client still writing
+        when the server closes gets a connection reset instead of the 413."""
+        budget = 16 * self.max_bytes + 2**20
+        while seen <= budget:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
+            seen += len(message.get("body", b""))
+
+    def _too_large(self, size: int) -> APIError:
+        return APIError(
+            413,
+            f"request body of {size}+ bytes exceeds the limit of {self.max_bytes} bytes",
+            code="request_too_large",
+        )
+
+    async def _reject(self, scope: Scope, send: Send, err: APIError) -> None:
+        self.on_error(err.status)
+        log.info("%s %s -> %d %s", scope.get("method"), scope.get("path"), err.status, err.message)
+        payload = json.dumps(err.body()).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": err.status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(payload)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": payload})

@@ -1,0 +1,323 @@
+"""The HTTP serving benchmark (`quickdraft bench --serve`, bench/serve.py): not a test.
+
+Starts one `quickdraft serve` process, then for speculation off and on (switched through the
+admin API between phases, so both run in the same process on the same weights) sends streaming
+chat requests at each concurrency level and measures what a client sees: output tok/s (all
+completion tokens / wall time of the level), TTFT p50/p99, inter-token latency (per request:
+(last token - first token) / (tokens - 1)), end-to-end latency p50/p99, and the acceptance the
+responses report. Warm-up requests after each switch are excluded. Same prompts (a round-robin
+mix of the code / prose / json / repetitive sets), greedy, in both phases. Writes
+serve-<model>.{json,md,png} and returns the report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from quickdraft.config import SpeculativeConfig
+
+PHASES = ("off", "on")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadTest:
+    model: str = "smollm2-135m"
+    dtype: str = "bf16"
+    spec: SpeculativeConfig = field(
+        default_factory=lambda: SpeculativeConfig(method="ngram", num_draft_tokens=5)
+    )
+    concurrency: tuple[int, ...] = (1, 4, 8)
+    requests: int = 8  # per concurrency level and phase
+    max_tokens: int = 96
+    threads: int | None = None  # the server's torch threads (None: torch's default)
+    start_timeout_s: float = 3600.0  # first use of a model may download + convert it
+
+
+@dataclass(slots=True)
+class Sample:
+    ttft: float
+    itl: float | None  # mean inter-token latency of this request (None: < 2 tokens)
+    e2e: float
+    tokens: int
+    spec: dict[str, Any]
+
+
+def _prompts(n: int) -> list[str]:
+    from quickdraft.benchmark import prompt_sets
+
+    sets = list(prompt_sets().values())
+    mixed = [s[i] for i in range(max(len(s) for s in sets)) for s in sets if i < len(s)]
+    return [mixed[i % len(mixed)] for i in range(n)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _server_cmd(t: LoadTest, port: int, token: str, settings: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "quickdraft", "serve", t.model, "--dtype", t.dtype]
+    cmd += ["--port", str(port), "--admin-token", token, "--settings", str(settings)]
+    cmd += [
+        "--speculative-method",
+        t.spec.method,
+        "--num-draft-tokens",
+        str(t.spec.num_draft_tokens),
+    ]
+    cmd += ["--ngram-min", str(t.spec.ngram_min), "--ngram-max", str(t.spec.ngram_max)]
+    cmd += ["--max-concurrency", str(2 * max(t.concurrency) + 2), "--log-level", "warning"]
+    if t.spec.draft_model:
+        cmd += ["--draft-model", t.spec.draft_model]
+    if not t.spec.adaptive:
+        cmd += ["--no-adaptive"]
+    if t.threads:
+        cmd += ["--threads", str(t.threads)]
+    return cmd
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited during start-up (code {proc.returncode})")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server did not become healthy within {timeout:.0f} s")
+
+
+async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> Sample:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    first = last = None
+    usage: dict[str, Any] = {}
+    spec: dict[str, Any] = {}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                last = time.perf_counter()
+                first = first or last
+            if chunk.get("usage"):
+                usage, spec = chunk["usage"], chunk.get("speculative") or {}
+    done = time.perf_counter()
+    n = usage.get("completion_tokens", 0)
+    first, last = first or done, last or done
+    itl = (last - first) / (n - 1) if n > 1 else None
+    return Sample(first - sent, itl, done - sent, n, spec)
+
+
+async def _level(url: str, model: str, prompts: list[str], conc: int, max_tokens: int) -> Any:
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    samples: list[Sample] = []
+    timeout = httpx.Timeout(3600.0, connect=10.0)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
+
+        async def worker() -> None:
+            while not queue.empty():
+                samples.append(await _one(client, model, queue.get_nowait(), max_tokens))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(conc)))
+        wall = time.perf_counter() - t0
+    return samples, wall
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def _summary(samples: list[Sample], wall: float) -> dict[str, Any]:
+    tokens = sum(s.tokens for s in samples)
+    ttft, e2e = [s.ttft for s in samples], [s.e2e for s in samples]
+    itl = [s.itl for s in samples if s.itl is not None]
+    drafted = sum(s.spec.get("drafted", 0) for s in samples)
+    accepted = sum(s.spec.get("accepted", 0) for s in samples)
+    cycles = sum(s.spec.get("cycles", 0) for s in samples)
+    return {
+        "requests": len(samples),
+        "output_tokens": tokens,
+        "wall_s": round(wall, 3),
+        "output_tok_s": round(tokens / wall, 3),
+        "ttft_p50_s": round(_pct(ttft, 0.5), 4),
+        "ttft_p99_s": round(_pct(ttft, 0.99), 4),
+        "itl_mean_s": round(statistics.fmean(itl), 5) if itl else None,
+        "itl_p50_s": round(_pct(itl, 0.5), 5) if itl else None,
+        "e2e_p50_s": round(_pct(e2e, 0.5), 3),
+        "e2e_p99_s": round(_pct(e2e, 0.99), 3),
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+        "mean_acceptance_length": round(1 + accepted / cycles, 4) if cycles else 0.0,
+    }
+
+
+def _switch(url: str, token: str, model: str, on: bool) -> None:
+    headers = {"Authorization": f"Bearer {token}"}
+    state = httpx.get(url + "/admin/api/state", headers=headers, timeout=30).json()
+    settings = next(m for m in state["models"] if m["name"] == model)["settings"]
+    r = httpx.put(
+        f"{url}/admin/api/models/{model}",
+        json={**settings, "enabled": on},
+        headers=headers,
+        timeout=1800,  # switching on may load the draft model
+    )
+    r.raise_for_status()
+
+
+def run(t: LoadTest, out_dir: Path) -> dict[str, Any]:
+    port, token = _free_port(), secrets.token_urlsafe(12)
+    url = f"http://127.0.0.1:{port}"
+    workdir = Path(tempfile.mkdtemp(prefix="quickdraft-loadtest-"))
+    log_path = workdir / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            _server_cmd(t, port, token, workdir / "settings.json"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        _wait_healthy(url, proc, t.start_timeout_s)
+        prompts = _prompts(t.requests)
+        results: dict[str, dict[str, Any]] = {}
+        for phase in PHASES:
+            _switch(url, token, t.model, on=phase == "on")
+            # warm-up, excluded: kernels, allocator, draft model, at the largest batch
+            asyncio.run(_level(url, t.model, prompts[: max(t.concurrency)], max(t.concurrency), 16))
+            results[phase] = {}
+            for conc in t.concurrency:
+                samples, wall = asyncio.run(_level(url, t.model, prompts, conc, t.max_tokens))
+                results[phase][str(conc)] = row = _summary(samples, wall)
+                print(f"[serve bench] {phase} c={conc}: {json.dumps(row)}", flush=True)
+    except BaseException:
+        sys.stderr.write(f"server log ({log_path}):\n{log_path.read_text()[-4000:]}\n")
+        raise
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    speedup = {
+        c: round(results["on"][c]["output_tok_s"] / results["off"][c]["output_tok_s"], 3)
+        for c in results["on"]
+    }
+    report = {
+        "bench": "serve",
+        "model": t.model,
+        "dtype": t.dtype,
+        "speculation": asdict(t.spec),
+        "requests_per_level": t.requests,
+        "max_tokens": t.max_tokens,
+        "machine": _machine(),
+        "results": results,
+        "speedup_on_vs_off": speedup,
+    }
+    _write(report, out_dir)
+    return report
+
+
+def _machine() -> dict[str, Any]:
+    import platform
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "commit": commit.stdout.strip() or "unknown",
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    spec = report["speculation"]
+    what = spec["method"] + (f" ({spec['draft_model']})" if spec["method"] == "draft" else "")
+    lines = [
+        f"{report['model']} {report['dtype']}, speculation {what} k <= {spec['num_draft_tokens']}"
+        f", {report['requests_per_level']} requests/level, max_tokens {report['max_tokens']}, "
+        "greedy, streamed over HTTP",
+        "",
+        "| concurrency | speculation | output tok/s | speedup | TTFT p50 / p99 s | ITL mean ms "
+        "| e2e p50 / p99 s | acceptance | AL |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for conc in report["results"]["off"]:
+        for phase in PHASES:
+            r = report["results"][phase][conc]
+            speedup = report["speedup_on_vs_off"][conc] if phase == "on" else 1.0
+            itl = "" if r["itl_mean_s"] is None else f"{1000 * r['itl_mean_s']:.1f}"
+            acc = f"{100 * r['acceptance_rate']:.0f} %" if r["drafted"] else "-"
+            al = r["mean_acceptance_length"] if r["drafted"] else "-"
+            lines.append(
+                f"| {conc} | {phase} | {r['output_tok_s']:.2f} | {speedup:.2f}x | "
+                f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | {itl} | "
+                f"{r['e2e_p50_s']:.1f} / {r['e2e_p99_s']:.1f} | {acc} | {al} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _write(report: dict[str, Any], out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"serve-{Path(report['model']).name}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(markdown(report))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = list(report["results"]["off"])
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    panels = [
+        ("output_tok_s", "output tok/s", 1.0),
+        ("ttft_p50_s", "TTFT p50 (s)", 1.0),
+        ("itl_mean_s", "inter-token latency (ms)", 1000.0),
+    ]
+    for ax, (key, label, scale) in zip(axes, panels, strict=True):
+        for phase in PHASES:
+            ys = [(report["results"][phase][c][key] or 0) * scale for c in levels]
+            ax.plot([int(c) for c in levels], ys, marker="o", label=f"speculation {phase}")
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(label)
+        ax.set_xticks([int(c) for c in levels])
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{report['model']} ({report['dtype']}): serving, speculation on vs off")
+    fig.tight_layout()
+    fig.savefig(stem.with_suffix(".png"), dpi=100)
+    plt.close(fig)

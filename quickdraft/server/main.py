@@ -1,0 +1,132 @@
+"""Start a server: load the model, configure speculation, start the engine, run uvicorn.
+
+Stage: process entry (`quickdraft serve` calls `serve`). Speculation at start = the command
+line's, overridden per model by the settings file when it has an entry (what an operator set on
+the admin page survives restarts). `BackgroundServer` runs an app on a loopback port in a thread
+(tests, notebooks, the serving benchmark's in-process use).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import sys
+import threading
+from dataclasses import dataclass, field
+from types import TracebackType
+
+import uvicorn
+from fastapi import FastAPI
+
+from quickdraft.config import SpeculativeConfig
+from quickdraft.server.app import create_app
+from quickdraft.server.settings import load_settings
+from quickdraft.server.state import ServerConfig
+
+log = logging.getLogger("quickdraft.server")
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    model: str
+    dtype: str = "bf16"
+    spec: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_name: str | None = None
+    log_level: str = "info"
+    access_log: bool = False
+
+
+def serve(opts: ServeOptions, config: ServerConfig) -> None:
+    from quickdraft.engine import Engine, ServedModel
+    from quickdraft.generate import load
+
+    _setup_logging(opts.log_level)
+    name = opts.served_name or opts.model
+    saved = load_settings(config.settings_path) if config.settings_path else {}
+    spec = opts.spec
+    if name in saved:
+        spec = saved[name].apply(opts.spec)
+        log.info("settings file %s sets %s speculation: %s", config.settings_path, name, spec)
+    if config.admin_token is None:  # the admin page is always protected: make up a token
+        config = _with_admin_token(config, secrets.token_urlsafe(18))
+        log.warning("admin token for this run (--admin-token sets one): %s", config.admin_token)
+    log.info("loading %s (%s), speculation %s", opts.model, opts.dtype, spec)
+    lm = load(opts.model, opts.dtype)
+    engine = Engine({name: ServedModel(lm, spec)}, max_waiting=config.max_concurrency)
+    engine.start()
+    try:
+        app = create_app(engine, config, {name: saved[name]} if name in saved else None)
+        url = f"http://{opts.host}:{opts.port}"
+        log.info("serving %s at %s/v1 (admin page %s/admin, metrics %s/metrics)", name, *[url] * 3)
+        uvicorn.run(
+            app,
+            host=opts.host,
+            port=opts.port,
+            log_level=opts.log_level,
+            access_log=opts.access_log,
+            timeout_graceful_shutdown=5,
+        )
+    finally:
+        engine.stop()
+
+
+def _with_admin_token(config: ServerConfig, token: str) -> ServerConfig:
+    import dataclasses
+
+    return dataclasses.replace(config, admin_token=token)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # The server logs one line per finished request (metrics.RequestTrack.finish) with the
+    # request's and the cumulative acceptance; the engine's own per-request line would repeat it.
+    if logging.getLogger().level > logging.DEBUG:
+        logging.getLogger("quickdraft.engine").setLevel(logging.WARNING)
+
+
+class BackgroundServer:
+    """`with BackgroundServer(app) as srv: httpx.get(srv.url + "/health")` -- uvicorn on a free
+    loopback port in a daemon thread, stopped (and joined) on exit."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", log_level: str = "warning") -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, 0))
+        self.host, self.port = self.sock.getsockname()[:2]
+        cfg = uvicorn.Config(
+            app, log_level=log_level, access_log=False, timeout_graceful_shutdown=2
+        )
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> BackgroundServer:
+        self.thread.start()
+        done = threading.Event()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("the server thread exited during start-up")
+            done.wait(0.02)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()

@@ -1,0 +1,96 @@
+"""What one server instance holds: its config, the engine, metrics, speculation settings.
+
+Stage: the HTTP side. `ServerState` lives on the event loop; the only thing shared with the
+engine thread is the Engine API (submit / iterate / cancel / configure). `in_flight` counts the
+requests this server has admitted and not yet released (the `--max-concurrency` bound): a slot is
+taken at submit and released exactly once when the response ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quickdraft.config import SpeculativeConfig
+from quickdraft.engine import Engine, RequestHandle
+from quickdraft.server.metrics import Metrics, RequestTrack, now
+from quickdraft.server.settings import SpeculationSettings, save_settings
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    api_key: str | None = None  # required as `Authorization: Bearer <key>` on /v1/* when set
+    admin_token: str | None = None  # the admin API's own token; None = admin API disabled
+    max_concurrency: int = 64  # requests admitted at once (running + queued); more -> 503
+    max_body_bytes: int = 1 << 20
+    default_max_tokens: int = 2048  # when a request gives none (capped by the context)
+    retry_after_s: int = 1  # the Retry-After header of a 503
+    settings_path: Path | None = None  # admin changes persist here (None: not persisted)
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+
+
+class Slot:
+    """One admitted request's claim on the server; `release` is idempotent."""
+
+    __slots__ = ("handle", "released", "state", "track")
+
+    def __init__(self, state: ServerState, handle: RequestHandle, track: RequestTrack) -> None:
+        self.state = state
+        self.handle = handle
+        self.track = track
+        self.released = False
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.state.in_flight -= 1
+        self.handle.cancel()  # no-op for a finished request; frees an unfinished one at once
+        if not self.track.done:  # the client left (or the relay failed) before the last output
+            self.track.abort(self.handle.id, now())
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    config: ServerConfig
+    settings: dict[str, SpeculationSettings]
+    base_configs: dict[str, SpeculativeConfig]  # the start-up configs settings are applied to
+    metrics: Metrics
+    started: int = field(default_factory=lambda: int(time.time()))
+    in_flight: int = 0
+    configure_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @classmethod
+    def create(
+        cls,
+        engine: Engine,
+        config: ServerConfig,
+        settings: dict[str, SpeculationSettings] | None = None,
+    ) -> ServerState:
+        base = {name: served.spec_config for name, served in engine.models.items()}
+        given = settings or {}
+        current = {
+            name: given.get(name) or SpeculationSettings.of(cfg) for name, cfg in base.items()
+        }
+        return cls(engine, config, current, base, Metrics(list(engine.models)))
+
+    async def reconfigure(self, model: str, new: SpeculationSettings) -> None:
+        """Apply `new` to requests submitted from now on, then persist it. Raises ValueError
+        (bad combination, draft model that does not fit) leaving everything as it was."""
+        async with self.configure_lock:  # one change at a time; loading a draft takes a while
+            spec = new.apply(self.base_configs[model])
+            # configure() may load a draft model and time it: keep the event loop serving
+            await asyncio.to_thread(self.engine.configure, model, spec)
+            self.settings[model] = new
+            if self.config.settings_path is not None:
+                save_settings(self.config.settings_path, self.settings)

@@ -1,0 +1,195 @@
+"""quickdraft.server.admin: the admin API (own token, live changes, settings file) over HTTP,
+and `quickdraft serve` as a real process loading its settings file at start."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from quickdraft.config import SpeculativeConfig
+from quickdraft.engine import Engine, ServedModel
+from quickdraft.generate import LoadedModel, load
+from quickdraft.server import ServerConfig, create_app
+from quickdraft.server.main import BackgroundServer
+from quickdraft.server.settings import load_settings
+
+ADMIN = "the-admin-token"
+KEY = "the-api-key"
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model_dir: Path) -> LoadedModel:
+    return load(str(tiny_model_dir), "fp32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def settings_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("admin") / "settings.json"
+
+
+@pytest.fixture(scope="module")
+def srv(lm: LoadedModel, settings_path: Path) -> Iterator[BackgroundServer]:
+    engine = Engine({"tiny": ServedModel(lm, SpeculativeConfig(adaptive=False))})
+    engine.start()
+    config = ServerConfig(api_key=KEY, admin_token=ADMIN, settings_path=settings_path)
+    with BackgroundServer(create_app(engine, config)) as server:
+        yield server
+    engine.stop()
+
+
+def admin(srv: BackgroundServer, method: str, path: str, token: str = ADMIN, **kw: Any) -> Any:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.request(method, srv.url + path, headers=headers, timeout=60, **kw)
+
+
+def spec_of_next_request(url: str, key: str = KEY) -> dict[str, Any]:
+    c = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+    r = c.completions.create(
+        model="tiny",
+        prompt="abcabcabcabc",
+        max_tokens=24,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.usage is not None and r.usage.completion_tokens == 24
+    spec: dict[str, Any] = r.model_extra["speculative"]  # type: ignore[index]
+    return spec
+
+
+def test_admin_page_is_served_and_api_needs_the_admin_token(srv: BackgroundServer) -> None:
+    page = httpx.get(srv.url + "/admin")
+    assert page.status_code == 200 and '<script src="/admin/admin.js">' in page.text
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    assert httpx.get(srv.url + "/admin/admin.js").status_code == 200
+    for token in ("", "wrong", KEY):  # the API key is not the admin token
+        r = admin(srv, "GET", "/admin/api/state", token=token)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        put = admin(srv, "PUT", "/admin/api/models/tiny", token=token, json={})
+        assert put.status_code == 401
+    state = admin(srv, "GET", "/admin/api/state").json()
+    assert state["models"][0]["name"] == "tiny"
+    assert state["models"][0]["active"]["method"] == "none"
+
+
+def test_admin_change_applies_to_next_request_and_persists(
+    srv: BackgroundServer, settings_path: Path
+) -> None:
+    assert spec_of_next_request(srv.url)["method"] == "none"
+    new = {"enabled": True, "method": "ngram", "draft_model": None, "num_draft_tokens": 3}
+    r = admin(srv, "PUT", "/admin/api/models/tiny", json=new)
+    assert r.status_code == 200, r.text
+    assert r.json()["models"][0]["active"] == {
+        "method": "ngram",
+        "num_draft_tokens": 3,
+        "draft_model": None,
+        "adaptive": False,  # the start-up config's fields the page does not edit are kept
+    }
+    spec = spec_of_next_request(srv.url)
+    assert spec["method"] == "ngram" and spec["drafted"] > 0
+    assert len(spec["accepted_per_position"]) <= 3
+    assert json.loads(settings_path.read_text())["models"]["tiny"] == new
+    assert load_settings(settings_path)["tiny"].num_draft_tokens == 3
+
+    off = {**new, "enabled": False}
+    assert admin(srv, "PUT", "/admin/api/models/tiny", json=off).status_code == 200
+    assert spec_of_next_request(srv.url)["method"] == "none"
+    saved = json.loads(settings_path.read_text())["models"]["tiny"]
+    assert saved["enabled"] is False and saved["method"] == "ngram"  # the choice is kept
+
+
+def test_admin_draft_model_setting_loads_the_draft(
+    srv: BackgroundServer, tiny_model_dir: Path
+) -> None:
+    # the tiny model drafting for itself: same tokenizer, so the engine accepts it
+    new = {
+        "enabled": True,
+        "method": "draft",
+        "draft_model": str(tiny_model_dir),
+        "num_draft_tokens": 2,
+    }
+    r = admin(srv, "PUT", "/admin/api/models/tiny", json=new)
+    assert r.status_code == 200, r.text
+    spec = spec_of_next_request(srv.url)
+    # a draft model identical to the target (both fp32) is accepted at every position
+    assert spec["method"] == "draft" and spec["drafted"] > 0
+    assert spec["accepted"] == spec["drafted"]
+
+
+@pytest.mark.parametrize(
+    ("change", "status"),
+    [
+        pytest.param({"method": "eagle"}, 400, id="unknown-method"),
+        pytest.param({"num_draft_tokens": 0}, 400, id="k-zero"),
+        pytest.param({"num_draft_tokens": "3"}, 400, id="k-string"),
+        pytest.param({"method": "draft", "draft_model": None}, 400, id="draft-without-model"),
+        pytest.param({"method": "draft", "draft_model": "/no/such/model"}, 400, id="no-such-draft"),
+        pytest.param({"extra": 1}, 400, id="unknown-field"),
+    ],
+)
+def test_admin_bad_settings_change_nothing(
+    srv: BackgroundServer, settings_path: Path, change: dict[str, Any], status: int
+) -> None:
+    good = {"enabled": True, "method": "ngram", "draft_model": None, "num_draft_tokens": 4}
+    assert admin(srv, "PUT", "/admin/api/models/tiny", json=good).status_code == 200
+    before = settings_path.read_text()
+    r = admin(srv, "PUT", "/admin/api/models/tiny", json={**good, **change})
+    assert r.status_code == status and r.json()["error"]["message"]
+    assert settings_path.read_text() == before
+    assert spec_of_next_request(srv.url)["method"] == "ngram"
+
+
+def test_admin_unknown_model_is_404(srv: BackgroundServer) -> None:
+    good = {"enabled": True, "method": "ngram", "draft_model": None, "num_draft_tokens": 4}
+    assert admin(srv, "PUT", "/admin/api/models/other", json=good).status_code == 404
+
+
+def test_admin_serve_cli_loads_the_settings_file_at_start(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    settings = tmp_path / "settings.json"
+    saved = {"enabled": True, "method": "ngram", "draft_model": None, "num_draft_tokens": 2}
+    settings.write_text(json.dumps({"version": 1, "models": {"tiny": saved}}))
+    port = free_port()
+    cmd = [sys.executable, "-m", "quickdraft", "serve", str(tiny_model_dir), "--dtype", "fp32"]
+    cmd += ["--served-model-name", "tiny", "--speculative-method", "none", "--port", str(port)]
+    cmd += ["--settings", str(settings), "--admin-token", ADMIN, "--api-key", KEY]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120  # a liveness bound for start-up, not a speed claim
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        state = httpx.get(url + "/admin/api/state", headers={"Authorization": f"Bearer {ADMIN}"})
+        assert state.json()["models"][0]["settings"] == saved  # the file won over the flags
+        spec = spec_of_next_request(url)
+        assert spec["method"] == "ngram" and len(spec["accepted_per_position"]) <= 2
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    log = out.decode()
+    assert "settings file" in log and "request cmpl-" in log  # one line per finished request
+    assert "cumulative acceptance" in log
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port

@@ -1,0 +1,233 @@
+"""quickdraft.server: bad input never hurts the server (issue item 5).
+
+Every case gets its OpenAI-shaped error with the right status (400 not 422, 401, 404, 413, 503 +
+Retry-After), and after every one the next valid request is served correctly. Real server on
+loopback, real `openai` client (max_retries=0); raw httpx only where the client cannot produce
+the bad input (broken JSON, a body that is not an object, a chunked body).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from quickdraft.engine import Engine, ServedModel
+from quickdraft.generate import LoadedModel, load
+from quickdraft.server import ServerConfig, create_app
+from quickdraft.server.main import BackgroundServer
+
+KEY = "sk-test-key"
+BODY_LIMIT = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model_dir: Path) -> LoadedModel:
+    return load(str(tiny_model_dir), "fp32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def srv(lm: LoadedModel) -> Iterator[BackgroundServer]:
+    engine = Engine({"tiny": ServedModel(lm)}, max_waiting=8)
+    engine.start()
+    config = ServerConfig(api_key=KEY, max_concurrency=1, max_body_bytes=BODY_LIMIT)
+    with BackgroundServer(create_app(engine, config)) as server:
+        yield server
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def client(srv: BackgroundServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+
+
+def assert_served(client: openai.OpenAI) -> None:
+    """The next valid request is served correctly."""
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.choices[0].finish_reason == "length" and r.usage is not None
+    assert r.usage.completion_tokens == 3
+
+
+def msgs(text: str = "hi") -> list[Any]:
+    return [{"role": "user", "content": text}]
+
+
+# (id, endpoint, request kwargs, expected param): each must be a 400 naming `param`
+BAD_REQUESTS: list[tuple[str, str, dict[str, Any], str | None]] = [
+    ("missing-messages", "chat", {}, "messages"),
+    ("empty-messages", "chat", {"messages": []}, "messages"),
+    ("messages-not-a-list", "chat", {"messages": "hi"}, "messages"),
+    ("bad-role", "chat", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ("content-wrong-type", "chat", {"messages": [{"role": "user", "content": 5}]}, None),
+    ("temperature-string", "chat", {"messages": msgs(), "temperature": "0.5"}, "temperature"),
+    ("temperature-negative", "chat", {"messages": msgs(), "temperature": -0.1}, "temperature"),
+    ("temperature-above-2", "chat", {"messages": msgs(), "temperature": 2.5}, "temperature"),
+    ("top-p-zero", "chat", {"messages": msgs(), "top_p": 0}, "top_p"),
+    ("top-p-above-1", "chat", {"messages": msgs(), "top_p": 1.5}, "top_p"),
+    ("max-tokens-zero", "chat", {"messages": msgs(), "max_tokens": 0}, "max_tokens"),
+    ("max-tokens-string", "chat", {"messages": msgs(), "max_tokens": "10"}, "max_tokens"),
+    ("max-tokens-beyond-context", "chat", {"messages": msgs(), "max_tokens": 600}, "max_tokens"),
+    ("prompt-beyond-context", "completion", {"prompt": "x" * 600}, "prompt"),
+    ("stop-empty-list", "chat", {"messages": msgs(), "stop": []}, "stop"),
+    ("stop-five-strings", "chat", {"messages": msgs(), "stop": list("abcde")}, "stop"),
+    ("stop-empty-string", "chat", {"messages": msgs(), "stop": [""]}, "stop"),
+    ("n-2", "chat", {"messages": msgs(), "n": 2}, "n"),
+    ("stream-options-without-stream", "chat", {"messages": msgs(), "stream_options": {}}, None),
+    ("stream-not-bool", "chat", {"messages": msgs(), "stream": "yes"}, "stream"),
+    ("unknown-field", "chat", {"messages": msgs(), "frobnicate": 1}, "frobnicate"),
+    ("penalty-unsupported", "chat", {"messages": msgs(), "presence_penalty": 1.0}, None),
+    ("completion-empty-prompt", "completion", {"prompt": ""}, "prompt"),
+    ("completion-two-prompts", "completion", {"prompt": ["a", "b"]}, "prompt"),
+    ("completion-token-out-of-vocab", "completion", {"prompt": [1, 99999]}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "kwargs", "param"),
+    [pytest.param(e, k, p, id=i) for i, e, k, p in BAD_REQUESTS],
+)
+def test_server_bad_request_is_400_then_serves(
+    client: openai.OpenAI, endpoint: str, kwargs: dict[str, Any], param: str | None
+) -> None:
+    body = {"model": "tiny", **kwargs}
+    path = "/chat/completions" if endpoint == "chat" else "/completions"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.post(path, body=body, cast_to=httpx.Response)
+    err = exc.value
+    assert err.status_code == 400 and err.type == "invalid_request_error"
+    assert isinstance(err.body, dict) and set(err.body) == {"message", "type", "param", "code"}
+    assert err.body["message"]
+    if param is not None:
+        assert err.param == param
+    assert_served(client)
+
+
+def test_server_stream_options_error_names_the_field(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(
+            model="tiny", messages=msgs(), stream_options={"include_usage": True}
+        )
+    assert exc.value.param == "stream_options"
+    assert_served(client)
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        pytest.param(b'{"model": "tiny", "messages": [', "invalid JSON", id="broken-json"),
+        pytest.param(b'["a", "b"]', "JSON object", id="not-an-object"),
+        pytest.param(b"", "", id="empty-body"),
+    ],
+)
+def test_server_unparseable_body_is_400(
+    srv: BackgroundServer, client: openai.OpenAI, content: bytes, expected: str
+) -> None:
+    r = httpx.post(
+        srv.url + "/v1/chat/completions",
+        content=content,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
+    assert r.status_code == 400, r.text
+    assert expected in r.json()["error"]["message"]
+    assert_served(client)
+
+
+def test_server_unknown_model_is_404(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.chat.completions.create(model="gpt-9", messages=msgs())
+    assert exc.value.code == "model_not_found" and exc.value.param == "model"
+    assert_served(client)
+
+
+@pytest.mark.parametrize("key", [None, "wrong"], ids=["no-key", "wrong-key"])
+def test_server_api_key_required(
+    srv: BackgroundServer, client: openai.OpenAI, key: str | None
+) -> None:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    for path in ("/v1/models", "/v1/chat/completions"):
+        r = httpx.post(srv.url + path, json={}, headers=headers)
+        if path == "/v1/models":
+            r = httpx.get(srv.url + path, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    if key is not None:  # the client itself refuses to send without a key
+        bad = openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.chat.completions.create(model="tiny", messages=msgs())
+    assert httpx.get(srv.url + "/health").status_code == 200  # not behind the key
+    assert_served(client)
+
+
+def test_server_body_over_limit_is_413(srv: BackgroundServer, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.APIStatusError) as exc:
+        client.chat.completions.create(model="tiny", messages=msgs("x" * BODY_LIMIT))
+    assert exc.value.status_code == 413 and exc.value.code == "request_too_large"
+    assert_served(client)
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        yield b'{"model": "tiny", "messages": [{"role": "user", "content": "'
+        for _ in range(BODY_LIMIT // 4096 + 1):
+            yield b"y" * 4096
+        yield b'"}]}'
+
+    r = httpx.post(
+        srv.url + "/v1/chat/completions",
+        content=chunks(),
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert_served(client)
+
+
+def test_server_over_concurrency_limit_is_503_with_retry_after(
+    srv: BackgroundServer, client: openai.OpenAI
+) -> None:
+    # max_concurrency=1: a stream in progress holds the only slot
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=msgs(),
+        max_tokens=400,
+        stream=True,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    next(iter(stream))  # admitted and running
+    try:
+        with pytest.raises(openai.InternalServerError) as exc:
+            client.chat.completions.create(model="tiny", messages=msgs(), max_tokens=2)
+        assert exc.value.status_code == 503 and exc.value.code == "server_busy"
+        assert exc.value.response.headers["retry-after"] == "1"
+    finally:
+        stream.close()
+    for _ in range(200):  # the slot comes back once the server has seen the disconnect
+        try:
+            assert_served(client)
+            break
+        except openai.InternalServerError:
+            time.sleep(0.02)
+    else:
+        pytest.fail("the slot of the cancelled stream was never released")
+
+
+def test_server_engine_queue_full_is_503_with_retry_after(lm: LoadedModel) -> None:
+    engine = Engine({"tiny": ServedModel(lm)}, max_waiting=0)  # every submit finds it full
+    engine.start()
+    try:
+        with BackgroundServer(create_app(engine)) as server:
+            c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+            with pytest.raises(openai.InternalServerError) as exc:
+                c.completions.create(model="tiny", prompt="hi", max_tokens=2)
+            assert exc.value.status_code == 503 and exc.value.code == "queue_full"
+            assert exc.value.response.headers["retry-after"] == "1"
+    finally:
+        engine.stop()
