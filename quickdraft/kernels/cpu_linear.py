@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 DISABLE_ENV = "QUICKDRAFT_NO_KERNELS"
 
-_SOURCE = Path(__file__).with_name("linear_bf16.cpp")
+_SOURCES = [Path(__file__).with_name(f) for f in ("linear_bf16.cpp", "norm_rope.cpp")]
 _EXT_NAME = "quickdraft_linear_bf16"
 # -fopenmp: at::parallel_for is header-inline and runs serially unless compiled with OpenMP;
 # the extension then shares torch's already-loaded libgomp pool (same soname).
@@ -136,7 +136,7 @@ def _load() -> Any:
                 log.info("building quickdraft CPU kernels in %s (first use only)", directory)
                 ext = cpp_extension.load(
                     name=_EXT_NAME,
-                    sources=[str(_SOURCE)],
+                    sources=[str(f) for f in _SOURCES],
                     extra_cflags=_CFLAGS,
                     extra_ldflags=_LDFLAGS,
                     build_directory=str(directory),

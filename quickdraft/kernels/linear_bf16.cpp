@@ -40,6 +40,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -562,6 +563,13 @@ at::Tensor linear_tuned(const at::Tensor& x, const at::Tensor& w,
 
 }  // namespace
 
+// norm_rope.cpp (same extension)
+at::Tensor qd_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double offset);
+std::tuple<at::Tensor, at::Tensor> qd_add_rms_norm(const at::Tensor& x, const at::Tensor& delta,
+                                                   const at::Tensor& w, double eps,
+                                                   double offset);
+at::Tensor qd_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released: the kernel touches no Python objects, and other Python threads
   // (an HTTP server loop) keep running during a forward.
@@ -578,6 +586,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("eligible_int8", &eligible_int8, "whether `linear_int8` accepts these inputs",
         py::arg("x"), py::arg("qweight"), py::arg("scale"), py::arg("bias"));
+  m.def("rms_norm", &qd_rms_norm, "x * rsqrt(mean(x^2) + eps) * (w + offset)", py::arg("x"),
+        py::arg("weight"), py::arg("eps"), py::arg("offset"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("add_rms_norm", &qd_add_rms_norm, "(x + delta, rms_norm(x + delta))", py::arg("x"),
+        py::arg("delta"), py::arg("weight"), py::arg("eps"), py::arg("offset"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rope", &qd_rope, "rotate-half RoPE on the first cos.size(-1) dims of each head",
+        py::arg("x"), py::arg("cos"), py::arg("sin"), py::call_guard<py::gil_scoped_release>());
   m.def("kernel_calls", [] { return g_kernel_calls.load(); },
         "how many calls ran the kernel (tests check the fast path was taken)");
 }

@@ -1,0 +1,81 @@
+"""Fused per-token ops (RMSNorm, residual add + RMSNorm, rotate-half RoPE) with plain references.
+
+Contract (each op = its `reference_*` function up to fp32 rounding; outputs in x's dtype):
+    rms_norm(x [..., H], weight [H], eps, offset=0.0)
+        -> x * rsqrt(mean(x^2) + eps) * (weight + offset)
+    add_rms_norm(x, delta, weight, eps, offset=0.0) -> (s = x + delta, rms_norm(s))
+    rope(x [N, heads, d], cos [N, rot], sin [N, rot]) -> rotate-half RoPE on the first `rot`
+        dims of every head (the rest pass through); x may be a strided view (last dim contiguous)
+`offset=1.0` is the zero-centred (1 + w) RMSNorm of Qwen3-Next / Qwen3.5. The C++ versions
+(norm_rope.cpp, built with the linear kernel) run on CPU tensors in bf16 / fp32 with a matching
+weight dtype; anything else (CUDA, fp16, a failed build, QUICKDRAFT_NO_KERNELS=1) runs the
+reference, which is the same math in a few torch ops.
+
+Why: at decode time these tensors are a few KB and each torch op costs its dispatch overhead:
+one fused pass replaces ~8 ops (RMSNorm) or ~6 per tensor (RoPE).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from quickdraft.kernels.cpu_linear import _extension
+
+
+def _fast(x: Tensor, weight: Tensor | None = None) -> bool:
+    return (
+        x.is_cpu
+        and x.dtype in (torch.bfloat16, torch.float32)
+        and (weight is None or (weight.dtype == x.dtype and weight.is_cpu))
+        and not (torch.is_grad_enabled() and x.requires_grad)
+    )
+
+
+def reference_rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
+    w = weight.float() + offset if offset else weight
+    return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
+    ext = _extension() if _fast(x, weight) else None
+    if ext is None:
+        return reference_rms_norm(x, weight, eps, offset)
+    out: Tensor = ext.rms_norm(x, weight, eps, offset)
+    return out
+
+
+def reference_add_rms_norm(
+    x: Tensor, delta: Tensor, weight: Tensor, eps: float, offset: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    s = x + delta
+    return s, reference_rms_norm(s, weight, eps, offset)
+
+
+def add_rms_norm(
+    x: Tensor, delta: Tensor, weight: Tensor, eps: float, offset: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    ext = _extension() if _fast(x, weight) and delta.dtype == x.dtype else None
+    if ext is None:
+        return reference_add_rms_norm(x, delta, weight, eps, offset)
+    s, y = ext.add_rms_norm(x, delta, weight, eps, offset)
+    return s, y
+
+
+def reference_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    rot = cos.shape[-1]
+    half = rot // 2
+    xf = x.float()
+    head, tail = xf[..., :rot], xf[..., rot:]
+    rotated = torch.cat((-head[..., half:], head[..., :half]), dim=-1)
+    out = head * cos[:, None, :] + rotated * sin[:, None, :]
+    return torch.cat((out, tail), dim=-1).to(x.dtype)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    ext = _extension() if _fast(x) and x.dim() == 3 and x.stride(-1) == 1 else None
+    if ext is None:
+        return reference_rope(x, cos, sin)
+    out: Tensor = ext.rope(x, cos, sin)
+    return out
