@@ -256,11 +256,16 @@ def run(t: LoadTest, out_dir: Path) -> dict[str, Any]:
 def _machine() -> dict[str, Any]:
     import platform
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
+
+    changed = git("status", "--porcelain", "--untracked-files=all", "quickdraft")
     return {
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
-        "commit": commit.stdout.strip() or "unknown",
+        "commit": git("rev-parse", "--short", "HEAD") or "unknown",
+        # package files that differ from that commit: the measured code is not the committed one
+        "uncommitted": changed.splitlines(),
     }
 
 
