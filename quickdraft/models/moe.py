@@ -1,0 +1,104 @@
+"""Feed-forward blocks of the Qwen3-Next family: the gated MLP and the sparse MoE block with a
+gated shared expert (Qwen3-Next, Qwen3.5-MoE).
+
+Contract: `forward(x [N, hidden]) -> [N, hidden]` over packed tokens of any sequences (no state).
+Parameter names and layouts are transformers 5.x's: `gate.weight` [E, hidden] (router),
+`experts.gate_up_proj` [E, 2 * inter, hidden], `experts.down_proj` [E, hidden, inter],
+`shared_expert.{gate,up,down}_proj`, `shared_expert_gate` [1, hidden]. Checkpoints that store
+one tensor per expert (`experts.{e}.gate_proj.weight`, ...) are mapped onto the fused tensors
+by the loader's name map (models/qwen3_next.py: `checkpoint_name_map`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from quickdraft.models.layers import LinearView, fused_projections, project
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); gate and up run as one fused GEMM."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.inter = inter
+        self.gate_up_weight, _ = fused_projections(
+            self, hidden, {"gate_proj": inter, "up_proj": inter}, False, dtype, device
+        )
+        self.down_proj = LinearView(torch.empty(hidden, inter, dtype=dtype, device=device), None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate_up = project(x, self.gate_up_weight)  # [N, 2 * inter]
+        return project(
+            F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :], self.down_proj.weight
+        )
+
+
+class Experts(nn.Module):
+    def __init__(
+        self, num: int, hidden: int, inter: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.inter = inter
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num, 2 * inter, hidden, dtype=dtype, device=device), requires_grad=False
+        )
+        self.down_proj = nn.Parameter(
+            torch.empty(num, hidden, inter, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def forward(self, x: Tensor, top_idx: Tensor, top_weight: Tensor) -> Tensor:
+        """x [N, hidden], top_idx / top_weight [N, top_k] -> weighted sum of chosen experts."""
+        out = torch.zeros_like(x)
+        # One GEMM pair per expert that any token chose (a decode step touches top_k experts).
+        for e in torch.unique(top_idx).tolist():
+            rows, slot = torch.where(top_idx == e)
+            gate_up = project(x[rows], self.gate_up_proj[e])  # [n_e, 2 * inter]
+            act = F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
+            y = project(act, self.down_proj[e]) * top_weight[rows, slot, None]
+            out.index_add_(0, rows, y)
+        return out
+
+
+class Router(nn.Module):
+    def __init__(self, num: int, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(num, hidden, dtype=dtype, device=device), requires_grad=False
+        )
+
+
+class SparseMoE(nn.Module):
+    """Top-k softmax routing over `num_experts`, plus sigmoid(gate(x)) * shared_expert(x)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        inter: int,
+        shared_inter: int,
+        norm_topk: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk = top_k, norm_topk
+        self.gate = Router(num_experts, hidden, dtype, device)
+        self.experts = Experts(num_experts, hidden, inter, dtype, device)
+        self.shared_expert = GatedMLP(hidden, shared_inter, dtype, device)
+        self.shared_expert_gate = LinearView(
+            torch.empty(1, hidden, dtype=dtype, device=device), None
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        router_logits = project(x, self.gate.weight)  # [N, E]
+        probs = torch.softmax(router_logits.float(), dim=-1)
+        top_weight, top_idx = torch.topk(probs, self.top_k, dim=-1)  # [N, top_k]
+        if self.norm_topk:
+            top_weight = top_weight / top_weight.sum(-1, keepdim=True)
+        routed = self.experts(x, top_idx, top_weight.to(x.dtype))
+        shared = torch.sigmoid(project(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+        return routed + shared

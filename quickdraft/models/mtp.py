@@ -1,0 +1,124 @@
+"""The multi-token-prediction head (`mtp.*` in Qwen3-Next / Qwen3.5 checkpoints): its module and
+the per-family parts it is built from.
+
+Stage: the model half of the MTP drafter (drafters/mtp.py owns the per-request bookkeeping).
+Layout (names after the `mtp.` prefix, as the checkpoints store them):
+    pre_fc_norm_embedding, pre_fc_norm_hidden   RMSNorms of the target family's convention
+    fc                                          Linear(2H -> H, no bias)
+    layers.0                                    one full-attention decoder layer of the target's
+                                                type (MoE where the target is), own KV cache
+    norm                                        final RMSNorm
+Embedding and lm_head are the target's (shared storage, not parameters of the head).
+
+Contract: `forward(token_ids [N], hidden [N, H], caches, num_new, logit_rows)` runs the rows
+x_i = fc([norm_e(embed(t_{i+1})) ; norm_h(h_i)]) of several requests packed, row i of a request
+at its position cache.length + i (ids shifted by one, positions not), through the layer
+against each request's own KVCache (written past `length`, committed by the caller, like every
+model here), and returns the logits of `logit_rows` plus the layer output before and after
+`norm` (the next chained step feeds one of them back as its hidden).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from quickdraft.config import ModelConfig
+from quickdraft.kv_cache import KVCache
+from quickdraft.models.layers import LinearView, RMSNorm, Rope, project
+from quickdraft.models.llama import DecoderLayer
+from quickdraft.models.qwen3_next import HybridConfig, HybridDecoderLayer, OffsetRMSNorm
+
+
+@dataclass(frozen=True, slots=True)
+class MTPParts:
+    """What differs between families: the decoder layer (`forward(x, rope, caches, num_new)`,
+    writing its KV at layer index 0 of a one-layer KVCache), its RoPE and the norm class."""
+
+    layer: nn.Module
+    rope: Rope
+    make_norm: Callable[[], nn.Module]
+    num_kv_heads: int
+    head_dim: int
+
+
+def llama_mtp_parts(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> MTPParts:
+    """Dense Llama / Qwen2 / Qwen3 targets: heads trained later for them plug in here."""
+    return MTPParts(
+        DecoderLayer(cfg, 0, dtype, device),
+        Rope(cfg.head_dim, cfg.rope_theta, device),
+        lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device),
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    )
+
+
+def hybrid_mtp_parts(cfg: HybridConfig, dtype: torch.dtype, device: torch.device) -> MTPParts:
+    return MTPParts(
+        HybridDecoderLayer(cfg, "full_attention", 0, cfg.num_experts > 0, dtype, device),
+        Rope(cfg.rotary_dim, cfg.rope_theta, device),
+        lambda: OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device),
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    )
+
+
+class MTPHead(nn.Module):
+    def __init__(
+        self,
+        parts: MTPParts,
+        hidden_size: int,
+        embed_weight: Tensor,  # [vocab, H] the target's
+        lm_head_weight: Tensor,  # [vocab, H] the target's
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.dtype, self.device = dtype, device
+        self.pre_fc_norm_embedding = parts.make_norm()
+        self.pre_fc_norm_hidden = parts.make_norm()
+        self.fc = LinearView(
+            torch.empty(hidden_size, 2 * hidden_size, dtype=dtype, device=device), None
+        )
+        self.layers = nn.ModuleList([parts.layer])
+        self.norm = parts.make_norm()
+        self.rope = parts.rope
+        self.num_kv_heads, self.head_dim = parts.num_kv_heads, parts.head_dim
+        # Plain tensors sharing the target's storage: not parameters of the head.
+        self.embed_weight = embed_weight.detach()
+        self.lm_head_weight = lm_head_weight.detach()
+        self.requires_grad_(False)
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache(1, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: Tensor,  # [N] t_{i+1} of each row
+        hidden: Tensor,  # [N, H] h_i of each row (target hidden, or a chained step's output)
+        caches: Sequence[KVCache],
+        num_new: Sequence[int],
+        logit_rows: Tensor,  # rows of N to score
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """-> logits [len(logit_rows), vocab] fp32, output pre-norm [N, H], post-norm [N, H]."""
+        for cache, n in zip(caches, num_new, strict=True):
+            cache.reserve(n)
+        positions = torch.cat(
+            [
+                torch.arange(c.length, c.length + n, device=self.device)
+                for c, n in zip(caches, num_new, strict=True)
+            ]
+        )
+        emb = self.pre_fc_norm_embedding(F.embedding(token_ids, self.embed_weight))
+        x = project(
+            torch.cat([emb, self.pre_fc_norm_hidden(hidden.to(self.dtype))], -1), self.fc.weight
+        )
+        x = self.layers[0](x, self.rope.tables(positions, self.dtype), caches, num_new)
+        out = self.norm(x)  # [N, H]
+        logits = project(out[logit_rows], self.lm_head_weight).float()
+        return logits, x, out
