@@ -2,6 +2,9 @@
 
 Tensors are streamed one at a time from the safetensors files straight into the pre-allocated
 parameters (converted to the model dtype on the way), so peak memory is about one model copy.
+A model type's name map (models/registry.py) may rename checkpoint tensors, place them inside a
+fused parameter (per-expert MoE tensors) or skip them (a vision tower). `mtp.*` tensors belong
+to an MTP head, which drafters/mtp.py loads on demand; loading the target ignores them.
 Only safetensors are read: no pickle, no torch.load.
 """
 
@@ -13,35 +16,44 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from quickdraft.config import ModelConfig
 from quickdraft.models.base import LanguageModel
-from quickdraft.models.registry import model_class
+from quickdraft.models.qwen3_next import NameMap
+from quickdraft.models.registry import model_class, name_map, read_config, same_names
 
 
 def load_model(
     path: str | Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
 ) -> LanguageModel:
     path = Path(path)
-    cfg = ModelConfig.from_hf(path)
+    cfg = read_config(path)
     cls = model_class(cfg.model_type)
     model = cls(cfg, dtype, device)
-    load_weights(model, sorted(path.glob("*.safetensors")))
+    names = name_map(cfg)
+    load_weights(
+        model,
+        sorted(path.glob("*.safetensors")),
+        lambda name: None if name.startswith("mtp.") else names(name),
+    )
     return model  # type: ignore[return-value]  # every MODELS class implements LanguageModel
 
 
-def load_weights(model: nn.Module, files: list[Path]) -> None:
+def load_weights(model: nn.Module, files: list[Path], names: NameMap = same_names) -> None:
     if not files:
         raise FileNotFoundError("no *.safetensors files to load")
     params = dict(model.named_parameters(remove_duplicate=False))
-    missing = set(params)
+    filled = dict.fromkeys(params, 0)  # elements written per parameter
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if name not in params:
+                mapped = names(name)
+                if mapped is None:
+                    continue
+                pname, index = mapped
+                if pname not in params:
                     if name.endswith("rotary_emb.inv_freq"):
                         continue  # some checkpoints store the (derivable) RoPE table
                     raise ValueError(f"{file.name}: unexpected tensor {name!r}")
-                target = params[name]
+                target = params[pname][index] if index else params[pname]
                 tensor = f.get_tensor(name)
                 if tuple(tensor.shape) != tuple(target.shape):
                     raise ValueError(
@@ -50,7 +62,8 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
                     )
                 with torch.no_grad():
                     target.copy_(tensor)
-                missing.discard(name)
+                filled[pname] += tensor.numel()
+    missing = {n for n, p in params.items() if filled[n] < p.numel()}
     # A tied parameter (lm_head sharing the embedding) was filled through its twin.
     loaded = {params[n].data_ptr() for n in params if n not in missing}
     missing = {n for n in missing if params[n].data_ptr() not in loaded}

@@ -1,15 +1,44 @@
-"""Explicit map from Hugging Face `model_type` to our model class (no import magic)."""
+"""Explicit maps from Hugging Face `model_type` to our model code (no import magic): the model
+class, its config reader, how checkpoint tensor names map onto its parameters, and the parts an
+MTP head (`mtp.*`) of that family is built from."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
 from torch import nn
 
+from quickdraft.config import ModelConfig
 from quickdraft.models.llama import CausalLM
+from quickdraft.models.mtp import MTPParts, hybrid_mtp_parts, llama_mtp_parts
+from quickdraft.models.qwen3_next import (
+    HYBRID_TYPES,
+    HybridConfig,
+    HybridLM,
+    NameMap,
+    checkpoint_name_map,
+)
+
+DENSE_TYPES = ("llama", "qwen2", "qwen3")
 
 MODELS: dict[str, type[nn.Module]] = {
-    "llama": CausalLM,
-    "qwen2": CausalLM,
-    "qwen3": CausalLM,
+    **{t: CausalLM for t in DENSE_TYPES},
+    **{t: HybridLM for t in HYBRID_TYPES},
+}
+
+# model_type -> config.json reader (model dir -> config record); default ModelConfig.from_hf
+CONFIGS: dict[str, Callable[[Path], Any]] = {t: HybridConfig.from_hf for t in HYBRID_TYPES}
+
+# model_type -> (config -> checkpoint name map); default: checkpoint names are ours
+NAME_MAPS: dict[str, Callable[[Any], NameMap]] = {t: checkpoint_name_map for t in HYBRID_TYPES}
+
+# model_type -> (config, dtype, device -> the decoder layer / norms / RoPE of its MTP head)
+MTP_PARTS: dict[str, Callable[..., MTPParts]] = {
+    **{t: llama_mtp_parts for t in DENSE_TYPES},
+    **{t: hybrid_mtp_parts for t in HYBRID_TYPES},
 }
 
 
@@ -20,3 +49,26 @@ def model_class(model_type: str) -> type[nn.Module]:
         raise ValueError(
             f"model_type {model_type!r} is not supported; supported: {sorted(MODELS)}"
         ) from None
+
+
+def read_config(path: Path) -> Any:
+    """The config record of the model directory `path`, by its `model_type`."""
+    model_type = json.loads((path / "config.json").read_text()).get("model_type", "")
+    model_class(model_type)  # a clear error for unsupported types before any parsing
+    return CONFIGS.get(model_type, ModelConfig.from_hf)(path)
+
+
+def same_names(name: str) -> tuple[str, tuple[int | slice, ...]] | None:
+    return name, ()
+
+
+def name_map(cfg: Any) -> NameMap:
+    factory = NAME_MAPS.get(cfg.model_type)
+    return same_names if factory is None else factory(cfg)
+
+
+def mtp_parts(model_type: str) -> Callable[..., MTPParts]:
+    try:
+        return MTP_PARTS[model_type]
+    except KeyError:
+        raise ValueError(f"no MTP head support for model_type {model_type!r}") from None
