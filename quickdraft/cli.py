@@ -46,7 +46,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative-method", default="none", choices=["none", "ngram", "draft"])
+    p.add_argument("--speculative-method", default="none", choices=list(SPEC_METHODS))
     p.add_argument("--num-draft-tokens", type=int, default=5, help="draft length ceiling k")
     p.add_argument("--draft-model", default=None, help="draft model (same tokenizer as target)")
     p.add_argument("--ngram-min", type=int, default=2)

@@ -96,7 +96,7 @@ class ModelConfig:
         )
 
 
-SPEC_METHODS = ("none", "ngram", "draft")
+SPEC_METHODS = ("none", "ngram", "draft", "mtp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +104,7 @@ class SpeculativeConfig:
     """How a request speculates. `num_draft_tokens` is the ceiling; the adaptive policy
     (quickdraft/policy.py) picks k <= it per cycle, down to 0 (no drafting) when it cannot pay."""
 
-    method: str = "none"  # "none" | "ngram" | "draft"
+    method: str = "none"  # "none" | "ngram" | "draft" | "mtp" (the target's own head)
     num_draft_tokens: int = 5
     draft_model: str | None = None  # catalog name / path, for method "draft"
     ngram_min: int = 2

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from quickdraft.config import SpeculativeConfig
 from quickdraft.drafters.base import Drafter
 from quickdraft.drafters.draft_model import DraftModelDrafter
+from quickdraft.drafters.mtp import head_step_seconds, mtp_drafter
 from quickdraft.drafters.ngram import NgramDrafter
 from quickdraft.generate import LoadedModel, load
 from quickdraft.policy import CostModel, measure_step_seconds
@@ -44,10 +45,16 @@ def _draft_model(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, f
     return drafter, ratio
 
 
+def _mtp(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, float]:
+    drafter = mtp_drafter(lm.model, lm.path)
+    return drafter, head_step_seconds(drafter.head) / measure_step_seconds(lm.model)
+
+
 # method -> factory(loaded target, config) -> (drafter, draft cost per token / target step)
 DRAFTERS: dict[str, Callable[[LoadedModel, SpeculativeConfig], tuple[Drafter, float]]] = {
     "ngram": _ngram,
     "draft": _draft_model,
+    "mtp": _mtp,
 }
 
 
