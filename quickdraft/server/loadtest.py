@@ -1,8 +1,8 @@
 """The HTTP serving benchmark (`quickdraft bench --serve`, bench/serve.py): not a test.
 
-Starts one `quickdraft serve` process, then for speculation off and on (switched through the
-admin API between phases, so both run in the same process on the same weights) sends streaming
-chat requests at each concurrency level and measures what a client sees: output tok/s (all
+Starts one `quickdraft serve` process, then at each concurrency level runs speculation off, then
+on (switched through the admin API, so both run in the same process on the same weights),
+sending streaming chat requests and measuring what a client sees: output tok/s (all
 completion tokens / wall time of the level), TTFT p50/p99, inter-token latency (per request:
 (last token - first token) / (tokens - 1)), end-to-end latency p50/p99, and the acceptance the
 responses report. Warm-up requests after each switch are excluded. Same prompts (a round-robin
@@ -215,13 +215,14 @@ def run(t: LoadTest, out_dir: Path) -> dict[str, Any]:
     try:
         _wait_healthy(url, proc, t.start_timeout_s)
         prompts = _prompts(t.requests)
-        results: dict[str, dict[str, Any]] = {}
-        for phase in PHASES:
-            _switch(url, token, t.model, on=phase == "on")
-            # warm-up, excluded: kernels, allocator, draft model, at the largest batch
-            asyncio.run(_level(url, t.model, prompts[: max(t.concurrency)], max(t.concurrency), 16))
-            results[phase] = {}
-            for conc in t.concurrency:
+        results: dict[str, dict[str, Any]] = {phase: {} for phase in PHASES}
+        # off and on alternate per level (not one phase after the other): on a shared machine
+        # load drifts over minutes, and the ratio should see the same conditions on both sides
+        for conc in t.concurrency:
+            for phase in PHASES:
+                _switch(url, token, t.model, on=phase == "on")
+                # warm-up, excluded: kernels, allocator, (re)loaded draft model, this batch size
+                asyncio.run(_level(url, t.model, prompts[:conc], conc, 8))
                 samples, wall = asyncio.run(_level(url, t.model, prompts, conc, t.max_tokens))
                 results[phase][str(conc)] = row = _summary(samples, wall)
                 print(f"[serve bench] {phase} c={conc}: {json.dumps(row)}", flush=True)
