@@ -17,8 +17,17 @@ block at once) and, on the last one, the finish reason; usage and speculation te
 readable on every output. `submit` raises `QueueFullError` when `max_waiting` requests are
 already waiting and `ValueError` for a request that cannot run (unknown model, too long).
 
-This version serves one request at a time (FIFO) with the single-stream decode loop of
-generate.py; requests wait their turn.
+Inside: continuous batching. Per served model an `EngineCore` (quickdraft/core.py) runs
+steps: new requests join the running batch (their prefill chunked), finished and cancelled ones
+leave at once with their caches freed, and each step is ONE packed target forward with the
+speculation policy choosing every request's draft length from its acceptance and the batch
+(quickdraft/policy.py). Additions, all optional: `scheduler=SchedulerConfig(max_running,
+max_step_tokens, max_prefill_with_decodes)` in the constructor, and `step_stats` (per model,
+live counters of steps / rows / drafts / accepted for metrics).
+
+A request that fails (an exception in its step) gets the exception on its handle and the
+engine serves on; if the engine thread itself dies, `alive` turns False and every waiting or
+running consumer receives `EngineDeadError`.
 """
 
 from __future__ import annotations
@@ -29,13 +38,15 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Generator, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 from quickdraft.config import SpeculativeConfig
-from quickdraft.generate import LoadedModel, stream
+from quickdraft.core import EngineCore, StepStats
+from quickdraft.generate import LoadedModel
 from quickdraft.request import FinishReason, Request, SpecStats, Timing
 from quickdraft.sampling import SamplingParams
+from quickdraft.scheduler import SchedulerConfig, Sequence
 from quickdraft.speculate import Speculation, make_speculation
 
 log = logging.getLogger(__name__)
@@ -80,10 +91,14 @@ _DONE = object()  # end-of-stream marker in a handle's queue
 class RequestHandle:
     """The consumer's side of one request: iterate outputs, or cancel."""
 
-    def __init__(self, request: Request, model: str) -> None:
+    def __init__(
+        self, request: Request, model: str, speculation: Speculation | None = None
+    ) -> None:
         self.request = request
         self.model = model
         self.id = request.id
+        self.speculation = speculation  # fixed at submit: configure() affects later requests
+        self.sent_ids = 0  # output ids already delivered (engine thread)
         self._cancelled = threading.Event()
         self._sync: queue.Queue[object] = queue.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -131,15 +146,21 @@ class RequestHandle:
 
 
 class Engine:
-    def __init__(self, models: dict[str, ServedModel], max_waiting: int = 64) -> None:
+    def __init__(
+        self,
+        models: dict[str, ServedModel],
+        max_waiting: int = 64,
+        scheduler: SchedulerConfig | None = None,
+    ) -> None:
         if not models:
             raise ValueError("the engine needs at least one model")
         self.models = models
         self.max_waiting = max_waiting
         self._lock = threading.Lock()
-        self._waiting: deque[RequestHandle] = deque()
+        self._waiting: deque[RequestHandle] = deque()  # submitted, not yet in a core
         self._wake = threading.Condition(self._lock)
-        self._running: list[RequestHandle] = []
+        self._cores = {name: EngineCore(s.lm, scheduler) for name, s in models.items()}
+        self._handles: dict[Sequence, RequestHandle] = {}  # engine thread only
         self._stop = False
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
@@ -168,11 +189,16 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + sum(c.num_waiting for c in self._cores.values())
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return sum(c.num_running for c in self._cores.values())
+
+    @property
+    def step_stats(self) -> dict[str, StepStats]:
+        """Per model: live step counters (steps, rows, drafts, accepted, ...); read-only."""
+        return {name: core.stats for name, core in self._cores.items()}
 
     def configure(self, model: str, spec_config: SpeculativeConfig) -> None:
         """Set `model`'s speculation for requests submitted from now on (loads a draft model
@@ -192,12 +218,12 @@ class Engine:
         served = self._served(model)
         rid = request_id or f"req-{next(self._ids)}"
         request = served.lm.new_request(prompt_ids, params, rid)  # ValueError if too long
-        handle = RequestHandle(request, model)
         with self._lock:
             if not self.alive:
                 raise EngineDeadError("the engine is not running")
-            if len(self._waiting) >= self.max_waiting:
-                raise QueueFullError(f"{len(self._waiting)} requests are already waiting")
+            if self.num_waiting >= self.max_waiting:
+                raise QueueFullError(f"{self.num_waiting} requests are already waiting")
+            handle = RequestHandle(request, model, served.speculation)
             self._waiting.append(handle)
             self._wake.notify()
         return handle
@@ -214,20 +240,19 @@ class Engine:
         try:
             while True:
                 with self._lock:
-                    while not self._waiting and not self._stop:
+                    while not self._waiting and not self._busy() and not self._stop:
                         self._wake.wait()
                     if self._stop:
                         break
-                    handle = self._waiting.popleft()
-                    self._running.append(handle)
-                    speculation = self.models[handle.model].speculation
-                try:
-                    self._serve(handle, speculation)
-                finally:
-                    with self._lock:
-                        self._running.remove(handle)
-                    handle._put(_DONE)  # after the bookkeeping: a consumer that saw the end
-                    # of its stream also sees the engine without its request
+                    incoming = list(self._waiting)
+                    self._waiting.clear()
+                for handle in incoming:
+                    seq = self._cores[handle.model].add(handle.request, handle.speculation)
+                    self._handles[seq] = handle
+                self._reap_cancelled()
+                for core in self._cores.values():
+                    if core.has_work:
+                        self._emit(core.step())
         except BaseException as exc:  # the thread dies: every consumer must hear about it
             self.error = exc
             log.exception("engine thread died")
@@ -235,36 +260,44 @@ class Engine:
         finally:
             with self._lock:
                 self._stop = True
-                orphans = list(self._waiting) + list(self._running)
+                orphans = list(self._waiting) + list(self._handles.values())
                 self._waiting.clear()
+            self._handles.clear()
             for h in orphans:
                 h._put(EngineDeadError("the engine stopped"))
                 h._put(_DONE)
 
-    def _serve(self, handle: RequestHandle, speculation: Speculation | None) -> None:
-        req = handle.request
-        lm = self.models[handle.model].lm
-        sent_ids, finished_sent = 0, False
-        try:
-            for text in _deltas(stream(lm, req, speculation), handle):
-                out = self._output(req, text, sent_ids)
-                sent_ids, finished_sent = len(req.output_ids), out.finished
-                handle._put(out)
-        except Exception as exc:  # this request fails; the engine serves the next one
-            log.exception("request %s failed", req.id)
-            handle._put(exc)
-        finally:
-            if not finished_sent:  # EOS without text, cancellation, failure: say how it ended
-                req.abort()
-                handle._put(self._output(req, req.stream_delta(), sent_ids))
-        log.info(
-            "request %s finished (%s): %d prompt + %d output tokens, %s",
-            req.id,
-            req.finish_reason,
-            len(req.prompt_ids),
-            len(req.output_ids),
-            req.spec.summary(),
-        )
+    def _busy(self) -> bool:
+        return any(core.has_work for core in self._cores.values())
+
+    def _reap_cancelled(self) -> None:
+        """Cancelled requests leave before the next step; their caches are freed now."""
+        for seq, handle in list(self._handles.items()):
+            if handle.cancelled and not seq.request.finished:
+                self._cores[handle.model].abort(seq)
+                self._emit([seq])
+
+    def _emit(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            handle = self._handles[seq]
+            req = seq.request
+            if seq.error is not None:
+                handle._put(seq.error)
+            text = req.stream_delta()
+            if text or req.finished:
+                handle._put(self._output(req, text, handle.sent_ids))
+                handle.sent_ids = len(req.output_ids)
+            if req.finished:
+                del self._handles[seq]  # before _DONE: a consumer that saw the end of its
+                handle._put(_DONE)  # stream also sees the engine without its request
+                log.info(
+                    "request %s finished (%s): %d prompt + %d output tokens, %s",
+                    req.id,
+                    req.finish_reason,
+                    len(req.prompt_ids),
+                    len(req.output_ids),
+                    req.spec.summary(),
+                )
 
     @staticmethod
     def _output(req: Request, text: str, sent_ids: int) -> RequestOutput:
@@ -278,14 +311,3 @@ class Engine:
             req.spec,
             req.timing,
         )
-
-
-def _deltas(gen: Generator[str, None, None], handle: RequestHandle) -> Iterator[str]:
-    """The stream's deltas until the consumer cancels (closing the generator aborts it)."""
-    try:
-        for text in gen:
-            yield text
-            if handle.cancelled:
-                return
-    finally:
-        gen.close()  # runs stream()'s finally: request aborted if unfinished, drafter freed

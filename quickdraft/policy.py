@@ -1,22 +1,50 @@
-"""Adaptive speculation length: how many tokens to draft this cycle, from measured costs.
+"""Speculation policy: per step and per decoding request, how many tokens to draft (k >= 0).
 
-Model (Leviathan et al. 2023, section 3): each draft token is accepted with probability alpha
-given that the previous ones were. With k drafts a cycle emits on average
-    E(k) = (1 - alpha^(k+1)) / (1 - alpha)         tokens (accepted + the recovered/bonus one)
-and costs, in units of one plain one-token target step,
-    C(k) = verify_cost[k + 1] + k * draft_cost      (verify_cost measured: forward of k+1 tokens)
-Plain decoding is E = C = 1. We pick k in [0, k_max] maximising E(k) / C(k), and k = 0 unless
-that ratio beats 1 by `margin`: speculating must not be slower than not speculating.
+Stage: called by the scheduler once per step with every request that decodes this step. It sees
+the whole batch, because the price of a draft row depends on what else is in the forward: the
+target streams its weights once per forward, so at batch 1 a few extra rows are nearly free,
+while at batch 8 the forward already has 8 rows and each draft row pushes it further into the
+compute-bound regime (bench/kernels.py: M = 1, 2, 5, 9 rows cost 1.89, 1.70, 2.21, 4.53 ms on
+one 17920x1536 weight).
 
-alpha is estimated per request by counting (MLE under the model above): every accepted draft is a
-success, every cycle that stopped at a rejection is one failure; a prior worth a few drafts keeps
-early cycles sane. When k = 0 wins, a k = 1 probe every `probe_every` cycles keeps alpha fresh, so
-a prompt that turns repetitive later is noticed (cost: one extra verified row per probe).
+The rule (documented here, implemented in `BatchPolicy.choose`):
+
+* Cost. `StepCost` is measured at start-up: seconds of one target forward over M packed rows
+  (M = 1..64, interpolated between measured points, extrapolated linearly beyond), plus a
+  per-sequence overhead (attention and cache writes run per sequence). A drafter costs, per
+  draft position j, `draft_cost * StepCost(n_j)` where n_j is how many of its requests draft a
+  j-th token (the draft model packs them into one forward per position; `draft_cost` is its
+  measured 1-row cost relative to the target's, the curve's shape is borrowed from the target).
+  The n-gram drafter is free.
+* Gain. Each request keeps a running acceptance estimate alpha (`Acceptance`: every accepted
+  draft a success, every cycle stopped by a rejection one failure, a prior worth a few drafts,
+  mild forgetting). Its j-th draft adds alpha^j expected tokens (Leviathan et al. 2023, sec. 3).
+* Choice. With B decoding requests, plain decoding emits B tokens in `t_dec` = StepCost(B rows,
+  B sequences) seconds. A draft allocation D adds gain(D) tokens and costs
+  StepCost(M0 + |D|) - StepCost(M0) + draft seconds(D), where M0 is the step's rows without
+  drafts (decodes + prefill chunks; a prefill chunk in the step makes draft rows dearer at the
+  margin but its own cost is not charged to the drafts). We maximise expected emitted tokens per
+  second, (B + gain(D)) / (t_dec + extra seconds(D)), over allocations built greedily: draft
+  counts grow one token at a time, always the token with the highest alpha^j (gains are concave
+  per request, so this is the best allocation of each total), and every total 0..budget is
+  scored, so a step-shaped cost curve is handled. k = 0 for everyone is always a candidate and
+  wins unless the best beats it by `margin`: speculation never makes a step slower by the model.
+* Probes. A request at k = 0 learns nothing, so after `probe_every` idle steps it drafts one
+  token to refresh alpha (a prompt that turns repetitive later is noticed). Probes are rationed
+  by cost: one probe costs a fraction f of the step (its verify row, one draft position and, for
+  a drafter with a cost, catching the drafter up on the tokens of the idle phase); with B
+  requests probing every n steps the overhead is about B * f / n, so a request probes only once
+  n >= B * f / probe_budget. At batch 1 with the n-gram drafter that is every 16 steps; a draft
+  model at batch 8 essentially never probes (its catch-up alone costs more than the budget).
+* `adaptive=False` requests always draft their ceiling (tests, forced benchmarks).
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,94 +52,77 @@ import torch
 from quickdraft.models.base import LanguageModel
 
 
-@dataclass(slots=True)
-class CostModel:
-    verify_cost: list[
-        float
-    ]  # [n] -> cost of a target forward over n tokens / 1-token cost; [0] unused
-    draft_cost: float = 0.0  # cost of proposing one draft token / 1-token target step
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """Measured seconds of one target forward: `rows[i]` packed rows cost `seconds[i]`
+    (ascending, starting at 1 row, non-decreasing), plus `per_seq` for each sequence past the
+    first."""
 
-    def cycle(self, k: int) -> float:
-        n = min(k + 1, len(self.verify_cost) - 1)
-        return self.verify_cost[n] + k * self.draft_cost
+    rows: tuple[int, ...]
+    seconds: tuple[float, ...]
+    per_seq: float = 0.0
 
+    def __post_init__(self) -> None:
+        assert self.rows and self.rows[0] == 1 and len(self.rows) == len(self.seconds)
 
-@dataclass(slots=True)
-class AdaptiveK:
-    k_max: int
-    cost: CostModel
-    adaptive: bool = True
-    prior_alpha: float = 0.5
-    prior_weight: float = 4.0  # the prior counts as this many observed drafts
-    margin: float = 1.02  # E/C must beat plain decoding by 2% to be worth the risk
-    probe_every: int = 16
-    successes: float = 0.0
-    failures: float = 0.0
-    idle_cycles: int = 0
-    history: list[int] = field(default_factory=list)
+    def __call__(self, rows: int, seqs: int = 1) -> float:
+        return self.of_rows(rows) + max(0, seqs - 1) * self.per_seq
 
-    @property
-    def alpha(self) -> float:
-        s = self.successes + self.prior_alpha * self.prior_weight
-        f = self.failures + (1 - self.prior_alpha) * self.prior_weight
-        return s / (s + f)
-
-    def expected_tokens(self, k: int) -> float:
-        a = min(self.alpha, 0.999)
-        return (1 - a ** (k + 1)) / (1 - a)
-
-    def choose(self) -> int:
-        if not self.adaptive or self.k_max == 0:
-            return self.k_max
-        best_k, best = 0, self.margin
-        for k in range(1, self.k_max + 1):
-            ratio = self.expected_tokens(k) / self.cost.cycle(k)
-            if ratio > best:
-                best_k, best = k, ratio
-        if best_k == 0:
-            self.idle_cycles += 1
-            if self.idle_cycles >= self.probe_every:
-                self.idle_cycles = 0
-                return 1
-        else:
-            self.idle_cycles = 0
-        return best_k
-
-    def update(self, drafted: int, accepted: int) -> None:
-        if drafted == 0:
-            return
-        self.successes += accepted
-        if accepted < drafted:
-            self.failures += 1
+    def of_rows(self, m: int) -> float:
+        r, s = self.rows, self.seconds
+        if m <= r[0]:
+            return s[0] * max(m, 0) / r[0] if m < r[0] else s[0]
+        if m >= r[-1]:
+            if len(r) == 1:
+                return s[0] * m
+            slope = (s[-1] - s[-2]) / (r[-1] - r[-2])
+            return s[-1] + slope * (m - r[-1])
+        hi = next(i for i, x in enumerate(r) if x >= m)
+        lo = hi - 1
+        frac = (m - r[lo]) / (r[hi] - r[lo])
+        return s[lo] + frac * (s[hi] - s[lo])
 
 
-def measure_verify_cost(
-    model: LanguageModel, max_tokens: int, context: int = 16, reps: int = 2
-) -> list[float]:
-    """Time target forwards over 1..max_tokens new tokens after `context` cached tokens; return
-    the ratios to the 1-token forward (index = number of tokens; [0] = 0)."""
-    cache = model.new_cache(context + max_tokens + 1)
-    ids = torch.randint(0, model.config.vocab_size, (context + max_tokens,), device=model.device)
-    model(ids[:context], [cache], [context])
-    cache.commit(context)
-    times = [0.0]
-    for n in range(1, max_tokens + 1):
-        best = float("inf")
-        for _ in range(reps + 1):  # the first run of each size is a warm-up
-            t = time.perf_counter()
-            model(ids[context : context + n], [cache], [n], logit_rows=torch.arange(n))
-            best = min(best, time.perf_counter() - t)
-        times.append(best)
-    base = times[1]
-    # costs can only grow with n; measurement noise must not make k+1 look cheaper than k
-    ratios = [0.0, 1.0]
-    for n in range(2, max_tokens + 1):
-        ratios.append(max(ratios[-1], times[n] / base))
-    return ratios
+COST_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16, 20, 24, 32, 48, 64)
+
+
+def measure_step_cost(
+    model: LanguageModel, rows: Sequence[int] = COST_ROWS, context: int = 64, seqs: int = 8
+) -> StepCost:
+    """Time target forwards over `rows` new tokens after `context` cached ones (best of two,
+    after one warm-up pass), and `seqs` one-row sequences against one `seqs`-row sequence for
+    the per-sequence overhead. A few seconds for a 1.5B model on this CPU."""
+    device = model.device
+    max_rows = max(rows)
+    ids = torch.randint(0, model.config.vocab_size, (context + max_rows,), device=device)
+    caches = [model.new_cache(context + max_rows + 1) for _ in range(seqs)]
+    for cache in caches:
+        model(ids[:context], [cache], [context])
+        cache.commit(context)
+
+    def timed(n: int, num_seqs: int) -> float:
+        per = [n // num_seqs] * num_seqs
+        picked = caches[:num_seqs]
+        new = ids[context : context + n]
+        t = time.perf_counter()
+        model(new, picked, per, logit_rows=torch.arange(n, device=device))
+        return time.perf_counter() - t
+
+    timed(max_rows, 1)  # warm-up: allocator, kernel build, the largest activations
+    seconds: list[float] = []
+    for n in rows:
+        best = min(timed(n, 1) for _ in range(2))
+        # cost cannot fall with more rows; noise must not make extra rows look free
+        seconds.append(max(best, seconds[-1]) if seconds else best)
+    one_seq = min(timed(seqs, 1) for _ in range(2))
+    many = min(timed(seqs, seqs) for _ in range(2))
+    per_seq = max(0.0, (many - one_seq) / (seqs - 1)) if seqs > 1 else 0.0
+    return StepCost(tuple(rows), tuple(seconds), per_seq)
 
 
 def measure_step_seconds(model: LanguageModel, context: int = 16, reps: int = 3) -> float:
-    """Seconds of one 1-token forward after `context` cached tokens (best of reps)."""
+    """Seconds of one 1-token forward after `context` cached tokens (best of reps); drafter
+    factories compare a draft model's with the target's."""
     cache = model.new_cache(context + 2)
     ids = torch.randint(0, model.config.vocab_size, (context + 1,), device=model.device)
     model(ids[:context], [cache], [context])
@@ -122,3 +133,147 @@ def measure_step_seconds(model: LanguageModel, context: int = 16, reps: int = 3)
         model(ids[context:], [cache], [1])
         best = min(best, time.perf_counter() - t)
     return best
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """One request's running draft-acceptance estimate (maximum likelihood under the
+    'each draft accepted with probability alpha given the previous ones' model)."""
+
+    prior_alpha: float = 0.5
+    prior_weight: float = 4.0  # the prior counts as this many observed drafts
+    forget: float = 0.97  # per drafted cycle: the estimate follows a request's phases
+    successes: float = 0.0
+    failures: float = 0.0
+    idle_steps: int = 0  # decode steps since it last drafted
+
+    @property
+    def alpha(self) -> float:
+        s = self.successes + self.prior_alpha * self.prior_weight
+        f = self.failures + (1 - self.prior_alpha) * self.prior_weight
+        return min(s / (s + f), 0.999)
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a cycle with k drafts emits on average (accepted + the recovered/bonus one)."""
+        a = self.alpha
+        return (1 - a ** (k + 1)) / (1 - a)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        self.successes = self.successes * self.forget + accepted
+        self.failures = self.failures * self.forget + (1 if accepted < drafted else 0)
+
+
+@dataclass(slots=True)
+class Candidate:
+    """A request that decodes this step, as the policy sees it."""
+
+    acceptance: Acceptance
+    k_max: int  # ceiling: the config's k, the room left (max_tokens, context)
+    adaptive: bool = True  # False: always draft k_max
+    drafter: int = 0  # index into the step's `draft_costs` (requests sharing a drafter pack)
+    catch_up: int = 1  # tokens the drafter must feed before its first draft (idle phases)
+
+
+@dataclass(slots=True)
+class BatchPolicy:
+    cost: StepCost
+    margin: float = 1.02  # beat plain decoding by 2% before taking the risk
+    probe_every: int = 16
+    probe_budget: float = 0.02  # share of step time all probes together may cost
+    probes: int = field(default=0)  # probes issued (telemetry)
+
+    def choose(
+        self,
+        cands: Sequence[Candidate],
+        draft_costs: Sequence[float],
+        base_rows: int,
+        base_seqs: int,
+        budget: int,
+    ) -> list[int]:
+        """ks for `cands` (in order). `base_rows`/`base_seqs`: the step's rows and sequences
+        before drafting (decodes and prefill chunks); `draft_costs[d]`: drafter d's cost per
+        draft position relative to a 1-row target forward; `budget`: draft rows allowed."""
+        ks = [0] * len(cands)
+        for i, c in enumerate(cands):  # forced requests first, within the budget
+            if not c.adaptive and c.k_max > 0:
+                ks[i] = min(c.k_max, budget)
+                budget -= ks[i]
+        num_dec = len(cands)
+        t_dec = self.cost(num_dec, num_dec)  # the step of plain decoding: num_dec tokens
+        t_base = self.cost(base_rows, base_seqs)
+        # Running totals of the allocation in `ks`, updated one draft token at a time.
+        rows_at: dict[tuple[int, int], int] = {}  # (drafter, position) -> requests drafting it
+        gain = draft_s = 0.0
+        drafts = 0
+
+        def add(i: int) -> None:
+            nonlocal gain, draft_s, drafts
+            c = cands[i]
+            ks[i] += 1
+            drafts += 1
+            gain += c.acceptance.alpha ** ks[i]
+            key = (c.drafter, ks[i] - 1)
+            n = rows_at.get(key, 0)
+            rows_at[key] = n + 1
+            if draft_costs[c.drafter]:
+                draft_s += draft_costs[c.drafter] * (
+                    self.cost.of_rows(n + 1) - self.cost.of_rows(n)
+                )
+
+        def score() -> float:
+            extra = self.cost(base_rows + drafts, base_seqs) - t_base + draft_s
+            return (num_dec + gain) / (t_dec + extra)
+
+        forced, ks = ks, [0] * len(cands)
+        for i, k in enumerate(forced):
+            for _ in range(k):
+                add(i)
+        best, best_score = list(ks), score() * self.margin
+        avail = budget
+        # max-heap of each adaptive request's next draft gain alpha^(k+1)
+        heap = [(-c.acceptance.alpha, i) for i, c in enumerate(cands) if c.adaptive and c.k_max > 0]
+        heapq.heapify(heap)
+        while heap and budget > 0:
+            _, i = heapq.heappop(heap)
+            add(i)
+            budget -= 1
+            s = score()
+            if s > best_score:
+                best, best_score = list(ks), s
+            if ks[i] < cands[i].k_max:
+                heapq.heappush(heap, (-(cands[i].acceptance.alpha ** (ks[i] + 1)), i))
+        left = avail - (sum(best) - sum(forced))
+        return self._probe(cands, best, draft_costs, base_rows, base_seqs, left)
+
+    def _probe(
+        self,
+        cands: Sequence[Candidate],
+        ks: list[int],
+        draft_costs: Sequence[float],
+        base_rows: int,
+        base_seqs: int,
+        budget: int,
+    ) -> list[int]:
+        """Turn k = 0 into a 1-token probe for requests idle long enough (see the module
+        docstring for the rationing rule); counts idle steps."""
+        rows = base_rows + sum(ks)
+        step = self.cost(rows, base_seqs)
+        extra_row = self.cost.of_rows(rows + 1) - self.cost.of_rows(rows)
+        for i, c in enumerate(cands):
+            acc = c.acceptance
+            if ks[i] > 0 or not c.adaptive or c.k_max == 0:
+                acc.idle_steps = 0
+                continue
+            acc.idle_steps += 1
+            if acc.idle_steps < self.probe_every or budget <= 0:
+                continue
+            catch_up = draft_costs[c.drafter] * self.cost.of_rows(max(c.catch_up, 1))
+            fraction = (extra_row + catch_up) / step
+            if acc.idle_steps >= math.ceil(len(cands) * fraction / self.probe_budget):
+                ks[i] = 1
+                budget -= 1
+                acc.idle_steps = 0
+                self.probes += 1
+        return ks

@@ -1,5 +1,9 @@
 """Assemble speculation for a loaded target: the drafter (registry `DRAFTERS`) and its measured
-cost model. `QUICKDRAFT_DISABLE_SPECULATION=1` turns speculation off everywhere (for bisecting).
+cost. `QUICKDRAFT_DISABLE_SPECULATION=1` turns speculation off everywhere (for bisecting).
+
+A factory returns the drafter and its cost per draft position relative to a one-row target
+forward (0 for a lookup); the batch policy (quickdraft/policy.py) scales it with the target's
+measured step-cost curve, which `make_speculation` measures once per loaded target.
 """
 
 from __future__ import annotations
@@ -14,14 +18,14 @@ from quickdraft.drafters.draft_model import DraftModelDrafter
 from quickdraft.drafters.mtp import head_step_seconds, mtp_drafter
 from quickdraft.drafters.ngram import NgramDrafter
 from quickdraft.generate import LoadedModel, load
-from quickdraft.policy import CostModel, measure_step_seconds
+from quickdraft.policy import measure_step_seconds
 
 
 @dataclass(slots=True)
 class Speculation:
     config: SpeculativeConfig
     drafter: Drafter
-    cost: CostModel
+    draft_cost: float  # one draft position / one-row target forward (0: free)
 
 
 def disabled_by_env() -> bool:
@@ -62,5 +66,5 @@ def make_speculation(lm: LoadedModel, config: SpeculativeConfig) -> Speculation 
     if not config.enabled or disabled_by_env():
         return None
     drafter, draft_cost = DRAFTERS[config.method](lm, config)
-    verify = lm.verify_cost(config.num_draft_tokens + 1)
-    return Speculation(config, drafter, CostModel(verify, draft_cost))
+    lm.step_cost()  # measured now (seconds), not in the first request's first step
+    return Speculation(config, drafter, draft_cost)

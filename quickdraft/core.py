@@ -1,0 +1,154 @@
+"""The step machinery for one target model, without threads: sequence -> scheduler -> runner.
+
+Stage: between the request API (engine.py's thread, or generate.stream for one request) and the
+model. `step()` is the whole pipeline, read top-down:
+    plan = scheduler.schedule()          who runs, tokens fed, drafts wanted (policy.py)
+    drafts = runner.propose(plan)        one drafter.propose() per drafter, all jobs packed
+    out = runner.forward(plan, drafts)   ONE packed target forward over every row of the step
+    verdicts = runner.verify(...)        per request: accepted drafts + one recovered/bonus token
+    commit                               caches and drafters keep what was accepted; requests
+                                         take their tokens; finished sequences leave
+A failure before the commit leaves every sequence untouched, so the step's sequences are then
+re-run one at a time and only the one that fails again is failed (its `error` set, the request
+aborted); the others carry on. `step` returns the sequences that produced output or ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from quickdraft.request import Request
+from quickdraft.runner import ModelRunner
+from quickdraft.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, Sequence, StepPlan
+
+if TYPE_CHECKING:
+    from quickdraft.generate import LoadedModel
+    from quickdraft.speculate import Speculation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepStats:
+    """Counters over the core's lifetime (read by metrics; never reset)."""
+
+    steps: int = 0
+    rows: int = 0  # target forward rows: prefill + decode + draft
+    prefill_rows: int = 0
+    draft_rows: int = 0  # drafts verified
+    accepted: int = 0  # drafts accepted
+    emitted: int = 0  # tokens produced (before stop truncation)
+    failed: int = 0  # requests failed by an error
+    seconds: float = 0.0  # wall time inside step()
+    last_batch: int = 0  # sequences in the last step
+    max_batch: int = 0  # most sequences in one step
+
+
+class EngineCore:
+    def __init__(self, lm: LoadedModel, config: SchedulerConfig | None = None) -> None:
+        self.lm = lm
+        self.scheduler = Scheduler(
+            config or SchedulerConfig(), lm.model.new_cache, lm.step_cost, lm.context_length
+        )
+        self.runner = ModelRunner(lm.model)
+        self.stats = StepStats()
+
+    def add(self, request: Request, spec: Speculation | None) -> Sequence:
+        gen = request.params.generator(self.lm.model.device)
+        seq = Sequence(request, spec, gen)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        self.scheduler.abort(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def step(self) -> list[Sequence]:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if not plan.items:
+            return []
+        try:
+            done = self._run(plan)
+        except Exception as exc:  # nothing committed: find the culprit by running alone
+            done = self._isolate(plan, exc)
+        st = self.stats
+        st.steps += 1
+        st.rows += plan.num_rows
+        st.last_batch = len(plan.items)
+        st.max_batch = max(st.max_batch, st.last_batch)
+        st.seconds += time.perf_counter() - t0
+        return done
+
+    def _run(self, plan: StepPlan) -> list[Sequence]:
+        t0 = time.perf_counter()
+        drafts = self.runner.propose(plan)
+        t1 = time.perf_counter()
+        out = self.runner.forward(plan, drafts)
+        verdicts = self.runner.verify(plan, drafts, out)
+        t2 = time.perf_counter()
+        done = []
+        for idx, (item, draft, verdict) in enumerate(
+            zip(plan.items, drafts, verdicts, strict=True)
+        ):
+            seq = item.seq
+            try:
+                self.runner.commit(item, verdict, out, out.row_start[idx])
+                if verdict is None:  # a prefill chunk: nothing to emit yet
+                    self.stats.prefill_rows += item.num_tokens
+                    continue
+                if draft.tokens:
+                    seq.request.spec.draft_seconds += t1 - t0
+                seq.request.spec.verify_seconds += t2 - t1
+                self._account(item, len(draft.tokens), verdict.accepted, len(verdict.tokens))
+                self.scheduler.postprocess(
+                    item, verdict.tokens, len(draft.tokens), verdict.accepted
+                )
+            except Exception as exc:
+                self._fail(seq, exc)
+            done.append(seq)
+        return done
+
+    def _account(self, item: ScheduledSeq, drafted: int, accepted: int, emitted: int) -> None:
+        st = self.stats
+        if not item.seq.request.output_ids:
+            st.prefill_rows += item.num_tokens
+        st.draft_rows += drafted
+        st.accepted += accepted
+        st.emitted += emitted
+
+    def _isolate(self, plan: StepPlan, exc: Exception) -> list[Sequence]:
+        if len(plan.items) == 1:
+            self._fail(plan.items[0].seq, exc)
+            return [plan.items[0].seq]
+        log.warning(
+            "a batched step failed (%s); re-running its %d sequences alone", exc, len(plan.items)
+        )
+        done = []
+        for item in plan.items:
+            try:
+                done += self._run(StepPlan([item]))
+            except Exception as solo_exc:
+                self._fail(item.seq, solo_exc)
+                done.append(item.seq)
+        return done
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> None:
+        log.error("request %s failed: %r", seq.request.id, exc, exc_info=exc)
+        seq.error = exc
+        self.stats.failed += 1
+        self.scheduler.abort(seq)

@@ -1,0 +1,146 @@
+"""Runner stage: one StepPlan -> drafts -> ONE packed target forward -> verdicts -> commits.
+
+Contract, per step (the scheduler decided who runs and how many tokens/drafts each):
+  propose(plan)                  one `drafter.propose(jobs)` per drafter for all the step's
+                                 drafting requests (the draft model packs them)
+  forward(plan, drafts)          the step's rows packed in plan order, each sequence's
+                                 [pending tokens..., d_1..d_k], through the target once; logit
+                                 rows only where a sequence samples (last pending row + drafts)
+  verify(plan, drafts, out)      per sampling sequence: accepted drafts + one recovered/bonus
+  commit(item, ...)              cache.commit(length + fed + accepted) (rollback of the rejected
+                                 rows is this commit) and drafter.commit(tokens, hidden)
+Nothing is committed before `commit`, so a failure in the first three leaves every cache and
+request as it was (the engine then retries the sequences one by one to find the culprit).
+Drafters that read hidden states get exactly the rows that ran and were kept: all prompt rows
+after the last prefill chunk (collected chunk by chunk), the fed token + accepted drafts after
+a verify.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from quickdraft.drafters.base import Draft, Drafter, DraftJob
+from quickdraft.models.base import LanguageModel, SequenceCache
+from quickdraft.sampling import SamplingParams, probabilities
+from quickdraft.scheduler import ScheduledSeq, StepPlan
+from quickdraft.verify import Verdict, verify_greedy, verify_sampled
+
+NO_DRAFT = Draft([])
+
+
+def verify(draft: Draft, logits: Tensor, params: SamplingParams, gen: torch.Generator) -> Verdict:
+    """logits `[k + 1, vocab]` for inputs [last, d_1..d_k] -> accepted drafts + one token."""
+    if params.greedy:
+        return verify_greedy(draft.tokens, logits)
+    return verify_sampled(draft.tokens, draft.p_draft, probabilities(logits, params), gen)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    logits: Tensor  # [sampled rows, vocab]: per sampling sequence its last pending row + drafts
+    hidden: Tensor | None  # [rows of the step, hidden] post-final-norm, if a drafter needs it
+    row_start: list[int]  # per plan item: its first row in the packed batch
+    logit_start: list[int]  # per plan item: its first row in `logits` (-1: does not sample)
+
+
+class ModelRunner:
+    def __init__(self, model: LanguageModel) -> None:
+        self.model = model
+
+    def propose(self, plan: StepPlan) -> list[Draft]:
+        """Drafts per plan item (NO_DRAFT where k = 0); one propose call per drafter."""
+        drafts = [NO_DRAFT] * len(plan.items)
+        groups: dict[int, tuple[Drafter, list[int]]] = {}
+        for idx, item in enumerate(plan.items):
+            if item.k > 0:
+                assert item.seq.spec is not None
+                drafter = item.seq.spec.drafter
+                groups.setdefault(id(drafter), (drafter, []))[1].append(idx)
+        for drafter, idxs in groups.values():
+            jobs = []
+            for idx in idxs:
+                item = plan.items[idx]
+                seq = item.seq
+                tokens = seq.request.all_ids
+                params = seq.request.params
+                jobs.append(DraftJob(seq.draft_state, tokens, item.k, params, seq.generator))
+                seq.synced = len(tokens)
+            for idx, draft in zip(idxs, drafter.propose(jobs), strict=True):
+                drafts[idx] = draft
+        return drafts
+
+    def forward(self, plan: StepPlan, drafts: list[Draft]) -> StepOutput:
+        ids: list[int] = []
+        caches: list[SequenceCache] = []
+        num_new: list[int] = []
+        logit_rows: list[int] = []
+        row_start: list[int] = []
+        logit_start: list[int] = []
+        want_hidden = False
+        for item, draft in zip(plan.items, drafts, strict=True):
+            seq = item.seq
+            assert seq.cache is not None, "a scheduled sequence holds a cache"
+            start = seq.num_computed
+            fed = seq.request.all_ids[start : start + item.num_tokens]
+            row_start.append(len(ids))
+            if item.samples:
+                logit_start.append(len(logit_rows))
+                last = len(ids) + len(fed) - 1
+                logit_rows.extend(range(last, last + 1 + len(draft.tokens)))
+            else:
+                logit_start.append(-1)
+            ids.extend(fed)
+            ids.extend(draft.tokens)
+            caches.append(seq.cache)
+            num_new.append(len(fed) + len(draft.tokens))
+            want_hidden |= seq.spec is not None and seq.spec.drafter.needs_hidden
+        device = self.model.device
+        rows = torch.tensor(logit_rows or [len(ids) - 1], device=device)
+        out = self.model(
+            torch.tensor(ids, device=device),  # [N]
+            caches,
+            num_new,
+            logit_rows=rows,
+            return_hidden=want_hidden,
+        )
+        return StepOutput(out.logits, out.hidden, row_start, logit_start)
+
+    def verify(self, plan: StepPlan, drafts: list[Draft], out: StepOutput) -> list[Verdict | None]:
+        verdicts: list[Verdict | None] = []
+        for item, draft, lo in zip(plan.items, drafts, out.logit_start, strict=True):
+            if lo < 0:
+                verdicts.append(None)
+                continue
+            seq = item.seq
+            logits = out.logits[lo : lo + 1 + len(draft.tokens)]  # [k + 1, vocab]
+            verdicts.append(verify(draft, logits, seq.request.params, seq.generator))
+        return verdicts
+
+    def commit(
+        self, item: ScheduledSeq, verdict: Verdict | None, out: StepOutput, row_start: int
+    ) -> None:
+        """Keep the fed tokens and the accepted drafts in the cache; sync the drafter."""
+        seq = item.seq
+        assert seq.cache is not None
+        kept = item.num_tokens + (verdict.accepted if verdict is not None else 0)
+        seq.cache.commit(seq.cache.length + kept)
+        spec = seq.spec
+        if spec is None:
+            return
+        hidden = None
+        if spec.drafter.needs_hidden:
+            assert out.hidden is not None
+            rows = out.hidden[row_start : row_start + kept]  # [kept, hidden]
+            if verdict is None:  # a prefill chunk: the drafter hears of it after the last one
+                seq.prompt_hidden.append(rows)
+                return
+            if seq.prompt_hidden:
+                rows = torch.cat([*seq.prompt_hidden, rows])
+                seq.prompt_hidden.clear()
+            hidden = rows
+        if verdict is not None:
+            spec.drafter.commit(seq.draft_state, seq.request.all_ids + verdict.tokens, hidden)

@@ -1,0 +1,125 @@
+"""quickdraft.policy: the measured step cost and the batch-aware choice of draft lengths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from quickdraft.generate import load
+from quickdraft.policy import Acceptance, BatchPolicy, Candidate, StepCost, measure_step_cost
+
+# Shapes like the ones measured on this CPU: flat up to 5 rows (weights streamed once), then
+# compute-bound (each row adds ~a quarter of a one-row forward).
+FLAT_THEN_STEEP = StepCost((1, 5, 64), (1.0, 1.1, 16.0))
+FLAT = StepCost((1, 64), (1.0, 1.1))
+
+
+def acceptance(alpha: float, drafts: int = 400) -> Acceptance:
+    """An estimate that has seen `drafts` drafts accepted at rate ~alpha."""
+    acc = Acceptance(forget=1.0)
+    acc.successes = alpha * drafts
+    acc.failures = (1 - alpha) * drafts
+    return acc
+
+
+def score(cost: StepCost, cands: list[Candidate], ks: list[int], draft_costs: list[float]) -> float:
+    """Expected tokens per second of a decode-only step with drafts `ks` (the policy's model)."""
+    tokens = sum(c.acceptance.expected_tokens(k) for c, k in zip(cands, ks, strict=True))
+    positions: dict[tuple[int, int], int] = {}
+    for c, k in zip(cands, ks, strict=True):
+        for j in range(k):
+            positions[c.drafter, j] = positions.get((c.drafter, j), 0) + 1
+    draft = sum(draft_costs[d] * cost.of_rows(n) for (d, _), n in positions.items())
+    return tokens / (cost(len(cands) + sum(ks), len(cands)) + draft)
+
+
+def test_step_cost_interpolates_and_extrapolates() -> None:
+    cost = StepCost((1, 2, 4), (1.0, 1.0, 3.0), per_seq=0.5)
+    assert cost.of_rows(3) == pytest.approx(2.0)
+    assert cost.of_rows(8) == pytest.approx(7.0)  # last slope (1 per row) continues
+    assert cost(2, seqs=3) == pytest.approx(2.0)
+
+
+def test_policy_batch_of_one_with_flat_cost_drafts_the_ceiling() -> None:
+    cands = [Candidate(acceptance(0.8), k_max=5)]
+    ks = BatchPolicy(FLAT).choose(cands, [0.0], base_rows=1, base_seqs=1, budget=64)
+    assert ks == [5]
+
+
+def test_policy_low_acceptance_does_not_draft() -> None:
+    cands = [Candidate(acceptance(0.01), k_max=5)]
+    ks = BatchPolicy(FLAT_THEN_STEEP).choose(cands, [0.0], base_rows=1, base_seqs=1, budget=64)
+    assert ks == [0]
+
+
+def test_policy_large_batch_on_compute_bound_cost_stops_drafting() -> None:
+    """The same acceptance that pays at batch 1 loses at batch 8 once rows cost compute."""
+    policy = BatchPolicy(FLAT_THEN_STEEP)
+    alone = policy.choose([Candidate(acceptance(0.6), 5)], [0.0], 1, 1, 64)
+    batch = [Candidate(acceptance(0.6), 5) for _ in range(8)]
+    ks = policy.choose(batch, [0.0], 8, 8, 64)
+    assert alone[0] > 0 and ks == [0] * 8
+
+
+@pytest.mark.parametrize("alphas", [[0.95, 0.2, 0.2, 0.2], [0.7, 0.7, 0.6, 0.1], [0.99] * 8])
+def test_policy_choice_is_never_worse_than_plain_decoding(alphas: list[float]) -> None:
+    cands = [Candidate(acceptance(a), 5, drafter=1) for a in alphas]
+    for cost in (FLAT, FLAT_THEN_STEEP):
+        for draft_cost in (0.0, 0.3):
+            ks = BatchPolicy(cost).choose(cands, [0.0, draft_cost], len(cands), len(cands), 64)
+            zero = [0] * len(cands)
+            assert score(cost, cands, ks, [0.0, draft_cost]) >= score(
+                cost, cands, zero, [0.0, draft_cost]
+            )
+
+
+def test_policy_prefers_the_request_that_accepts_more() -> None:
+    cands = [Candidate(acceptance(0.95), 5), Candidate(acceptance(0.3), 5)]
+    cost = StepCost((1, 3, 64), (1.0, 1.0, 20.0))  # two spare rows, then steep
+    ks = BatchPolicy(cost).choose(cands, [0.0], 2, 2, 64)
+    assert ks[0] >= 1 and ks[0] > ks[1]
+
+
+def test_policy_respects_budget_and_forced_requests() -> None:
+    cands = [Candidate(acceptance(0.9), 5) for _ in range(4)]
+    ks = BatchPolicy(FLAT).choose(cands, [0.0], 4, 4, budget=6)
+    assert sum(ks) <= 6
+    forced = [Candidate(acceptance(0.01), 3, adaptive=False), Candidate(acceptance(0.01), 3)]
+    assert BatchPolicy(FLAT_THEN_STEEP).choose(forced, [0.0], 2, 2, 64) == [3, 0]
+
+
+def test_policy_probes_idle_request_and_rations_probes_by_cost() -> None:
+    policy = BatchPolicy(FLAT_THEN_STEEP, probe_every=4)
+    alone = Candidate(acceptance(0.01), 5)
+    ks_seen = [policy.choose([alone], [0.0], 1, 1, 64)[0] for _ in range(8)]
+    assert ks_seen == [0, 0, 0, 1, 0, 0, 0, 1]  # a cheap row: every probe_every steps
+    # at batch 8 on the steep part a probe row costs ~3% of the step: probes are rarer
+    batch = [Candidate(acceptance(0.01), 5) for _ in range(8)]
+    first = None
+    for step in range(1, 200):
+        if any(policy.choose(batch, [0.0], 8, 8, 64)):
+            first = step
+            break
+    assert first is not None and first > 4
+
+
+def test_policy_acceptance_counts_and_forgets() -> None:
+    acc = Acceptance(prior_weight=0.0, forget=1.0)
+    acc.update(4, 4)  # all accepted: 4 successes, no failure
+    acc.update(4, 1)  # 1 success, stopped by a rejection
+    assert acc.alpha == pytest.approx(5 / 6)
+    acc.update(0, 0)  # a k = 0 step teaches nothing
+    assert acc.alpha == pytest.approx(5 / 6)
+    fading = Acceptance(prior_weight=0.0, forget=0.5)
+    fading.update(4, 4)
+    fading.update(2, 0)  # recent failure weighs more than the older successes
+    assert fading.alpha < 4 / 5
+
+
+def test_measure_step_cost_on_tiny_model_is_monotone(tiny_model_dir: Path) -> None:
+    lm = load(str(tiny_model_dir), "fp32", progress=False)
+    cost = measure_step_cost(lm.model, rows=(1, 2, 4, 8), seqs=4)
+    assert cost.rows == (1, 2, 4, 8)
+    assert all(b >= a > 0 for a, b in zip(cost.seconds, cost.seconds[1:], strict=False))
+    assert cost.per_seq >= 0.0
