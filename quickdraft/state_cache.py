@@ -2,21 +2,30 @@
 
 Stage: the rollback primitive for recurrent layers (models/qwen3_next.py reads and writes it).
 Attention layers keep their KV in a `KVCache` (rollback = a length). A GDN layer overwrites its
-state per token, so a rejected draft cannot be un-applied; instead every forward writes the
-state after each of its tokens into a checkpoint SLOT and `commit` picks one (vLLM's design):
+state per token, so a rejected draft cannot be un-applied; instead a forward never touches the
+committed state and keeps, for each of its tokens, what it takes to reach the state after that
+token. Per GDN layer:
 
-  conv [gdn_layers, slots, K-1, C]       causal-conv window (the last K-1 inputs), model dtype
-  ssm  [gdn_layers, slots, H, dk, dv]    delta-rule state, fp32
-  committed                              the slot holding the state after the committed tokens
+  conv [2, K-1, C], ssm [2, H, dk, dv]   the committed conv window / delta-rule state (fp32)
+                                         in slot `committed`; the other slot receives the final
+                                         state of a long forward (a prompt chunk)
+  checkpoint slots, one per token t of a forward of n <= MAX_CHECKPOINTS tokens (a decode
+  step or a verify of k + 1), pre-allocated and reused:
+      inputs [t, C]                      its conv input (the window after t = last K-1 inputs)
+      k [H, t, dk], d [H, t, dv], cum [H, t]   its delta-rule update (models/gdn.py)
 
-A forward over n tokens reads slot `committed` and writes the state after its token t into
-slot (committed + 1 + t) % slots, so it never touches the committed state. Then
-`commit(length)` with length = self.length + m selects the slot of token m - 1 (m = 0 keeps the
-committed slot): O(1), no copy, whatever m is. Slots are allocated once and reused; their
-number grows on demand to n + 1 for forwards of n <= MAX_CHECKPOINTS tokens (speculative
-verify sizes). Longer forwards (prompt chunks) keep only their final state, so only the full
-length may be committed after them. A committed token can never be rolled back (its older
-states are gone): `commit` below the committed length is an error, except 0 (reset).
+`commit(length)` keeps m = length - self.length tokens of the last forward in O(1): after a
+short forward it records m (the rank-m update is applied to the committed state when the next
+forward first reads that layer: one pass over the state, the same pass a decode step makes, and
+the same whatever m is); after a long forward only m = n (swap the slots) or m = 0 are
+possible. m = 0 keeps the committed state as it was. Committed tokens can never be rolled back
+(older states are gone): commit below the committed length is an error, except 0 (reset).
+A forward that fails half-way leaves the committed state intact: applying a pending update is
+value-preserving and nothing else is written to it.
+
+vLLM keeps k + 1 full state snapshots per request (a slot per verified token); keeping the
+updates instead makes a checkpoint a few KB rather than the whole state (MBs per layer) and
+keeps a verify's state traffic equal to a decode step's.
 """
 
 from __future__ import annotations
@@ -27,9 +36,10 @@ import torch
 from torch import Tensor
 
 from quickdraft.kv_cache import KVCache
+from quickdraft.models.gdn import DeltaUpdates, advance_state, conv_window
 
-# Largest forward whose every per-token state is kept: k + 1 for the largest k that
-# SpeculativeConfig allows (32).
+# Largest forward whose every token can be committed: k + 1 for the largest k that
+# SpeculativeConfig allows (32). Longer forwards (prompt chunks) keep only their final state.
 MAX_CHECKPOINTS = 33
 
 
@@ -45,13 +55,18 @@ class GDNStateShape:
 
 class HybridCache:
     __slots__ = (
-        "_written",
+        "_forward",
+        "_long",
         "committed",
         "conv",
+        "cp_cum",
+        "cp_d",
+        "cp_inputs",
+        "cp_k",
         "kv",
         "length",
+        "pending",
         "shape",
-        "slots",
         "ssm",
     )
 
@@ -65,77 +80,111 @@ class HybridCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> None:
+        s = shape
         self.kv = KVCache(num_attention_layers, num_kv_heads, head_dim, capacity, dtype, device)
         self.shape = shape
-        self.slots = 2  # the committed state + one checkpoint; grown by reserve()
-        s = shape
+        f32 = torch.float32
         self.conv: Tensor = torch.zeros(
-            s.num_layers, self.slots, s.conv_kernel - 1, s.conv_dim, dtype=dtype, device=device
+            s.num_layers, 2, s.conv_kernel - 1, s.conv_dim, dtype=dtype, device=device
         )
         self.ssm: Tensor = torch.zeros(
-            s.num_layers,
-            self.slots,
-            s.num_heads,
-            s.key_dim,
-            s.value_dim,
-            dtype=torch.float32,
-            device=device,
+            s.num_layers, 2, s.num_heads, s.key_dim, s.value_dim, dtype=f32, device=device
         )
-        self.committed = 0
+        self.committed = 0  # slot of conv / ssm holding the committed state
+        slots = 1 + 4  # a decode step and a verify of k = 4 without growing
+        self.cp_inputs: Tensor = torch.empty(
+            s.num_layers, slots, s.conv_dim, dtype=dtype, device=device
+        )
+        self.cp_k: Tensor = torch.empty(
+            s.num_layers, s.num_heads, slots, s.key_dim, dtype=f32, device=device
+        )
+        self.cp_d: Tensor = torch.empty(
+            s.num_layers, s.num_heads, slots, s.value_dim, dtype=f32, device=device
+        )
+        self.cp_cum: Tensor = torch.empty(
+            s.num_layers, s.num_heads, slots, dtype=f32, device=device
+        )
+        # pending[g]: tokens of the checkpoint slots committed but not yet applied to layer g
+        self.pending = [0] * s.num_layers
         self.length = 0
-        # _written[t]: slot holding the state after token t of the last forward (-1: not kept)
-        self._written: list[int] = []
+        self._forward = 0  # tokens of the last forward (0: none since the last commit)
+        self._long = False  # the last forward kept only its final state
 
     # -- the forward's side --------------------------------------------------------------------
 
     def reserve(self, num_new: int) -> None:
-        """Before a forward of `num_new` tokens: room for their KV, and their checkpoint slots."""
+        """Before a forward of `num_new` tokens: room for their KV and their checkpoints."""
         self.kv.reserve(num_new)
-        kept = num_new if num_new <= MAX_CHECKPOINTS else 1
-        if kept + 1 > self.slots:
-            self._grow(kept + 1)
-        first = num_new - kept
-        self._written = [-1] * first + [(self.committed + 1 + i) % self.slots for i in range(kept)]
+        self._forward = num_new
+        self._long = num_new > MAX_CHECKPOINTS
+        if not self._long and num_new > self.cp_k.shape[2]:
+            self._grow(num_new)
+
+    @property
+    def keeps_checkpoints(self) -> bool:
+        """The running forward keeps every token's update (else only its final state)."""
+        return not self._long
 
     def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Attention KV of full-attention layer `layer` (see KVCache.write)."""
         return self.kv.write(layer, k, v)
 
     def gdn_state(self, layer: int) -> tuple[Tensor, Tensor]:
-        """The committed conv window `[K-1, C]` and SSM state `[H, dk, dv]` of GDN `layer`."""
-        return self.conv[layer, self.committed], self.ssm[layer, self.committed]
+        """The committed conv window `[K-1, C]` and SSM state `[H, dk, dv]` of GDN `layer`
+        (applying its pending committed update first). Read only for the forward."""
+        conv, ssm = self.conv[layer, self.committed], self.ssm[layer, self.committed]
+        m = self.pending[layer]
+        if m:
+            advance_state(
+                ssm,
+                self.cp_k[layer, :, :m],
+                self.cp_d[layer, :, :m],
+                self.cp_cum[layer, :, :m],
+            )
+            conv.copy_(conv_window(conv, self.cp_inputs[layer, :m]))
+            self.pending[layer] = 0
+        return conv, ssm
 
-    def gdn_dest(self, layer: int) -> tuple[list[Tensor | None], list[Tensor | None]]:
-        """Where the forward writes the conv window / SSM state after each of its tokens."""
-        conv, ssm = self.conv[layer], self.ssm[layer]
-        return (
-            [None if s < 0 else conv[s] for s in self._written],
-            [None if s < 0 else ssm[s] for s in self._written],
-        )
+    def keep_checkpoints(self, layer: int, inputs: Tensor, updates: DeltaUpdates) -> None:
+        """Store the forward's per-token conv inputs [n, C] and delta-rule updates."""
+        n = inputs.shape[0]
+        self.cp_inputs[layer, :n] = inputs
+        self.cp_k[layer, :, :n] = updates.k
+        self.cp_d[layer, :, :n] = updates.d
+        self.cp_cum[layer, :, :n] = updates.cum
+
+    def final_state(self, layer: int) -> tuple[Tensor, Tensor]:
+        """Where a long forward writes its final conv window / SSM state (the spare slot)."""
+        spare = 1 - self.committed
+        return self.conv[layer, spare], self.ssm[layer, spare]
 
     # -- the caller's side ---------------------------------------------------------------------
 
     def commit(self, length: int) -> None:
         """Keep the first `length` tokens: the committed length or up to all of the last
-        forward's tokens (the slot of token length - self.length - 1 becomes the state)."""
+        forward's tokens. O(1)."""
         kept = length - self.length
         if length == 0:
             self.conv[:, self.committed].zero_()
             self.ssm[:, self.committed].zero_()
+            self.pending = [0] * len(self.pending)
         elif kept > 0:
-            if kept > len(self._written):
+            if kept > self._forward:
                 raise AssertionError(
                     f"commit({length}): the last forward wrote tokens up to "
-                    f"{self.length + len(self._written)}, committed length is {self.length}"
+                    f"{self.length + self._forward}, committed length is {self.length}"
                 )
-            slot = self._written[kept - 1]
-            if slot < 0:
+            assert not any(self.pending), "a forward reads (and so applies) every layer"
+            if not self._long:
+                self.pending = [kept] * len(self.pending)
+            elif kept == self._forward:
+                self.committed = 1 - self.committed
+            else:
                 raise AssertionError(
                     f"commit({length}): no recurrent checkpoint inside a forward of "
-                    f"{len(self._written)} tokens (> {MAX_CHECKPOINTS}); only "
-                    f"{self.length + len(self._written)} can be committed"
+                    f"{self._forward} tokens (> {MAX_CHECKPOINTS}); only "
+                    f"{self.length + self._forward} can be committed"
                 )
-            self.committed = slot
         elif kept < 0:
             raise AssertionError(
                 f"commit({length}) below the committed length {self.length}: recurrent state "
@@ -143,17 +192,20 @@ class HybridCache:
             )
         self.kv.commit(length)
         self.length = length
-        self._written = []
+        self._forward = 0
 
     trim = commit
 
     def nbytes(self) -> int:
-        return self.kv.nbytes() + self.conv.nbytes + self.ssm.nbytes
+        cps = (self.cp_inputs, self.cp_k, self.cp_d, self.cp_cum)
+        return self.kv.nbytes() + self.conv.nbytes + self.ssm.nbytes + sum(t.nbytes for t in cps)
 
     def _grow(self, slots: int) -> None:
-        """More checkpoint slots; the committed state moves to slot 0 (one copy, rare)."""
-        conv = self.conv.new_zeros(self.conv.shape[0], slots, *self.conv.shape[2:])
-        ssm = self.ssm.new_zeros(self.ssm.shape[0], slots, *self.ssm.shape[2:])
-        conv[:, 0] = self.conv[:, self.committed]
-        ssm[:, 0] = self.ssm[:, self.committed]
-        self.conv, self.ssm, self.slots, self.committed = conv, ssm, slots, 0
+        """More checkpoint slots (rare: a larger k). Pending updates are kept."""
+        for name, dim in (("cp_inputs", 1), ("cp_k", 2), ("cp_d", 2), ("cp_cum", 2)):
+            old: Tensor = getattr(self, name)
+            shape = list(old.shape)
+            shape[dim] = slots
+            grown = old.new_empty(shape)
+            grown.narrow(dim, 0, old.shape[dim]).copy_(old)
+            setattr(self, name, grown)

@@ -10,7 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from quickdraft.models.gdn import (
+    advance_state,
     causal_conv1d,
+    conv_window,
+    delta_rule_updates,
     gated_delta_rule_chunked,
     gated_delta_rule_naive,
     prepare_qk,
@@ -95,9 +98,25 @@ def test_gdn_matches_transformers_reference() -> None:
     assert (dest[-1] - ref_state[0]).abs().max().item() < 1e-5
 
 
+def test_delta_rule_updates_reach_every_state(t: int = 9) -> None:
+    """A verify's kept updates: applying the first m of them to the starting state gives the
+    naive state after token m - 1, for every m; outputs match too."""
+    q, k, v, g, beta, state = inputs(t, seed=5)
+    naive_states = slots(t)
+    out_naive = gated_delta_rule_naive(q, k, v, g, beta, state, naive_states)
+    out, updates = delta_rule_updates(q, k, v, g, beta, state)
+    assert (out - out_naive).abs().max().item() < 1e-5
+    for m in range(1, t + 1):
+        s = state.clone()
+        advance_state(s, updates.k[:, :m], updates.d[:, :m], updates.cum[:, :m])
+        expected = naive_states[m - 1]
+        assert expected is not None
+        assert (s - expected).abs().max().item() < 1e-5, m
+
+
 def test_causal_conv1d_carried_window_matches_full_conv() -> None:
-    """Split into calls of 1, 3, 7 and 13 tokens, each starting from the previous call's last
-    window (what the checkpoint slots hold), the conv equals one zero-padded causal conv."""
+    """Split into calls of 1, 3, 7 and 13 tokens, each starting from the previous call's
+    window, the conv equals one zero-padded causal conv; windows hold the last K-1 inputs."""
     gen = torch.Generator().manual_seed(0)
     channels, taps, t = 12, 4, 24
     x = torch.randn(t, channels, generator=gen)
@@ -107,14 +126,13 @@ def test_causal_conv1d_carried_window_matches_full_conv() -> None:
     window = torch.zeros(taps - 1, channels)
     outs, start = [], 0
     for n in (1, 3, 7, 13):
-        dest = [torch.empty(taps - 1, channels) for _ in range(n)]
-        outs.append(causal_conv1d(x[start : start + n], window, weight, dest))
-        for i, d in enumerate(dest):  # the window after token i: inputs i-K+2 .. i
-            lo = start + i - (taps - 2)
-            expected = torch.cat(
-                [torch.zeros(max(0, -lo), channels), x[max(lo, 0) : start + i + 1]]
-            )
-            assert torch.equal(d, expected)
-        window = dest[-1]
+        outs.append(causal_conv1d(x[start : start + n], window, weight))
+        window = conv_window(window, x[start : start + n])
         start += n
+        assert torch.equal(
+            window,
+            x[start - (taps - 1) : start]
+            if start >= taps - 1
+            else torch.cat([torch.zeros(taps - 1 - start, channels), x[:start]]),
+        )
     assert (torch.cat(outs) - full).abs().max().item() < 1e-5

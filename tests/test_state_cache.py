@@ -9,6 +9,7 @@ import pytest
 import torch
 from hybrid_models import random_hybrid
 
+from quickdraft.models.gdn import DeltaUpdates, conv_window
 from quickdraft.models.qwen3_next import HybridLM
 from quickdraft.state_cache import MAX_CHECKPOINTS, GDNStateShape, HybridCache
 
@@ -58,8 +59,8 @@ def test_state_cache_rollback_then_continue_equals_recompute(model: HybridLM, ke
 
 
 def test_state_cache_many_cycles_equal_recompute(model: HybridLM) -> None:
-    """Twelve verify cycles whose commits cycle through every count (so the slot ring wraps
-    around many times), then the next step's logits equal a from-scratch run of the kept tokens."""
+    """Twelve verify cycles whose commits cycle through every count, then the next step's
+    logits equal a from-scratch run of the kept tokens."""
     gen = torch.Generator().manual_seed(99)
     cache = model.new_cache(8)
     kept_tokens = torch.randint(0, 320, (6,), generator=gen).tolist()
@@ -71,9 +72,9 @@ def test_state_cache_many_cycles_equal_recompute(model: HybridLM) -> None:
         kept = 1 + (cycle * 3) % (K + 1)  # 1, 4, 2, 5, 3, ...: every accept count
         cache.commit(cache.length + kept)
         kept_tokens += verify[:kept]
-        if slot_tensors is None:  # slots are allocated once and then reused
-            slot_tensors = (cache.conv.data_ptr(), cache.ssm.data_ptr(), cache.slots)
-        assert (cache.conv.data_ptr(), cache.ssm.data_ptr(), cache.slots) == slot_tensors
+        if slot_tensors is None:  # state and checkpoint slots are allocated once and reused
+            slot_tensors = (cache.ssm.data_ptr(), cache.cp_k.data_ptr(), cache.cp_d.data_ptr())
+        assert (cache.ssm.data_ptr(), cache.cp_k.data_ptr(), cache.cp_d.data_ptr()) == slot_tensors
     fresh = model.new_cache(64)
     run(model, fresh, kept_tokens)
     got, expected = run(model, cache, [3]), run(model, fresh, [3])
@@ -83,53 +84,64 @@ def test_state_cache_many_cycles_equal_recompute(model: HybridLM) -> None:
 SHAPE = GDNStateShape(num_layers=2, conv_dim=3, conv_kernel=4, num_heads=1, key_dim=2, value_dim=2)
 
 
-def mark_forward(cache: HybridCache, n: int, first_value: float) -> None:
-    """A fake forward: the state after its token t is filled with first_value + t."""
+def fake_forward(cache: HybridCache, n: int) -> None:
+    """A forward of n tokens as a GDN layer makes it, with updates that count: token j adds 1
+    to ssm[0, 0, 0] (k = e_0, d = e_0, no decay) and feeds conv input (its position)."""
     cache.reserve(n)
+    positions = torch.arange(cache.length, cache.length + n, dtype=torch.float32)
     for g in range(SHAPE.num_layers):
-        conv_dest, ssm_dest = cache.gdn_dest(g)
-        for t, (c, s) in enumerate(zip(conv_dest, ssm_dest, strict=True)):
-            if c is not None and s is not None:
-                c.fill_(first_value + t)
-                s.fill_(first_value + t)
+        window, state = cache.gdn_state(g)
+        if cache.keeps_checkpoints:
+            k = torch.zeros(1, n, 2)
+            k[..., 0] = 1.0
+            updates = DeltaUpdates(k, k.clone(), torch.zeros(1, n))
+            cache.keep_checkpoints(g, positions[:, None].expand(n, 3), updates)
+        else:
+            final_conv, final_state = cache.final_state(g)
+            final_state.copy_(state)
+            final_state[0, 0, 0] += n
+            final_conv.copy_(conv_window(window, positions[:, None].expand(n, 3)))
 
 
-def committed_value(cache: HybridCache) -> float:
-    conv, ssm = cache.gdn_state(1)
-    assert bool((conv == conv.flatten()[0]).all()) and bool((ssm == conv.flatten()[0]).all())
-    return float(conv.flatten()[0])
+def committed(cache: HybridCache) -> tuple[float, float]:
+    """(tokens counted by the SSM state, position of the last conv input) of layer 1."""
+    window, state = cache.gdn_state(1)
+    return float(state[0, 0, 0]), float(window[-1, 0])
 
 
-def test_state_cache_slot_arithmetic_every_accept_count() -> None:
-    """The state after committed token i always holds value i, whatever was accepted before,
-    and a forward never writes into the committed slot (kept = 0 keeps it)."""
+def test_state_cache_checkpoint_arithmetic_every_accept_count() -> None:
+    """After every commit the state is that after exactly the committed tokens, whatever was
+    kept before: 1 of 5 (n_accepted = 0), all 5, and 0 (the committed state untouched)."""
     cache = HybridCache(1, 1, 4, 64, SHAPE, torch.float32)
-    mark_forward(cache, 3, 0.0)
+    fake_forward(cache, 3)
     cache.commit(3)
-    assert committed_value(cache) == 2.0
-    pattern = [0, 1, 5, 2, 0, 3, 4, 1, 1, 5, 5, 0, 2]  # rows kept of 5
-    for kept in pattern:
-        base = cache.length
-        mark_forward(cache, K + 1, float(base))
-        assert cache.committed not in [s for s in cache._written if s >= 0]
-        cache.commit(base + kept)
-        assert committed_value(cache) == float(cache.length - 1)
-    assert cache.slots == K + 2
+    assert committed(cache) == (3.0, 2.0)
+    for kept in [0, 1, 5, 2, 0, 3, 4, 1, 1, 5, 5, 0, 2]:  # rows kept of a verify of K + 1
+        before = cache.length
+        fake_forward(cache, K + 1)
+        cache.commit(before + kept)
+        assert cache.pending == ([kept] * 2 if kept else [0, 0])  # O(1): nothing applied yet
+        assert committed(cache) == (float(cache.length), float(cache.length - 1))
+    assert cache.cp_k.shape[2] == K + 1  # checkpoint slots allocated once, reused
 
 
 def test_state_cache_refuses_impossible_commits() -> None:
     cache = HybridCache(1, 1, 4, 256, SHAPE, torch.float32)
-    mark_forward(cache, 5, 0.0)
+    fake_forward(cache, 5)
     with pytest.raises(AssertionError, match="wrote tokens up to 5"):
         cache.commit(6)
     cache.commit(5)
     with pytest.raises(AssertionError, match="below the committed length"):
         cache.commit(4)
     long = MAX_CHECKPOINTS + 7  # a prompt chunk: only its final state is kept
-    mark_forward(cache, long, 100.0)
+    fake_forward(cache, long)
     with pytest.raises(AssertionError, match="no recurrent checkpoint"):
         cache.commit(5 + long - 1)
+    fake_forward(cache, long)
+    cache.commit(5)  # keep: the committed state is untouched by the long forward
+    assert committed(cache) == (5.0, 4.0)
+    fake_forward(cache, long)
     cache.commit(5 + long)
-    assert committed_value(cache) == 100.0 + long - 1
+    assert committed(cache) == (5.0 + long, 4.0 + long)
     cache.commit(0)  # reset: the empty state
-    assert committed_value(cache) == 0.0 and cache.length == 0
+    assert committed(cache) == (0.0, 0.0) and cache.length == 0

@@ -1,31 +1,35 @@
 """Gated DeltaNet math (Qwen3-Next / Qwen3.5 linear-attention layers), one sequence at a time.
 
 Stage: inside a GDN layer's forward (models/qwen3_next.py), between the input projections and
-the gated output norm. Two pieces, each reading the sequence's committed state and writing
-the state after chosen tokens into caller-provided tensors (`dest[t]`, the checkpoint slots of
-state_cache.py), never into the committed state itself, so a rejected suffix costs nothing:
+the gated output norm. The state of a sequence is its conv window (the last K-1 conv inputs)
+and its delta-rule state S [H, dk, dv]; every function here reads the committed state and
+never writes it (a rejected draft must cost nothing):
 
-  causal_conv1d(x [T, C], window [K-1, C], weight [C, K], dest) -> silu(conv) [T, C] fp32
-      depthwise causal conv over [window ; x]; dest[t] <- the last K-1 inputs after token t.
-  gated_delta_rule_naive / gated_delta_rule_chunked(q, k, v, g, beta, state, dest)
-      q, k [T, H, dk] (L2-normalised; q also scaled by dk^-0.5, see `prepare_qk`),
-      v [T, H, dv], g [T, H] log decay (<= 0), beta [T, H], state [H, dk, dv]
-      -> out [T, H, dv] fp32; dest[t] [H, dk, dv] <- the state after token t.
-      Per token: S = exp(g) S;  S += k (beta (v - k^T S))^T;  out = q^T S   (all fp32).
-
-`gated_delta_rule_naive` is that recurrence token by token: the reference, and the decode path
-(T = 1). `gated_delta_rule_chunked` is the parallel-within-chunk (UT transform / WY) form of the
-same recurrence (as in flash-linear-attention and transformers' torch_chunk_gated_delta_rule),
-used for prefill and multi-token verify. Unlike transformers it always starts from the given
-state (a verify must continue the committed state) and it can produce the state after any
-token inside a chunk: S_t = exp(c_t) S_0 + sum_{j<=t} exp(c_t - c_j) k_j u_j^T, where c is the
-in-chunk cumulative log decay and u_j the corrected values (tests/test_gdn.py checks both
-outputs and states against the naive form).
+  causal_conv1d(x [T, C], window [K-1, C], weight [C, K]) -> silu(conv) [T, C] fp32
+  conv_window(window, x) -> the window after the inputs x
+  q, k [T, H, dk] (L2-normalised, q also scaled by dk^-0.5: `prepare_qk`), v [T, H, dv],
+  g [T, H] log decay (<= 0), beta [T, H], state [H, dk, dv] fp32. Per token (all fp32):
+      S = exp(g) S;  d = beta (v - S^T k);  S += k d^T;  out = S^T q
+  gated_delta_rule_naive(..., state, dest) -> out [T, H, dv]; dest[t] <- S after token t.
+      The recurrence token by token: the reference.
+  gated_delta_rule_chunked(..., state, dest, chunk_size) -> the same, parallel within chunks
+      (UT transform, as flash-linear-attention and transformers' torch_chunk_gated_delta_rule)
+      and sequential across them; for long forwards (prompt chunks).
+  delta_rule_updates(..., state) -> out, DeltaUpdates(k, d, cum): one chunk (a decode step or
+      a verify) whose per-token updates are kept instead of per-token states, and
+  advance_state(state, updates[:m]) applies the first m of them in place:
+      S_m = exp(c_m) S_0 + sum_{j<=m} exp(c_m - c_j) k_j d_j^T   (c: cumulative log decay).
+      The state after any token of a verify costs k + d (a few KB) to keep, not S (MBs):
+      state_cache.py commits by remembering m and applies the update once, at the next forward.
+Unlike transformers, every multi-token path starts from the given state (a verify continues
+the committed state). tests/test_gdn.py checks outputs and states of every path against the
+naive form.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +54,6 @@ def causal_conv1d(
     x: Tensor,  # [T, C] new inputs
     window: Tensor,  # [K-1, C] the inputs before them (zeros at the start of a sequence)
     weight: Tensor,  # [C, K] depthwise taps, oldest first (HF conv1d.weight[:, 0])
-    dest: Sequence[Tensor | None],  # per token: where its window goes ([K-1, C]) or None
 ) -> Tensor:
     """SiLU(causal depthwise conv) of the new inputs, in fp32 `[T, C]`."""
     t_new, taps = x.shape[0], weight.shape[1]
@@ -59,10 +62,12 @@ def causal_conv1d(
     out = xx[0:t_new] * w[:, 0]
     for i in range(1, taps):
         out = out.addcmul_(xx[i : i + t_new], w[:, i])
-    for t, d in enumerate(dest):
-        if d is not None:
-            d.copy_(xx[t + 1 : t + taps])
     return F.silu(out)
+
+
+def conv_window(window: Tensor, x: Tensor) -> Tensor:
+    """The conv window after inputs x [T, C]: the last K-1 rows of [window ; x]."""
+    return torch.cat([window, x.to(window.dtype)])[-window.shape[0] :]
 
 
 def gated_delta_rule_naive(
@@ -90,6 +95,39 @@ def gated_delta_rule_naive(
     return out
 
 
+def _chunk_terms(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, size: int
+) -> tuple[Tensor, ...]:
+    """Intra-chunk quantities, [H, n_chunks, size, ...] fp32 (zero padded to whole chunks:
+    padded tokens have k = v = 0, beta = 0, g = 0 and leave the state unchanged)."""
+    t_len, heads, dv = v.shape
+    pad = (-t_len) % size
+    n_chunks = (t_len + pad) // size
+
+    def chunks(x: Tensor) -> Tensor:  # [T, H, ...] -> [H, n, size, ...]
+        x = x.float().transpose(0, 1)
+        if pad:
+            x = F.pad(x, (0, 0, 0, pad)) if x.dim() == 3 else F.pad(x, (0, pad))
+        return x.reshape(heads, n_chunks, size, *x.shape[2:])
+
+    qc, kc, vc, gc, bc = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
+    cum = gc.cumsum(-1)  # [H, n, size] log decay from the chunk start through token i
+    causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+    # decay[i, j] = exp(c_i - c_j) for j <= i, else 0
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    k_beta = kc * bc[..., None]
+    # (I + strictly_lower(diag(beta) K K^T * decay)) [u | w] = [beta v | beta exp(c) k]
+    system = (k_beta @ kc.transpose(-1, -2)) * decay  # [H, n, size, size]
+    rhs = torch.cat([vc * bc[..., None], k_beta * cum.exp()[..., None]], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u, w = solved[..., :dv], solved[..., dv:]  # [H, n, size, dv], [H, n, size, dk]
+    intra = (qc @ kc.transpose(-1, -2)) * decay  # [H, n, size, size]
+    q_decayed = qc * cum.exp()[..., None]
+    # With S_0 the chunk's starting state: d = u - w S_0 (the corrections d_j of the
+    # recurrence) and out = q_decayed S_0 + intra d.
+    return kc, cum, decay, u, w, intra, q_decayed
+
+
 def gated_delta_rule_chunked(
     q: Tensor,
     k: Tensor,
@@ -104,43 +142,58 @@ def gated_delta_rule_chunked(
     them). A sequence shorter than a chunk is one chunk of its own length (no padding)."""
     t_len, heads, dv = v.shape
     size = min(chunk_size, t_len)
-    pad = (-t_len) % size
-    n_chunks = (t_len + pad) // size
-
-    def chunks(x: Tensor) -> Tensor:  # [T, H, ...] -> [H, n, size, ...] fp32, zero padded
-        x = x.float().transpose(0, 1)
-        if pad:
-            x = F.pad(x, (0, 0, 0, pad)) if x.dim() == 3 else F.pad(x, (0, pad))
-        return x.reshape(heads, n_chunks, size, *x.shape[2:])
-
-    # Padded tokens have k = v = 0, beta = 0 and g = 0: they leave the state unchanged.
-    qc, kc, vc, gc, bc = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
-    cum = gc.cumsum(-1)  # [H, n, size] log decay from the chunk start through token i
-    causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
-    # decay[i, j] = exp(c_i - c_j) for j <= i, else 0
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-    k_beta = kc * bc[..., None]
-    # (I + strictly_lower(diag(beta) K K^T * decay)) [u | w] = [beta v | beta exp(c) k]
-    system = (k_beta @ kc.transpose(-1, -2)) * decay  # [H, n, size, size]
-    rhs = torch.cat([vc * bc[..., None], k_beta * cum.exp()[..., None]], dim=-1)
-    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    u, w = solved[..., :dv], solved[..., dv:]  # [H, n, size, dv], [H, n, size, dk]
-    intra = (qc @ kc.transpose(-1, -2)) * decay  # [H, n, size, size]
-    q_decayed = qc * cum.exp()[..., None]
+    kc, cum, decay, u, w, intra, q_decayed = _chunk_terms(q, k, v, g, beta, size)
+    n_chunks = kc.shape[1]
     k_to_end = kc * (cum[..., -1:] - cum).exp()[..., None]  # decay from token j to chunk end
-
     out = torch.empty(heads, n_chunks, size, dv, dtype=torch.float32, device=q.device)
     s = state
     for c in range(n_chunks):
-        v_new = u[:, c] - w[:, c] @ s  # [H, size, dv]: the delta-rule corrections u_j
-        out[:, c] = q_decayed[:, c] @ s + intra[:, c] @ v_new
+        d = u[:, c] - w[:, c] @ s  # [H, size, dv]
+        out[:, c] = q_decayed[:, c] @ s + intra[:, c] @ d
         last = min((c + 1) * size, t_len) - 1  # the last real token of this chunk
         for t in range(c * size, last):  # states inside the chunk, only where asked for
             target = dest[t]
             if target is not None:
                 i = t - c * size
                 k_w = (kc[:, c] * decay[:, c, i, :, None]).transpose(-1, -2)  # [H, dk, size]
-                torch.baddbmm(s * cum[:, c, i, None, None].exp(), k_w, v_new, out=target)
+                torch.baddbmm(s * cum[:, c, i, None, None].exp(), k_w, d, out=target)
         end = s * cum[:, c, -1, None, None].exp()
-        s = torch.baddbmm(end, k_to_end[:, c].transpose(-1, -2), v_new, out=dest[last])
+        s = torch.baddbmm(end, k_to_end[:, c].transpose(-1, -2), d, out=dest[last])
     return out.reshape(heads, n_chunks * size, dv)[:, :t_len].transpose(0, 1)
+
+
+@dataclass(slots=True)
+class DeltaUpdates:
+    """The per-token state updates of one chunk, head-major: token j adds k_j d_j^T."""
+
+    k: Tensor  # [H, T, dk]
+    d: Tensor  # [H, T, dv]
+    cum: Tensor  # [H, T] cumulative log decay from the chunk start through token j
+
+
+def delta_rule_updates(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor,  # [H, dk, dv] fp32, read only (read once)
+) -> tuple[Tensor, DeltaUpdates]:
+    """One chunk of T <= CHUNK_SIZE tokens: out [T, H, dv] fp32 and the updates that
+    `advance_state` applies to reach the state after any of its tokens."""
+    t_len = v.shape[0]
+    assert t_len <= CHUNK_SIZE, f"{t_len} tokens: one chunk at most"
+    kc, cum, _, u, w, intra, q_decayed = _chunk_terms(q, k, v, g, beta, t_len)
+    # the one read of the state: [w ; q_decayed] S_0
+    read = torch.cat([w[:, 0], q_decayed[:, 0]], dim=1) @ state  # [H, 2T, dv]
+    d = u[:, 0] - read[:, :t_len]
+    out = read[:, t_len:] + intra[:, 0] @ d  # [H, T, dv]
+    return out.transpose(0, 1), DeltaUpdates(kc[:, 0], d, cum[:, 0])
+
+
+def advance_state(state: Tensor, k: Tensor, d: Tensor, cum: Tensor) -> None:
+    """In place: `state` (the chunk's starting state) becomes the state after the tokens of
+    the updates k [H, m, dk], d [H, m, dv], cum [H, m] (the first m of a chunk's)."""
+    last = cum[:, -1]  # [H]
+    k_w = k * (last[:, None] - cum).exp()[..., None]  # [H, m, dk]
+    state.mul_(last.exp()[:, None, None]).baddbmm_(k_w.transpose(1, 2), d)

@@ -12,10 +12,11 @@ position streams are the token index.
 
 Contract: as every `LanguageModel` (models/base.py): one forward over the packed new tokens of
 several sequences, attention per sequence against its KV, conv + delta rule per sequence from
-that sequence's committed state in its `HybridCache` (state_cache.py), which also receives the
-state after every token so that `commit` can roll back in O(1). Parameter names are Hugging
-Face's; `checkpoint_name_map` maps the checkpoint variants (composite `model.language_model.`
-prefix, per-expert tensors) onto them. `mtp.*` (the MTP head) is loaded by drafters/mtp.py.
+that sequence's committed state in its `HybridCache` (state_cache.py), which keeps every
+token's state update of a decode step or verify so that `commit` can keep any prefix in O(1).
+Parameter names are Hugging Face's; `checkpoint_name_map` maps the checkpoint variants
+(composite `model.language_model.` prefix, per-expert tensors) onto them. `mtp.*` (the MTP
+head) is loaded by drafters/mtp.py.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from quickdraft.kernels.cpu_ops import rope as apply_rope
 from quickdraft.models.base import ForwardOutput
 from quickdraft.models.gdn import (
     causal_conv1d,
+    conv_window,
+    delta_rule_updates,
     gated_delta_rule_chunked,
-    gated_delta_rule_naive,
     prepare_qk,
 )
 from quickdraft.models.layers import LinearView, RMSNorm, Rope, attend, fused_projections, project
@@ -296,18 +298,22 @@ class GatedDeltaNet(nn.Module):
         kd, start = self.key_dim, 0
         for cache, n in zip(caches, num_new, strict=True):
             seg = slice(start, start + n)
-            window, state = cache.gdn_state(self.gdn_index)
-            conv_dest, state_dest = cache.gdn_dest(self.gdn_index)
-            y = causal_conv1d(mixed[seg], window, conv_w, conv_dest)  # [n, C] fp32
+            window, state = cache.gdn_state(self.gdn_index)  # committed; read only
+            y = causal_conv1d(mixed[seg], window, conv_w)  # [n, C] fp32
             q, k = prepare_qk(
                 y[:, :kd].view(n, self.k_heads, self.dk),
                 y[:, kd : 2 * kd].view(n, self.k_heads, self.dk),
                 self.v_heads,
             )
             v = y[:, 2 * kd :].view(n, self.v_heads, self.dv)
-            # Same math either way (tests/test_gdn.py); one token is a plain recurrence step.
-            rule = gated_delta_rule_naive if n == 1 else gated_delta_rule_chunked
-            core[seg] = rule(q, k, v, g[seg], beta[seg], state, state_dest)
+            if cache.keeps_checkpoints:  # a decode step or a verify: every token committable
+                core[seg], updates = delta_rule_updates(q, k, v, g[seg], beta[seg], state)
+                cache.keep_checkpoints(self.gdn_index, mixed[seg], updates)
+            else:  # a prompt chunk: only its final state
+                final_conv, final_state = cache.final_state(self.gdn_index)
+                dest: list[Tensor | None] = [None] * (n - 1) + [final_state]
+                core[seg] = gated_delta_rule_chunked(q, k, v, g[seg], beta[seg], state, dest)
+                final_conv.copy_(conv_window(window, mixed[seg]))
             start += n
         # gated RMSNorm (plain w here, not 1 + w): norm(core) * w * silu(z), in fp32
         out = rms_norm(core, self.norm.weight.float(), self.eps) * F.silu(z.float())  # [N, Hv, dv]
