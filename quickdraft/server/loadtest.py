@@ -205,6 +205,7 @@ def run(t: LoadTest, out_dir: Path) -> dict[str, Any]:
     url = f"http://127.0.0.1:{port}"
     workdir = Path(tempfile.mkdtemp(prefix="quickdraft-loadtest-"))
     log_path = workdir / "server.log"
+    machine = _machine()  # before the server starts: the code it runs is the code recorded
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             _server_cmd(t, port, token, workdir / "settings.json"),
@@ -246,7 +247,7 @@ def run(t: LoadTest, out_dir: Path) -> dict[str, Any]:
         "speculation": asdict(t.spec),
         "requests_per_level": t.requests,
         "max_tokens": t.max_tokens,
-        "machine": _machine(),
+        "machine": machine,
         "results": results,
         "speedup_on_vs_off": speedup,
     }
@@ -299,9 +300,9 @@ def markdown(report: dict[str, Any]) -> str:
 
 def _write(report: dict[str, Any], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"serve-{Path(report['model']).name}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown(report))
+    stem = f"serve-{Path(report['model']).name}"  # not Path.with_suffix: names hold dots
+    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / f"{stem}.md").write_text(markdown(report))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -325,5 +326,5 @@ def _write(report: dict[str, Any], out_dir: Path) -> None:
     axes[0].legend(fontsize=8)
     fig.suptitle(f"{report['model']} ({report['dtype']}): serving, speculation on vs off")
     fig.tight_layout()
-    fig.savefig(stem.with_suffix(".png"), dpi=100)
+    fig.savefig(out_dir / f"{stem}.png", dpi=100)
     plt.close(fig)
