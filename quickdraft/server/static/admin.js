@@ -52,7 +52,7 @@ function renderActive(sec, model) {
   sec.querySelector(".active").textContent = text;
 }
 
-function renderStats(sec, st) {
+function renderStats(sec, st, active) {
   sec.querySelector(".acceptance-rate").textContent = st.draft_tokens ? pct(st.acceptance_rate) : "-";
   sec.querySelector(".recent-acceptance").textContent =
     st.recent_acceptance_rate ? pct(st.recent_acceptance_rate) : "-";
@@ -61,8 +61,12 @@ function renderStats(sec, st) {
   sec.querySelector(".window").textContent = st.window_s;
   sec.querySelector(".requests").textContent = st.requests;
   const hist = sec.querySelector(".hist");
-  const top = Math.max(1, ...st.acceptance_histogram);
-  hist.replaceChildren(...st.acceptance_histogram.map((n, j) => {
+  // one bar per possible outcome 0..k, also those that never happened yet
+  const counts = [...st.acceptance_histogram];
+  const k = active.method === "none" ? 0 : active.num_draft_tokens;
+  while (counts.length < k + 1) counts.push(0);
+  const top = Math.max(1, ...counts);
+  hist.replaceChildren(...counts.map((n, j) => {
     const bar = document.createElement("div");
     bar.className = "bar";
     bar.style.height = Math.round((80 * n) / top) + "px";
@@ -133,7 +137,7 @@ function update(state) {
     const sec = section(model.name);
     if (!sec) continue;
     renderActive(sec, model);
-    renderStats(sec, model.stats);
+    renderStats(sec, model.stats, model.active);
   }
 }
 
