@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,16 +24,23 @@ import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
-from quickdraft.engine import EngineDeadError, QueueFullError, RequestHandle, RequestOutput
+from quickdraft.engine import (
+    Engine,
+    EngineDeadError,
+    QueueFullError,
+    RequestHandle,
+    RequestOutput,
+)
+from quickdraft.generate import LoadedModel
 from quickdraft.sampling import SamplingParams
 from quickdraft.server import admin
 from quickdraft.server.errors import (
+    ApiKeyMiddleware,
     BodyLimitMiddleware,
     error_response,
     install_error_handlers,
-    log,
 )
 from quickdraft.server.metrics import now
 from quickdraft.server.protocol import (
@@ -57,9 +64,11 @@ from quickdraft.server.protocol import (
 from quickdraft.server.settings import SpeculationSettings
 from quickdraft.server.state import ServerConfig, ServerState, Slot
 
+log = logging.getLogger("quickdraft.server")
+
 
 def create_app(
-    engine: Any,
+    engine: Engine,
     config: ServerConfig | None = None,
     settings: dict[str, SpeculationSettings] | None = None,
 ) -> FastAPI:
@@ -134,7 +143,7 @@ def create_app(
     return app
 
 
-def _model(state: ServerState, name: str) -> Any:
+def _model(state: ServerState, name: str) -> LoadedModel:
     served = state.engine.models.get(name)
     if served is None:
         raise APIError(
@@ -369,26 +378,3 @@ async def _cancel_on_disconnect(request: Request, handle: RequestHandle) -> None
         if message["type"] == "http.disconnect":
             handle.cancel()
             return
-
-
-class ApiKeyMiddleware:
-    """`Authorization: Bearer <api_key>` on /v1/* (when a key is set); checked before the body
-    is read, so an unauthenticated client learns nothing else about the server."""
-
-    def __init__(self, app: ASGIApp, api_key: str | None, on_error: Any) -> None:
-        self.app = app
-        self.api_key = api_key
-        self.on_error = on_error
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.api_key is None or scope["type"] != "http" or not scope["path"].startswith("/v1"):
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope.get("headers") or [])
-        given = headers.get(b"authorization", b"").decode("latin-1")
-        if secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-            await self.app(scope, receive, send)
-            return
-        self.on_error(401)
-        err = APIError(401, "missing or invalid API key", code="invalid_api_key")
-        await error_response(err)(scope, receive, send)
