@@ -103,14 +103,18 @@ class RequestHandle:
         self._sync: queue.Queue[object] = queue.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._async: asyncio.Queue[object] | None = None
+        # bind_loop (event loop) and _put (engine thread) race: without it an output put to the
+        # sync queue just after bind_loop drained it would never reach the async consumer
+        self._bind = threading.Lock()
 
     def bind_loop(self) -> RequestHandle:
         """Deliver outputs to the running asyncio loop (call from that loop, before iterating)."""
-        self._loop = asyncio.get_running_loop()
-        self._async = asyncio.Queue()
-        # outputs that arrived before binding
-        while not self._sync.empty():
-            self._async.put_nowait(self._sync.get_nowait())
+        with self._bind:
+            self._loop = asyncio.get_running_loop()
+            self._async = asyncio.Queue()
+            # outputs that arrived before binding
+            while not self._sync.empty():
+                self._async.put_nowait(self._sync.get_nowait())
         return self
 
     def cancel(self) -> None:
@@ -121,13 +125,14 @@ class RequestHandle:
         return self._cancelled.is_set()
 
     def _put(self, item: object) -> None:  # engine thread
-        if self._loop is not None and self._async is not None:
+        with self._bind:
+            if self._loop is None or self._async is None:
+                self._sync.put(item)
+                return
             try:
                 self._loop.call_soon_threadsafe(self._async.put_nowait, item)
             except RuntimeError:  # the loop has closed: nobody is listening any more
                 self._cancelled.set()
-        else:
-            self._sync.put(item)
 
     def __iter__(self) -> Iterator[RequestOutput]:
         while (item := self._sync.get()) is not _DONE:
