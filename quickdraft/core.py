@@ -20,9 +20,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from quickdraft.drafters.base import Draft
 from quickdraft.request import Request
-from quickdraft.runner import ModelRunner
+from quickdraft.runner import ModelRunner, StepOutput
 from quickdraft.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, Sequence, StepPlan
+from quickdraft.verify import Verdict
 
 if TYPE_CHECKING:
     from quickdraft.generate import LoadedModel
@@ -79,12 +81,12 @@ class EngineCore:
 
     def step(self) -> list[Sequence]:
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule()  # who runs, tokens fed, drafts wanted
         if not plan.items:
             return []
         try:
             done = self._run(plan)
-        except Exception as exc:  # nothing committed: find the culprit by running alone
+        except Exception as exc:  # nothing committed yet: find the culprit by running alone
             done = self._isolate(plan, exc)
         st = self.stats
         st.steps += 1
@@ -96,11 +98,23 @@ class EngineCore:
 
     def _run(self, plan: StepPlan) -> list[Sequence]:
         t0 = time.perf_counter()
-        drafts = self.runner.propose(plan)
+        drafts = self.runner.propose(plan)  # one drafter.propose() per drafter, jobs packed
         t1 = time.perf_counter()
-        out = self.runner.forward(plan, drafts)
-        verdicts = self.runner.verify(plan, drafts, out)
-        t2 = time.perf_counter()
+        out = self.runner.forward(plan, drafts)  # ONE packed target forward
+        verdicts = self.runner.verify(plan, drafts, out)  # accepted drafts + 1 token each
+        timing = (t1 - t0, time.perf_counter() - t1)
+        return self._commit(plan, drafts, verdicts, out, timing)
+
+    def _commit(
+        self,
+        plan: StepPlan,
+        drafts: list[Draft],
+        verdicts: list[Verdict | None],
+        out: StepOutput,
+        timing: tuple[float, float],
+    ) -> list[Sequence]:
+        """Per sequence (a failure here fails that sequence only): the cache and the drafter
+        keep what was accepted, the request takes its tokens, finished sequences leave."""
         done = []
         for idx, (item, draft, verdict) in enumerate(
             zip(plan.items, drafts, verdicts, strict=True)
@@ -111,9 +125,9 @@ class EngineCore:
                 if verdict is None:  # a prefill chunk: nothing to emit yet
                     self.stats.prefill_rows += item.num_tokens
                     continue
-                if draft.tokens:
-                    seq.request.spec.draft_seconds += t1 - t0
-                seq.request.spec.verify_seconds += t2 - t1
+                if draft.tokens:  # wall time of the step phases this request took part in
+                    seq.request.spec.draft_seconds += timing[0]
+                seq.request.spec.verify_seconds += timing[1]
                 self._account(item, len(draft.tokens), verdict.accepted, len(verdict.tokens))
                 self.scheduler.postprocess(
                     item, verdict.tokens, len(draft.tokens), verdict.accepted

@@ -1,0 +1,231 @@
+"""In-process engine throughput: concurrency 1, 4, 8 x speculation off / n-gram / draft model.
+
+Closed-loop load on the Engine API (no HTTP): `c` client threads each submit a request, read
+its stream to the end and submit the next, until `--requests-per-slot * c` requests are done.
+Per cell: output tok/s (all output tokens / wall time of the cell), speedup over speculation
+off at the same concurrency, mean acceptance length (tokens per target forward after prefill),
+acceptance rate, drafts per cycle, median TTFT, and how many greedy outputs equal the
+speculation-off outputs (bf16: a multi-token verify can flip near-tie argmaxes). At concurrency
+1 it also runs `generate.stream` (the single-stream path) with the same speculation, so the
+engine's one-request overhead shows. Methods run back to back per concurrency level, so slow
+drift of a shared machine hits all of them alike; warm-up requests are excluded. JSON last line,
+also written to bench/results/<name>.json.
+
+    python bench/engine.py                                          # 1.5B + 0.5B draft, bf16
+    python bench/engine.py --model smollm2-135m --methods none ngram --name engine-smollm2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # works without `pip install -e`
+from common import emit, machine, peak_rss_mb
+
+from quickdraft.benchmark import prompt_sets
+from quickdraft.config import SpeculativeConfig
+from quickdraft.engine import Engine, ServedModel
+from quickdraft.generate import LoadedModel, load, stream
+from quickdraft.sampling import SamplingParams
+from quickdraft.scheduler import SchedulerConfig
+from quickdraft.speculate import Speculation, make_speculation
+
+
+@dataclass(slots=True)
+class Done:
+    prompt: int  # index into the prompt list
+    tokens: list[int]
+    ttft: float
+    cycles: int
+    drafted: int
+    accepted: int
+
+
+@dataclass(slots=True)
+class Cell:
+    seconds: float = 0.0
+    done: list[Done] = field(default_factory=list)
+    steps: int = 0
+    max_batch: int = 0
+
+    def summary(self, base: Cell | None) -> dict[str, Any]:
+        tokens = sum(len(d.tokens) for d in self.done)
+        cycles = sum(d.cycles for d in self.done)
+        drafted = sum(d.drafted for d in self.done)
+        accepted = sum(d.accepted for d in self.done)
+        out: dict[str, Any] = {
+            "requests": len(self.done),
+            "output_tokens": tokens,
+            "seconds": round(self.seconds, 2),
+            "tok_s": round(tokens / self.seconds, 2),
+            "mean_acceptance_length": round(1 + accepted / cycles, 3) if cycles else None,
+            "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
+            "drafts_per_cycle": round(drafted / cycles, 3) if cycles else None,
+            "ttft_p50_s": round(statistics.median(d.ttft for d in self.done), 3),
+        }
+        if self.steps:
+            out["steps"] = self.steps
+            out["max_batch"] = self.max_batch
+        if base is not None:
+            out["speedup"] = round(out["tok_s"] / (base.tokens_per_s()), 3)
+            ref = {d.prompt: d.tokens for d in base.done}
+            out["identical_to_off"] = sum(ref.get(d.prompt) == d.tokens for d in self.done)
+        return out
+
+    def tokens_per_s(self) -> float:
+        return sum(len(d.tokens) for d in self.done) / self.seconds
+
+
+def run_engine(
+    lm: LoadedModel,
+    spec_config: SpeculativeConfig,
+    spec: Speculation | None,
+    prompts: list[list[int]],
+    concurrency: int,
+    per_slot: int,
+    params: SamplingParams,
+) -> Cell:
+    served = ServedModel(lm, spec_config, spec)
+    engine = Engine({"m": served}, scheduler=SchedulerConfig(max_running=max(concurrency, 1)))
+    engine.start()
+    cell = Cell()
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def client(slot: int) -> None:
+        try:
+            for r in range(per_slot):
+                idx = (slot + r * concurrency) % len(prompts)
+                handle = engine.submit("m", prompts[idx], params)
+                outs = list(handle)
+                last = outs[-1]
+                assert last.finished
+                s = last.spec
+                req = handle.request
+                done = Done(
+                    idx, req.output_ids, req.timing.ttft or 0.0, s.cycles, s.drafted, s.accepted
+                )
+                with lock:
+                    cell.done.append(done)
+        except BaseException as exc:  # surfaced after the join
+            errors.append(exc)
+
+    try:
+        warm = engine.submit("m", prompts[0][:16], SamplingParams(max_tokens=8))
+        for _ in warm:
+            pass
+        stats = engine.step_stats["m"]
+        steps0 = stats.steps
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        cell.seconds = time.perf_counter() - t0
+        cell.steps = stats.steps - steps0
+        cell.max_batch = stats.max_batch
+    finally:
+        engine.stop()
+    if errors:
+        raise errors[0]
+    return cell
+
+
+def run_stream(
+    lm: LoadedModel,
+    spec: Speculation | None,
+    prompts: list[list[int]],
+    n: int,
+    params: SamplingParams,
+) -> Cell:
+    cell = Cell()
+    warm = lm.new_request(prompts[0][:16], SamplingParams(max_tokens=8))
+    for _ in stream(lm, warm, spec):
+        pass
+    t0 = time.perf_counter()
+    for r in range(n):
+        idx = r % len(prompts)
+        req = lm.new_request(prompts[idx], params)
+        for _ in stream(lm, req, spec):
+            pass
+        s = req.spec
+        cell.done.append(
+            Done(idx, req.output_ids, req.timing.ttft or 0.0, s.cycles, s.drafted, s.accepted)
+        )
+    cell.seconds = time.perf_counter() - t0
+    return cell
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--methods", nargs="+", default=["none", "ngram", "draft"])
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 8])
+    ap.add_argument("--requests-per-slot", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=64, help="max output tokens per request")
+    ap.add_argument("-k", type=int, default=5, help="draft length ceiling")
+    ap.add_argument("--sets", nargs="*", default=None, help="prompt sets (default: all)")
+    ap.add_argument("--no-stream", action="store_true", help="skip the generate.stream rows")
+    ap.add_argument("--name", default="engine")
+    a = ap.parse_args()
+    assert a.methods[0] == "none", "speculation off first: it is every cell's baseline"
+
+    lm = load(a.model, a.dtype)
+    sets = prompt_sets()
+    chosen = a.sets or list(sets)
+    texts = [p for i in range(10) for s in chosen for p in sets[s][i : i + 1]]
+    prompts = [lm.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    configs = {
+        "none": SpeculativeConfig(),
+        "ngram": SpeculativeConfig(method="ngram", num_draft_tokens=a.k),
+        "draft": SpeculativeConfig(method="draft", num_draft_tokens=a.k, draft_model=a.draft),
+    }
+    specs = {m: make_speculation(lm, configs[m]) for m in a.methods}
+    params = SamplingParams(max_tokens=a.tokens)
+    results: dict[str, Any] = {}
+    for c in a.concurrency:
+        cells: dict[str, Cell] = {}
+        for m in a.methods:
+            cells[m] = run_engine(lm, configs[m], specs[m], prompts, c, a.requests_per_slot, params)
+            if c == 1 and not a.no_stream and m != "none":
+                cells[f"stream_{m}"] = run_stream(
+                    lm, specs[m], prompts, a.requests_per_slot, params
+                )
+        row = {m: cell.summary(None if m == "none" else cells["none"]) for m, cell in cells.items()}
+        results[f"c{c}"] = row
+        print(f"concurrency {c}:", row, flush=True)
+    cost = lm.step_cost()
+    report = {
+        "bench": "engine",
+        "model": a.model,
+        "draft": a.draft if "draft" in a.methods else None,
+        "dtype": a.dtype,
+        "max_tokens": a.tokens,
+        "k_max": a.k,
+        "requests_per_slot": a.requests_per_slot,
+        "prompt_sets": chosen,
+        "results": results,
+        "step_cost_ms": {
+            r: round(s * 1e3, 2) for r, s in zip(cost.rows, cost.seconds, strict=True)
+        },
+        "per_seq_ms": round(cost.per_seq * 1e3, 3),
+        "draft_cost": {m: round(s.draft_cost, 3) for m, s in specs.items() if s is not None},
+        "peak_rss_mb": round(peak_rss_mb()),
+        **machine(),
+    }
+    emit(a.name, report)
+
+
+if __name__ == "__main__":
+    main()
