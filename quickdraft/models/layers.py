@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quickdraft.kernels import Int8Weight, linear, linear_int8
+from quickdraft.kernels.cpu_ops import add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -23,9 +24,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        # One fused op; it accumulates in fp32 for bf16 input, so it matches HF's explicit fp32
-        # upcast in fp32 and is at least as accurate in bf16.
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # One fused pass in fp32 (cpu_ops): matches HF's explicit fp32 upcast in fp32 and is at
+        # least as accurate in bf16.
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+        """(x + delta, norm(x + delta)) in one pass: the residual add before a pre-norm."""
+        return add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class LinearView(nn.Module):

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from quickdraft.config import ModelConfig
 from quickdraft.kernels import Int8Weight
+from quickdraft.kernels.cpu_ops import rope as apply_rope
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.base import ForwardOutput
 from quickdraft.models.layers import (
@@ -24,7 +25,6 @@ from quickdraft.models.layers import (
     RMSNorm,
     Rope,
     Weight,
-    apply_rope,
     attend,
     fused_projections,
     project,
@@ -76,8 +76,8 @@ class Attention(nn.Module):
         v = qkv[:, (self.num_heads + self.num_kv_heads) * d :].view(n, self.num_kv_heads, d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cos, sin = rope[0][:, 0], rope[1][:, 0]  # [N, head_dim]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # fused; q, k are views
         outs, start = [], 0
         for cache, count in zip(caches, num_new, strict=True):
             seg = slice(start, start + count)
@@ -124,13 +124,33 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: Tensor,
+        x: Tensor,  # [N, hidden]
         rope: tuple[Tensor, Tensor],
         caches: Sequence[KVCache],
         num_new: Sequence[int],
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, caches, num_new)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """x -> the layer's output hidden state (HF's decoder layer)."""
+        h, residual = self.forward_residual(x, None, rope, caches, num_new)
+        return residual + h
+
+    def forward_residual(
+        self,
+        h: Tensor,  # [N, hidden] the previous layer's MLP output (the embedding for layer 0)
+        residual: Tensor | None,  # [N, hidden] the residual stream before adding h; None: layer 0
+        rope: tuple[Tensor, Tensor],
+        caches: Sequence[KVCache],
+        num_new: Sequence[int],
+    ) -> tuple[Tensor, Tensor]:
+        """HF's `x = x + attn(norm(x)); x = x + mlp(norm(x))` with each residual add fused
+        into the norm that follows it; returns (mlp output, residual): the layer's output
+        hidden state is their sum."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            residual, x = self.input_layernorm.add_forward(residual, h)
+        attn = self.self_attn(x, rope, caches, num_new)
+        residual, x = self.post_attention_layernorm.add_forward(residual, attn)
+        return self.mlp(x), residual
 
 
 class Embedding(nn.Module):
@@ -162,6 +182,8 @@ class CausalLM(nn.Module):
         device = torch.device(device)
         self.config, self.dtype, self.device = cfg, dtype, device
         self.model = DecoderModel(cfg, dtype, device)
+        # the same modules, typed (ModuleList items are plain nn.Modules to a type checker)
+        self.decoder_layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
         head: Tensor = (
             self.model.embed_tokens.weight
             if cfg.tie_word_embeddings
@@ -179,8 +201,7 @@ class CausalLM(nn.Module):
         precision only moves the acceptance rate; the state_dict is not usable afterwards."""
         if fmt != "int8":
             raise ValueError(f"unknown weight format {fmt!r}; supported: int8")
-        layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
-        for layer in layers:
+        for layer in self.decoder_layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv, attn.o = _int8(attn.qkv), _int8(attn.o)
             mlp.gate_up, mlp.down = _int8(mlp.gate_up), _int8(mlp.down)
@@ -228,20 +249,23 @@ class CausalLM(nn.Module):
             ]
         )
         rope = self.rope.tables(positions, self.dtype)
-        x = self.model.embed_tokens(input_ids)  # [N, hidden]
+        h = self.model.embed_tokens(input_ids)  # [N, hidden]
+        residual: Tensor | None = None
         layer_hidden: dict[int, Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, caches, num_new)
+        for i, layer in enumerate(self.decoder_layers):
+            h, residual = layer.forward_residual(h, residual, rope, caches, num_new)
             if i in hidden_layers:
-                layer_hidden[i] = x
+                layer_hidden[i] = residual + h  # the layer's output hidden state
+        assert residual is not None, "a model has at least one layer"
         if logit_rows is None:
             ends = torch.tensor(list(num_new), device=self.device).cumsum(0) - 1
             logit_rows = ends
         if return_hidden:
-            hidden = self.model.norm(x)
+            hidden = self.model.norm.add_forward(residual, h)[1]  # [N, hidden] post-norm
             logits = project(hidden[logit_rows], self.head).float()
             return ForwardOutput(logits, hidden, layer_hidden)
-        logits = project(self.model.norm(x[logit_rows]), self.head).float()
+        last = self.model.norm.add_forward(residual[logit_rows], h[logit_rows])[1]
+        logits = project(last, self.head).float()
         return ForwardOutput(logits, None, layer_hidden)
 
 
