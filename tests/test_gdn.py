@@ -98,7 +98,8 @@ def test_gdn_matches_transformers_reference() -> None:
     assert (dest[-1] - ref_state[0]).abs().max().item() < 1e-5
 
 
-def test_delta_rule_updates_reach_every_state(t: int = 9) -> None:
+@pytest.mark.parametrize("t", [1, 2, 9])
+def test_delta_rule_updates_reach_every_state(t: int) -> None:
     """A verify's kept updates: applying the first m of them to the starting state gives the
     naive state after token m - 1, for every m; outputs match too."""
     q, k, v, g, beta, state = inputs(t, seed=5)

@@ -113,6 +113,8 @@ def test_hybrid_config_reads_composite_and_defaults() -> None:
     assert composite.model_type == "qwen3_5_moe" and composite.hidden_size == 64
     assert composite.moe_layers == (True,) * 4 and not composite.interleaved_qkvz
     assert composite.rotary_dim == 8 and composite.mtp_num_hidden_layers == 1
+    tied = HybridConfig.from_dict(HYBRID_CONFIGS["qwen3_5"] | {"tie_word_embeddings": True})
+    assert tied.tie_word_embeddings  # the top-level (ForConditionalGeneration) flag wins
     # Qwen3-Next style: no layer_types (interval), top-level rope_theta / partial factor
     raw = {k: v for k, v in HYBRID_CONFIGS["qwen3_next"].items() if k != "layer_types"}
     raw.pop("rope_parameters")

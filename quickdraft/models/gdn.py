@@ -112,17 +112,17 @@ def _chunk_terms(
 
     qc, kc, vc, gc, bc = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
     cum = gc.cumsum(-1)  # [H, n, size] log decay from the chunk start through token i
-    causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
-    # decay[i, j] = exp(c_i - c_j) for j <= i, else 0
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    cum_exp = cum.exp()
+    # decay[i, j] = exp(c_i - c_j) for j <= i, else 0 (c falls with i: only j > i is clamped)
+    decay = (cum[..., :, None] - cum[..., None, :]).clamp_(max=0.0).exp_().tril_()
     k_beta = kc * bc[..., None]
     # (I + strictly_lower(diag(beta) K K^T * decay)) [u | w] = [beta v | beta exp(c) k]
-    system = (k_beta @ kc.transpose(-1, -2)) * decay  # [H, n, size, size]
-    rhs = torch.cat([vc * bc[..., None], k_beta * cum.exp()[..., None]], dim=-1)
+    system = (k_beta @ kc.transpose(-1, -2)).mul_(decay)  # [H, n, size, size]
+    rhs = torch.cat([vc * bc[..., None], k_beta * cum_exp[..., None]], dim=-1)
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     u, w = solved[..., :dv], solved[..., dv:]  # [H, n, size, dv], [H, n, size, dk]
-    intra = (qc @ kc.transpose(-1, -2)) * decay  # [H, n, size, size]
-    q_decayed = qc * cum.exp()[..., None]
+    intra = (qc @ kc.transpose(-1, -2)).mul_(decay)  # [H, n, size, size]
+    q_decayed = qc * cum_exp[..., None]
     # With S_0 the chunk's starting state: d = u - w S_0 (the corrections d_j of the
     # recurrence) and out = q_decayed S_0 + intra d.
     return kc, cum, decay, u, w, intra, q_decayed
@@ -183,6 +183,13 @@ def delta_rule_updates(
     `advance_state` applies to reach the state after any of its tokens."""
     t_len = v.shape[0]
     assert t_len <= CHUNK_SIZE, f"{t_len} tokens: one chunk at most"
+    if t_len == 1:  # a decode step: the same update without the chunk machinery (~4x fewer ops)
+        k1, q1 = k.float().transpose(0, 1), q.float().transpose(0, 1)  # [H, 1, dk]
+        decay = g.float()[0].exp()[:, None, None]  # [H, 1, 1]
+        read = torch.cat([k1, q1], dim=1) @ state * decay  # [H, 2, dv]: (exp(g) S)^T [k, q]
+        d = (v.float().transpose(0, 1) - read[:, :1]) * beta.float()[0, :, None, None]
+        out = read[:, 1:] + (q1 * k1).sum(-1, keepdim=True) * d  # S_1^T q = read_q + (k.q) d
+        return out.transpose(0, 1), DeltaUpdates(k1, d, g.float().transpose(0, 1))
     kc, cum, _, u, w, intra, q_decayed = _chunk_terms(q, k, v, g, beta, t_len)
     # the one read of the state: [w ; q_decayed] S_0
     read = torch.cat([w[:, 0], q_decayed[:, 0]], dim=1) @ state  # [H, 2T, dv]

@@ -138,7 +138,10 @@ class HybridConfig:
             rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
-            tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+            # the top-level model (ForConditionalGeneration) owns lm_head: its flag wins
+            tie_word_embeddings=bool(
+                raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+            ),
             attention_bias=bool(text.get("attention_bias", False)),
             linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
             linear_key_head_dim=int(text.get("linear_key_head_dim", 128)),
