@@ -7,15 +7,28 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
 from quickdraft.models.mtp import MTPHead, hybrid_mtp_parts, llama_mtp_parts
 from quickdraft.models.qwen3_next import HybridConfig, HybridLM
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny models are thousands of microsecond ops: a second intra-op thread only adds
+    fork/join cost (and stalls badly when the machine is busy). Restored after the module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 _TEXT = dict(
     vocab_size=320,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hybrid_models import one_thread  # noqa: F401 (autouse fixture)
 
 from quickdraft.models.gdn import (
     advance_state,

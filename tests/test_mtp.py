@@ -17,6 +17,7 @@ from hybrid_models import (
     HYBRID_CONFIGS,
     copying_head,
     mtp_head_for,
+    one_thread,  # noqa: F401 (autouse fixture)
     random_hybrid,
     randomize,
     save_hybrid_dir,

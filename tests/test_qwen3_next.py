@@ -9,7 +9,13 @@ from typing import Any
 
 import pytest
 import torch
-from hybrid_models import HYBRID_CONFIGS, random_hybrid, randomize, save_hybrid_dir
+from hybrid_models import (
+    HYBRID_CONFIGS,
+    one_thread,  # noqa: F401 (autouse fixture)
+    random_hybrid,
+    randomize,
+    save_hybrid_dir,
+)
 
 from quickdraft.models.loader import load_model
 from quickdraft.models.qwen3_next import HybridConfig, HybridLM
@@ -105,7 +111,7 @@ def test_hybrid_packed_sequences_equal_separate(family: str) -> None:
     ca.commit(6)
     cb.commit(11)
     packed = model(torch.cat([a[-3:], b[-3:]]), [ca, cb], [3, 3], logit_rows=torch.arange(6))
-    assert (packed.logits - torch.cat(alone)).abs().max().item() < 1e-5
+    assert (packed.logits - torch.cat(alone)).abs().max().item() < 1e-4
 
 
 def test_hybrid_config_reads_composite_and_defaults() -> None:

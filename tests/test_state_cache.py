@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hybrid_models import random_hybrid
+from hybrid_models import (
+    one_thread,  # noqa: F401 (autouse fixture)
+    random_hybrid,
+)
 
 from quickdraft.models.gdn import DeltaUpdates, conv_window
 from quickdraft.models.qwen3_next import HybridLM
