@@ -1,0 +1,406 @@
+"""Hybrid (Gated DeltaNet) target + MTP self-speculation, on a random-weight model of realistic
+shape: Qwen3.5-0.8B's (hidden 1024; 24 layers = 18 GDN + 6 gated attention; 16 GDN heads of
+128; 8 query / 2 KV heads of 256; MLP 3584) with the vocabulary cut to 32k: ~0.6B params, bf16.
+
+Random weights carry no language, so acceptance is forced: the target's layers write into the
+residual stream at a reduced scale (--out-scale), so its next token is mostly what the token
+embedding alone predicts, and the MTP head is built to predict exactly that (fc passes the
+embedding through, its decoder layer adds nothing but still runs). The compute is that of a
+real head and target; only the acceptance rate is staged.
+
+Measured side by side in one run, warm-up excluded:
+  decode_vs_verify   target forward of 1 row vs k + 1 rows at the same context (median), and
+                     the same for the forward's weight GEMMs alone (the CPU linear kernel)
+  commit             HybridCache.commit per accept count 0..k (us), and the deferred state
+                     update it leaves to the next forward (all GDN layers, ms), per count
+  cycles             per MTP cycle: draft / verify (target forward + greedy verify) / commit
+                     (cache + drafter) in ms, and commit's share of the cycle
+  tok/s              plain greedy decode vs MTP (k fixed), same prompts and lengths; AL,
+                     acceptance rate and histogram, and whether outputs were identical
+Prints one JSON object as the last line (also bench/results/hybrid.json).
+
+    flock /tmp/quickdraft-heavy.lock .venv/bin/python bench/hybrid.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import emit, machine, peak_rss_mb
+
+from quickdraft.drafters.base import DraftJob
+from quickdraft.drafters.mtp import MTPDrafter, head_step_seconds
+from quickdraft.kernels import linear
+from quickdraft.models.moe import GatedMLP
+from quickdraft.models.mtp import MTPHead, hybrid_mtp_parts
+from quickdraft.models.qwen3_next import GatedAttention, GatedDeltaNet, HybridConfig, HybridLM
+from quickdraft.sampling import SamplingParams
+from quickdraft.verify import verify_greedy
+
+CONFIG: dict[str, Any] = dict(
+    model_type="qwen3_5_text",
+    vocab_size=32000,
+    hidden_size=1024,
+    num_hidden_layers=24,
+    full_attention_interval=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=16,
+    intermediate_size=3584,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    mtp_num_hidden_layers=1,
+)
+WRITERS = ("o_proj", "out_proj", "down_proj")  # projections that write the residual stream
+
+
+def init_(module: torch.nn.Module, seed: int, out_scale: float) -> None:
+    """Unit-gain random weights (std fan_in^-0.5), unit-RMS embeddings, stable GDN decays."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("A_log"):
+                v = torch.rand(p.shape, generator=gen) * 2 - 1
+            elif name.endswith("dt_bias"):
+                v = torch.rand(p.shape, generator=gen)
+            elif name.endswith("linear_attn.norm.weight"):
+                v = torch.ones(p.shape)
+            elif "norm" in name:
+                v = torch.rand(p.shape, generator=gen) * 0.2 - 0.1  # (1 + w)
+            elif name.endswith("embed_tokens.weight"):
+                v = torch.randn(p.shape, generator=gen)
+            else:
+                v = torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5
+                if any(w in name for w in WRITERS):
+                    v *= out_scale
+            p.copy_(v.to(p.dtype))
+
+
+def build(out_scale: float) -> tuple[HybridLM, MTPHead]:
+    cfg = HybridConfig.from_dict(CONFIG)
+    model = HybridLM(cfg, torch.bfloat16)
+    init_(model, 0, out_scale)
+    head = MTPHead(
+        hybrid_mtp_parts(cfg, torch.bfloat16, torch.device("cpu")),
+        cfg.hidden_size,
+        model.get_parameter("model.embed_tokens.weight"),
+        model.get_parameter("lm_head.weight"),
+        torch.bfloat16,
+        torch.device("cpu"),
+    )
+    init_(head, 1, 0.0)  # its layer runs but writes nothing into the residual stream
+    h = cfg.hidden_size
+    with torch.no_grad():  # fc passes norm_e(embed(t)) through; the final norm is the target's
+        head.fc.weight.zero_()
+        head.fc.weight[:, :h] = torch.eye(h)
+        head.get_parameter("pre_fc_norm_embedding.weight").zero_()
+        head.get_parameter("norm.weight").copy_(model.get_parameter("model.norm.weight"))
+    return model, head
+
+
+def median_ms(samples: list[float]) -> float:
+    return round(statistics.median(samples) * 1e3, 3)
+
+
+def decode_vs_verify(model: HybridLM, k: int, context: int, reps: int) -> dict[str, Any]:
+    """Alternate 1-row and (k + 1)-row forwards, each committed like a cycle would (1 row /
+    a varying number of rows), so the deferred state updates are part of what is timed."""
+    cache = model.new_cache(context + reps * (k + 2) + 8)
+    ids = torch.randint(0, model.config.vocab_size, (context + k + 1,))
+    model(ids[:context], [cache], [context])
+    cache.commit(context)
+    one, many = [], []
+    for rep in range(reps + 2):
+        t = time.perf_counter()
+        model(ids[:1], [cache], [1])
+        cache.commit(cache.length + 1)
+        t1 = time.perf_counter()
+        model(ids[: k + 1], [cache], [k + 1], logit_rows=torch.arange(k + 1))
+        cache.commit(cache.length + 1 + rep % (k + 1))
+        t2 = time.perf_counter()
+        if rep >= 2:  # warm-up
+            one.append(t1 - t)
+            many.append(t2 - t1)
+    return {
+        "context": context,
+        "decode_ms": median_ms(one),
+        "verify_ms": median_ms(many),
+        "verify_over_decode": round(statistics.median(many) / statistics.median(one), 3),
+    }
+
+
+def gemm_weights(model: HybridLM) -> list[torch.Tensor]:
+    """The weights one forward multiplies, as it multiplies them (fused where it fuses)."""
+    out: list[torch.Tensor] = [model.lm_head.weight]
+    for mod in model.modules():
+        if isinstance(mod, GatedAttention):
+            out += [mod.qkv_weight, mod.o_proj.weight]
+        elif isinstance(mod, GatedDeltaNet):
+            out += [mod.in_weight, mod.out_proj.weight]
+        elif isinstance(mod, GatedMLP):
+            out += [mod.gate_up_weight, mod.down_proj.weight]
+    return out
+
+
+def gemm_ratio(model: HybridLM, rows: int, reps: int) -> dict[str, Any]:
+    """The forward's weight GEMMs alone (the CPU linear kernel) at M = 1 vs M = rows."""
+    weights = gemm_weights(model)
+
+    def run(m: int) -> float:
+        xs = {w.shape[1]: torch.randn(m, w.shape[1], dtype=w.dtype) for w in weights}
+        t = time.perf_counter()
+        for w in weights:
+            linear(xs[w.shape[1]], w)
+        return time.perf_counter() - t
+
+    run(1), run(rows)
+    one = [run(1) for _ in range(reps)]
+    many = [run(rows) for _ in range(reps)]
+    return {
+        "gemm_decode_ms": median_ms(one),
+        "gemm_verify_ms": median_ms(many),
+        "gemm_verify_over_decode": round(statistics.median(many) / statistics.median(one), 3),
+    }
+
+
+def commit_costs(model: HybridLM, k: int, reps: int = 200) -> dict[str, Any]:
+    """HybridCache.commit per accept count (after a real verify forward), and the deferred
+    rank-m state update the commit leaves for the next forward (all GDN layers)."""
+    cache = model.new_cache(64 + k + 1)
+    ids = torch.randint(0, model.config.vocab_size, (64,))
+    model(ids, [cache], [64])
+    cache.commit(64)
+    base = cache.length
+    model(ids[: k + 1], [cache], [k + 1], logit_rows=torch.arange(k + 1))
+    commit_us, apply_ms = [], []
+    layers = cache.shape.num_layers
+    saved = (cache.ssm.clone(), cache.conv.clone())
+    for accepted in range(k + 1):
+        times, applies = [], []
+        for _ in range(reps):
+            cache.reserve(k + 1)  # the same checkpoints stand; a commit needs a forward before
+            t = time.perf_counter()
+            cache.commit(base + 1 + accepted)
+            times.append(time.perf_counter() - t)
+            cache.commit(base + 1 + accepted)  # no-op
+            if len(applies) < 20:
+                t = time.perf_counter()
+                for g in range(layers):
+                    cache.gdn_state(g)
+                applies.append(time.perf_counter() - t)
+            cache.ssm.copy_(saved[0])
+            cache.conv.copy_(saved[1])
+            cache.pending = [0] * layers
+            cache.length = base
+            cache.kv.commit(base)
+        commit_us.append(round(statistics.median(times) * 1e6, 2))
+        apply_ms.append(median_ms(applies))
+    return {"commit_us_by_accepted": commit_us, "apply_update_ms_by_accepted": apply_ms}
+
+
+def generate(
+    model: HybridLM, drafter: MTPDrafter | None, prompt: list[int], tokens: int, k: int
+) -> dict[str, Any]:
+    """The decode cycle of generate.stream, timed per stage (greedy)."""
+    gen, params = torch.Generator(), SamplingParams()
+    cache = model.new_cache(len(prompt) + tokens + k + 1)
+    hidden = drafter is not None
+    t_start = time.perf_counter()
+    out = model(torch.tensor(prompt), [cache], [len(prompt)], return_hidden=hidden)
+    cache.commit(len(prompt))
+    seq = [*prompt, int(out.logits[-1].argmax())]
+    state = drafter.new_state(prompt) if drafter is not None else None
+    if drafter is not None:
+        drafter.commit(state, seq, out.hidden)
+    t_first = time.perf_counter()
+    draft_s, verify_s, commit_s, accepted_hist = [], [], [], [0] * (k + 1)
+    cycles = accepted = drafted = 0
+    while len(seq) - len(prompt) < tokens:
+        room = tokens - (len(seq) - len(prompt)) - 1
+        kk = min(k, room) if drafter is not None else 0
+        t0 = time.perf_counter()
+        draft = (
+            drafter.propose([DraftJob(state, seq, kk, params, gen)])[0].tokens
+            if drafter is not None and kk > 0
+            else []
+        )
+        t1 = time.perf_counter()
+        n = 1 + len(draft)
+        out = model(
+            torch.tensor([seq[-1], *draft]),
+            [cache],
+            [n],
+            logit_rows=torch.arange(n),
+            return_hidden=hidden,
+        )
+        verdict = verify_greedy(draft, out.logits)
+        t2 = time.perf_counter()
+        cache.commit(cache.length + 1 + verdict.accepted)
+        seq += verdict.tokens
+        if drafter is not None:
+            assert out.hidden is not None
+            drafter.commit(state, seq, out.hidden[: 1 + verdict.accepted])
+        t3 = time.perf_counter()
+        cycles += 1
+        accepted += verdict.accepted
+        drafted += len(draft)
+        if len(draft) == k:
+            accepted_hist[verdict.accepted] += 1
+        draft_s.append(t1 - t0)
+        verify_s.append(t2 - t1)
+        commit_s.append(t3 - t2)
+    t_end = time.perf_counter()
+    return {
+        "output": seq[len(prompt) :][:tokens],
+        "decode_s": t_end - t_first,
+        "prefill_s": t_first - t_start,
+        "tokens_after_first": len(seq) - len(prompt) - 1,
+        "cycles": cycles,
+        "draft_s": draft_s,
+        "verify_s": verify_s,
+        "commit_s": commit_s,
+        "accepted_hist": accepted_hist,
+        "accepted": accepted,
+        "drafted": drafted,
+    }
+
+
+def divergence(
+    model: HybridLM, prompt: list[int], plain: list[int], spec: list[int]
+) -> dict[str, Any]:
+    """Where bf16 plain and speculative output first differ, and the target's top-2 logit gap
+    there (one fresh forward over the common prefix): a near-tie flipped by rounding, or not."""
+    i = next(j for j, (a, b) in enumerate(zip(plain, spec, strict=False)) if a != b)
+    ids = torch.tensor([*prompt, *plain[:i]])
+    logits = model(ids, [model.new_cache(len(ids))], [len(ids)]).logits[-1]
+    top = torch.topk(logits, 2).values
+    return {"token": i, "top2_gap": round(float(top[0] - top[1]), 4)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--out-scale", type=float, default=0.04)
+    ap.add_argument("--reps", type=int, default=12)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    t = time.perf_counter()
+    model, head = build(args.out_scale)
+    build_s = time.perf_counter() - t
+    drafter = MTPDrafter(head, model.get_submodule("model.norm"))
+    k = args.k
+    params = sum(p.numel() for p in model.parameters())
+    head_params = sum(p.numel() for p in head.parameters())
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [
+        torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=gen).tolist()
+        for _ in range(args.prompts)
+    ]
+    generate(model, drafter, prompts[0][:16], 8, k)  # warm-up: allocator, kernels
+    generate(model, None, prompts[0][:16], 8, k)
+    speed = decode_vs_verify(model, k, context=256, reps=args.reps)
+    speed |= gemm_ratio(model, k + 1, args.reps)
+    commits = commit_costs(model, k)
+    step_s = speed["decode_ms"] / 1e3
+
+    divergences: list[dict[str, Any]] = []
+    plain_s = spec_s = 0.0
+    plain_n = spec_n = 0
+    identical = 0
+    hist = [0] * (k + 1)
+    draft_s, verify_s, commit_s = [], [], []
+    cycles = accepted = drafted = 0
+    for prompt in prompts:  # plain and MTP alternate, prompt by prompt
+        plain = generate(model, None, prompt, args.tokens, k)
+        spec = generate(model, drafter, prompt, args.tokens, k)
+        plain_s += plain["decode_s"]
+        plain_n += plain["tokens_after_first"]
+        spec_s += spec["decode_s"]
+        spec_n += spec["tokens_after_first"]
+        identical += plain["output"] == spec["output"]
+        if plain["output"] != spec["output"]:
+            divergences.append(divergence(model, prompt, plain["output"], spec["output"]))
+        hist = [a + b for a, b in zip(hist, spec["accepted_hist"], strict=True)]
+        draft_s += spec["draft_s"]
+        verify_s += spec["verify_s"]
+        commit_s += spec["commit_s"]
+        cycles += spec["cycles"]
+        accepted += spec["accepted"]
+        drafted += spec["drafted"]
+    cycle_ms = median_ms([a + b + c for a, b, c in zip(draft_s, verify_s, commit_s, strict=True)])
+    full = sum(hist)
+    cache = model.new_cache(args.prompt_len + args.tokens + k + 1)
+    emit(
+        "hybrid",
+        {
+            "machine": machine(),
+            "model": {
+                "shape": "Qwen3.5-0.8B layers/widths, vocab 32k, untied lm_head, bf16",
+                "params_m": round(params / 1e6, 1),
+                "mtp_head_params_m": round(head_params / 1e6, 1),
+                "layers": {"gdn": cache.shape.num_layers, "attention": model.num_attention_layers},
+                "out_scale": args.out_scale,
+                "build_s": round(build_s, 1),
+            },
+            "k": k,
+            "decode_vs_verify": speed,
+            "commit": {
+                **commits,
+                "share_of_cycle": round(statistics.median(commit_s) * 1e3 / cycle_ms, 5),
+            },
+            "cycle_ms": {
+                "draft": median_ms(draft_s),
+                "verify": median_ms(verify_s),
+                "commit": median_ms(commit_s),
+                "total": cycle_ms,
+                "head_step_over_target_step": round(head_step_seconds(head) / step_s, 3),
+            },
+            "throughput": {
+                "prompts": args.prompts,
+                "prompt_len": args.prompt_len,
+                "tokens": args.tokens,
+                "plain_tok_s": round(plain_n / plain_s, 2),
+                "mtp_tok_s": round(spec_n / spec_s, 2),
+                "speedup": round((spec_n / spec_s) / (plain_n / plain_s), 3),
+                "mean_acceptance_length": round(1 + accepted / cycles, 3),
+                "acceptance_rate": round(accepted / max(1, drafted), 3),
+                "accepted_histogram": hist,
+                "full_k_cycles": full,
+                "identical_outputs": f"{identical}/{len(prompts)}",
+                "divergences": divergences,
+            },
+            "memory": {
+                # committed + spare slot (a prompt chunk's final state)
+                "gdn_state_mb_per_seq": round((cache.ssm.nbytes + cache.conv.nbytes) / 2**20, 2),
+                "checkpoint_kb_per_seq": round(
+                    sum(t.nbytes for t in (cache.cp_inputs, cache.cp_k, cache.cp_d, cache.cp_cum))
+                    / 1024,
+                    1,
+                ),
+                "peak_rss_mb": round(peak_rss_mb(), 1),
+            },
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
