@@ -30,6 +30,15 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
 
 
+def read_hf_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config.json, generation_config.json or {}) of a model directory."""
+    path = Path(path)
+    raw: dict[str, Any] = json.loads((path / "config.json").read_text())
+    gen_path = path / "generation_config.json"
+    gen: dict[str, Any] = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    return raw, gen
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """What the dense decoder (models/llama.py) needs. Field names follow Hugging Face."""
@@ -55,11 +64,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, path: str | Path) -> ModelConfig:
         """Read `config.json` (and `generation_config.json` for EOS ids) from a model dir."""
-        path = Path(path)
-        raw: dict[str, Any] = json.loads((path / "config.json").read_text())
-        gen_path = path / "generation_config.json"
-        gen: dict[str, Any] = json.loads(gen_path.read_text()) if gen_path.exists() else {}
-        return cls.from_dict(raw, gen)
+        return cls.from_dict(*read_hf_config(path))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], gen: dict[str, Any] | None = None) -> ModelConfig:
