@@ -39,9 +39,10 @@ from common import emit, machine, peak_rss_mb
 from quickdraft.drafters.base import DraftJob
 from quickdraft.drafters.mtp import MTPDrafter, head_step_seconds
 from quickdraft.kernels import linear
+from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.moe import GatedMLP
 from quickdraft.models.mtp import MTPHead, hybrid_mtp_parts
-from quickdraft.models.qwen3_next import GatedAttention, GatedDeltaNet, HybridConfig, HybridLM
+from quickdraft.models.qwen3_next import GatedAttention, GatedDeltaNet, HybridLM
 from quickdraft.sampling import SamplingParams
 from quickdraft.verify import verify_greedy
 

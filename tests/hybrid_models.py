@@ -16,8 +16,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.mtp import MTPHead, hybrid_mtp_parts, llama_mtp_parts
-from quickdraft.models.qwen3_next import HybridConfig, HybridLM
+from quickdraft.models.qwen3_next import HybridLM
 
 
 @pytest.fixture(autouse=True, scope="module")

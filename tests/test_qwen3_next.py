@@ -17,8 +17,9 @@ from hybrid_models import (
     save_hybrid_dir,
 )
 
+from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.loader import load_model
-from quickdraft.models.qwen3_next import HybridConfig, HybridLM
+from quickdraft.models.qwen3_next import HybridLM
 
 FAMILIES = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
 

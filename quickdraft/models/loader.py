@@ -17,7 +17,7 @@ from safetensors import safe_open
 from torch import nn
 
 from quickdraft.models.base import LanguageModel
-from quickdraft.models.qwen3_next import NameMap
+from quickdraft.models.hybrid_config import NameMap
 from quickdraft.models.registry import model_class, name_map, read_config, same_names
 
 

@@ -29,9 +29,10 @@ from torch import Tensor, nn
 
 from quickdraft.config import ModelConfig
 from quickdraft.kv_cache import KVCache
+from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.layers import LinearView, RMSNorm, Rope, project
 from quickdraft.models.llama import DecoderLayer
-from quickdraft.models.qwen3_next import HybridConfig, HybridDecoderLayer, OffsetRMSNorm
+from quickdraft.models.qwen3_next import HybridDecoderLayer, OffsetRMSNorm
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,15 +12,15 @@ from typing import Any
 from torch import nn
 
 from quickdraft.config import ModelConfig
-from quickdraft.models.llama import CausalLM
-from quickdraft.models.mtp import MTPParts, hybrid_mtp_parts, llama_mtp_parts
-from quickdraft.models.qwen3_next import (
+from quickdraft.models.hybrid_config import (
     HYBRID_TYPES,
     HybridConfig,
-    HybridLM,
     NameMap,
     checkpoint_name_map,
 )
+from quickdraft.models.llama import CausalLM
+from quickdraft.models.mtp import MTPParts, hybrid_mtp_parts, llama_mtp_parts
+from quickdraft.models.qwen3_next import HybridLM
 
 DENSE_TYPES = ("llama", "qwen2", "qwen3")
 
