@@ -20,7 +20,13 @@ from quickdraft.config import SpeculativeConfig
 from quickdraft.core import EngineCore
 from quickdraft.drafters.base import Draft, DraftJob
 from quickdraft.drafters.ngram import NgramDrafter
-from quickdraft.engine import Engine, EngineDeadError, QueueFullError, ServedModel
+from quickdraft.engine import (
+    Engine,
+    EngineDeadError,
+    QueueFullError,
+    ServedModel,
+    release_openmp_workers,
+)
 from quickdraft.generate import LoadedModel, load, stream
 from quickdraft.request import FinishReason
 from quickdraft.sampling import SamplingParams
@@ -291,6 +297,19 @@ def test_engine_hidden_states_reach_drafter_once_per_committed_position(
         full = model(torch.tensor(tokens), [cache], [len(tokens)], return_hidden=True).hidden
         assert full is not None  # [len(tokens), hidden]
         torch.testing.assert_close(torch.cat(rows), full[:-1], atol=1e-4, rtol=1e-4)
+
+
+def test_engine_release_openmp_workers_keeps_torch_working(lm: LoadedModel) -> None:
+    if not torch.backends.openmp.is_available():
+        pytest.skip("torch without OpenMP")
+    x = torch.ones(256, 256)
+    (x @ x).sum()  # a parallel region: this thread now has an OpenMP pool
+    assert release_openmp_workers()
+    ids = lm.tokenizer.encode("hello")
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    first = plain(lm, ids, params)
+    assert release_openmp_workers()  # the pool came back for the decode; free it again
+    assert plain(lm, ids, params) == first
 
 
 def test_engine_rejects_unknown_model_and_full_queue(lm: LoadedModel) -> None:
