@@ -1,15 +1,16 @@
 """In-process engine throughput: concurrency 1, 4, 8 x speculation off / n-gram / draft model.
 
 Closed-loop load on the Engine API (no HTTP): `c` client threads each submit a request, read
-its stream to the end and submit the next, until `--requests-per-slot * c` requests are done.
+its stream to the end and submit the next, until `--requests-per-slot * c` requests are done;
+`--rounds` repeats that with the methods interleaved (off, ngram, draft, off, ngram, ...) and
+sums the rounds, so drift on a shared machine hits every method alike.
 Per cell: output tok/s (all output tokens / wall time of the cell), speedup over speculation
 off at the same concurrency, mean acceptance length (tokens per target forward after prefill),
 acceptance rate, drafts per cycle, median TTFT, and how many greedy outputs equal the
 speculation-off outputs (bf16: a multi-token verify can flip near-tie argmaxes). At concurrency
 1 it also runs `generate.stream` (the single-stream path) with the same speculation, so the
-engine's one-request overhead shows. Methods run back to back per concurrency level, so slow
-drift of a shared machine hits all of them alike; warm-up requests are excluded. JSON last line,
-also written to bench/results/<name>.json.
+engine's one-request overhead shows. Warm-up requests are excluded. JSON last line, also
+written to bench/results/<name>.json.
 
     python bench/engine.py                                          # 1.5B + 0.5B draft, bf16
     python bench/engine.py --model smollm2-135m --methods none ngram --name engine-smollm2
@@ -56,6 +57,12 @@ class Cell:
     steps: int = 0
     max_batch: int = 0
 
+    def add(self, other: Cell) -> None:
+        self.seconds += other.seconds
+        self.done += other.done
+        self.steps += other.steps
+        self.max_batch = max(self.max_batch, other.max_batch)
+
     def summary(self, base: Cell | None) -> dict[str, Any]:
         tokens = sum(len(d.tokens) for d in self.done)
         cycles = sum(d.cycles for d in self.done)
@@ -76,8 +83,10 @@ class Cell:
             out["max_batch"] = self.max_batch
         if base is not None:
             out["speedup"] = round(out["tok_s"] / (base.tokens_per_s()), 3)
-            ref = {d.prompt: d.tokens for d in base.done}
-            out["identical_to_off"] = sum(ref.get(d.prompt) == d.tokens for d in self.done)
+            ref = {(d.prompt, len(d.tokens)): d.tokens for d in base.done}
+            out["identical_to_off"] = sum(
+                ref.get((d.prompt, len(d.tokens))) == d.tokens for d in self.done
+            )
         return out
 
     def tokens_per_s(self) -> float:
@@ -92,6 +101,7 @@ def run_engine(
     concurrency: int,
     per_slot: int,
     params: SamplingParams,
+    first: int,
 ) -> Cell:
     served = ServedModel(lm, spec_config, spec)
     engine = Engine({"m": served}, scheduler=SchedulerConfig(max_running=max(concurrency, 1)))
@@ -103,7 +113,7 @@ def run_engine(
     def client(slot: int) -> None:
         try:
             for r in range(per_slot):
-                idx = (slot + r * concurrency) % len(prompts)
+                idx = (first + slot + r * concurrency) % len(prompts)
                 handle = engine.submit("m", prompts[idx], params)
                 outs = list(handle)
                 last = outs[-1]
@@ -146,6 +156,7 @@ def run_stream(
     prompts: list[list[int]],
     n: int,
     params: SamplingParams,
+    first: int,
 ) -> Cell:
     cell = Cell()
     warm = lm.new_request(prompts[0][:16], SamplingParams(max_tokens=8))
@@ -153,7 +164,7 @@ def run_stream(
         pass
     t0 = time.perf_counter()
     for r in range(n):
-        idx = r % len(prompts)
+        idx = (first + r) % len(prompts)
         req = lm.new_request(prompts[idx], params)
         for _ in stream(lm, req, spec):
             pass
@@ -172,7 +183,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--methods", nargs="+", default=["none", "ngram", "draft"])
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 8])
-    ap.add_argument("--requests-per-slot", type=int, default=2)
+    ap.add_argument("--requests-per-slot", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved repetitions")
     ap.add_argument("--tokens", type=int, default=64, help="max output tokens per request")
     ap.add_argument("-k", type=int, default=5, help="draft length ceiling")
     ap.add_argument("--sets", nargs="*", default=None, help="prompt sets (default: all)")
@@ -196,12 +208,17 @@ def main() -> None:
     results: dict[str, Any] = {}
     for c in a.concurrency:
         cells: dict[str, Cell] = {}
-        for m in a.methods:
-            cells[m] = run_engine(lm, configs[m], specs[m], prompts, c, a.requests_per_slot, params)
-            if c == 1 and not a.no_stream and m != "none":
-                cells[f"stream_{m}"] = run_stream(
-                    lm, specs[m], prompts, a.requests_per_slot, params
+        for r in range(a.rounds):
+            first = r * c * a.requests_per_slot  # each round serves the next prompts
+            for m in a.methods:
+                cell = run_engine(
+                    lm, configs[m], specs[m], prompts, c, a.requests_per_slot, params, first
                 )
+                cells.setdefault(m, Cell()).add(cell)
+                if c == 1 and not a.no_stream and m != "none":
+                    n = a.requests_per_slot
+                    cell = run_stream(lm, specs[m], prompts, n, params, first)
+                    cells.setdefault(f"stream_{m}", Cell()).add(cell)
         row = {m: cell.summary(None if m == "none" else cells["none"]) for m, cell in cells.items()}
         results[f"c{c}"] = row
         print(f"concurrency {c}:", row, flush=True)
@@ -214,12 +231,14 @@ def main() -> None:
         "max_tokens": a.tokens,
         "k_max": a.k,
         "requests_per_slot": a.requests_per_slot,
+        "rounds": a.rounds,
         "prompt_sets": chosen,
         "results": results,
         "step_cost_ms": {
             r: round(s * 1e3, 2) for r, s in zip(cost.rows, cost.seconds, strict=True)
         },
         "per_seq_ms": round(cost.per_seq * 1e3, 3),
+        "per_masked_seq_ms": round(cost.per_masked * 1e3, 3),
         "draft_cost": {m: round(s.draft_cost, 3) for m, s in specs.items() if s is not None},
         "peak_rss_mb": round(peak_rss_mb()),
         **machine(),

@@ -10,25 +10,28 @@ one 17920x1536 weight).
 The rule (documented here, implemented in `BatchPolicy.choose`):
 
 * Cost. `StepCost` is measured at start-up: seconds of one target forward over M packed rows
-  (M = 1..64, interpolated between measured points, extrapolated linearly beyond), plus a
-  per-sequence overhead (attention and cache writes run per sequence). A drafter costs, per
-  draft position j, `draft_cost * StepCost(n_j)` where n_j is how many of its requests draft a
-  j-th token (the draft model packs them into one forward per position; `draft_cost` is its
-  measured 1-row cost relative to the target's, the curve's shape is borrowed from the target).
-  The n-gram drafter is free.
+  (M = 1..64, interpolated between measured points, extrapolated linearly beyond), plus what
+  each further sequence costs (attention and cache writes run per sequence) and what a
+  sequence with more than one row costs over a one-row one: its attention needs a causal mask
+  (measured ~4 ms per such sequence per step here, as much as a few extra rows of a small
+  model). A drafter costs, per draft position j, `draft_cost * StepCost(n_j)` where n_j is
+  how many of its requests draft a j-th token (the draft model packs them into one forward per
+  position; `draft_cost` is its measured 1-row cost relative to the target's, the curve's shape
+  is borrowed from the target). The n-gram drafter is free.
 * Gain. Each request keeps a running acceptance estimate alpha (`Acceptance`: every accepted
   draft a success, every cycle stopped by a rejection one failure, a prior worth a few drafts,
   mild forgetting). Its j-th draft adds alpha^j expected tokens (Leviathan et al. 2023, sec. 3).
 * Choice. With B decoding requests, plain decoding emits B tokens in `t_dec` = StepCost(B rows,
-  B sequences) seconds. A draft allocation D adds gain(D) tokens and costs
-  StepCost(M0 + |D|) - StepCost(M0) + draft seconds(D), where M0 is the step's rows without
-  drafts (decodes + prefill chunks; a prefill chunk in the step makes draft rows dearer at the
-  margin but its own cost is not charged to the drafts). We maximise expected emitted tokens per
-  second, (B + gain(D)) / (t_dec + extra seconds(D)), over allocations built greedily: draft
-  counts grow one token at a time, always the token with the highest alpha^j (gains are concave
-  per request, so this is the best allocation of each total), and every total 0..budget is
-  scored, so a step-shaped cost curve is handled. k = 0 for everyone is always a candidate and
-  wins unless the best beats it by `margin`: speculation never makes a step slower by the model.
+  B sequences, none masked) seconds. A draft allocation D adds gain(D) tokens and costs the
+  step's forward with D minus the forward without (M0 rows: decodes + prefill chunks; D adds
+  |D| rows and masks every request that drafts) plus draft seconds(D); a prefill chunk in the
+  step makes draft rows dearer at the margin, but its own cost is not charged to the drafts.
+  We maximise expected emitted tokens per second, (B + gain(D)) / (t_dec + extra seconds(D)),
+  over allocations built greedily: draft counts grow one token at a time, always the token
+  with the highest alpha^j (gains are concave per request, so this is the best allocation of
+  each total), and every total 0..budget is scored, so a step-shaped cost curve is handled.
+  k = 0 for everyone is always a candidate and wins unless the best beats it by `margin`:
+  speculation never makes a step slower by the model.
 * Probes. A request at k = 0 learns nothing, so after `probe_every` idle steps it drafts one
   token to refresh alpha (a prompt that turns repetitive later is noticed). Probes are rationed
   by cost: one probe costs a fraction f of the step (its verify row, one draft position and, for
@@ -54,19 +57,29 @@ from quickdraft.models.base import LanguageModel
 
 @dataclass(frozen=True, slots=True)
 class StepCost:
-    """Measured seconds of one target forward: `rows[i]` packed rows cost `seconds[i]`
-    (ascending, starting at 1 row, non-decreasing), plus `per_seq` for each sequence past the
-    first."""
+    """Measured seconds of one target forward.
+
+    `rows[i]` packed rows of ONE sequence cost `seconds[i]` (ascending from 1 row,
+    non-decreasing). Each further sequence adds `per_seq` (attention and cache writes run per
+    sequence), and each sequence with more than one row (a verify or a prefill chunk: its
+    attention needs a causal mask) adds `per_masked` over a one-row sequence; the one-sequence
+    table already holds one such sequence for rows >= 2."""
 
     rows: tuple[int, ...]
     seconds: tuple[float, ...]
     per_seq: float = 0.0
+    per_masked: float = 0.0
 
     def __post_init__(self) -> None:
         assert self.rows and self.rows[0] == 1 and len(self.rows) == len(self.seconds)
 
-    def __call__(self, rows: int, seqs: int = 1) -> float:
-        return self.of_rows(rows) + max(0, seqs - 1) * self.per_seq
+    def __call__(self, rows: int, seqs: int = 1, masked: int | None = None) -> float:
+        """A forward of `rows` rows over `seqs` sequences, `masked` of them with > 1 row
+        (default: the one-sequence case)."""
+        in_table = 1 if rows >= 2 else 0
+        masked = in_table if masked is None else masked
+        extra = max(0, seqs - 1) * self.per_seq + (masked - in_table) * self.per_masked
+        return max(self.of_rows(rows) + extra, self.seconds[0])
 
     def of_rows(self, m: int) -> float:
         r, s = self.rows, self.seconds
@@ -89,35 +102,42 @@ COST_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16, 20, 24, 32, 48, 64)
 def measure_step_cost(
     model: LanguageModel, rows: Sequence[int] = COST_ROWS, context: int = 64, seqs: int = 8
 ) -> StepCost:
-    """Time target forwards over `rows` new tokens after `context` cached ones (best of two,
-    after one warm-up pass), and `seqs` one-row sequences against one `seqs`-row sequence for
-    the per-sequence overhead. A few seconds for a 1.5B model on this CPU."""
+    """Time target forwards over `rows` new tokens of one sequence after `context` cached ones
+    (best of two, after one warm-up pass); then `seqs` sequences of one row and of two rows
+    each, which give `per_seq` and `per_masked` (see StepCost). A few seconds for a 1.5B
+    model on this CPU."""
     device = model.device
-    max_rows = max(rows)
+    max_rows = max(max(rows), 2 * seqs)
     ids = torch.randint(0, model.config.vocab_size, (context + max_rows,), device=device)
     caches = [model.new_cache(context + max_rows + 1) for _ in range(seqs)]
     for cache in caches:
         model(ids[:context], [cache], [context])
         cache.commit(context)
 
-    def timed(n: int, num_seqs: int) -> float:
-        per = [n // num_seqs] * num_seqs
-        picked = caches[:num_seqs]
-        new = ids[context : context + n]
-        t = time.perf_counter()
-        model(new, picked, per, logit_rows=torch.arange(n, device=device))
-        return time.perf_counter() - t
+    def timed(per: int, num_seqs: int) -> float:
+        n = per * num_seqs
+        best = float("inf")
+        for _ in range(2):
+            t = time.perf_counter()
+            new = ids[context : context + n]
+            model(new, caches[:num_seqs], [per] * num_seqs, logit_rows=torch.arange(n))
+            best = min(best, time.perf_counter() - t)
+        return best
 
-    timed(max_rows, 1)  # warm-up: allocator, kernel build, the largest activations
+    timed(max(rows), 1)  # warm-up: allocator, kernel build, the largest activations
     seconds: list[float] = []
     for n in rows:
-        best = min(timed(n, 1) for _ in range(2))
+        best = timed(n, 1)
         # cost cannot fall with more rows; noise must not make extra rows look free
         seconds.append(max(best, seconds[-1]) if seconds else best)
-    one_seq = min(timed(seqs, 1) for _ in range(2))
-    many = min(timed(seqs, seqs) for _ in range(2))
-    per_seq = max(0.0, (many - one_seq) / (seqs - 1)) if seqs > 1 else 0.0
-    return StepCost(tuple(rows), tuple(seconds), per_seq)
+    table = StepCost(tuple(rows), tuple(seconds))
+    if seqs < 2:
+        return table
+    one_row, two_rows = timed(1, seqs), timed(2, seqs)
+    rows_delta = table.of_rows(2 * seqs) - table.of_rows(seqs)
+    per_masked = max(0.0, (two_rows - one_row - rows_delta) / seqs)
+    per_seq = max(0.0, (one_row - table.of_rows(seqs) + per_masked) / (seqs - 1))
+    return StepCost(table.rows, table.seconds, per_seq, per_masked)
 
 
 def measure_step_seconds(model: LanguageModel, context: int = 16, reps: int = 3) -> float:
@@ -165,6 +185,15 @@ class Acceptance:
         self.failures = self.failures * self.forget + (1 if accepted < drafted else 0)
 
 
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """A step's forward before drafting: rows, sequences, and sequences with > 1 row."""
+
+    rows: int
+    seqs: int
+    masked: int = 0
+
+
 @dataclass(slots=True)
 class Candidate:
     """A request that decodes this step, as the policy sees it."""
@@ -188,31 +217,31 @@ class BatchPolicy:
         self,
         cands: Sequence[Candidate],
         draft_costs: Sequence[float],
-        base_rows: int,
-        base_seqs: int,
+        base: StepShape,
         budget: int,
     ) -> list[int]:
-        """ks for `cands` (in order). `base_rows`/`base_seqs`: the step's rows and sequences
-        before drafting (decodes and prefill chunks); `draft_costs[d]`: drafter d's cost per
-        draft position relative to a 1-row target forward; `budget`: draft rows allowed."""
+        """ks for `cands` (in order). `base`: the step's forward before drafting (decodes and
+        prefill chunks); `draft_costs[d]`: drafter d's cost per draft position relative to a
+        1-row target forward; `budget`: draft rows allowed in total."""
         ks = [0] * len(cands)
         for i, c in enumerate(cands):  # forced requests first, within the budget
             if not c.adaptive and c.k_max > 0:
                 ks[i] = min(c.k_max, budget)
                 budget -= ks[i]
         num_dec = len(cands)
-        t_dec = self.cost(num_dec, num_dec)  # the step of plain decoding: num_dec tokens
-        t_base = self.cost(base_rows, base_seqs)
+        t_dec = self.cost(num_dec, num_dec, 0)  # the step of plain decoding: num_dec tokens
+        t_base = self.cost(base.rows, base.seqs, base.masked)
         # Running totals of the allocation in `ks`, updated one draft token at a time.
         rows_at: dict[tuple[int, int], int] = {}  # (drafter, position) -> requests drafting it
         gain = draft_s = 0.0
-        drafts = 0
+        drafts = drafting = 0
 
         def add(i: int) -> None:
-            nonlocal gain, draft_s, drafts
+            nonlocal gain, draft_s, drafts, drafting
             c = cands[i]
             ks[i] += 1
             drafts += 1
+            drafting += ks[i] == 1  # its attention now needs a mask
             gain += c.acceptance.alpha ** ks[i]
             key = (c.drafter, ks[i] - 1)
             n = rows_at.get(key, 0)
@@ -223,8 +252,8 @@ class BatchPolicy:
                 )
 
         def score() -> float:
-            extra = self.cost(base_rows + drafts, base_seqs) - t_base + draft_s
-            return (num_dec + gain) / (t_dec + extra)
+            t = self.cost(base.rows + drafts, base.seqs, base.masked + drafting)
+            return (num_dec + gain) / (t_dec + t - t_base + draft_s)
 
         forced, ks = ks, [0] * len(cands)
         for i, k in enumerate(forced):
@@ -245,22 +274,22 @@ class BatchPolicy:
             if ks[i] < cands[i].k_max:
                 heapq.heappush(heap, (-(cands[i].acceptance.alpha ** (ks[i] + 1)), i))
         left = avail - (sum(best) - sum(forced))
-        return self._probe(cands, best, draft_costs, base_rows, base_seqs, left)
+        return self._probe(cands, best, draft_costs, base, left)
 
     def _probe(
         self,
         cands: Sequence[Candidate],
         ks: list[int],
         draft_costs: Sequence[float],
-        base_rows: int,
-        base_seqs: int,
+        base: StepShape,
         budget: int,
     ) -> list[int]:
         """Turn k = 0 into a 1-token probe for requests idle long enough (see the module
         docstring for the rationing rule); counts idle steps."""
-        rows = base_rows + sum(ks)
-        step = self.cost(rows, base_seqs)
-        extra_row = self.cost.of_rows(rows + 1) - self.cost.of_rows(rows)
+        rows = base.rows + sum(ks)
+        masked = base.masked + sum(k > 0 for k in ks)
+        step = self.cost(rows, base.seqs, masked)
+        extra_row = self.cost(rows + 1, base.seqs, masked + 1) - step  # and its mask
         for i, c in enumerate(cands):
             acc = c.acceptance
             if ks[i] > 0 or not c.adaptive or c.k_max == 0:

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from quickdraft.models.base import SequenceCache
-from quickdraft.policy import Acceptance, BatchPolicy, Candidate, StepCost
+from quickdraft.policy import Acceptance, BatchPolicy, Candidate, StepCost, StepShape
 from quickdraft.request import Request
 
 if TYPE_CHECKING:
@@ -210,7 +210,9 @@ class Scheduler:
             adaptive = spec is None or spec.config.adaptive
             catch_up = seq.num_tokens - seq.synced
             cands.append(Candidate(seq.acceptance, k_max, adaptive, d, catch_up))
-        ks = self.policy.choose(cands, draft_costs, plan.num_rows, len(plan.items), budget)
+        masked = sum(i.num_tokens > 1 for i in plan.items)  # prefill chunks
+        base = StepShape(plan.num_rows, len(plan.items), masked)
+        ks = self.policy.choose(cands, draft_costs, base, budget)
         for item, k in zip(decoding, ks, strict=True):
             item.k = k
 

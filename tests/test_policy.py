@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 
 from quickdraft.generate import load
-from quickdraft.policy import Acceptance, BatchPolicy, Candidate, StepCost, measure_step_cost
+from quickdraft.policy import (
+    Acceptance,
+    BatchPolicy,
+    Candidate,
+    StepCost,
+    StepShape,
+    measure_step_cost,
+)
 
 # Shapes like the ones measured on this CPU: flat up to 5 rows (weights streamed once), then
 # compute-bound (each row adds ~a quarter of a one-row forward).
@@ -31,34 +38,47 @@ def score(cost: StepCost, cands: list[Candidate], ks: list[int], draft_costs: li
         for j in range(k):
             positions[c.drafter, j] = positions.get((c.drafter, j), 0) + 1
     draft = sum(draft_costs[d] * cost.of_rows(n) for (d, _), n in positions.items())
-    return tokens / (cost(len(cands) + sum(ks), len(cands)) + draft)
+    masked = sum(k > 0 for k in ks)
+    return tokens / (cost(len(cands) + sum(ks), len(cands), masked) + draft)
 
 
 def test_step_cost_interpolates_and_extrapolates() -> None:
-    cost = StepCost((1, 2, 4), (1.0, 1.0, 3.0), per_seq=0.5)
+    cost = StepCost((1, 2, 4), (1.0, 1.0, 3.0), per_seq=0.5, per_masked=0.25)
     assert cost.of_rows(3) == pytest.approx(2.0)
     assert cost.of_rows(8) == pytest.approx(7.0)  # last slope (1 per row) continues
-    assert cost(2, seqs=3) == pytest.approx(2.0)
+    assert cost(2) == pytest.approx(1.0)  # one sequence: its mask is in the table
+    assert cost(2, seqs=2, masked=0) == pytest.approx(1.0 + 0.5 - 0.25)  # two decode rows
+    assert cost(4, seqs=2, masked=2) == pytest.approx(3.0 + 0.5 + 0.25)  # two verifies
+
+
+def test_policy_mask_overhead_keeps_batch_from_drafting() -> None:
+    """Rows are free here, but each verifying sequence costs its causal mask."""
+    cands = [Candidate(acceptance(0.5), 3) for _ in range(4)]
+    free_rows = StepCost((1, 64), (1.0, 1.0), per_masked=0.0)
+    # consistent with the mask: one sequence of >= 2 rows pays it too
+    dear_masks = StepCost((1, 2, 64), (1.0, 1.5, 1.5), per_masked=0.5)
+    assert sum(BatchPolicy(free_rows).choose(cands, [0.0], StepShape(4, 4), 64)) > 0
+    assert BatchPolicy(dear_masks).choose(cands, [0.0], StepShape(4, 4), 64) == [0] * 4
 
 
 def test_policy_batch_of_one_with_flat_cost_drafts_the_ceiling() -> None:
     cands = [Candidate(acceptance(0.8), k_max=5)]
-    ks = BatchPolicy(FLAT).choose(cands, [0.0], base_rows=1, base_seqs=1, budget=64)
+    ks = BatchPolicy(FLAT).choose(cands, [0.0], StepShape(1, 1), budget=64)
     assert ks == [5]
 
 
 def test_policy_low_acceptance_does_not_draft() -> None:
     cands = [Candidate(acceptance(0.01), k_max=5)]
-    ks = BatchPolicy(FLAT_THEN_STEEP).choose(cands, [0.0], base_rows=1, base_seqs=1, budget=64)
+    ks = BatchPolicy(FLAT_THEN_STEEP).choose(cands, [0.0], StepShape(1, 1), budget=64)
     assert ks == [0]
 
 
 def test_policy_large_batch_on_compute_bound_cost_stops_drafting() -> None:
     """The same acceptance that pays at batch 1 loses at batch 8 once rows cost compute."""
     policy = BatchPolicy(FLAT_THEN_STEEP)
-    alone = policy.choose([Candidate(acceptance(0.6), 5)], [0.0], 1, 1, 64)
+    alone = policy.choose([Candidate(acceptance(0.6), 5)], [0.0], StepShape(1, 1), 64)
     batch = [Candidate(acceptance(0.6), 5) for _ in range(8)]
-    ks = policy.choose(batch, [0.0], 8, 8, 64)
+    ks = policy.choose(batch, [0.0], StepShape(8, 8), 64)
     assert alone[0] > 0 and ks == [0] * 8
 
 
@@ -67,7 +87,9 @@ def test_policy_choice_is_never_worse_than_plain_decoding(alphas: list[float]) -
     cands = [Candidate(acceptance(a), 5, drafter=1) for a in alphas]
     for cost in (FLAT, FLAT_THEN_STEEP):
         for draft_cost in (0.0, 0.3):
-            ks = BatchPolicy(cost).choose(cands, [0.0, draft_cost], len(cands), len(cands), 64)
+            ks = BatchPolicy(cost).choose(
+                cands, [0.0, draft_cost], StepShape(len(cands), len(cands)), 64
+            )
             zero = [0] * len(cands)
             assert score(cost, cands, ks, [0.0, draft_cost]) >= score(
                 cost, cands, zero, [0.0, draft_cost]
@@ -77,28 +99,28 @@ def test_policy_choice_is_never_worse_than_plain_decoding(alphas: list[float]) -
 def test_policy_prefers_the_request_that_accepts_more() -> None:
     cands = [Candidate(acceptance(0.95), 5), Candidate(acceptance(0.3), 5)]
     cost = StepCost((1, 3, 64), (1.0, 1.0, 20.0))  # two spare rows, then steep
-    ks = BatchPolicy(cost).choose(cands, [0.0], 2, 2, 64)
+    ks = BatchPolicy(cost).choose(cands, [0.0], StepShape(2, 2), 64)
     assert ks[0] >= 1 and ks[0] > ks[1]
 
 
 def test_policy_respects_budget_and_forced_requests() -> None:
     cands = [Candidate(acceptance(0.9), 5) for _ in range(4)]
-    ks = BatchPolicy(FLAT).choose(cands, [0.0], 4, 4, budget=6)
+    ks = BatchPolicy(FLAT).choose(cands, [0.0], StepShape(4, 4), budget=6)
     assert sum(ks) <= 6
     forced = [Candidate(acceptance(0.01), 3, adaptive=False), Candidate(acceptance(0.01), 3)]
-    assert BatchPolicy(FLAT_THEN_STEEP).choose(forced, [0.0], 2, 2, 64) == [3, 0]
+    assert BatchPolicy(FLAT_THEN_STEEP).choose(forced, [0.0], StepShape(2, 2), 64) == [3, 0]
 
 
 def test_policy_probes_idle_request_and_rations_probes_by_cost() -> None:
     policy = BatchPolicy(FLAT_THEN_STEEP, probe_every=4)
     alone = Candidate(acceptance(0.01), 5)
-    ks_seen = [policy.choose([alone], [0.0], 1, 1, 64)[0] for _ in range(8)]
+    ks_seen = [policy.choose([alone], [0.0], StepShape(1, 1), 64)[0] for _ in range(8)]
     assert ks_seen == [0, 0, 0, 1, 0, 0, 0, 1]  # a cheap row: every probe_every steps
     # at batch 8 on the steep part a probe row costs ~3% of the step: probes are rarer
     batch = [Candidate(acceptance(0.01), 5) for _ in range(8)]
     first = None
     for step in range(1, 200):
-        if any(policy.choose(batch, [0.0], 8, 8, 64)):
+        if any(policy.choose(batch, [0.0], StepShape(8, 8), 64)):
             first = step
             break
     assert first is not None and first > 4
@@ -122,4 +144,4 @@ def test_measure_step_cost_on_tiny_model_is_monotone(tiny_model_dir: Path) -> No
     cost = measure_step_cost(lm.model, rows=(1, 2, 4, 8), seqs=4)
     assert cost.rows == (1, 2, 4, 8)
     assert all(b >= a > 0 for a, b in zip(cost.seconds, cost.seconds[1:], strict=False))
-    assert cost.per_seq >= 0.0
+    assert cost.per_seq >= 0.0 and cost.per_masked >= 0.0
