@@ -117,17 +117,27 @@ def run(
     k: int = 5,
     hf: bool = True,
     out_dir: Path = Path("bench/results"),
+    draft_quantization: str = "int8",
 ) -> dict[str, Any]:
+    """`draft` runs the draft model with `draft_quantization` weights; when that is not "none"
+    the unquantized draft model runs too, as `draft_unquantized`, so the table shows both."""
     all_sets = prompt_sets()
     chosen = sets or list(all_sets)
     lm = load(target, dtype)
     specs: dict[str, Speculation | None] = {
         "none": None,
         "ngram": make_speculation(lm, SpeculativeConfig(method="ngram", num_draft_tokens=k)),
-        "draft": make_speculation(
-            lm, SpeculativeConfig(method="draft", num_draft_tokens=k, draft_model=draft)
-        ),
     }
+    quants = {"draft": draft_quantization}
+    if draft_quantization != "none":
+        quants["draft_unquantized"] = "none"
+    for name, quant in quants.items():
+        specs[name] = make_speculation(
+            lm,
+            SpeculativeConfig(
+                method="draft", num_draft_tokens=k, draft_model=draft, draft_quantization=quant
+            ),
+        )
     hf_models: dict[str, Any] = {}
     if hf:
         import transformers
@@ -187,6 +197,7 @@ def run(
         "bench": "speculative",
         "target": target,
         "draft": draft,
+        "draft_quantization": draft_quantization,
         "dtype": dtype,
         "tokens": tokens,
         "prompts_per_set": per_set,
@@ -197,10 +208,13 @@ def run(
     return report
 
 
+ENGINES = ("none", "ngram", "draft", "draft_unquantized", "hf", "hf_prompt_lookup", "hf_assisted")
+
+
 def markdown(report: dict[str, Any]) -> str:
-    engines = ["none", "ngram", "draft", "hf", "hf_prompt_lookup", "hf_assisted"]
     lines = [
-        f"target {report['target']}, draft {report['draft']}, {report['dtype']}, "
+        f"target {report['target']}, draft {report['draft']} "
+        f"({report.get('draft_quantization', 'none')} weights), {report['dtype']}, "
         f"{report['tokens']} tokens, {report['prompts_per_set']} prompts/set, "
         f"k <= {report['k_max']}",
         "",
@@ -208,7 +222,7 @@ def markdown(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for set_name, row in report["results"].items():
-        for name in engines:
+        for name in ENGINES:
             if name not in row:
                 continue
             c = row[name]
@@ -238,11 +252,7 @@ def write_reports(report: dict[str, Any], out_dir: Path) -> None:
     import matplotlib.pyplot as plt
 
     sets = list(report["results"])
-    engines = [
-        e
-        for e in ["none", "ngram", "draft", "hf", "hf_prompt_lookup", "hf_assisted"]
-        if e in report["results"][sets[0]]
-    ]
+    engines = [e for e in ENGINES if e in report["results"][sets[0]]]
     fig, ax = plt.subplots(figsize=(9, 4))
     width = 0.8 / len(engines)
     for i, e in enumerate(engines):

@@ -16,11 +16,13 @@ from pathlib import Path
 
 import torch
 
-from quickdraft.config import SPEC_METHODS, SpeculativeConfig
+from quickdraft.config import QUANTIZATIONS, SPEC_METHODS, SpeculativeConfig
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b"
 # catalog target -> its packaged draft model (same tokenizer); `serve` speculates with it by default
 DEFAULT_DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
+# draft model weights unless a flag says otherwise (bench/README: faster drafts, same output)
+DEFAULT_DRAFT_QUANTIZATION = "int8"
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome."
 
 
@@ -49,6 +51,12 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-method", default="none", choices=list(SPEC_METHODS))
     p.add_argument("--num-draft-tokens", type=int, default=5, help="draft length ceiling k")
     p.add_argument("--draft-model", default=None, help="draft model (same tokenizer as target)")
+    p.add_argument(
+        "--draft-quantization",
+        default=None,
+        choices=list(QUANTIZATIONS),
+        help="draft model weights: int8 halves the bytes a draft step reads (default int8)",
+    )
     p.add_argument("--ngram-min", type=int, default=2)
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument(
@@ -61,6 +69,7 @@ def spec_config(args: argparse.Namespace) -> SpeculativeConfig:
         method=args.speculative_method,
         num_draft_tokens=args.num_draft_tokens,
         draft_model=args.draft_model,
+        draft_quantization=args.draft_quantization or DEFAULT_DRAFT_QUANTIZATION,
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
         adaptive=not args.no_adaptive,
@@ -120,6 +129,7 @@ _VLLM_SPEC_KEYS = {
     "num_speculative_tokens": "num_draft_tokens",
     "prompt_lookup_min": "ngram_min",
     "prompt_lookup_max": "ngram_max",
+    "quantization": "draft_quantization",
 }
 _VLLM_METHODS = {"draft_model": "draft", "ngram": "ngram", "draft": "draft", "mtp": "mtp"}
 
@@ -161,6 +171,7 @@ def serve_spec_config(args: argparse.Namespace) -> SpeculativeConfig:
         "method": args.speculative_method,
         "draft_model": args.draft_model,
         "num_draft_tokens": args.num_draft_tokens,
+        "draft_quantization": args.draft_quantization,
     }
     if args.speculative_config is not None:
         given = [f"--{k.replace('_', '-')}" for k, v in fields.items() if v is not None]
@@ -174,6 +185,7 @@ def serve_spec_config(args: argparse.Namespace) -> SpeculativeConfig:
         method=str(fields["method"]),
         num_draft_tokens=_int(fields["num_draft_tokens"] or 5),
         draft_model=None if draft is None else str(draft),
+        draft_quantization=str(fields["draft_quantization"] or DEFAULT_DRAFT_QUANTIZATION),
         ngram_min=_int(fields.get("ngram_min", args.ngram_min)),
         ngram_max=_int(fields.get("ngram_max", args.ngram_max)),
         adaptive=not args.no_adaptive,
@@ -227,6 +239,12 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--draft-model", default=None, help="draft model (same tokenizer as target)")
     s.add_argument("--num-draft-tokens", type=int, default=None, help="draft length ceiling k")
+    s.add_argument(
+        "--draft-quantization",
+        default=None,
+        choices=list(QUANTIZATIONS),
+        help="draft model weights: int8 halves the bytes a draft step reads (default int8)",
+    )
     s.add_argument("--ngram-min", type=int, default=2)
     s.add_argument("--ngram-max", type=int, default=4)
     s.add_argument("--no-adaptive", action="store_true", help="always draft k tokens")
@@ -314,6 +332,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.num_draft_tokens or 5,
         not args.no_hf,
         Path(args.out),
+        args.draft_quantization or DEFAULT_DRAFT_QUANTIZATION,
     )
     print(markdown(report))
     return 0
@@ -343,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(b)
     b.add_argument("--draft-model", default=None, help="default: the model's paired draft")
     b.add_argument("--num-draft-tokens", type=int, default=None, help="default 5")
+    b.add_argument("--draft-quantization", default=None, choices=list(QUANTIZATIONS))
     b.add_argument(
         "--serve",
         action="store_true",

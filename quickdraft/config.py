@@ -102,6 +102,7 @@ class ModelConfig:
 
 
 SPEC_METHODS = ("none", "ngram", "draft", "mtp")
+QUANTIZATIONS = ("none", "int8")  # weight formats `load(..., quantization=)` accepts
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +113,9 @@ class SpeculativeConfig:
     method: str = "none"  # "none" | "ngram" | "draft" | "mtp" (the target's own head)
     num_draft_tokens: int = 5
     draft_model: str | None = None  # catalog name / path, for method "draft"
+    # the draft model's weights: "int8" halves the bytes each draft step streams (a draft
+    # model's precision only moves the acceptance rate, never the output); "none" keeps dtype
+    draft_quantization: str = "none"
     ngram_min: int = 2
     ngram_max: int = 4
     adaptive: bool = True
@@ -123,6 +127,10 @@ class SpeculativeConfig:
             raise ValueError(f"num_draft_tokens must be in [0, 32], got {self.num_draft_tokens}")
         if self.method == "draft" and not self.draft_model:
             raise ValueError("speculative method 'draft' needs a draft model (--draft-model)")
+        if self.draft_quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"draft quantization {self.draft_quantization!r}: choose one of {QUANTIZATIONS}"
+            )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(
                 f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}"

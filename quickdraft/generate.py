@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from quickdraft import hub
-from quickdraft.config import parse_dtype
+from quickdraft.config import QUANTIZATIONS, parse_dtype
 from quickdraft.core import EngineCore
 from quickdraft.models.base import LanguageModel
 from quickdraft.models.loader import load_model
@@ -70,10 +70,26 @@ class LoadedModel:
 
 
 def load(
-    model: str, dtype: str = "bf16", device: str = "cpu", progress: bool = True
+    model: str,
+    dtype: str = "bf16",
+    device: str = "cpu",
+    progress: bool = True,
+    quantization: str = "none",
 ) -> LoadedModel:
+    """`quantization="int8"`: per-row int8 projection weights (half the bytes of bf16, so a
+    memory-bound step runs up to twice as fast); dense (Llama/Qwen2) models only."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r}: choose one of {QUANTIZATIONS}")
     path = hub.resolve(model, dtype, progress=progress)
     net = load_model(path, parse_dtype(dtype), device)
+    if quantization != "none":
+        quantize = getattr(net, "quantize_", None)
+        if quantize is None:
+            raise ValueError(
+                f"{model}: {quantization} weights are supported for dense models only, "
+                f"not {type(net).__name__}"
+            )
+        quantize(quantization)
     tokenizer = Tokenizer(path)
     eos = set(net.config.eos_token_ids)
     if tokenizer.eos_token_id is not None:

@@ -38,7 +38,9 @@ def _ngram(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, float]:
 
 def _draft_model(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, float]:
     assert config.draft_model is not None
-    draft = load(config.draft_model, lm.dtype_name, progress=True)
+    draft = load(
+        config.draft_model, lm.dtype_name, progress=True, quantization=config.draft_quantization
+    )
     if draft.tokenizer.fingerprint() != lm.tokenizer.fingerprint():
         raise ValueError(
             f"draft model {config.draft_model!r} does not share the target's tokenizer "

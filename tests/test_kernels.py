@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -391,3 +392,15 @@ def test_linear_int8_ineligible_input_falls_back_correctly() -> None:
     out = linear_int8(x, q)
     assert kernel_calls() == before
     torch.testing.assert_close(out, F.linear(x, q.dequantize(torch.float32)))
+
+
+def test_build_lock_clears_a_killed_builds_torch_lock(tmp_path: Path) -> None:
+    """torch's JIT build waits forever on a `lock` file a killed build left behind (this hung
+    every later start once); under our process lock that file is stale and goes."""
+    from quickdraft.kernels.cpu_linear import _build_lock
+
+    directory = tmp_path / "ext"
+    directory.mkdir()
+    (directory / "lock").touch()
+    with _build_lock(directory):
+        assert not (directory / "lock").exists()

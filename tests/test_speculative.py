@@ -13,7 +13,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from quickdraft.config import SpeculativeConfig
+from quickdraft.drafters.draft_model import DraftModelDrafter
 from quickdraft.generate import LoadedModel, load, stream
+from quickdraft.kernels.cpu_linear import Int8Weight
+from quickdraft.models.llama import CausalLM
 from quickdraft.request import Request
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculate import make_speculation
@@ -58,15 +61,20 @@ def generate(
     return req
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft-near", "draft-self"])
+@pytest.mark.parametrize("method", ["ngram", "draft-near", "draft-near-int8", "draft-self"])
 def test_speculative_greedy_equals_plain(
     target: LoadedModel, near_draft_dir: Path, tiny_model_dir: Path, method: str
 ) -> None:
-    draft_dir = {"draft-near": near_draft_dir, "draft-self": tiny_model_dir}.get(method)
+    draft_dir = {
+        "draft-near": near_draft_dir,
+        "draft-near-int8": near_draft_dir,
+        "draft-self": tiny_model_dir,
+    }.get(method)
     cfg = SpeculativeConfig(
         method="ngram" if method == "ngram" else "draft",
         num_draft_tokens=4,
         draft_model=str(draft_dir) if draft_dir else None,
+        draft_quantization="int8" if method.endswith("int8") else "none",
         ngram_min=1,
         ngram_max=3,
         adaptive=False,  # always draft, so every prompt exercises verify + rollback
@@ -159,6 +167,24 @@ def test_speculative_disable_env_forces_off(
 ) -> None:
     monkeypatch.setenv("QUICKDRAFT_DISABLE_SPECULATION", "1")
     assert make_speculation(target, SpeculativeConfig(method="ngram")) is None
+
+
+def test_speculative_draft_quantization_is_checked(
+    target: LoadedModel, tiny_model_dir: Path
+) -> None:
+    with pytest.raises(ValueError, match="draft quantization 'int4'"):
+        SpeculativeConfig(method="draft", draft_model="x", draft_quantization="int4")
+    cfg = SpeculativeConfig(
+        method="draft", draft_model=str(tiny_model_dir), draft_quantization="int8"
+    )
+    spec = make_speculation(target, cfg)
+    assert spec is not None
+    # the draft model really runs on int8 weights
+    drafter = spec.drafter
+    assert isinstance(drafter, DraftModelDrafter)
+    model = drafter.model
+    assert isinstance(model, CausalLM)
+    assert all(isinstance(layer.mlp.down, Int8Weight) for layer in model.decoder_layers)
 
 
 def test_speculative_draft_with_other_tokenizer_is_refused(

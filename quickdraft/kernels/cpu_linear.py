@@ -25,6 +25,8 @@ at close to DRAM bandwidth for any M (numbers: bench/kernels.py).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import platform
@@ -32,6 +34,7 @@ import shutil
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -118,6 +121,20 @@ def _ensure_ninja_on_path() -> None:
             return
 
 
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """Serialise builds across processes with a kernel lock (released when its holder dies),
+    and clear torch's own `lock` file left by a build that was killed: torch waits for that
+    file to vanish forever, which hung every later start."""
+    with open(directory.with_name(directory.name + ".flock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            (directory / "lock").unlink(missing_ok=True)  # we hold the lock: nobody builds
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _load() -> Any:
     """The compiled extension, building it on first use; None if unsupported or the build failed.
     Never raises: any build problem becomes one RuntimeWarning."""
@@ -134,14 +151,15 @@ def _load() -> Any:
                 directory = build_directory()
                 directory.mkdir(parents=True, exist_ok=True)
                 log.info("building quickdraft CPU kernels in %s (first use only)", directory)
-                ext = cpp_extension.load(
-                    name=_EXT_NAME,
-                    sources=[str(f) for f in _SOURCES],
-                    extra_cflags=_CFLAGS,
-                    extra_ldflags=_LDFLAGS,
-                    build_directory=str(directory),
-                    verbose=False,
-                )
+                with _build_lock(directory):
+                    ext = cpp_extension.load(
+                        name=_EXT_NAME,
+                        sources=[str(f) for f in _SOURCES],
+                        extra_cflags=_CFLAGS,
+                        extra_ldflags=_LDFLAGS,
+                        build_directory=str(directory),
+                        verbose=False,
+                    )
             except Exception as e:  # a missing compiler must never take the engine down
                 warnings.warn(
                     f"quickdraft: building the CPU linear kernel failed ({type(e).__name__}: "
