@@ -187,6 +187,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="interleaved repetitions")
     ap.add_argument("--tokens", type=int, default=64, help="max output tokens per request")
     ap.add_argument("-k", type=int, default=5, help="draft length ceiling")
+    ap.add_argument("--draft-quantization", default="int8", choices=["none", "int8"])
     ap.add_argument("--sets", nargs="*", default=None, help="prompt sets (default: all)")
     ap.add_argument("--no-stream", action="store_true", help="skip the generate.stream rows")
     ap.add_argument("--name", default="engine")
@@ -201,7 +202,12 @@ def main() -> None:
     configs = {
         "none": SpeculativeConfig(),
         "ngram": SpeculativeConfig(method="ngram", num_draft_tokens=a.k),
-        "draft": SpeculativeConfig(method="draft", num_draft_tokens=a.k, draft_model=a.draft),
+        "draft": SpeculativeConfig(
+            method="draft",
+            num_draft_tokens=a.k,
+            draft_model=a.draft,
+            draft_quantization=a.draft_quantization,
+        ),
     }
     specs = {m: make_speculation(lm, configs[m]) for m in a.methods}
     params = SamplingParams(max_tokens=a.tokens)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from quickdraft.benchmark import run
 
@@ -21,8 +22,21 @@ def main() -> None:
     ap.add_argument("--sets", nargs="*", default=None)
     ap.add_argument("-k", type=int, default=5)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--draft-quantization", default="int8", choices=["none", "int8"])
+    ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
-    report = run(a.target, a.draft, a.dtype, a.tokens, a.per_set, a.sets, a.k, not a.no_hf)
+    report = run(
+        a.target,
+        a.draft,
+        a.dtype,
+        a.tokens,
+        a.per_set,
+        a.sets,
+        a.k,
+        not a.no_hf,
+        Path(a.out),
+        a.draft_quantization,
+    )
     print(json.dumps(report))
 
 

@@ -84,6 +84,7 @@ def _server_cmd(t: LoadTest, port: int, token: str, settings: Path) -> list[str]
     cmd += ["--max-concurrency", str(2 * max(t.concurrency) + 2), "--log-level", "warning"]
     if t.spec.draft_model:
         cmd += ["--draft-model", t.spec.draft_model]
+        cmd += ["--draft-quantization", t.spec.draft_quantization]
     if not t.spec.adaptive:
         cmd += ["--no-adaptive"]
     if t.threads:
