@@ -3,11 +3,13 @@ real packaged models (pulled and converted once into QUICKDRAFT_HOME)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(
@@ -122,3 +124,17 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     make_tiny_hf_model("qwen2", directory, seed=3)
     write_tiny_tokenizer(directory)
     return directory
+
+
+@pytest.fixture(scope="session")
+def near_draft_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny target with small weight noise: a draft model that agrees with it often but not
+    always (exercises rejections)."""
+    out = tmp_path_factory.mktemp("near-draft")
+    for f in tiny_model_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    weights = load_file(str(out / "model.safetensors"))
+    gen = torch.Generator().manual_seed(5)
+    noisy = {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
+    save_file(noisy, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

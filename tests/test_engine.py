@@ -6,14 +6,12 @@ engine serving, a dead engine thread shows as not alive."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from quickdraft.config import SpeculativeConfig
@@ -50,19 +48,6 @@ SMALL_BATCH = SchedulerConfig(max_running=4, max_step_tokens=48, max_prefill_wit
 @pytest.fixture(scope="module")
 def lm(tiny_model_dir: Path) -> LoadedModel:
     return load(str(tiny_model_dir), "fp32", progress=False)
-
-
-@pytest.fixture(scope="module")
-def near_draft_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The target with small weight noise: agrees often but not always (exercises rejections)."""
-    out = tmp_path_factory.mktemp("near-draft-engine")
-    for f in tiny_model_dir.iterdir():
-        shutil.copy(f, out / f.name)
-    weights = load_file(str(out / "model.safetensors"))
-    gen = torch.Generator().manual_seed(5)
-    noisy = {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
-    save_file(noisy, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
 
 
 def plain(lm: LoadedModel, ids: list[int], params: SamplingParams) -> list[int]:

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.drafters.draft_model import DraftModelDrafter
@@ -36,19 +35,6 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def target(tiny_model_dir: Path) -> LoadedModel:
     return load(str(tiny_model_dir), "fp32", progress=False)
-
-
-@pytest.fixture(scope="module")
-def near_draft_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The target with small weight noise: agrees often but not always (exercises rejections)."""
-    out = tmp_path_factory.mktemp("near-draft")
-    for f in tiny_model_dir.iterdir():
-        shutil.copy(f, out / f.name)
-    weights = load_file(str(out / "model.safetensors"))
-    gen = torch.Generator().manual_seed(5)
-    noisy = {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
-    save_file(noisy, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
 
 
 def generate(

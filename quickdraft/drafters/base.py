@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from quickdraft.sampling import SamplingParams
+from quickdraft.sampling import SamplingParams, probabilities, sample
 
 
 @dataclass(slots=True)
@@ -47,6 +47,19 @@ class DraftJob:
 class Draft:
     tokens: list[int]  # d_1..d_k proposed ids (len <= requested k; may be empty)
     p_draft: Tensor | None = None  # [len(tokens), vocab] draft distributions; None = one-hot
+
+
+def draft_one(logits: Tensor, job: DraftJob, draft: tuple[list[int], list[Tensor]]) -> None:
+    """Pick one draft token from a drafter's `logits` `[vocab]` row for `job` and append it to
+    `draft` = (tokens, draft distributions): the argmax when greedy, else a sample from the
+    job's sampling distribution (kept: rejection sampling needs p_draft)."""
+    tokens, dists = draft
+    if job.params.greedy:
+        tokens.append(int(logits.argmax()))
+        return
+    p_draft = probabilities(logits[None], job.params)  # [1, vocab]
+    tokens.append(int(sample(p_draft, job.generator)[0]))
+    dists.append(p_draft[0])
 
 
 class Drafter(Protocol):

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quickdraft.drafters.base import Draft, DraftJob
+from quickdraft.drafters.base import Draft, DraftJob, draft_one
 from quickdraft.models.base import LanguageModel, SequenceCache
-from quickdraft.sampling import probabilities, sample
 
 PREFILL_CHUNK = 512
 
@@ -87,26 +86,16 @@ class DraftModelDrafter:
                 self._feed([state], [r[:PREFILL_CHUNK]])
                 del r[:PREFILL_CHUNK]
         logits = self._feed(states, rows)  # [B, vocab]
-        drafted: list[list[int]] = [[] for _ in jobs]
-        dists: list[list[torch.Tensor]] = [[] for _ in jobs]
+        drafts: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in jobs]
         active = list(range(len(jobs)))  # jobs (indices) whose logits row is in `logits`
         for step in range(max(job.k for job in jobs)):
             for row, j in enumerate(active):
-                params = jobs[j].params
-                if params.greedy:
-                    tok = int(logits[row].argmax())
-                else:
-                    p_draft = probabilities(logits[row : row + 1], params)  # [1, vocab]
-                    tok = int(sample(p_draft, jobs[j].generator)[0])
-                    dists[j].append(p_draft[0])
-                drafted[j].append(tok)
+                draft_one(logits[row], jobs[j], drafts[j])
             active = [j for j in active if jobs[j].k > step + 1]
             if not active:
                 break
-            logits = self._feed([states[j] for j in active], [[drafted[j][-1]] for j in active])
-        return [
-            Draft(d, torch.stack(p) if p else None) for d, p in zip(drafted, dists, strict=True)
-        ]
+            logits = self._feed([states[j] for j in active], [[drafts[j][0][-1]] for j in active])
+        return [Draft(d, torch.stack(p) if p else None) for d, p in drafts]
 
     def commit(
         self, state: DraftState, tokens: list[int], hidden: torch.Tensor | None = None

@@ -30,13 +30,12 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from quickdraft.drafters.base import Draft, DraftJob
+from quickdraft.drafters.base import Draft, DraftJob, draft_one
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.base import LanguageModel
 from quickdraft.models.loader import load_weights
 from quickdraft.models.mtp import MTPHead
 from quickdraft.models.registry import mtp_parts, name_map
-from quickdraft.sampling import probabilities, sample
 
 HiddenFeed = Literal["post_norm", "pre_norm"]
 PREFILL_CHUNK = 512  # bounds the head's attention mask on a long catch-up (a prompt)
@@ -163,35 +162,25 @@ class MTPDrafter:
                 ids[i], hidden[i] = ids[i][PREFILL_CHUNK:], hidden[i][PREFILL_CHUNK:]
         logits, back = self._run(states, ids, hidden)
         committed = [s.cache.length for s in states]
-        drafted: list[list[int]] = [[] for _ in jobs]
-        dists: list[list[Tensor]] = [[] for _ in jobs]
+        drafts: list[tuple[list[int], list[Tensor]]] = [([], []) for _ in jobs]
         active = list(range(len(jobs)))  # jobs whose row is in `logits` / `back`
         for step in range(max(job.k for job in jobs)):
             for row, j in enumerate(active):
-                params = jobs[j].params
-                if params.greedy:
-                    tok = int(logits[row].argmax())
-                else:
-                    p_draft = probabilities(logits[row : row + 1], params)  # [1, vocab]
-                    tok = int(sample(p_draft, jobs[j].generator)[0])
-                    dists[j].append(p_draft[0])
-                drafted[j].append(tok)
+                draft_one(logits[row], jobs[j], drafts[j])
             still = [r for r, j in enumerate(active) if jobs[j].k > step + 1]
             if not still:
                 break
             active = [active[r] for r in still]
             logits, back = self._run(
                 [states[j] for j in active],
-                [[drafted[j][-1]] for j in active],
+                [[drafts[j][0][-1]] for j in active],
                 [back[r : r + 1] for r in still],
             )
         # The chained rows were committed so that later steps attend to them, but their hidden
         # was the head's own guess: roll the head's KV back to the rows with the target's hidden.
         for s, length in zip(states, committed, strict=True):
             s.cache.commit(length)
-        return [
-            Draft(d, torch.stack(p) if p else None) for d, p in zip(drafted, dists, strict=True)
-        ]
+        return [Draft(d, torch.stack(p) if p else None) for d, p in drafts]
 
     def free(self, state: MTPState) -> None:
         state.pending.clear()

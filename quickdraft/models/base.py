@@ -41,6 +41,25 @@ class SequenceCache(Protocol):
     def nbytes(self) -> int: ...
 
 
+def packed_positions(
+    caches: Sequence[SequenceCache], num_new: Sequence[int], context: int, device: torch.device
+) -> Tensor:
+    """Start of every model forward: refuse a sequence that would outgrow the `context`, make
+    room in each cache, and return the positions of the packed new tokens `[sum(num_new)]`."""
+    for cache, n in zip(caches, num_new, strict=True):
+        if cache.length + n > context:
+            raise ValueError(
+                f"sequence of {cache.length + n} tokens exceeds the model context ({context})"
+            )
+        cache.reserve(n)
+    return torch.cat(
+        [
+            torch.arange(c.length, c.length + n, device=device)
+            for c, n in zip(caches, num_new, strict=True)
+        ]
+    )
+
+
 class ModelShape(Protocol):
     """The config fields code outside the model reads."""
 

@@ -19,7 +19,7 @@ from quickdraft.config import ModelConfig
 from quickdraft.kernels import Int8Weight
 from quickdraft.kernels.cpu_ops import rope as apply_rope
 from quickdraft.kv_cache import KVCache
-from quickdraft.models.base import ForwardOutput
+from quickdraft.models.base import ForwardOutput, packed_positions
 from quickdraft.models.layers import (
     LinearView,
     RMSNorm,
@@ -235,18 +235,8 @@ class CausalLM(nn.Module):
         hidden_layers: Sequence[int] = (),
     ) -> ForwardOutput:
         assert input_ids.dim() == 1 and sum(num_new) == input_ids.shape[0]
-        for cache, n in zip(caches, num_new, strict=True):
-            if cache.length + n > self.config.max_position_embeddings:
-                raise ValueError(
-                    f"sequence of {cache.length + n} tokens exceeds the model context "
-                    f"({self.config.max_position_embeddings})"
-                )
-            cache.reserve(n)
-        positions = torch.cat(
-            [
-                torch.arange(c.length, c.length + n, device=self.device)
-                for c, n in zip(caches, num_new, strict=True)
-            ]
+        positions = packed_positions(
+            caches, num_new, self.config.max_position_embeddings, self.device
         )
         rope = self.rope.tables(positions, self.dtype)
         h = self.model.embed_tokens(input_ids)  # [N, hidden]

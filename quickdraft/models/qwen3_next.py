@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from quickdraft.kernels.cpu_ops import add_rms_norm, rms_norm
 from quickdraft.kernels.cpu_ops import rope as apply_rope
-from quickdraft.models.base import ForwardOutput
+from quickdraft.models.base import ForwardOutput, packed_positions
 from quickdraft.models.gdn import (
     causal_conv1d,
     conv_window,
@@ -320,18 +320,8 @@ class HybridLM(nn.Module):
         hidden_layers: Sequence[int] = (),
     ) -> ForwardOutput:
         assert input_ids.dim() == 1 and sum(num_new) == input_ids.shape[0]
-        for cache, n in zip(caches, num_new, strict=True):
-            if cache.length + n > self.config.max_position_embeddings:
-                raise ValueError(
-                    f"sequence of {cache.length + n} tokens exceeds the model context "
-                    f"({self.config.max_position_embeddings})"
-                )
-            cache.reserve(n)
-        positions = torch.cat(
-            [
-                torch.arange(c.length, c.length + n, device=self.device)
-                for c, n in zip(caches, num_new, strict=True)
-            ]
+        positions = packed_positions(
+            caches, num_new, self.config.max_position_embeddings, self.device
         )
         rope = self.rope.tables(positions, self.dtype)
         x = self.model.embed_tokens(input_ids)  # [N, hidden]
