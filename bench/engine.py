@@ -32,7 +32,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # works without
 from common import emit, machine, peak_rss_mb
 
 from quickdraft.benchmark import prompt_sets
-from quickdraft.config import SpeculativeConfig
+from quickdraft.config import DEFAULT_DRAFT_QUANTIZATION, QUANTIZATIONS, SpeculativeConfig
 from quickdraft.engine import Engine, ServedModel
 from quickdraft.generate import LoadedModel, load, stream
 from quickdraft.sampling import SamplingParams
@@ -187,7 +187,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="interleaved repetitions")
     ap.add_argument("--tokens", type=int, default=64, help="max output tokens per request")
     ap.add_argument("-k", type=int, default=5, help="draft length ceiling")
-    ap.add_argument("--draft-quantization", default="int8", choices=["none", "int8"])
+    ap.add_argument(
+        "--draft-quantization", default=DEFAULT_DRAFT_QUANTIZATION, choices=QUANTIZATIONS
+    )
     ap.add_argument("--sets", nargs="*", default=None, help="prompt sets (default: all)")
     ap.add_argument("--no-stream", action="store_true", help="skip the generate.stream rows")
     ap.add_argument("--name", default="engine")

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from quickdraft.benchmark import run
+from quickdraft.config import DEFAULT_DRAFT_QUANTIZATION, QUANTIZATIONS
 
 
 def main() -> None:
@@ -22,7 +23,9 @@ def main() -> None:
     ap.add_argument("--sets", nargs="*", default=None)
     ap.add_argument("-k", type=int, default=5)
     ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--draft-quantization", default="int8", choices=["none", "int8"])
+    ap.add_argument(
+        "--draft-quantization", default=DEFAULT_DRAFT_QUANTIZATION, choices=QUANTIZATIONS
+    )
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
     report = run(

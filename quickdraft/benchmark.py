@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from quickdraft.config import SpeculativeConfig, parse_dtype
+from quickdraft.config import DEFAULT_DRAFT_QUANTIZATION, SpeculativeConfig, parse_dtype
 from quickdraft.generate import LoadedModel, load, stream
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculate import Speculation, make_speculation
@@ -117,7 +117,7 @@ def run(
     k: int = 5,
     hf: bool = True,
     out_dir: Path = Path("bench/results"),
-    draft_quantization: str = "int8",
+    draft_quantization: str = DEFAULT_DRAFT_QUANTIZATION,
 ) -> dict[str, Any]:
     """`draft` runs the draft model with `draft_quantization` weights; when that is not "none"
     the unquantized draft model runs too, as `draft_unquantized`, so the table shows both."""

@@ -16,13 +16,16 @@ from pathlib import Path
 
 import torch
 
-from quickdraft.config import QUANTIZATIONS, SPEC_METHODS, SpeculativeConfig
+from quickdraft.config import (
+    DEFAULT_DRAFT_QUANTIZATION,
+    QUANTIZATIONS,
+    SPEC_METHODS,
+    SpeculativeConfig,
+)
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b"
 # catalog target -> its packaged draft model (same tokenizer); `serve` speculates with it by default
 DEFAULT_DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
-# draft model weights unless a flag says otherwise (bench/README: faster drafts, same output)
-DEFAULT_DRAFT_QUANTIZATION = "int8"
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome."
 
 

@@ -103,6 +103,9 @@ class ModelConfig:
 
 SPEC_METHODS = ("none", "ngram", "draft", "mtp")
 QUANTIZATIONS = ("none", "int8")  # weight formats `load(..., quantization=)` accepts
+# draft-model weights where the CLI and benchmarks are not told otherwise: same output, faster
+# drafts (bench/results/speculative.json: draft vs draft_unquantized)
+DEFAULT_DRAFT_QUANTIZATION = "int8"
 
 
 @dataclass(frozen=True, slots=True)
