@@ -1,6 +1,6 @@
 """Speculative decoding A/B (see quickdraft/benchmark.py); JSON as the last line.
 
-python bench/speculative.py --per-set 3 --tokens 128
+python bench/speculative.py --tokens 128           # every prompt; references on 2 per set
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ def main() -> None:
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--per-set", type=int, default=3)
+    ap.add_argument("--per-set", type=int, default=None, help="default: all prompts")
+    ap.add_argument("--reference-per-set", type=int, default=2)
     ap.add_argument("--sets", nargs="*", default=None)
     ap.add_argument("-k", type=int, default=5)
     ap.add_argument("--no-hf", action="store_true")
@@ -39,6 +40,7 @@ def main() -> None:
         not a.no_hf,
         Path(a.out),
         a.draft_quantization,
+        a.reference_per_set,
     )
     print(json.dumps(report))
 

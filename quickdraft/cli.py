@@ -336,6 +336,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         not args.no_hf,
         Path(args.out),
         args.draft_quantization or DEFAULT_DRAFT_QUANTIZATION,
+        args.reference_per_set,
     )
     print(markdown(report))
     return 0
@@ -380,7 +381,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     b.add_argument("--requests", type=int, default=8, help="--serve: requests per level")
     b.add_argument("--max-tokens", type=int, default=128)
-    b.add_argument("--per-set", type=int, default=3, help="prompts per set (each set has >= 10)")
+    b.add_argument(
+        "--per-set", type=int, default=None, help="prompts per set (default: all, >= 10 each)"
+    )
+    b.add_argument(
+        "--reference-per-set",
+        type=int,
+        default=2,
+        help="prompts per set for the slower reference engines (transformers, unquantized draft)",
+    )
     b.add_argument("--sets", nargs="*", default=None, help="code prose json repetitive")
     b.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     b.add_argument("--out", default="bench/results")
