@@ -1,7 +1,8 @@
 """Gated DeltaNet math (models/gdn.py): the chunked form against the naive recurrence, on
 outputs AND on the state after every token, from a non-zero starting state, for lengths around
 the chunk size; both against transformers' reference functions; the causal conv carried across
-calls against one full convolution."""
+calls against one full convolution; the C++ delta rule and conv (gdn_ops.cpp) against their
+torch references and the naive recurrence."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from hybrid_models import one_thread  # noqa: F401 (autouse fixture)
 
+from quickdraft.kernels import cpu_linear
 from quickdraft.models.gdn import (
     advance_state,
     causal_conv1d,
@@ -18,6 +20,9 @@ from quickdraft.models.gdn import (
     gated_delta_rule_chunked,
     gated_delta_rule_naive,
     prepare_qk,
+    recurrent_updates,
+    reference_causal_conv1d,
+    reference_recurrent_updates,
 )
 
 K_HEADS, V_HEADS, DK, DV = 2, 4, 16, 8  # two value heads per key head, as in Qwen3-Next
@@ -138,3 +143,71 @@ def test_causal_conv1d_carried_window_matches_full_conv() -> None:
             else torch.cat([torch.zeros(taps - 1 - start, channels), x[:start]]),
         )
     assert (torch.cat(outs) - full).abs().max().item() < 1e-5
+
+
+needs_kernel = pytest.mark.skipif(
+    not cpu_linear.cpu_supported(), reason="CPU lacks AVX2/FMA/F16C: the kernel cannot run here"
+)
+
+
+@needs_kernel
+@pytest.mark.parametrize("t", [1, 2, 5, 6, 11, 33])
+@pytest.mark.parametrize(
+    "dims", [(K_HEADS, V_HEADS, DK, DV), (2, 2, 32, 32), (1, 2, 16, 16)], ids=str
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_recurrent_updates_kernel_matches_naive(
+    t: int, dims: tuple[int, int, int, int], threads: int
+) -> None:
+    """The C++ delta rule (gdn_ops.cpp) from the conv output: outputs, updates and, through
+    advance_state, the state after every token against the naive recurrence and the torch
+    reference; the starting state is left untouched."""
+    k_heads, v_heads, dk, dv = dims
+    gen = torch.Generator().manual_seed(t * 7 + dk)
+    y = torch.randn(t, 2 * k_heads * dk + v_heads * dv, generator=gen)
+    g = -2.0 * torch.rand(t, v_heads, generator=gen)
+    beta = torch.rand(t, v_heads, generator=gen)
+    state = torch.randn(v_heads, dk, dv, generator=gen)
+    before = state.clone()
+    assert cpu_linear.kernels_available()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, upd = recurrent_updates(y, g, beta, state, k_heads)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(state, before)
+    ref_out, ref = reference_recurrent_updates(y, g, beta, state, k_heads)
+    kd = k_heads * dk
+    q, k = prepare_qk(
+        y[:, :kd].view(t, k_heads, dk), y[:, kd : 2 * kd].view(t, k_heads, dk), v_heads
+    )
+    naive_states = [torch.empty(v_heads, dk, dv) for _ in range(t)]
+    v = y[:, 2 * kd :].view(t, v_heads, dv)
+    out_naive = gated_delta_rule_naive(q, k, v, g, beta, state, naive_states)
+    assert (out - out_naive).abs().max().item() < 1e-5
+    assert (out - ref_out).abs().max().item() < 1e-5
+    for name in ("k", "d", "cum"):
+        assert (getattr(upd, name) - getattr(ref, name)).abs().max().item() < 1e-5, name
+    for m in range(1, t + 1):
+        s = state.clone()
+        advance_state(s, upd.k[:, :m], upd.d[:, :m], upd.cum[:, :m])
+        assert (s - naive_states[m - 1]).abs().max().item() < 1e-5, m
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("taps", [4, 3])  # 4: the transposed-tap load; 3: the generic one
+@pytest.mark.parametrize("t", [1, 5])
+def test_causal_conv1d_kernel_matches_reference(t: int, taps: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(t + taps)
+    channels = 28  # not a multiple of 8: the scalar tail runs too
+    proj = torch.randn(t, channels + 9, generator=gen).to(dtype)
+    x = proj[:, 3 : 3 + channels]  # a strided view, as the GDN's slice of its in-projection
+    window = torch.randn(taps - 1, channels, generator=gen).to(dtype)
+    weight = torch.randn(channels, taps, generator=gen).to(dtype)
+    assert cpu_linear.kernels_available()
+    out = causal_conv1d(x, window, weight)
+    assert out.dtype == torch.float32 and out.shape == (t, channels)
+    ref = reference_causal_conv1d(x, window, weight)
+    assert (out - ref).abs().max().item() < 1e-5

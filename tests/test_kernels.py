@@ -404,3 +404,55 @@ def test_build_lock_clears_a_killed_builds_torch_lock(tmp_path: Path) -> None:
     (directory / "lock").touch()
     with _build_lock(directory):
         assert not (directory / "lock").exists()
+
+
+# -- fused ops of the hybrid layers (gdn_ops.cpp): silu(gate) * up, gated RMSNorm -------------
+
+FUSED_DTYPES = pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"]
+)
+
+
+def fused_tol(dtype: torch.dtype) -> dict[str, float]:
+    # fp32: exp polynomial + summation order; bf16: the reference rounds twice, we round once
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 8e-3}
+
+
+@needs_kernel
+@FUSED_DTYPES
+@pytest.mark.parametrize("rows", [1, 5, 9])
+def test_silu_mul_matches_reference(rows: int, dtype: torch.dtype) -> None:
+    from quickdraft.kernels import cpu_ops
+
+    g = torch.Generator().manual_seed(rows)
+    inter = 44  # not a multiple of 8: the scalar tail runs too
+    gate_up = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # saturated exp both ways
+    assert kernels_available()
+    out = cpu_ops.silu_mul(gate_up)
+    assert out.dtype == dtype and out.shape == (rows, inter)
+    torch.testing.assert_close(out, cpu_ops.reference_silu_mul(gate_up), **fused_tol(dtype))
+
+
+@needs_kernel
+@FUSED_DTYPES
+def test_gated_rms_norm_matches_reference_on_strided_z(dtype: torch.dtype) -> None:
+    from quickdraft.kernels import cpu_ops
+
+    g = torch.Generator().manual_seed(3)
+    n, heads, d = 5, 3, 20  # d not a multiple of 8
+    x = torch.randn(n, heads, d, generator=g) * 2
+    proj = torch.randn(n, 7 + heads * d + 4, generator=g).to(dtype)
+    z = proj[:, 7 : 7 + heads * d].view(n, heads, d)  # a view into a fused projection
+    for w in (torch.randn(d, generator=g), torch.randn(d, generator=g).to(dtype)):
+        out = cpu_ops.gated_rms_norm(x, w, z, 1e-6)
+        assert out.dtype == dtype and out.shape == (n, heads, d)
+        ref = cpu_ops.reference_gated_rms_norm(x, w, z, 1e-6)
+        torch.testing.assert_close(out, ref, **fused_tol(dtype))
+
+
+def test_fused_ops_fall_back_for_fp16() -> None:
+    from quickdraft.kernels import cpu_ops
+
+    gate_up = torch.randn(2, 16).half()
+    torch.testing.assert_close(cpu_ops.silu_mul(gate_up), cpu_ops.reference_silu_mul(gate_up))

@@ -1,4 +1,5 @@
-"""Fused per-token ops (RMSNorm, residual add + RMSNorm, rotate-half RoPE) with plain references.
+"""Fused per-token ops (RMSNorm, residual add + RMSNorm, rotate-half RoPE, the gated MLP's
+silu(gate) * up, the GDN output's gated RMSNorm) with plain references.
 
 Contract (each op = its `reference_*` function up to fp32 rounding; outputs in x's dtype):
     rms_norm(x [..., H], weight [H], eps, offset=0.0)
@@ -6,13 +7,17 @@ Contract (each op = its `reference_*` function up to fp32 rounding; outputs in x
     add_rms_norm(x, delta, weight, eps, offset=0.0) -> (s = x + delta, rms_norm(s))
     rope(x [N, heads, d], cos [N, rot], sin [N, rot]) -> rotate-half RoPE on the first `rot`
         dims of every head (the rest pass through); x may be a strided view (last dim contiguous)
+    silu_mul(gate_up [N, 2I]) -> silu(gate_up[:, :I]) * gate_up[:, I:]   [N, I]
+    gated_rms_norm(x [N, H, D] fp32, weight [D], z [N, H, D], eps)
+        -> rms_norm(x) * weight * silu(z) in z's dtype (z may be a strided view)
 `offset=1.0` is the zero-centred (1 + w) RMSNorm of Qwen3-Next / Qwen3.5. The C++ versions
-(norm_rope.cpp, built with the linear kernel) run on CPU tensors in bf16 / fp32 with a matching
-weight dtype; anything else (CUDA, fp16, a failed build, QUICKDRAFT_NO_KERNELS=1) runs the
-reference, which is the same math in a few torch ops.
+(norm_rope.cpp, gdn_ops.cpp, built with the linear kernel) run on CPU tensors in bf16 / fp32
+with a matching weight dtype; anything else (CUDA, fp16, a failed build,
+QUICKDRAFT_NO_KERNELS=1) runs the reference, which is the same math in a few torch ops.
 
 Why: at decode time these tensors are a few KB and each torch op costs its dispatch overhead:
-one fused pass replaces ~8 ops (RMSNorm) or ~6 per tensor (RoPE).
+one fused pass replaces ~8 ops (RMSNorm) or ~6 per tensor (RoPE). The silu of a strided bf16
+half of the fused gate/up output costs ~40 us in torch at 5 rows; here it is one pass.
 """
 
 from __future__ import annotations
@@ -78,4 +83,43 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     if ext is None:
         return reference_rope(x, cos, sin)
     out: Tensor = ext.rope(x, cos, sin)
+    return out
+
+
+def reference_silu_mul(gate_up: Tensor) -> Tensor:
+    inter = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up of a fused [N, 2I] gate/up projection -> [N, I]."""
+    fast = _fast(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1
+    ext = _extension() if fast else None
+    if ext is None:
+        return reference_silu_mul(gate_up)
+    out: Tensor = ext.silu_mul(gate_up)
+    return out
+
+
+def reference_gated_rms_norm(x: Tensor, weight: Tensor, z: Tensor, eps: float) -> Tensor:
+    return (reference_rms_norm(x, weight.float(), eps) * F.silu(z.float())).to(z.dtype)
+
+
+def gated_rms_norm(x: Tensor, weight: Tensor, z: Tensor, eps: float) -> Tensor:
+    """rms_norm(x [N, H, D] fp32) * weight [D] * silu(z [N, H, D]) -> [N, H, D] in z's dtype
+    (the gated output norm of a Gated DeltaNet layer; fp32 math, one rounding)."""
+    fast = (
+        _fast(z, None)
+        and x.is_cpu
+        and x.dtype == torch.float32
+        and x.dim() == 3
+        and z.shape == x.shape
+        and z.stride(-1) == 1
+        and weight.is_cpu
+        and weight.dtype in (torch.bfloat16, torch.float32)
+    )
+    ext = _extension() if fast else None
+    if ext is None:
+        return reference_gated_rms_norm(x, weight, z, eps)
+    out: Tensor = ext.gated_rms_norm(x, weight, z, eps)
     return out

@@ -569,6 +569,15 @@ std::tuple<at::Tensor, at::Tensor> qd_add_rms_norm(const at::Tensor& x, const at
                                                    const at::Tensor& w, double eps,
                                                    double offset);
 at::Tensor qd_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+// gdn_ops.cpp (same extension)
+at::Tensor qd_silu_mul(const at::Tensor& gate_up);
+at::Tensor qd_gated_rms_norm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& z,
+                             double eps);
+at::Tensor qd_causal_conv_silu(const at::Tensor& x, const at::Tensor& window,
+                               const at::Tensor& weight);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qd_gdn_delta(
+    const at::Tensor& y, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
+    int64_t k_heads);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released: the kernel touches no Python objects, and other Python threads
@@ -594,6 +603,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("rope", &qd_rope, "rotate-half RoPE on the first cos.size(-1) dims of each head",
         py::arg("x"), py::arg("cos"), py::arg("sin"), py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &qd_silu_mul, "silu(gate_up[:, :I]) * gate_up[:, I:]", py::arg("gate_up"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gated_rms_norm", &qd_gated_rms_norm, "rms_norm(x) * w * silu(z)", py::arg("x"),
+        py::arg("weight"), py::arg("z"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  m.def("causal_conv_silu", &qd_causal_conv_silu, "silu(causal depthwise conv1d) in fp32",
+        py::arg("x"), py::arg("window"), py::arg("weight"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gdn_delta", &qd_gdn_delta, "gated delta rule over one short chunk: out, k, d, cum",
+        py::arg("y"), py::arg("g"), py::arg("beta"), py::arg("state"), py::arg("k_heads"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("kernel_calls", [] { return g_kernel_calls.load(); },
         "how many calls ran the kernel (tests check the fast path was taken)");
 }

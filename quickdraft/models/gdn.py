@@ -6,6 +6,7 @@ and its delta-rule state S [H, dk, dv]; every function here reads the committed 
 never writes it (a rejected draft must cost nothing):
 
   causal_conv1d(x [T, C], window [K-1, C], weight [C, K]) -> silu(conv) [T, C] fp32
+      (the C++ kernel, gdn_ops.cpp, when it can run; else reference_causal_conv1d)
   conv_window(window, x) -> the window after the inputs x
   q, k [T, H, dk] (L2-normalised, q also scaled by dk^-0.5: `prepare_qk`), v [T, H, dv],
   g [T, H] log decay (<= 0), beta [T, H], state [H, dk, dv] fp32. Per token (all fp32):
@@ -21,6 +22,10 @@ never writes it (a rejected draft must cost nothing):
       S_m = exp(c_m) S_0 + sum_{j<=m} exp(c_m - c_j) k_j d_j^T   (c: cumulative log decay).
       The state after any token of a verify costs k + d (a few KB) to keep, not S (MBs):
       state_cache.py commits by remembering m and applies the update once, at the next forward.
+  recurrent_updates(y [T, C] conv output, g, beta, state, k_heads) -> out, DeltaUpdates:
+      prepare_qk + delta_rule_updates in one C++ pass per head (gdn_ops.cpp: the state read
+      once for all tokens, forward substitution instead of a triangular solve); the torch
+      functions are its reference and fallback.
 Unlike transformers, every multi-token path starts from the given state (a verify continues
 the committed state). tests/test_gdn.py checks outputs and states of every path against the
 naive form.
@@ -34,6 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from quickdraft.kernels.cpu_linear import _extension
 
 CHUNK_SIZE = 64
 
@@ -55,7 +62,26 @@ def causal_conv1d(
     window: Tensor,  # [K-1, C] the inputs before them (zeros at the start of a sequence)
     weight: Tensor,  # [C, K] depthwise taps, oldest first (HF conv1d.weight[:, 0])
 ) -> Tensor:
-    """SiLU(causal depthwise conv) of the new inputs, in fp32 `[T, C]`."""
+    """SiLU(causal depthwise conv) of the new inputs, in fp32 `[T, C]`: one C++ pass on the
+    CPU (a decode step's conv is ~8 torch ops), else `reference_causal_conv1d`."""
+    fast = (
+        x.is_cpu
+        and x.dim() == 2
+        and x.stride(-1) == 1
+        and x.dtype in (torch.bfloat16, torch.float32)
+        and window.dtype == x.dtype
+        and weight.dtype in (torch.bfloat16, torch.float32)
+        and not (torch.is_grad_enabled() and x.requires_grad)
+    )
+    ext = _extension() if fast else None
+    if ext is None:
+        return reference_causal_conv1d(x, window, weight)
+    out: Tensor = ext.causal_conv_silu(x, window, weight)
+    return out
+
+
+def reference_causal_conv1d(x: Tensor, window: Tensor, weight: Tensor) -> Tensor:
+    """`causal_conv1d` in torch ops (the reference)."""
     t_new, taps = x.shape[0], weight.shape[1]
     xx = torch.cat([window.to(x.dtype), x]).float()  # [K-1+T, C]
     w = weight.float()
@@ -204,3 +230,41 @@ def advance_state(state: Tensor, k: Tensor, d: Tensor, cum: Tensor) -> None:
     last = cum[:, -1]  # [H]
     k_w = k * (last[:, None] - cum).exp()[..., None]  # [H, m, dk]
     state.mul_(last.exp()[:, None, None]).baddbmm_(k_w.transpose(1, 2), d)
+
+
+def recurrent_updates(
+    y: Tensor,  # [T, C] fp32 conv output: [q (Hk dk) | k (Hk dk) | v (H dv)] per token
+    g: Tensor,  # [T, H] log decay
+    beta: Tensor,  # [T, H]
+    state: Tensor,  # [H, dk, dv] fp32, read only
+    k_heads: int,
+) -> tuple[Tensor, DeltaUpdates]:
+    """prepare_qk + delta_rule_updates of one chunk (T <= CHUNK_SIZE): out [T, H, dv] fp32 and
+    the per-token updates, by the C++ kernel when it can run, else by those torch functions."""
+    t_len, (_, dk, dv) = y.shape[0], state.shape
+    assert t_len <= CHUNK_SIZE, f"{t_len} tokens: one chunk at most"
+    fast = (
+        y.is_cpu
+        and y.dtype == state.dtype == g.dtype == beta.dtype == torch.float32
+        and dk % 8 == 0
+        and dv % 8 == 0
+        and not (torch.is_grad_enabled() and y.requires_grad)
+    )
+    ext = _extension() if fast else None
+    if ext is None:
+        return reference_recurrent_updates(y, g, beta, state, k_heads)
+    out, k, d, cum = ext.gdn_delta(y, g, beta, state, k_heads)
+    return out, DeltaUpdates(k, d, cum)
+
+
+def reference_recurrent_updates(
+    y: Tensor, g: Tensor, beta: Tensor, state: Tensor, k_heads: int
+) -> tuple[Tensor, DeltaUpdates]:
+    """`recurrent_updates` in torch ops (the reference)."""
+    t_len, (heads, dk, dv) = y.shape[0], state.shape
+    kd = k_heads * dk
+    q, k = prepare_qk(
+        y[:, :kd].view(t_len, k_heads, dk), y[:, kd : 2 * kd].view(t_len, k_heads, dk), heads
+    )
+    v = y[:, 2 * kd :].view(t_len, heads, dv)
+    return delta_rule_updates(q, k, v, g.float(), beta.float(), state)

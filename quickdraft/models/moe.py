@@ -12,9 +12,9 @@ by the loader's name map (models/qwen3_next.py: `checkpoint_name_map`).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from quickdraft.kernels.cpu_ops import silu_mul
 from quickdraft.models.layers import LinearView, fused_projections, project
 
 
@@ -31,9 +31,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = project(x, self.gate_up_weight)  # [N, 2 * inter]
-        return project(
-            F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :], self.down_proj.weight
-        )
+        return project(silu_mul(gate_up), self.down_proj.weight)  # fused silu(gate) * up
 
 
 class Experts(nn.Module):
@@ -56,7 +54,7 @@ class Experts(nn.Module):
         for e in torch.unique(top_idx).tolist():
             rows, slot = torch.where(top_idx == e)
             gate_up = project(x[rows], self.gate_up_proj[e])  # [n_e, 2 * inter]
-            act = F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
+            act = silu_mul(gate_up)
             y = project(act, self.down_proj[e]) * top_weight[rows, slot, None]
             out.index_add_(0, rows, y)
         return out

@@ -28,15 +28,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from quickdraft.kernels.cpu_ops import add_rms_norm, rms_norm
+from quickdraft.kernels.cpu_ops import add_rms_norm, gated_rms_norm, rms_norm
 from quickdraft.kernels.cpu_ops import rope as apply_rope
 from quickdraft.models.base import ForwardOutput, packed_positions
 from quickdraft.models.gdn import (
     causal_conv1d,
     conv_window,
-    delta_rule_updates,
     gated_delta_rule_chunked,
     prepare_qk,
+    recurrent_updates,
 )
 from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.layers import LinearView, RMSNorm, Rope, attend, fused_projections, project
@@ -182,24 +182,24 @@ class GatedDeltaNet(nn.Module):
             seg = slice(start, start + n)
             window, state = cache.gdn_state(self.gdn_index)  # committed; read only
             y = causal_conv1d(mixed[seg], window, conv_w)  # [n, C] fp32
-            q, k = prepare_qk(
-                y[:, :kd].view(n, self.k_heads, self.dk),
-                y[:, kd : 2 * kd].view(n, self.k_heads, self.dk),
-                self.v_heads,
-            )
-            v = y[:, 2 * kd :].view(n, self.v_heads, self.dv)
             if cache.keeps_checkpoints:  # a decode step or a verify: every token committable
-                core[seg], updates = delta_rule_updates(q, k, v, g[seg], beta[seg], state)
+                core[seg], updates = recurrent_updates(y, g[seg], beta[seg], state, self.k_heads)
                 cache.keep_checkpoints(self.gdn_index, mixed[seg], updates)
             else:  # a prompt chunk: only its final state
+                q, k = prepare_qk(
+                    y[:, :kd].view(n, self.k_heads, self.dk),
+                    y[:, kd : 2 * kd].view(n, self.k_heads, self.dk),
+                    self.v_heads,
+                )
+                v = y[:, 2 * kd :].view(n, self.v_heads, self.dv)
                 final_conv, final_state = cache.final_state(self.gdn_index)
                 dest: list[Tensor | None] = [None] * (n - 1) + [final_state]
                 core[seg] = gated_delta_rule_chunked(q, k, v, g[seg], beta[seg], state, dest)
                 final_conv.copy_(conv_window(window, mixed[seg]))
             start += n
-        # gated RMSNorm (plain w here, not 1 + w): norm(core) * w * silu(z), in fp32
-        out = rms_norm(core, self.norm.weight.float(), self.eps) * F.silu(z.float())  # [N, Hv, dv]
-        return project(out.reshape(x.shape[0], -1).to(x.dtype), self.out_proj.weight)
+        # gated RMSNorm (plain w here, not 1 + w): norm(core) * w * silu(z), fp32 math, fused
+        out = gated_rms_norm(core, self.norm.weight, z, self.eps)  # [N, Hv, dv]
+        return project(out.reshape(x.shape[0], -1), self.out_proj.weight)
 
 
 class HybridDecoderLayer(nn.Module):

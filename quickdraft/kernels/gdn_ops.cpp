@@ -1,0 +1,435 @@
+// Fused CPU ops of the hybrid (Gated DeltaNet) layers and the gated MLP, for decode steps and
+// short verifies. JIT-built with linear_bf16.cpp into one extension (registered in its
+// PYBIND11_MODULE); Python-facing contract and torch references in quickdraft/kernels/cpu_ops.py
+// and quickdraft/models/gdn.py.
+//
+//   silu_mul(gate_up [N, 2I])                   -> silu(gate_up[:, :I]) * gate_up[:, I:]  [N, I]
+//   gated_rms_norm(x [N, H, D] fp32, w [D], z [N, H, D], eps)
+//                                               -> rms_norm(x) * w * silu(z)  [N, H, D], z dtype
+//   causal_conv_silu(x [T, C], window [K-1, C], weight [C, K]) -> silu(causal conv)  [T, C] fp32
+//   gdn_delta(y [T, C] fp32, g [T, H], beta [T, H], state [H, dk, dv], k_heads)
+//       -> out [T, H, dv], k [H, T, dk], d [H, T, dv], cum [H, T]   (all fp32)
+//
+// Why: in a decode step or a k+1-row verify these tensors are a few KB, so each torch op costs
+// its dispatch and threading overhead, not its arithmetic; a verify's chunked delta rule is ~40
+// ops (cat, bmm, a triangular solve...), a strided bf16 silu ~40 us. One pass each here.
+// All math is fp32, rounded once to the output dtype.
+//
+// gdn_delta is models/gdn.py's delta_rule_updates after prepare_qk, for one chunk of T tokens:
+// with c the cumulative log decay, S0 the starting state and q, k L2-normalised (q also scaled
+// by dk^-0.5), the state before token t's correction is exp(c_t) S0 + sum_{j<t} exp(c_t - c_j)
+// k_j d_j^T, so
+//   d_t   = beta_t (v_t - exp(c_t) S0^T k_t - sum_{j<t} exp(c_t - c_j) (k_t . k_j) d_j)
+//   out_t = exp(c_t) S0^T q_t + sum_{j<=t} exp(c_t - c_j) (q_t . k_j) d_j
+// (forward substitution of the chunk form's triangular system). The state is read once per
+// head, for all tokens together, and never written.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using u16 = uint16_t;
+
+inline float bf16_to_f32(u16 h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline u16 f32_to_bf16(float f) {  // round to nearest even, NaN -> quiet NaN (c10's rule)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<u16>(u >> 16);
+}
+
+// 8 values of either dtype -> fp32, and back.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const u16* p) {
+  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(u16* p, __m256 v) {  // f32_to_bf16 on 8 lanes
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+  // 8 x u32 (< 2^16) -> 8 x u16: pack within 128-bit lanes, then gather the two halves
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+inline float load1(const float* p) { return *p; }
+inline float load1(const u16* p) { return bf16_to_f32(*p); }
+inline void store1(float* p, float v) { *p = v; }
+inline void store1(u16* p, float v) { *p = f32_to_bf16(v); }
+
+// exp for 8 lanes: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 Taylor/minimax
+// polynomial (relative error ~1e-7, as Cephes expf); inputs clamped to the fp32 range, so
+// large negative x gives ~0 (silu(-inf) = -0 * 0... handled by the caller's x * sigmoid form).
+inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447504f);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - n ln2 in two steps (Cody-Waite) for accuracy
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// silu(x) = x / (1 + exp(-x)); NaN propagates through the division.
+inline __m256 silu8(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  return _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+inline float silu1(float x) { return x / (1.0f + std::exp(-x)); }
+
+template <class F>
+void dispatch_dtype(const at::Tensor& x, F&& f) {
+  if (x.scalar_type() == at::kFloat)
+    f(float{});
+  else
+    f(u16{});
+}
+
+void check_float_cpu(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), what, ": CPU tensors only");
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat, what,
+              ": bf16 or fp32 only");
+}
+
+// ---- silu(gate) * up ------------------------------------------------------------------------
+
+template <class T>
+void silu_mul_rows(const T* in, int64_t ld, T* out, int64_t N, int64_t I) {
+  for (int64_t n = 0; n < N; ++n) {
+    const T* g = in + n * ld;
+    const T* u = g + I;
+    T* o = out + n * I;
+    int64_t i = 0;
+    for (; i + 8 <= I; i += 8) store8(o + i, _mm256_mul_ps(silu8(load8(g + i)), load8(u + i)));
+    for (; i < I; ++i) store1(o + i, silu1(load1(g + i)) * load1(u + i));
+  }
+}
+
+// ---- gated RMSNorm: rms_norm(x) * w * silu(z) -------------------------------------------------
+
+template <class T, class WT>
+void gated_norm_rows(const float* x, const WT* w, const T* z, int64_t zs0, int64_t zs1, T* out,
+                     int64_t N, int64_t H, int64_t D, float eps) {
+  std::vector<float> wf(D);
+  for (int64_t i = 0; i < D; ++i) wf[i] = load1(w + i);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < H; ++h) {
+      const float* xr = x + (n * H + h) * D;
+      const T* zr = z + n * zs0 + h * zs1;
+      T* o = out + (n * H + h) * D;
+      float ss = 0.0f;
+      int64_t i = 0;
+      __m256 acc = _mm256_setzero_ps();
+      for (; i + 8 <= D; i += 8) {
+        __m256 v = _mm256_loadu_ps(xr + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, acc);
+      for (float l : lanes) ss += l;
+      for (; i < D; ++i) ss += xr[i] * xr[i];
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+      const __m256 vinv = _mm256_set1_ps(inv);
+      i = 0;
+      for (; i + 8 <= D; i += 8) {
+        __m256 normed = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), vinv),
+                                      _mm256_loadu_ps(wf.data() + i));
+        store8(o + i, _mm256_mul_ps(normed, silu8(load8(zr + i))));
+      }
+      for (; i < D; ++i) store1(o + i, xr[i] * inv * wf[i] * silu1(load1(zr + i)));
+    }
+}
+
+// ---- causal depthwise conv + silu -----------------------------------------------------------
+
+template <class T, class WT>
+void conv_rows(const T* x, int64_t ldx, const T* win, const WT* w, float* out, int64_t Tn,
+               int64_t C, int64_t K) {
+  // row r of [window ; x]: r < K-1 from the window, else x row r-(K-1)
+  auto row = [&](int64_t r) -> const T* { return r < K - 1 ? win + r * C : x + (r - K + 1) * ldx; };
+  std::vector<float> wt(K * 8);
+  int64_t c = 0;
+  for (; c + 8 <= C; c += 8) {
+    if (K == 4) {  // the 8 channels' 4 taps are 32 consecutive values: a 4x8 transpose
+      const __m256 v0 = load8(w + c * 4), v1 = load8(w + c * 4 + 8);  // channels 0-1, 2-3
+      const __m256 v2 = load8(w + c * 4 + 16), v3 = load8(w + c * 4 + 24);  // 4-5, 6-7
+      // per 128-bit lane (channel 2j | 2j+1): unpack pairs, then gather each tap
+      const __m256 a = _mm256_unpacklo_ps(v0, v1), b = _mm256_unpackhi_ps(v0, v1);
+      const __m256 e = _mm256_unpacklo_ps(v2, v3), f = _mm256_unpackhi_ps(v2, v3);
+      // lanes now hold channels [0 2 4 6 | 1 3 5 7]; restore the natural order
+      const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+      const __m256 taps[4] = {_mm256_shuffle_ps(a, e, 0x44), _mm256_shuffle_ps(a, e, 0xEE),
+                              _mm256_shuffle_ps(b, f, 0x44), _mm256_shuffle_ps(b, f, 0xEE)};
+      for (int i = 0; i < 4; ++i)
+        _mm256_storeu_ps(wt.data() + i * 8, _mm256_permutevar8x32_ps(taps[i], order));
+    } else {
+      for (int64_t i = 0; i < K; ++i)
+        for (int64_t j = 0; j < 8; ++j) wt[i * 8 + j] = load1(w + (c + j) * K + i);
+    }
+    for (int64_t t = 0; t < Tn; ++t) {
+      __m256 acc = _mm256_mul_ps(load8(row(t) + c), _mm256_loadu_ps(wt.data()));
+      for (int64_t i = 1; i < K; ++i)
+        acc = _mm256_fmadd_ps(load8(row(t + i) + c), _mm256_loadu_ps(wt.data() + i * 8), acc);
+      _mm256_storeu_ps(out + t * C + c, silu8(acc));
+    }
+  }
+  for (; c < C; ++c)
+    for (int64_t t = 0; t < Tn; ++t) {
+      float acc = 0.0f;
+      for (int64_t i = 0; i < K; ++i) acc += load1(row(t + i) + c) * load1(w + c * K + i);
+      out[t * C + c] = silu1(acc);
+    }
+}
+
+// ---- gated delta rule over one short chunk ---------------------------------------------------
+
+// acc[t][j] = sum_i coef[t][i] * S[i][j0 + j] for G token vectors of coefficients (each dk
+// long), j in [0, 8J): the one pass over a block of the state's columns.
+template <int G, int J>
+void read_block(const float* S, int64_t dk, int64_t dv, int64_t j0, const float* const* coef,
+                float* const* acc) {
+  __m256 a[G][J];
+#pragma GCC unroll 16
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int j = 0; j < J; ++j) a[g][j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < dk; ++i) {
+    __m256 s[J];
+#pragma GCC unroll 4
+    for (int j = 0; j < J; ++j) s[j] = _mm256_loadu_ps(S + i * dv + j0 + 8 * j);
+#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g) {
+      const __m256 c = _mm256_broadcast_ss(coef[g] + i);
+#pragma GCC unroll 4
+      for (int j = 0; j < J; ++j) a[g][j] = _mm256_fmadd_ps(c, s[j], a[g][j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int j = 0; j < J; ++j) _mm256_storeu_ps(acc[g] + j0 + 8 * j, a[g][j]);
+}
+
+// out[g] = S^T coef[g] for n <= 10 coefficient vectors; the state's columns in blocks of 8J.
+void read_state(const float* S, int64_t dk, int64_t dv, const float* const* coef,
+                float* const* out, int n) {
+  const int J = n <= 2 && dv % 32 == 0 ? 4 : (n <= 4 && dv % 16 == 0 ? 2 : 1);
+  for (int64_t j0 = 0; j0 < dv; j0 += 8 * J) {
+    switch (n * 10 + J) {
+#define QD_CASE(G, JJ) \
+  case G * 10 + JJ:    \
+    read_block<G, JJ>(S, dk, dv, j0, coef, out); \
+    break;
+      QD_CASE(1, 4) QD_CASE(2, 4) QD_CASE(1, 2) QD_CASE(2, 2) QD_CASE(3, 2) QD_CASE(4, 2)
+      QD_CASE(1, 1) QD_CASE(2, 1) QD_CASE(3, 1) QD_CASE(4, 1) QD_CASE(5, 1) QD_CASE(6, 1)
+      QD_CASE(7, 1) QD_CASE(8, 1) QD_CASE(9, 1) QD_CASE(10, 1)
+#undef QD_CASE
+      default:
+        TORCH_CHECK(false, "gdn_delta: bad read block ", n, "x", J);
+    }
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  float s = 0.0f;
+  for (float l : lanes) s += l;
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y = a * x + y over n floats
+inline void axpy(float a, const float* x, float* y, int64_t n) {
+  const __m256 va = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+}  // namespace
+
+at::Tensor qd_silu_mul(const at::Tensor& gate_up) {
+  check_float_cpu(gate_up, "silu_mul");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.stride(1) == 1,
+              "silu_mul: gate_up must be [N, 2I] with a contiguous last dim");
+  const int64_t N = gate_up.size(0), I = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({N, I}, gate_up.options());
+  dispatch_dtype(gate_up, [&](auto tag) {
+    using T = decltype(tag);
+    silu_mul_rows<T>(static_cast<const T*>(gate_up.data_ptr()), gate_up.stride(0),
+                     static_cast<T*>(out.data_ptr()), N, I);
+  });
+  return out;
+}
+
+at::Tensor qd_gated_rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, const at::Tensor& z,
+                             double eps) {
+  check_float_cpu(z, "gated_rms_norm");
+  check_float_cpu(w_in, "gated_rms_norm");
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 3,
+              "gated_rms_norm: x must be a CPU fp32 [N, H, D] tensor");
+  TORCH_CHECK(z.dim() == 3 && z.sizes() == x_in.sizes() && z.stride(2) == 1,
+              "gated_rms_norm: z must match x with a contiguous last dim");
+  TORCH_CHECK(w_in.dim() == 1 && w_in.size(0) == x_in.size(2), "gated_rms_norm: w must be [D]");
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t N = x.size(0), H = x.size(1), D = x.size(2);
+  at::Tensor out = at::empty({N, H, D}, z.options().memory_format(at::MemoryFormat::Contiguous));
+  dispatch_dtype(z, [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_dtype(w, [&](auto wtag) {
+      using WT = decltype(wtag);
+      gated_norm_rows<T, WT>(x.data_ptr<float>(), static_cast<const WT*>(w.data_ptr()),
+                             static_cast<const T*>(z.data_ptr()), z.stride(0), z.stride(1),
+                             static_cast<T*>(out.data_ptr()), N, H, D, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+at::Tensor qd_causal_conv_silu(const at::Tensor& x, const at::Tensor& window_in,
+                               const at::Tensor& weight_in) {
+  check_float_cpu(x, "causal_conv_silu");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1,
+              "causal_conv_silu: x must be [T, C] with a contiguous last dim");
+  TORCH_CHECK(window_in.scalar_type() == x.scalar_type() && window_in.dim() == 2 &&
+                  window_in.size(1) == x.size(1) && window_in.device().is_cpu(),
+              "causal_conv_silu: window must be [K-1, C] in x's dtype");
+  check_float_cpu(weight_in, "causal_conv_silu");
+  TORCH_CHECK(weight_in.dim() == 2 && weight_in.size(0) == x.size(1) &&
+                  weight_in.size(1) == window_in.size(0) + 1,
+              "causal_conv_silu: weight must be [C, K] with K - 1 window rows");
+  const at::Tensor win = window_in.contiguous(), w = weight_in.contiguous();
+  const int64_t Tn = x.size(0), C = x.size(1), K = w.size(1);
+  at::Tensor out = at::empty({Tn, C}, x.options().dtype(at::kFloat));
+  dispatch_dtype(x, [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_dtype(w, [&](auto wtag) {
+      using WT = decltype(wtag);
+      conv_rows<T, WT>(static_cast<const T*>(x.data_ptr()), x.stride(0),
+                       static_cast<const T*>(win.data_ptr()), static_cast<const WT*>(w.data_ptr()),
+                       out.data_ptr<float>(), Tn, C, K);
+    });
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qd_gdn_delta(
+    const at::Tensor& y_in, const at::Tensor& g_in, const at::Tensor& beta_in,
+    const at::Tensor& state_in, int64_t k_heads) {
+  for (const auto* t : {&y_in, &g_in, &beta_in, &state_in})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat,
+                "gdn_delta: CPU fp32 tensors only");
+  TORCH_CHECK(state_in.dim() == 3 && y_in.dim() == 2 && g_in.dim() == 2,
+              "gdn_delta: y [T, C], g / beta [T, H], state [H, dk, dv]");
+  const int64_t H = state_in.size(0), dk = state_in.size(1), dv = state_in.size(2);
+  const int64_t Tn = y_in.size(0), kd = k_heads * dk;
+  TORCH_CHECK(k_heads > 0 && H % k_heads == 0 && dk % 8 == 0 && dv % 8 == 0,
+              "gdn_delta: heads must group evenly and head dims be multiples of 8");
+  TORCH_CHECK(y_in.size(1) == 2 * kd + H * dv, "gdn_delta: y must be [T, 2 Hk dk + H dv]");
+  TORCH_CHECK(g_in.sizes() == beta_in.sizes() && g_in.size(0) == Tn && g_in.size(1) == H,
+              "gdn_delta: g and beta must be [T, H]");
+  const at::Tensor y = y_in.contiguous(), g = g_in.contiguous(), beta = beta_in.contiguous();
+  const at::Tensor state = state_in.contiguous();
+  auto opts = y.options();
+  at::Tensor out = at::empty({Tn, H, dv}, opts), k_out = at::empty({H, Tn, dk}, opts);
+  at::Tensor d_out = at::empty({H, Tn, dv}, opts), cum_out = at::empty({H, Tn}, opts);
+  const float* yp = y.data_ptr<float>();
+  const float* gp = g.data_ptr<float>();
+  const float* bp = beta.data_ptr<float>();
+  const float* sp = state.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* kp = k_out.data_ptr<float>();
+  float* dp = d_out.data_ptr<float>();
+  float* cp = cum_out.data_ptr<float>();
+  const int64_t C = y.size(1), group = H / k_heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  // A one-token step is ~1 us of work per head: a second thread's fork/join costs more.
+  const int64_t grain = Tn == 1 ? H : 1;
+  at::parallel_for(0, H, grain, [&](int64_t h0, int64_t h1) {
+    std::vector<float> qn(Tn * dk), ks(Tn * dv), qs(Tn * dv), kk(Tn * Tn), qk(Tn * Tn);
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t hk = h / group;
+      float* kn = kp + h * Tn * dk;  // normalised keys go straight to the updates
+      float* d = dp + h * Tn * dv;
+      float* cum = cp + h * Tn;
+      float c = 0.0f;
+      for (int64_t t = 0; t < Tn; ++t) {
+        const float* q = yp + t * C + hk * dk;
+        const float* k = yp + t * C + kd + hk * dk;
+        const float qinv = 1.0f / std::sqrt(dot(q, q, dk) + 1e-6f);
+        const float kinv = 1.0f / std::sqrt(dot(k, k, dk) + 1e-6f);
+        for (int64_t i = 0; i < dk; ++i) {
+          qn[t * dk + i] = q[i] * qinv * scale;
+          kn[t * dk + i] = k[i] * kinv;
+        }
+        c += gp[t * H + h];
+        cum[t] = c;
+      }
+      // S0^T k_t and S0^T q_t for all tokens: one pass over the state per 5 tokens
+      const float* S = sp + h * dk * dv;
+      for (int64_t t0 = 0; t0 < Tn; t0 += 5) {
+        const int n = static_cast<int>(std::min<int64_t>(5, Tn - t0));
+        const float* coef[10];
+        float* res[10];
+        for (int i = 0; i < n; ++i) {
+          coef[i] = kn + (t0 + i) * dk, res[i] = ks.data() + (t0 + i) * dv;
+          coef[n + i] = qn.data() + (t0 + i) * dk, res[n + i] = qs.data() + (t0 + i) * dv;
+        }
+        read_state(S, dk, dv, coef, res, 2 * n);
+      }
+      for (int64_t t = 0; t < Tn; ++t)
+        for (int64_t j = 0; j <= t; ++j) {
+          kk[t * Tn + j] = dot(kn + t * dk, kn + j * dk, dk);
+          qk[t * Tn + j] = dot(qn.data() + t * dk, kn + j * dk, dk);
+        }
+      for (int64_t t = 0; t < Tn; ++t) {
+        const float bt = bp[t * H + h], et = std::exp(cum[t]);
+        const float* v = yp + t * C + 2 * kd + h * dv;
+        float* dt = d + t * dv;
+        // d_t = beta_t (v_t - exp(c_t) S0^T k_t - sum_{j<t} exp(c_t - c_j) (k_t . k_j) d_j)
+        for (int64_t i = 0; i < dv; ++i) dt[i] = v[i] - et * ks[t * dv + i];
+        for (int64_t j = 0; j < t; ++j)
+          axpy(-std::exp(cum[t] - cum[j]) * kk[t * Tn + j], d + j * dv, dt, dv);
+        for (int64_t i = 0; i < dv; ++i) dt[i] *= bt;
+        // out_t = exp(c_t) S0^T q_t + sum_{j<=t} exp(c_t - c_j) (q_t . k_j) d_j
+        float* o = op + (t * H + h) * dv;
+        for (int64_t i = 0; i < dv; ++i) o[i] = et * qs[t * dv + i];
+        for (int64_t j = 0; j <= t; ++j)
+          axpy(std::exp(cum[t] - cum[j]) * qk[t * Tn + j], d + j * dv, o, dv);
+      }
+    }
+  });
+  return {out, k_out, d_out, cum_out};
+}
