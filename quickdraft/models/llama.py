@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from quickdraft.config import ModelConfig
 from quickdraft.kernels import Int8Weight
 from quickdraft.kernels.cpu_ops import rope as apply_rope
+from quickdraft.kernels.cpu_ops import silu_mul
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.base import ForwardOutput, packed_positions
 from quickdraft.models.layers import (
@@ -110,8 +111,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = project(x, self.gate_up)  # [N, 2 * inter]
-        act = F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
-        return project(act, self.down)
+        return project(silu_mul(gate_up), self.down)  # fused silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
