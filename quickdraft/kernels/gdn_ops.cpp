@@ -27,6 +27,8 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "bf16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -38,27 +40,12 @@ namespace {
 
 using u16 = uint16_t;
 
-inline float bf16_to_f32(u16 h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline u16 f32_to_bf16(float f) {  // round to nearest even, NaN -> quiet NaN (c10's rule)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<u16>(u >> 16);
-}
+using qd_bf16::bf16_to_f32;
+using qd_bf16::f32_to_bf16;
 
 // 8 values of either dtype -> fp32, and back.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const u16* p) {
-  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
+inline __m256 load8(const u16* p) { return qd_bf16::bf16x8_to_f32(p); }
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8(u16* p, __m256 v) {  // f32_to_bf16 on 8 lanes
   const __m256i u = _mm256_castps_si256(v);

@@ -34,6 +34,8 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "bf16.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -54,11 +56,8 @@ inline __m256 bf16_odd(__m256i v) {
   return _mm256_castsi256_ps(_mm256_and_si256(v, hi16));
 }
 
-// 8 bf16 in natural order -> 8 fp32.
-inline __m256 bf16_8(const u16* p) {
-  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
+using qd_bf16::bf16x8_to_f32;  // 8 bf16 in natural order -> 8 fp32
+using qd_bf16::f32_to_bf16;
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -97,7 +96,7 @@ struct Bf16W {
   static __m256 hi(const elem* p) {
     return bf16_odd(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-  static __m256 tail8(const elem* p) { return bf16_8(p); }
+  static __m256 tail8(const elem* p) { return bf16x8_to_f32(p); }
 };
 
 // int8 with one fp32 scale per row (applied in the epilogue): half the bytes of bf16, so a
@@ -112,15 +111,6 @@ struct Int8W {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
   }
 };
-
-// fp32 -> bf16 bits exactly as c10::BFloat16 does it: round to nearest even, NaN -> 0x7fc0.
-inline u16 to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<u16>(u >> 16);
-}
 
 // Per-thread scratch that only grows: a fresh large malloc per call would be an mmap plus page
 // faults on every forward.
@@ -149,7 +139,7 @@ void pack_x(const void* x, bool x_bf16, int64_t M, int64_t K, float* xs, int64_t
       float* dst = xs + m * ldx;
       if (x_bf16) {
         const u16* src = static_cast<const u16*>(x) + m * K;
-        for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(dst + k, bf16_8(src + k));
+        for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(dst + k, bf16x8_to_f32(src + k));
       } else {
         std::memcpy(dst, static_cast<const float*>(x) + m * K, K * sizeof(float));
       }
@@ -166,7 +156,7 @@ void pack_x(const void* x, bool x_bf16, int64_t M, int64_t K, float* xs, int64_t
         _mm256_storeu_ps(dst + k, bf16_even(v));
         _mm256_storeu_ps(dst + k + 8, bf16_odd(v));
       }
-      if (K16 < K) _mm256_storeu_ps(dst + K16, bf16_8(src + K16));
+      if (K16 < K) _mm256_storeu_ps(dst + K16, bf16x8_to_f32(src + K16));
     }
   } else {
     const float* xp = static_cast<const float*>(x);
@@ -369,7 +359,7 @@ void run(const Problem& p) {
               const float v = dot + (p.bias ? p.bias[n] : 0.0f);
               const int64_t i = (m0 + t) * p.N + n;
               if (p.y_bf16)
-                static_cast<u16*>(p.y)[i] = to_bf16(v);
+                static_cast<u16*>(p.y)[i] = f32_to_bf16(v);
               else
                 static_cast<float*>(p.y)[i] = v;
             }

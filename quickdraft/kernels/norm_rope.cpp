@@ -9,6 +9,8 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "bf16.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -18,20 +20,8 @@ namespace {
 
 using u16 = uint16_t;
 
-inline float bf16_to_f32(u16 h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline u16 f32_to_bf16(float f) {  // round to nearest even, NaN -> quiet NaN (c10's rule)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<u16>(u >> 16);
-}
+using qd_bf16::bf16_to_f32;
+using qd_bf16::f32_to_bf16;
 
 // Row access in either dtype: load to fp32, store from fp32.
 template <class T>
