@@ -48,12 +48,6 @@ class Followers:
         best = max(reversed(self.counts), key=self.counts.__getitem__)
         return best, self.counts[best] / self.total
 
-    def __eq__(self, other: object) -> bool:  # tests compare indexes
-        return isinstance(other, Followers) and self.counts == other.counts
-
-    def __repr__(self) -> str:
-        return f"Followers({self.counts})"
-
 
 NgramIndex = dict[tuple[int, ...], Followers]  # n-gram -> what followed its occurrences
 
