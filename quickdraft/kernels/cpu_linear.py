@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 DISABLE_ENV = "QUICKDRAFT_NO_KERNELS"
 
 _SOURCES = [
-    Path(__file__).with_name(f) for f in ("linear_bf16.cpp", "norm_rope.cpp", "gdn_ops.cpp")
+    Path(__file__).with_name(f)
+    for f in ("linear_bf16.cpp", "norm_rope.cpp", "gdn_ops.cpp", "attention.cpp")
 ]
 _EXT_NAME = "quickdraft_linear_bf16"
 # -fopenmp: at::parallel_for is header-inline and runs serially unless compiled with OpenMP;

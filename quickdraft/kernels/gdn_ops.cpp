@@ -28,6 +28,7 @@
 #include <torch/extension.h>
 
 #include "bf16.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <cmath>
@@ -42,47 +43,11 @@ using u16 = uint16_t;
 
 using qd_bf16::bf16_to_f32;
 using qd_bf16::f32_to_bf16;
-
-// 8 values of either dtype -> fp32, and back.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const u16* p) { return qd_bf16::bf16x8_to_f32(p); }
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(u16* p, __m256 v) {  // f32_to_bf16 on 8 lanes
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-  // 8 x u32 (< 2^16) -> 8 x u16: pack within 128-bit lanes, then gather the two halves
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-}
-inline float load1(const float* p) { return *p; }
-inline float load1(const u16* p) { return bf16_to_f32(*p); }
-inline void store1(float* p, float v) { *p = v; }
-inline void store1(u16* p, float v) { *p = f32_to_bf16(v); }
-
-// exp for 8 lanes: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 Taylor/minimax
-// polynomial (relative error ~1e-7, as Cephes expf); inputs clamped to the fp32 range, so
-// large negative x gives ~0 (silu(-inf) = -0 * 0... handled by the caller's x * sigmoid form).
-inline __m256 exp8(__m256 x) {
-  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447504f);
-  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // r = x - n ln2 in two steps (Cody-Waite) for accuracy
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
+using qd_simd::exp8;
+using qd_simd::load1;
+using qd_simd::load8;
+using qd_simd::store1;
+using qd_simd::store8;
 
 // silu(x) = x / (1 + exp(-x)); NaN propagates through the division.
 inline __m256 silu8(__m256 x) {

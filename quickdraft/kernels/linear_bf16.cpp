@@ -568,6 +568,11 @@ at::Tensor qd_causal_conv_silu(const at::Tensor& x, const at::Tensor& window,
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qd_gdn_delta(
     const at::Tensor& y, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
     int64_t k_heads);
+// attention.cpp (same extension)
+bool qd_attend_eligible(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        int64_t start);
+at::Tensor qd_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
+                     double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released: the kernel touches no Python objects, and other Python threads
@@ -603,6 +608,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdn_delta", &qd_gdn_delta, "gated delta rule over one short chunk: out, k, d, cum",
         py::arg("y"), py::arg("g"), py::arg("beta"), py::arg("state"), py::arg("k_heads"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("attend", &qd_attend, "causal GQA of n new queries over a KV cache (decode / verify)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("start"), py::arg("scale"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("attend_eligible", &qd_attend_eligible, "whether `attend` accepts these inputs",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("start"));
   m.def("kernel_calls", [] { return g_kernel_calls.load(); },
         "how many calls ran the kernel (tests check the fast path was taken)");
 }

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quickdraft.kernels import Int8Weight, linear, linear_int8
+from quickdraft.kernels.cpu_linear import _extension
 from quickdraft.kernels.cpu_ops import add_rms_norm, rms_norm
 
 
@@ -96,14 +97,31 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
+# Longest run of new queries `attend` gives the C++ kernel (decode steps and verifies); longer
+# ones (prompt chunks) go to SDPA, whose blocked GEMMs win once there are many query rows.
+ATTEND_KERNEL_MAX_QUERIES = 16
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float) -> Tensor:
     """Causal grouped-query attention of n new queries at positions [start, start + n).
 
-    q `[n, heads, head_dim]`; k, v `[kv_heads, start + n, head_dim]` -> `[n, heads * head_dim]`.
-    The query heads sharing a kv head are folded into the query-row dimension
-    (`[1, kv_heads, group * n, d]`): SDPA then takes its fast fused CPU kernel in bf16 as well
-    (its enable_gqa and per-head bmm paths are 4-20x slower here) and the cache is never repeated.
+    q `[n, heads, head_dim]`; k, v `[kv_heads, start + n, head_dim]` -> `[n, heads * head_dim]`:
+    query i sees keys 0 .. start + i. Up to ATTEND_KERNEL_MAX_QUERIES queries run the C++ kernel
+    (kernels/attention.cpp: fp32 math, rows independent of n) when it accepts the inputs, the
+    rest `reference_attend` (SDPA).
     """
+    ext = _extension() if q.is_cpu and q.shape[0] <= ATTEND_KERNEL_MAX_QUERIES else None
+    if ext is not None and ext.attend_eligible(q, k, v, start):
+        out: Tensor = ext.attend(q, k, v, start, scale)
+        return out
+    return reference_attend(q, k, v, start, scale)
+
+
+def reference_attend(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float) -> Tensor:
+    """`attend` by torch's SDPA. The query heads sharing a kv head are folded into the
+    query-row dimension (`[1, kv_heads, group * n, d]`): SDPA then takes its fast fused CPU
+    kernel in bf16 as well (its enable_gqa and per-head bmm paths are 4-20x slower here) and the
+    cache is never repeated."""
     n, heads, d = q.shape
     kv_heads = k.shape[0]
     group = heads // kv_heads

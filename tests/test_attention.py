@@ -1,0 +1,119 @@
+"""Decode / verify attention (kernels/attention.cpp via models.layers.attend) against the SDPA
+reference: values, causal limits, row independence, and which path runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quickdraft.kernels import cpu_linear
+from quickdraft.models import layers
+from quickdraft.models.layers import attend, reference_attend
+
+needs_kernel = pytest.mark.skipif(
+    not cpu_linear.cpu_supported(), reason="CPU lacks AVX2/FMA/F16C: the kernel cannot run here"
+)
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+def inputs(
+    n: int, heads: int, kv_heads: int, d: int, start: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q as a strided view of a fused projection, k / v as views of a cache with spare room,
+    as the models pass them."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    q = qkv[:, : heads * d].view(n, heads, d)
+    cache = torch.randn(2, kv_heads, start + n + 5, d, generator=g).to(dtype)
+    return q, cache[0, :, : start + n], cache[1, :, : start + n]
+
+
+def ext() -> object:
+    e = cpu_linear._extension()
+    assert e is not None, "the kernel must build on this CPU"
+    return e
+
+
+SHAPES = [  # n, heads, kv_heads, head_dim, start
+    (1, 12, 2, 128, 300),  # Qwen2.5-1.5B decode
+    (5, 12, 2, 128, 300),  # ... verify of k = 4
+    (6, 14, 2, 64, 17),  # Qwen2.5-0.5B, group of 7
+    (3, 8, 2, 256, 0),  # hybrid gated attention, empty cache before the chunk
+    (1, 4, 4, 32, 1),  # no grouping
+    (16, 9, 1, 64, 5),  # one kv head, the longest run the kernel takes
+    (2, 3, 3, 96, 40),  # head_dim 96: a 32-multiple that is not a 64-multiple
+]
+
+
+@needs_kernel
+@DTYPES
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_kernel_matches_reference(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    n, heads, kv_heads, d, start = shape
+    q, k, v = inputs(n, heads, kv_heads, d, start, dtype)
+    assert ext().attend_eligible(q, k, v, start)  # type: ignore[attr-defined]
+    out = attend(q, k, v, start, d**-0.5)
+    assert out.dtype == dtype and out.shape == (n, heads * d)
+    # fp32 math in both; bf16 output is one rounding away from the fp32 result
+    ref = reference_attend(q.float(), k.float(), v.float(), start, d**-0.5)
+    tol = {"atol": 2e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 8e-3, "rtol": 8e-3}
+    torch.testing.assert_close(out.float(), ref, **tol)
+
+
+@needs_kernel
+@DTYPES
+def test_verify_rows_equal_decode_rows_bit_for_bit(dtype: torch.dtype) -> None:
+    """Row i of an n-query call == the 1-query call of query i over keys 0..start+i: a verify
+    computes what the decode steps would have."""
+    n, heads, kv_heads, d, start = 7, 14, 2, 64, 30
+    q, k, v = inputs(n, heads, kv_heads, d, start, dtype, seed=1)
+    out = attend(q, k, v, start, d**-0.5)
+    for i in range(n):
+        keys = start + i + 1
+        one = attend(q[i : i + 1], k[:, :keys], v[:, :keys], start + i, d**-0.5)
+        assert torch.equal(one[0], out[i]), f"row {i}"
+
+
+@needs_kernel
+@DTYPES
+def test_causal_limit_and_first_position(dtype: torch.dtype) -> None:
+    n, heads, kv_heads, d = 4, 4, 2, 32
+    q, k, v = inputs(n, heads, kv_heads, d, 0, dtype, seed=2)
+    out = attend(q, k, v, 0, d**-0.5)
+    # query 0 at position 0 sees only key 0: its output is v[0] of its kv head, exactly
+    for h in range(heads):
+        assert torch.equal(out[0, h * d : (h + 1) * d], v[h // 2, 0])
+    # keys after a query's position do not move it
+    k2, v2 = k.clone(), v.clone()
+    k2[:, 2:] += 5
+    v2[:, 2:] -= 3
+    out2 = attend(q, k2, v2, 0, d**-0.5)
+    assert torch.equal(out2[:2], out[:2])
+    assert not torch.equal(out2[2:], out[2:])
+
+
+@needs_kernel
+def test_ineligible_inputs_take_the_reference() -> None:
+    e = ext()
+    # head_dim not a multiple of 32
+    q, k, v = inputs(2, 4, 2, 16, 3, torch.float32)
+    assert not e.attend_eligible(q, k, v, 3)  # type: ignore[attr-defined]
+    assert torch.equal(attend(q, k, v, 3, 0.25), reference_attend(q, k, v, 3, 0.25))
+    # more queries than the kernel takes (a prompt chunk)
+    n = layers.ATTEND_KERNEL_MAX_QUERIES + 1
+    q, k, v = inputs(n, 4, 2, 32, 0, torch.float32)
+    assert e.attend_eligible(q, k, v, 0)  # type: ignore[attr-defined]
+    assert torch.equal(attend(q, k, v, 0, 0.2), reference_attend(q, k, v, 0, 0.2))
+    # mixed dtypes, and keys that do not end at the last query
+    q, k, v = inputs(2, 4, 2, 32, 3, torch.float32)
+    assert not e.attend_eligible(q.bfloat16(), k, v, 3)  # type: ignore[attr-defined]
+    assert not e.attend_eligible(q, k, v, 2)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="quickdraft attend"):
+        e.attend(q, k, v, 2, 0.2)  # type: ignore[attr-defined]
+
+
+@needs_kernel
+def test_disable_switch_runs_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v = inputs(3, 12, 2, 128, 20, torch.bfloat16)
+    monkeypatch.setenv(cpu_linear.DISABLE_ENV, "1")
+    assert torch.equal(attend(q, k, v, 20, 0.1), reference_attend(q, k, v, 20, 0.1))
