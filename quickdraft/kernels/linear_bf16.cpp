@@ -4,7 +4,7 @@
 // Contract: y[m, n] = sum_k x[m, k] * w[n, k] (* scale[n]) (+ bias[n]) for
 //   x     [..., K] bf16 or fp32 (any strides; flattened to M = numel / K rows),
 //   w     [N, K]   bf16, or int8 with scale [N] fp32; contiguous (nn.Linear layout, not repacked),
-//   bias  [N]      any floating dtype, optional,
+//   bias  [N]      any floating dtype, optional (fp32 / bf16 read as is, others cast to fp32),
 //   y     [..., N] in x's dtype; fp32 accumulation, one round-to-nearest-even at the end.
 // `linear` runs the kernel when `eligible` holds (CPU, K % 8 == 0, M <= max_m, no autograd,
 // ...) and otherwise calls at::linear, i.e. exactly what F.linear would do. `linear_int8`
@@ -289,7 +289,8 @@ struct Problem {
   const void* w;      // [N, K] in the weight format's element type
   const float* scale;  // per-row scale [N] (int8) or nullptr
   const float* xs;    // [M, ldx], packed (see top)
-  const float* bias;  // fp32 [N] or nullptr
+  const void* bias;   // [N] or nullptr: fp32, or bf16 when bias_bf16
+  bool bias_bf16;
   void* y;            // [M, N], fp32 or bf16
   bool y_bf16;
   int64_t M, N, K, ldx;
@@ -356,7 +357,10 @@ void run(const Problem& p) {
             for (int r = 0; r < R && g * R + r < rows; ++r) {
               const int64_t n = n0 + g * R + r;
               const float dot = sums[r * T + t] * (p.scale ? p.scale[n] : 1.0f);
-              const float v = dot + (p.bias ? p.bias[n] : 0.0f);
+              const float b = !p.bias       ? 0.0f
+                              : p.bias_bf16 ? qd_bf16::bf16_to_f32(static_cast<const u16*>(p.bias)[n])
+                                            : static_cast<const float*>(p.bias)[n];
+              const float v = dot + b;
               const int64_t i = (m0 + t) * p.N + n;
               if (p.y_bf16)
                 static_cast<u16*>(p.y)[i] = f32_to_bf16(v);
@@ -421,7 +425,10 @@ at::Tensor run_kernel(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   if (M == 0 || N == 0) return y.view(out_shape);
 
   at::Tensor b;
-  if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
+  // fp32 and bf16 biases are read as they are (a cast per call costs a torch op per layer)
+  if (bias.has_value() && bias->defined())
+    b = bias->scalar_type() == at::kBFloat16 ? bias->contiguous()
+                                             : bias->to(at::kFloat).contiguous();
   const int64_t ldx = (K + 15) / 16 * 16;  // every token row 64-byte aligned
   // Decode-sized x reuses a per-thread buffer; prefill-sized x gets a per-call one, so a long
   // prompt does not pin its scratch for the life of the process.
@@ -450,7 +457,8 @@ at::Tensor run_kernel(const at::Tensor& x, const at::Tensor& w, const at::Tensor
     Problem p{w.data_ptr(),
               int8 ? scale->data_ptr<float>() : nullptr,
               xs + g0 * ldx,
-              b.defined() ? b.data_ptr<float>() : nullptr,
+              b.defined() ? b.data_ptr() : nullptr,
+              b.defined() && b.scalar_type() == at::kBFloat16,
               y_base + g0 * N * static_cast<int64_t>(y.element_size()),
               y.scalar_type() == at::kBFloat16,
               gm,

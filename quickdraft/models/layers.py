@@ -79,7 +79,7 @@ class Rope:
         self.sin = torch.empty(0, head_dim, device=device)
 
     def tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, sin `[num_tokens, 1, head_dim]` for `positions` `[num_tokens]`."""
+        """cos, sin `[num_tokens, 1, head_dim]` fp32 for `positions` `[num_tokens]`."""
         need = int(positions.max()) + 1
         if need > self.cos.shape[0]:
             size = max(need, 2 * self.cos.shape[0], 256)
@@ -87,7 +87,12 @@ class Rope:
             freqs = torch.outer(t, self.inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
             self.cos, self.sin = emb.cos(), emb.sin()
-        return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
+        # Rounded to the model dtype as HF does, then held in fp32: the fused rope op computes
+        # in fp32 and would otherwise convert the tables again in every layer.
+        cos, sin = self.cos[positions, None], self.sin[positions, None]
+        if dtype != torch.float32:
+            cos, sin = cos.to(dtype).float(), sin.to(dtype).float()
+        return cos, sin
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
