@@ -115,5 +115,5 @@ def test_ineligible_inputs_take_the_reference() -> None:
 @needs_kernel
 def test_disable_switch_runs_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     q, k, v = inputs(3, 12, 2, 128, 20, torch.bfloat16)
-    monkeypatch.setenv(cpu_linear.DISABLE_ENV, "1")
+    monkeypatch.setattr(cpu_linear, "disabled", True)
     assert torch.equal(attend(q, k, v, 20, 0.1), reference_attend(q, k, v, 20, 0.1))

@@ -3,6 +3,9 @@ really taken where it should be, and that every other case falls back to F.linea
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +37,7 @@ BF16_ULP = 2.0**-7  # bf16 spacing relative to the value
 @pytest.fixture(autouse=True)
 def _kernels_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
     # A developer bisecting with QUICKDRAFT_NO_KERNELS=1 must not turn these tests into no-ops.
-    monkeypatch.delenv(cpu_linear.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(cpu_linear, "disabled", False)
 
 
 def assert_close_to_reference(out: Tensor, x: Tensor, w: Tensor, b: Tensor | None) -> None:
@@ -282,9 +285,21 @@ def test_linear_non_cpu_tensors_use_f_linear() -> None:
 
 
 @needs_kernel
-def test_linear_env_var_forces_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_env_var_disables_the_kernels_for_the_process() -> None:
+    code = (
+        "from quickdraft.kernels import cpu_linear; "
+        "print(cpu_linear.disabled, cpu_linear.kernels_available())"
+    )
+    env = {**os.environ, cpu_linear.DISABLE_ENV: "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False"]
+
+
+@needs_kernel
+def test_linear_disabled_forces_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     x, w, b = make(4, 64, 64, True, torch.bfloat16)
-    monkeypatch.setenv(cpu_linear.DISABLE_ENV, "1")
+    monkeypatch.setattr(cpu_linear, "disabled", True)
     assert not kernels_available()
     assert path_for(x, w, b) == "fallback"
     before = kernel_calls()
