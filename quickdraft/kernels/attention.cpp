@@ -30,22 +30,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
-#include <memory>
 
 namespace {
 
 using u16 = uint16_t;
 using qd_simd::exp8;
+using qd_simd::hsum;
+using qd_simd::scratch;
 using qd_simd::store8;
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 inline float hmax(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -54,9 +47,9 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// How 16 consecutive elements of a k or v row become two fp32 vectors. bf16: lane j of the
-// 16-element load holds elements 2j (low half) and 2j+1 (high half), so lo = even elements,
-// hi = odd ones, one integer op each; the query and the output use the same order.
+// How 16 consecutive elements of a k or v row become two fp32 vectors: bf16 as lo = even
+// elements, hi = odd ones (qd_bf16::bf16_even / bf16_odd); the query and the output use the
+// same order.
 template <class T>
 struct Row16;
 
@@ -64,12 +57,10 @@ template <>
 struct Row16<u16> {
   static constexpr bool kEvenOdd = true;
   static __m256 lo(const u16* p) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    return qd_bf16::bf16_even(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static __m256 hi(const u16* p) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+    return qd_bf16::bf16_odd(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
 };
 
@@ -79,22 +70,6 @@ struct Row16<float> {
   static __m256 lo(const float* p) { return _mm256_loadu_ps(p); }
   static __m256 hi(const float* p) { return _mm256_loadu_ps(p + 8); }
 };
-
-// Per-thread scratch that only grows (a decode step must not page-fault a fresh buffer).
-float* scratch(size_t floats) {
-  struct Free {
-    void operator()(float* p) const { std::free(p); }
-  };
-  thread_local std::unique_ptr<float, Free> buf;
-  thread_local size_t cap = 0;
-  if (floats > cap) {
-    const size_t bytes = (floats * sizeof(float) + 63) / 64 * 64;
-    buf.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
-    TORCH_CHECK(buf, "quickdraft attend: out of memory for scratch");
-    cap = bytes / sizeof(float);
-  }
-  return buf.get();
-}
 
 constexpr int kRowsPerTask = 8;
 

@@ -35,6 +35,7 @@
 #include <torch/extension.h>
 
 #include "bf16.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <atomic>
@@ -49,22 +50,12 @@ namespace {
 
 using u16 = uint16_t;
 
-inline __m256 bf16_even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
-
-inline __m256 bf16_odd(__m256i v) {
-  const __m256i hi16 = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  return _mm256_castsi256_ps(_mm256_and_si256(v, hi16));
-}
-
+using qd_bf16::bf16_even;
+using qd_bf16::bf16_odd;
 using qd_bf16::bf16x8_to_f32;  // 8 bf16 in natural order -> 8 fp32
 using qd_bf16::f32_to_bf16;
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using qd_simd::hsum;
+using qd_simd::scratch;
 
 // out[i] = sum of the 8 lanes of vector i, for n vectors stored contiguously (8 at a time through
 // an hadd tree: ~12 instructions per 8 sums instead of ~5 per sum).
@@ -111,23 +102,6 @@ struct Int8W {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
   }
 };
-
-// Per-thread scratch that only grows: a fresh large malloc per call would be an mmap plus page
-// faults on every forward.
-float* scratch(size_t floats) {
-  struct Free {
-    void operator()(float* p) const { std::free(p); }
-  };
-  thread_local std::unique_ptr<float, Free> buf;
-  thread_local size_t cap = 0;
-  if (floats > cap) {
-    size_t bytes = (floats * sizeof(float) + 63) / 64 * 64;
-    buf.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
-    TORCH_CHECK(buf, "quickdraft linear_bf16: out of memory for scratch");
-    cap = bytes / sizeof(float);
-  }
-  return buf.get();
-}
 
 // x [M, K] -> xs [M, ldx] fp32 in the packed order described at the top (even_odd), or in
 // natural order for weight formats that decode in natural order.

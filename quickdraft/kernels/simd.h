@@ -1,11 +1,16 @@
-// 8-lane fp32 helpers shared by the CPU kernels (gdn_ops.cpp, attention.cpp): loads and
-// stores of either element type (fp32, or bf16 held as uint16_t, rounded as c10::BFloat16),
-// and a vectorised exp.
+// 8-lane fp32 helpers shared by the CPU kernels (linear_bf16.cpp, gdn_ops.cpp, attention.cpp):
+// loads and stores of either element type (fp32, or bf16 held as uint16_t, rounded as
+// c10::BFloat16), a vectorised exp, a lane sum, and a per-thread scratch buffer.
 #pragma once
 
 #include <immintrin.h>
 
+#include <c10/util/Exception.h>
+
+#include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
 
 #include "bf16.h"
 
@@ -52,6 +57,31 @@ inline __m256 exp8(__m256 x) {
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Per-thread, 64-byte aligned fp32 scratch that only grows: a fresh large malloc per call would
+// be an mmap plus page faults on every forward. One buffer per thread for all kernels, so a
+// caller must be done with it before it calls another kernel that uses it (none nest).
+inline float* scratch(size_t floats) {
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  thread_local std::unique_ptr<float, Free> buf;
+  thread_local size_t cap = 0;
+  if (floats > cap) {
+    const size_t bytes = (floats * sizeof(float) + 63) / 64 * 64;
+    buf.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
+    TORCH_CHECK(buf, "quickdraft kernels: out of memory for scratch");
+    cap = bytes / sizeof(float);
+  }
+  return buf.get();
 }
 
 }  // namespace qd_simd
