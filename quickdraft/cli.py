@@ -18,6 +18,7 @@ import torch
 
 from quickdraft.config import (
     DEFAULT_DRAFT_QUANTIZATION,
+    DRAFT_QUANTIZATION_HELP,
     QUANTIZATIONS,
     SPEC_METHODS,
     SpeculativeConfig,
@@ -58,7 +59,7 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
         "--draft-quantization",
         default=None,
         choices=list(QUANTIZATIONS),
-        help="draft model weights: int8 halves the bytes a draft step reads (default int8)",
+        help=DRAFT_QUANTIZATION_HELP,
     )
     p.add_argument("--ngram-min", type=int, default=2)
     p.add_argument("--ngram-max", type=int, default=4)
@@ -246,7 +247,7 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
         "--draft-quantization",
         default=None,
         choices=list(QUANTIZATIONS),
-        help="draft model weights: int8 halves the bytes a draft step reads (default int8)",
+        help=DRAFT_QUANTIZATION_HELP,
     )
     s.add_argument("--ngram-min", type=int, default=2)
     s.add_argument("--ngram-max", type=int, default=4)

@@ -101,9 +101,32 @@ class EngineCore:
         drafts = self.runner.propose(plan)  # one drafter.propose() per drafter, jobs packed
         t1 = time.perf_counter()
         out = self.runner.forward(plan, drafts)  # ONE packed target forward
+        t2 = time.perf_counter()
         verdicts = self.runner.verify(plan, drafts, out)  # accepted drafts + 1 token each
         timing = (t1 - t0, time.perf_counter() - t1)
+        self._observe_draft_cost(plan, drafts, t1 - t0, t2 - t1)
         return self._commit(plan, drafts, verdicts, out, timing)
+
+    def _observe_draft_cost(
+        self, plan: StepPlan, drafts: list[Draft], draft_s: float, forward_s: float
+    ) -> None:
+        """Feed the step's measured draft cost to its drafter's Speculation (see
+        quickdraft/speculate.py): only when one drafter with a cost drafted, so the draft
+        phase's time is that drafter's. It ran max(k) packed forwards; the target forward is
+        scaled to one row by the policy's step-cost curve."""
+        specs = {
+            id(item.seq.spec): item.seq.spec
+            for item, draft in zip(plan.items, drafts, strict=True)
+            if draft.tokens and item.seq.spec is not None and item.seq.spec.startup_cost > 0
+        }
+        if len(specs) != 1:
+            return
+        (spec,) = specs.values()
+        positions = max(len(d.tokens) for d in drafts)
+        cost = self.scheduler.policy.cost
+        masked = sum(item.num_tokens + item.k > 1 for item in plan.items)
+        step = cost(plan.num_rows, len(plan.items), masked)
+        spec.observe(draft_s / positions, forward_s * cost(1) / step)
 
     def _commit(
         self,

@@ -16,11 +16,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from quickdraft.kernels import (
+    Int4Weight,
     Int8Weight,
     cpu_linear,
     kernel_calls,
     kernels_available,
     linear,
+    linear_int4,
     linear_int8,
     path_for,
     reference_linear,
@@ -407,6 +409,77 @@ def test_linear_int8_ineligible_input_falls_back_correctly() -> None:
     out = linear_int8(x, q)
     assert kernel_calls() == before
     torch.testing.assert_close(out, F.linear(x, q.dequantize(torch.float32)))
+
+
+# --- int4 weights ---------------------------------------------------------------------------
+
+
+def test_int4_quantize_roundtrip_error_is_half_a_step() -> None:
+    w = torch.randn(50, 96, generator=torch.Generator().manual_seed(3))
+    q = Int4Weight.quantize(w)
+    assert q.packed.dtype == torch.uint8 and q.shape == (50, 96)
+    # 3 groups: 2 pairs of 32 nibble bytes (the odd one padded) + 8 fp16 d + 8 fp16 mn
+    assert q.packed.shape == (50, 2 * 32 + 8 * 4)
+    d, _mn, qv = q._parts()
+    assert float(qv.min()) == 0 and float(qv.max()) == 15  # min and max map to the range ends
+    err = (q.dequantize(torch.float32) - w).reshape(50, 3, 32).abs()
+    # half a step, plus what fp16 rounding of d and mn adds (q * |d - d16| + |mn - mn16|)
+    assert bool((err <= d[..., None] * 0.5 + 15 * d[..., None] * 2**-11 + 2e-3).all())
+    with pytest.raises(ValueError, match="in_features % 32"):
+        Int4Weight.quantize(torch.randn(4, 40))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["xbf16", "xfp32"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("k", [32, 96, 288, 896], ids=lambda k: f"K{k}")
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 17], ids=lambda m: f"M{m}")
+def test_linear_int4_matches_its_reference(m: int, k: int, bias: bool, dtype: torch.dtype) -> None:
+    """The kernel against `Int4Weight.reference_linear` (same activation quantization, plain
+    torch): only summation order differs. K = 32 and 96 have an odd number of groups (a padded
+    pair), 288 a partial 8-group scale chunk; M = 1, 2, 3 cover both token tiles."""
+    x, w, b = make(m, 37, k, bias, dtype)
+    q = Int4Weight.quantize(w.float())
+    before = kernel_calls()
+    out = linear_int4(x, q, b)
+    assert kernel_calls() == before + 1  # the kernel ran, not the reference fallback
+    ref = q.reference_linear(x.float(), None if b is None else b.float())
+    assert out.dtype == x.dtype and out.shape == ref.shape
+    tol = 1e-5 * (ref.abs() + 1)
+    if dtype == torch.bfloat16:
+        tol = tol + BF16_ULP * ref.abs()
+    assert bool(((out.float() - ref).abs() <= tol).all())
+    # and it is the dequantized weight's product up to the int8 activation rounding
+    deq = F.linear(x.float(), q.dequantize(torch.float32), None if b is None else b.float())
+    assert float((ref - deq).abs().max()) < 0.02 * float(deq.abs().max())
+
+
+@needs_kernel
+def test_linear_int4_exact_on_small_integers() -> None:
+    """Integer weights with d = 1, mn = -8 and x whose block max is 127 (dx = 1): every term
+    is an exact integer, so an offset, nibble order or scale bug cannot hide in rounding."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (11, 96), generator=g)
+    q[:, ::32] = 0  # each group spans 0..15 exactly, so d = 1 and mn = -8
+    q[:, 1::32] = 15
+    w = (q - 8).float()
+    x = torch.randint(-20, 21, (3, 96), generator=g).float()
+    x[:, ::32] = 127  # dx = 1 in every block
+    packed = Int4Weight.quantize(w)
+    assert torch.equal(packed.dequantize(torch.float32), w)
+    assert torch.equal(linear_int4(x, packed), x @ w.T)
+
+
+def test_linear_int4_ineligible_input_falls_back_to_the_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    x, w, _ = make(2, 9, 64, False, torch.float32)
+    q = Int4Weight.quantize(w.float())
+    monkeypatch.setattr(cpu_linear, "disabled", True)
+    before = kernel_calls()
+    out = linear_int4(x, q)
+    assert kernel_calls() == before
+    torch.testing.assert_close(out, q.reference_linear(x))
 
 
 def test_build_lock_clears_a_killed_builds_torch_lock(tmp_path: Path) -> None:

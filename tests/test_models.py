@@ -121,25 +121,32 @@ def test_fused_projection_views_share_storage(tiny_hf: tuple[str, Path, Any]) ->
     assert "model.layers.0.mlp.gate_proj.weight" in sd
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_quantize_int8_keeps_logits_close_and_frees_weights(
-    tiny_hf: tuple[str, Path, Any], dtype: torch.dtype
+def test_quantize_keeps_logits_close_and_frees_weights(
+    tiny_hf: tuple[str, Path, Any], dtype: torch.dtype, fmt: str
 ) -> None:
-    """int8 (draft-model) weights: the same function up to quantization error, with the
+    """int8 / int4 (draft-model) weights: the same function up to quantization error, with the
     full-precision projections released (only the embedding remains full precision)."""
     _, directory, _ = tiny_hf
     full = load_model(directory, dtype)
     quant = load_model(directory, dtype)
-    quant.quantize_("int8")
+    quant.quantize_(fmt)
+    quant.quantize_(fmt)  # a second call in the same format is a no-op
     ids = torch.randint(0, 320, (29,), generator=torch.Generator().manual_seed(2))
     rows = torch.arange(len(ids))
     ref = full(ids, [full.new_cache(32)], [len(ids)], logit_rows=rows).logits
     got = quant(ids, [quant.new_cache(32)], [len(ids)], logit_rows=rows).logits
     rel = ((got - ref).abs().max() / ref.abs().max()).item()
-    assert 0 < rel < 0.05  # not bit-identical (it really is quantized), but close
+    # not bit-identical (it really is quantized), but close; 4 bits on these random weights
+    # (no outlier structure to exploit, 29 tokens through every layer) land at 0.2-0.4
+    assert 0 < rel < (0.05 if fmt == "int8" else 0.5)
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    assert agree >= 0.8
+    assert agree >= (0.8 if fmt == "int8" else 0.5)  # measured 0.59-0.86 for int4; chance ~0
     full_bytes = sum(p.nbytes for p in quant.parameters())
     assert full_bytes <= quant.model.embed_tokens.weight.nbytes + 64 * 1024  # + norms, biases
-    with pytest.raises(ValueError, match="unknown weight format 'int4'"):
-        quant.quantize_("int4")
+    with pytest.raises(ValueError, match="unknown weight format 'int3'"):
+        quant.quantize_("int3")
+    other = "int4" if fmt == "int8" else "int8"
+    with pytest.raises(ValueError, match="already quantized as Int"):
+        quant.quantize_(other)

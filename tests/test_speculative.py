@@ -6,6 +6,7 @@ distribution, and EOS / max_tokens / stop strings inside an accepted block cut e
 from __future__ import annotations
 
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
@@ -13,12 +14,13 @@ import torch
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.drafters.draft_model import DraftModelDrafter
+from quickdraft.drafters.ngram import NgramDrafter
 from quickdraft.generate import LoadedModel, load, stream
 from quickdraft.kernels.cpu_linear import Int8Weight
 from quickdraft.models.llama import CausalLM
 from quickdraft.request import Request
 from quickdraft.sampling import SamplingParams
-from quickdraft.speculate import make_speculation
+from quickdraft.speculate import COST_SAMPLES, MIN_COST_SAMPLES, Speculation, make_speculation
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(",
@@ -47,20 +49,23 @@ def generate(
     return req
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft-near", "draft-near-int8", "draft-self"])
+@pytest.mark.parametrize(
+    "method", ["ngram", "draft-near", "draft-near-int8", "draft-near-int4", "draft-self"]
+)
 def test_speculative_greedy_equals_plain(
     target: LoadedModel, near_draft_dir: Path, tiny_model_dir: Path, method: str
 ) -> None:
     draft_dir = {
         "draft-near": near_draft_dir,
         "draft-near-int8": near_draft_dir,
+        "draft-near-int4": near_draft_dir,
         "draft-self": tiny_model_dir,
     }.get(method)
     cfg = SpeculativeConfig(
         method="ngram" if method == "ngram" else "draft",
         num_draft_tokens=4,
         draft_model=str(draft_dir) if draft_dir else None,
-        draft_quantization="int8" if method.endswith("int8") else "none",
+        draft_quantization=method[-4:] if method.endswith(("int8", "int4")) else "none",
         ngram_min=1,
         ngram_max=3,
         adaptive=False,  # always draft, so every prompt exercises verify + rollback
@@ -148,6 +153,50 @@ def test_speculative_block_truncates_exactly(
     assert req.spec.accepted > 0
 
 
+def test_speculative_draft_cost_is_measured_while_decoding(
+    target: LoadedModel, near_draft_dir: Path
+) -> None:
+    """The policy's draft cost starts at the start-up probe and then follows what the engine
+    measures in each speculative step (median of the recent steps); n-gram stays free."""
+    cfg = SpeculativeConfig(
+        method="draft", num_draft_tokens=3, draft_model=str(near_draft_dir), adaptive=False
+    )
+    spec = make_speculation(target, cfg)
+    assert spec is not None and spec.startup_cost > 0
+    assert spec.draft_cost == spec.startup_cost and not spec.cost_samples
+    req = target.new_request(target.tokenizer.encode(PROMPTS[0]), SamplingParams(max_tokens=24))
+    for _ in stream(target, req, spec):
+        pass
+    cycles = req.spec.cycles
+    assert cycles >= MIN_COST_SAMPLES
+    # one sample per cycle that drafted: all of them (adaptive off) but the last, when only
+    # one token of max_tokens is left and k is 0
+    assert cycles - 1 <= len(spec.cost_samples) <= min(cycles, COST_SAMPLES)
+    assert all(c > 0 for c in spec.cost_samples)
+    assert spec.draft_cost == statistics.median(spec.cost_samples)
+
+    ngram = make_speculation(target, SpeculativeConfig(method="ngram", adaptive=False))
+    assert ngram is not None
+    req = target.new_request(target.tokenizer.encode(PROMPTS[0]), SamplingParams(max_tokens=24))
+    for _ in stream(target, req, ngram):
+        pass
+    assert ngram.draft_cost == 0.0 and not ngram.cost_samples
+
+
+def test_speculation_draft_cost_median_of_recent_samples() -> None:
+    spec = Speculation(SpeculativeConfig(method="ngram"), NgramDrafter(), 0.3)
+    for ratio in (0.2, 0.1, 0.2):
+        spec.observe(ratio, 1.0)
+    assert spec.draft_cost == 0.3  # fewer than MIN_COST_SAMPLES: still the probe
+    spec.observe(0.9, 1.0)  # an outlier does not move a median of 4 much
+    assert spec.draft_cost == pytest.approx(0.2)
+    for _ in range(COST_SAMPLES):
+        spec.observe(0.05, 0.5)  # old samples age out
+    assert spec.draft_cost == pytest.approx(0.1)
+    spec.observe(0.0, 1.0)  # nonsense (no time measured) is ignored
+    assert len(spec.cost_samples) == COST_SAMPLES and min(spec.cost_samples) > 0
+
+
 def test_speculative_disable_env_forces_off(
     target: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -158,8 +207,8 @@ def test_speculative_disable_env_forces_off(
 def test_speculative_draft_quantization_is_checked(
     target: LoadedModel, tiny_model_dir: Path
 ) -> None:
-    with pytest.raises(ValueError, match="draft quantization 'int4'"):
-        SpeculativeConfig(method="draft", draft_model="x", draft_quantization="int4")
+    with pytest.raises(ValueError, match="draft quantization 'int3'"):
+        SpeculativeConfig(method="draft", draft_model="x", draft_quantization="int3")
     cfg = SpeculativeConfig(
         method="draft", draft_model=str(tiny_model_dir), draft_quantization="int8"
     )

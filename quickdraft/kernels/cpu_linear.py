@@ -53,7 +53,7 @@ disabled = os.environ.get(DISABLE_ENV) == "1"
 
 _SOURCES = [
     Path(__file__).with_name(f)
-    for f in ("linear_bf16.cpp", "norm_rope.cpp", "gdn_ops.cpp", "attention.cpp")
+    for f in ("linear_bf16.cpp", "linear_q4.cpp", "norm_rope.cpp", "gdn_ops.cpp", "attention.cpp")
 ]
 _EXT_NAME = "quickdraft_linear_bf16"
 # -fopenmp: at::parallel_for is header-inline and runs serially unless compiled with OpenMP;
@@ -259,6 +259,93 @@ def linear_int8(x: Tensor, weight: Int8Weight, bias: Tensor | None = None) -> Te
         out: Tensor = ext.linear_int8(x, weight.qweight, weight.scale, bias)
         return out
     return _fallback(x, weight.dequantize(x.dtype), bias)
+
+
+Q4_GROUP = 32  # weights per group of an Int4Weight
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Weight:
+    """A weight [N, K] in 4 bits: per group of 32 weights of a row, w ~= d * q + mn with q in
+    0..15 and d, mn in fp16 (asymmetric min/max, as GGUF's Q4_1). `packed` [N, P * 32 + G8 * 4]
+    uint8 (G = K / 32 groups, P = ceil(G / 2) pairs, G8 = G rounded up to 8) holds per row the
+    pairs of groups in 32 bytes (byte j = q[2p][j] | q[2p + 1][j] << 4, so one load and three
+    ops unpack two groups), then G8 d, then G8 mn, zero-padded (the kernel converts 8 at a
+    time). ~0.63 bytes per weight (int8: 1, bf16: 2). The kernel
+    multiplies it with activations quantized to int8 per 32 values (see `reference_linear`);
+    for draft models, where precision only moves the acceptance rate."""
+
+    packed: Tensor  # [N, P * 32 + G * 4] uint8
+    in_features: int
+
+    @classmethod
+    def quantize(cls, weight: Tensor) -> Int4Weight:
+        n, k = weight.shape
+        if k % Q4_GROUP:
+            raise ValueError(f"int4 weights need in_features % {Q4_GROUP} == 0, got {k}")
+        groups = k // Q4_GROUP
+        w = weight.detach().float().reshape(n, groups, Q4_GROUP)
+        lo, hi = w.amin(dim=2), w.amax(dim=2)
+        d = ((hi - lo) / 15).half()
+        mn = lo.half()
+        # quantize against the fp16-rounded scale and min, the values the kernel will use
+        d32 = d.float().clamp_min(torch.finfo(torch.float16).tiny)
+        q = torch.round((w - mn.float()[..., None]) / d32[..., None]).clamp_(0, 15).to(torch.uint8)
+        if groups % 2:  # pad an odd last group with a zero partner
+            q = torch.cat([q, q.new_zeros(n, 1, Q4_GROUP)], dim=1)
+        pairs = q.reshape(n, -1, 2, Q4_GROUP)
+        nibbles = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, -1)
+        pad = -groups % 8
+        d, mn = F.pad(d, (0, pad)), F.pad(mn, (0, pad))
+        packed = torch.cat([nibbles, d.view(torch.uint8), mn.view(torch.uint8)], dim=1)
+        return cls(packed.contiguous(), k)
+
+    def _parts(self) -> tuple[Tensor, Tensor, Tensor]:
+        """d, mn [N, G] fp32 and q [N, G, 32] (values 0..15, float)."""
+        n, groups = self.packed.shape[0], self.in_features // Q4_GROUP
+        nib_bytes = (groups + 1) // 2 * 2 * Q4_GROUP // 2
+        nib = self.packed[:, :nib_bytes].reshape(n, -1, 1, Q4_GROUP)
+        q = torch.cat([nib & 0x0F, nib >> 4], dim=2).reshape(n, -1, Q4_GROUP)[:, :groups]
+        scales = self.packed[:, nib_bytes:].contiguous().view(torch.float16).float()
+        padded = scales.shape[1] // 2
+        return scales[:, :groups], scales[:, padded : padded + groups], q.float()
+
+    def dequantize(self, dtype: torch.dtype) -> Tensor:
+        d, mn, q = self._parts()
+        w = d[..., None] * q + mn[..., None]
+        return w.reshape(self.packed.shape[0], self.in_features).to(dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.packed.shape[0], self.in_features))
+
+    def reference_linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """What the kernel computes, in plain torch (tests): x quantized per 32 values to int8
+        with dx = max|x| / 127 (round half to even), integer dot with q per group, then
+        d * dx * dot + mn * dx * sum(xq) per group, summed in fp32."""
+        k = self.in_features
+        xs = x.float().reshape(-1, k // Q4_GROUP, Q4_GROUP)
+        dx = xs.abs().amax(dim=2) / 127
+        inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+        xq = torch.round(xs * inv[..., None])  # [M, G, 32]
+        sx = dx * xq.sum(dim=2)  # [M, G]
+        d, mn, q = self._parts()  # [N, G], [N, G, 32]
+        dots = torch.einsum("mgj,ngj->mng", xq, q)  # exact: integers < 2^24
+        y = (d[None] * dx[:, None] * dots + mn[None] * sx[:, None]).sum(dim=2)
+        if bias is not None:
+            y = y + bias.float()
+        return y.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+
+def linear_int4(x: Tensor, weight: Int4Weight, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] @ weight.T (+ bias) -> [..., N] in x.dtype, activations quantized to int8 as
+    `Int4Weight.reference_linear` says: the kernel when eligible, else that reference (slow,
+    the same function up to summation order)."""
+    ext = _extension() if x.is_cpu else None
+    if ext is not None and ext.eligible_q4(x, weight.packed, weight.in_features, bias):
+        out: Tensor = ext.linear_q4(x, weight.packed, weight.in_features, bias)
+        return out
+    return weight.reference_linear(x, bias)
 
 
 def reference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

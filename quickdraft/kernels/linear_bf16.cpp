@@ -535,6 +535,9 @@ at::Tensor linear_tuned(const at::Tensor& x, const at::Tensor& w,
 
 }  // namespace
 
+// Counts a call of any weight-GEMM kernel (also linear_q4.cpp's): tests check the fast path ran.
+void qd_count_kernel_call() { g_kernel_calls.fetch_add(1, std::memory_order_relaxed); }
+
 // norm_rope.cpp (same extension)
 at::Tensor qd_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double offset);
 std::tuple<at::Tensor, at::Tensor> qd_add_rms_norm(const at::Tensor& x, const at::Tensor& delta,
@@ -550,6 +553,11 @@ at::Tensor qd_causal_conv_silu(const at::Tensor& x, const at::Tensor& window,
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qd_gdn_delta(
     const at::Tensor& y, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
     int64_t k_heads);
+// linear_q4.cpp (same extension)
+bool qd_linear_q4_eligible(const at::Tensor& x, const at::Tensor& w, int64_t K,
+                           const c10::optional<at::Tensor>& bias);
+at::Tensor qd_linear_q4(const at::Tensor& x, const at::Tensor& w, int64_t K,
+                        const c10::optional<at::Tensor>& bias);
 // attention.cpp (same extension)
 bool qd_attend_eligible(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         int64_t start);
@@ -572,6 +580,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("eligible_int8", &eligible_int8, "whether `linear_int8` accepts these inputs",
         py::arg("x"), py::arg("qweight"), py::arg("scale"), py::arg("bias"));
+  m.def("linear_q4", &qd_linear_q4, "x @ dequantized(w).T (+ bias), 4-bit weight, int8 x",
+        py::arg("x"), py::arg("packed"), py::arg("k"), py::arg("bias"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("eligible_q4", &qd_linear_q4_eligible, "whether `linear_q4` accepts these inputs",
+        py::arg("x"), py::arg("packed"), py::arg("k"), py::arg("bias"));
   m.def("rms_norm", &qd_rms_norm, "x * rsqrt(mean(x^2) + eps) * (w + offset)", py::arg("x"),
         py::arg("weight"), py::arg("eps"), py::arg("offset"),
         py::call_guard<py::gil_scoped_release>());

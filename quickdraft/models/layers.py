@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from quickdraft.kernels import Int8Weight, linear, linear_int8
+from quickdraft.kernels import Int4Weight, Int8Weight, linear, linear_int4, linear_int8
 from quickdraft.kernels.cpu_linear import _extension
 from quickdraft.kernels.cpu_ops import add_rms_norm, rms_norm
 
@@ -140,11 +140,14 @@ def reference_attend(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float) 
     return out[0].view(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
 
 
-Weight = Tensor | Int8Weight  # a projection's GEMM operand: bf16/fp32, or int8 + row scales
+# a projection's GEMM operand: bf16/fp32, int8 + row scales, or 4-bit groups
+Weight = Tensor | Int8Weight | Int4Weight
 
 
 def project(x: Tensor, weight: Weight, bias: Tensor | None = None) -> Tensor:
-    """The one entry point for weight GEMMs (fast bf16 / int8 small-M kernels when they apply)."""
+    """The one entry point for weight GEMMs (fast bf16 / int8 / int4 kernels when they apply)."""
     if isinstance(weight, Int8Weight):
         return linear_int8(x, weight, bias)
+    if isinstance(weight, Int4Weight):
+        return linear_int4(x, weight, bias)
     return linear(x, weight, bias)

@@ -9,14 +9,14 @@ caller. Parameter names are Hugging Face's (state_dict keys match HF checkpoints
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quickdraft.config import ModelConfig
-from quickdraft.kernels import Int8Weight
+from quickdraft.kernels import Int4Weight, Int8Weight
 from quickdraft.kernels.cpu_ops import rope as apply_rope
 from quickdraft.kernels.cpu_ops import silu_mul
 from quickdraft.kv_cache import KVCache
@@ -196,17 +196,20 @@ class CausalLM(nn.Module):
 
     def quantize_(self, fmt: str) -> None:
         """Replace every projection's GEMM operand by its `fmt` form in place and free the
-        full-precision copies (the embedding table stays: a lookup reads one row). Only "int8"
-        exists: per-row absmax int8, half the bytes of bf16. Meant for draft models, where
-        precision only moves the acceptance rate; the state_dict is not usable afterwards."""
-        if fmt != "int8":
-            raise ValueError(f"unknown weight format {fmt!r}; supported: int8")
+        full-precision copies (the embedding table stays: a lookup reads one row). "int8":
+        per-row absmax int8, half the bytes of bf16; "int4": 4-bit groups of 32 with an fp16
+        scale and min, 0.3x the bytes of bf16 (activations go through int8 in its kernel).
+        Meant for draft models, where precision only moves the acceptance rate; the
+        state_dict is not usable afterwards."""
+        if fmt not in _QUANTIZERS:
+            raise ValueError(f"unknown weight format {fmt!r}; supported: {', '.join(_QUANTIZERS)}")
+        q = _QUANTIZERS[fmt]
         for layer in self.decoder_layers:
             attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv, attn.o = _int8(attn.qkv), _int8(attn.o)
-            mlp.gate_up, mlp.down = _int8(mlp.gate_up), _int8(mlp.down)
+            attn.qkv, attn.o = q(attn.qkv), q(attn.o)
+            mlp.gate_up, mlp.down = q(mlp.gate_up), q(mlp.down)
             attn.qkv_weight = mlp.gate_up_weight = torch.empty(0)
-        self.head = _int8(self.head)
+        self.head = q(self.head)
         # Drop the HF-named views: the full-precision projections are then freed (a tied
         # lm_head's storage lives on in the embedding, which lookups still read).
         for module in self.modules():
@@ -259,5 +262,15 @@ class CausalLM(nn.Module):
         return ForwardOutput(logits, None, layer_hidden)
 
 
-def _int8(weight: Weight) -> Int8Weight:
-    return weight if isinstance(weight, Int8Weight) else Int8Weight.quantize(weight)
+def _quantizer(kind: type[Int8Weight] | type[Int4Weight]) -> Callable[[Weight], Weight]:
+    def quantize(weight: Weight) -> Weight:
+        if isinstance(weight, kind):
+            return weight  # already in this format: quantize_ twice is a no-op
+        if not isinstance(weight, Tensor):
+            raise ValueError(f"weights already quantized as {type(weight).__name__}")
+        return kind.quantize(weight)
+
+    return quantize
+
+
+_QUANTIZERS = {"int8": _quantizer(Int8Weight), "int4": _quantizer(Int4Weight)}
