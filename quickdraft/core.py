@@ -119,8 +119,8 @@ class EngineCore:
             for item, draft in zip(plan.items, drafts, strict=True)
             if draft.tokens and item.seq.spec is not None and item.seq.spec.startup_cost > 0
         }
-        if len(specs) != 1:
-            return
+        if len(specs) != 1 or not self.scheduler.has_policy:
+            return  # (no policy yet: only forced requests, which never read the draft cost)
         (spec,) = specs.values()
         positions = max(len(d.tokens) for d in drafts)
         cost = self.scheduler.policy.cost

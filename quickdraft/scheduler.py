@@ -141,6 +141,12 @@ class Scheduler:
         self._policy: BatchPolicy | None = None
 
     @property
+    def has_policy(self) -> bool:
+        """Whether the policy (and so the measured step cost) exists: only once an adaptive
+        request has decoded."""
+        return self._policy is not None
+
+    @property
     def policy(self) -> BatchPolicy:
         if self._policy is None:
             self._policy = BatchPolicy(self.step_cost())
@@ -210,9 +216,15 @@ class Scheduler:
             adaptive = spec is None or spec.config.adaptive
             catch_up = seq.num_tokens - seq.synced
             cands.append(Candidate(seq.acceptance, k_max, adaptive, d, catch_up))
-        masked = sum(i.num_tokens > 1 for i in plan.items)  # prefill chunks
-        base = StepShape(plan.num_rows, len(plan.items), masked)
-        ks = self.policy.choose(cands, draft_costs, base, budget)
+        if any(c.adaptive for c in cands):
+            masked = sum(i.num_tokens > 1 for i in plan.items)  # prefill chunks
+            base = StepShape(plan.num_rows, len(plan.items), masked)
+            ks = self.policy.choose(cands, draft_costs, base, budget)
+        else:  # only forced requests: their ceilings in order, no cost model (none measured)
+            ks = []
+            for c in cands:
+                ks.append(min(c.k_max, budget))
+                budget -= ks[-1]
         for item, k in zip(decoding, ks, strict=True):
             item.k = k
 

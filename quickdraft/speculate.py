@@ -93,5 +93,6 @@ def make_speculation(lm: LoadedModel, config: SpeculativeConfig) -> Speculation 
     if not config.enabled or disabled_by_env():
         return None
     drafter, draft_cost = DRAFTERS[config.method](lm, config)
-    lm.step_cost()  # measured now (seconds), not in the first request's first step
+    if config.adaptive:  # only the adaptive policy needs it (forced requests draft k always)
+        lm.step_cost()  # measured now (seconds), not in the first request's first step
     return Speculation(config, drafter, draft_cost)

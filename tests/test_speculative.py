@@ -18,6 +18,7 @@ from quickdraft.drafters.ngram import NgramDrafter
 from quickdraft.generate import LoadedModel, load, stream
 from quickdraft.kernels.cpu_linear import Int8Weight
 from quickdraft.models.llama import CausalLM
+from quickdraft.policy import StepCost
 from quickdraft.request import Request
 from quickdraft.sampling import SamplingParams
 from quickdraft.speculate import COST_SAMPLES, MIN_COST_SAMPLES, Speculation, make_speculation
@@ -154,33 +155,50 @@ def test_speculative_block_truncates_exactly(
 
 
 def test_speculative_draft_cost_is_measured_while_decoding(
-    target: LoadedModel, near_draft_dir: Path
+    tiny_model_dir: Path, near_draft_dir: Path
 ) -> None:
     """The policy's draft cost starts at the start-up probe and then follows what the engine
-    measures in each speculative step (median of the recent steps); n-gram stays free."""
-    cfg = SpeculativeConfig(
-        method="draft", num_draft_tokens=3, draft_model=str(near_draft_dir), adaptive=False
+    measures in each speculative step (median of the recent steps); n-gram stays free. Forced
+    requests (adaptive off) need no cost model: none is measured for them."""
+    target = load(str(tiny_model_dir), "fp32", progress=False)  # fresh: no step cost yet
+    forced = make_speculation(
+        target,
+        SpeculativeConfig(
+            method="draft", num_draft_tokens=3, draft_model=str(near_draft_dir), adaptive=False
+        ),
     )
-    spec = make_speculation(target, cfg)
-    assert spec is not None and spec.startup_cost > 0
-    assert spec.draft_cost == spec.startup_cost and not spec.cost_samples
+    assert forced is not None
     req = target.new_request(target.tokenizer.encode(PROMPTS[0]), SamplingParams(max_tokens=24))
+    for _ in stream(target, req, forced):
+        pass
+    assert req.spec.drafted > 0 and target._step_cost is None and not forced.cost_samples
+
+    cfg = SpeculativeConfig(method="draft", num_draft_tokens=3, draft_model=str(near_draft_dir))
+    probed = make_speculation(target, cfg)
+    assert probed is not None and probed.startup_cost > 0 and target._step_cost is not None
+    # This draft model is as big as the target (probe ~1) and a tiny model's verify rows are
+    # not free, so the policy would not draft at all. With a flat cost curve and a probe that
+    # wrongly says "cheap" it drafts, until the measured cost (~1 per position) takes over.
+    target._step_cost = StepCost((1, 64), (0.01, 0.01))
+    spec = Speculation(cfg, probed.drafter, 0.01)
+    assert spec.draft_cost == 0.01 and not spec.cost_samples
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    req = target.new_request(target.tokenizer.encode(PROMPTS[0]), params)
     for _ in stream(target, req, spec):
         pass
-    cycles = req.spec.cycles
-    assert cycles >= MIN_COST_SAMPLES
-    # one sample per cycle that drafted: all of them (adaptive off) but the last, when only
-    # one token of max_tokens is left and k is 0
-    assert cycles - 1 <= len(spec.cost_samples) <= min(cycles, COST_SAMPLES)
+    # one sample per cycle that drafted
+    assert MIN_COST_SAMPLES <= len(spec.cost_samples) <= min(req.spec.cycles, COST_SAMPLES)
     assert all(c > 0 for c in spec.cost_samples)
     assert spec.draft_cost == statistics.median(spec.cost_samples)
+    assert spec.draft_cost > 0.1  # same-size models: ~1, not the probe's 0.01
 
-    ngram = make_speculation(target, SpeculativeConfig(method="ngram", adaptive=False))
+    ngram = make_speculation(target, SpeculativeConfig(method="ngram"))
     assert ngram is not None
-    req = target.new_request(target.tokenizer.encode(PROMPTS[0]), SamplingParams(max_tokens=24))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    req = target.new_request(target.tokenizer.encode(PROMPTS[3]), params)
     for _ in stream(target, req, ngram):
         pass
-    assert ngram.draft_cost == 0.0 and not ngram.cost_samples
+    assert req.spec.drafted > 0 and ngram.draft_cost == 0.0 and not ngram.cost_samples
 
 
 def test_speculation_draft_cost_median_of_recent_samples() -> None:
