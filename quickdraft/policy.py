@@ -207,6 +207,17 @@ class Candidate:
     catch_up: int = 1  # tokens the drafter must feed before its first draft (idle phases)
 
 
+def forced_drafts(cands: Sequence[Candidate], budget: int) -> tuple[list[int], int]:
+    """ks of the forced (adaptive=False) requests, their ceilings in order within `budget`,
+    0 for the others, and the budget left. Needs no cost model."""
+    ks = [0] * len(cands)
+    for i, c in enumerate(cands):
+        if not c.adaptive and c.k_max > 0:
+            ks[i] = min(c.k_max, budget)
+            budget -= ks[i]
+    return ks, budget
+
+
 @dataclass(slots=True)
 class BatchPolicy:
     cost: StepCost
@@ -225,11 +236,7 @@ class BatchPolicy:
         """ks for `cands` (in order). `base`: the step's forward before drafting (decodes and
         prefill chunks); `draft_costs[d]`: drafter d's cost per draft position relative to a
         1-row target forward; `budget`: draft rows allowed in total."""
-        ks = [0] * len(cands)
-        for i, c in enumerate(cands):  # forced requests first, within the budget
-            if not c.adaptive and c.k_max > 0:
-                ks[i] = min(c.k_max, budget)
-                budget -= ks[i]
+        ks, budget = forced_drafts(cands, budget)
         num_dec = len(cands)
         t_dec = self.cost(num_dec, num_dec, 0)  # the step of plain decoding: num_dec tokens
         t_base = self.cost(base.rows, base.seqs, base.masked)

@@ -36,7 +36,14 @@ import torch
 from torch import Tensor
 
 from quickdraft.models.base import SequenceCache
-from quickdraft.policy import Acceptance, BatchPolicy, Candidate, StepCost, StepShape
+from quickdraft.policy import (
+    Acceptance,
+    BatchPolicy,
+    Candidate,
+    StepCost,
+    StepShape,
+    forced_drafts,
+)
 from quickdraft.request import Request
 
 if TYPE_CHECKING:
@@ -220,11 +227,8 @@ class Scheduler:
             masked = sum(i.num_tokens > 1 for i in plan.items)  # prefill chunks
             base = StepShape(plan.num_rows, len(plan.items), masked)
             ks = self.policy.choose(cands, draft_costs, base, budget)
-        else:  # only forced requests: their ceilings in order, no cost model (none measured)
-            ks = []
-            for c in cands:
-                ks.append(min(c.k_max, budget))
-                budget -= ks[-1]
+        else:  # only forced requests: no cost model needed (and none measured)
+            ks, _ = forced_drafts(cands, budget)
         for item, k in zip(decoding, ks, strict=True):
             item.k = k
 

@@ -275,7 +275,7 @@ class Int4Weight:
     multiplies it with activations quantized to int8 per 32 values (see `reference_linear`);
     for draft models, where precision only moves the acceptance rate."""
 
-    packed: Tensor  # [N, P * 32 + G * 4] uint8
+    packed: Tensor  # [N, P * 32 + G8 * 4] uint8
     in_features: int
 
     @classmethod

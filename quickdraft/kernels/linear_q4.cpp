@@ -20,13 +20,10 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
-#include "bf16.h"
 #include "simd.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace {
@@ -71,7 +68,8 @@ void quantize_row(const T* x, int64_t K, int8_t* xq, float* dx, float* sx) {
   }
 }
 
-// Per-thread buffer for a tile's per-group scales (grows only).
+// Per-thread buffer for a tile's per-group scales (grows only). Not qd_simd::scratch: the
+// calling thread's scratch holds the quantized activations while it runs tiles too.
 inline float* tile_scratch(size_t floats) {
   thread_local std::vector<float> buf;
   if (buf.size() < floats) buf.resize(floats);
@@ -79,7 +77,7 @@ inline float* tile_scratch(size_t floats) {
 }
 
 // R rows x T tokens over all nb groups; out[r * T + t] = the finished dot product (no bias).
-// Row layout (see the top): pairs of groups, then nb fp16 d, then nb fp16 mn. The combined
+// Row layout (see the top): pairs of groups, then nb8 fp16 d, then nb8 fp16 mn. The combined
 // scales d * dx are computed first (8 groups per instruction), so the group loop is all vector
 // work: one load and 3 ops unpack two groups, then per group and token an integer
 // multiply-add, a convert and one FMA (measured ~35 % faster than 16-byte groups, which need
@@ -106,8 +104,7 @@ inline void tile(const uint8_t* const* w, int64_t nb, const int8_t* xq, int64_t 
         _mm256_storeu_ps(s + g, _mm256_mul_ps(_mm256_cvtph_ps(dh), _mm256_loadu_ps(dxt + g)));
         m8 = _mm256_fmadd_ps(_mm256_cvtph_ps(mh), _mm256_loadu_ps(sxt + g), m8);
       }
-      const float m1 = qd_simd::hsum(m8);
-      accm[r][t] = m1;
+      accm[r][t] = qd_simd::hsum(m8);
     }
   }
   __m256 acc[R][T];
@@ -189,14 +186,14 @@ void rows_tile(const Problem& p, int64_t n0, int64_t m0) {
   for (int r = 0; r < kR && n0 + r < p.N; ++r) {
     const int64_t n = n0 + r;
     const float b = !p.bias       ? 0.0f
-                    : p.bias_bf16 ? qd_bf16::bf16_to_f32(static_cast<const u16*>(p.bias)[n])
-                                  : static_cast<const float*>(p.bias)[n];
+                    : p.bias_bf16 ? qd_simd::load1(static_cast<const u16*>(p.bias) + n)
+                                  : qd_simd::load1(static_cast<const float*>(p.bias) + n);
     for (int t = 0; t < T; ++t) {
       const int64_t i = (m0 + t) * p.N + n;
       if (p.y_bf16)
-        static_cast<u16*>(p.y)[i] = qd_bf16::f32_to_bf16(out[r * T + t] + b);
+        qd_simd::store1(static_cast<u16*>(p.y) + i, out[r * T + t] + b);
       else
-        static_cast<float*>(p.y)[i] = out[r * T + t] + b;
+        qd_simd::store1(static_cast<float*>(p.y) + i, out[r * T + t] + b);
     }
   }
 }
