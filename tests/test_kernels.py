@@ -376,6 +376,20 @@ def test_int8_quantize_roundtrip_error_is_half_a_step() -> None:
     assert bool((err <= q.scale[:, None] / 2 + 1e-7).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_int8_quantize_in_row_blocks_equals_whole_tensor_formula(dtype: torch.dtype) -> None:
+    # K = 8192: 32-row blocks, so 100 rows are 3 full blocks and a partial one; a zero row
+    # takes the clamp_min path.
+    w = torch.randn(100, 8192, generator=torch.Generator().manual_seed(5)).to(dtype)
+    w[40] = 0
+    q = Int8Weight.quantize(w)
+    full = w.float()
+    scale = (full.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    expect = torch.round(full / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    assert torch.equal(q.scale, scale) and torch.equal(q.qweight, expect)
+    assert q.qweight.is_contiguous() and q.scale.is_contiguous()
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["xbf16", "xfp32"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
