@@ -36,16 +36,10 @@ namespace {
 
 using u16 = uint16_t;
 using qd_simd::exp8;
+using qd_simd::hmax;
 using qd_simd::hsum;
 using qd_simd::scratch;
 using qd_simd::store8;
-
-inline float hmax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // How 16 consecutive elements of a k or v row become two fp32 vectors: bf16 as lo = even
 // elements, hi = odd ones (qd_bf16::bf16_even / bf16_odd); the query and the output use the

@@ -313,7 +313,7 @@ class Int4Weight:
     def _parts(self) -> tuple[Tensor, Tensor, Tensor]:
         """d, mn [N, G] fp32 and q [N, G, 32] (values 0..15, float)."""
         n, groups = self.packed.shape[0], self.in_features // Q4_GROUP
-        nib_bytes = (groups + 1) // 2 * 2 * Q4_GROUP // 2
+        nib_bytes = (groups + 1) // 2 * Q4_GROUP  # 32 bytes per pair of groups
         nib = self.packed[:, :nib_bytes].reshape(n, -1, 1, Q4_GROUP)
         q = torch.cat([nib & 0x0F, nib >> 4], dim=2).reshape(n, -1, Q4_GROUP)[:, :groups]
         scales = self.packed[:, nib_bytes:].contiguous().view(torch.float16).float()

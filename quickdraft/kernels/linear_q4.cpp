@@ -45,10 +45,7 @@ void quantize_row(const T* x, int64_t K, int8_t* xq, float* dx, float* sx) {
       v[i] = qd_simd::load8(p + 8 * i);
       amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
     }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float d = _mm_cvtss_f32(m4) / 127.0f;
+    const float d = qd_simd::hmax(amax) / 127.0f;
     const float id = d > 0.0f ? 1.0f / d : 0.0f;
     __m256i qi[4];
     for (int i = 0; i < 4; ++i)  // round to nearest even (MXCSR default), as torch.round

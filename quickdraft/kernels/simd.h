@@ -1,6 +1,6 @@
 // 8-lane fp32 helpers shared by the CPU kernels (linear_bf16.cpp, gdn_ops.cpp, attention.cpp):
 // loads and stores of either element type (fp32, or bf16 held as uint16_t, rounded as
-// c10::BFloat16), a vectorised exp, a lane sum, and a per-thread scratch buffer.
+// c10::BFloat16), a vectorised exp, lane sum and max, and a per-thread scratch buffer.
 #pragma once
 
 #include <immintrin.h>
@@ -63,6 +63,13 @@ inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
 
