@@ -38,8 +38,8 @@ from common import emit, machine, peak_rss_mb
 
 from quickdraft.drafters.base import DraftJob
 from quickdraft.drafters.mtp import MTPDrafter, head_step_seconds
-from quickdraft.kernels import linear
 from quickdraft.models.hybrid_config import HybridConfig
+from quickdraft.models.layers import Weight, panels_apply, project
 from quickdraft.models.moe import GatedMLP
 from quickdraft.models.mtp import MTPHead, hybrid_mtp_parts
 from quickdraft.models.qwen3_next import GatedAttention, GatedDeltaNet, HybridLM
@@ -93,14 +93,19 @@ def init_(module: torch.nn.Module, seed: int, out_scale: float) -> None:
 
 
 def build(out_scale: float) -> tuple[HybridLM, MTPHead]:
+    """The model and its head as `quickdraft.generate.load` would run them: bf16 operands
+    packed into panels when the CPU kernels are available (see kernels/cpu_linear.py)."""
     cfg = HybridConfig.from_dict(CONFIG)
     model = HybridLM(cfg, torch.bfloat16)
     init_(model, 0, out_scale)
+    packed = panels_apply(model.dtype, model.device)
+    if packed:
+        model.pack_()
     head = MTPHead(
         hybrid_mtp_parts(cfg, torch.bfloat16, torch.device("cpu")),
         cfg.hidden_size,
         model.get_parameter("model.embed_tokens.weight"),
-        model.get_parameter("lm_head.weight"),
+        model.head,
         torch.bfloat16,
         torch.device("cpu"),
     )
@@ -111,6 +116,8 @@ def build(out_scale: float) -> tuple[HybridLM, MTPHead]:
         head.fc.weight[:, :h] = torch.eye(h)
         head.get_parameter("pre_fc_norm_embedding.weight").zero_()
         head.get_parameter("norm.weight").copy_(model.get_parameter("model.norm.weight"))
+    if packed:
+        head.pack_()
     return model, head
 
 
@@ -145,28 +152,28 @@ def decode_vs_verify(model: HybridLM, k: int, context: int, reps: int) -> dict[s
     }
 
 
-def gemm_weights(model: HybridLM) -> list[torch.Tensor]:
-    """The weights one forward multiplies, as it multiplies them (fused where it fuses)."""
-    out: list[torch.Tensor] = [model.lm_head.weight]
+def gemm_weights(model: HybridLM) -> list[Weight]:
+    """The GEMM operands one forward multiplies, as it multiplies them (fused, packed)."""
+    out: list[Weight] = [model.head]
     for mod in model.modules():
         if isinstance(mod, GatedAttention):
-            out += [mod.qkv_weight, mod.o_proj.weight]
+            out += [mod.qkv, mod.o]
         elif isinstance(mod, GatedDeltaNet):
-            out += [mod.in_weight, mod.out_proj.weight]
+            out += [mod.inp, mod.out]
         elif isinstance(mod, GatedMLP):
-            out += [mod.gate_up_weight, mod.down_proj.weight]
+            out += [mod.gate_up, mod.down]
     return out
 
 
 def gemm_ratio(model: HybridLM, rows: int, reps: int) -> dict[str, Any]:
-    """The forward's weight GEMMs alone (the CPU linear kernel) at M = 1 vs M = rows."""
+    """The forward's weight GEMMs alone (the CPU linear kernels) at M = 1 vs M = rows."""
     weights = gemm_weights(model)
 
     def run(m: int) -> float:
-        xs = {w.shape[1]: torch.randn(m, w.shape[1], dtype=w.dtype) for w in weights}
+        xs = {w.shape[1]: torch.randn(m, w.shape[1], dtype=model.dtype) for w in weights}
         t = time.perf_counter()
         for w in weights:
-            linear(xs[w.shape[1]], w)
+            project(xs[w.shape[1]], w)
         return time.perf_counter() - t
 
     run(1), run(rows)

@@ -24,6 +24,7 @@ from quickdraft import hub
 from quickdraft.config import QUANTIZATIONS, parse_dtype
 from quickdraft.core import EngineCore
 from quickdraft.models.base import LanguageModel
+from quickdraft.models.layers import panels_apply
 from quickdraft.models.loader import load_model
 from quickdraft.policy import StepCost, measure_step_cost
 from quickdraft.request import Request
@@ -90,6 +91,10 @@ def load(
                 f"not {type(net).__name__}"
             )
         quantize(quantization)
+    elif panels_apply(net.dtype, net.device):
+        pack = getattr(net, "pack_", None)  # bf16 on CPU: the layout the panel kernel streams
+        if pack is not None:
+            pack()
     tokenizer = Tokenizer(path)
     eos = set(net.config.eos_token_ids)
     if tokenizer.eos_token_id is not None:

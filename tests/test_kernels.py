@@ -18,12 +18,14 @@ from torch import Tensor
 from quickdraft.kernels import (
     Int4Weight,
     Int8Weight,
+    PanelWeight,
     cpu_linear,
     kernel_calls,
     kernels_available,
     linear,
     linear_int4,
     linear_int8,
+    linear_panel,
     path_for,
     reference_linear,
 )
@@ -423,6 +425,68 @@ def test_linear_int8_ineligible_input_falls_back_correctly() -> None:
     out = linear_int8(x, q)
     assert kernel_calls() == before
     torch.testing.assert_close(out, F.linear(x, q.dequantize(torch.float32)))
+
+
+# --- bf16 weights in 16-row panels ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 16, 37, 100], ids=lambda n: f"N{n}")
+def test_panel_pack_layout_and_roundtrip(n: int) -> None:
+    w = torch.randn(n, 24, generator=torch.Generator().manual_seed(n)).bfloat16()
+    p = PanelWeight.pack(w)
+    panels = (n + 15) // 16
+    assert p.packed.shape == (panels, 24, 16) and p.shape == (n, 24)
+    # the layout the kernel decodes: position 2j = row 16p + j, 2j + 1 = row 16p + 8 + j
+    for row in range(n):
+        panel, j = divmod(row, 16)
+        pos = 2 * j if j < 8 else 2 * (j - 8) + 1
+        assert torch.equal(p.packed[panel, :, pos], w[row])
+    padded = p.packed.reshape(-1, 24, 16).permute(0, 2, 1).reshape(-1, 24)
+    assert int((padded != 0).sum()) == int((w != 0).sum())  # rows past n are zero
+    assert torch.equal(p.unpack(), w)
+    with pytest.raises(ValueError, match="2-D bf16"):
+        PanelWeight.pack(w.float())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["xbf16", "xfp32"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("k", [1, 7, 64, 904, 1100], ids=lambda k: f"K{k}")
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 70, 130], ids=lambda m: f"M{m}")
+def test_linear_panel_matches_reference(m: int, k: int, bias: bool, dtype: torch.dtype) -> None:
+    # N = 37: three panels, the last one partial; K 1100 > the 512-k blocks of M > 6; M 70 and
+    # 130 span several token groups of 64; M 7 and 13 need several token chunks per panel.
+    x, w, b = make(m, 37, k, bias, dtype)
+    before = kernel_calls()
+    out = linear_panel(x, PanelWeight.pack(w), b)
+    assert kernel_calls() == before + 1  # the panel kernel ran, not the unpacking fallback
+    assert_close_to_reference(out, x, w, b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 5, 6, 9], ids=lambda m: f"M{m}")
+def test_linear_panel_exact_on_small_integers(m: int) -> None:
+    # integer x and w: every partial sum is exact, so any lane/row/panel mix-up shows
+    g = torch.Generator().manual_seed(m)
+    x = torch.randint(-3, 4, (m, 40), generator=g).float()
+    w = torch.randint(-50, 51, (45, 40), generator=g).bfloat16()
+    b = torch.randint(-9, 10, (45,), generator=g).float()
+    assert torch.equal(linear_panel(x, PanelWeight.pack(w), b), x @ w.float().T + b)
+
+
+def test_linear_panel_keeps_leading_dims_and_falls_back_off_cpu_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    x, w, b = make(6, 20, 32, True, torch.float32)
+    p = PanelWeight.pack(w)
+    out = linear_panel(x.view(2, 3, 32), p, b)
+    assert out.shape == (2, 3, 20)
+    monkeypatch.setattr(cpu_linear, "disabled", True)  # no kernel: the unpacked weight, F.linear
+    before = kernel_calls()
+    fallback = linear_panel(x.view(2, 3, 32), p, b)
+    assert kernel_calls() == before
+    torch.testing.assert_close(fallback, F.linear(x, w.float(), b.float()).view(2, 3, 20))
+    torch.testing.assert_close(out, fallback, rtol=1e-5, atol=1e-5)
 
 
 # --- int4 weights ---------------------------------------------------------------------------

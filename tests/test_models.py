@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from quickdraft.kernels import PanelWeight, kernels_available
 from quickdraft.models.llama import CausalLM
 from quickdraft.models.loader import load_model
 
@@ -121,6 +122,36 @@ def test_fused_projection_views_share_storage(tiny_hf: tuple[str, Path, Any]) ->
     assert "model.layers.0.mlp.gate_proj.weight" in sd
 
 
+@pytest.mark.skipif(not kernels_available(), reason="no CPU kernels: nothing runs packed")
+def test_pack_keeps_logits_and_frees_weights(tiny_hf: tuple[str, Path, Any]) -> None:
+    """bf16 operands in 16-row panels: the same values, so the same logits up to summation
+    order, for a prefill and a multi-row verify; nn.Linear-layout copies released; fp32
+    operands and a second pack_ are left as they are."""
+    _, directory, _ = tiny_hf
+    full = load_model(directory, torch.bfloat16)
+    packed = load_model(directory, torch.bfloat16)
+    packed.pack_()
+    packed.pack_()
+    assert isinstance(packed.head, PanelWeight)
+    assert all(isinstance(layer.mlp.down, PanelWeight) for layer in packed.decoder_layers)
+    assert sum(p.nbytes for p in packed.parameters()) <= (
+        packed.model.embed_tokens.weight.nbytes + 64 * 1024
+    )
+    ids = torch.randint(0, 320, (33,), generator=torch.Generator().manual_seed(2))
+    results = []
+    for net in (packed, full):
+        cache = net.new_cache(40)
+        first = net(ids[:28], [cache], [28], logit_rows=torch.arange(28)).logits
+        cache.commit(28)
+        results.append((first, net(ids[28:], [cache], [5], logit_rows=torch.arange(5)).logits))
+    for got, want in zip(*results, strict=True):
+        assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.8
+    fp32 = load_model(directory, torch.float32)
+    fp32.pack_()
+    assert isinstance(fp32.head, torch.Tensor)  # the panel kernel is bf16 only
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_quantize_keeps_logits_close_and_frees_weights(
@@ -148,5 +179,5 @@ def test_quantize_keeps_logits_close_and_frees_weights(
     with pytest.raises(ValueError, match="unknown weight format 'int3'"):
         quant.quantize_("int3")
     other = "int4" if fmt == "int8" else "int8"
-    with pytest.raises(ValueError, match="already quantized as Int"):
+    with pytest.raises(ValueError, match="already converted to Int"):
         quant.quantize_(other)

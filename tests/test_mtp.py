@@ -29,6 +29,7 @@ from quickdraft.config import ModelConfig, SpeculativeConfig
 from quickdraft.drafters.base import DraftJob
 from quickdraft.drafters.mtp import MTPDrafter, load_mtp_head, mtp_drafter
 from quickdraft.generate import LoadedModel, load, stream
+from quickdraft.kernels import PanelWeight, kernels_available
 from quickdraft.models.llama import CausalLM
 from quickdraft.models.loader import load_model
 from quickdraft.request import Request
@@ -257,3 +258,39 @@ def test_mtp_disable_switch(headless_dir: Path, monkeypatch: pytest.MonkeyPatch)
     assert make_speculation(lm, SPEC) is None
     req = generate(lm, "hi", make_speculation(lm, SPEC), tokens=8)
     assert len(req.output_ids) == 8 and req.spec.drafted == 0
+
+
+@pytest.mark.skipif(not kernels_available(), reason="no CPU kernels: bf16 weights stay unpacked")
+def test_packed_bf16_target_and_head_match_unpacked(tmp_path: Path) -> None:
+    """`load` packs a bf16 CPU model's operands into panels; the packed target and its MTP head
+    (sharing the target's packed lm_head, not a copy) compute what the unpacked ones do, up to
+    summation order, and the nn.Linear-layout weights are released."""
+    model = random_hybrid("qwen3_5_moe", seed=5, dtype=torch.bfloat16)
+    directory = save_hybrid_dir(model, "qwen3_5_moe", tmp_path, mtp_head_for(model, 6))
+    lm = load(str(directory), "bf16")
+    packed, ref = lm.model, load_model(directory, torch.bfloat16)
+    assert isinstance(getattr(packed, "head", None), PanelWeight)
+    assert packed.get_parameter("lm_head.weight").numel() == 0  # released
+    ids = torch.randint(0, 320, (13,), generator=torch.Generator().manual_seed(0))
+    rows = torch.arange(len(ids))
+    outs = []
+    for net in (packed, ref):
+        cache = net.new_cache(32)
+        prefill = net(ids[:9], [cache], [9], logit_rows=rows[:9], return_hidden=True)
+        cache.commit(9)
+        verify = net(ids[9:], [cache], [4], logit_rows=rows[:4]).logits  # a 4-row verify
+        outs.append((prefill.logits, verify, prefill.hidden))
+    for got, want in zip(outs[0], outs[1], strict=True):
+        assert got is not None and want is not None
+        assert ((got.float() - want.float()).abs().max() / want.float().abs().max()) < 2e-2
+    assert (outs[0][1].argmax(-1) == outs[1][1].argmax(-1)).float().mean() >= 0.75
+    head, ref_head = mtp_drafter(packed, lm.path).head, load_mtp_head(ref, directory)
+    assert head.lm_head_weight is getattr(packed, "head", None)  # shared, not a second copy
+    assert isinstance(head.fc_weight, PanelWeight)
+    hidden = outs[1][2]
+    assert hidden is not None
+    got_h, want_h = (
+        h(ids[1:9], hidden[:8], [h.new_cache(16)], [8], torch.arange(8))[0]
+        for h in (head, ref_head)
+    )
+    assert ((got_h - want_h).abs().max() / want_h.abs().max()) < 2e-2

@@ -24,15 +24,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
 from quickdraft.drafters.base import Draft, DraftJob, draft_one
+from quickdraft.kernels import PanelWeight
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.base import LanguageModel
+from quickdraft.models.layers import Weight
 from quickdraft.models.loader import load_weights
 from quickdraft.models.mtp import MTPHead
 from quickdraft.models.registry import mtp_parts, name_map
@@ -67,19 +69,16 @@ def load_mtp_head(model: LanguageModel, path: str | Path) -> MTPHead:
             f"{path}: MTP head with layers {sorted(layers)} (config: {declared}); only "
             "single-layer heads (mtp.layers.0) are supported"
         )
-    lm_head = target.get_parameter("lm_head.weight")
-    dtype, device = lm_head.dtype, lm_head.device
+    embed = target.get_parameter("model.embed_tokens.weight")
+    dtype, device = embed.dtype, embed.device
     parts = mtp_parts(cfg.model_type)(cfg, dtype, device)
-    head = MTPHead(
-        parts,
-        cfg.hidden_size,
-        target.get_parameter("model.embed_tokens.weight"),
-        lm_head,
-        dtype,
-        device,
-    )
+    # the target's lm_head GEMM operand (packed or not): shared, not copied
+    lm_head = cast(Weight, target.head)
+    head = MTPHead(parts, cfg.hidden_size, embed, lm_head, dtype, device)
     family = name_map(cfg)
     load_weights(head, files, lambda n: family(n[4:]) if n.startswith("mtp.") else None)
+    if isinstance(lm_head, PanelWeight):  # the target runs packed: so does its head
+        head.pack_()
     return head
 
 

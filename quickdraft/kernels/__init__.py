@@ -3,11 +3,13 @@
 from quickdraft.kernels.cpu_linear import (
     Int4Weight,
     Int8Weight,
+    PanelWeight,
     kernel_calls,
     kernels_available,
     linear,
     linear_int4,
     linear_int8,
+    linear_panel,
     path_for,
     reference_linear,
 )
@@ -15,11 +17,13 @@ from quickdraft.kernels.cpu_linear import (
 __all__ = [
     "Int4Weight",
     "Int8Weight",
+    "PanelWeight",
     "kernel_calls",
     "kernels_available",
     "linear",
     "linear_int4",
     "linear_int8",
+    "linear_panel",
     "path_for",
     "reference_linear",
 ]

@@ -7,11 +7,22 @@ fp32 logits match it to < 1e-4 (tests/test_models.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from quickdraft.kernels import Int4Weight, Int8Weight, linear, linear_int4, linear_int8
+from quickdraft.kernels import (
+    Int4Weight,
+    Int8Weight,
+    PanelWeight,
+    kernels_available,
+    linear,
+    linear_int4,
+    linear_int8,
+    linear_panel,
+)
 from quickdraft.kernels.cpu_linear import _extension
 from quickdraft.kernels.cpu_ops import add_rms_norm, rms_norm
 
@@ -140,14 +151,45 @@ def reference_attend(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float) 
     return out[0].view(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
 
 
-# a projection's GEMM operand: bf16/fp32, int8 + row scales, or 4-bit groups
-Weight = Tensor | Int8Weight | Int4Weight
+# a projection's GEMM operand: bf16/fp32, bf16 in 16-row panels, int8 + row scales, or 4-bit
+Weight = Tensor | PanelWeight | Int8Weight | Int4Weight
 
 
 def project(x: Tensor, weight: Weight, bias: Tensor | None = None) -> Tensor:
     """The one entry point for weight GEMMs (fast bf16 / int8 / int4 kernels when they apply)."""
+    if isinstance(weight, PanelWeight):
+        return linear_panel(x, weight, bias)
     if isinstance(weight, Int8Weight):
         return linear_int8(x, weight, bias)
     if isinstance(weight, Int4Weight):
         return linear_int4(x, weight, bias)
     return linear(x, weight, bias)
+
+
+def convert_operands_(model: nn.Module, convert: Callable[[Weight], Weight]) -> None:
+    """Replace every GEMM operand of `model` in place by `convert(operand)` and free the
+    nn.Linear-layout copies. Operands are the attributes each module names in its `OPERANDS`
+    (what its forward passes to `project`); the HF-named LinearView weights and the fused
+    tensors a module names in `FUSED` are emptied afterwards, so the state_dict is not usable
+    once this ran (a tied lm_head's storage lives on in the embedding, which lookups read)."""
+    for module in model.modules():
+        for name in getattr(module, "OPERANDS", ()):
+            setattr(module, name, convert(getattr(module, name)))
+    for module in model.modules():
+        for name in getattr(module, "FUSED", ()):
+            setattr(module, name, torch.empty(0))
+        if isinstance(module, LinearView):
+            module.weight.data = module.weight.new_empty(0)
+
+
+def panels_apply(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether bf16 operands should become PanelWeights: bf16 on a CPU where the kernels run."""
+    return dtype == torch.bfloat16 and device.type == "cpu" and kernels_available()
+
+
+def to_panels(weight: Weight) -> Weight:
+    """`convert` for convert_operands_: bf16 tensors become PanelWeights, anything else (fp32,
+    already packed or quantized) stays as it is."""
+    if isinstance(weight, Tensor) and weight.dtype == torch.bfloat16 and weight.dim() == 2:
+        return PanelWeight.pack(weight)
+    return weight

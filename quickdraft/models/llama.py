@@ -10,6 +10,7 @@ caller. Parameter names are Hugging Face's (state_dict keys match HF checkpoints
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -27,12 +28,17 @@ from quickdraft.models.layers import (
     Rope,
     Weight,
     attend,
+    convert_operands_,
     fused_projections,
     project,
+    to_panels,
 )
 
 
 class Attention(nn.Module):
+    OPERANDS: ClassVar[tuple[str, ...]] = ("qkv", "o")  # see layers.convert_operands_
+    FUSED: ClassVar[tuple[str, ...]] = ("qkv_weight",)
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.layer_idx = layer_idx
@@ -51,7 +57,7 @@ class Attention(nn.Module):
             torch.empty(cfg.hidden_size, q_size, dtype=dtype, device=device), None
         )
         # The GEMM operands the forward reads: views of the HF-named parameters (loading fills
-        # them), replaced by int8 forms by `CausalLM.quantize_`.
+        # them), replaced by packed or quantized forms by `CausalLM.pack_` / `quantize_`.
         self.qkv: Weight = self.qkv_weight
         self.o: Weight = self.o_proj.weight.detach()
         self.q_norm = (
@@ -92,6 +98,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    OPERANDS: ClassVar[tuple[str, ...]] = ("gate_up", "down")
+    FUSED: ClassVar[tuple[str, ...]] = ("gate_up_weight",)
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.inter = cfg.intermediate_size
@@ -177,6 +186,8 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
+    OPERANDS: ClassVar[tuple[str, ...]] = ("head",)
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
         super().__init__()
         device = torch.device(device)
@@ -203,18 +214,12 @@ class CausalLM(nn.Module):
         state_dict is not usable afterwards."""
         if fmt not in _QUANTIZERS:
             raise ValueError(f"unknown weight format {fmt!r}; supported: {', '.join(_QUANTIZERS)}")
-        q = _QUANTIZERS[fmt]
-        for layer in self.decoder_layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv, attn.o = q(attn.qkv), q(attn.o)
-            mlp.gate_up, mlp.down = q(mlp.gate_up), q(mlp.down)
-            attn.qkv_weight = mlp.gate_up_weight = torch.empty(0)
-        self.head = q(self.head)
-        # Drop the HF-named views: the full-precision projections are then freed (a tied
-        # lm_head's storage lives on in the embedding, which lookups still read).
-        for module in self.modules():
-            if isinstance(module, LinearView):
-                module.weight.data = torch.empty(0, dtype=self.dtype, device=self.device)
+        convert_operands_(self, _QUANTIZERS[fmt])
+
+    def pack_(self) -> None:
+        """bf16 projection operands -> PanelWeight (the same values, in the layout the panel
+        kernel streams; see kernels/cpu_linear.py); the state_dict is not usable afterwards."""
+        convert_operands_(self, to_panels)
 
     def new_cache(self, capacity: int) -> KVCache:
         cfg = self.config
@@ -267,7 +272,7 @@ def _quantizer(kind: type[Int8Weight] | type[Int4Weight]) -> Callable[[Weight], 
         if isinstance(weight, kind):
             return weight  # already in this format: quantize_ twice is a no-op
         if not isinstance(weight, Tensor):
-            raise ValueError(f"weights already quantized as {type(weight).__name__}")
+            raise ValueError(f"weights already converted to {type(weight).__name__}")
         return kind.quantize(weight)
 
     return quantize

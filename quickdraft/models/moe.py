@@ -11,15 +11,20 @@ by the loader's name map (models/qwen3_next.py: `checkpoint_name_map`).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import Tensor, nn
 
 from quickdraft.kernels.cpu_ops import silu_mul
-from quickdraft.models.layers import LinearView, fused_projections, project
+from quickdraft.models.layers import LinearView, Weight, fused_projections, project
 
 
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)); gate and up run as one fused GEMM."""
+
+    OPERANDS: ClassVar[tuple[str, ...]] = ("gate_up", "down")  # see layers.convert_operands_
+    FUSED: ClassVar[tuple[str, ...]] = ("gate_up_weight",)
 
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -28,10 +33,12 @@ class GatedMLP(nn.Module):
             self, hidden, {"gate_proj": inter, "up_proj": inter}, False, dtype, device
         )
         self.down_proj = LinearView(torch.empty(hidden, inter, dtype=dtype, device=device), None)
+        self.gate_up: Weight = self.gate_up_weight  # the GEMM operands the forward reads
+        self.down: Weight = self.down_proj.weight.detach()
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = project(x, self.gate_up_weight)  # [N, 2 * inter]
-        return project(silu_mul(gate_up), self.down_proj.weight)  # fused silu(gate) * up
+        gate_up = project(x, self.gate_up)  # [N, 2 * inter]
+        return project(silu_mul(gate_up), self.down)  # fused silu(gate) * up
 
 
 class Experts(nn.Module):
@@ -71,6 +78,8 @@ class Router(nn.Module):
 class SparseMoE(nn.Module):
     """Top-k softmax routing over `num_experts`, plus sigmoid(gate(x)) * shared_expert(x)."""
 
+    OPERANDS: ClassVar[tuple[str, ...]] = ("shared_gate",)  # routed experts keep their layout
+
     def __init__(
         self,
         hidden: int,
@@ -90,6 +99,7 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = LinearView(
             torch.empty(1, hidden, dtype=dtype, device=device), None
         )
+        self.shared_gate: Weight = self.shared_expert_gate.weight.detach()  # GEMM operand
 
     def forward(self, x: Tensor) -> Tensor:
         router_logits = project(x, self.gate.weight)  # [N, E]
@@ -98,5 +108,5 @@ class SparseMoE(nn.Module):
         if self.norm_topk:
             top_weight = top_weight / top_weight.sum(-1, keepdim=True)
         routed = self.experts(x, top_idx, top_weight.to(x.dtype))
-        shared = torch.sigmoid(project(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+        shared = torch.sigmoid(project(x, self.shared_gate)) * self.shared_expert(x)
         return routed + shared

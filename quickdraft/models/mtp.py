@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,15 @@ from torch import Tensor, nn
 from quickdraft.config import ModelConfig
 from quickdraft.kv_cache import KVCache
 from quickdraft.models.hybrid_config import HybridConfig
-from quickdraft.models.layers import LinearView, RMSNorm, Rope, project
+from quickdraft.models.layers import (
+    LinearView,
+    RMSNorm,
+    Rope,
+    Weight,
+    convert_operands_,
+    project,
+    to_panels,
+)
 from quickdraft.models.llama import DecoderLayer
 from quickdraft.models.qwen3_next import HybridDecoderLayer, OffsetRMSNorm
 
@@ -69,12 +78,14 @@ def hybrid_mtp_parts(cfg: HybridConfig, dtype: torch.dtype, device: torch.device
 
 
 class MTPHead(nn.Module):
+    OPERANDS: ClassVar[tuple[str, ...]] = ("fc_weight", "lm_head_weight")  # see convert_operands_
+
     def __init__(
         self,
         parts: MTPParts,
         hidden_size: int,
         embed_weight: Tensor,  # [vocab, H] the target's
-        lm_head_weight: Tensor,  # [vocab, H] the target's
+        lm_head_weight: Weight,  # [vocab, H] the target's GEMM operand
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
@@ -85,14 +96,22 @@ class MTPHead(nn.Module):
         self.fc = LinearView(
             torch.empty(hidden_size, 2 * hidden_size, dtype=dtype, device=device), None
         )
+        self.fc_weight: Weight = self.fc.weight.detach()  # GEMM operand (until packed)
         self.layers = nn.ModuleList([parts.layer])
         self.norm = parts.make_norm()
         self.rope = parts.rope
         self.num_kv_heads, self.head_dim = parts.num_kv_heads, parts.head_dim
-        # Plain tensors sharing the target's storage: not parameters of the head.
+        # Sharing the target's storage: not parameters of the head.
         self.embed_weight = embed_weight.detach()
-        self.lm_head_weight = lm_head_weight.detach()
+        self.lm_head_weight = (
+            lm_head_weight.detach() if isinstance(lm_head_weight, Tensor) else lm_head_weight
+        )
         self.requires_grad_(False)
+
+    def pack_(self) -> None:
+        """bf16 operands -> PanelWeight, as the target's `pack_` (a target head that is already
+        packed is shared as it is)."""
+        convert_operands_(self, to_panels)
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(1, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)
@@ -117,7 +136,7 @@ class MTPHead(nn.Module):
         )
         emb = self.pre_fc_norm_embedding(F.embedding(token_ids, self.embed_weight))
         x = project(
-            torch.cat([emb, self.pre_fc_norm_hidden(hidden.to(self.dtype))], -1), self.fc.weight
+            torch.cat([emb, self.pre_fc_norm_hidden(hidden.to(self.dtype))], -1), self.fc_weight
         )
         x = self.layers[0](x, self.rope.tables(positions, self.dtype), caches, num_new)
         out = self.norm(x)  # [N, H]

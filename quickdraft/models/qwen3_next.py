@@ -22,7 +22,7 @@ checkpoint variants (composite `model.language_model.` prefix, per-expert tensor
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +39,17 @@ from quickdraft.models.gdn import (
     recurrent_updates,
 )
 from quickdraft.models.hybrid_config import HybridConfig
-from quickdraft.models.layers import LinearView, RMSNorm, Rope, attend, fused_projections, project
+from quickdraft.models.layers import (
+    LinearView,
+    RMSNorm,
+    Rope,
+    Weight,
+    attend,
+    convert_operands_,
+    fused_projections,
+    project,
+    to_panels,
+)
 from quickdraft.models.llama import Embedding
 from quickdraft.models.moe import GatedMLP, SparseMoE
 from quickdraft.state_cache import GDNStateShape, HybridCache
@@ -64,6 +74,9 @@ class WeightOnly(nn.Module):
 
 class GatedAttention(nn.Module):
     """Full attention with q/k (1 + w) RMSNorm, partial RoPE and a sigmoid output gate."""
+
+    OPERANDS: ClassVar[tuple[str, ...]] = ("qkv", "o")  # see layers.convert_operands_
+    FUSED: ClassVar[tuple[str, ...]] = ("qkv_weight",)
 
     def __init__(self, cfg: HybridConfig, kv_index: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -93,6 +106,9 @@ class GatedAttention(nn.Module):
         self.q_norm = OffsetRMSNorm(d, cfg.rms_norm_eps, dtype, device)
         self.k_norm = OffsetRMSNorm(d, cfg.rms_norm_eps, dtype, device)
         self.scale = d**-0.5
+        # the GEMM operands the forward reads (views of the HF-named parameters until packed)
+        self.qkv: Weight = self.qkv_weight
+        self.o: Weight = self.o_proj.weight.detach()
 
     def forward(
         self,
@@ -102,7 +118,7 @@ class GatedAttention(nn.Module):
         num_new: Sequence[int],
     ) -> Tensor:
         n, h, hk, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
-        qkv = project(x, self.qkv_weight, self.qkv_bias)  # [N, (2H + 2Hkv) d]
+        qkv = project(x, self.qkv, self.qkv_bias)  # [N, (2H + 2Hkv) d]
         q_gate = qkv[:, : 2 * h * d].view(n, h, 2 * d)
         gate = q_gate[..., d:].reshape(n, h * d)
         q = self.q_norm(q_gate[..., :d])
@@ -119,12 +135,15 @@ class GatedAttention(nn.Module):
             outs.append(attend(q[seg], keys, values, cache.length, self.scale))
             start += count
         out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, H d]
-        return project(out * torch.sigmoid(gate), self.o_proj.weight)
+        return project(out * torch.sigmoid(gate), self.o)
 
 
 class GatedDeltaNet(nn.Module):
     """Linear attention: in-projections -> causal conv1d -> gated delta rule -> gated RMSNorm
     -> out_proj. Conv and delta rule run per sequence from its committed state."""
+
+    OPERANDS: ClassVar[tuple[str, ...]] = ("inp", "out")
+    FUSED: ClassVar[tuple[str, ...]] = ("in_weight",)
 
     def __init__(self, cfg: HybridConfig, gdn_index: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -153,6 +172,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = LinearView(
             torch.empty(cfg.hidden_size, self.value_dim, dtype=dtype, device=device), None
         )
+        self.inp: Weight = self.in_weight  # GEMM operands, as in GatedAttention
+        self.out: Weight = self.out_proj.weight.detach()
 
     def _split(self, proj: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """proj [N, total] -> conv input [N, q | k | v], z [N, Hv, dv], b [N, Hv], a [N, Hv]."""
@@ -172,7 +193,7 @@ class GatedDeltaNet(nn.Module):
         return mixed, z.reshape(n, hv, self.dv), b, a
 
     def forward(self, x: Tensor, caches: Sequence[HybridCache], num_new: Sequence[int]) -> Tensor:
-        mixed, z, b, a = self._split(project(x, self.in_weight))
+        mixed, z, b, a = self._split(project(x, self.inp))
         beta = torch.sigmoid(b.float())  # [N, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # log decay
         conv_w = self.conv1d.weight[:, 0]  # [C, K]
@@ -199,7 +220,7 @@ class GatedDeltaNet(nn.Module):
             start += n
         # gated RMSNorm (plain w here, not 1 + w): norm(core) * w * silu(z), fp32 math, fused
         out = gated_rms_norm(core, self.norm.weight, z, self.eps)  # [N, Hv, dv]
-        return project(out.reshape(x.shape[0], -1), self.out_proj.weight)
+        return project(out.reshape(x.shape[0], -1), self.out)
 
 
 class HybridDecoderLayer(nn.Module):
@@ -271,6 +292,8 @@ class HybridModel(nn.Module):
 
 
 class HybridLM(nn.Module):
+    OPERANDS: ClassVar[tuple[str, ...]] = ("head",)
+
     def __init__(
         self, cfg: HybridConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
     ) -> None:
@@ -284,6 +307,7 @@ class HybridLM(nn.Module):
             else torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         )
         self.lm_head = LinearView(head, None)
+        self.head: Weight = self.lm_head.weight.detach()  # GEMM operand, as in GatedAttention
         self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, device)
         self.num_attention_layers = cfg.layer_types.count("full_attention")
         self.gdn_shape = GDNStateShape(
@@ -296,6 +320,11 @@ class HybridLM(nn.Module):
             value_dim=cfg.linear_value_head_dim,
         )
         self.requires_grad_(False)
+
+    def pack_(self) -> None:
+        """bf16 projection operands -> PanelWeight (see CausalLM.pack_); routed MoE experts
+        stay as they are (their kernel indexes stacked expert weights)."""
+        convert_operands_(self, to_panels)
 
     def new_cache(self, capacity: int) -> HybridCache:
         cfg = self.config
@@ -334,7 +363,7 @@ class HybridLM(nn.Module):
             logit_rows = torch.tensor(list(num_new), device=self.device).cumsum(0) - 1
         if return_hidden:
             hidden = self.model.norm(x)  # [N, hidden]
-            logits = project(hidden[logit_rows], self.lm_head.weight).float()
+            logits = project(hidden[logit_rows], self.head).float()
             return ForwardOutput(logits, hidden, layer_hidden)
-        logits = project(self.model.norm(x[logit_rows]), self.lm_head.weight).float()
+        logits = project(self.model.norm(x[logit_rows]), self.head).float()
         return ForwardOutput(logits, None, layer_hidden)

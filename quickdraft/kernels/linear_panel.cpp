@@ -1,0 +1,224 @@
+// Small-M linear over a bf16 weight repacked into 16-row panels, for AVX2 + FMA CPUs; JIT-built
+// with linear_bf16.cpp into one extension (cpu_linear.py owns the Python-facing contract).
+//
+// Contract: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for
+//   x       [..., K] bf16 or fp32 (flattened to M = numel / K rows),
+//   packed  [P, K, 16] bf16, P = ceil(N / 16): packed[p, k, 2j] = w[16p + j, k] and
+//           packed[p, k, 2j + 1] = w[16p + 8 + j, k] (rows past N are zero),
+//   bias    [N] fp32 or bf16, optional;   y [..., N] in x's dtype.
+// fp32 accumulation, one round-to-nearest-even at the end (as linear_bf16.cpp).
+//
+// Why: linear_bf16.cpp reads an nn.Linear-layout weight as R interleaved row streams and takes
+// dot products along k, which costs lane sums and, at M = 4..6 tokens, re-reads and re-converts
+// every weight once per token chunk; measured, its verify-sized calls (M = 5) cost 1.3-1.7x a
+// decode step (M = 1). Here each thread reads ONE sequential stream (its panels, back to back)
+// and takes outer products: per k, one 32-byte load holds 16 rows, two integer ops make them
+// two fp32 vectors (lane << 16 = rows 0-7, lane & 0xffff0000 = rows 8-15), and each token
+// broadcasts x[m, k] into 2 FMAs. So up to kTmax = 6 tokens share one pass over the weights with
+// 2 conversions per 2 * T FMAs, the accumulators are the outputs (no lane sums), and software
+// prefetch a fixed distance ahead on the stream keeps DRAM busy while the FMAs run: measured
+// M = 5 at 1.04-1.2x the time of M = 1 (bench/kernels.py).
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include "bf16.h"
+#include "simd.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <vector>
+
+void qd_count_kernel_call();  // linear_bf16.cpp
+
+namespace {
+
+using u16 = uint16_t;
+
+constexpr int kPanel = 16;   // weight rows per panel
+constexpr int kTmax = 6;     // tokens per pass: 2 * kTmax accumulators + 2 weights + 1 x <= 16 ymm
+constexpr int64_t kKBlock = 512;  // k per block when tokens need several passes (16 KiB of panel)
+int64_t g_prefetch_bytes = 4096;  // distance ahead on the weight stream (tuned: bench/kernels.py)
+
+// One k of a panel: its 16 weights (32 bytes at wk) become two fp32 vectors, and each of T
+// tokens adds x[t][k] times them into its two accumulators.
+template <int T>
+__attribute__((always_inline)) inline void step(const u16* wk, const float* xk, int64_t ldx,
+                                                __m256 (&a)[T][2], __m256i hi16) {
+  const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk));
+  const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+  const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(u, hi16));
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) {
+    const __m256 xb = _mm256_broadcast_ss(xk + t * ldx);
+    a[t][0] = _mm256_fmadd_ps(w0, xb, a[t][0]);
+    a[t][1] = _mm256_fmadd_ps(w1, xb, a[t][1]);
+  }
+}
+
+// T tokens x 16 rows over k in [0, klen) of one panel slice `w` ([klen, 16] u16): acc [T][16]
+// (zeroed first when init). A accumulator sets alternate over k so that at least 8 independent
+// FMA chains cover the FMA latency at small T; a loop step takes S k (64 bytes or more) and
+// prefetches one line per 64 bytes, `pf` bytes ahead on the stream.
+template <int T>
+inline void tile(const u16* w, int64_t klen, const float* xs, int64_t ldx, float* acc, bool init,
+                 const char* pf) {
+  constexpr int A = T == 1 ? 4 : (T <= 3 ? 2 : 1);
+  constexpr int S = A == 1 ? 2 : A;
+  const __m256i hi16 = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  __m256 a[A][T][2];
+#pragma GCC unroll 8
+  for (int s = 0; s < A; ++s)
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t)
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h)
+        a[s][t][h] = (init || s > 0) ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + t * 16 + h * 8);
+  int64_t k = 0;
+  for (; k + S <= klen; k += S) {
+    if (pf) {
+#pragma GCC unroll 2
+      for (int l = 0; l < S / 2; ++l) _mm_prefetch(pf + k * 32 + l * 64, _MM_HINT_T0);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < S; ++i) step<T>(w + (k + i) * 16, xs + k + i, ldx, a[i % A], hi16);
+  }
+  for (; k < klen; ++k) step<T>(w + k * 16, xs + k, ldx, a[0], hi16);
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t)
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256 s = a[0][t][h];
+#pragma GCC unroll 4
+      for (int j = 1; j < A; ++j) s = _mm256_add_ps(s, a[j][t][h]);
+      _mm256_storeu_ps(acc + t * 16 + h * 8, s);
+    }
+}
+
+void tile_dispatch(int T, const u16* w, int64_t klen, const float* xs, int64_t ldx, float* acc,
+                   bool init, const char* pf) {
+  switch (T) {
+    case 1: return tile<1>(w, klen, xs, ldx, acc, init, pf);
+    case 2: return tile<2>(w, klen, xs, ldx, acc, init, pf);
+    case 3: return tile<3>(w, klen, xs, ldx, acc, init, pf);
+    case 4: return tile<4>(w, klen, xs, ldx, acc, init, pf);
+    case 5: return tile<5>(w, klen, xs, ldx, acc, init, pf);
+    case 6: return tile<6>(w, klen, xs, ldx, acc, init, pf);
+  }
+  TORCH_CHECK(false, "quickdraft linear_panel: bad token chunk ", T);
+}
+
+// One group of M <= kGroupM tokens: y [M, N] (row stride N) from xs [M, ldx] fp32.
+void run_group(const u16* packed, int64_t P, int64_t N, int64_t K, const float* xs, int64_t ldx,
+               int64_t M, const void* bias, bool bias_bf16, void* y, bool y_bf16) {
+  const int64_t nch = (M + kTmax - 1) / kTmax;  // balanced token chunks
+  const int64_t KB = nch == 1 ? K : kKBlock;
+  const int64_t panel_bytes = K * kPanel * 2;
+  // ~128 KiB of weights per thread at least: below that the fork/join costs more than it saves
+  const int64_t grain = std::max<int64_t>(1, (int64_t{128} << 10) / panel_bytes);
+  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    std::unique_ptr<float, decltype(&std::free)> acc_buf(
+        static_cast<float*>(std::aligned_alloc(64, (M * kPanel * 4 + 63) / 64 * 64)), &std::free);
+    float* const acc = acc_buf.get();
+    TORCH_CHECK(acc, "quickdraft linear_panel: out of memory");
+    for (int64_t p = p0; p < p1; ++p) {
+      const u16* wp = packed + p * K * kPanel;
+      for (int64_t k0 = 0; k0 < K; k0 += KB) {
+        const int64_t klen = std::min(KB, K - k0);
+        int64_t m0 = 0;
+        for (int64_t c = 0; c < nch; ++c) {
+          const int T = static_cast<int>(M / nch + (c < M % nch ? 1 : 0));
+          // The first pass over a block streams it from DRAM: prefetch ahead on the stream
+          // (into the next panel at the end of this one; past the thread's range is harmless).
+          const char* pf = c == 0 && g_prefetch_bytes > 0
+                               ? reinterpret_cast<const char*>(wp + k0 * kPanel) + g_prefetch_bytes
+                               : nullptr;
+          tile_dispatch(T, wp + k0 * kPanel, klen, xs + m0 * ldx + k0, ldx, acc + m0 * kPanel,
+                        k0 == 0, pf);
+          m0 += T;
+        }
+      }
+      const int64_t rows = std::min<int64_t>(kPanel, N - p * kPanel);
+      for (int64_t m = 0; m < M; ++m) {
+        // lane order: acc[m][0..7] = rows 0-7, acc[m][8..15] = rows 8-15 (natural)
+        for (int64_t j = 0; j < rows; ++j) {
+          const int64_t n = p * kPanel + j;
+          float v = acc[m * kPanel + j];
+          if (bias)
+            v += bias_bf16 ? qd_bf16::bf16_to_f32(static_cast<const u16*>(bias)[n])
+                           : static_cast<const float*>(bias)[n];
+          if (y_bf16)
+            static_cast<u16*>(y)[m * N + n] = qd_bf16::f32_to_bf16(v);
+          else
+            static_cast<float*>(y)[m * N + n] = v;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+bool qd_linear_panel_eligible(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                              const c10::optional<at::Tensor>& bias) {
+  if (!x.defined() || !packed.defined()) return false;
+  if (!x.device().is_cpu() || !packed.device().is_cpu()) return false;
+  if (packed.scalar_type() != at::kBFloat16 || packed.dim() != 3 || !packed.is_contiguous() ||
+      packed.size(2) != kPanel || N <= (packed.size(0) - 1) * kPanel ||
+      N > packed.size(0) * kPanel)
+    return false;
+  if (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kFloat) return false;
+  const int64_t K = packed.size(1);
+  if (x.dim() < 1 || K == 0 || x.size(-1) != K) return false;
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias && (!bias->device().is_cpu() || !at::isFloatingType(bias->scalar_type()) ||
+                   bias->dim() != 1 || bias->size(0) != N))
+    return false;
+  return !(at::GradMode::is_enabled() && x.requires_grad());
+}
+
+at::Tensor qd_linear_panel(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                           const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(qd_linear_panel_eligible(x, packed, N, bias),
+              "quickdraft linear_panel: inputs not eligible");
+  const int64_t P = packed.size(0), K = packed.size(1);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  qd_count_kernel_call();
+  if (M == 0) return y.view(out_shape);
+  at::Tensor b;
+  if (bias.has_value() && bias->defined())
+    b = bias->scalar_type() == at::kBFloat16 ? bias->contiguous()
+                                             : bias->to(at::kFloat).contiguous();
+  // x as fp32 rows (the broadcasts read single floats); converted once per call
+  const at::Tensor xs = x2.scalar_type() == at::kFloat ? x2 : x2.to(at::kFloat);
+  const float* xp = xs.data_ptr<float>();
+  const auto* wp = reinterpret_cast<const u16*>(packed.data_ptr<at::BFloat16>());
+  // Tokens in groups of at most 64 (as linear_bf16.cpp): a group's x stays cache-resident
+  // while its panels stream past.
+  constexpr int64_t kGroupM = 64;
+  const int64_t ngroups = (M + kGroupM - 1) / kGroupM;
+  char* const y_base = static_cast<char*>(y.data_ptr());
+  int64_t g0 = 0;
+  for (int64_t gi = 0; gi < ngroups; ++gi) {
+    const int64_t gm = M / ngroups + (gi < M % ngroups ? 1 : 0);
+    run_group(wp, P, N, K, xp + g0 * K, K, gm, b.defined() ? b.data_ptr() : nullptr,
+              b.defined() && b.scalar_type() == at::kBFloat16,
+              y_base + g0 * N * static_cast<int64_t>(y.element_size()),
+              y.scalar_type() == at::kBFloat16);
+    g0 += gm;
+  }
+  return y.view(out_shape);
+}
+
+// Benchmarks only: the prefetch distance in bytes (0 = off); returns the previous value.
+int64_t qd_linear_panel_prefetch(int64_t bytes) {
+  const int64_t old = g_prefetch_bytes;
+  if (bytes >= 0) g_prefetch_bytes = bytes;
+  return old;
+}
