@@ -1,6 +1,7 @@
 """Small-M bf16 linear: quickdraft's CPU kernel vs torch F.linear, per weight shape and M.
 
-For each bf16 weight [N, K] and token count M: milliseconds per call and weight-read bandwidth
+For each bf16 weight [N, K] (in 16-row panels as `load()` runs it, or with --layout rows in
+nn.Linear layout) and token count M: milliseconds per call and weight-read bandwidth
 (weight bytes / time) for both, and ours' time(M) / time(M=1), the number that decides whether a
 speculative verify pass over M tokens is nearly free. Each timing rotates over enough weight
 copies (>= 320 MB, 10x the L3) that every call streams its weight from DRAM as in a real decode
@@ -10,7 +11,7 @@ Prints a table, then one JSON object as the last line (--save also writes
 bench/results/kernels.json).
 
     python bench/kernels.py                             # all shapes, M in 1 2 5 9 17
-    python bench/kernels.py --shapes 17920x1536 --ms 1 9 --knobs 3 3 65536 0 1
+    python bench/kernels.py --layout rows --shapes 17920x1536 --ms 1 9 --knobs 3 3 65536 0 1
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # works without `pip install -e`
 from common import emit, machine, read_bandwidth_gbs
 
-from quickdraft.kernels import cpu_linear
+from quickdraft.kernels import PanelWeight, cpu_linear
 
 # Qwen2.5-1.5B: q+k+v, o, gate+up, down, lm_head; SmolLM2-135M: q+k+v, lm_head, o...; and
 # a [576, 1536] block (K > N, short output).
@@ -73,7 +74,7 @@ def wait_idle(limit_s: float) -> None:
 
 
 def time_call(
-    fn: Callable[[torch.Tensor], Any], weights: list[torch.Tensor], budget_s: float, min_reps: int
+    fn: Callable[[Any], Any], weights: list[Any], budget_s: float, min_reps: int
 ) -> float:
     """Best seconds per call, cycling through `weights` so each call reads cold weights."""
     for w in weights[:3]:
@@ -108,6 +109,13 @@ def main() -> None:
         help="kernel tuning (0 = default, PREFETCH -1 = default): tile rows x "
         "tokens (4x1, 4x2, 2x4, 3x3), weight bytes per row block, k per block",
     )
+    ap.add_argument(
+        "--layout",
+        choices=["panels", "rows"],
+        default="panels",
+        help="weight layout: 16-row panels (what load() runs bf16 models with, "
+        "linear_panel.cpp) or nn.Linear rows (linear_bf16.cpp, tuned by --knobs)",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     ap.add_argument("--hot", action="store_true", help="no weight rotation: cache-resident")
     ap.add_argument(
@@ -126,9 +134,12 @@ def main() -> None:
         sys.exit("kernel unavailable (no AVX2/FMA/F16C or the build failed)")
     knobs = list(args.knobs)
 
-    def ours(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # linear_tuned raises rather than falling back, so this always times the kernel.
-        out: torch.Tensor = module.linear_tuned(x, w, None, knobs)
+    def ours(x: torch.Tensor, w: torch.Tensor | PanelWeight) -> torch.Tensor:
+        # Both entry points raise rather than fall back, so this always times a kernel.
+        if isinstance(w, PanelWeight):
+            out: torch.Tensor = module.linear_panel(x, w.packed, w.out_features, None)
+        else:
+            out = module.linear_tuned(x, w, None, knobs)
         return out
 
     wait_idle(args.wait_idle)
@@ -145,6 +156,7 @@ def main() -> None:
         w0 = (torch.randn(n, k) * 0.05).bfloat16()
         copies = 1 if args.hot else max(1, -(-ROTATE_BYTES // w0.nbytes))
         weights = [w0] + [w0.clone() for _ in range(copies - 1)]
+        operands = [PanelWeight.pack(w) for w in weights] if args.layout == "panels" else weights
         xs = {m: torch.randn(m, k).bfloat16() for m in args.ms}
         best_ours: dict[int, float] = {}
         best_torch: dict[int, float] = {}
@@ -152,7 +164,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for m in args.ms:
                 wait_idle(args.wait_idle)
-                t = time_call(partial(ours, xs[m]), weights, args.budget, 5)
+                t = time_call(partial(ours, xs[m]), operands, args.budget, 5)
                 best_ours[m] = min(best_ours.get(m, t), t)
                 if not args.no_torch:
                     wait_idle(args.wait_idle)
@@ -180,11 +192,12 @@ def main() -> None:
                 line += f" {t_torch * 1e3:9.3f} {row['torch_gbs']:6.1f} {row['speedup']:7.2f}"
             rows.append(row)
             print(line, flush=True)
-        del weights, w0
+        del weights, operands, w0
     result = {
         "bench": "kernels",
         "machine": machine(),
         "read_bandwidth_gbs": round(bw, 2),
+        "layout": args.layout,
         "knobs": knobs,
         "rows": rows,
     }
