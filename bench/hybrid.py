@@ -38,6 +38,7 @@ from common import emit, machine, peak_rss_mb
 
 from quickdraft.drafters.base import DraftJob
 from quickdraft.drafters.mtp import MTPDrafter, head_step_seconds
+from quickdraft.kernels import PanelWeight
 from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.layers import Weight, panels_apply, project
 from quickdraft.models.moe import GatedMLP
@@ -92,12 +93,14 @@ def init_(module: torch.nn.Module, seed: int, out_scale: float) -> None:
             p.copy_(v.to(p.dtype))
 
 
-def build(out_scale: float) -> tuple[HybridLM, MTPHead]:
-    """The model and its head as `quickdraft.generate.load` would run them: bf16 operands
-    packed into panels when the CPU kernels are available (see kernels/cpu_linear.py)."""
+def build(out_scale: float) -> tuple[HybridLM, MTPHead, int, int]:
+    """The model and its head as `quickdraft.generate.load` would run them (bf16 operands
+    packed into panels when the CPU kernels are available, see kernels/cpu_linear.py), and
+    their parameter counts (taken before packing releases the HF-named tensors)."""
     cfg = HybridConfig.from_dict(CONFIG)
     model = HybridLM(cfg, torch.bfloat16)
     init_(model, 0, out_scale)
+    params = sum(p.numel() for p in model.parameters())
     packed = panels_apply(model.dtype, model.device)
     if packed:
         model.pack_()
@@ -116,9 +119,10 @@ def build(out_scale: float) -> tuple[HybridLM, MTPHead]:
         head.fc.weight[:, :h] = torch.eye(h)
         head.get_parameter("pre_fc_norm_embedding.weight").zero_()
         head.get_parameter("norm.weight").copy_(model.get_parameter("model.norm.weight"))
+    head_params = sum(p.numel() for p in head.parameters())
     if packed:
         head.pack_()
-    return model, head
+    return model, head, params, head_params
 
 
 def median_ms(samples: list[float]) -> float:
@@ -311,12 +315,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     t = time.perf_counter()
-    model, head = build(args.out_scale)
+    model, head, params, head_params = build(args.out_scale)
     build_s = time.perf_counter() - t
     drafter = MTPDrafter(head, model.get_submodule("model.norm"))
     k = args.k
-    params = sum(p.numel() for p in model.parameters())
-    head_params = sum(p.numel() for p in head.parameters())
 
     gen = torch.Generator().manual_seed(1)
     prompts = [
@@ -365,6 +367,7 @@ def main() -> None:
                 "shape": "Qwen3.5-0.8B layers/widths, vocab 32k, untied lm_head, bf16",
                 "params_m": round(params / 1e6, 1),
                 "mtp_head_params_m": round(head_params / 1e6, 1),
+                "weight_layout": "panels" if isinstance(model.head, PanelWeight) else "rows",
                 "layers": {"gdn": cache.shape.num_layers, "attention": model.num_attention_layers},
                 "out_scale": args.out_scale,
                 "build_s": round(build_s, 1),

@@ -101,7 +101,7 @@ class MTPDrafter:
         if feed == "pre_norm":
             # The target's final norm scales the unit-RMS direction of x per channel; dividing
             # by that scale recovers x up to a positive factor, which pre_fc_norm_hidden removes.
-            ones = torch.ones(1, head.fc.weight.shape[0], dtype=head.dtype, device=head.device)
+            ones = torch.ones(1, head.hidden_size, dtype=head.dtype, device=head.device)
             with torch.no_grad():
                 scale = final_norm(ones)[0].float()
             if bool((scale.abs() < 1e-6).any()):
@@ -198,7 +198,7 @@ def mtp_drafter(
 def head_step_seconds(head: MTPHead, context: int = 16, reps: int = 3) -> float:
     """Seconds of one single-row head forward after `context` rows (best of reps)."""
     cache = head.new_cache(context + 2)
-    size = head.fc.weight.shape[0]
+    size = head.hidden_size
     vocab = head.embed_weight.shape[0]
     ids = torch.randint(0, vocab, (context + 1,), device=head.device)
     hidden = torch.randn(context + 1, size, dtype=head.dtype, device=head.device)

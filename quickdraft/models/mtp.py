@@ -90,7 +90,7 @@ class MTPHead(nn.Module):
         device: torch.device,
     ) -> None:
         super().__init__()
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.hidden_size = dtype, device, hidden_size
         self.pre_fc_norm_embedding = parts.make_norm()
         self.pre_fc_norm_hidden = parts.make_norm()
         self.fc = LinearView(
