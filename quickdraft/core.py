@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from quickdraft.speculate import Speculation
 
 log = logging.getLogger(__name__)
+_UNTIMED = object()  # a drafter without `position_seconds`: its phase time / positions
 
 
 @dataclass(slots=True)
@@ -112,8 +113,8 @@ class EngineCore:
     ) -> None:
         """Feed the step's measured draft cost to its drafter's Speculation (see
         quickdraft/speculate.py): only when one drafter with a cost drafted, so the draft
-        phase's time is that drafter's. It ran max(k) packed forwards; the target forward is
-        scaled to one row by the policy's step-cost curve."""
+        phase's time is that drafter's: max(k) packed forwards, or what the drafter measured
+        itself. The target forward is scaled to one row by the policy's step-cost curve."""
         specs = {
             id(item.seq.spec): item.seq.spec
             for item, draft in zip(plan.items, drafts, strict=True)
@@ -122,11 +123,19 @@ class EngineCore:
         if len(specs) != 1 or not self.scheduler.has_policy:
             return  # (no policy yet: only forced requests, which never read the draft cost)
         (spec,) = specs.values()
-        positions = max(len(d.tokens) for d in drafts)
+        # A drafter that times its own draft steps (the draft model: catch-up feeds of a
+        # prompt or an idle phase excluded, they are not a per-position cost) says so with
+        # `position_seconds`; None there means this step had nothing clean to measure.
+        timed = getattr(spec.drafter, "position_seconds", _UNTIMED)
+        if timed is None:
+            return
+        per_position = (
+            timed if isinstance(timed, float) else draft_s / max(len(d.tokens) for d in drafts)
+        )
         cost = self.scheduler.policy.cost
         masked = sum(item.num_tokens + item.k > 1 for item in plan.items)
         step = cost(plan.num_rows, len(plan.items), masked)
-        spec.observe(draft_s / positions, forward_s * cost(1) / step)
+        spec.observe(per_position, forward_s * cost(1) / step)
 
     def _commit(
         self,

@@ -47,3 +47,23 @@ def test_draft_model_batched_propose_equals_one_by_one(
             seqs[i] = [*seqs[i], d.tokens[0], 7]
         for st, seq in zip(batched_states + single_states, seqs + seqs, strict=True):
             drafter.commit(st, seq, None)
+
+
+def test_draft_model_times_draft_steps_without_catch_up(tiny_model_dir: Path) -> None:
+    """The per-position cost the engine learns from (`position_seconds`) leaves out catch-up
+    feeds: a prompt or an idle phase fed in one forward is not a draft step. Counting them made
+    a few early samples look 10-20x a real step, the policy stopped drafting, and every later
+    probe (which catches up the idle phase) confirmed it (measured: 0 drafts in a whole run)."""
+    lm = load(str(tiny_model_dir), "fp32", progress=False)
+    drafter = DraftModelDrafter(lm.model, lm.model.config.vocab_size)
+    seq = lm.tokenizer.encode("the cat sat on the mat, the cat sat on the mat")
+    state = drafter.new_state(seq)
+    job = DraftJob(state, seq, 1, SamplingParams(), torch.Generator())
+    drafter.propose([job])  # the prompt is a catch-up and k = 1: nothing clean to time
+    assert drafter.position_seconds is None
+    draft = drafter.propose([DraftJob(state, seq, 3, SamplingParams(), torch.Generator())])
+    assert len(draft[0].tokens) == 3  # resync of 1 token + 2 more steps, all timed
+    assert drafter.position_seconds is not None and drafter.position_seconds > 0
+    seq = [*seq, *range(40, 60)]  # an idle phase: 20 committed tokens the drafter never saw
+    drafter.propose([DraftJob(state, seq, 1, SamplingParams(), torch.Generator())])
+    assert drafter.position_seconds is None

@@ -125,8 +125,8 @@ def test_fused_projection_views_share_storage(tiny_hf: tuple[str, Path, Any]) ->
 @pytest.mark.skipif(not kernels_available(), reason="no CPU kernels: nothing runs packed")
 def test_pack_keeps_logits_and_frees_weights(tiny_hf: tuple[str, Path, Any]) -> None:
     """bf16 operands in 16-row panels: the same values, so the same logits up to summation
-    order, for a prefill and a multi-row verify; nn.Linear-layout copies released; fp32
-    operands and a second pack_ are left as they are."""
+    order, for a prefill and a multi-row verify; nn.Linear-layout copies released; a second
+    pack_, and pack_ on an fp32 model, change nothing."""
     _, directory, _ = tiny_hf
     full = load_model(directory, torch.bfloat16)
     packed = load_model(directory, torch.bfloat16)
@@ -148,8 +148,9 @@ def test_pack_keeps_logits_and_frees_weights(tiny_hf: tuple[str, Path, Any]) -> 
         assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2
         assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.8
     fp32 = load_model(directory, torch.float32)
-    fp32.pack_()
-    assert isinstance(fp32.head, torch.Tensor)  # the panel kernel is bf16 only
+    fp32.pack_()  # the panel kernel is bf16 only: nothing changes, nothing is released
+    assert isinstance(fp32.head, torch.Tensor)
+    assert fp32.get_parameter("lm_head.weight").numel() == fp32.head.numel() > 0
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

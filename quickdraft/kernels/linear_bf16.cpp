@@ -563,7 +563,6 @@ bool qd_linear_panel_eligible(const at::Tensor& x, const at::Tensor& packed, int
                               const c10::optional<at::Tensor>& bias);
 at::Tensor qd_linear_panel(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                            const c10::optional<at::Tensor>& bias);
-int64_t qd_linear_panel_prefetch(int64_t bytes);
 // attention.cpp (same extension)
 bool qd_attend_eligible(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         int64_t start);
@@ -596,9 +595,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("eligible_panel", &qd_linear_panel_eligible, "whether `linear_panel` accepts these",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"));
-  m.def("linear_panel_prefetch", &qd_linear_panel_prefetch,
-        "set the panel kernel's prefetch distance in bytes (benchmarks); returns the old one",
-        py::arg("bytes"));
   m.def("rms_norm", &qd_rms_norm, "x * rsqrt(mean(x^2) + eps) * (w + offset)", py::arg("x"),
         py::arg("weight"), py::arg("eps"), py::arg("offset"),
         py::call_guard<py::gil_scoped_release>());

@@ -16,14 +16,15 @@
 // two fp32 vectors (lane << 16 = rows 0-7, lane & 0xffff0000 = rows 8-15), and each token
 // broadcasts x[m, k] into 2 FMAs. So up to kTmax = 6 tokens share one pass over the weights with
 // 2 conversions per 2 * T FMAs, the accumulators are the outputs (no lane sums), and software
-// prefetch a fixed distance ahead on the stream keeps DRAM busy while the FMAs run: measured
-// M = 5 at 1.04-1.2x the time of M = 1 (bench/kernels.py).
+// prefetch a fixed distance ahead on the stream keeps DRAM busy while the FMAs run. Measured on
+// a 2-core Zen 3 (bench/kernels.py, weights streamed from DRAM): M = 1 at 28-30 GB/s (the
+// machine's plain read rate), M = 2-4 at 0.9-1.05x and M = 5 at 1.2x the M = 1 time, M = 6
+// 1.4-1.65x (at 6 tokens the FMAs outrun the stream; the tile also spills a few registers).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
 #include "bf16.h"
-#include "simd.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -40,7 +41,7 @@ using u16 = uint16_t;
 constexpr int kPanel = 16;   // weight rows per panel
 constexpr int kTmax = 6;     // tokens per pass: 2 * kTmax accumulators + 2 weights + 1 x <= 16 ymm
 constexpr int64_t kKBlock = 512;  // k per block when tokens need several passes (16 KiB of panel)
-int64_t g_prefetch_bytes = 4096;  // distance ahead on the weight stream (tuned: bench/kernels.py)
+constexpr int64_t kPrefetchBytes = 4096;  // distance ahead on the weight stream (4-16 KiB: same)
 
 // One k of a panel: its 16 weights (32 bytes at wk) become two fp32 vectors, and each of T
 // tokens adds x[t][k] times them into its two accumulators.
@@ -61,7 +62,7 @@ __attribute__((always_inline)) inline void step(const u16* wk, const float* xk, 
 // T tokens x 16 rows over k in [0, klen) of one panel slice `w` ([klen, 16] u16): acc [T][16]
 // (zeroed first when init). A accumulator sets alternate over k so that at least 8 independent
 // FMA chains cover the FMA latency at small T; a loop step takes S k (64 bytes or more) and
-// prefetches one line per 64 bytes, `pf` bytes ahead on the stream.
+// prefetches one line per 64 bytes at `pf` (kPrefetchBytes ahead on the stream; null: none).
 template <int T>
 inline void tile(const u16* w, int64_t klen, const float* xs, int64_t ldx, float* acc, bool init,
                  const char* pf) {
@@ -132,9 +133,8 @@ void run_group(const u16* packed, int64_t P, int64_t N, int64_t K, const float* 
           const int T = static_cast<int>(M / nch + (c < M % nch ? 1 : 0));
           // The first pass over a block streams it from DRAM: prefetch ahead on the stream
           // (into the next panel at the end of this one; past the thread's range is harmless).
-          const char* pf = c == 0 && g_prefetch_bytes > 0
-                               ? reinterpret_cast<const char*>(wp + k0 * kPanel) + g_prefetch_bytes
-                               : nullptr;
+          const char* pf =
+              c == 0 ? reinterpret_cast<const char*>(wp + k0 * kPanel) + kPrefetchBytes : nullptr;
           tile_dispatch(T, wp + k0 * kPanel, klen, xs + m0 * ldx + k0, ldx, acc + m0 * kPanel,
                         k0 == 0, pf);
           m0 += T;
@@ -214,11 +214,4 @@ at::Tensor qd_linear_panel(const at::Tensor& x, const at::Tensor& packed, int64_
     g0 += gm;
   }
   return y.view(out_shape);
-}
-
-// Benchmarks only: the prefetch distance in bytes (0 = off); returns the previous value.
-int64_t qd_linear_panel_prefetch(int64_t bytes) {
-  const int64_t old = g_prefetch_bytes;
-  if (bytes >= 0) g_prefetch_bytes = bytes;
-  return old;
 }

@@ -169,12 +169,19 @@ def project(x: Tensor, weight: Weight, bias: Tensor | None = None) -> Tensor:
 def convert_operands_(model: nn.Module, convert: Callable[[Weight], Weight]) -> None:
     """Replace every GEMM operand of `model` in place by `convert(operand)` and free the
     nn.Linear-layout copies. Operands are the attributes each module names in its `OPERANDS`
-    (what its forward passes to `project`); the HF-named LinearView weights and the fused
-    tensors a module names in `FUSED` are emptied afterwards, so the state_dict is not usable
-    once this ran (a tied lm_head's storage lives on in the embedding, which lookups read)."""
+    (what its forward passes to `project`); once any operand changed, the HF-named LinearView
+    weights and the fused tensors a module names in `FUSED` are emptied, so the state_dict is
+    not usable afterwards (a tied lm_head's storage lives on in the embedding, which lookups
+    read). A convert that changes nothing leaves the model as it was."""
+    changed = False
     for module in model.modules():
         for name in getattr(module, "OPERANDS", ()):
-            setattr(module, name, convert(getattr(module, name)))
+            old = getattr(module, name)
+            new = convert(old)
+            changed = changed or new is not old
+            setattr(module, name, new)
+    if not changed:
+        return
     for module in model.modules():
         for name in getattr(module, "FUSED", ()):
             setattr(module, name, torch.empty(0))
