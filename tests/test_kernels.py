@@ -392,39 +392,73 @@ def test_int8_quantize_in_row_blocks_equals_whole_tensor_formula(dtype: torch.dt
     assert q.qweight.is_contiguous() and q.scale.is_contiguous()
 
 
+def test_int8_panel_layout_and_row_round_trip() -> None:
+    # N = 37: a partial last panel; K = 40: columns padded to 64 (two 32-blocks)
+    rows = torch.randint(-127, 128, (37, 40), generator=torch.Generator().manual_seed(1))
+    q = Int8Weight.from_rows(rows.to(torch.int8), torch.rand(37))
+    assert q.packed.shape == (3, 16, 64) and q.shape == (37, 40)
+    for n, k in [(0, 0), (5, 3), (17, 38), (36, 39)]:
+        p, j, c, i = n // 16, n % 16, k // 4, k % 4
+        assert int(q.packed[p, c, 4 * j + i]) == int(rows[n, k])
+    assert int(q.packed[2, :, 5 * 4 :].abs().sum()) == 0  # rows 37.. of the last panel
+    assert int(q.packed[:, 10:].abs().sum()) == 0  # columns 40..63
+    assert torch.equal(q.qweight, rows.to(torch.int8))
+    with pytest.raises(ValueError, match="int8 rows"):
+        Int8Weight.from_rows(rows.float(), torch.rand(37))
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["xbf16", "xfp32"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("k", [8, 24, 64, 904], ids=lambda k: f"K{k}")
+@pytest.mark.parametrize("k", [8, 40, 64, 896, 1100], ids=lambda k: f"K{k}")
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 17, 70], ids=lambda m: f"M{m}")
-def test_linear_int8_matches_dequantized_reference(
-    m: int, k: int, bias: bool, dtype: torch.dtype
-) -> None:
+def test_linear_int8_matches_its_reference(m: int, k: int, bias: bool, dtype: torch.dtype) -> None:
+    """The kernel against `Int8Weight.reference_linear` (same activation quantization, plain
+    torch): only summation order differs. K = 8, 40, 1100 need zero-padded columns, 1100 also
+    several k blocks when M > 4; M = 1-4 are one token pass, 5-70 several (N = 37: a partial
+    panel)."""
     x, w, b = make(m, 37, k, bias, dtype)
     q = Int8Weight.quantize(w)
     before = kernel_calls()
     out = linear_int8(x, q, b)
-    assert kernel_calls() == before + 1  # the int8 kernel ran, not the dequantizing fallback
-    # The kernel computes (x . q) * scale; the reference x . (q * scale): same up to rounding.
-    assert_close_to_reference(out, x, q.dequantize(torch.float32), b)
+    assert kernel_calls() == before + 1  # the kernel ran, not the reference fallback
+    ref = q.reference_linear(x.float(), None if b is None else b.float())
+    assert out.dtype == x.dtype and out.shape == ref.shape
+    tol = 1e-5 * (ref.abs() + 1)
+    if dtype == torch.bfloat16:
+        tol = tol + BF16_ULP * ref.abs()
+    assert bool(((out.float() - ref).abs() <= tol).all())
+    # and it is the dequantized weight's product up to the int8 activation rounding
+    deq = F.linear(x.float(), q.dequantize(torch.float32), None if b is None else b.float())
+    assert float((ref - deq).abs().max()) < 0.02 * float(deq.abs().max())
 
 
 @needs_kernel
 def test_linear_int8_exact_on_small_integers() -> None:
-    # integer x and q with scale 1: every partial sum is exact, any order/offset bug shows
+    """Integer x whose block max is 127 (dx = 1) and integer q with scale 1: every term is an
+    exact integer, so a layout, sign or block-offset bug cannot hide in rounding."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(-3, 4, (5, 48), generator=g).float()
-    q = Int8Weight(torch.randint(-100, 101, (11, 48), generator=g).to(torch.int8), torch.ones(11))
+    x = torch.randint(-127, 128, (5, 96), generator=g).float()
+    x[:, ::32] = 127
+    x[1, 40:50] = 0  # sign(w, 0) = 0: zero activations contribute nothing
+    q = Int8Weight.from_rows(
+        torch.randint(-127, 128, (19, 96), generator=g).to(torch.int8), torch.ones(19)
+    )
     assert torch.equal(linear_int8(x, q), x @ q.qweight.float().T)
 
 
-def test_linear_int8_ineligible_input_falls_back_correctly() -> None:
-    x, w, _ = make(2, 9, 12, False, torch.float32)  # K = 12: not a multiple of 8
+def test_linear_int8_ineligible_input_falls_back_to_the_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    x, w, _ = make(2, 9, 12, False, torch.float32)
     q = Int8Weight.quantize(w)
+    monkeypatch.setattr(cpu_linear, "disabled", True)
     before = kernel_calls()
     out = linear_int8(x, q)
     assert kernel_calls() == before
-    torch.testing.assert_close(out, F.linear(x, q.dequantize(torch.float32)))
+    torch.testing.assert_close(out, q.reference_linear(x))
+    deq = F.linear(x, q.dequantize(torch.float32))
+    assert float((out - deq).abs().max()) < 0.02 * float(deq.abs().max())
 
 
 # --- bf16 weights in 16-row panels ----------------------------------------------------------

@@ -56,6 +56,7 @@ _SOURCES = [
     for f in (
         "linear_bf16.cpp",
         "linear_panel.cpp",
+        "linear_i8.cpp",
         "linear_q4.cpp",
         "norm_rope.cpp",
         "gdn_ops.cpp",
@@ -233,51 +234,6 @@ def kernel_calls() -> int:
     return int(_ext.kernel_calls()) if _ext is not None else 0
 
 
-@dataclass(frozen=True, slots=True)
-class Int8Weight:
-    """A weight [N, K] stored as int8 with one fp32 scale per output row (symmetric, absmax):
-    w ~= qweight * scale[:, None]. Half the bytes of bf16, so a memory-bound GEMV reads it in
-    half the time; used for draft models, whose precision only moves the acceptance rate."""
-
-    qweight: Tensor  # [N, K] int8
-    scale: Tensor  # [N] fp32
-
-    @classmethod
-    def quantize(cls, weight: Tensor) -> Int8Weight:
-        """Row blocks of ~1 MiB in fp32, each quantized while it is in cache: Qwen2.5-Coder-0.5B's
-        `quantize_("int8")` takes 0.8 s instead of 10.2 s with whole-tensor ops, and no fp32
-        copy of a whole weight is made; every row comes out exactly as by whole-tensor ops."""
-        weight = weight.detach()
-        n, k = weight.shape
-        q = torch.empty((n, k), dtype=torch.int8, device=weight.device)
-        scale = torch.empty(n, dtype=torch.float32, device=weight.device)
-        rows = max(1, (1 << 18) // max(k, 1))
-        for i in range(0, n, rows):
-            w = weight[i : i + rows].float()
-            s = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-            q[i : i + rows] = torch.round(w / s[:, None]).clamp_(-127, 127)  # w may alias weight
-            scale[i : i + rows] = s
-        return cls(q, scale)
-
-    def dequantize(self, dtype: torch.dtype) -> Tensor:
-        return (self.qweight.float() * self.scale[:, None]).to(dtype)
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.qweight.shape
-
-
-def linear_int8(x: Tensor, weight: Int8Weight, bias: Tensor | None = None) -> Tensor:
-    """x [..., K] @ dequantized(weight).T (+ bias) -> [..., N] in x.dtype; the int8 kernel when
-    the inputs are eligible, else (GPU, odd K, no compiler) the dequantized weight through
-    F.linear, which is slow but the same function."""
-    ext = _extension() if x.is_cpu else None
-    if ext is not None and ext.eligible_int8(x, weight.qweight, weight.scale, bias):
-        out: Tensor = ext.linear_int8(x, weight.qweight, weight.scale, bias)
-        return out
-    return _fallback(x, weight.dequantize(x.dtype), bias)
-
-
 PANEL = 16  # weight rows per panel of a PanelWeight
 
 
@@ -330,7 +286,108 @@ def linear_panel(x: Tensor, weight: PanelWeight, bias: Tensor | None = None) -> 
     return _fallback(x, weight.unpack(), bias)
 
 
-Q4_GROUP = 32  # weights per group of an Int4Weight
+Q4_GROUP = 32  # weights per group of an Int4Weight; values per activation block (int8 kernels)
+
+
+def quantize_activations(x: Tensor, k32: int) -> tuple[Tensor, Tensor]:
+    """What the integer-dot kernels (quant.h) do to x [..., K]: zero-pad to k32 columns, then
+    per block of 32 values xq = round(x / dx) (half to even) with dx = max|x| / 127. Returns
+    xq [M, k32 / 32, 32] (integer-valued fp32) and dx [M, k32 / 32]."""
+    xs = x.float().reshape(-1, x.shape[-1])
+    if k32 != xs.shape[1]:
+        xs = F.pad(xs, (0, k32 - xs.shape[1]))
+    xs = xs.reshape(xs.shape[0], k32 // Q4_GROUP, Q4_GROUP)
+    dx = xs.abs().amax(dim=2) / 127
+    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    return torch.round(xs * inv[..., None]), dx
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Weight:
+    """A weight [N, K] as int8 with one fp32 scale per output row (symmetric, absmax),
+    w ~= q * scale[:, None], in 16-row panels of 4-column quads for `linear_i8.cpp`: `packed`
+    [ceil(N / 16), K32 / 4, 64] (K32 = K rounded up to 32) holds packed[p, c, 4j + i] =
+    q[16p + j, 4c + i], zero past N and K. The kernel multiplies it with activations quantized
+    to int8 per 32 values (`reference_linear`). Half the bytes of bf16; for draft models, whose
+    precision only moves the acceptance rate."""
+
+    packed: Tensor  # [P, K32 / 4, 64] int8
+    scale: Tensor  # [N] fp32
+    in_features: int
+
+    @classmethod
+    def quantize(cls, weight: Tensor) -> Int8Weight:
+        """Row blocks of ~1 MiB in fp32, each quantized while it is in cache: Qwen2.5-Coder-0.5B's
+        `quantize_("int8")` takes 0.8 s instead of 10.2 s with whole-tensor ops, and no fp32
+        copy of a whole weight is made; every row comes out exactly as by whole-tensor ops."""
+        weight = weight.detach()
+        n, k = weight.shape
+        q = torch.empty((n, k), dtype=torch.int8, device=weight.device)
+        scale = torch.empty(n, dtype=torch.float32, device=weight.device)
+        rows = max(1, (1 << 18) // max(k, 1))
+        for i in range(0, n, rows):
+            w = weight[i : i + rows].float()
+            s = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+            q[i : i + rows] = torch.round(w / s[:, None]).clamp_(-127, 127)  # w may alias weight
+            scale[i : i + rows] = s
+        return cls.from_rows(q, scale)
+
+    @classmethod
+    def from_rows(cls, qweight: Tensor, scale: Tensor) -> Int8Weight:
+        """From int8 rows [N, K] (values in -127..127) and their fp32 scales [N]."""
+        if qweight.dtype != torch.int8 or qweight.dim() != 2 or scale.shape != qweight.shape[:1]:
+            raise ValueError(
+                f"need int8 rows [N, K] and scales [N], got {qweight.dtype} "
+                f"{tuple(qweight.shape)} and {tuple(scale.shape)}"
+            )
+        n, k = qweight.shape
+        p, k32 = (n + PANEL - 1) // PANEL, (k + Q4_GROUP - 1) // Q4_GROUP * Q4_GROUP
+        padded = F.pad(qweight, (0, k32 - k, 0, p * PANEL - n))
+        # [p, j, c, i] -> [p, c, j, i]: quad c of row 16p + j at bytes 4j..4j + 3
+        packed = padded.reshape(p, PANEL, k32 // 4, 4).transpose(1, 2).contiguous()
+        return cls(packed.view(p, k32 // 4, 4 * PANEL), scale.float().contiguous(), k)
+
+    @property
+    def qweight(self) -> Tensor:
+        """The int8 rows [N, K] (a copy)."""
+        p, quads, _ = self.packed.shape
+        rows = self.packed.view(p, quads, PANEL, 4).transpose(1, 2).reshape(p * PANEL, quads * 4)
+        return rows[: self.out_features, : self.in_features].contiguous()
+
+    @property
+    def out_features(self) -> int:
+        return int(self.scale.shape[0])
+
+    def dequantize(self, dtype: torch.dtype) -> Tensor:
+        return (self.qweight.float() * self.scale[:, None]).to(dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    def reference_linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """What the kernel computes, in plain torch (tests, fallback): per 32-value block an
+        integer dot of the int8 activations with q, times dx, summed in fp32, times the row
+        scale (+ bias)."""
+        k32 = self.packed.shape[1] * 4
+        xq, dx = quantize_activations(x, k32)  # [M, G, 32], [M, G]
+        q = F.pad(self.qweight, (0, k32 - self.in_features)).float()
+        dots = torch.einsum("mgj,ngj->mng", xq, q.reshape(q.shape[0], -1, Q4_GROUP))  # exact
+        y = (dots * dx[:, None]).sum(dim=2) * self.scale
+        if bias is not None:
+            y = y + bias.float()
+        return y.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+
+def linear_int8(x: Tensor, weight: Int8Weight, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] @ weight.T (+ bias) -> [..., N] in x.dtype, activations quantized to int8 as
+    `Int8Weight.reference_linear` says: the kernel when eligible, else that reference (slow,
+    the same function up to summation order)."""
+    ext = _extension() if x.is_cpu else None
+    if ext is not None and ext.eligible_i8(x, weight.packed, weight.scale, bias):
+        out: Tensor = ext.linear_i8(x, weight.packed, weight.scale, bias)
+        return out
+    return weight.reference_linear(x, bias)
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,11 +449,7 @@ class Int4Weight:
         """What the kernel computes, in plain torch (tests): x quantized per 32 values to int8
         with dx = max|x| / 127 (round half to even), integer dot with q per group, then
         d * dx * dot + mn * dx * sum(xq) per group, summed in fp32."""
-        k = self.in_features
-        xs = x.float().reshape(-1, k // Q4_GROUP, Q4_GROUP)
-        dx = xs.abs().amax(dim=2) / 127
-        inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
-        xq = torch.round(xs * inv[..., None])  # [M, G, 32]
+        xq, dx = quantize_activations(x, self.in_features)  # [M, G, 32], [M, G]
         sx = dx * xq.sum(dim=2)  # [M, G]
         d, mn, q = self._parts()  # [N, G], [N, G, 32]
         dots = torch.einsum("mgj,ngj->mng", xq, q)  # exact: integers < 2^24

@@ -1,14 +1,15 @@
-// Small-M linear over a bf16 (or int8 + per-row scale) weight for AVX2 + FMA CPUs; JIT-built
+// Small-M linear over a bf16 weight in nn.Linear layout for AVX2 + FMA CPUs; JIT-built
 // by quickdraft/kernels/cpu_linear.py, which owns the Python-facing contract.
 //
-// Contract: y[m, n] = sum_k x[m, k] * w[n, k] (* scale[n]) (+ bias[n]) for
+// Contract: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for
 //   x     [..., K] bf16 or fp32 (any strides; flattened to M = numel / K rows),
-//   w     [N, K]   bf16, or int8 with scale [N] fp32; contiguous (nn.Linear layout, not repacked),
+//   w     [N, K]   bf16, contiguous (nn.Linear layout, not repacked),
 //   bias  [N]      any floating dtype, optional (fp32 / bf16 read as is, others cast to fp32),
 //   y     [..., N] in x's dtype; fp32 accumulation, one round-to-nearest-even at the end.
 // `linear` runs the kernel when `eligible` holds (CPU, K % 8 == 0, M <= max_m, no autograd,
-// ...) and otherwise calls at::linear, i.e. exactly what F.linear would do. `linear_int8`
-// has no fallback (torch has no fast int8 CPU GEMV); cpu_linear.py checks eligibility first.
+// ...) and otherwise calls at::linear, i.e. exactly what F.linear would do. bf16 models on the
+// CPU run packed weights (linear_panel.cpp); this layout serves routed MoE experts and
+// unpacked weights. int8 weights have their own kernel (linear_i8.cpp).
 //
 // Why: decode is bound by streaming the weights, and a speculative-decoding verify pass has
 // M = 2..17 rows. Torch's bf16 CPU matmul without AVX-512 costs ~M times the M=1 time; here
@@ -20,9 +21,8 @@
 //   in lane j, so `lane << 16` is fp32(w[2j]) and `lane & 0xffff0000` is fp32(w[2j+1]): one
 //   integer op per 8 weights, no shuffles.
 // * Hence x is converted once per call into an fp32 scratch in that same order ("even 8, odd 8"
-//   per 16-block; a trailing 8-block, when K % 16 == 8, stays in natural order). int8 weights
-//   sign-extend 8 at a time in natural order (x packed naturally), the scale is applied to the
-//   finished dot product. The weight format is a template policy (Bf16W, Int8W) of one kernel.
+//   per 16-block; a trailing 8-block, when K % 16 == 8, stays in natural order). The weight
+//   format is a template policy (Bf16W) of the kernel.
 // * Register tile: R weight rows x T tokens of 8-lane fp32 accumulators (R*T + R + 1 <= 16 ymm).
 //   Token chunks run inside a row block (~48-64 KiB of weights), so the block comes from DRAM
 //   once and is re-read from L1/L2 by the later chunks; lane sums happen once per output.
@@ -80,7 +80,6 @@ inline void hsum_many(const float* a, int n, float* out) {
 // packed (pack_x) in the matching order, so the FMAs pair the right x with each weight.
 struct Bf16W {
   using elem = u16;
-  static constexpr bool kEvenOdd = true;  // lo = even k of the block, hi = odd k
   static __m256 lo(const elem* p) {
     return bf16_even(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
@@ -90,36 +89,9 @@ struct Bf16W {
   static __m256 tail8(const elem* p) { return bf16x8_to_f32(p); }
 };
 
-// int8 with one fp32 scale per row (applied in the epilogue): half the bytes of bf16, so a
-// memory-bound decode step reads its weights twice as fast.
-struct Int8W {
-  using elem = int8_t;
-  static constexpr bool kEvenOdd = false;  // lo = k 0..7 of the block, hi = k 8..15
-  static __m256 lo(const elem* p) { return tail8(p); }
-  static __m256 hi(const elem* p) { return tail8(p + 8); }
-  static __m256 tail8(const elem* p) {
-    __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-  }
-};
-
-// x [M, K] -> xs [M, ldx] fp32 in the packed order described at the top (even_odd), or in
-// natural order for weight formats that decode in natural order.
-void pack_x(const void* x, bool x_bf16, int64_t M, int64_t K, float* xs, int64_t ldx,
-            bool even_odd) {
+// x [M, K] -> xs [M, ldx] fp32 in the packed order described at the top.
+void pack_x(const void* x, bool x_bf16, int64_t M, int64_t K, float* xs, int64_t ldx) {
   const int64_t K16 = K / 16 * 16;
-  if (!even_odd) {
-    for (int64_t m = 0; m < M; ++m) {
-      float* dst = xs + m * ldx;
-      if (x_bf16) {
-        const u16* src = static_cast<const u16*>(x) + m * K;
-        for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(dst + k, bf16x8_to_f32(src + k));
-      } else {
-        std::memcpy(dst, static_cast<const float*>(x) + m * K, K * sizeof(float));
-      }
-    }
-    return;
-  }
   if (x_bf16) {
     const u16* xp = static_cast<const u16*>(x);
     for (int64_t m = 0; m < M; ++m) {
@@ -261,7 +233,6 @@ void tile_dispatch(int T, const typename W::elem* const* wr, const float* xs, in
 
 struct Problem {
   const void* w;      // [N, K] in the weight format's element type
-  const float* scale;  // per-row scale [N] (int8) or nullptr
   const float* xs;    // [M, ldx], packed (see top)
   const void* bias;   // [N] or nullptr: fp32, or bf16 when bias_bf16
   bool bias_bf16;
@@ -330,7 +301,7 @@ void run(const Problem& p) {
           for (int t = 0; t < T; ++t)
             for (int r = 0; r < R && g * R + r < rows; ++r) {
               const int64_t n = n0 + g * R + r;
-              const float dot = sums[r * T + t] * (p.scale ? p.scale[n] : 1.0f);
+              const float dot = sums[r * T + t];
               const float b = !p.bias       ? 0.0f
                               : p.bias_bf16 ? qd_bf16::bf16_to_f32(static_cast<const u16*>(p.bias)[n])
                                             : static_cast<const float*>(p.bias)[n];
@@ -385,10 +356,8 @@ void run_format(const Problem& p, int64_t R, int64_t tmax) {
   else TORCH_CHECK(false, "quickdraft linear: no tile instance ", R, "x", tmax);
 }
 
-// w is bf16, or int8 with `scale` [N] fp32 (y = (x @ w.T) * scale + bias).
-at::Tensor run_kernel(const at::Tensor& x, const at::Tensor& w, const at::Tensor* scale,
+at::Tensor run_kernel(const at::Tensor& x, const at::Tensor& w,
                       const c10::optional<at::Tensor>& bias, Knobs knobs) {
-  const bool int8 = scale != nullptr;
   const int64_t N = w.size(0), K = w.size(1);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
@@ -414,8 +383,8 @@ at::Tensor run_kernel(const at::Tensor& x, const at::Tensor& w, const at::Tensor
     xs_owner = at::empty({M * ldx}, x.options().dtype(at::kFloat));
     xs = xs_owner.data_ptr<float>();
   }
-  pack_x(x2.data_ptr(), x2.scalar_type() == at::kBFloat16, M, K, xs, ldx, !int8);
-  const int64_t elem_bytes = int8 ? 1 : 2;
+  pack_x(x2.data_ptr(), x2.scalar_type() == at::kBFloat16, M, K, xs, ldx);
+  constexpr int64_t elem_bytes = 2;
 
   // Tokens go in balanced groups of at most kGroupM, each streaming the weight once: the
   // chunk loop re-reads the group's x for every row block, which must stay cache-resident
@@ -429,7 +398,6 @@ at::Tensor run_kernel(const at::Tensor& x, const at::Tensor& w, const at::Tensor
     const Knobs k = resolve(knobs, gm, K);
     const int64_t R = k.r;
     Problem p{w.data_ptr(),
-              int8 ? scale->data_ptr<float>() : nullptr,
               xs + g0 * ldx,
               b.defined() ? b.data_ptr() : nullptr,
               b.defined() && b.scalar_type() == at::kBFloat16,
@@ -442,10 +410,7 @@ at::Tensor run_kernel(const at::Tensor& x, const at::Tensor& w, const at::Tensor
               std::max<int64_t>(R, k.block_bytes / (elem_bytes * K) / R * R),
               k.kb >= K ? K : std::max<int64_t>(16, k.kb / 16 * 16),
               k.prefetch != 0};
-    if (int8)
-      run_format<Int8W>(p, R, k.tmax);
-    else
-      run_format<Bf16W>(p, R, k.tmax);
+    run_format<Bf16W>(p, R, k.tmax);
     g0 += gm;
   }
   return y.view(out_shape);
@@ -492,35 +457,7 @@ at::Tensor fallback(const at::Tensor& x, const at::Tensor& w,
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                   int64_t max_m) {
   if (!eligible(x, w, bias, max_m)) return fallback(x, w, bias);
-  return run_kernel(x, w, nullptr, bias, Knobs{});
-}
-
-// y = (x @ qweight.T) * scale (+ bias) for an int8 weight [N, K] with one fp32 scale per row.
-// No fallback exists for int8 weights in torch on CPU that is worth using (at::
-// _weight_int8pack_mm reads ~1 GB/s here), so inputs must be eligible: the caller dequantizes
-// otherwise (see cpu_linear.py).
-bool eligible_int8(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale,
-                   const c10::optional<at::Tensor>& bias) {
-  if (!x.defined() || !qw.defined() || !scale.defined()) return false;
-  if (!x.device().is_cpu() || !qw.device().is_cpu() || !scale.device().is_cpu()) return false;
-  if (qw.scalar_type() != at::kChar || qw.dim() != 2 || !qw.is_contiguous()) return false;
-  if (scale.scalar_type() != at::kFloat || scale.dim() != 1 || !scale.is_contiguous() ||
-      scale.size(0) != qw.size(0))
-    return false;
-  if (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kFloat) return false;
-  const int64_t K = qw.size(1);
-  if (x.dim() < 1 || K == 0 || K % 8 != 0 || x.size(-1) != K) return false;
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias && (!bias->device().is_cpu() || !at::isFloatingType(bias->scalar_type()) ||
-                   bias->dim() != 1 || bias->size(0) != qw.size(0)))
-    return false;
-  return !(at::GradMode::is_enabled() && x.requires_grad());
-}
-
-at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale,
-                       const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(eligible_int8(x, qw, scale, bias), "quickdraft linear_int8: inputs not eligible");
-  return run_kernel(x, qw, &scale, bias, Knobs{});
+  return run_kernel(x, w, bias, Knobs{});
 }
 
 // For bench/kernels.py --knobs: [r, tmax, block_bytes, kb, prefetch], 0 = default (-1 for
@@ -529,7 +466,7 @@ at::Tensor linear_tuned(const at::Tensor& x, const at::Tensor& w,
                         const c10::optional<at::Tensor>& bias, std::vector<int64_t> knobs) {
   TORCH_CHECK(knobs.size() == 5, "knobs: r, tmax, block_bytes, kb, prefetch");
   TORCH_CHECK(eligible(x, w, bias, INT64_MAX), "quickdraft linear_bf16: inputs not eligible");
-  return run_kernel(x, w, nullptr, bias,
+  return run_kernel(x, w, bias,
                     Knobs{knobs[0], knobs[1], knobs[2], knobs[3], knobs[4]});
 }
 
@@ -563,6 +500,11 @@ bool qd_linear_panel_eligible(const at::Tensor& x, const at::Tensor& packed, int
                               const c10::optional<at::Tensor>& bias);
 at::Tensor qd_linear_panel(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                            const c10::optional<at::Tensor>& bias);
+// linear_i8.cpp (same extension)
+bool qd_linear_i8_eligible(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                           const c10::optional<at::Tensor>& bias);
+at::Tensor qd_linear_i8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                        const c10::optional<at::Tensor>& bias);
 // attention.cpp (same extension)
 bool qd_attend_eligible(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         int64_t start);
@@ -580,11 +522,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_tuned", &linear_tuned, "the kernel with explicit knobs (benchmarks only)",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("knobs"),
         py::call_guard<py::gil_scoped_release>());
-  m.def("linear_int8", &linear_int8, "(x @ qweight.T) * scale (+ bias), int8 weight",
-        py::arg("x"), py::arg("qweight"), py::arg("scale"), py::arg("bias"),
+  m.def("linear_i8", &qd_linear_i8,
+        "scale * (int8(x) . w) (+ bias), int8 weight in 16-row panels, int8 activations",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("bias"),
         py::call_guard<py::gil_scoped_release>());
-  m.def("eligible_int8", &eligible_int8, "whether `linear_int8` accepts these inputs",
-        py::arg("x"), py::arg("qweight"), py::arg("scale"), py::arg("bias"));
+  m.def("eligible_i8", &qd_linear_i8_eligible, "whether `linear_i8` accepts these inputs",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("bias"));
   m.def("linear_q4", &qd_linear_q4, "x @ dequantized(w).T (+ bias), 4-bit weight, int8 x",
         py::arg("x"), py::arg("packed"), py::arg("k"), py::arg("bias"),
         py::call_guard<py::gil_scoped_release>());
