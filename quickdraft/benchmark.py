@@ -138,7 +138,10 @@ def run(
     """`draft` runs the draft model with `draft_quantization` weights; when that is not "none"
     the unquantized draft model runs too, as `draft_unquantized`, so the table shows both.
     `per_set`: prompts per set for our engines (None: all); `reference_per_set`: for the
-    reference engines (REFERENCE_ENGINES)."""
+    reference engines (REFERENCE_ENGINES); 0 leaves them out (nothing of theirs is loaded)."""
+    if reference_per_set < 0:
+        raise ValueError(f"reference_per_set must be >= 0, got {reference_per_set}")
+    hf = hf and reference_per_set > 0
     all_sets = prompt_sets()
     chosen = sets or list(all_sets)
     lm = load(target, dtype)
@@ -147,7 +150,7 @@ def run(
         "ngram": make_speculation(lm, SpeculativeConfig(method="ngram", num_draft_tokens=k)),
     }
     quants = {"draft": draft_quantization}
-    if draft_quantization != "none":
+    if draft_quantization != "none" and reference_per_set > 0:
         quants["draft_unquantized"] = "none"
     for name, quant in quants.items():
         specs[name] = make_speculation(

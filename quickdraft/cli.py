@@ -389,7 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--reference-per-set",
         type=int,
         default=2,
-        help="prompts per set for the slower reference engines (transformers, unquantized draft)",
+        help="prompts per set for the slower reference engines (transformers, unquantized "
+        "draft); 0 skips them",
     )
     b.add_argument("--sets", nargs="*", default=None, help="code prose json repetitive")
     b.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
