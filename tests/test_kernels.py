@@ -4,6 +4,7 @@ really taken where it should be, and that every other case falls back to F.linea
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -369,6 +370,47 @@ def test_reference_linear_is_fp32_math_in_x_dtype() -> None:
 # --- int8 weights ---------------------------------------------------------------------------
 
 
+def _smaps_entry(addr: int) -> str:
+    """The /proc/self/smaps block of the mapping holding `addr`."""
+    blocks = Path("/proc/self/smaps").read_text().split("\n")
+    entry: list[str] = []
+    found = False
+    for line in blocks:
+        head = line.split(" ", 1)[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            if found:
+                break
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            found, entry = lo <= addr < hi, [line]
+        else:
+            entry.append(line)
+    assert found, f"no mapping holds {addr:#x}"
+    return "\n".join(entry)
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/smaps").exists()
+    or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
+    reason="needs Linux with transparent huge pages",
+)
+@pytest.mark.parametrize("kind", ["panel", "int8", "int4"])
+def test_big_packed_weights_sit_on_huge_page_eligible_aligned_memory(kind: str) -> None:
+    """Each format's packed weight, from 2 MiB on, is on its own 2 MiB-aligned mapping that
+    the kernel reports as THP-eligible; smaller ones stay ordinary tensors. Values survive."""
+    w = torch.randn(4000, 896, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    make = {"panel": PanelWeight.pack, "int8": Int8Weight.quantize, "int4": Int4Weight.quantize}
+    big, small = make[kind](w), make[kind](w[:48])
+    assert big.packed.numel() * big.packed.element_size() >= cpu_linear.HUGE_PAGE
+    assert big.packed.data_ptr() % cpu_linear.HUGE_PAGE == 0
+    smaps = _smaps_entry(big.packed.data_ptr())
+    assert re.search(r"THPeligible:\s+1", smaps) and re.search(r"VmFlags:.* hg", smaps), smaps
+    assert small.packed.data_ptr() % cpu_linear.HUGE_PAGE != 0 or small.packed.numel() == 0
+    torch.testing.assert_close(big.dequantize(torch.float32)[:48], small.dequantize(torch.float32))
+    torch.testing.assert_close(
+        big.dequantize(torch.float32), w.float(), rtol=0, atol=float(w.abs().max()) / 6
+    )
+
+
 def test_int8_quantize_roundtrip_error_is_half_a_step() -> None:
     w = torch.randn(50, 96, generator=torch.Generator().manual_seed(3))
     q = Int8Weight.quantize(w)
@@ -530,8 +572,8 @@ def test_int4_quantize_roundtrip_error_is_half_a_step() -> None:
     w = torch.randn(50, 96, generator=torch.Generator().manual_seed(3))
     q = Int4Weight.quantize(w)
     assert q.packed.dtype == torch.uint8 and q.shape == (50, 96)
-    # 3 groups: 2 pairs of 32 nibble bytes (the odd one padded) + 8 fp16 d + 8 fp16 mn
-    assert q.packed.shape == (50, 2 * 32 + 8 * 4)
+    # 4 panels (the last holds 2 rows) x 3 groups x (256 nibble bytes + 16 fp16 d + 16 fp16 mn)
+    assert q.packed.shape == (4, 3, 320)
     d, _mn, qv = q._parts()
     assert float(qv.min()) == 0 and float(qv.max()) == 15  # min and max map to the range ends
     err = (q.dequantize(torch.float32) - w).reshape(50, 3, 32).abs()
@@ -541,6 +583,25 @@ def test_int4_quantize_roundtrip_error_is_half_a_step() -> None:
         Int4Weight.quantize(torch.randn(4, 40))
 
 
+def test_int4_panel_layout() -> None:
+    """The documented byte layout, read back without `_parts`: N = 21 (a partial second panel),
+    integer weights whose every group spans 0..15, so d = 1, mn = -8 and q = w + 8."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(0, 16, (21, 64), generator=g)
+    q[:, ::32], q[:, 1::32] = 0, 15
+    packed = Int4Weight.quantize((q - 8).float()).packed
+    assert packed.shape == (2, 2, 320)
+    for n, k in [(0, 0), (7, 5), (8, 5), (15, 63), (20, 33)]:
+        p, r, grp, col = n // 16, n % 16, k // 32, k % 32
+        byte = int(packed[p, grp, 32 * (col // 4) + 4 * (r % 8) + col % 4])
+        assert (byte >> 4 if r >= 8 else byte & 0x0F) == int(q[n, k])
+    scales = packed[..., 256:].contiguous().view(torch.float16).float()  # [p, g, d[16] mn[16]]
+    assert bool((scales[0, :, :16] == 1).all()) and bool((scales[0, :, 16:] == -8).all())
+    assert bool((scales[1, :, 5:16] == 0).all()) and bool((scales[1, :, 21:] == 0).all())
+    assert int(packed[1, :, :256].reshape(2, 8, 8, 4)[:, :, 5:].sum()) == 0  # rows 21..23, 29..31
+    assert torch.equal(Int4Weight.quantize((q - 8).float()).dequantize(torch.float32), (q - 8.0))
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["xbf16", "xfp32"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
@@ -548,8 +609,9 @@ def test_int4_quantize_roundtrip_error_is_half_a_step() -> None:
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 17], ids=lambda m: f"M{m}")
 def test_linear_int4_matches_its_reference(m: int, k: int, bias: bool, dtype: torch.dtype) -> None:
     """The kernel against `Int4Weight.reference_linear` (same activation quantization, plain
-    torch): only summation order differs. K = 32 and 96 have an odd number of groups (a padded
-    pair), 288 a partial 8-group scale chunk; M = 1, 2, 3 cover both token tiles."""
+    torch): only summation order differs. N = 37 ends in a partial panel; M = 1..5 covers
+    token chunks of 1-4 and two passes, M = 17 five passes over blocks of 16 groups (K = 896:
+    a partial second block)."""
     x, w, b = make(m, 37, k, bias, dtype)
     q = Int4Weight.quantize(w.float())
     before = kernel_calls()

@@ -491,9 +491,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qd_gdn_delta(
     const at::Tensor& y, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
     int64_t k_heads);
 // linear_q4.cpp (same extension)
-bool qd_linear_q4_eligible(const at::Tensor& x, const at::Tensor& w, int64_t K,
+bool qd_linear_q4_eligible(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                            const c10::optional<at::Tensor>& bias);
-at::Tensor qd_linear_q4(const at::Tensor& x, const at::Tensor& w, int64_t K,
+at::Tensor qd_linear_q4(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                         const c10::optional<at::Tensor>& bias);
 // linear_panel.cpp (same extension)
 bool qd_linear_panel_eligible(const at::Tensor& x, const at::Tensor& packed, int64_t N,
@@ -528,11 +528,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("eligible_i8", &qd_linear_i8_eligible, "whether `linear_i8` accepts these inputs",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("bias"));
-  m.def("linear_q4", &qd_linear_q4, "x @ dequantized(w).T (+ bias), 4-bit weight, int8 x",
-        py::arg("x"), py::arg("packed"), py::arg("k"), py::arg("bias"),
+  m.def("linear_q4", &qd_linear_q4,
+        "x @ dequantized(w).T (+ bias), 4-bit weight in 16-row panels, int8 activations",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"),
         py::call_guard<py::gil_scoped_release>());
   m.def("eligible_q4", &qd_linear_q4_eligible, "whether `linear_q4` accepts these inputs",
-        py::arg("x"), py::arg("packed"), py::arg("k"), py::arg("bias"));
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"));
   m.def("linear_panel", &qd_linear_panel, "x @ w.T (+ bias), w packed in 16-row panels",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"),
         py::call_guard<py::gil_scoped_release>());

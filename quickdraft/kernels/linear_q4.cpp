@@ -1,245 +1,236 @@
-// Linear over a 4-bit weight (groups of 32, fp16 scale + min) with int8 activations, for AVX2
-// CPUs; JIT-built with linear_bf16.cpp into one extension (cpu_linear.py owns the contract).
+// Small-M linear over a 4-bit weight (groups of 32, fp16 scale + min) in 16-row panels, with
+// int8 activations, for AVX2 CPUs; JIT-built with linear_bf16.cpp into one extension
+// (cpu_linear.py owns the contract).
 //
 // Contract: y[m, n] = sum_b (d[n,b] * dx[m,b] * sum_j q[n,b,j] * xq[m,b,j] + mn[n,b] * sx[m,b])
 //   (+ bias[n]) where, per 32-weight group b of row n, w = d * q + mn with q in 0..15 (d and mn
-//   fp16), and per 32-value block b of token m, x ~= dx * xq with xq = round(x / dx) in
-//   -127..127, dx = max|x| / 127, sx = dx * sum_j xq (the activation quantization is done here,
-//   in fp32, exactly as `Int4Weight.reference_linear` in cpu_linear.py does it).
-//   w    [N, P * 32 + G8 * 4] uint8 with G = K/32 groups, P = ceil(G/2) pairs, G8 = G rounded
-//        up to 8: per row, P pairs of groups in 32 bytes (byte j = q[2p][j] | q[2p + 1][j] << 4;
-//        a missing odd last group is 0), then G8 fp16 d, then G8 fp16 mn (zero-padded),
-//   x    [..., K] bf16 or fp32, K % 32 == 0;  bias [N] fp32/bf16 optional;  y [..., N] x's dtype.
+//   fp16), and per 32-value block b of token m, x ~= dx * xq (quant.h: xq = round(x / dx) in
+//   -127..127, dx = max|x| / 127, sx = dx * sum_j xq), and
+//   packed [P, G, 320] uint8, P = ceil(N / 16), G = K / 32: per panel p and group g, 8 quads of
+//          32 bytes (quad c, byte 4j + i = q[16p + j][32g + 4c + i] | q[16p + 8 + j][...] << 4,
+//          j < 8, i < 4), then the 16 rows' fp16 d, then their fp16 mn (rows past N: all 0),
+//   x [..., K] bf16 or fp32;  bias [N] fp32/bf16 optional;  y [..., N] x's dtype.
+// `Int4Weight.reference_linear` computes the same function in plain torch.
 //
-// Why: a draft model's step streams all its weights; at 0.625 bytes per weight (vs 1.0 for
-// int8 + row scale, 2.0 for bf16) a memory-bound step reads 1.6x less than int8. The dot is
-// integer (vpmaddubsw: unsigned q x signed xq, pairs summed in 16 bits; no overflow since
-// 2 * 15 * 127 < 2^15), so decoding a group costs ~3 ops for 32 weights instead of ~4 per 8.
-// Precision only moves the draft's acceptance rate: the target verifies every token.
+// Why: a draft model's step streams all its weights; at 0.625 bytes per weight (int8 + row
+// scale: 1.0, bf16: 2.0) it reads 1.6x less than int8. The layout is linear_i8.cpp's (one
+// sequential stream per thread, each row's 4-column dot in its own 32-bit lane, so no lane
+// sums), with the weights unsigned: per quad one load and 3 ops unpack rows 0-7 and 8-15, and
+// per token one vpmaddubsw (unsigned q x signed xq, pairs in 16 bits: 2 * 15 * 127 < 2^15) and
+// one vpmaddwd per 8 rows. The row-major layout this replaces needed an fp32 convert and FMA
+// per group, row and token plus a lane sum per row, and was compute-bound at ~18 GB/s.
+// Precision only moves a draft's acceptance rate: the target verifies every token.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "bf16.h"
 #include "quant.h"
 #include "simd.h"
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <vector>
+
+void qd_count_kernel_call();  // linear_bf16.cpp
 
 namespace {
 
 using u16 = uint16_t;
-constexpr int64_t kGroup = 32;      // weights per group
-// bytes per row of nb groups: the nibbles in pairs of groups (32 bytes), then the fp16 d and mn
-constexpr int64_t row_bytes_of(int64_t nb) { return (nb + 1) / 2 * 32 + (nb + 7) / 8 * 8 * 4; }
+using qd_quant::kGroup;
 
-// Per-thread buffer for a tile's per-group scales (grows only). Not qd_simd::scratch: the
-// calling thread's scratch holds the quantized activations while it runs tiles too.
-inline float* tile_scratch(size_t floats) {
-  thread_local std::vector<float> buf;
-  if (buf.size() < floats) buf.resize(floats);
-  return buf.data();
+constexpr int kPanel = 16;           // weight rows per panel
+constexpr int kTmax = 4;             // tokens per pass: 2 * kTmax int32 sums + lo, hi, x, masks
+constexpr int64_t kBlockGroups = 16;  // groups per block when tokens need several passes (5 KiB)
+constexpr int64_t kGroupBytes = kGroup * kPanel / 2 + 4 * kPanel;  // nibbles, d, mn: 320
+constexpr int64_t kPrefetchBytes = 4096;  // distance ahead on the weight stream
+
+inline __m256i broadcast4(const int8_t* p) {  // 4 bytes into every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
 }
 
-// R rows x T tokens over all nb groups; out[r * T + t] = the finished dot product (no bias).
-// Row layout (see the top): pairs of groups, then nb8 fp16 d, then nb8 fp16 mn. The combined
-// scales d * dx are computed first (8 groups per instruction), so the group loop is all vector
-// work: one load and 3 ops unpack two groups, then per group and token an integer
-// multiply-add, a convert and one FMA (measured ~35 % faster than 16-byte groups, which need
-// a lane insert per group).
-template <int R, int T>
-inline void tile(const uint8_t* const* w, int64_t nb, const int8_t* xq, int64_t K,
-                 const float* dx, const float* sx, float* out, const char* pf,
-                 const char* pf_end) {
-  // [r][t][g], each (r, t) row padded to a multiple of 8 groups (the scale loop stores 8 at once)
-  const int64_t nb8 = (nb + 7) / 8 * 8;
-  float* sc = tile_scratch(static_cast<size_t>(R * T * nb8));
-  float accm[R][T];
-  for (int r = 0; r < R; ++r) {
-    const u16* d = reinterpret_cast<const u16*>(w[r] + (nb + 1) / 2 * 32);
-    const u16* mn = d + nb8;
-    for (int t = 0; t < T; ++t) {
-      float* s = sc + (r * T + t) * nb8;
-      const float* dxt = dx + t * nb8;
-      const float* sxt = sx + t * nb8;
-      __m256 m8 = _mm256_setzero_ps();
-      for (int64_t g = 0; g < nb; g += 8) {  // d, mn, dx, sx are zero-padded to nb8
-        const __m128i dh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g));
-        const __m128i mh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + g));
-        _mm256_storeu_ps(s + g, _mm256_mul_ps(_mm256_cvtph_ps(dh), _mm256_loadu_ps(dxt + g)));
-        m8 = _mm256_fmadd_ps(_mm256_cvtph_ps(mh), _mm256_loadu_ps(sxt + g), m8);
-      }
-      accm[r][t] = qd_simd::hsum(m8);
-    }
-  }
-  __m256 acc[R][T];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+// T tokens x 16 rows over groups [0, nb) of one panel slice `w` (nb * 320 bytes): acc [T][16]
+// fp32 (zeroed first when init) += d * dx[t][b] * (integer dot of group b) + mn * sx[t][b].
+// xq row stride ldx; dx, sx row stride ldd. Prefetches each group's 5 lines at `pf` + its
+// offset (null: none).
+template <int T>
+inline void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const float* dx,
+                 const float* sx, int64_t ldd, float* acc, bool init, const char* pf) {
   const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
-  for (int64_t g = 0; g < nb; g += 2) {
-    // Software prefetch of the weights kPrefetchAhead bytes on: a step of two groups consumes
-    // R * 40 bytes, two lines per step keep ahead of that.
-    if (pf < pf_end) {
-      _mm_prefetch(pf, _MM_HINT_T0);
-      _mm_prefetch(pf + 64, _MM_HINT_T0);
-      pf += 128;
+  if (init) std::fill(acc, acc + T * kPanel, 0.0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w + b * kGroupBytes;
+    if (pf) {
+#pragma GCC unroll 5
+      for (int l = 0; l < 5; ++l) _mm_prefetch(pf + b * kGroupBytes + l * 64, _MM_HINT_T0);
     }
-    const bool two = g + 1 < nb;  // false only for an odd last group
-    __m256i x0[T], x1[T];
+    __m256i s[T][2];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) s[t][0] = s[t][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-    for (int t = 0; t < T; ++t) {
-      const int8_t* xt = xq + t * K + g * kGroup;
-      x0[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xt));
-      x1[t] = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xt + kGroup))
-                  : _mm256_setzero_si256();
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + g * 16));
-      const __m256i q0 = _mm256_and_si256(v, low4);
-      const __m256i q1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      const float* s = sc + r * T * nb8 + g;
-#pragma GCC unroll 8
+    for (int c = 0; c < kGroup / 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * 32));
+      const __m256i lo = _mm256_and_si256(v, low4);                        // rows 0-7
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);  // rows 8-15
+#pragma GCC unroll 4
       for (int t = 0; t < T; ++t) {
-        // the odd last group's partner has q = 0, x = 0 and scale 0 (padded): adds 0
-        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(q0, x0[t]), ones);
-        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(q1, x1[t]), ones);
-        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_broadcast_ss(s + t * nb8),
-                                    acc[r][t]);
-        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_broadcast_ss(s + t * nb8 + 1),
-                                    acc[r][t]);
+        const __m256i xb = broadcast4(xq + t * ldx + b * kGroup + c * 4);
+        s[t][0] = _mm256_add_epi32(s[t][0], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xb), ones));
+        s[t][1] = _mm256_add_epi32(s[t][1], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xb), ones));
       }
     }
+    const u16* sc = reinterpret_cast<const u16*>(wb + kGroup * kPanel / 2);
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 8)));
+    const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)));
+    const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 24)));
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) {
+      const __m256 dxt = _mm256_broadcast_ss(dx + t * ldd + b);
+      const __m256 sxt = _mm256_broadcast_ss(sx + t * ldd + b);
+      float* a = acc + t * kPanel;
+      __m256 a0 = _mm256_fmadd_ps(m0, sxt, _mm256_loadu_ps(a));
+      __m256 a1 = _mm256_fmadd_ps(m1, sxt, _mm256_loadu_ps(a + 8));
+      a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t][0]), _mm256_mul_ps(d0, dxt), a0);
+      a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t][1]), _mm256_mul_ps(d1, dxt), a1);
+      _mm256_storeu_ps(a, a0);
+      _mm256_storeu_ps(a + 8, a1);
+    }
   }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) out[r * T + t] = qd_simd::hsum(acc[r][t]) + accm[r][t];
 }
 
-constexpr int kR = 4;  // rows per tile
-constexpr int kT = 2;  // tokens per tile (2 x 4 accumulators + 2 x + q + ones: 12 ymm)
-// How far ahead of the tile being computed the weights are prefetched: a few tiles, ~2-3x
-// DRAM latency at the kernel's pace (measured without it: ~8 GB/s instead of ~20).
-constexpr int64_t kPrefetchAhead = 16 << 10;
+void tile_dispatch(int T, const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx,
+                   const float* dx, const float* sx, int64_t ldd, float* acc, bool init,
+                   const char* pf) {
+  switch (T) {
+    case 1: return tile<1>(w, nb, xq, ldx, dx, sx, ldd, acc, init, pf);
+    case 2: return tile<2>(w, nb, xq, ldx, dx, sx, ldd, acc, init, pf);
+    case 3: return tile<3>(w, nb, xq, ldx, dx, sx, ldd, acc, init, pf);
+    case 4: return tile<4>(w, nb, xq, ldx, dx, sx, ldd, acc, init, pf);
+  }
+  TORCH_CHECK(false, "quickdraft linear_q4: bad token chunk ", T);
+}
 
 struct Problem {
-  const uint8_t* w;
-  const char* w_end;
-  const int8_t* xq;
-  const float *dx, *sx;
+  const uint8_t* packed;
+  const int8_t* xq;       // [M, K]
+  const float *dx, *sx;   // [M, G]
   const void* bias;
   bool bias_bf16;
   void* y;
   bool y_bf16;
-  int64_t M, N, K;
+  int64_t M, N, G;
 };
 
-template <int T>
-void rows_tile(const Problem& p, int64_t n0, int64_t m0) {
-  const int64_t nb = p.K / kGroup, row_bytes = row_bytes_of(nb);
-  const uint8_t* w[kR];
-  for (int r = 0; r < kR; ++r)  // rows past N alias the last row: computed, never stored
-    w[r] = p.w + std::min(n0 + r, p.N - 1) * row_bytes;
-  float out[kR * T];
-  // Only the first token chunk of a tile streams the rows from DRAM; it prefetches the
-  // bytes kPrefetchAhead past this tile's start, as many as the tile holds.
-  const char* pf = reinterpret_cast<const char*>(p.w) + n0 * row_bytes + kPrefetchAhead;
-  const char* pf_end = m0 == 0 ? std::min(pf + kR * row_bytes, p.w_end) : pf;
-  const int64_t nb8 = (nb + 7) / 8 * 8;
-  tile<kR, T>(w, nb, p.xq + m0 * p.K, p.K, p.dx + m0 * nb8, p.sx + m0 * nb8, out, pf, pf_end);
-  for (int r = 0; r < kR && n0 + r < p.N; ++r) {
-    const int64_t n = n0 + r;
-    const float b = !p.bias       ? 0.0f
-                    : p.bias_bf16 ? qd_simd::load1(static_cast<const u16*>(p.bias) + n)
-                                  : qd_simd::load1(static_cast<const float*>(p.bias) + n);
-    for (int t = 0; t < T; ++t) {
-      const int64_t i = (m0 + t) * p.N + n;
-      if (p.y_bf16)
-        qd_simd::store1(static_cast<u16*>(p.y) + i, out[r * T + t] + b);
-      else
-        qd_simd::store1(static_cast<float*>(p.y) + i, out[r * T + t] + b);
-    }
-  }
-}
-
 void run(const Problem& p) {
-  const int64_t tiles = (p.N + kR - 1) / kR;
-  const int64_t row_bytes = row_bytes_of(p.K / kGroup);
-  // ~64 KiB of weights per task at least: below that fork/join costs more than it saves.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{64} << 10) / (kR * row_bytes));
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t i = t0; i < t1; ++i) {
-      int64_t m0 = 0;
-      for (; m0 + kT <= p.M; m0 += kT) rows_tile<kT>(p, i * kR, m0);
-      if (m0 < p.M) rows_tile<1>(p, i * kR, m0);
+  const int64_t P = (p.N + kPanel - 1) / kPanel, K = p.G * kGroup;
+  const int64_t nch = (p.M + kTmax - 1) / kTmax;  // balanced token chunks
+  const int64_t GB = nch == 1 ? p.G : kBlockGroups;
+  const int64_t panel_bytes = p.G * kGroupBytes;
+  // ~128 KiB of weights per thread at least: below that the fork/join costs more than it saves
+  const int64_t grain = std::max<int64_t>(1, (int64_t{128} << 10) / panel_bytes);
+  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    std::unique_ptr<float, decltype(&std::free)> acc_buf(
+        static_cast<float*>(std::aligned_alloc(64, (p.M * kPanel * 4 + 63) / 64 * 64)),
+        &std::free);
+    float* const acc = acc_buf.get();
+    TORCH_CHECK(acc, "quickdraft linear_q4: out of memory");
+    for (int64_t pi = p0; pi < p1; ++pi) {
+      const uint8_t* wp = p.packed + pi * panel_bytes;
+      for (int64_t g0 = 0; g0 < p.G; g0 += GB) {
+        const int64_t glen = std::min(GB, p.G - g0);
+        const uint8_t* wg = wp + g0 * kGroupBytes;
+        int64_t m0 = 0;
+        for (int64_t c = 0; c < nch; ++c) {
+          const int T = static_cast<int>(p.M / nch + (c < p.M % nch ? 1 : 0));
+          // the first pass over a block streams it from DRAM: prefetch ahead on the stream
+          const char* pf = c == 0 ? reinterpret_cast<const char*>(wg) + kPrefetchBytes : nullptr;
+          tile_dispatch(T, wg, glen, p.xq + m0 * K + g0 * kGroup, K, p.dx + m0 * p.G + g0,
+                        p.sx + m0 * p.G + g0, p.G, acc + m0 * kPanel, g0 == 0, pf);
+          m0 += T;
+        }
+      }
+      const int64_t rows = std::min<int64_t>(kPanel, p.N - pi * kPanel);
+      for (int64_t m = 0; m < p.M; ++m)
+        for (int64_t j = 0; j < rows; ++j) {
+          const int64_t n = pi * kPanel + j;
+          float v = acc[m * kPanel + j];
+          if (p.bias)
+            v += p.bias_bf16 ? qd_bf16::bf16_to_f32(static_cast<const u16*>(p.bias)[n])
+                             : static_cast<const float*>(p.bias)[n];
+          if (p.y_bf16)
+            static_cast<u16*>(p.y)[m * p.N + n] = qd_bf16::f32_to_bf16(v);
+          else
+            static_cast<float*>(p.y)[m * p.N + n] = v;
+        }
     }
   });
 }
 
 }  // namespace
 
-void qd_count_kernel_call();  // linear_bf16.cpp
-
-bool qd_linear_q4_eligible(const at::Tensor& x, const at::Tensor& w, int64_t K,
+bool qd_linear_q4_eligible(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                            const c10::optional<at::Tensor>& bias) {
-  if (!x.defined() || !w.defined() || !x.device().is_cpu() || !w.device().is_cpu()) return false;
+  if (!x.defined() || !packed.defined() || !x.device().is_cpu() || !packed.device().is_cpu())
+    return false;
   if (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kFloat) return false;
-  if (w.scalar_type() != at::kByte || w.dim() != 2 || !w.is_contiguous()) return false;
-  if (K <= 0 || K % kGroup != 0 || w.size(1) != row_bytes_of(K / kGroup)) return false;
-  if (x.dim() < 1 || x.size(-1) != K) return false;
+  if (packed.scalar_type() != at::kByte || packed.dim() != 3 || !packed.is_contiguous() ||
+      packed.size(2) != kGroupBytes)
+    return false;
+  if (N <= 0 || packed.size(0) != (N + kPanel - 1) / kPanel || packed.size(1) == 0) return false;
+  if (x.dim() < 1 || x.size(-1) != packed.size(1) * kGroup) return false;
   if (bias.has_value() && bias->defined() &&
       (!bias->device().is_cpu() || !at::isFloatingType(bias->scalar_type()) || bias->dim() != 1 ||
-       bias->size(0) != w.size(0)))
+       bias->size(0) != N))
     return false;
   return !(at::GradMode::is_enabled() && x.requires_grad());
 }
 
-at::Tensor qd_linear_q4(const at::Tensor& x, const at::Tensor& w, int64_t K,
+at::Tensor qd_linear_q4(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                         const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(qd_linear_q4_eligible(x, w, K, bias), "quickdraft linear_q4: inputs not eligible");
-  const int64_t N = w.size(0), nb = K / kGroup;
+  TORCH_CHECK(qd_linear_q4_eligible(x, packed, N, bias),
+              "quickdraft linear_q4: inputs not eligible");
+  const int64_t G = packed.size(1), K = G * kGroup;
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   qd_count_kernel_call();
-  if (M == 0 || N == 0) return y.view(out_shape);
+  if (M == 0) return y.view(out_shape);
   at::Tensor b;
   if (bias.has_value() && bias->defined())
     b = bias->scalar_type() == at::kBFloat16 ? bias->contiguous()
                                              : bias->to(at::kFloat).contiguous();
-  // xq [M, K] int8 then dx, sx [M, nb] fp32, in one per-thread scratch (floats).
+  // xq [M, K] int8 then dx, sx [M, G] fp32, in one per-thread scratch (floats)
   const int64_t xq_floats = (M * K + 3) / 4;
-  // dx, sx [M, nb8]: zero-padded to whole 8-group chunks, as the weights' d and mn
-  const int64_t nb8 = (nb + 7) / 8 * 8;
-  float* buf = qd_simd::scratch(static_cast<size_t>(xq_floats + 2 * M * nb8));
+  float* buf = qd_simd::scratch(static_cast<size_t>(xq_floats + 2 * M * G));
   int8_t* xq = reinterpret_cast<int8_t*>(buf);
   float* dx = buf + xq_floats;
-  float* sx = dx + M * nb8;
-  std::fill(dx, dx + 2 * M * nb8, 0.0f);
-  const bool x_bf16 = x2.scalar_type() == at::kBFloat16;
+  float* sx = dx + M * G;
   for (int64_t m = 0; m < M; ++m) {
-    if (x_bf16)
-      qd_quant::quantize_row(static_cast<const u16*>(x2.data_ptr()) + m * K, K, xq + m * K, dx + m * nb8,
-                   sx + m * nb8);
+    if (x2.scalar_type() == at::kBFloat16)
+      qd_quant::quantize_row(static_cast<const u16*>(x2.data_ptr()) + m * K, K, xq + m * K,
+                             dx + m * G, sx + m * G);
     else
-      qd_quant::quantize_row(x2.data_ptr<float>() + m * K, K, xq + m * K, dx + m * nb8, sx + m * nb8);
+      qd_quant::quantize_row(x2.data_ptr<float>() + m * K, K, xq + m * K, dx + m * G, sx + m * G);
   }
-  Problem p{w.data_ptr<uint8_t>(),
-            reinterpret_cast<const char*>(w.data_ptr<uint8_t>() + w.numel()),
-            xq,
-            dx,
-            sx,
-            b.defined() ? b.data_ptr() : nullptr,
-            b.defined() && b.scalar_type() == at::kBFloat16,
-            y.data_ptr(),
-            y.scalar_type() == at::kBFloat16,
-            M,
-            N,
-            K};
+  const Problem p{packed.data_ptr<uint8_t>(),
+                  xq,
+                  dx,
+                  sx,
+                  b.defined() ? b.data_ptr() : nullptr,
+                  b.defined() && b.scalar_type() == at::kBFloat16,
+                  y.data_ptr(),
+                  y.scalar_type() == at::kBFloat16,
+                  M,
+                  N,
+                  G};
   run(p);
   return y.view(out_shape);
 }
