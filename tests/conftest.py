@@ -62,12 +62,13 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def make_tiny_hf_model(arch: str, directory: Path, seed: int = 0) -> Any:
-    """A random-weight transformers model of `arch`, saved to `directory` (fp32)."""
+def make_tiny_hf_model(arch: str, directory: Path, seed: int = 0, **overrides: Any) -> Any:
+    """A random-weight transformers model of `arch` (its TINY_CONFIGS entry updated by
+    `overrides`), saved to `directory` (fp32)."""
     import transformers
 
     torch.manual_seed(seed)
-    cfg_dict = dict(TINY_CONFIGS[arch])
+    cfg_dict = {**TINY_CONFIGS[arch], **overrides}
     cfg = transformers.AutoConfig.for_model(**cfg_dict)
     model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
     with torch.no_grad():  # HF init is small-std; widen it so logits are not all near-ties

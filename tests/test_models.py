@@ -182,3 +182,69 @@ def test_quantize_keeps_logits_close_and_frees_weights(
     other = "int4" if fmt == "int8" else "int8"
     with pytest.raises(ValueError, match="already converted to Int"):
         quant.quantize_(other)
+
+
+@pytest.mark.skipif(not kernels_available(), reason="no CPU kernels: no C++ layers")
+@pytest.mark.parametrize(
+    ("fmt", "dtype"),
+    [
+        ("panels", torch.bfloat16),
+        ("int8", torch.bfloat16),
+        ("int4", torch.bfloat16),
+        ("int8", torch.float32),
+        ("int4", torch.float32),
+    ],
+    ids=["panels-bf16", "int8-bf16", "int4-bf16", "int8-fp32", "int4-fp32"],
+)
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # qkv bias; q/k norms
+def test_cpp_layers_equal_python_layers_bitwise(
+    tmp_path: Path, arch: str, fmt: str, dtype: torch.dtype
+) -> None:
+    """Decode and verify rows through the C++ DenseLayers (kernels/dense_layer.cpp) give the
+    bitwise-same logits, hidden states and KV cache as the Python layers: the same kernels in
+    the same order. The Python layers are made to raise on the fused model, so the C++ path is
+    what ran."""
+    from conftest import make_tiny_hf_model
+
+    # head_dim 32: the attention kernel's granularity (the default tiny qwen2 has 16)
+    make_tiny_hf_model(arch, tmp_path, seed=5, hidden_size=128, head_dim=32)
+    models = [load_model(tmp_path, dtype) for _ in range(2)]
+    for m in models:
+        m.pack_() if fmt == "panels" else m.quantize_(fmt)
+    fused, plain = models
+    plain._fused = False  # never build C++ layers: the Python path
+    assert fused._fused_layers() is not None and plain._fused_layers() is None
+    ids = torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(7))
+    caches = [m.new_cache(48) for m in models]
+    for m, cache in zip(models, caches, strict=True):
+        m(ids[:30], [cache], [30])  # 30 rows > 16: the Python layers in both
+        cache.commit(30)
+
+    def python_layer_ran(*args: Any) -> Any:
+        raise AssertionError("the fused model ran a Python layer")
+
+    for layer in fused.decoder_layers:
+        layer.forward_residual = python_layer_ran  # type: ignore[method-assign]
+    start = 30
+    for n in (1, 5, 1, 3):  # decode and verify rows, as speculation sends them
+        rows = torch.arange(n)
+        outs = [
+            m(
+                ids[start : start + n],
+                [c],
+                [n],
+                logit_rows=rows,
+                return_hidden=True,
+                hidden_layers=(1,),
+            )
+            for m, c in zip(models, caches, strict=True)
+        ]
+        assert torch.equal(outs[0].logits, outs[1].logits)
+        assert torch.equal(outs[0].hidden, outs[1].hidden)
+        assert torch.equal(outs[0].layer_hidden[1], outs[1].layer_hidden[1])
+        for c in caches:
+            c.commit(start + n)
+        start += n
+    end = caches[0].length
+    assert torch.equal(caches[0].k[:, :, :end], caches[1].k[:, :, :end])
+    assert torch.equal(caches[0].v[:, :, :end], caches[1].v[:, :, :end])

@@ -63,6 +63,7 @@ _SOURCES = [
         "norm_rope.cpp",
         "gdn_ops.cpp",
         "attention.cpp",
+        "dense_layer.cpp",
     )
 ]
 _EXT_NAME = "quickdraft_linear_bf16"

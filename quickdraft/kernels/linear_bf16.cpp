@@ -511,7 +511,11 @@ bool qd_attend_eligible(const at::Tensor& q, const at::Tensor& k, const at::Tens
 at::Tensor qd_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
                      double scale);
 
+// dense_layer.cpp (same extension)
+void qd_register_dense_layer(py::module_& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  qd_register_dense_layer(m);
   // The GIL is released: the kernel touches no Python objects, and other Python threads
   // (an HTTP server loop) keep running during a forward.
   m.def("linear", &linear, "x @ w.T (+ bias): the kernel when eligible, else at::linear",

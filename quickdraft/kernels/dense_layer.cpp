@@ -1,0 +1,148 @@
+// One dense decoder layer (Llama / Qwen2 / Qwen3) for decode and verify rows of one sequence,
+// as a sequence of this extension's kernels called from C++; JIT-built with linear_bf16.cpp
+// (models/llama.py owns when it runs: `CausalLM._fused_layers`).
+//
+// Contract: DenseLayer(...).forward(h, residual, cos, sin, k_cache, v_cache, start) returns
+// exactly what `DecoderLayer.forward_residual` returns for the same inputs when every op there
+// takes its kernel: the same kernels run in the same order on the same operands, so the
+// outputs are bitwise equal (tests/test_models.py checks it). The caller guarantees that path:
+// one sequence, n <= 16 new rows (the attention kernel's range), projection operands in panels
+// or int8 / int4 (kind 1 / 2 / 3 below), norm weights in h's dtype.
+//
+// Why: a 0.5B draft step ran ~5.5 ms of Python and torch dispatch around ~13 ms of GEMMs
+// (24 layers x ~13 ops, ~230 us per layer); a C++ layer makes that one call per layer.
+#include <torch/extension.h>
+
+#include <tuple>
+#include <vector>
+
+// the kernels (same extension)
+at::Tensor qd_linear_panel(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                           const c10::optional<at::Tensor>& bias);
+at::Tensor qd_linear_i8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                        const c10::optional<at::Tensor>& bias);
+at::Tensor qd_linear_q4(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                        const c10::optional<at::Tensor>& bias);
+at::Tensor qd_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double offset);
+std::tuple<at::Tensor, at::Tensor> qd_add_rms_norm(const at::Tensor& x, const at::Tensor& delta,
+                                                   const at::Tensor& w, double eps,
+                                                   double offset);
+at::Tensor qd_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor qd_silu_mul(const at::Tensor& gate_up);
+at::Tensor qd_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
+                     double scale);
+
+namespace {
+
+// A projection's operand: kind 1 = PanelWeight (packed, N), 2 = Int8Weight (packed, scale),
+// 3 = Int4Weight (packed, N); bias optional.
+struct Operand {
+  int64_t kind;
+  at::Tensor packed, scale;
+  int64_t n;
+  c10::optional<at::Tensor> bias;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    switch (kind) {
+      case 1: return qd_linear_panel(x, packed, n, bias);
+      case 2: return qd_linear_i8(x, packed, scale, bias);
+      case 3: return qd_linear_q4(x, packed, n, bias);
+    }
+    TORCH_CHECK(false, "quickdraft DenseLayer: unknown operand kind ", kind);
+  }
+};
+
+Operand make_operand(int64_t kind, const at::Tensor& packed, const at::Tensor& scale, int64_t n,
+                     const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(kind >= 1 && kind <= 3, "quickdraft DenseLayer: operand kind 1-3, got ", kind);
+  return Operand{kind, packed, scale, n, bias};
+}
+
+}  // namespace
+
+class QdDenseLayer {
+ public:
+  // ops: qkv, o, gate_up, down, each (kind, packed, scale or empty, n); q_norm / k_norm
+  // undefined when the model has none (Qwen3 has them).
+  QdDenseLayer(int64_t layer, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
+               double scale, at::Tensor input_norm, at::Tensor post_norm,
+               c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
+               std::vector<int64_t> kinds, std::vector<at::Tensor> packed,
+               std::vector<at::Tensor> scales, std::vector<int64_t> ns,
+               c10::optional<at::Tensor> qkv_bias)
+      : layer_(layer),
+        heads_(heads),
+        kv_heads_(kv_heads),
+        d_(head_dim),
+        eps_(eps),
+        scale_(scale),
+        input_norm_(std::move(input_norm)),
+        post_norm_(std::move(post_norm)),
+        q_norm_(std::move(q_norm)),
+        k_norm_(std::move(k_norm)) {
+    TORCH_CHECK(kinds.size() == 4 && packed.size() == 4 && scales.size() == 4 && ns.size() == 4,
+                "quickdraft DenseLayer: 4 operands (qkv, o, gate_up, down)");
+    for (int i = 0; i < 4; ++i)
+      ops_[i] = make_operand(kinds[i], packed[i], scales[i], ns[i],
+                             i == 0 ? qkv_bias : c10::optional<at::Tensor>());
+  }
+
+  // h [n, hidden]: the previous layer's MLP output (the embedding for layer 0); residual: the
+  // residual stream before adding h (None for layer 0); cos, sin [n, head_dim] fp32; k_cache,
+  // v_cache [layers, kv_heads, capacity, head_dim]; start: the sequence's committed length.
+  // Writes the rows' keys/values at [start, start + n) and returns (mlp output, residual).
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& h,
+                                             const c10::optional<at::Tensor>& residual,
+                                             const at::Tensor& cos, const at::Tensor& sin,
+                                             const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                             int64_t start) const {
+    at::Tensor res, x;
+    if (residual.has_value() && residual->defined()) {
+      std::tie(res, x) = qd_add_rms_norm(*residual, h, input_norm_, eps_, 0.0);
+    } else {
+      res = h;
+      x = qd_rms_norm(h, input_norm_, eps_, 0.0);
+    }
+    const int64_t n = x.size(0), qw = heads_ * d_, kw = kv_heads_ * d_;
+    const at::Tensor qkv = ops_[0](x);
+    at::Tensor q = qkv.narrow(1, 0, qw).view({n, heads_, d_});
+    at::Tensor k = qkv.narrow(1, qw, kw).view({n, kv_heads_, d_});
+    const at::Tensor v = qkv.narrow(1, qw + kw, kw).view({n, kv_heads_, d_});
+    if (q_norm_.has_value() && k_norm_.has_value()) {
+      q = qd_rms_norm(q, *q_norm_, eps_, 0.0);
+      k = qd_rms_norm(k, *k_norm_, eps_, 0.0);
+    }
+    q = qd_rope(q, cos, sin);
+    k = qd_rope(k, cos, sin);
+    const at::Tensor kc = k_cache.select(0, layer_), vc = v_cache.select(0, layer_);
+    TORCH_CHECK(start + n <= kc.size(1), "quickdraft DenseLayer: reserve() before the forward");
+    kc.narrow(1, start, n).copy_(k.transpose(0, 1));
+    vc.narrow(1, start, n).copy_(v.transpose(0, 1));
+    const at::Tensor attn =
+        qd_attend(q, kc.narrow(1, 0, start + n), vc.narrow(1, 0, start + n), start, scale_);
+    std::tie(res, x) = qd_add_rms_norm(res, ops_[1](attn), post_norm_, eps_, 0.0);
+    return {ops_[3](qd_silu_mul(ops_[2](x))), res};
+  }
+
+ private:
+  int64_t layer_, heads_, kv_heads_, d_;
+  double eps_, scale_;
+  at::Tensor input_norm_, post_norm_;
+  c10::optional<at::Tensor> q_norm_, k_norm_;
+  Operand ops_[4];
+};
+
+void qd_register_dense_layer(py::module_& m) {
+  py::class_<QdDenseLayer>(m, "DenseLayer")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor,
+                    c10::optional<at::Tensor>, c10::optional<at::Tensor>, std::vector<int64_t>,
+                    std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
+                    c10::optional<at::Tensor>>(),
+           py::arg("layer"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
+           py::arg("eps"), py::arg("scale"), py::arg("input_norm"), py::arg("post_norm"),
+           py::arg("q_norm"), py::arg("k_norm"), py::arg("kinds"), py::arg("packed"),
+           py::arg("scales"), py::arg("ns"), py::arg("qkv_bias"))
+      .def("forward", &QdDenseLayer::forward, py::arg("h"), py::arg("residual"), py::arg("cos"),
+           py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("start"),
+           py::call_guard<py::gil_scoped_release>());
+}
