@@ -19,6 +19,7 @@ import torch
 from quickdraft.config import (
     DEFAULT_DRAFT_QUANTIZATION,
     DRAFT_QUANTIZATION_HELP,
+    NGRAM_SHARED_TOKENS,
     QUANTIZATIONS,
     SPEC_METHODS,
     SpeculativeConfig,
@@ -51,6 +52,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
 
 
+def _add_ngram_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ngram-min", type=int, default=2)
+    p.add_argument("--ngram-max", type=int, default=4)
+    p.add_argument(
+        "--ngram-shared-tokens",
+        type=int,
+        default=NGRAM_SHARED_TOKENS,
+        help="n-gram drafter: also look up the latest N output tokens of finished requests "
+        "(0: only the request's own tokens)",
+    )
+
+
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-method", default="none", choices=list(SPEC_METHODS))
     p.add_argument("--num-draft-tokens", type=int, default=5, help="draft length ceiling k")
@@ -61,8 +74,7 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
         choices=list(QUANTIZATIONS),
         help=DRAFT_QUANTIZATION_HELP,
     )
-    p.add_argument("--ngram-min", type=int, default=2)
-    p.add_argument("--ngram-max", type=int, default=4)
+    _add_ngram_args(p)
     p.add_argument(
         "--no-adaptive", action="store_true", help="always draft k tokens (no cost model)"
     )
@@ -76,6 +88,7 @@ def spec_config(args: argparse.Namespace) -> SpeculativeConfig:
         draft_quantization=args.draft_quantization or DEFAULT_DRAFT_QUANTIZATION,
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
+        ngram_shared_tokens=args.ngram_shared_tokens,
         adaptive=not args.no_adaptive,
     )
 
@@ -192,6 +205,7 @@ def serve_spec_config(args: argparse.Namespace) -> SpeculativeConfig:
         draft_quantization=str(fields["draft_quantization"] or DEFAULT_DRAFT_QUANTIZATION),
         ngram_min=_int(fields.get("ngram_min", args.ngram_min)),
         ngram_max=_int(fields.get("ngram_max", args.ngram_max)),
+        ngram_shared_tokens=args.ngram_shared_tokens,
         adaptive=not args.no_adaptive,
     )
 
@@ -249,8 +263,7 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
         choices=list(QUANTIZATIONS),
         help=DRAFT_QUANTIZATION_HELP,
     )
-    s.add_argument("--ngram-min", type=int, default=2)
-    s.add_argument("--ngram-max", type=int, default=4)
+    _add_ngram_args(s)
     s.add_argument("--no-adaptive", action="store_true", help="always draft k tokens")
     s.add_argument(
         "--speculative-config",
@@ -376,8 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--speculative-method", default=None, choices=list(SPEC_METHODS))
     b.add_argument("--speculative-config", default=None, help="as for serve")
-    b.add_argument("--ngram-min", type=int, default=2)
-    b.add_argument("--ngram-max", type=int, default=4)
+    _add_ngram_args(b)
     b.add_argument("--no-adaptive", action="store_true")
     b.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     b.add_argument("--requests", type=int, default=8, help="--serve: requests per level")

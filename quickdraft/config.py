@@ -106,6 +106,9 @@ QUANTIZATIONS = ("none", "int8", "int4")  # weight formats `load(..., quantizati
 # draft-model weights where the CLI and benchmarks are not told otherwise: same output, faster
 # drafts (bench/results/speculative.json: draft vs draft_unquantized)
 DEFAULT_DRAFT_QUANTIZATION = "int4"
+# output tokens the n-gram drafter's shared index keeps (drafters/ngram.py; ~300 requests of
+# 200 tokens, ~25 MB of index at most); 0 turns it off
+NGRAM_SHARED_TOKENS = 1 << 16
 DRAFT_QUANTIZATION_HELP = (
     "draft model weights: int4 (default; groups of 32, 0.31x the bytes of bf16), int8 (0.5x) "
     "or none; a draft model's precision only moves the acceptance rate, never the output"
@@ -126,6 +129,8 @@ class SpeculativeConfig:
     draft_quantization: str = "none"
     ngram_min: int = 2
     ngram_max: int = 4
+    # n-gram drafter: most recent output tokens of finished requests it also looks up (0: off)
+    ngram_shared_tokens: int = NGRAM_SHARED_TOKENS
     adaptive: bool = True
 
     def __post_init__(self) -> None:
@@ -143,6 +148,8 @@ class SpeculativeConfig:
             raise ValueError(
                 f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}"
             )
+        if self.ngram_shared_tokens < 0:
+            raise ValueError(f"ngram_shared_tokens must be >= 0, got {self.ngram_shared_tokens}")
 
     @property
     def enabled(self) -> bool:

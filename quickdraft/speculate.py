@@ -58,7 +58,10 @@ def disabled_by_env() -> bool:
 
 
 def _ngram(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, float]:
-    return NgramDrafter(config.ngram_min, config.ngram_max), 0.0  # a dict lookup: free
+    drafter = NgramDrafter(
+        config.ngram_min, config.ngram_max, shared_tokens=config.ngram_shared_tokens
+    )
+    return drafter, 0.0  # a dict lookup: free
 
 
 def _draft_model(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, float]:

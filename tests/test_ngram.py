@@ -166,6 +166,60 @@ def test_ngram_free_drops_index() -> None:
     assert state.indexed == 0
 
 
+def finish(drafter: NgramDrafter, prompt: list[int], output: list[int]) -> None:
+    """One request through the drafter: prompt, its committed output, then free."""
+    state = drafter.new_state(prompt)
+    drafter.commit(state, prompt + output)
+    drafter.free(state)
+
+
+def test_ngram_shared_index_learns_finished_outputs() -> None:
+    drafter = NgramDrafter(2, 4)
+    finish(drafter, [50, 51, 52], [1, 2, 3, 4, 5])
+    # a new request whose own tokens never saw (1, 2) drafts what followed it in that output
+    assert propose(drafter, [7, 8, 1, 2], 4) == [3, 4, 5]
+    # its own tokens come first: here (1, 2) was followed by 9
+    assert propose(drafter, [1, 2, 9, 8, 1, 2], 2) == [9, 8]
+    # the prompt is not learned (only outputs), and n-grams never span two outputs
+    assert propose(drafter, [60, 50, 51], 2) == []
+    finish(drafter, [50], [6, 7, 8])
+    assert propose(drafter, [0, 4, 5], 2) == []  # (4, 5) ended an output: nothing followed
+    assert propose(drafter, [0, 5, 6], 2) == []  # (5, 6) spans two outputs
+    assert propose(drafter, [0, 6, 7], 2) == [8]
+    off = NgramDrafter(2, 4, shared_tokens=0)
+    finish(off, [50, 51, 52], [1, 2, 3, 4, 5])
+    assert propose(off, [7, 8, 1, 2], 4) == [] and off.shared_size == 0
+
+
+def test_ngram_shared_index_keeps_the_newest_outputs_within_budget() -> None:
+    """Against a naive index of the kept outputs, over random outputs and budgets."""
+    rng = random.Random(4)
+    for budget in (6, 10, 25):
+        drafter = NgramDrafter(1, 3, shared_tokens=budget)
+        learned: list[list[int]] = []
+        for _ in range(40):
+            output = [rng.randrange(4) for _ in range(rng.randint(0, 9))]
+            finish(drafter, [9], output)
+            if len(output) > 1:
+                learned.append(output[-budget:])
+            kept = list(drafter.shared_outputs)
+            assert kept == learned[len(learned) - len(kept) :]  # the newest, in order
+            assert drafter.shared_size == sum(map(len, kept)) <= budget
+            for n, table in zip(range(1, 4), drafter.shared, strict=True):
+                want: dict[tuple[int, ...], dict[int, int]] = {}
+                for out in kept:
+                    for gram, follow in naive_index(out, n).items():
+                        for token, count in follow.items():
+                            got = want.setdefault(gram, {})
+                            got[token] = got.get(token, 0) + count
+                assert {g: dict(f.counts) for g, f in table.items()} == want
+
+
+def test_ngram_rejects_negative_shared_budget() -> None:
+    with pytest.raises(ValueError, match="shared_tokens"):
+        NgramDrafter(shared_tokens=-1)
+
+
 # --- the incremental index ---------------------------------------------------------------------
 
 

@@ -17,15 +17,31 @@ rejection, while a suffix that was always followed by the same token (copying an
 a repeated structure) is a safe bet. Measured on Qwen2.5-Coder-1.5B (96 tokens, greedy), the
 acceptance rate of the drafted tokens rose from 0.54 to 0.57 (code) and 0.56 to 0.60 (JSON) over
 proposing the latest occurrence's continuation, at the same acceptance length.
+
+Shared index (llama.cpp's "dynamic" lookup cache): a drafter also learns from the outputs of
+the requests it served. `free` adds a finished request's output to an index shared by all its
+requests (n-grams within one output only, never across two), bounded to the most recent
+`shared_tokens` output tokens (oldest outputs dropped, index rebuilt). Where no suffix of the
+request's own tokens occurred, the shared index is asked the same way (n = max_n down to
+min_n, the same vote): a model answering similar requests repeats its own phrasing (JSON keys
+and layout, code scaffolding, stock sentences). Drafts never change the output (verification
+is lossless), only how many target forwards it takes. Replaying the greedy outputs of the
+shipped bench prompts through the drafter (Qwen2.5-Coder-1.5B, 128 tokens, every prompt, sets
+in the bench's order: code, prose, json, repetitive) the mean acceptance length went from 1.42
+to 1.65 on JSON and 1.15 to 1.21 on code (the index only helps from the second similar request
+on: over the first 5 JSON prompts 1.29 to 1.35). Asking it only from n = 3 or 4 up drafted a
+little more precisely (acceptance 0.37-0.38 vs 0.35) but accepted fewer tokens (1.53-1.57).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from quickdraft.config import NGRAM_SHARED_TOKENS
 from quickdraft.drafters.base import Draft, DraftJob
 
 
@@ -59,23 +75,55 @@ class NgramState:
     # len(tokens) are not, since nothing follows them yet; that is also what keeps the
     # current suffix from matching itself.
     indexed: int = 0
+    prompt_len: int = 0
+    tokens: list[int] = field(default_factory=list)  # the committed sequence last seen
+
+
+def index_tokens(index: list[NgramIndex], min_n: int, tokens: Sequence[int], begin: int) -> None:
+    """Add to `index` (index[n - min_n] for n in [min_n, min_n + len(index))) every n-gram of
+    `tokens` that ends at a position in [begin, len(tokens)), with the token there as its
+    follower. Each end position is counted once over successive calls with growing `begin`."""
+    max_n = min_n + len(index) - 1
+    for end in range(begin, len(tokens)):
+        follower = tokens[end]
+        for n in range(min_n, min(max_n, end) + 1):
+            table = index[n - min_n]
+            gram = tuple(tokens[end - n : end])
+            followers = table.get(gram)
+            if followers is None:
+                table[gram] = followers = Followers()
+            followers.add(follower)
 
 
 class NgramDrafter:
     name = "ngram"
     needs_hidden = False
 
-    def __init__(self, min_n: int = 2, max_n: int = 4, min_share: float = 0.5) -> None:
+    def __init__(
+        self,
+        min_n: int = 2,
+        max_n: int = 4,
+        min_share: float = 0.5,
+        shared_tokens: int = NGRAM_SHARED_TOKENS,
+    ) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         if not 0.0 <= min_share <= 1.0:
             raise ValueError(f"min_share must be in [0, 1], got {min_share}")
+        if shared_tokens < 0:
+            raise ValueError(f"shared_tokens must be >= 0, got {shared_tokens}")
         self.min_n = min_n
         self.max_n = max_n
         self.min_share = min_share
+        # the shared index (module docstring), like a request's own; off at 0 tokens
+        self.shared_tokens = shared_tokens
+        self.shared: list[NgramIndex] = [{} for _ in range(min_n, max_n + 1)]
+        self.shared_outputs: deque[list[int]] = deque()  # what `shared` indexes, oldest first
+        self.shared_size = 0  # tokens in shared_outputs
 
     def new_state(self, prompt_ids: list[int]) -> NgramState:
         state = NgramState([{} for _ in range(self.min_n, self.max_n + 1)])
+        state.prompt_len = len(prompt_ids)
         self._catch_up(state, prompt_ids)
         return state
 
@@ -89,7 +137,9 @@ class NgramDrafter:
         context = tokens[-self.max_n :]
         draft: list[int] = []
         while len(draft) < k:
-            followers = self._longest_match(state, context)
+            followers = self._longest_match(state.index, self.min_n, context)
+            if followers is None and self.shared_size:
+                followers = self._longest_match(self.shared, self.min_n, context)
             if followers is None:
                 break
             token, share = followers.vote()
@@ -99,9 +149,11 @@ class NgramDrafter:
             context.append(token)
         return Draft(draft)
 
-    def _longest_match(self, state: NgramState, context: list[int]) -> Followers | None:
-        for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
-            followers = state.index[n - self.min_n].get(tuple(context[len(context) - n :]))
+    def _longest_match(
+        self, index: list[NgramIndex], min_n: int, context: list[int]
+    ) -> Followers | None:
+        for n in range(min(self.max_n, len(context)), min_n - 1, -1):
+            followers = index[n - min_n].get(tuple(context[len(context) - n :]))
             if followers is not None:
                 return followers
         return None
@@ -113,8 +165,34 @@ class NgramDrafter:
         # sequence cannot happen; if it does the index counts tokens that are gone, so rebuild.
         if len(tokens) < state.indexed:
             self._rebuild(state, tokens)
+        state.tokens = tokens
 
     def free(self, state: NgramState) -> None:
+        """End of a request: its output joins the shared index; its own index is dropped."""
+        self.learn(state.tokens[state.prompt_len :])
+        self._clear(state)
+
+    def learn(self, output: Sequence[int]) -> None:
+        """Add one finished output to the shared index, dropping the oldest outputs (and
+        rebuilding the index from the rest) once it would exceed `shared_tokens` tokens."""
+        if not self.shared_tokens or len(output) <= self.min_n:
+            return
+        output = list(output[-self.shared_tokens :])
+        self.shared_outputs.append(output)
+        self.shared_size += len(output)
+        if self.shared_size <= self.shared_tokens:
+            index_tokens(self.shared, self.min_n, output, self.min_n)
+            return
+        # over budget: keep the newest outputs that fit in half of it (a rebuild then happens
+        # at most once per shared_tokens / 2 tokens learned: amortised O(1) per token)
+        while self.shared_size > self.shared_tokens // 2 and len(self.shared_outputs) > 1:
+            self.shared_size -= len(self.shared_outputs.popleft())
+        for table in self.shared:
+            table.clear()
+        for kept in self.shared_outputs:
+            index_tokens(self.shared, self.min_n, kept, self.min_n)
+
+    def _clear(self, state: NgramState) -> None:
         for table in state.index:
             table.clear()
         state.indexed = 0
@@ -126,17 +204,10 @@ class NgramDrafter:
             return
         # Each end position e < len(tokens) is counted once: the n-grams tokens[e-n:e] gain the
         # follower tokens[e].
-        for end in range(state.indexed, len(tokens)):
-            follower = tokens[end]
-            for n in range(self.min_n, min(self.max_n, end) + 1):
-                table = state.index[n - self.min_n]
-                gram = tuple(tokens[end - n : end])
-                followers = table.get(gram)
-                if followers is None:
-                    table[gram] = followers = Followers()
-                followers.add(follower)
+        index_tokens(state.index, self.min_n, tokens, state.indexed)
         state.indexed = len(tokens)
+        state.tokens = tokens
 
     def _rebuild(self, state: NgramState, tokens: list[int]) -> None:
-        self.free(state)
+        self._clear(state)
         self._catch_up(state, tokens)  # from indexed = 0: a full build

@@ -81,6 +81,9 @@ def _server_cmd(t: LoadTest, port: int, token: str, settings: Path) -> list[str]
         str(t.spec.num_draft_tokens),
     ]
     cmd += ["--ngram-min", str(t.spec.ngram_min), "--ngram-max", str(t.spec.ngram_max)]
+    # this bench sends the same prompts again (warm-up, every level): the n-gram drafter's
+    # shared index of finished outputs would replay them, which no real workload gets
+    cmd += ["--ngram-shared-tokens", "0"]
     cmd += ["--max-concurrency", str(2 * max(t.concurrency) + 2), "--log-level", "warning"]
     if t.spec.draft_model:
         cmd += ["--draft-model", t.spec.draft_model]
