@@ -60,8 +60,7 @@ class EngineCore:
         self.stats = StepStats()
 
     def add(self, request: Request, spec: Speculation | None) -> Sequence:
-        gen = request.params.generator(self.lm.model.device)
-        seq = Sequence(request, spec, gen)
+        seq = Sequence(request, spec, request.params.rng(self.lm.model.device))
         self.scheduler.add(seq)
         return seq
 

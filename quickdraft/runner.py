@@ -25,18 +25,22 @@ from torch import Tensor
 
 from quickdraft.drafters.base import Draft, Drafter, DraftJob
 from quickdraft.models.base import LanguageModel, SequenceCache
-from quickdraft.sampling import SamplingParams, probabilities
+from quickdraft.sampling import SamplingParams, TokenRng, probabilities
 from quickdraft.scheduler import ScheduledSeq, StepPlan
 from quickdraft.verify import Verdict, verify_greedy, verify_sampled
 
 NO_DRAFT = Draft([])
 
 
-def verify(draft: Draft, logits: Tensor, params: SamplingParams, gen: torch.Generator) -> Verdict:
-    """logits `[k + 1, vocab]` for inputs [last, d_1..d_k] -> accepted drafts + one token."""
+def verify(
+    draft: Draft, logits: Tensor, params: SamplingParams, rng: TokenRng, position: int
+) -> Verdict:
+    """logits `[k + 1, vocab]` for inputs [last, d_1..d_k] -> accepted drafts + one token;
+    `position`: the output index of the first token emitted."""
     if params.greedy:
         return verify_greedy(draft.tokens, logits)
-    return verify_sampled(draft.tokens, draft.p_draft, probabilities(logits, params), gen)
+    p_target = probabilities(logits, params)
+    return verify_sampled(draft.tokens, draft.p_draft, p_target, rng, position)
 
 
 @dataclass(slots=True)
@@ -67,7 +71,7 @@ class ModelRunner:
                 seq = item.seq
                 tokens = seq.request.all_ids
                 params = seq.request.params
-                jobs.append(DraftJob(seq.draft_state, tokens, item.k, params, seq.generator))
+                jobs.append(DraftJob(seq.draft_state, tokens, item.k, params, seq.rng.generator))
                 seq.synced = len(tokens)
             for idx, draft in zip(idxs, drafter.propose(jobs), strict=True):
                 drafts[idx] = draft
@@ -117,7 +121,8 @@ class ModelRunner:
                 continue
             seq = item.seq
             logits = out.logits[lo : lo + 1 + len(draft.tokens)]  # [k + 1, vocab]
-            verdicts.append(verify(draft, logits, seq.request.params, seq.generator))
+            position = len(seq.request.output_ids)
+            verdicts.append(verify(draft, logits, seq.request.params, seq.rng, position))
         return verdicts
 
     def commit(

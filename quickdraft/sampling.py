@@ -8,6 +8,7 @@ distributions, so filtering can never make verification lossy. temperature == 0 
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,49 @@ class SamplingParams:
             gen.manual_seed(self.seed)
         return gen
 
+    def rng(self, device: torch.device | str = "cpu") -> TokenRng:
+        """The request's randomness (see `TokenRng`); unseeded requests draw a fresh seed."""
+        return TokenRng(secrets.randbits(63) if self.seed is None else self.seed, device)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    """SplitMix64's output function (Steele et al. 2014): a 64-bit bijective mixer."""
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+class TokenRng:
+    """One request's randomness, in two parts.
+
+    `race(position, vocab)`: the Exp(1) vector that picks the output token at `position` (its
+    index in the request's output) by `sample_with`. It is a function of (seed, position)
+    alone, so a token sampled this way does not depend on what was drafted before it, how
+    many drafts a step had, or whether speculation was on: seeded sampling with speculation
+    off and with one-hot drafts (n-gram) emits the same tokens (see `verify.verify_sampled`).
+    Each position's vector decides one emitted token, once, so the draws stay independent.
+    `generator`: one sequential stream for draws whose number depends on the run: a draft
+    model's samples, the accept uniforms and recovered/bonus tokens against a draft
+    distribution.
+    """
+
+    def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
+        self.seed = seed & _MASK64
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self._race = torch.Generator(device=device)
+        self._key = _splitmix64(self.seed)
+
+    def race(self, position: int, vocab: int) -> Tensor:
+        """Exp(1) draws `[1, vocab]` for output position `position` (>= 0)."""
+        self._race.manual_seed(_splitmix64(self._key ^ position) >> 1)  # 63 bits: any torch
+        return torch.empty(1, vocab, device=self.device).exponential_(1.0, generator=self._race)
+
 
 def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
     """logits `[N, vocab]` -> the sampling distribution `[N, vocab]` (fp32, rows sum to 1).
@@ -90,7 +134,11 @@ def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
     (the Gumbel-max trick in another form), in two vectorised passes; torch.multinomial costs
     ~20 ms on a 150k-token row here.
     """
-    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return sample_with(probs, torch.empty_like(probs).exponential_(1.0, generator=generator))
+
+
+def sample_with(probs: Tensor, race: Tensor) -> Tensor:
+    """probs `[N, vocab]`, race `[N, vocab]` of Exp(1) draws -> token ids `[N]`."""
     return (probs / race).argmax(-1)
 
 

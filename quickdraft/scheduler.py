@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor
 
 from quickdraft.models.base import SequenceCache
@@ -45,6 +44,7 @@ from quickdraft.policy import (
     forced_drafts,
 )
 from quickdraft.request import Request
+from quickdraft.sampling import TokenRng
 
 if TYPE_CHECKING:
     from quickdraft.speculate import Speculation
@@ -82,7 +82,7 @@ class Sequence:
 
     request: Request
     spec: Speculation | None
-    generator: torch.Generator
+    rng: TokenRng
     acceptance: Acceptance = field(default_factory=Acceptance)
     status: SeqStatus = SeqStatus.WAITING
     cache: SequenceCache | None = None  # allocated on admission, dropped when it leaves

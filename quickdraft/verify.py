@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from quickdraft.sampling import sample
+from quickdraft.sampling import TokenRng, sample, sample_with
 
 
 @dataclass(slots=True)
@@ -56,25 +56,30 @@ def verify_sampled(
     draft: list[int],
     p_draft: Tensor | None,
     p_target: Tensor,
-    generator: torch.Generator,
+    rng: TokenRng,
+    position: int,
 ) -> Verdict:
     """Lossless rejection sampling of `draft` against the target.
 
     p_target `[k + 1, vocab]`: the target's filtered distributions (`sampling.probabilities`).
     p_draft `[k, vocab]` (same filtering) or None for drafters without a distribution.
-    Accept d_i with probability min(1, p_target[i-1, d_i] / p_draft[i-1, d_i]); at the first
-    rejection sample the recovered token from normalize(max(p_target - p_draft, 0)); if all
-    are accepted sample the bonus from p_target[k].
+    position: the output index the first emitted token will have.
 
-    RNG use is fixed: k uniforms, then one multinomial draw, all from `generator`, whatever
-    the outcome, so a seeded request replays exactly.
+    With p_draft: accept d_i with probability min(1, p_target[i-1, d_i] / p_draft[i-1, d_i]);
+    at the first rejection sample the recovered token from normalize(max(p_target - p_draft,
+    0)); if all are accepted sample the bonus from p_target[k]. RNG use is fixed: k uniforms,
+    then one draw, all from `rng.generator`, whatever the outcome, so a seeded request replays.
+
+    Without (one-hot drafts, and k = 0): see `verify_one_hot`.
     """
+    if p_draft is None:
+        return verify_one_hot(draft, p_target, rng, position)
     k = len(draft)
     vocab = p_target.shape[-1]
     assert p_target.dim() == 2 and p_target.shape[0] == k + 1, (
         f"need [k + 1, vocab] p_target for k={k}, got {tuple(p_target.shape)}"
     )
-    assert p_draft is None or tuple(p_draft.shape) == (k, vocab), (
+    assert tuple(p_draft.shape) == (k, vocab), (
         f"need [k, vocab] p_draft for k={k}, got {tuple(p_draft.shape)}"
     )
     device = p_target.device
@@ -84,10 +89,8 @@ def verify_sampled(
     )  # [k]
     # k scalars each, fetched in one sync; the accept loop below is plain python over k floats.
     target_at_draft: list[float] = torch.take(p_target, at_draft).tolist()  # p_target[i-1, d_i]
-    # p_draft[i-1, d_i]; None is one-hot at d_i
-    draft_at_draft: list[float] = (
-        [1.0] * k if p_draft is None else torch.take(p_draft, at_draft).tolist()
-    )
+    draft_at_draft: list[float] = torch.take(p_draft, at_draft).tolist()
+    generator = rng.generator
     u: list[float] = torch.rand(k, generator=generator, device=device).tolist()  # in [0, 1)
 
     accepted = 0
@@ -111,7 +114,7 @@ def verify_sampled(
         return Verdict([*draft, token], k, bonus=True)
 
     row = accepted  # the first rejection: d_{row+1} was judged against p_target[row]
-    if p_draft is None or draft_at_draft[row] <= 0.0:
+    if draft_at_draft[row] <= 0.0:
         residual = p_target[row].clone()  # [vocab]
         residual[draft[row]] = 0.0
     else:
@@ -123,3 +126,27 @@ def verify_sampled(
     # multinomial normalises its weights itself: the residual need not be divided by its mass
     token = int(sample(residual[None], generator))  # residual[None]: [1, vocab]
     return Verdict([*draft[:row], token], row, bonus=False)
+
+
+def verify_one_hot(draft: list[int], p_target: Tensor, rng: TokenRng, position: int) -> Verdict:
+    """Rejection sampling of one-hot drafts, coupled to plain sampling.
+
+    Row i samples x_i from p_target[i] with the race of output position `position + i`; d_i is
+    accepted iff x_i == d_i, else x_i is the recovered token (after k accepts, x_k the bonus).
+    This is the one-hot rule exactly: P(accept d_i) = p_target[i, d_i], and given a rejection
+    x_i is distributed as p_target[i] with d_i removed, renormalised, i.e. the residual
+    normalize(max(p_target - onehot(d_i), 0)). And every emitted token is the one plain
+    sampling with the same seed would emit at its position, whatever was drafted.
+    """
+    k = len(draft)
+    assert p_target.dim() == 2 and p_target.shape[0] == k + 1, (
+        f"need [k + 1, vocab] p_target for k={k}, got {tuple(p_target.shape)}"
+    )
+    vocab = p_target.shape[-1]
+    tokens: list[int] = []
+    for i in range(k + 1):  # rows are sampled lazily: none past the first rejection
+        token = int(sample_with(p_target[i : i + 1], rng.race(position + i, vocab)))
+        tokens.append(token)
+        if i == k or token != draft[i]:
+            return Verdict(tokens, i, bonus=i == k)
+    raise AssertionError("unreachable: row k always returns")

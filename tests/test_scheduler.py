@@ -6,13 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.drafters.ngram import NgramDrafter
 from quickdraft.policy import StepCost
 from quickdraft.request import FinishReason, Request
-from quickdraft.sampling import SamplingParams
+from quickdraft.sampling import SamplingParams, TokenRng
 from quickdraft.scheduler import Scheduler, SchedulerConfig, SeqStatus, Sequence, StepPlan
 from quickdraft.speculate import Speculation
 from quickdraft.tokenizer import Tokenizer
@@ -50,7 +49,7 @@ class Harness:
     def add(self, prompt_len: int, max_tokens: int, spec: Speculation | None = None) -> Sequence:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         req = Request([65 + i % 20 for i in range(prompt_len)], params, self.tokenizer, (2,))
-        seq = Sequence(req, spec, torch.Generator())
+        seq = Sequence(req, spec, TokenRng(0))
         self.sched.add(seq)
         return seq
 

@@ -111,6 +111,30 @@ def test_ngram_shared_index_across_requests_stays_lossless(target: LoadedModel) 
     assert accepted[1] > accepted[0] + len(PROMPTS) * 4, accepted
 
 
+def test_ngram_seeded_sampling_equals_speculation_off(target: LoadedModel) -> None:
+    """A seeded sampled request emits the same tokens with n-gram drafts as without: one-hot
+    drafts are verified against the same per-position draws plain sampling makes
+    (`verify_one_hot`), so neither the drafts nor the shared index, which the second pass
+    has filled with the first pass's outputs, change a token."""
+    cfg = SpeculativeConfig(method="ngram", num_draft_tokens=4, ngram_min=1, adaptive=False)
+    spec = make_speculation(target, cfg)
+    assert spec is not None
+    drafted = accepted = 0
+    for rep in range(2):
+        for i, prompt in enumerate(PROMPTS):
+            params = SamplingParams(
+                max_tokens=40, temperature=0.5, top_p=0.95, seed=100 + i, ignore_eos=True
+            )
+            plain = generate(target, prompt, params, SpeculativeConfig())
+            req = target.new_request(target.tokenizer.encode(prompt), params)
+            for _ in stream(target, req, spec):
+                pass
+            assert req.output_ids == plain.output_ids, (rep, prompt)
+            drafted += req.spec.drafted
+            accepted += req.spec.accepted
+    assert 0 < accepted < drafted, (accepted, drafted)  # drafts kept and rejected
+
+
 def test_speculative_sampled_matches_target_distribution(
     target: LoadedModel, near_draft_dir: Path
 ) -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from quickdraft.sampling import SamplingParams, probabilities
+from quickdraft.sampling import SamplingParams, TokenRng, probabilities, sample_with
 from quickdraft.verify import Verdict, verify_greedy, verify_sampled
 
 VOCAB = 8
@@ -74,10 +74,10 @@ def runs() -> Runs:
     p_draft = random_rows(gen, 2, filtered=None)
     # rows are context-free, so drafting d_2 independently of d_1 is a valid drafter
     drafts = torch.multinomial(p_draft, TRIALS, replacement=True, generator=gen).T.tolist()
-    verify_gen = torch.Generator().manual_seed(99)
+    verify_rng = TokenRng(99)
     first, accepted, second, bonus = [], [], [], []
     for draft in drafts:
-        verdict = verify_sampled(draft, p_draft, p_target, verify_gen)
+        verdict = verify_sampled(draft, p_draft, p_target, verify_rng, position=0)
         first.append(verdict.tokens[0])
         accepted.append(verdict.accepted)
         second.append(verdict.tokens[1] if verdict.accepted >= 1 else -1)
@@ -161,8 +161,10 @@ def test_verify_sampled_one_hot_draft_first_token_follows_p_target() -> None:
     proposal = random_rows(gen, 1, filtered=None)[0]
     drafts = torch.multinomial(proposal, 30_000, replacement=True, generator=gen).tolist()
     first, accepted = [], 0
-    for d in drafts:
-        verdict = verify_sampled([d], None, p_target, gen)
+    rng = TokenRng(8)
+    for trial, d in enumerate(drafts):
+        # a fresh pair of output positions per trial: the races never repeat
+        verdict = verify_sampled([d], None, p_target, rng, position=2 * trial)
         first.append(verdict.tokens[0])
         accepted += verdict.accepted
     tokens = torch.tensor(first)
@@ -179,8 +181,9 @@ def test_verify_sampled_zero_draft_probability_stays_lossless() -> None:
     gen = torch.Generator().manual_seed(11)
     p_target = random_rows(gen, 2, filtered=FILTERED)
     p_draft = random_rows(gen, 1, filtered=2)  # [1, VOCAB], p_draft[0, 2] == 0
+    rng = TokenRng(12)
     tokens = torch.tensor(
-        [verify_sampled([2], p_draft, p_target, gen).tokens[0] for _ in range(10_000)]
+        [verify_sampled([2], p_draft, p_target, rng, 0).tokens[0] for _ in range(10_000)]
     )
     stat, dof = chi_square(tokens, p_target[0])
     assert follows(tokens, p_target[0]), f"chi2={stat:.1f} dof={dof}"
@@ -273,20 +276,25 @@ def test_verify_sampled_with_greedy_params_equals_verify_greedy(kind: str) -> No
             draft[pos] = (draft[pos] + 1 + trial % (VOCAB - 1)) % VOCAB
         p_draft = draft_distribution(kind, draft, gen)
         p_target = probabilities(logits, greedy)  # one-hot argmax
-        assert verify_sampled(draft, p_draft, p_target, gen) == verify_greedy(draft, logits)
+        verdict = verify_sampled(draft, p_draft, p_target, TokenRng(trial), position=trial)
+        assert verdict == verify_greedy(draft, logits)
 
 
 def run_seeded(seed: int, global_seed: int) -> list[Verdict]:
-    gen = torch.Generator().manual_seed(seed)
+    rng = TokenRng(seed)
     shapes = torch.Generator().manual_seed(3)  # same problems for every seed
-    torch.manual_seed(global_seed)  # verify must draw from `gen` only, never the global RNG
-    verdicts = []
+    torch.manual_seed(global_seed)  # verify must draw from `rng` only, never the global RNG
+    verdicts: list[Verdict] = []
+    position = 0
     for trial in range(200):
         k = trial % 5
         p_target = random_rows(shapes, k + 1, filtered=FILTERED)
         p_draft = random_rows(shapes, k, filtered=None)
         draft = [int(t) for t in torch.multinomial(p_draft, 1, generator=shapes)[:, 0]]
-        verdicts.append(verify_sampled(draft, p_draft, p_target, gen))
+        # every other trial with one-hot drafts: both paths replay from the seed
+        q = p_draft if trial % 2 else None
+        verdicts.append(verify_sampled(draft, q, p_target, rng, position))
+        position += len(verdicts[-1].tokens)
     return verdicts
 
 
@@ -294,3 +302,40 @@ def test_verify_sampled_seeded_run_is_reproducible() -> None:
     first = run_seeded(42, global_seed=1)
     assert run_seeded(42, global_seed=2) == first
     assert run_seeded(43, global_seed=1) != first  # the seed matters: the == is not vacuous
+
+
+# --- one-hot drafts are coupled to plain sampling ------------------------------------------------
+
+
+def test_verify_one_hot_emits_what_plain_sampling_emits() -> None:
+    # Row i's token is the plain sample at output position `position + i` whatever the draft:
+    # the verdict is the longest prefix of the draft that matches those samples, then the
+    # sample at the first mismatch (or the bonus). Drafts are built to match 0..k rows.
+    shapes = torch.Generator().manual_seed(21)
+    rng = TokenRng(-5)  # negative seeds are valid (OpenAI's and torch's range)
+    depths = set()
+    for trial in range(300):
+        k = trial % 6
+        position = 17 * trial
+        p_target = random_rows(shapes, k + 1, filtered=FILTERED)
+        plain = [
+            int(sample_with(p_target[i : i + 1], rng.race(position + i, VOCAB)))
+            for i in range(k + 1)
+        ]
+        match = trial % (k + 1)  # the first `match` drafts equal the plain samples
+        draft = plain[:match] + [(t + 1) % VOCAB for t in plain[match:k]]
+        verdict = verify_sampled(draft, None, p_target, rng, position)
+        assert verdict == Verdict(plain[: match + 1], match, bonus=match == k)
+        depths.add(match)
+    assert depths == set(range(6))
+
+
+def test_token_rng_race_is_a_function_of_seed_and_position() -> None:
+    a, b = TokenRng(3), TokenRng(3)
+    b.race(9, VOCAB)  # draws in another order: position 4's race is unchanged
+    assert torch.equal(a.race(4, VOCAB), b.race(4, VOCAB))
+    assert not torch.equal(a.race(4, VOCAB), a.race(5, VOCAB))
+    assert not torch.equal(a.race(4, VOCAB), TokenRng(4).race(4, VOCAB))
+    # the sequential stream is separate: drawing from it leaves the races alone
+    torch.rand(5, generator=a.generator)
+    assert torch.equal(a.race(4, VOCAB), b.race(4, VOCAB))
