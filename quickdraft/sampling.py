@@ -88,12 +88,11 @@ class TokenRng:
     """
 
     def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
-        self.seed = seed & _MASK64
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self._race = torch.Generator(device=device)
-        self._key = _splitmix64(self.seed)
+        self._key = _splitmix64(seed & _MASK64)
 
     def race(self, position: int, vocab: int) -> Tensor:
         """Exp(1) draws `[1, vocab]` for output position `position` (>= 0)."""

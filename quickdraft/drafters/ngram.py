@@ -76,7 +76,7 @@ class NgramState:
     # current suffix from matching itself.
     indexed: int = 0
     prompt_len: int = 0
-    tokens: list[int] = field(default_factory=list)  # the committed sequence last seen
+    tokens: list[int] = field(default_factory=list)  # the committed sequence (`commit`)
 
 
 def index_tokens(index: list[NgramIndex], min_n: int, tokens: Sequence[int], begin: int) -> None:
@@ -137,9 +137,9 @@ class NgramDrafter:
         context = tokens[-self.max_n :]
         draft: list[int] = []
         while len(draft) < k:
-            followers = self._longest_match(state.index, self.min_n, context)
+            followers = self._longest_match(state.index, context)
             if followers is None and self.shared_size:
-                followers = self._longest_match(self.shared, self.min_n, context)
+                followers = self._longest_match(self.shared, context)
             if followers is None:
                 break
             token, share = followers.vote()
@@ -149,11 +149,9 @@ class NgramDrafter:
             context.append(token)
         return Draft(draft)
 
-    def _longest_match(
-        self, index: list[NgramIndex], min_n: int, context: list[int]
-    ) -> Followers | None:
-        for n in range(min(self.max_n, len(context)), min_n - 1, -1):
-            followers = index[n - min_n].get(tuple(context[len(context) - n :]))
+    def _longest_match(self, index: list[NgramIndex], context: list[int]) -> Followers | None:
+        for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
+            followers = index[n - self.min_n].get(tuple(context[len(context) - n :]))
             if followers is not None:
                 return followers
         return None
@@ -206,7 +204,6 @@ class NgramDrafter:
         # follower tokens[e].
         index_tokens(state.index, self.min_n, tokens, state.indexed)
         state.indexed = len(tokens)
-        state.tokens = tokens
 
     def _rebuild(self, state: NgramState, tokens: list[int]) -> None:
         self._clear(state)

@@ -16,21 +16,7 @@
 #include <tuple>
 #include <vector>
 
-// the kernels (same extension)
-at::Tensor qd_linear_panel(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                           const c10::optional<at::Tensor>& bias);
-at::Tensor qd_linear_i8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                        const c10::optional<at::Tensor>& bias);
-at::Tensor qd_linear_q4(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                        const c10::optional<at::Tensor>& bias);
-at::Tensor qd_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double offset);
-std::tuple<at::Tensor, at::Tensor> qd_add_rms_norm(const at::Tensor& x, const at::Tensor& delta,
-                                                   const at::Tensor& w, double eps,
-                                                   double offset);
-at::Tensor qd_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-at::Tensor qd_silu_mul(const at::Tensor& gate_up);
-at::Tensor qd_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
-                     double scale);
+#include "ops.h"
 
 namespace {
 

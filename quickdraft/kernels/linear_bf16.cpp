@@ -35,6 +35,7 @@
 #include <torch/extension.h>
 
 #include "bf16.h"
+#include "ops.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -474,45 +475,6 @@ at::Tensor linear_tuned(const at::Tensor& x, const at::Tensor& w,
 
 // Counts a call of any weight-GEMM kernel (also linear_q4.cpp's): tests check the fast path ran.
 void qd_count_kernel_call() { g_kernel_calls.fetch_add(1, std::memory_order_relaxed); }
-
-// norm_rope.cpp (same extension)
-at::Tensor qd_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double offset);
-std::tuple<at::Tensor, at::Tensor> qd_add_rms_norm(const at::Tensor& x, const at::Tensor& delta,
-                                                   const at::Tensor& w, double eps,
-                                                   double offset);
-at::Tensor qd_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-// gdn_ops.cpp (same extension)
-at::Tensor qd_silu_mul(const at::Tensor& gate_up);
-at::Tensor qd_gated_rms_norm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& z,
-                             double eps);
-at::Tensor qd_causal_conv_silu(const at::Tensor& x, const at::Tensor& window,
-                               const at::Tensor& weight);
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qd_gdn_delta(
-    const at::Tensor& y, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
-    int64_t k_heads);
-// linear_q4.cpp (same extension)
-bool qd_linear_q4_eligible(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                           const c10::optional<at::Tensor>& bias);
-at::Tensor qd_linear_q4(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                        const c10::optional<at::Tensor>& bias);
-// linear_panel.cpp (same extension)
-bool qd_linear_panel_eligible(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                              const c10::optional<at::Tensor>& bias);
-at::Tensor qd_linear_panel(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                           const c10::optional<at::Tensor>& bias);
-// linear_i8.cpp (same extension)
-bool qd_linear_i8_eligible(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                           const c10::optional<at::Tensor>& bias);
-at::Tensor qd_linear_i8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                        const c10::optional<at::Tensor>& bias);
-// attention.cpp (same extension)
-bool qd_attend_eligible(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        int64_t start);
-at::Tensor qd_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
-                     double scale);
-
-// dense_layer.cpp (same extension)
-void qd_register_dense_layer(py::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   qd_register_dense_layer(m);

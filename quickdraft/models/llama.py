@@ -334,10 +334,11 @@ class CausalLM(nn.Module):
             if one and input_ids.shape[0] <= ATTEND_KERNEL_MAX_QUERIES
             else None
         )
-        cos, sin = rope[0][:, 0], rope[1][:, 0]
+        if fused is not None:
+            cache = caches[0]
+            cos, sin = rope[0][:, 0], rope[1][:, 0]
         for i, layer in enumerate(self.decoder_layers):
             if fused is not None:
-                cache = caches[0]
                 h, residual = fused[i].forward(
                     h, residual, cos, sin, cache.k, cache.v, cache.length
                 )

@@ -1,0 +1,45 @@
+// The extension's functions that one of its files calls in another (one JIT-built module:
+// linear_bf16.cpp binds them to Python, dense_layer.cpp chains them into a decoder layer).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <tuple>
+
+// norm_rope.cpp
+at::Tensor qd_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double offset);
+std::tuple<at::Tensor, at::Tensor> qd_add_rms_norm(const at::Tensor& x, const at::Tensor& delta,
+                                                   const at::Tensor& w, double eps,
+                                                   double offset);
+at::Tensor qd_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+// gdn_ops.cpp
+at::Tensor qd_silu_mul(const at::Tensor& gate_up);
+at::Tensor qd_gated_rms_norm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& z,
+                             double eps);
+at::Tensor qd_causal_conv_silu(const at::Tensor& x, const at::Tensor& window,
+                               const at::Tensor& weight);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qd_gdn_delta(
+    const at::Tensor& y, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
+    int64_t k_heads);
+// linear_q4.cpp
+bool qd_linear_q4_eligible(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                           const c10::optional<at::Tensor>& bias);
+at::Tensor qd_linear_q4(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                        const c10::optional<at::Tensor>& bias);
+// linear_panel.cpp
+bool qd_linear_panel_eligible(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                              const c10::optional<at::Tensor>& bias);
+at::Tensor qd_linear_panel(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                           const c10::optional<at::Tensor>& bias);
+// linear_i8.cpp
+bool qd_linear_i8_eligible(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                           const c10::optional<at::Tensor>& bias);
+at::Tensor qd_linear_i8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                        const c10::optional<at::Tensor>& bias);
+// attention.cpp
+bool qd_attend_eligible(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        int64_t start);
+at::Tensor qd_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
+                     double scale);
+// dense_layer.cpp
+void qd_register_dense_layer(py::module_& m);
