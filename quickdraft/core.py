@@ -104,23 +104,34 @@ class EngineCore:
         t2 = time.perf_counter()
         verdicts = self.runner.verify(plan, drafts, out)  # accepted drafts + 1 token each
         timing = (t1 - t0, time.perf_counter() - t1)
-        self._observe_draft_cost(plan, drafts, t1 - t0, t2 - t1)
+        self._observe(plan, drafts, t1 - t0, t2 - t1)
         return self._commit(plan, drafts, verdicts, out, timing)
 
-    def _observe_draft_cost(
+    def _observe(
         self, plan: StepPlan, drafts: list[Draft], draft_s: float, forward_s: float
     ) -> None:
-        """Feed the step's measured draft cost to its drafter's Speculation (see
-        quickdraft/speculate.py): only when one drafter with a cost drafted, so the draft
-        phase's time is that drafter's: max(k) packed forwards, or what the drafter measured
-        itself. The target forward is scaled to one row by the policy's step-cost curve."""
+        """Feed the policy what this step cost (once it exists: only adaptive speculating
+        requests create it): the target forward's time for its actual shape (drafters may
+        return fewer drafts than asked), which calibrates the step-cost table; and the draft
+        phase's time per position to its drafter's Speculation (quickdraft/speculate.py) when
+        one drafter with a cost drafted, so that phase is that drafter's: max(k) packed
+        forwards, or what the drafter measured itself. The target forward is scaled to one row
+        by the policy's step-cost curve."""
+        if not self.scheduler.has_policy:
+            return  # (only forced requests so far: they never read costs)
+        policy = self.scheduler.policy
+        shape = [
+            item.num_tokens + len(d.tokens) for item, d in zip(plan.items, drafts, strict=True)
+        ]
+        rows, masked = sum(shape), sum(n > 1 for n in shape)
+        policy.observe(rows, len(shape), masked, forward_s)
         specs = {
             id(item.seq.spec): item.seq.spec
             for item, draft in zip(plan.items, drafts, strict=True)
             if draft.tokens and item.seq.spec is not None and item.seq.spec.startup_cost > 0
         }
-        if len(specs) != 1 or not self.scheduler.has_policy:
-            return  # (no policy yet: only forced requests, which never read the draft cost)
+        if len(specs) != 1:
+            return
         (spec,) = specs.values()
         # A drafter that times its own draft steps (the draft model: catch-up feeds of a
         # prompt or an idle phase excluded, they are not a per-position cost) says so with
@@ -131,10 +142,8 @@ class EngineCore:
         per_position = (
             timed if isinstance(timed, float) else draft_s / max(len(d.tokens) for d in drafts)
         )
-        cost = self.scheduler.policy.cost
-        masked = sum(item.num_tokens + item.k > 1 for item in plan.items)
-        step = cost(plan.num_rows, len(plan.items), masked)
-        spec.observe(per_position, forward_s * cost(1) / step)
+        cost = policy.cost
+        spec.observe(per_position, forward_s * cost(1) / cost(rows, len(shape), masked))
 
     def _commit(
         self,

@@ -54,6 +54,8 @@ import torch
 
 from quickdraft.models.base import LanguageModel
 
+CATCH_UP_HORIZON = 128  # tokens over which a draft catch-up is spread (at most what is left)
+
 
 @dataclass(frozen=True, slots=True)
 class StepCost:
@@ -103,9 +105,12 @@ def measure_step_cost(
     model: LanguageModel, rows: Sequence[int] = COST_ROWS, context: int = 8, seqs: int = 8
 ) -> StepCost:
     """Time target forwards over `rows` new tokens of one sequence after `context` cached ones
-    (best of two up to 8 rows, where steps are short and noise matters, one run above); then
-    `seqs` sequences of one row and of two rows each, which give `per_seq` and `per_masked`
-    (see StepCost). ~13 s for a 1.5B model on this CPU, ~1 s for a 135M one."""
+    (best of three up to 16 rows, where the draft decisions are made and noise matters, one
+    run above); then `seqs` sequences of one row and of two rows each, which give `per_seq` and
+    `per_masked` (see StepCost). The best of three, because on a shared host one timing was
+    seen 2x another of the same forward (a 64 ms `per_seq` from one start-up, 0 from the
+    next); what noise is left, the policy's calibration corrects for the shapes that run.
+    ~20 s for a 1.5B model on this CPU, ~1 s for a 135M one."""
     device = model.device
     max_rows = max(max(rows), 2 * seqs)
     length = max(context * seqs, context + max_rows)
@@ -120,7 +125,7 @@ def measure_step_cost(
         n = per * num_seqs
         new, logit_rows = ids[context : context + n], torch.arange(n, device=device)
         best = float("inf")
-        for _ in range(2 if n <= 8 else 1):
+        for _ in range(3 if n <= 16 else 1):
             t = time.perf_counter()
             model(new, caches[:num_seqs], [per] * num_seqs, logit_rows=logit_rows)
             best = min(best, time.perf_counter() - t)
@@ -155,6 +160,45 @@ def measure_step_seconds(model: LanguageModel, context: int = 16, reps: int = 3)
         model(ids[context:], [cache], [1])
         best = min(best, time.perf_counter() - t)
     return best
+
+
+@dataclass(slots=True)
+class Calibration:
+    """The running ratio of measured to predicted forward seconds (module docstring,
+    "Calibration"), overall and per step shape: each the mean of its first `window`
+    observations, then an exponential average over about `window`. A shape's factor is its
+    own ratio shrunk towards the overall one (which counts as one observation), so a shape
+    never run follows the machine's overall speed: when the whole table is off (a start-up
+    timed on a busy host), the shapes that ran and the ones that did not stay comparable.
+    Each ratio is clamped to [1/4, 4] so one stalled step (a page fault, another process)
+    cannot swing it."""
+
+    window: int = 10
+    overall: float = 1.0
+    seen: int = 0
+    ratios: dict[tuple[int, int, int], tuple[float, int]] = field(default_factory=dict)
+
+    @staticmethod
+    def key(rows: int, seqs: int, masked: int) -> tuple[int, int, int]:
+        # rows beyond 16 (prefill chunks) share power-of-two buckets
+        bucket = rows if rows <= 16 else 1 << (rows - 1).bit_length()
+        return bucket, seqs, masked
+
+    def observe(self, rows: int, seqs: int, masked: int, measured: float, predicted: float) -> None:
+        if measured <= 0.0 or predicted <= 0.0:
+            return
+        ratio = min(max(measured / predicted, 0.25), 4.0)
+        self.seen += 1
+        self.overall += (ratio - self.overall) / min(self.seen, self.window)
+        key = self.key(rows, seqs, masked)
+        mean, n = self.ratios.get(key, (1.0, 0))
+        n += 1
+        self.ratios[key] = (mean + (ratio - mean) / min(n, self.window), n)
+
+    def factor(self, rows: int, seqs: int, masked: int) -> float:
+        mean, n = self.ratios.get(self.key(rows, seqs, masked), (1.0, 0))
+        n = min(n, self.window)
+        return (self.overall + mean * n) / (1 + n)
 
 
 @dataclass(slots=True)
@@ -205,6 +249,7 @@ class Candidate:
     adaptive: bool = True  # False: always draft k_max
     drafter: int = 0  # index into the step's `draft_costs` (requests sharing a drafter pack)
     catch_up: int = 1  # tokens the drafter must feed before its first draft (idle phases)
+    remaining: int = CATCH_UP_HORIZON  # tokens the request may still emit (max_tokens, context)
 
 
 def forced_drafts(cands: Sequence[Candidate], budget: int) -> tuple[list[int], int]:
@@ -225,6 +270,24 @@ class BatchPolicy:
     probe_every: int = 16
     probe_budget: float = 0.02  # share of step time all probes together may cost
     probes: int = field(default=0)  # probes issued (telemetry)
+    calibration: Calibration = field(default_factory=Calibration)
+
+    def seconds(self, rows: int, seqs: int, masked: int) -> float:
+        """The step-cost table's forward seconds for this shape, calibrated by what steps of
+        the same shape measured."""
+        return self.cost(rows, seqs, masked) * self.calibration.factor(rows, seqs, masked)
+
+    def observe(self, rows: int, seqs: int, masked: int, seconds: float) -> None:
+        """One step's target forward: `rows` over `seqs` sequences, `masked` with > 1 row."""
+        self.calibration.observe(rows, seqs, masked, seconds, self.cost(rows, seqs, masked))
+
+    def catch_up_seconds(self, cand: Candidate, draft_cost: float) -> float:
+        """A drafter's catch-up before `cand`'s first draft, spread over the steps it can
+        still draft (module docstring, "Catch-up"); 0 for the usual <= 2-token resync."""
+        if cand.catch_up <= 2 or not draft_cost:
+            return 0.0
+        steps = max(1, min(cand.remaining, CATCH_UP_HORIZON)) / (1 + cand.acceptance.alpha)
+        return draft_cost * self.cost.of_rows(cand.catch_up) / max(steps, 1.0)
 
     def choose(
         self,
@@ -238,8 +301,8 @@ class BatchPolicy:
         1-row target forward; `budget`: draft rows allowed in total."""
         ks, budget = forced_drafts(cands, budget)
         num_dec = len(cands)
-        t_dec = self.cost(num_dec, num_dec, 0)  # the step of plain decoding: num_dec tokens
-        t_base = self.cost(base.rows, base.seqs, base.masked)
+        t_dec = self.seconds(num_dec, num_dec, 0)  # the step of plain decoding: num_dec tokens
+        t_base = self.seconds(base.rows, base.seqs, base.masked)
         # Running totals of the allocation in `ks`, updated one draft token at a time.
         rows_at: dict[tuple[int, int], int] = {}  # (drafter, position) -> requests drafting it
         gain = draft_s = 0.0
@@ -250,8 +313,10 @@ class BatchPolicy:
             c = cands[i]
             ks[i] += 1
             drafts += 1
-            drafting += ks[i] == 1  # its attention now needs a mask
             gain += c.acceptance.alpha ** ks[i]
+            if ks[i] == 1:
+                drafting += 1  # its attention now needs a mask
+                draft_s += self.catch_up_seconds(c, draft_costs[c.drafter])
             key = (c.drafter, ks[i] - 1)
             n = rows_at.get(key, 0)
             rows_at[key] = n + 1
@@ -261,7 +326,8 @@ class BatchPolicy:
                 )
 
         def score() -> float:
-            t = self.cost(base.rows + drafts, base.seqs, base.masked + drafting)
+            # extra rows never make a forward cheaper, whatever two calibrations say
+            t = max(self.seconds(base.rows + drafts, base.seqs, base.masked + drafting), t_base)
             return (num_dec + gain) / (t_dec + t - t_base + draft_s)
 
         forced, ks = ks, [0] * len(cands)
@@ -297,8 +363,8 @@ class BatchPolicy:
         docstring for the rationing rule); counts idle steps."""
         rows = base.rows + sum(ks)
         masked = base.masked + sum(k > 0 for k in ks)
-        step = self.cost(rows, base.seqs, masked)
-        extra_row = self.cost(rows + 1, base.seqs, masked + 1) - step  # and its mask
+        step = self.seconds(rows, base.seqs, masked)
+        extra_row = max(0.0, self.seconds(rows + 1, base.seqs, masked + 1) - step)  # + its mask
         for i, c in enumerate(cands):
             acc = c.acceptance
             if ks[i] > 0 or not c.adaptive or c.k_max == 0:

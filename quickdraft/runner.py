@@ -72,7 +72,6 @@ class ModelRunner:
                 tokens = seq.request.all_ids
                 params = seq.request.params
                 jobs.append(DraftJob(seq.draft_state, tokens, item.k, params, seq.rng.generator))
-                seq.synced = len(tokens)
             for idx, draft in zip(idxs, drafter.propose(jobs), strict=True):
                 drafts[idx] = draft
         return drafts

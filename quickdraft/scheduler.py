@@ -88,7 +88,7 @@ class Sequence:
     cache: SequenceCache | None = None  # allocated on admission, dropped when it leaves
     draft_state: Any = None
     prompt_hidden: list[Tensor] = field(default_factory=list)  # prefill chunks' hidden rows
-    synced: int = 0  # len(all_ids) at the drafter's last propose (catch-up estimate)
+    synced: int = 0  # committed tokens the drafter has seen (catch-up estimate, policy.py)
     error: BaseException | None = None  # why the request failed, if it did
 
     @property
@@ -209,7 +209,7 @@ class Scheduler:
         cands = []
         for item in decoding:
             seq, spec = item.seq, item.seq.spec
-            k_max = d = 0
+            k_max = d = room = 0
             if spec is not None and seq.decoding:
                 req = seq.request
                 room = min(
@@ -222,7 +222,7 @@ class Scheduler:
                     draft_costs.append(spec.draft_cost)
             adaptive = spec is None or spec.config.adaptive
             catch_up = seq.num_tokens - seq.synced
-            cands.append(Candidate(seq.acceptance, k_max, adaptive, d, catch_up))
+            cands.append(Candidate(seq.acceptance, k_max, adaptive, d, catch_up, room))
         if any(c.adaptive for c in cands):
             masked = sum(i.num_tokens > 1 for i in plan.items)  # prefill chunks
             base = StepShape(plan.num_rows, len(plan.items), masked)
@@ -244,6 +244,8 @@ class Scheduler:
             req.spec.record(drafted, accepted)
             seq.acceptance.update(drafted, accepted)
         req.append(tokens)
+        if item.k:  # its drafter ran this step: all but the newest tokens are in its state
+            seq.synced = seq.num_tokens - 1
         if req.finished:
             self.release(seq)
 

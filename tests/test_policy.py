@@ -10,6 +10,7 @@ from quickdraft.generate import load
 from quickdraft.policy import (
     Acceptance,
     BatchPolicy,
+    Calibration,
     Candidate,
     StepCost,
     StepShape,
@@ -145,3 +146,59 @@ def test_measure_step_cost_on_tiny_model_is_monotone(tiny_model_dir: Path) -> No
     assert cost.rows == (1, 2, 4, 8)
     assert all(b >= a > 0 for a, b in zip(cost.seconds, cost.seconds[1:], strict=False))
     assert cost.per_seq >= 0.0 and cost.per_masked >= 0.0
+
+
+def test_calibration_follows_measured_steps_per_shape() -> None:
+    cal = Calibration(window=4)
+    assert cal.factor(8, 8, 0) == 1.0  # nothing measured: the table
+    for _ in range(4):
+        cal.observe(8, 8, 0, measured=0.8, predicted=1.0)
+    assert cal.factor(8, 8, 0) == pytest.approx((0.8 + 4 * 0.8) / 5)
+    assert cal.factor(8, 1, 1) == pytest.approx(0.8)  # never run: the overall ratio
+    for _ in range(4):
+        cal.observe(9, 1, 1, measured=2.0, predicted=1.0)  # a shape the table underrates
+    assert 0.8 < cal.overall < 2.0  # moving towards the newer ratio
+    assert cal.factor(9, 1, 1) == pytest.approx((cal.overall + 4 * 2.0) / 5)
+    assert cal.factor(8, 8, 0) == pytest.approx((cal.overall + 4 * 0.8) / 5)
+    cal.observe(8, 8, 0, measured=100.0, predicted=1.0)  # one stalled step: clamped to 4x
+    assert cal.ratios[8, 8, 0][0] == pytest.approx(0.8 + (4.0 - 0.8) / 4)
+    cal.observe(40, 2, 1, measured=2.0, predicted=1.0)  # prefill-sized rows share a bucket
+    assert cal.ratios[64, 2, 1] == (2.0, 1)
+
+
+def test_policy_keeps_drafting_when_the_whole_table_is_slow() -> None:
+    """A start-up timed on a busy host: every shape runs 4x faster than the table says. The
+    plain shape's correction must not make the draft shapes (never run yet) look dear."""
+    policy = BatchPolicy(FLAT)
+    cands = [Candidate(acceptance(0.5), 3)]
+    for _ in range(10):
+        policy.observe(1, 1, 0, FLAT(1) / 4)
+    assert policy.choose(cands, [0.0], StepShape(1, 1), 64) == [3]
+
+
+def test_policy_stops_drafting_once_the_draft_shape_measures_dear() -> None:
+    """The table says a verify row is free; the steps that ran say it doubles the forward."""
+    policy = BatchPolicy(FLAT)
+    cands = [Candidate(acceptance(0.5), 1) for _ in range(4)]
+    assert policy.choose(cands, [0.0], StepShape(4, 4), 64) != [0] * 4
+    for _ in range(10):
+        policy.observe(4, 4, 0, FLAT(4, 4, 0))  # plain decoding as the table says
+        for drafting in range(1, 5):  # any draft shape: twice the table
+            policy.observe(4 + drafting, 4, drafting, 2 * FLAT(4 + drafting, 4, drafting))
+    assert policy.choose(cands, [0.0], StepShape(4, 4), 64) == [0] * 4
+
+
+def test_policy_charges_a_draft_model_catch_up_over_what_is_left() -> None:
+    """A request that never drafted must first feed its 200 tokens to the draft model: worth it
+    with 128 tokens to go, not with 2."""
+    policy = BatchPolicy(FLAT_THEN_STEEP)
+    fresh = dict(acceptance=acceptance(0.7), k_max=3, drafter=1, catch_up=200)
+    costs = [0.0, 0.1]
+    assert policy.choose([Candidate(**fresh, remaining=128)], costs, StepShape(1, 1), 64)[0] > 0
+    assert policy.choose([Candidate(**fresh, remaining=2)], costs, StepShape(1, 1), 64) == [0]
+    # caught up (the usual resync of <= 2 tokens): nothing to charge, it drafts to the end
+    synced = dict(fresh, catch_up=2)
+    assert policy.choose([Candidate(**synced, remaining=2)], costs, StepShape(1, 1), 64)[0] > 0
+    # a lookup drafter has nothing to catch up
+    free = dict(fresh, drafter=0)
+    assert policy.choose([Candidate(**free, remaining=2)], costs, StepShape(1, 1), 64)[0] > 0

@@ -4,12 +4,13 @@ cancellation and draft slots. No model: caches are counters and tokens are made 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.drafters.ngram import NgramDrafter
-from quickdraft.policy import StepCost
+from quickdraft.policy import BatchPolicy, Candidate, StepCost
 from quickdraft.request import FinishReason, Request
 from quickdraft.sampling import SamplingParams, TokenRng
 from quickdraft.scheduler import Scheduler, SchedulerConfig, SeqStatus, Sequence, StepPlan
@@ -165,3 +166,29 @@ def test_scheduler_drafts_only_while_decoding_within_room_and_budget(
 def test_scheduler_config_rejects_budget_below_batch() -> None:
     with pytest.raises(ValueError, match="max_step_tokens"):
         SchedulerConfig(max_running=8, max_step_tokens=4)
+
+
+def test_scheduler_tells_the_policy_catch_up_and_tokens_left(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request's first draft needs its whole context fed to the drafter; after a drafting
+    step only the newest token; `remaining` is what max_tokens still allows."""
+    cfg = SpeculativeConfig(method="ngram", num_draft_tokens=2)
+    spec = Speculation(cfg, NgramDrafter(), 0.0)
+    h = Harness(tokenizer, SchedulerConfig(max_running=1, max_step_tokens=16), accept=2)
+    seq = h.add(5, 20, spec)
+    h.step()  # prefill: the first token
+    seen: list[tuple[int, int]] = []
+    choose = BatchPolicy.choose
+
+    def spy(self: BatchPolicy, cands: list[Candidate], *args: Any) -> list[int]:
+        seen.extend((c.catch_up, c.remaining) for c in cands)
+        return choose(self, cands, *args)
+
+    monkeypatch.setattr(BatchPolicy, "choose", spy)
+    h.step()
+    h.step()
+    assert h.plans[1].items[0].k == 2  # a flat cost: the ceiling
+    assert seen[0] == (6, 19)  # 5 prompt tokens + 1 output, none seen by the drafter yet
+    assert seen[1] == (1, 16)  # the step drafted: 3 new tokens, all but the newest seen
+    assert seq.synced == seq.num_tokens - 1
