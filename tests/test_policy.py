@@ -202,3 +202,15 @@ def test_policy_charges_a_draft_model_catch_up_over_what_is_left() -> None:
     # a lookup drafter has nothing to catch up
     free = dict(fresh, drafter=0)
     assert policy.choose([Candidate(**free, remaining=2)], costs, StepShape(1, 1), 64)[0] > 0
+
+
+def test_policy_charges_a_catch_up_whole_while_others_prefill() -> None:
+    """Next to a prefill chunk the batch is about to grow: no catch-up on the strength of a
+    transiently small batch."""
+    policy = BatchPolicy(FLAT_THEN_STEEP)
+    fresh = Candidate(acceptance(0.7), 3, drafter=1, catch_up=200, remaining=128)
+    costs = [0.0, 0.1]
+    assert policy.choose([fresh], costs, StepShape(1, 1), 64)[0] > 0
+    assert policy.choose([fresh], costs, StepShape(17, 2, masked=1), 64) == [0]
+    synced = Candidate(acceptance(0.7), 3, drafter=1, catch_up=1, remaining=128)
+    assert policy.choose([synced], costs, StepShape(17, 2, masked=1), 64)[0] > 0
