@@ -77,7 +77,19 @@ class Cell:
         if drafted:
             out["acceptance_rate"] = round(sum(r.accepted for r in runs) / drafted, 3)
         out["ttft_s"] = round(statistics.median(r.ttft for r in runs), 3)
+        out["per_prompt"] = [self.prompt_row(i, base) for i in sorted(self.runs)]
         return out
+
+    def prompt_row(self, i: int, base: Cell | None) -> dict[str, Any]:
+        """One prompt's figures: a set's mean hides that prompt lookup pays on an edit
+        (the answer copies the prompt) and hardly on code written from scratch."""
+        r = self.runs[i]
+        row: dict[str, Any] = {"prompt": i, "tokens": len(r.tokens), "tok_s": round(tok_s([r]), 2)}
+        if base is not None and i in base.runs:
+            row["speedup"] = round(row["tok_s"] / tok_s([base.runs[i]]), 3)
+        if r.cycles:
+            row["mean_acceptance_length"] = round(1 + r.accepted / r.cycles, 3)
+        return row
 
 
 def ours(lm: LoadedModel, ids: list[int], n: int, spec: Speculation | None) -> Run:

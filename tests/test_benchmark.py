@@ -1,0 +1,59 @@
+"""quickdraft.benchmark end to end on tiny random models: the A/B report's shape and figures
+(per set and per prompt), and the files it writes. Speeds are not asserted (tests never
+assert timings), only that they are measured and consistent."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from quickdraft.benchmark import run
+
+
+def test_benchmark_reports_sets_and_prompts(
+    tiny_model_dir: Path, near_draft_dir: Path, tmp_path: Path
+) -> None:
+    report = run(
+        str(tiny_model_dir),
+        str(near_draft_dir),
+        dtype="fp32",
+        tokens=12,
+        per_set=2,
+        sets=["code", "json"],
+        k=3,
+        hf=False,
+        out_dir=tmp_path,
+        draft_quantization="none",
+        reference_per_set=0,
+    )
+    assert list(report["results"]) == ["code", "json"]
+    for row in report["results"].values():
+        assert set(row) == {"none", "ngram", "draft"}
+        for name, cell in row.items():
+            assert cell["prompts"] == 2 and cell["tok_s"] > 0
+            prompts = cell["per_prompt"]
+            assert [p["prompt"] for p in prompts] == [0, 1]
+            assert all(p["tok_s"] > 0 and 0 < p["tokens"] <= 12 for p in prompts)
+            if name != "none":
+                assert all(p["speedup"] > 0 for p in prompts)
+                # fp32: speculation never changes greedy output
+                assert cell["identical"] == 2 and cell["divergences"] == []
+        draft = row["draft"]
+        assert draft["mean_acceptance_length"] >= 1.0
+        al = [p["mean_acceptance_length"] for p in draft["per_prompt"]]
+        assert min(al) <= draft["mean_acceptance_length"] <= max(al)
+    saved = json.loads((tmp_path / "speculative.json").read_text())
+    assert (
+        saved["results"]["code"]["draft"]["per_prompt"]
+        == report["results"]["code"]["draft"]["per_prompt"]
+    )
+    table = (tmp_path / "speculative.md").read_text()
+    assert "| code | draft | 2 |" in table
+    assert (tmp_path / "speculative.png").stat().st_size > 0
+
+
+def test_benchmark_rejects_negative_reference_count(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="reference_per_set"):
+        run(str(tiny_model_dir), reference_per_set=-1)
