@@ -196,7 +196,6 @@ class Scheduler:
         seq.cache = self.new_cache(len(req.prompt_ids) + req.params.max_tokens + k_max + 1)
         if seq.spec is not None:
             seq.draft_state = seq.spec.drafter.new_state(req.prompt_ids)
-            seq.acceptance = Acceptance(prior_alpha=seq.spec.history.alpha)
             req.spec.method = seq.spec.config.method
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
@@ -244,8 +243,6 @@ class Scheduler:
         if req.output_ids:  # a verify cycle (the first token comes from prefill, not a cycle)
             req.spec.record(drafted, accepted)
             seq.acceptance.update(drafted, accepted)
-            if seq.spec is not None:
-                seq.spec.history.update(drafted, accepted)
         req.append(tokens)
         if item.k:  # its drafter ran this step: all but the newest tokens are in its state
             seq.synced = seq.num_tokens - 1

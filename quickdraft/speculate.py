@@ -24,11 +24,10 @@ from quickdraft.drafters.draft_model import DraftModelDrafter
 from quickdraft.drafters.mtp import head_step_seconds, mtp_drafter
 from quickdraft.drafters.ngram import NgramDrafter
 from quickdraft.generate import LoadedModel, load
-from quickdraft.policy import Acceptance, measure_step_seconds
+from quickdraft.policy import measure_step_seconds
 
 COST_SAMPLES = 32  # the recent steps whose measured draft cost the policy uses (median)
 MIN_COST_SAMPLES = 4  # before that many, the start-up probe
-HISTORY_FORGET = 0.995  # per drafted cycle: `history` weighs about the last 200 cycles
 
 
 @dataclass(slots=True)
@@ -37,10 +36,6 @@ class Speculation:
     drafter: Drafter
     startup_cost: float  # one draft position / one-row target forward, probed at start (0: free)
     cost_samples: deque[float] = field(default_factory=lambda: deque(maxlen=COST_SAMPLES))
-    # the drafter's acceptance over the recent cycles of all its requests: a new request's
-    # prior (policy.py, "Gain"), so a policy that would not risk a draft on the default 0.5
-    # does on a drafter known to be right 80% of the time
-    history: Acceptance = field(default_factory=lambda: Acceptance(forget=HISTORY_FORGET))
 
     @property
     def draft_cost(self) -> float:

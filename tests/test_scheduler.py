@@ -192,19 +192,3 @@ def test_scheduler_tells_the_policy_catch_up_and_tokens_left(
     assert seen[0] == (6, 19)  # 5 prompt tokens + 1 output, none seen by the drafter yet
     assert seen[1] == (1, 16)  # the step drafted: 3 new tokens, all but the newest seen
     assert seq.synced == seq.num_tokens - 1
-
-
-def test_scheduler_new_request_starts_from_the_drafters_recent_acceptance(
-    tokenizer: Tokenizer,
-) -> None:
-    cfg = SpeculativeConfig(method="ngram", num_draft_tokens=2)
-    spec = Speculation(cfg, NgramDrafter(), 0.0)
-    h = Harness(tokenizer, SchedulerConfig(max_running=1, max_step_tokens=16), accept=2)
-    first = h.add(5, 20, spec)
-    assert first.acceptance.prior_alpha == 0.5  # nothing known of the drafter yet
-    while first.status != SeqStatus.FINISHED:
-        h.step()
-    assert first.request.spec.accepted > 0 and spec.history.alpha > 0.85  # every draft taken
-    second = h.add(5, 20, spec)
-    h.step()  # admitted
-    assert second.acceptance.prior_alpha == pytest.approx(spec.history.alpha)
