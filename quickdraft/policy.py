@@ -317,7 +317,7 @@ class BatchPolicy:
         seconds = draft_cost * self.cost.of_rows(cand.catch_up)
         if not spread:
             return seconds
-        steps = max(1, min(cand.remaining, CATCH_UP_HORIZON)) / (1 + cand.acceptance.alpha)
+        steps = min(cand.remaining, CATCH_UP_HORIZON) / (1 + cand.acceptance.alpha)
         return seconds / max(steps, 1.0)
 
     def choose(

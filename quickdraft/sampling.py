@@ -48,15 +48,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
-        """A per-request RNG: seeded runs repeat exactly; unseeded ones draw a fresh seed."""
-        gen = torch.Generator(device=device)
-        if self.seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(self.seed)
-        return gen
-
     def rng(self, device: torch.device | str = "cpu") -> TokenRng:
         """The request's randomness (see `TokenRng`); unseeded requests draw a fresh seed."""
         return TokenRng(secrets.randbits(63) if self.seed is None else self.seed, device)

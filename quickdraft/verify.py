@@ -72,13 +72,13 @@ def verify_sampled(
 
     Without (one-hot drafts, and k = 0): see `verify_one_hot`.
     """
-    if p_draft is None:
-        return verify_one_hot(draft, p_target, rng, position)
     k = len(draft)
-    vocab = p_target.shape[-1]
     assert p_target.dim() == 2 and p_target.shape[0] == k + 1, (
         f"need [k + 1, vocab] p_target for k={k}, got {tuple(p_target.shape)}"
     )
+    if p_draft is None:
+        return verify_one_hot(draft, p_target, rng, position)
+    vocab = p_target.shape[-1]
     assert tuple(p_draft.shape) == (k, vocab), (
         f"need [k, vocab] p_draft for k={k}, got {tuple(p_draft.shape)}"
     )
@@ -138,10 +138,7 @@ def verify_one_hot(draft: list[int], p_target: Tensor, rng: TokenRng, position: 
     normalize(max(p_target - onehot(d_i), 0)). And every emitted token is the one plain
     sampling with the same seed would emit at its position, whatever was drafted.
     """
-    k = len(draft)
-    assert p_target.dim() == 2 and p_target.shape[0] == k + 1, (
-        f"need [k + 1, vocab] p_target for k={k}, got {tuple(p_target.shape)}"
-    )
+    k = len(draft)  # p_target is [k + 1, vocab] (checked by `verify_sampled`)
     vocab = p_target.shape[-1]
     tokens: list[int] = []
     for i in range(k + 1):  # rows are sampled lazily: none past the first rejection

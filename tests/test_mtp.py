@@ -172,7 +172,7 @@ def test_mtp_batched_propose_equals_alone(agreeing: LoadedModel) -> None:
         out = []
         for prompt, p, k in zip(prompts, params, ks, strict=True):
             state, tokens = primed_state(agreeing, drafter, prompt)
-            out.append(DraftJob(state, tokens, k, p, p.generator(torch.device("cpu"))))
+            out.append(DraftJob(state, tokens, k, p, p.rng(torch.device("cpu")).generator))
         return out
 
     alone = [drafter.propose([job])[0] for job in jobs()]

@@ -44,8 +44,12 @@ def test_probabilities_min_p_drops_below_fraction_of_max() -> None:
 def test_sample_seeded_is_reproducible() -> None:
     params = SamplingParams(temperature=1.0, seed=1234)
     logits = torch.randn(1, 1000)
-    a = [int(next_tokens(logits, params, g)[0]) for g in [params.generator()] for _ in range(20)]
-    b = [int(next_tokens(logits, params, g)[0]) for g in [params.generator()] for _ in range(20)]
+    a = [
+        int(next_tokens(logits, params, g)[0]) for g in [params.rng().generator] for _ in range(20)
+    ]
+    b = [
+        int(next_tokens(logits, params, g)[0]) for g in [params.rng().generator] for _ in range(20)
+    ]
     assert a == b and len(set(a)) > 1
 
 
