@@ -19,6 +19,8 @@ import torch
 from quickdraft.config import (
     DEFAULT_DRAFT_QUANTIZATION,
     DRAFT_QUANTIZATION_HELP,
+    NGRAM_MAX,
+    NGRAM_MIN,
     NGRAM_SHARED_TOKENS,
     QUANTIZATIONS,
     SPEC_METHODS,
@@ -53,8 +55,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_ngram_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ngram-min", type=int, default=2)
-    p.add_argument("--ngram-max", type=int, default=4)
+    p.add_argument("--ngram-min", type=int, default=NGRAM_MIN)
+    p.add_argument("--ngram-max", type=int, default=NGRAM_MAX)
     p.add_argument(
         "--ngram-shared-tokens",
         type=int,

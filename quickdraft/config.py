@@ -109,6 +109,8 @@ DEFAULT_DRAFT_QUANTIZATION = "int4"
 # output tokens the n-gram drafter's shared index keeps (drafters/ngram.py; ~300 requests of
 # 200 tokens, ~25 MB of index at most); 0 turns it off
 NGRAM_SHARED_TOKENS = 1 << 16
+# n-gram lengths the drafter matches, longest first (drafters/ngram.py says why from 1)
+NGRAM_MIN, NGRAM_MAX = 1, 4
 DRAFT_QUANTIZATION_HELP = (
     "draft model weights: int4 (default; groups of 32, 0.31x the bytes of bf16), int8 (0.5x) "
     "or none; a draft model's precision only moves the acceptance rate, never the output"
@@ -127,8 +129,8 @@ class SpeculativeConfig:
     # bf16, "int8" to 0.5x (a draft model's precision only moves the acceptance rate, never
     # the output); "none" keeps dtype
     draft_quantization: str = "none"
-    ngram_min: int = 2
-    ngram_max: int = 4
+    ngram_min: int = NGRAM_MIN
+    ngram_max: int = NGRAM_MAX
     # n-gram drafter: most recent output tokens of finished requests it also looks up (0: off)
     ngram_shared_tokens: int = NGRAM_SHARED_TOKENS
     adaptive: bool = True

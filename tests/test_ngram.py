@@ -162,7 +162,7 @@ def test_ngram_free_drops_index() -> None:
     drafter = NgramDrafter()
     state = drafter.new_state([1, 2, 3, 1, 2])
     drafter.free(state)
-    assert state.index == [{}, {}, {}]
+    assert state.index == [{}] * (drafter.max_n - drafter.min_n + 1)
     assert state.indexed == 0
 
 
