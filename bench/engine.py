@@ -35,6 +35,7 @@ from quickdraft.benchmark import prompt_sets
 from quickdraft.config import DEFAULT_DRAFT_QUANTIZATION, QUANTIZATIONS, SpeculativeConfig
 from quickdraft.engine import Engine, ServedModel
 from quickdraft.generate import LoadedModel, load, stream
+from quickdraft.policy import StepCost
 from quickdraft.sampling import SamplingParams
 from quickdraft.scheduler import SchedulerConfig
 from quickdraft.speculate import Speculation, make_speculation
@@ -176,6 +177,15 @@ def run_stream(
     return cell
 
 
+def cost_ms(cost: StepCost) -> dict[str, Any]:
+    """A step-cost table in milliseconds (quickdraft/policy.py `StepCost`)."""
+    return {
+        "rows_ms": {r: round(x * 1e3, 2) for r, x in zip(cost.rows, cost.seconds, strict=True)},
+        "per_seq_ms": round(cost.per_seq * 1e3, 3),
+        "per_masked_seq_ms": round(cost.per_masked * 1e3, 3),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
@@ -242,12 +252,13 @@ def main() -> None:
         "rounds": a.rounds,
         "prompt_sets": chosen,
         "results": results,
-        "step_cost_ms": {
-            r: round(s * 1e3, 2) for r, s in zip(cost.rows, cost.seconds, strict=True)
+        "step_cost": cost_ms(cost),
+        # per drafter with a cost: its start-up table and what the run calibrated it by
+        "draft_cost": {
+            m: {**cost_ms(s.draft_cost.table), "measured_over_table": round(s.draft_cost.ratio, 3)}
+            for m, s in specs.items()
+            if s is not None and s.draft_cost is not None
         },
-        "per_seq_ms": round(cost.per_seq * 1e3, 3),
-        "per_masked_seq_ms": round(cost.per_masked * 1e3, 3),
-        "draft_cost": {m: round(s.draft_cost, 3) for m, s in specs.items() if s is not None},
         "peak_rss_mb": round(peak_rss_mb()),
         **machine(),
     }

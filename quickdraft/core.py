@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from quickdraft.speculate import Speculation
 
 log = logging.getLogger(__name__)
-_UNTIMED = object()  # a drafter without `position_seconds`: its phase time / positions
 
 
 @dataclass(slots=True)
@@ -112,38 +111,25 @@ class EngineCore:
     ) -> None:
         """Feed the policy what this step cost (once it exists: only adaptive speculating
         requests create it): the target forward's time for its actual shape (drafters may
-        return fewer drafts than asked), which calibrates the step-cost table; and the draft
-        phase's time per position to its drafter's Speculation (quickdraft/speculate.py) when
-        one drafter with a cost drafted, so that phase is that drafter's: max(k) packed
-        forwards, or what the drafter measured itself. The target forward is scaled to one row
-        by the policy's step-cost curve."""
+        return fewer drafts than asked), which calibrates the step-cost table; and, when one
+        drafter with a cost drafted, the draft phase's time against the forwards it ran
+        (`drafter.forwards`), which calibrates that drafter's table."""
         if not self.scheduler.has_policy:
             return  # (only forced requests so far: they never read costs)
-        policy = self.scheduler.policy
         shape = [
             item.num_tokens + len(d.tokens) for item, d in zip(plan.items, drafts, strict=True)
         ]
         rows, masked = sum(shape), sum(n > 1 for n in shape)
-        policy.observe(rows, len(shape), masked, forward_s)
+        self.scheduler.policy.observe(rows, len(shape), masked, forward_s)
         specs = {
             id(item.seq.spec): item.seq.spec
             for item, draft in zip(plan.items, drafts, strict=True)
-            if draft.tokens and item.seq.spec is not None and item.seq.spec.startup_cost > 0
+            if draft.tokens and item.seq.spec is not None and item.seq.spec.draft_cost is not None
         }
-        if len(specs) != 1:
-            return
-        (spec,) = specs.values()
-        # A drafter that times its own draft steps (the draft model: catch-up feeds of a
-        # prompt or an idle phase excluded, they are not a per-position cost) says so with
-        # `position_seconds`; None there means this step had nothing clean to measure.
-        timed = getattr(spec.drafter, "position_seconds", _UNTIMED)
-        if timed is None:
-            return
-        per_position = (
-            timed if isinstance(timed, float) else draft_s / max(len(d.tokens) for d in drafts)
-        )
-        cost = policy.cost
-        spec.observe(per_position, forward_s * cost(1) / cost(rows, len(shape), masked))
+        if len(specs) == 1:
+            (spec,) = specs.values()
+            assert spec.draft_cost is not None
+            spec.draft_cost.observe(getattr(spec.drafter, "forwards", ()), draft_s)
 
     def _commit(
         self,

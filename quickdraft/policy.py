@@ -14,10 +14,13 @@ The rule (documented here, implemented in `BatchPolicy.choose`):
   each further sequence costs (attention and cache writes run per sequence) and what a
   sequence with more than one row costs over a one-row one: its attention needs a causal mask
   (measured ~4 ms per such sequence per step here, as much as a few extra rows of a small
-  model). A drafter costs, per draft position j, `draft_cost * StepCost(n_j)` where n_j is
-  how many of its requests draft a j-th token (the draft model packs them into one forward per
-  position; `draft_cost` is its measured 1-row cost relative to the target's, the curve's shape
-  is borrowed from the target). The n-gram drafter is free.
+  model). A drafter with a model (`DraftCost`) has its own table, timed the same way at
+  start-up: the draft model packs the requests drafting a j-th token into one forward per
+  position j, of n_j rows over n_j sequences, and its first forward also feeds what it has not
+  seen (the target's token, plus the last draft after an all-accepted cycle: 2 rows, masked).
+  Scaling the target's curve by the draft's 1-row cost instead underrated the draft phase by
+  ~50% at batch 4 (0.5B int4 draft of the 1.5B: its curve is steeper). The n-gram drafter is
+  free.
 * Calibration. The start-up table is a few timed forwards on a machine that may be shared: it
   was seen off by 20% and more (8 decode rows of 8 sequences predicted 319 ms, measured 254
   ms; `per_seq` 64 ms in one start-up, 0 in the next), more than the margin a draft decision
@@ -25,10 +28,11 @@ The rule (documented here, implemented in `BatchPolicy.choose`):
   table by a running ratio measured / predicted (`Calibration`): per step shape (rows,
   sequences, masked sequences), shrunk towards the overall ratio, so a shape never run follows
   the machine's overall speed. A shape the table underrates gets chosen, measured and
-  corrected, which is the direction that matters for never being slower.
+  corrected, which is the direction that matters for never being slower. The draft phase is
+  timed too, and a drafter's table scaled by its measured / predicted ratio (`DraftCost`).
 * Catch-up. A draft model must have fed every committed token before it drafts: a request that
   starts drafting (its first draft, or after a k = 0 phase) first costs a catch-up forward of
-  `draft_cost * StepCost(catch-up rows)` (0.3-1.6 s for a 0.5B draft of 100-300 tokens here).
+  the drafter's cost of the catch-up rows (0.3-1.6 s for a 0.5B draft of 100-300 tokens here).
   It buys cheap drafting for the rest of the request, so it is charged spread over the steps
   the request can still draft: min(tokens left, CATCH_UP_HORIZON) / (1 + alpha). Uncharged,
   catch-ups at the tail of a batch (few tokens left) cost 5 s of a 75 s run at concurrency 8
@@ -40,14 +44,13 @@ The rule (documented here, implemented in `BatchPolicy.choose`):
 * Gain. Each request keeps a running acceptance estimate alpha (`Acceptance`: every accepted
   draft a success, every cycle stopped by a rejection one failure, a prior worth a few drafts,
   mild forgetting). Its j-th draft adds alpha^j expected tokens (Leviathan et al. 2023,
-  sec. 3). The prior is a fixed 0.5, which at batch 4 with the 0.5B draft model keeps the
-  policy from ever starting to draft. Starting from the drafter's recent acceptance (~0.85)
-  was tried. The policy then drafted ~0.4 tokens per request per step, and those steps ran
-  0.95x of speculation off: 134 steps traced, where the draft phase took 38% of the
-  forward's time. It predicts a draft position of n packed rows at
-  draft_cost * StepCost(n), and measured ~50% more. The first position also feeds each
-  request's 2 resync tokens, and the draft model's cost curve is steeper than the target's
-  it borrows.
+  sec. 3). The prior is a fixed 0.5. At batch 4 with the 0.5B draft model the policy does
+  not draft, and on this host that is right: starting each request from its drafter's recent
+  acceptance (~0.85) made it draft there under the old cost model (the target's curve scaled
+  by the draft's 1-row cost, which underrated the draft phase by ~50%) and measured 0.95x of
+  speculation off. With the draft model's own table it declines even from 0.85: 4 decode rows
+  cost 167 ms, 8 rows with 4 masks 294 ms (compute-bound past 5 rows on AVX2), and the draft
+  forward 40-60 ms more, for ~3.4 expected tokens: 7.4 tokens in ~340 ms against 4 in 167.
 * Choice. With B decoding requests, plain decoding emits B tokens in `t_dec` = StepCost(B rows,
   B sequences, none masked) seconds. A draft allocation D adds gain(D) tokens and costs the
   step's forward with D minus the forward without (M0 rows: decodes + prefill chunks; D adds
@@ -228,6 +231,45 @@ class Calibration:
         return (self.overall + mean * n) / (1 + n)
 
 
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """A forward's shape: rows, sequences, and sequences with > 1 row (a step's target forward
+    before drafting, or one drafter forward)."""
+
+    rows: int
+    seqs: int
+    masked: int = 0
+
+
+@dataclass(slots=True)
+class DraftCost:
+    """Seconds of a drafter's forwards (module docstring, "Cost"): its own step-cost table,
+    timed at start-up, times the running ratio of measured to predicted draft phases (the mean
+    of the first `window` phases, then an exponential average; each ratio clamped to [1/4, 4]
+    like `Calibration`'s). The engine times every draft phase and tells it which forwards that
+    phase ran (`observe`)."""
+
+    table: StepCost
+    window: int = 10
+    ratio: float = 1.0
+    seen: int = 0
+
+    def __call__(self, shape: StepShape) -> float:
+        """One forward of `shape`; 0 for an empty one."""
+        if shape.seqs == 0:
+            return 0.0
+        return self.table(shape.rows, shape.seqs, shape.masked) * self.ratio
+
+    def observe(self, forwards: Sequence[StepShape], seconds: float) -> None:
+        """One draft phase: the forwards it ran, and how long the whole phase took."""
+        predicted = sum(self.table(f.rows, f.seqs, f.masked) for f in forwards if f.seqs)
+        if predicted <= 0.0 or seconds <= 0.0:
+            return
+        ratio = min(max(seconds / predicted, 0.25), 4.0)
+        self.seen += 1
+        self.ratio += (ratio - self.ratio) / min(self.seen, self.window)
+
+
 @dataclass(slots=True)
 class Acceptance:
     """One request's running draft-acceptance estimate (maximum likelihood under the
@@ -256,15 +298,6 @@ class Acceptance:
             return
         self.successes = self.successes * self.forget + accepted
         self.failures = self.failures * self.forget + (1 if accepted < drafted else 0)
-
-
-@dataclass(frozen=True, slots=True)
-class StepShape:
-    """A step's forward before drafting: rows, sequences, and sequences with > 1 row."""
-
-    rows: int
-    seqs: int
-    masked: int = 0
 
 
 @dataclass(slots=True)
@@ -308,13 +341,15 @@ class BatchPolicy:
         """One step's target forward: `rows` over `seqs` sequences, `masked` with > 1 row."""
         self.calibration.observe(rows, seqs, masked, seconds, self.cost(rows, seqs, masked))
 
-    def catch_up_seconds(self, cand: Candidate, draft_cost: float, spread: bool = True) -> float:
+    def catch_up_seconds(
+        self, cand: Candidate, draft_cost: DraftCost | None, spread: bool = True
+    ) -> float:
         """A drafter's catch-up before `cand`'s first draft, spread over the steps it can
         still draft unless `spread` is False (module docstring, "Catch-up"); 0 for the usual
-        <= 2-token resync."""
-        if cand.catch_up <= 2 or not draft_cost:
+        <= 2-token resync, which the first draft position's forward feeds."""
+        if cand.catch_up <= 2 or draft_cost is None:
             return 0.0
-        seconds = draft_cost * self.cost.of_rows(cand.catch_up)
+        seconds = draft_cost(StepShape(cand.catch_up, 1, 1))
         if not spread:
             return seconds
         steps = min(cand.remaining, CATCH_UP_HORIZON) / (1 + cand.acceptance.alpha)
@@ -323,13 +358,13 @@ class BatchPolicy:
     def choose(
         self,
         cands: Sequence[Candidate],
-        draft_costs: Sequence[float],
+        draft_costs: Sequence[DraftCost | None],
         base: StepShape,
         budget: int,
     ) -> list[int]:
         """ks for `cands` (in order). `base`: the step's forward before drafting (decodes and
-        prefill chunks); `draft_costs[d]`: drafter d's cost per draft position relative to a
-        1-row target forward; `budget`: draft rows allowed in total."""
+        prefill chunks); `draft_costs[d]`: drafter d's forward cost (None: a free lookup);
+        `budget`: draft rows allowed in total."""
         ks, budget = forced_drafts(cands, budget)
         num_dec = len(cands)
         t_dec = self.seconds(num_dec, num_dec, 0)  # the step of plain decoding: num_dec tokens
@@ -338,9 +373,11 @@ class BatchPolicy:
         # there is charged whole (module docstring, "Catch-up").
         spread = base.masked == 0
         # Running totals of the allocation in `ks`, updated one draft token at a time.
-        rows_at: dict[tuple[int, int], int] = {}  # (drafter, position) -> requests drafting it
+        # (drafter, position) -> that drafter's packed forward for the position
+        forwards: dict[tuple[int, int], StepShape] = {}
         gain = draft_s = 0.0
         drafts = drafting = 0
+        empty = StepShape(0, 0)
 
         def add(i: int) -> None:
             nonlocal gain, draft_s, drafts, drafting
@@ -348,16 +385,20 @@ class BatchPolicy:
             ks[i] += 1
             drafts += 1
             gain += c.acceptance.alpha ** ks[i]
+            cost = draft_costs[c.drafter]
             if ks[i] == 1:
                 drafting += 1  # its attention now needs a mask
-                draft_s += self.catch_up_seconds(c, draft_costs[c.drafter], spread)
+                draft_s += self.catch_up_seconds(c, cost, spread)
+            if cost is None:
+                return
+            # The first position's forward also feeds what the drafter has not seen: the
+            # token the target emitted, and the last draft after an all-accepted cycle.
+            feed = min(max(c.catch_up, 1), 2) if ks[i] == 1 else 1
             key = (c.drafter, ks[i] - 1)
-            n = rows_at.get(key, 0)
-            rows_at[key] = n + 1
-            if draft_costs[c.drafter]:
-                draft_s += draft_costs[c.drafter] * (
-                    self.cost.of_rows(n + 1) - self.cost.of_rows(n)
-                )
+            old = forwards.get(key, empty)
+            new = StepShape(old.rows + feed, old.seqs + 1, old.masked + (feed > 1))
+            forwards[key] = new
+            draft_s += cost(new) - cost(old)
 
         def score() -> float:
             # extra rows never make a forward cheaper, whatever two calibrations say
@@ -389,7 +430,7 @@ class BatchPolicy:
         self,
         cands: Sequence[Candidate],
         ks: list[int],
-        draft_costs: Sequence[float],
+        draft_costs: Sequence[DraftCost | None],
         base: StepShape,
         budget: int,
     ) -> list[int]:
@@ -407,7 +448,8 @@ class BatchPolicy:
             acc.idle_steps += 1
             if acc.idle_steps < self.probe_every or budget <= 0:
                 continue
-            catch_up = draft_costs[c.drafter] * self.cost.of_rows(max(c.catch_up, 1))
+            cost = draft_costs[c.drafter]
+            catch_up = 0.0 if cost is None else cost(StepShape(max(c.catch_up, 1), 1, 1))
             fraction = (extra_row + catch_up) / step
             if acc.idle_steps >= math.ceil(len(cands) * fraction / self.probe_budget):
                 ks[i] = 1

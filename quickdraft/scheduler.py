@@ -39,6 +39,7 @@ from quickdraft.policy import (
     Acceptance,
     BatchPolicy,
     Candidate,
+    DraftCost,
     StepCost,
     StepShape,
     forced_drafts,
@@ -205,7 +206,7 @@ class Scheduler:
         if not any(i.seq.spec is not None for i in decoding):
             return
         drafters: dict[int, int] = {}  # id(drafter) -> index into draft_costs
-        draft_costs = [0.0]  # index 0: no drafter
+        draft_costs: list[DraftCost | None] = [None]  # index 0: no drafter
         cands = []
         for item in decoding:
             seq, spec = item.seq, item.seq.spec
@@ -244,8 +245,11 @@ class Scheduler:
             req.spec.record(drafted, accepted)
             seq.acceptance.update(drafted, accepted)
         req.append(tokens)
-        if item.k:  # its drafter ran this step: all but the newest tokens are in its state
-            seq.synced = seq.num_tokens - 1
+        if item.k:
+            # Its drafter ran this step: it has seen every committed token but the newest,
+            # and after an all-accepted cycle not the last draft either (a draft model feeds
+            # d_1..d_{k-1}).
+            seq.synced = seq.num_tokens - (2 if 0 < drafted == accepted else 1)
         if req.finished:
             self.release(seq)
 

@@ -1,22 +1,21 @@
-"""Assemble speculation for a loaded target: the drafter (registry `DRAFTERS`) and its measured
-cost. `QUICKDRAFT_DISABLE_SPECULATION=1` turns speculation off everywhere (for bisecting).
+"""Assemble speculation for a loaded target: the drafter (registry `DRAFTERS`) and its cost.
 
-A factory returns the drafter and its cost per draft position relative to a one-row target
-forward (0 for a lookup); the batch policy (quickdraft/policy.py) scales it with the target's
-measured step-cost curve, which `make_speculation` measures once per loaded target. That
-start-up ratio is a two-forward probe and was seen off by 1.6x (0.31 instead of ~0.19 for the
-0.5B int8 draft of the 1.5B, which made the policy draft too little), so once decoding runs the
-engine measures the ratio in every speculative step (`Speculation.observe`: the draft phase and
-the target forward of the same step) and the policy uses the median of the recent ones.
+A factory returns the drafter and how to time its forwards: a step-cost table in seconds, in
+the target's format (quickdraft/policy.py `StepCost`), or None for a lookup that costs nothing.
+The draft model's table is its own, timed like the target's (a few seconds at start-up); the
+MTP head's is the target's scaled by one timed head step against one target step. The table
+is only measured for the adaptive policy (forced requests draft k regardless of cost), and the
+engine then times every draft phase against it (`DraftCost.observe`), so a table taken on a
+busy host is corrected once decoding runs. (A single start-up ratio of draft to target step,
+used before, was seen off by 1.6x: 0.31 instead of ~0.19 for the 0.5B int8 draft of the 1.5B.)
+`QUICKDRAFT_DISABLE_SPECULATION=1` turns speculation off everywhere (for bisecting).
 """
 
 from __future__ import annotations
 
 import os
-import statistics
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.drafters.base import Drafter
@@ -24,47 +23,36 @@ from quickdraft.drafters.draft_model import DraftModelDrafter
 from quickdraft.drafters.mtp import head_step_seconds, mtp_drafter
 from quickdraft.drafters.ngram import NgramDrafter
 from quickdraft.generate import LoadedModel, load
-from quickdraft.policy import measure_step_seconds
-
-COST_SAMPLES = 32  # the recent steps whose measured draft cost the policy uses (median)
-MIN_COST_SAMPLES = 4  # before that many, the start-up probe
+from quickdraft.policy import (
+    DraftCost,
+    StepCost,
+    measure_step_cost,
+    measure_step_seconds,
+)
 
 
 @dataclass(slots=True)
 class Speculation:
     config: SpeculativeConfig
     drafter: Drafter
-    startup_cost: float  # one draft position / one-row target forward, probed at start (0: free)
-    cost_samples: deque[float] = field(default_factory=lambda: deque(maxlen=COST_SAMPLES))
+    draft_cost: DraftCost | None  # None: free to draft (n-gram), or no adaptive policy
 
-    @property
-    def draft_cost(self) -> float:
-        """One draft position's cost relative to a one-row target forward, as the policy
-        uses it: the median of the last COST_SAMPLES measured steps, the start-up probe until
-        MIN_COST_SAMPLES exist; a free drafter (n-gram) stays 0."""
-        if self.startup_cost == 0.0 or len(self.cost_samples) < MIN_COST_SAMPLES:
-            return self.startup_cost
-        return statistics.median(self.cost_samples)
 
-    def observe(self, seconds_per_position: float, target_row_seconds: float) -> None:
-        """One step's measurement: its draft phase per draft position, and its target forward
-        scaled to one row by the step-cost curve."""
-        if self.startup_cost > 0.0 and seconds_per_position > 0.0 and target_row_seconds > 0.0:
-            self.cost_samples.append(seconds_per_position / target_row_seconds)
+CostTable = Callable[[], StepCost] | None  # measures a drafter's forwards; None: free
 
 
 def disabled_by_env() -> bool:
     return os.environ.get("QUICKDRAFT_DISABLE_SPECULATION", "") not in ("", "0")
 
 
-def _ngram(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, float]:
+def _ngram(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable]:
     drafter = NgramDrafter(
         config.ngram_min, config.ngram_max, shared_tokens=config.ngram_shared_tokens
     )
-    return drafter, 0.0  # a dict lookup: free
+    return drafter, None  # a dict lookup: free
 
 
-def _draft_model(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, float]:
+def _draft_model(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable]:
     assert config.draft_model is not None
     draft = load(
         config.draft_model, lm.dtype_name, progress=True, quantization=config.draft_quantization
@@ -75,17 +63,27 @@ def _draft_model(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, f
             f"({lm.name}): speculative decoding needs identical token ids"
         )
     drafter = DraftModelDrafter(draft.model, lm.model.config.vocab_size)
-    ratio = measure_step_seconds(draft.model) / measure_step_seconds(lm.model)
-    return drafter, ratio
+    return drafter, lambda: measure_step_cost(draft.model)
 
 
-def _mtp(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, float]:
+def _mtp(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable]:
     drafter = mtp_drafter(lm.model, lm.path)
-    return drafter, head_step_seconds(drafter.head) / measure_step_seconds(lm.model)
+
+    def table() -> StepCost:
+        target = lm.step_cost()
+        ratio = head_step_seconds(drafter.head) / measure_step_seconds(lm.model)
+        return StepCost(
+            target.rows,
+            tuple(x * ratio for x in target.seconds),
+            target.per_seq * ratio,
+            target.per_masked * ratio,
+        )
+
+    return drafter, table
 
 
-# method -> factory(loaded target, config) -> (drafter, draft cost per token / target step)
-DRAFTERS: dict[str, Callable[[LoadedModel, SpeculativeConfig], tuple[Drafter, float]]] = {
+# method -> factory(loaded target, config) -> (drafter, what measures its cost table)
+DRAFTERS: dict[str, Callable[[LoadedModel, SpeculativeConfig], tuple[Drafter, CostTable]]] = {
     "ngram": _ngram,
     "draft": _draft_model,
     "mtp": _mtp,
@@ -95,7 +93,9 @@ DRAFTERS: dict[str, Callable[[LoadedModel, SpeculativeConfig], tuple[Drafter, fl
 def make_speculation(lm: LoadedModel, config: SpeculativeConfig) -> Speculation | None:
     if not config.enabled or disabled_by_env():
         return None
-    drafter, draft_cost = DRAFTERS[config.method](lm, config)
-    if config.adaptive:  # only the adaptive policy needs it (forced requests draft k always)
+    drafter, table = DRAFTERS[config.method](lm, config)
+    cost = None
+    if config.adaptive:  # only the adaptive policy needs costs (forced requests draft k always)
         lm.step_cost()  # measured now (seconds), not in the first request's first step
-    return Speculation(config, drafter, draft_cost)
+        cost = DraftCost(table()) if table is not None else None
+    return Speculation(config, drafter, cost)

@@ -10,6 +10,7 @@ import torch
 from quickdraft.drafters.base import DraftJob
 from quickdraft.drafters.draft_model import DraftModelDrafter
 from quickdraft.generate import load
+from quickdraft.policy import StepShape
 from quickdraft.sampling import SamplingParams
 
 
@@ -49,21 +50,23 @@ def test_draft_model_batched_propose_equals_one_by_one(
             drafter.commit(st, seq, None)
 
 
-def test_draft_model_times_draft_steps_without_catch_up(tiny_model_dir: Path) -> None:
-    """The per-position cost the engine learns from (`position_seconds`) leaves out catch-up
-    feeds: a prompt or an idle phase fed in one forward is not a draft step. Counting them made
-    a few early samples look 10-20x a real step, the policy stopped drafting, and every later
-    probe (which catches up the idle phase) confirmed it (measured: 0 drafts in a whole run)."""
+def test_draft_model_lists_the_forwards_of_each_propose(tiny_model_dir: Path) -> None:
+    """The engine times a draft phase against the drafter's cost table for the forwards that
+    phase ran (`forwards`): a prompt catch-up, the per-position steps, an idle phase fed whole
+    or in chunks, and several requests packed into one forward."""
     lm = load(str(tiny_model_dir), "fp32", progress=False)
     drafter = DraftModelDrafter(lm.model, lm.model.config.vocab_size)
     seq = lm.tokenizer.encode("the cat sat on the mat, the cat sat on the mat")
     state = drafter.new_state(seq)
-    job = DraftJob(state, seq, 1, SamplingParams(), torch.Generator())
-    drafter.propose([job])  # the prompt is a catch-up and k = 1: nothing clean to time
-    assert drafter.position_seconds is None
-    draft = drafter.propose([DraftJob(state, seq, 3, SamplingParams(), torch.Generator())])
-    assert len(draft[0].tokens) == 3  # resync of 1 token + 2 more steps, all timed
-    assert drafter.position_seconds is not None and drafter.position_seconds > 0
-    seq = [*seq, *range(40, 60)]  # an idle phase: 20 committed tokens the drafter never saw
     drafter.propose([DraftJob(state, seq, 1, SamplingParams(), torch.Generator())])
-    assert drafter.position_seconds is None
+    assert drafter.forwards == [StepShape(len(seq), 1, 1)]  # the prompt, masked
+    draft = drafter.propose([DraftJob(state, seq, 3, SamplingParams(), torch.Generator())])
+    assert len(draft[0].tokens) == 3
+    assert drafter.forwards == [StepShape(1, 1, 0)] * 3  # resync of 1 token + 2 more steps
+    seq = [*seq, *range(40, 60)]  # an idle phase: 20 committed tokens the drafter never saw
+    other = lm.tokenizer.encode("a dog ran in the park")
+    fresh = drafter.new_state(other)
+    pairs = ((state, seq), (fresh, other))
+    drafter.propose([DraftJob(s, t, 2, SamplingParams(), torch.Generator()) for s, t in pairs])
+    # packed: the idle phase and the new prompt, then one row each
+    assert drafter.forwards == [StepShape(20 + len(other), 2, 2), StepShape(2, 2, 0)]

@@ -192,7 +192,7 @@ class KillingNgram(NgramDrafter):
 
 
 def forced_ngram(drafter: NgramDrafter) -> Speculation:
-    return Speculation(SpeculativeConfig(method="ngram", adaptive=False), drafter, 0.0)
+    return Speculation(SpeculativeConfig(method="ngram", adaptive=False), drafter, None)
 
 
 def test_engine_failing_request_is_isolated_and_engine_serves_on(lm: LoadedModel) -> None:
@@ -262,7 +262,7 @@ def test_engine_hidden_states_reach_drafter_once_per_committed_position(
     the target's hidden states of positions [len(tokens) - 1 - n, len(tokens) - 1), each
     committed position exactly once, equal to a full forward's."""
     recorder = HiddenRecorder()
-    spec = Speculation(SpeculativeConfig(method="ngram", adaptive=False), recorder, 0.0)
+    spec = Speculation(SpeculativeConfig(method="ngram", adaptive=False), recorder, None)
     core = EngineCore(lm, SMALL_BATCH)
     params = SamplingParams(max_tokens=25, ignore_eos=True)
     seqs = [core.add(lm.new_request(lm.tokenizer.encode(p), params), spec) for p in PROMPTS[:4]]

@@ -12,6 +12,7 @@ from quickdraft.policy import (
     BatchPolicy,
     Calibration,
     Candidate,
+    DraftCost,
     StepCost,
     StepShape,
     measure_step_cost,
@@ -31,14 +32,29 @@ def acceptance(alpha: float, drafts: int = 400) -> Acceptance:
     return acc
 
 
-def score(cost: StepCost, cands: list[Candidate], ks: list[int], draft_costs: list[float]) -> float:
-    """Expected tokens per second of a decode-only step with drafts `ks` (the policy's model)."""
+def scaled(cost: StepCost, ratio: float) -> DraftCost | None:
+    """A drafter whose forwards cost `ratio` times the target's (None for 0: a free lookup)."""
+    if not ratio:
+        return None
+    seconds = tuple(x * ratio for x in cost.seconds)
+    return DraftCost(StepCost(cost.rows, seconds, cost.per_seq * ratio, cost.per_masked * ratio))
+
+
+def score(
+    cost: StepCost, cands: list[Candidate], ks: list[int], draft_costs: list[DraftCost | None]
+) -> float:
+    """Expected tokens per second of a decode-only step with drafts `ks` (the policy's model:
+    a drafter forward per position over the requests drafting it, each synced candidate
+    feeding one row)."""
     tokens = sum(c.acceptance.expected_tokens(k) for c, k in zip(cands, ks, strict=True))
     positions: dict[tuple[int, int], int] = {}
     for c, k in zip(cands, ks, strict=True):
         for j in range(k):
             positions[c.drafter, j] = positions.get((c.drafter, j), 0) + 1
-    draft = sum(draft_costs[d] * cost.of_rows(n) for (d, _), n in positions.items())
+    draft = 0.0
+    for (d, _), n in positions.items():
+        dc = draft_costs[d]
+        draft += dc(StepShape(n, n, 0)) if dc is not None else 0.0
     masked = sum(k > 0 for k in ks)
     return tokens / (cost(len(cands) + sum(ks), len(cands), masked) + draft)
 
@@ -58,28 +74,28 @@ def test_policy_mask_overhead_keeps_batch_from_drafting() -> None:
     free_rows = StepCost((1, 64), (1.0, 1.0), per_masked=0.0)
     # consistent with the mask: one sequence of >= 2 rows pays it too
     dear_masks = StepCost((1, 2, 64), (1.0, 1.5, 1.5), per_masked=0.5)
-    assert sum(BatchPolicy(free_rows).choose(cands, [0.0], StepShape(4, 4), 64)) > 0
-    assert BatchPolicy(dear_masks).choose(cands, [0.0], StepShape(4, 4), 64) == [0] * 4
+    assert sum(BatchPolicy(free_rows).choose(cands, [None], StepShape(4, 4), 64)) > 0
+    assert BatchPolicy(dear_masks).choose(cands, [None], StepShape(4, 4), 64) == [0] * 4
 
 
 def test_policy_batch_of_one_with_flat_cost_drafts_the_ceiling() -> None:
     cands = [Candidate(acceptance(0.8), k_max=5)]
-    ks = BatchPolicy(FLAT).choose(cands, [0.0], StepShape(1, 1), budget=64)
+    ks = BatchPolicy(FLAT).choose(cands, [None], StepShape(1, 1), budget=64)
     assert ks == [5]
 
 
 def test_policy_low_acceptance_does_not_draft() -> None:
     cands = [Candidate(acceptance(0.01), k_max=5)]
-    ks = BatchPolicy(FLAT_THEN_STEEP).choose(cands, [0.0], StepShape(1, 1), budget=64)
+    ks = BatchPolicy(FLAT_THEN_STEEP).choose(cands, [None], StepShape(1, 1), budget=64)
     assert ks == [0]
 
 
 def test_policy_large_batch_on_compute_bound_cost_stops_drafting() -> None:
     """The same acceptance that pays at batch 1 loses at batch 8 once rows cost compute."""
     policy = BatchPolicy(FLAT_THEN_STEEP)
-    alone = policy.choose([Candidate(acceptance(0.6), 5)], [0.0], StepShape(1, 1), 64)
+    alone = policy.choose([Candidate(acceptance(0.6), 5)], [None], StepShape(1, 1), 64)
     batch = [Candidate(acceptance(0.6), 5) for _ in range(8)]
-    ks = policy.choose(batch, [0.0], StepShape(8, 8), 64)
+    ks = policy.choose(batch, [None], StepShape(8, 8), 64)
     assert alone[0] > 0 and ks == [0] * 8
 
 
@@ -87,41 +103,38 @@ def test_policy_large_batch_on_compute_bound_cost_stops_drafting() -> None:
 def test_policy_choice_is_never_worse_than_plain_decoding(alphas: list[float]) -> None:
     cands = [Candidate(acceptance(a), 5, drafter=1) for a in alphas]
     for cost in (FLAT, FLAT_THEN_STEEP):
-        for draft_cost in (0.0, 0.3):
-            ks = BatchPolicy(cost).choose(
-                cands, [0.0, draft_cost], StepShape(len(cands), len(cands)), 64
-            )
+        for ratio in (0.0, 0.3):
+            costs = [None, scaled(cost, ratio)]
+            ks = BatchPolicy(cost).choose(cands, costs, StepShape(len(cands), len(cands)), 64)
             zero = [0] * len(cands)
-            assert score(cost, cands, ks, [0.0, draft_cost]) >= score(
-                cost, cands, zero, [0.0, draft_cost]
-            )
+            assert score(cost, cands, ks, costs) >= score(cost, cands, zero, costs)
 
 
 def test_policy_prefers_the_request_that_accepts_more() -> None:
     cands = [Candidate(acceptance(0.95), 5), Candidate(acceptance(0.3), 5)]
     cost = StepCost((1, 3, 64), (1.0, 1.0, 20.0))  # two spare rows, then steep
-    ks = BatchPolicy(cost).choose(cands, [0.0], StepShape(2, 2), 64)
+    ks = BatchPolicy(cost).choose(cands, [None], StepShape(2, 2), 64)
     assert ks[0] >= 1 and ks[0] > ks[1]
 
 
 def test_policy_respects_budget_and_forced_requests() -> None:
     cands = [Candidate(acceptance(0.9), 5) for _ in range(4)]
-    ks = BatchPolicy(FLAT).choose(cands, [0.0], StepShape(4, 4), budget=6)
+    ks = BatchPolicy(FLAT).choose(cands, [None], StepShape(4, 4), budget=6)
     assert sum(ks) <= 6
     forced = [Candidate(acceptance(0.01), 3, adaptive=False), Candidate(acceptance(0.01), 3)]
-    assert BatchPolicy(FLAT_THEN_STEEP).choose(forced, [0.0], StepShape(2, 2), 64) == [3, 0]
+    assert BatchPolicy(FLAT_THEN_STEEP).choose(forced, [None], StepShape(2, 2), 64) == [3, 0]
 
 
 def test_policy_probes_idle_request_and_rations_probes_by_cost() -> None:
     policy = BatchPolicy(FLAT_THEN_STEEP, probe_every=4)
     alone = Candidate(acceptance(0.01), 5)
-    ks_seen = [policy.choose([alone], [0.0], StepShape(1, 1), 64)[0] for _ in range(8)]
+    ks_seen = [policy.choose([alone], [None], StepShape(1, 1), 64)[0] for _ in range(8)]
     assert ks_seen == [0, 0, 0, 1, 0, 0, 0, 1]  # a cheap row: every probe_every steps
     # at batch 8 on the steep part a probe row costs ~3% of the step: probes are rarer
     batch = [Candidate(acceptance(0.01), 5) for _ in range(8)]
     first = None
     for step in range(1, 200):
-        if any(policy.choose(batch, [0.0], StepShape(8, 8), 64)):
+        if any(policy.choose(batch, [None], StepShape(8, 8), 64)):
             first = step
             break
     assert first is not None and first > 4
@@ -173,19 +186,19 @@ def test_policy_keeps_drafting_when_the_whole_table_is_slow() -> None:
     cands = [Candidate(acceptance(0.5), 3)]
     for _ in range(10):
         policy.observe(1, 1, 0, FLAT(1) / 4)
-    assert policy.choose(cands, [0.0], StepShape(1, 1), 64) == [3]
+    assert policy.choose(cands, [None], StepShape(1, 1), 64) == [3]
 
 
 def test_policy_stops_drafting_once_the_draft_shape_measures_dear() -> None:
     """The table says a verify row is free; the steps that ran say it doubles the forward."""
     policy = BatchPolicy(FLAT)
     cands = [Candidate(acceptance(0.5), 1) for _ in range(4)]
-    assert policy.choose(cands, [0.0], StepShape(4, 4), 64) != [0] * 4
+    assert policy.choose(cands, [None], StepShape(4, 4), 64) != [0] * 4
     for _ in range(10):
         policy.observe(4, 4, 0, FLAT(4, 4, 0))  # plain decoding as the table says
         for drafting in range(1, 5):  # any draft shape: twice the table
             policy.observe(4 + drafting, 4, drafting, 2 * FLAT(4 + drafting, 4, drafting))
-    assert policy.choose(cands, [0.0], StepShape(4, 4), 64) == [0] * 4
+    assert policy.choose(cands, [None], StepShape(4, 4), 64) == [0] * 4
 
 
 def test_policy_charges_a_draft_model_catch_up_over_what_is_left() -> None:
@@ -193,7 +206,7 @@ def test_policy_charges_a_draft_model_catch_up_over_what_is_left() -> None:
     with 128 tokens to go, not with 2."""
     policy = BatchPolicy(FLAT_THEN_STEEP)
     fresh = dict(acceptance=acceptance(0.7), k_max=3, drafter=1, catch_up=200)
-    costs = [0.0, 0.1]
+    costs = [None, scaled(FLAT_THEN_STEEP, 0.1)]
     assert policy.choose([Candidate(**fresh, remaining=128)], costs, StepShape(1, 1), 64)[0] > 0
     assert policy.choose([Candidate(**fresh, remaining=2)], costs, StepShape(1, 1), 64) == [0]
     # caught up (the usual resync of <= 2 tokens): nothing to charge, it drafts to the end
@@ -209,8 +222,36 @@ def test_policy_charges_a_catch_up_whole_while_others_prefill() -> None:
     transiently small batch."""
     policy = BatchPolicy(FLAT_THEN_STEEP)
     fresh = Candidate(acceptance(0.7), 3, drafter=1, catch_up=200, remaining=128)
-    costs = [0.0, 0.1]
+    costs = [None, scaled(FLAT_THEN_STEEP, 0.1)]
     assert policy.choose([fresh], costs, StepShape(1, 1), 64)[0] > 0
     assert policy.choose([fresh], costs, StepShape(17, 2, masked=1), 64) == [0]
     synced = Candidate(acceptance(0.7), 3, drafter=1, catch_up=1, remaining=128)
     assert policy.choose([synced], costs, StepShape(17, 2, masked=1), 64)[0] > 0
+
+
+def test_draft_cost_follows_measured_over_predicted_phases() -> None:
+    """A draft phase is predicted as the sum of its forwards from the drafter's own table; the
+    ratio of measured to predicted scales every later prediction (a stalled phase clamped)."""
+    cost = DraftCost(StepCost((1, 2, 64), (0.01, 0.02, 0.64), per_seq=0.001, per_masked=0.002))
+    phase = [StepShape(8, 4, 4), StepShape(4, 4, 0), StepShape(0, 0)]  # an empty one: nothing
+    predicted = cost.table(8, 4, 4) + cost.table(4, 4, 0)
+    assert cost(StepShape(4, 4, 0)) == pytest.approx(cost.table(4, 4, 0))
+    cost.observe(phase, 1.5 * predicted)
+    assert cost.ratio == pytest.approx(1.5)
+    assert cost(StepShape(4, 4, 0)) == pytest.approx(1.5 * cost.table(4, 4, 0))
+    cost.observe(phase, 0.0)  # nothing timed: ignored
+    cost.observe(phase, 100 * predicted)  # one stalled phase: counted as 4x
+    assert cost.seen == 2 and cost.ratio == pytest.approx((1.5 + 4.0) / 2)
+    assert cost(StepShape(0, 0)) == 0.0
+
+
+def test_policy_charges_the_first_draft_position_what_the_drafter_must_resync() -> None:
+    """After an all-accepted cycle the draft model feeds 2 tokens before its first draft (the
+    target's token and its own last draft): here a 2-row draft forward costs 16x a 1-row one,
+    so the same request drafts after a rejection and not after a full accept."""
+    draft = DraftCost(StepCost((1, 2, 64), (0.05, 0.8, 30.0)))
+    policy = BatchPolicy(FLAT)
+    after_reject = Candidate(acceptance(0.7), 1, drafter=1, catch_up=1)
+    after_accept = Candidate(acceptance(0.7), 1, drafter=1, catch_up=2)
+    assert policy.choose([after_reject], [None, draft], StepShape(1, 1), 64) == [1]
+    assert policy.choose([after_accept], [None, draft], StepShape(1, 1), 64) == [0]

@@ -124,7 +124,7 @@ def test_scheduler_abort_frees_waiting_and_running(tokenizer: Tokenizer) -> None
             freed.append(state)
             super().free(state)  # type: ignore[arg-type]
 
-    spec = Speculation(SpeculativeConfig(method="ngram"), CountingNgram(), 0.0)
+    spec = Speculation(SpeculativeConfig(method="ngram"), CountingNgram(), None)
     h = Harness(tokenizer, SchedulerConfig(max_running=1, max_step_tokens=64))
     running, waiting = h.add(5, 50, spec), h.add(5, 50, spec)
     h.step()
@@ -144,7 +144,7 @@ def test_scheduler_drafts_only_while_decoding_within_room_and_budget(
     tokenizer: Tokenizer,
 ) -> None:
     cfg = SpeculativeConfig(method="ngram", num_draft_tokens=4, adaptive=False)
-    spec = Speculation(cfg, NgramDrafter(), 0.0)
+    spec = Speculation(cfg, NgramDrafter(), None)
     h = Harness(tokenizer, SchedulerConfig(max_running=2, max_step_tokens=8), accept=1)
     a, b = h.add(3, 7, spec), h.add(3, 30, spec)
     first = h.step()
@@ -168,14 +168,20 @@ def test_scheduler_config_rejects_budget_below_batch() -> None:
         SchedulerConfig(max_running=8, max_step_tokens=4)
 
 
+@pytest.mark.parametrize(("accept", "catch_up", "remaining"), [(2, 2, 16), (1, 1, 17)])
 def test_scheduler_tells_the_policy_catch_up_and_tokens_left(
-    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+    tokenizer: Tokenizer,
+    monkeypatch: pytest.MonkeyPatch,
+    accept: int,
+    catch_up: int,
+    remaining: int,
 ) -> None:
     """A request's first draft needs its whole context fed to the drafter; after a drafting
-    step only the newest token; `remaining` is what max_tokens still allows."""
+    step only the newest token, and the last draft too when all were accepted (a draft model
+    feeds d_1..d_{k-1}); `remaining` is what max_tokens still allows."""
     cfg = SpeculativeConfig(method="ngram", num_draft_tokens=2)
-    spec = Speculation(cfg, NgramDrafter(), 0.0)
-    h = Harness(tokenizer, SchedulerConfig(max_running=1, max_step_tokens=16), accept=2)
+    spec = Speculation(cfg, NgramDrafter(), None)
+    h = Harness(tokenizer, SchedulerConfig(max_running=1, max_step_tokens=16), accept=accept)
     seq = h.add(5, 20, spec)
     h.step()  # prefill: the first token
     seen: list[tuple[int, int]] = []
@@ -190,5 +196,5 @@ def test_scheduler_tells_the_policy_catch_up_and_tokens_left(
     h.step()
     assert h.plans[1].items[0].k == 2  # a flat cost: the ceiling
     assert seen[0] == (6, 19)  # 5 prompt tokens + 1 output, none seen by the drafter yet
-    assert seen[1] == (1, 16)  # the step drafted: 3 new tokens, all but the newest seen
-    assert seq.synced == seq.num_tokens - 1
+    assert seen[1] == (catch_up, remaining)  # the step drafted 2 and emitted accept + 1
+    assert seq.synced == seq.num_tokens - catch_up

@@ -18,6 +18,11 @@ last committed token has not been through the target yet: it is the next cycle's
 After prefill n is the prompt length; after a verify it is accepted + 1. Every committed
 position is passed exactly once, k = 0 cycles included, so the drafter's view never goes stale.
 For other drafters `hidden` is None.
+
+A drafter that runs a model lists the shapes of the forwards its last `propose` ran in
+`forwards` (`StepShape`s: rows, sequences, sequences with > 1 row), catch-ups included; the
+engine times the draft phase against its cost table with them (quickdraft/policy.py
+`DraftCost`).
 """
 
 from __future__ import annotations

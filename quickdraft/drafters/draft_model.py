@@ -11,7 +11,6 @@ requests streams the draft weights k times, not B x k times. No re-prefill, ever
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -19,6 +18,7 @@ import torch
 
 from quickdraft.drafters.base import Draft, DraftJob, draft_one
 from quickdraft.models.base import LanguageModel, SequenceCache
+from quickdraft.policy import StepShape
 
 PREFILL_CHUNK = 512
 
@@ -51,9 +51,7 @@ class DraftModelDrafter:
                 f"({target_vocab_size}): a draft model must share the target's tokenizer"
             )
         self.model = model
-        # seconds per draft position of the last propose, catch-up feeds excluded (None: it
-        # had none to measure); the engine's online draft cost reads it (core.py)
-        self.position_seconds: float | None = None
+        self.forwards: list[StepShape] = []  # the forwards of the last propose (drafters/base.py)
 
     def new_state(self, prompt_ids: list[int]) -> DraftState:
         return DraftState(self.model.new_cache(len(prompt_ids) + 64))
@@ -72,6 +70,7 @@ class DraftModelDrafter:
         last row `[len(states), vocab]` and commits the rows into the caches."""
         ids = torch.tensor([t for r in rows for t in r], device=self.model.device)
         out = self.model(ids, [s.cache for s in states], [len(r) for r in rows])
+        self.forwards.append(StepShape(len(ids), len(rows), sum(len(r) > 1 for r in rows)))
         for state, r in zip(states, rows, strict=True):
             state.cache.commit(state.cache.length + len(r))
             state.fed.extend(r)
@@ -81,6 +80,7 @@ class DraftModelDrafter:
         """All jobs advance together: one packed forward brings every draft cache up to its
         committed tokens (long catch-ups in chunks first), then one packed one-token forward
         per draft position for the jobs that still want more."""
+        self.forwards = []
         states: list[DraftState] = [job.state for job in jobs]
         rows = [self._sync_rows(s, job.tokens) for s, job in zip(states, jobs, strict=True)]
         # Catch-ups longer than a chunk (a prompt, a long k = 0 phase) go first, chunk by chunk,
@@ -89,23 +89,16 @@ class DraftModelDrafter:
             while len(r) > PREFILL_CHUNK:
                 self._feed([state], [r[:PREFILL_CHUNK]])
                 del r[:PREFILL_CHUNK]
-        t = time.perf_counter()
         logits = self._feed(states, rows)  # [B, vocab]
-        # The usual resync (<= 2 tokens per request) costs about one draft step; a longer
-        # catch-up (a prompt, a k = 0 phase) does not count towards the per-position cost.
-        spent, steps = (time.perf_counter() - t, 1) if all(len(r) <= 2 for r in rows) else (0, 0)
         drafts: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in jobs]
         active = list(range(len(jobs)))  # jobs (indices) whose logits row is in `logits`
         for step in range(max(job.k for job in jobs)):
-            t = time.perf_counter()
             for row, j in enumerate(active):
                 draft_one(logits[row], jobs[j], drafts[j])
             active = [j for j in active if jobs[j].k > step + 1]
             if not active:
                 break
             logits = self._feed([states[j] for j in active], [[drafts[j][0][-1]] for j in active])
-            spent, steps = spent + time.perf_counter() - t, steps + 1
-        self.position_seconds = spent / steps if steps else None
         return [Draft(d, torch.stack(p) if p else None) for d, p in drafts]
 
     def commit(

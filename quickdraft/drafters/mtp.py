@@ -38,6 +38,7 @@ from quickdraft.models.layers import Weight
 from quickdraft.models.loader import load_weights
 from quickdraft.models.mtp import MTPHead
 from quickdraft.models.registry import mtp_parts, name_map
+from quickdraft.policy import StepShape
 
 HiddenFeed = Literal["post_norm", "pre_norm"]
 PREFILL_CHUNK = 512  # bounds the head's attention mask on a long catch-up (a prompt)
@@ -97,6 +98,7 @@ class MTPDrafter:
         self, head: MTPHead, final_norm: nn.Module, feed: HiddenFeed = "post_norm"
     ) -> None:
         self.head, self.feed = head, feed
+        self.forwards: list[StepShape] = []  # the forwards of the last propose (drafters/base.py)
         self.unnorm: Tensor | None = None
         if feed == "pre_norm":
             # The target's final norm scales the unit-RMS direction of x per channel; dividing
@@ -139,10 +141,12 @@ class MTPDrafter:
         )
         for s, n in zip(states, counts, strict=True):
             s.cache.commit(s.cache.length + n)
+        self.forwards.append(StepShape(sum(counts), len(counts), sum(n > 1 for n in counts)))
         back = pre if self.feed == "pre_norm" else post
         return logits, back[ends]
 
     def propose(self, jobs: Sequence[DraftJob]) -> list[Draft]:
+        self.forwards = []
         states: list[MTPState] = [job.state for job in jobs]
         ids, hidden = [], []
         for s, job in zip(states, jobs, strict=True):
