@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from quickdraft import hub
 from quickdraft.config import QUANTIZATIONS, parse_dtype
 from quickdraft.core import EngineCore
+from quickdraft.kernels.cpu_linear import kernels_available
 from quickdraft.models.base import LanguageModel
 from quickdraft.models.layers import panels_apply
 from quickdraft.models.loader import load_model
@@ -83,6 +84,10 @@ def load(
         raise ValueError(f"quantization {quantization!r}: choose one of {QUANTIZATIONS}")
     path = hub.resolve(model, dtype, progress=progress)
     net = load_model(path, parse_dtype(dtype), device)
+    if net.device.type == "cpu":
+        # Build the C++ kernels (once per install, ~2 min on 2 cores) now, not inside the first
+        # forward: there a server's first request waited for it, past its client's timeout.
+        kernels_available()
     if quantization != "none":
         quantize = getattr(net, "quantize_", None)
         if quantize is None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import logging
 import math
 import mmap
@@ -78,10 +79,14 @@ _ext: Any = None  # the compiled module once loaded; None if unsupported or the 
 
 
 def build_directory() -> Path:
-    """Where the JIT build lives; per torch and Python version so upgrades never mix objects."""
+    """Where the JIT build lives; per torch and Python version so upgrades never mix objects,
+    and per source directory: torch rebuilds whenever the sources' paths differ from the last
+    build's, so two checkouts sharing one directory rebuilt on every switch (~1 min, which a
+    server's first request then waited for)."""
     root = Path(os.environ.get("QUICKDRAFT_HOME") or Path.home() / ".cache" / "quickdraft")
     py = f"{sys.version_info.major}{sys.version_info.minor}"
-    tag = f"{_EXT_NAME}-torch{torch.__version__}-py{py}".replace("+", "_")
+    where = hashlib.sha256(str(_SOURCES[0].resolve().parent).encode()).hexdigest()[:8]
+    tag = f"{_EXT_NAME}-torch{torch.__version__}-py{py}-{where}".replace("+", "_")
     return root / "torch_extensions" / tag
 
 
