@@ -113,6 +113,15 @@ class StepCost:
         extra = max(0, seqs - 1) * self.per_seq + (masked - in_table) * self.per_masked
         return max(self.of_rows(rows) + extra, self.seconds[0])
 
+    def scaled(self, factor: float) -> StepCost:
+        """The same curve, every cost times `factor`."""
+        return StepCost(
+            self.rows,
+            tuple(x * factor for x in self.seconds),
+            self.per_seq * factor,
+            self.per_masked * factor,
+        )
+
     def of_rows(self, m: int) -> float:
         r, s = self.rows, self.seconds
         if m <= r[0]:
@@ -192,6 +201,18 @@ def measure_step_seconds(model: LanguageModel, context: int = 16, reps: int = 3)
     return best
 
 
+def clamped_ratio(measured: float, predicted: float) -> float:
+    """measured / predicted within [1/4, 4]: one stalled step (a page fault, another process)
+    cannot swing a running ratio."""
+    return min(max(measured / predicted, 0.25), 4.0)
+
+
+def running_mean(mean: float, n: int, x: float, window: int) -> float:
+    """`mean` updated with its n-th value x: the plain mean of the first `window` values, then
+    an exponential average over about `window`."""
+    return mean + (x - mean) / min(n, window)
+
+
 @dataclass(slots=True)
 class Calibration:
     """The running ratio of measured to predicted forward seconds (module docstring,
@@ -217,13 +238,12 @@ class Calibration:
     def observe(self, rows: int, seqs: int, masked: int, measured: float, predicted: float) -> None:
         if measured <= 0.0 or predicted <= 0.0:
             return
-        ratio = min(max(measured / predicted, 0.25), 4.0)
+        ratio = clamped_ratio(measured, predicted)
         self.seen += 1
-        self.overall += (ratio - self.overall) / min(self.seen, self.window)
+        self.overall = running_mean(self.overall, self.seen, ratio, self.window)
         key = self.key(rows, seqs, masked)
         mean, n = self.ratios.get(key, (1.0, 0))
-        n += 1
-        self.ratios[key] = (mean + (ratio - mean) / min(n, self.window), n)
+        self.ratios[key] = (running_mean(mean, n + 1, ratio, self.window), n + 1)
 
     def factor(self, rows: int, seqs: int, masked: int) -> float:
         mean, n = self.ratios.get(self.key(rows, seqs, masked), (1.0, 0))
@@ -265,9 +285,10 @@ class DraftCost:
         predicted = sum(self.table(f.rows, f.seqs, f.masked) for f in forwards if f.seqs)
         if predicted <= 0.0 or seconds <= 0.0:
             return
-        ratio = min(max(seconds / predicted, 0.25), 4.0)
         self.seen += 1
-        self.ratio += (ratio - self.ratio) / min(self.seen, self.window)
+        self.ratio = running_mean(
+            self.ratio, self.seen, clamped_ratio(seconds, predicted), self.window
+        )
 
 
 @dataclass(slots=True)

@@ -70,14 +70,8 @@ def _mtp(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable
     drafter = mtp_drafter(lm.model, lm.path)
 
     def table() -> StepCost:
-        target = lm.step_cost()
         ratio = head_step_seconds(drafter.head) / measure_step_seconds(lm.model)
-        return StepCost(
-            target.rows,
-            tuple(x * ratio for x in target.seconds),
-            target.per_seq * ratio,
-            target.per_masked * ratio,
-        )
+        return lm.step_cost().scaled(ratio)
 
     return drafter, table
 

@@ -36,8 +36,7 @@ def scaled(cost: StepCost, ratio: float) -> DraftCost | None:
     """A drafter whose forwards cost `ratio` times the target's (None for 0: a free lookup)."""
     if not ratio:
         return None
-    seconds = tuple(x * ratio for x in cost.seconds)
-    return DraftCost(StepCost(cost.rows, seconds, cost.per_seq * ratio, cost.per_masked * ratio))
+    return DraftCost(cost.scaled(ratio))
 
 
 def score(
