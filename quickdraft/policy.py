@@ -186,21 +186,6 @@ def measure_step_cost(
     return StepCost(table.rows, table.seconds, per_seq, per_masked)
 
 
-def measure_step_seconds(model: LanguageModel, context: int = 16, reps: int = 3) -> float:
-    """Seconds of one 1-token forward after `context` cached tokens (best of reps); drafter
-    factories compare a draft model's with the target's."""
-    cache = model.new_cache(context + 2)
-    ids = torch.randint(0, model.config.vocab_size, (context + 1,), device=model.device)
-    model(ids[:context], [cache], [context])
-    cache.commit(context)
-    best = float("inf")
-    for _ in range(reps + 1):
-        t = time.perf_counter()
-        model(ids[context:], [cache], [1])
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def clamped_ratio(measured: float, predicted: float) -> float:
     """measured / predicted within [1/4, 4]: one stalled step (a page fault, another process)
     cannot swing a running ratio."""

@@ -23,12 +23,7 @@ from quickdraft.drafters.draft_model import DraftModelDrafter
 from quickdraft.drafters.mtp import head_step_seconds, mtp_drafter
 from quickdraft.drafters.ngram import NgramDrafter
 from quickdraft.generate import LoadedModel, load
-from quickdraft.policy import (
-    DraftCost,
-    StepCost,
-    measure_step_cost,
-    measure_step_seconds,
-)
+from quickdraft.policy import DraftCost, StepCost, measure_step_cost
 
 
 @dataclass(slots=True)
@@ -70,8 +65,8 @@ def _mtp(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable
     drafter = mtp_drafter(lm.model, lm.path)
 
     def table() -> StepCost:
-        ratio = head_step_seconds(drafter.head) / measure_step_seconds(lm.model)
-        return lm.step_cost().scaled(ratio)
+        target = lm.step_cost()  # its 1-row step is the one the head step is compared with
+        return target.scaled(head_step_seconds(drafter.head) / target.seconds[0])
 
     return drafter, table
 

@@ -294,3 +294,17 @@ def test_packed_bf16_target_and_head_match_unpacked(tmp_path: Path) -> None:
         for h in (head, ref_head)
     )
     assert ((got_h - want_h).abs().max() / want_h.abs().max()) < 2e-2
+
+
+def test_mtp_adaptive_prices_the_head_from_the_target_table(agreeing: LoadedModel) -> None:
+    """With the adaptive policy the head's cost table is the target's step-cost table scaled
+    by one timed head step over the target's 1-row step; output stays plain greedy's."""
+    spec = make_speculation(agreeing, SpeculativeConfig(method="mtp", num_draft_tokens=K))
+    assert spec is not None and spec.draft_cost is not None
+    target, head = agreeing.step_cost(), spec.draft_cost.table
+    assert head.rows == target.rows and head.seconds[0] > 0
+    ratio = head.seconds[0] / target.seconds[0]
+    assert head.seconds == pytest.approx(tuple(s * ratio for s in target.seconds))
+    assert generate(agreeing, PROMPTS[0], spec, 24).output_ids == (
+        generate(agreeing, PROMPTS[0], None, 24).output_ids
+    )

@@ -230,7 +230,7 @@ def test_speculative_draft_cost_is_calibrated_while_decoding(
     # clamped to 4x, and the ratio follows.
     target._step_cost = StepCost((1, 64), (0.01, 0.01))
     real = probed.draft_cost.table
-    cheap = StepCost(real.rows, tuple(x / 100 for x in real.seconds))
+    cheap = real.scaled(0.01)
     spec = Speculation(cfg, probed.drafter, DraftCost(cheap))
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     req = target.new_request(target.tokenizer.encode(PROMPTS[0]), params)
