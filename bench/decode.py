@@ -20,8 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, machine, peak_rss_mb, read_bandwidth_gbs
 
 from quickdraft.config import parse_dtype
-from quickdraft.generate import LoadedModel, load, stream
-from quickdraft.sampling import SamplingParams
+from quickdraft.engine import stream
+from quickdraft.loading import LoadedModel, load
+from quickdraft.request import SamplingParams
 
 PROMPT = "Write a Python function that parses an ISO 8601 date string and returns a datetime."
 

@@ -33,12 +33,13 @@ from common import emit, machine, peak_rss_mb
 
 from quickdraft.benchmark import prompt_sets
 from quickdraft.config import DEFAULT_DRAFT_QUANTIZATION, QUANTIZATIONS, SpeculativeConfig
-from quickdraft.engine import Engine, ServedModel
-from quickdraft.generate import LoadedModel, load, stream
-from quickdraft.policy import StepCost
-from quickdraft.sampling import SamplingParams
-from quickdraft.scheduler import SchedulerConfig
-from quickdraft.speculate import Speculation, make_speculation
+from quickdraft.engine import Engine, ServedModel, stream
+from quickdraft.engine.scheduler import SchedulerConfig
+from quickdraft.loading import LoadedModel, load
+from quickdraft.request import SamplingParams
+from quickdraft.speculation.cost import StepCost, model_cost
+from quickdraft.speculation.factory import make_speculation
+from quickdraft.speculation.state import Speculation
 
 
 @dataclass(slots=True)
@@ -240,7 +241,7 @@ def main() -> None:
         row = {m: cell.summary(None if m == "none" else cells["none"]) for m, cell in cells.items()}
         results[f"c{c}"] = row
         print(f"concurrency {c}:", row, flush=True)
-    cost = lm.step_cost()
+    cost = model_cost(lm.model)
     report = {
         "bench": "engine",
         "model": a.model,

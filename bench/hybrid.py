@@ -36,16 +36,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, machine, peak_rss_mb
 
-from quickdraft.drafters.base import DraftJob
-from quickdraft.drafters.mtp import MTPDrafter, head_step_seconds
 from quickdraft.kernels import PanelWeight
 from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.layers import Weight, panels_apply, project
 from quickdraft.models.moe import GatedMLP
 from quickdraft.models.mtp import MTPHead, hybrid_mtp_parts
 from quickdraft.models.qwen3_next import GatedAttention, GatedDeltaNet, HybridLM
-from quickdraft.sampling import SamplingParams
-from quickdraft.verify import verify_greedy
+from quickdraft.request import SamplingParams
+from quickdraft.speculation.drafters.base import DraftJob
+from quickdraft.speculation.drafters.mtp import MTPDrafter, head_step_seconds
+from quickdraft.speculation.verify import verify_greedy
 
 CONFIG: dict[str, Any] = dict(
     model_type="qwen3_5_text",
@@ -94,7 +94,7 @@ def init_(module: torch.nn.Module, seed: int, out_scale: float) -> None:
 
 
 def build(out_scale: float) -> tuple[HybridLM, MTPHead, int, int]:
-    """The model and its head as `quickdraft.generate.load` would run them (bf16 operands
+    """The model and its head as `quickdraft.loading.load` would run them (bf16 operands
     packed into panels when the CPU kernels are available, see kernels/cpu_linear.py), and
     their parameter counts (taken before packing releases the HF-named tensors)."""
     cfg = HybridConfig.from_dict(CONFIG)

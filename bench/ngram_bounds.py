@@ -47,10 +47,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, machine
 
 from quickdraft.benchmark import prompt_sets
-from quickdraft.drafters.ngram import NgramDrafter
-from quickdraft.generate import LoadedModel, load, stream
-from quickdraft.policy import StepCost, measure_step_cost
-from quickdraft.sampling import SamplingParams
+from quickdraft.engine import stream
+from quickdraft.loading import LoadedModel, load
+from quickdraft.request import SamplingParams
+from quickdraft.speculation.cost import StepCost, measure_step_cost
+from quickdraft.speculation.drafters.ngram import NgramDrafter
 
 SET_ORDER = ("code", "prose", "json", "repetitive")  # the A/B bench's order (shared index)
 TREES = ((2,), (3, 1), (4, 2, 1), (6, 3, 2, 1), (8, 4, 2, 1, 1))

@@ -27,9 +27,11 @@ from typing import Any
 import torch
 
 from quickdraft.config import DEFAULT_DRAFT_QUANTIZATION, SpeculativeConfig, parse_dtype
-from quickdraft.generate import LoadedModel, load, stream
-from quickdraft.sampling import SamplingParams
-from quickdraft.speculate import Speculation, make_speculation
+from quickdraft.engine import stream
+from quickdraft.loading import LoadedModel, load
+from quickdraft.request import SamplingParams
+from quickdraft.speculation.factory import make_speculation
+from quickdraft.speculation.state import Speculation
 
 
 def prompt_sets() -> dict[str, list[str]]:

@@ -96,9 +96,10 @@ def spec_config(args: argparse.Namespace) -> SpeculativeConfig:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from quickdraft.generate import load, stream
-    from quickdraft.sampling import SamplingParams
-    from quickdraft.speculate import make_speculation
+    from quickdraft.engine import stream
+    from quickdraft.loading import load
+    from quickdraft.request import SamplingParams
+    from quickdraft.speculation.factory import make_speculation
 
     params = SamplingParams(
         max_tokens=args.max_tokens,

@@ -101,20 +101,36 @@ class ModelConfig:
         )
 
 
+# ---------------------------------------------------------------- defaults (the one source)
+# Everything that has a default a user can override lives here or in the dataclass that owns it
+# (SpeculativeConfig, SamplingParams, SchedulerConfig, ServerConfig, the bench options): the CLI,
+# the server settings, the benchmarks and the load test pass None for what they were not told,
+# and never restate a default.
+
+DEFAULT_MODEL = "qwen2.5-coder-1.5b"  # `quickdraft serve` / `generate` / `bench` with no model
+DEFAULT_DTYPE = "bf16"
+PREFILL_CHUNK = 512  # prompt tokens per forward: bounds the [chunk, context] mask and activations
+
 SPEC_METHODS = ("none", "ngram", "draft", "mtp")
 QUANTIZATIONS = ("none", "int8", "int4")  # weight formats `load(..., quantization=)` accepts
 # draft-model weights where the CLI and benchmarks are not told otherwise: same output, faster
-# drafts (bench/results/speculative.json: draft vs draft_unquantized)
+# drafts (docs/benchmarks.md: draft vs draft_unquantized)
 DEFAULT_DRAFT_QUANTIZATION = "int4"
-# output tokens the n-gram drafter's shared index keeps (drafters/ngram.py; ~300 requests of
-# 200 tokens, ~25 MB of index at most); 0 turns it off
+# output tokens the n-gram drafter's shared index keeps (~300 requests of 200 tokens, ~25 MB of
+# index at most); 0 turns it off
 NGRAM_SHARED_TOKENS = 1 << 16
-# n-gram lengths the drafter matches, longest first (drafters/ngram.py says why from 1)
+# n-gram lengths the drafter matches, longest first (docs/speculation.md says why from 1)
 NGRAM_MIN, NGRAM_MAX = 1, 4
 DRAFT_QUANTIZATION_HELP = (
     "draft model weights: int4 (default; groups of 32, 0.31x the bytes of bf16), int8 (0.5x) "
     "or none; a draft model's precision only moves the acceptance rate, never the output"
 )
+
+
+def given(**fields: Any) -> dict[str, Any]:
+    """The fields that were given (not None): `Config(**given(a=args.a, ...))` keeps the
+    dataclass's own default for everything a caller was not told."""
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,10 +141,8 @@ class SpeculativeConfig:
     method: str = "none"  # "none" | "ngram" | "draft" | "mtp" (the target's own head)
     num_draft_tokens: int = 5
     draft_model: str | None = None  # catalog name / path, for method "draft"
-    # the draft model's weights: "int4" cuts the bytes each draft step streams to 0.31x of
-    # bf16, "int8" to 0.5x (a draft model's precision only moves the acceptance rate, never
-    # the output); "none" keeps dtype
-    draft_quantization: str = "none"
+    # the draft model's weights (DRAFT_QUANTIZATION_HELP); "none" keeps the target's dtype
+    draft_quantization: str = DEFAULT_DRAFT_QUANTIZATION
     ngram_min: int = NGRAM_MIN
     ngram_max: int = NGRAM_MAX
     # n-gram drafter: most recent output tokens of finished requests it also looks up (0: off)

@@ -8,12 +8,55 @@ still be the start of a stop string is held back from streaming until it is reso
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from quickdraft.sampling import SamplingParams
 from quickdraft.tokenizer import IncrementalDetokenizer, Tokenizer
+
+MAX_STOP_STRINGS = 4
+
+
+class SamplingError(ValueError):
+    """An invalid sampling parameter; `param` names it (the HTTP edge's 400 `param`)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How a request samples (quickdraft/speculation/sampling.py applies them). temperature 0
+    is greedy; top_k 0, top_p 1 and min_p 0 are off."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, param: str, rule: str) -> None:
+            if not ok:
+                raise SamplingError(f"{param} must be {rule}, got {getattr(self, param)!r}", param)
+
+        check(self.max_tokens >= 1, "max_tokens", ">= 1")
+        t = self.temperature
+        check(0.0 <= t <= 2.0 and not math.isnan(t), "temperature", "in [0, 2]")
+        check(self.top_k >= 0, "top_k", ">= 0")
+        check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]")
+        check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]")
+        check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings")
+        check(all(self.stop), "stop", "non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
 
 
 class FinishReason(StrEnum):

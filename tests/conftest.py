@@ -62,6 +62,15 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+@pytest.fixture()
+def kernels_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A developer bisecting with QUICKDRAFT_NO_KERNELS=1 must not turn kernel tests into
+    no-ops: they run the kernels whatever the environment says."""
+    from quickdraft.kernels import build
+
+    monkeypatch.setattr(build, "disabled", False)
+
+
 def make_tiny_hf_model(arch: str, directory: Path, seed: int = 0, **overrides: Any) -> Any:
     """A random-weight transformers model of `arch` (its TINY_CONFIGS entry updated by
     `overrides`), saved to `directory` (fp32)."""

@@ -19,7 +19,7 @@ import pytest
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import Engine, ServedModel
-from quickdraft.generate import LoadedModel, load
+from quickdraft.loading import LoadedModel, load
 from quickdraft.server import ServerConfig, create_app
 from quickdraft.server.main import BackgroundServer
 from quickdraft.server.settings import load_settings
@@ -40,7 +40,10 @@ def settings_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def srv(lm: LoadedModel, settings_path: Path) -> Iterator[BackgroundServer]:
-    engine = Engine({"tiny": ServedModel(lm, SpeculativeConfig(adaptive=False))})
+    # unquantized drafts: the draft-model test drafts with the target itself and expects every
+    # draft accepted, which an int4 copy would not give
+    spec = SpeculativeConfig(adaptive=False, draft_quantization="none")
+    engine = Engine({"tiny": ServedModel(lm, spec)})
     engine.start()
     config = ServerConfig(api_key=KEY, admin_token=ADMIN, settings_path=settings_path)
     with BackgroundServer(create_app(engine, config)) as server:

@@ -21,7 +21,7 @@ import pytest
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import Engine, ServedModel
-from quickdraft.generate import load
+from quickdraft.loading import load
 from quickdraft.server import ServerConfig, create_app
 from quickdraft.server.main import BackgroundServer
 

@@ -1,4 +1,4 @@
-"""Decode / verify attention (kernels/attention.cpp via models.layers.attend) against the SDPA
+"""Decode / verify attention (kernels/attention.py `attend`) against the SDPA
 reference: values, causal limits, row independence, and which path runs."""
 
 from __future__ import annotations
@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quickdraft.kernels import cpu_linear
-from quickdraft.models import layers
-from quickdraft.models.layers import attend, reference_attend
+from quickdraft.kernels import attention, build
+from quickdraft.kernels.attention import attend, reference_attend
 
 needs_kernel = pytest.mark.skipif(
-    not cpu_linear.cpu_supported(), reason="CPU lacks AVX2/FMA/F16C: the kernel cannot run here"
+    not build.cpu_supported(), reason="CPU lacks AVX2/FMA/F16C: the kernel cannot run here"
 )
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
@@ -29,7 +28,7 @@ def inputs(
 
 
 def ext() -> object:
-    e = cpu_linear._extension()
+    e = build.extension()
     assert e is not None, "the kernel must build on this CPU"
     return e
 
@@ -100,7 +99,7 @@ def test_ineligible_inputs_take_the_reference() -> None:
     assert not e.attend_eligible(q, k, v, 3)  # type: ignore[attr-defined]
     assert torch.equal(attend(q, k, v, 3, 0.25), reference_attend(q, k, v, 3, 0.25))
     # more queries than the kernel takes (a prompt chunk)
-    n = layers.ATTEND_KERNEL_MAX_QUERIES + 1
+    n = attention.ATTEND_KERNEL_MAX_QUERIES + 1
     q, k, v = inputs(n, 4, 2, 32, 0, torch.float32)
     assert e.attend_eligible(q, k, v, 0)  # type: ignore[attr-defined]
     assert torch.equal(attend(q, k, v, 0, 0.2), reference_attend(q, k, v, 0, 0.2))
@@ -115,5 +114,5 @@ def test_ineligible_inputs_take_the_reference() -> None:
 @needs_kernel
 def test_disable_switch_runs_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     q, k, v = inputs(3, 12, 2, 128, 20, torch.bfloat16)
-    monkeypatch.setattr(cpu_linear, "disabled", True)
+    monkeypatch.setattr(build, "disabled", True)
     assert torch.equal(attend(q, k, v, 20, 0.1), reference_attend(q, k, v, 20, 0.1))

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from quickdraft.drafters.base import DraftJob
-from quickdraft.drafters.draft_model import DraftModelDrafter
-from quickdraft.generate import load
-from quickdraft.policy import StepShape
-from quickdraft.sampling import SamplingParams
+from quickdraft.loading import load
+from quickdraft.request import SamplingParams
+from quickdraft.speculation.cost import StepShape
+from quickdraft.speculation.drafters.base import DraftJob
+from quickdraft.speculation.drafters.draft_model import DraftModelDrafter
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])

@@ -15,21 +15,22 @@ import torch
 from torch import Tensor
 
 from quickdraft.config import SpeculativeConfig
-from quickdraft.core import EngineCore
-from quickdraft.drafters.base import Draft, DraftJob
-from quickdraft.drafters.ngram import NgramDrafter
 from quickdraft.engine import (
     Engine,
     EngineDeadError,
     QueueFullError,
     ServedModel,
-    release_openmp_workers,
+    stream,
 )
-from quickdraft.generate import LoadedModel, load, stream
-from quickdraft.request import FinishReason
-from quickdraft.sampling import SamplingParams
-from quickdraft.scheduler import SchedulerConfig
-from quickdraft.speculate import Speculation, make_speculation
+from quickdraft.engine.core import EngineCore
+from quickdraft.engine.engine import release_openmp_workers
+from quickdraft.engine.scheduler import SchedulerConfig
+from quickdraft.loading import LoadedModel, load
+from quickdraft.request import FinishReason, SamplingParams
+from quickdraft.speculation.drafters.base import Draft, DraftJob
+from quickdraft.speculation.drafters.ngram import NgramDrafter
+from quickdraft.speculation.factory import make_speculation
+from quickdraft.speculation.state import Speculation
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(",
@@ -160,11 +161,11 @@ def test_core_abort_frees_caches_and_drafter_state(lm: LoadedModel) -> None:
     for _ in range(6):
         core.step()
     running = list(core.scheduler.running)
-    assert running and all(s.cache is not None and s.draft_state is not None for s in running)
+    assert running and all(s.cache is not None and s.spec is not None for s in running)
     for seq in seqs:
         core.abort(seq)
     assert not core.has_work
-    assert all(s.cache is None and s.draft_state is None for s in seqs)
+    assert all(s.cache is None and s.spec is None for s in seqs)
     assert all(s.request.finish_reason == FinishReason.ABORT for s in seqs)
     assert core.step() == []
 

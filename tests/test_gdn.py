@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from hybrid_models import one_thread  # noqa: F401 (autouse fixture)
 
-from quickdraft.kernels import cpu_linear
-from quickdraft.models.gdn import (
+from quickdraft.kernels import build
+from quickdraft.kernels.gdn import (
     advance_state,
     causal_conv1d,
     conv_window,
@@ -146,7 +146,7 @@ def test_causal_conv1d_carried_window_matches_full_conv() -> None:
 
 
 needs_kernel = pytest.mark.skipif(
-    not cpu_linear.cpu_supported(), reason="CPU lacks AVX2/FMA/F16C: the kernel cannot run here"
+    not build.cpu_supported(), reason="CPU lacks AVX2/FMA/F16C: the kernel cannot run here"
 )
 
 
@@ -169,7 +169,7 @@ def test_recurrent_updates_kernel_matches_naive(
     beta = torch.rand(t, v_heads, generator=gen)
     state = torch.randn(v_heads, dk, dv, generator=gen)
     before = state.clone()
-    assert cpu_linear.kernels_available()
+    assert build.kernels_available()
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -206,7 +206,7 @@ def test_causal_conv1d_kernel_matches_reference(t: int, taps: int, dtype: torch.
     x = proj[:, 3 : 3 + channels]  # a strided view, as the GDN's slice of its in-projection
     window = torch.randn(taps - 1, channels, generator=gen).to(dtype)
     weight = torch.randn(channels, taps, generator=gen).to(dtype)
-    assert cpu_linear.kernels_available()
+    assert build.kernels_available()
     out = causal_conv1d(x, window, weight)
     assert out.dtype == torch.float32 and out.shape == (t, channels)
     ref = reference_causal_conv1d(x, window, weight)

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from quickdraft.generate import LoadedModel, load, stream
-from quickdraft.sampling import SamplingParams
+from quickdraft.engine import stream
+from quickdraft.loading import LoadedModel, load
+from quickdraft.request import SamplingParams
 
 
 def run(lm: LoadedModel, ids: list[int], **kw: object) -> list[int]:

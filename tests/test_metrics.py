@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import Engine, ServedModel
-from quickdraft.generate import load
+from quickdraft.loading import load
 from quickdraft.server import ServerConfig, create_app
 from quickdraft.server.main import BackgroundServer
 

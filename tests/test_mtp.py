@@ -26,15 +26,18 @@ from safetensors.torch import load_file, save_file
 
 from quickdraft.cli import main as cli_main
 from quickdraft.config import ModelConfig, SpeculativeConfig
-from quickdraft.drafters.base import DraftJob
-from quickdraft.drafters.mtp import MTPDrafter, load_mtp_head, mtp_drafter
-from quickdraft.generate import LoadedModel, load, stream
+from quickdraft.engine import stream
 from quickdraft.kernels import PanelWeight, kernels_available
+from quickdraft.loading import LoadedModel, load
 from quickdraft.models.llama import CausalLM
 from quickdraft.models.loader import load_model
-from quickdraft.request import Request
-from quickdraft.sampling import SamplingParams
-from quickdraft.speculate import Speculation, make_speculation
+from quickdraft.request import Request, SamplingParams
+from quickdraft.speculation.cost import model_cost
+from quickdraft.speculation.drafters.base import DraftJob
+from quickdraft.speculation.drafters.mtp import MTPDrafter, load_mtp_head, mtp_drafter
+from quickdraft.speculation.factory import make_speculation
+from quickdraft.speculation.sampling import TokenRng
+from quickdraft.speculation.state import Speculation
 
 FAMILIES = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
 K = 4
@@ -172,7 +175,7 @@ def test_mtp_batched_propose_equals_alone(agreeing: LoadedModel) -> None:
         out = []
         for prompt, p, k in zip(prompts, params, ks, strict=True):
             state, tokens = primed_state(agreeing, drafter, prompt)
-            out.append(DraftJob(state, tokens, k, p, p.rng(torch.device("cpu")).generator))
+            out.append(DraftJob(state, tokens, k, p, TokenRng.for_params(p).generator))
         return out
 
     alone = [drafter.propose([job])[0] for job in jobs()]
@@ -192,10 +195,17 @@ def test_mtp_pre_norm_feed_recovers_residual_stream(agreeing: LoadedModel) -> No
     drafter = mtp_drafter(model, agreeing.path, feed="pre_norm")
     ids = torch.tensor([5, 9, 77, 3, 18, 250])
     last = len(HYBRID_CONFIGS["qwen3_5_moe"]["text_config"]["layer_types"]) - 1
-    out = model(ids, [model.new_cache(8)], [6], return_hidden=True, hidden_layers=(last,))
+    stream: list[torch.Tensor] = []  # the last layer's output: the pre-norm residual stream
+    hook = model.get_submodule(f"model.layers.{last}").register_forward_hook(
+        lambda module, args, output: stream.append(output)
+    )
+    try:
+        out = model(ids, [model.new_cache(8)], [6], return_hidden=True)
+    finally:
+        hook.remove()
     assert out.hidden is not None and drafter.unnorm is not None
     norm = drafter.head.pre_fc_norm_hidden
-    expected = norm(out.layer_hidden[last])
+    expected = norm(stream[0])
     assert (norm(out.hidden * drafter.unnorm) - expected).abs().max().item() < 1e-3
     state, tokens = primed_state(agreeing, drafter, ids.tolist())
     gen = torch.Generator()
@@ -301,7 +311,7 @@ def test_mtp_adaptive_prices_the_head_from_the_target_table(agreeing: LoadedMode
     by one timed head step over the target's 1-row step; output stays plain greedy's."""
     spec = make_speculation(agreeing, SpeculativeConfig(method="mtp", num_draft_tokens=K))
     assert spec is not None and spec.draft_cost is not None
-    target, head = agreeing.step_cost(), spec.draft_cost.table
+    target, head = model_cost(agreeing.model), spec.draft_cost.table
     assert head.rows == target.rows and head.seconds[0] > 0
     ratio = head.seconds[0] / target.seconds[0]
     assert head.seconds == pytest.approx(tuple(s * ratio for s in target.seconds))

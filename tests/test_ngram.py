@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from quickdraft.drafters.base import DraftJob
-from quickdraft.drafters.ngram import NgramDrafter, NgramState
-from quickdraft.sampling import SamplingParams
+from quickdraft.request import SamplingParams
+from quickdraft.speculation.drafters.base import DraftJob
+from quickdraft.speculation.drafters.ngram import NgramDrafter, NgramState
 
 PARAMS = SamplingParams()
 GEN = torch.Generator()

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from quickdraft.policy import StepCost
+from quickdraft.speculation.cost import StepCost
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 

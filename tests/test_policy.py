@@ -1,4 +1,5 @@
-"""quickdraft.policy: the measured step cost and the batch-aware choice of draft lengths."""
+"""quickdraft.speculation.policy and cost: the measured step cost and the batch-aware choice
+of draft lengths."""
 
 from __future__ import annotations
 
@@ -6,22 +7,26 @@ from pathlib import Path
 
 import pytest
 
-from quickdraft.generate import load
-from quickdraft.policy import (
-    Acceptance,
-    BatchPolicy,
+from quickdraft.loading import load
+from quickdraft.speculation.cost import (
     Calibration,
-    Candidate,
     DraftCost,
     StepCost,
     StepShape,
     measure_step_cost,
 )
+from quickdraft.speculation.policy import BatchPolicy, Candidate
+from quickdraft.speculation.state import Acceptance
 
 # Shapes like the ones measured on this CPU: flat up to 5 rows (weights streamed once), then
 # compute-bound (each row adds ~a quarter of a one-row forward).
 FLAT_THEN_STEEP = StepCost((1, 5, 64), (1.0, 1.1, 16.0))
 FLAT = StepCost((1, 64), (1.0, 1.1))
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a cycle with k drafts emits on average (accepted + the recovered/bonus one)."""
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
 def acceptance(alpha: float, drafts: int = 400) -> Acceptance:
@@ -45,7 +50,7 @@ def score(
     """Expected tokens per second of a decode-only step with drafts `ks` (the policy's model:
     a drafter forward per position over the requests drafting it, each synced candidate
     feeding one row)."""
-    tokens = sum(c.acceptance.expected_tokens(k) for c, k in zip(cands, ks, strict=True))
+    tokens = sum(expected_tokens(c.acceptance.alpha, k) for c, k in zip(cands, ks, strict=True))
     positions: dict[tuple[int, int], int] = {}
     for c, k in zip(cands, ks, strict=True):
         for j in range(k):

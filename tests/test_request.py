@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from quickdraft.request import FinishReason, Request
-from quickdraft.sampling import SamplingParams
+from quickdraft.request import FinishReason, Request, SamplingParams
 from quickdraft.tokenizer import Tokenizer
 
 EOS = 259  # <|im_end|> in the tiny tokenizer

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quickdraft.sampling import SamplingParams, next_tokens, probabilities, sample
+from quickdraft.request import SamplingParams
+from quickdraft.speculation.sampling import TokenRng, probabilities, sample
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
 
@@ -44,12 +45,13 @@ def test_probabilities_min_p_drops_below_fraction_of_max() -> None:
 def test_sample_seeded_is_reproducible() -> None:
     params = SamplingParams(temperature=1.0, seed=1234)
     logits = torch.randn(1, 1000)
-    a = [
-        int(next_tokens(logits, params, g)[0]) for g in [params.rng().generator] for _ in range(20)
-    ]
-    b = [
-        int(next_tokens(logits, params, g)[0]) for g in [params.rng().generator] for _ in range(20)
-    ]
+    probs = probabilities(logits, params)
+
+    def draws() -> list[int]:
+        g = TokenRng.for_params(params).generator
+        return [int(sample(probs, g)[0]) for _ in range(20)]
+
+    a, b = draws(), draws()
     assert a == b and len(set(a)) > 1
 
 

@@ -1,5 +1,5 @@
-"""quickdraft.scheduler against a fake runner: budgets, chunked prefill, joining and leaving,
-cancellation and draft slots. No model: caches are counters and tokens are made up."""
+"""quickdraft.engine.scheduler against a fake runner: budgets, chunked prefill, joining and
+leaving, cancellation and draft slots. No model: caches are counters and tokens are made up."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ from typing import Any
 import pytest
 
 from quickdraft.config import SpeculativeConfig
-from quickdraft.drafters.ngram import NgramDrafter
-from quickdraft.policy import BatchPolicy, Candidate, StepCost
-from quickdraft.request import FinishReason, Request
-from quickdraft.sampling import SamplingParams, TokenRng
-from quickdraft.scheduler import Scheduler, SchedulerConfig, SeqStatus, Sequence, StepPlan
-from quickdraft.speculate import Speculation
+from quickdraft.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from quickdraft.engine.sequence import SeqStatus, Sequence
+from quickdraft.request import FinishReason, Request, SamplingParams
+from quickdraft.speculation.cost import StepCost
+from quickdraft.speculation.drafters.ngram import NgramDrafter
+from quickdraft.speculation.policy import BatchPolicy, Candidate
+from quickdraft.speculation.sampling import TokenRng
+from quickdraft.speculation.state import Speculation
 from quickdraft.tokenizer import Tokenizer
 
 
@@ -133,7 +135,7 @@ def test_scheduler_abort_frees_waiting_and_running(tokenizer: Tokenizer) -> None
     h.sched.abort(waiting)
     assert waiting not in h.sched.waiting and waiting.cache is None
     h.sched.abort(running)
-    assert not h.sched.has_work and running.cache is None and running.draft_state is None
+    assert not h.sched.has_work and running.cache is None and running.spec is None
     assert len(freed) == 1  # only the admitted one had drafter state
     assert running.request.finish_reason == FinishReason.ABORT
     assert waiting.request.finish_reason == FinishReason.ABORT
@@ -197,4 +199,4 @@ def test_scheduler_tells_the_policy_catch_up_and_tokens_left(
     assert h.plans[1].items[0].k == 2  # a flat cost: the ceiling
     assert seen[0] == (6, 19)  # 5 prompt tokens + 1 output, none seen by the drafter yet
     assert seen[1] == (catch_up, remaining)  # the step drafted 2 and emitted accept + 1
-    assert seq.synced == seq.num_tokens - catch_up
+    assert seq.spec is not None and seq.spec.synced == seq.num_tokens - catch_up

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from quickdraft.engine import Engine, ServedModel
-from quickdraft.generate import LoadedModel, load
+from quickdraft.loading import LoadedModel, load
 from quickdraft.server import ServerConfig, create_app
 from quickdraft.server.main import BackgroundServer
 

@@ -12,15 +12,16 @@ import pytest
 import torch
 
 from quickdraft.config import SpeculativeConfig
-from quickdraft.drafters.draft_model import DraftModelDrafter
-from quickdraft.drafters.ngram import NgramDrafter
-from quickdraft.generate import LoadedModel, load, stream
-from quickdraft.kernels.cpu_linear import Int8Weight
+from quickdraft.engine import stream
+from quickdraft.kernels import Int8Weight
+from quickdraft.loading import LoadedModel, load
 from quickdraft.models.llama import CausalLM
-from quickdraft.policy import DraftCost, StepCost
-from quickdraft.request import Request
-from quickdraft.sampling import SamplingParams
-from quickdraft.speculate import Speculation, make_speculation
+from quickdraft.request import Request, SamplingParams
+from quickdraft.speculation.cost import DraftCost, StepCost, known_cost, use_cost
+from quickdraft.speculation.drafters.draft_model import DraftModelDrafter
+from quickdraft.speculation.drafters.ngram import NgramDrafter
+from quickdraft.speculation.factory import make_speculation
+from quickdraft.speculation.state import Speculation
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(",
@@ -145,7 +146,7 @@ def test_speculative_sampled_matches_target_distribution(
     prompt = target.tokenizer.encode("ab")
     params = dict(max_tokens=2, temperature=1.0, top_k=6, ignore_eos=True)
     # exact marginal of token 2: sum_t1 p(t1) p(t2 | t1), over the top-6 support
-    from quickdraft.sampling import probabilities
+    from quickdraft.speculation.sampling import probabilities
 
     model = target.model
     sp = SamplingParams(**params)  # type: ignore[arg-type]
@@ -179,8 +180,12 @@ def test_speculative_block_truncates_exactly(
     free = generate(
         target, prompt, SamplingParams(max_tokens=40, ignore_eos=True), SpeculativeConfig()
     )
-    cfg = SpeculativeConfig(
-        method="draft", num_draft_tokens=5, draft_model=str(tiny_model_dir), adaptive=False
+    cfg = SpeculativeConfig(  # unquantized: an int4 copy of the target would reject some drafts
+        method="draft",
+        num_draft_tokens=5,
+        draft_model=str(tiny_model_dir),
+        draft_quantization="none",
+        adaptive=False,
     )
     if case == "eos":
         eos = free.output_ids[13]
@@ -219,16 +224,16 @@ def test_speculative_draft_cost_is_calibrated_while_decoding(
     req = target.new_request(target.tokenizer.encode(PROMPTS[0]), SamplingParams(max_tokens=24))
     for _ in stream(target, req, forced):
         pass
-    assert req.spec.drafted > 0 and target._step_cost is None and forced.draft_cost is None
+    assert req.spec.drafted > 0 and known_cost(target.model) is None and forced.draft_cost is None
 
     cfg = SpeculativeConfig(method="draft", num_draft_tokens=3, draft_model=str(near_draft_dir))
     probed = make_speculation(target, cfg)
     assert probed is not None and probed.draft_cost is not None
-    assert probed.draft_cost.table.seconds[0] > 0 and target._step_cost is not None
+    assert probed.draft_cost.table.seconds[0] > 0 and known_cost(target.model) is not None
     # A table that says drafting is 100x cheaper than it is, next to a target whose verify rows
     # look free, so that the policy keeps drafting: each phase measures ~100x the table,
     # clamped to 4x, and the ratio follows.
-    target._step_cost = StepCost((1, 64), (0.01, 0.01))
+    use_cost(target.model, StepCost((1, 64), (0.01, 0.01)))
     real = probed.draft_cost.table
     cheap = real.scaled(0.01)
     spec = Speculation(cfg, probed.drafter, DraftCost(cheap))

@@ -12,12 +12,13 @@ from __future__ import annotations
 import pytest
 
 from quickdraft.config import SpeculativeConfig
-from quickdraft.core import EngineCore
-from quickdraft.generate import LoadedModel, load, stream
-from quickdraft.request import Request
-from quickdraft.sampling import SamplingParams
-from quickdraft.scheduler import SchedulerConfig
-from quickdraft.speculate import Speculation, make_speculation
+from quickdraft.engine import stream
+from quickdraft.engine.core import EngineCore
+from quickdraft.engine.scheduler import SchedulerConfig
+from quickdraft.loading import LoadedModel, load
+from quickdraft.request import Request, SamplingParams
+from quickdraft.speculation.factory import make_speculation
+from quickdraft.speculation.state import Speculation
 
 pytestmark = pytest.mark.real
 

@@ -12,9 +12,9 @@ from hybrid_models import (
     random_hybrid,
 )
 
-from quickdraft.models.gdn import DeltaUpdates, conv_window
+from quickdraft.kernels.gdn import DeltaUpdates, conv_window
 from quickdraft.models.qwen3_next import HybridLM
-from quickdraft.state_cache import MAX_CHECKPOINTS, GDNStateShape, HybridCache
+from quickdraft.models.state_cache import MAX_CHECKPOINTS, GDNStateShape, HybridCache
 
 K = 4  # drafts per verify: forwards of K + 1 tokens
 

@@ -15,8 +15,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from quickdraft.sampling import SamplingParams, TokenRng, probabilities, sample_with
-from quickdraft.verify import Verdict, verify_greedy, verify_sampled
+from quickdraft.request import SamplingParams
+from quickdraft.speculation.sampling import TokenRng, probabilities, sample_with
+from quickdraft.speculation.verify import Verdict, verify_greedy, verify_sampled
 
 VOCAB = 8
 FILTERED = VOCAB - 1  # zeroed in every p_target row, as top-k/top-p would; p_draft keeps it

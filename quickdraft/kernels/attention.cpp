@@ -1,7 +1,6 @@
 // Causal grouped-query attention of a few new queries over a KV cache (a decode step or a
-// speculative verify), for AVX2 + FMA CPUs. JIT-built with linear_bf16.cpp into one extension
-// (registered in its PYBIND11_MODULE); the Python-facing contract and the torch reference are
-// models/layers.py's `attend` / `reference_attend`.
+// speculative verify), for AVX2 + FMA CPUs (bound in bindings.cpp); the Python-facing contract
+// and the torch reference are kernels/attention.py's (`attend`, `reference_attend`).
 //
 //   attend(q [n, H, d], k [Hkv, S, d], v [Hkv, S, d], start, scale) -> [n, H * d]
 //   query i (at position start + i) of head h attends to keys 0 .. start + i of kv head

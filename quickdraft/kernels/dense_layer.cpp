@@ -1,6 +1,6 @@
 // One dense decoder layer (Llama / Qwen2 / Qwen3) for decode and verify rows of one sequence,
-// as a sequence of this extension's kernels called from C++; JIT-built with linear_bf16.cpp
-// (models/llama.py owns when it runs: `CausalLM._fused_layers`).
+// as a sequence of this extension's kernels called from C++ (kernels/dense_layer.py owns the
+// contract and when it runs).
 //
 // Contract: DenseLayer(...).forward(h, residual, cos, sin, k_cache, v_cache, start) returns
 // exactly what `DecoderLayer.forward_residual` returns for the same inputs when every op there

@@ -1,7 +1,6 @@
 // Fused CPU ops of the hybrid (Gated DeltaNet) layers and the gated MLP, for decode steps and
-// short verifies. JIT-built with linear_bf16.cpp into one extension (registered in its
-// PYBIND11_MODULE); Python-facing contract and torch references in quickdraft/kernels/cpu_ops.py
-// and quickdraft/models/gdn.py.
+// short verifies. Bound in bindings.cpp; Python-facing contract and torch references in
+// quickdraft/kernels/pointwise.py and quickdraft/kernels/gdn.py.
 //
 //   silu_mul(gate_up [N, 2I])                   -> silu(gate_up[:, :I]) * gate_up[:, I:]  [N, I]
 //   gated_rms_norm(x [N, H, D] fp32, w [D], z [N, H, D], eps)

@@ -1,12 +1,12 @@
-// Small-M linear over a bf16 weight in nn.Linear layout for AVX2 + FMA CPUs; JIT-built
-// by quickdraft/kernels/cpu_linear.py, which owns the Python-facing contract.
+// Small-M linear over a bf16 weight in nn.Linear layout for AVX2 + FMA CPUs; the Python-facing
+// contract and the reference are quickdraft/kernels/linear_bf16.py's.
 //
 // Contract: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for
 //   x     [..., K] bf16 or fp32 (any strides; flattened to M = numel / K rows),
 //   w     [N, K]   bf16, contiguous (nn.Linear layout, not repacked),
 //   bias  [N]      any floating dtype, optional (fp32 / bf16 read as is, others cast to fp32),
 //   y     [..., N] in x's dtype; fp32 accumulation, one round-to-nearest-even at the end.
-// `linear` runs the kernel when `eligible` holds (CPU, K % 8 == 0, M <= max_m, no autograd,
+// `qd_linear` runs the kernel when `eligible` holds (CPU, K % 8 == 0, M <= max_m, no autograd,
 // ...) and otherwise calls at::linear, i.e. exactly what F.linear would do. bf16 models on the
 // CPU run packed weights (linear_panel.cpp); this layout serves routed MoE experts and
 // unpacked weights. int8 weights have their own kernel (linear_i8.cpp).
@@ -320,7 +320,8 @@ void run(const Problem& p) {
   });
 }
 
-// Kernel configuration; 0 in a field means "the measured default for this M and K".
+// Kernel configuration; 0 in a field means "the measured default for this M and K" (the
+// fields were benchmark knobs; only the defaults run).
 struct Knobs {
   int64_t r = 0, tmax = 0;   // tile: rows x tokens (instances: 4x1, 4x2, 2x4, 3x3)
   int64_t block_bytes = 0;   // target weight bytes per row block
@@ -455,79 +456,20 @@ at::Tensor fallback(const at::Tensor& x, const at::Tensor& w,
   return at::linear(x, w2, b2);
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                  int64_t max_m) {
+}  // namespace
+
+bool qd_linear_eligible(const at::Tensor& x, const at::Tensor& w,
+                        const c10::optional<at::Tensor>& bias, int64_t max_m) {
+  return eligible(x, w, bias, max_m);
+}
+
+at::Tensor qd_linear(const at::Tensor& x, const at::Tensor& w,
+                     const c10::optional<at::Tensor>& bias, int64_t max_m) {
   if (!eligible(x, w, bias, max_m)) return fallback(x, w, bias);
   return run_kernel(x, w, bias, Knobs{});
 }
 
-// For bench/kernels.py --knobs: [r, tmax, block_bytes, kb, prefetch], 0 = default (-1 for
-// prefetch). Raises instead of falling back, so a benchmark never times at::linear by mistake.
-at::Tensor linear_tuned(const at::Tensor& x, const at::Tensor& w,
-                        const c10::optional<at::Tensor>& bias, std::vector<int64_t> knobs) {
-  TORCH_CHECK(knobs.size() == 5, "knobs: r, tmax, block_bytes, kb, prefetch");
-  TORCH_CHECK(eligible(x, w, bias, INT64_MAX), "quickdraft linear_bf16: inputs not eligible");
-  return run_kernel(x, w, bias,
-                    Knobs{knobs[0], knobs[1], knobs[2], knobs[3], knobs[4]});
-}
-
-}  // namespace
-
-// Counts a call of any weight-GEMM kernel (also linear_q4.cpp's): tests check the fast path ran.
+// Counts a call of any weight-GEMM kernel (linear_i8.cpp's, linear_q4.cpp's...): tests check
+// the fast path ran.
 void qd_count_kernel_call() { g_kernel_calls.fetch_add(1, std::memory_order_relaxed); }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  qd_register_dense_layer(m);
-  // The GIL is released: the kernel touches no Python objects, and other Python threads
-  // (an HTTP server loop) keep running during a forward.
-  m.def("linear", &linear, "x @ w.T (+ bias): the kernel when eligible, else at::linear",
-        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("max_m"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("eligible", &eligible, "whether `linear` would run the kernel for these inputs",
-        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("max_m"));
-  m.def("linear_tuned", &linear_tuned, "the kernel with explicit knobs (benchmarks only)",
-        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("knobs"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("linear_i8", &qd_linear_i8,
-        "scale * (int8(x) . w) (+ bias), int8 weight in 16-row panels, int8 activations",
-        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("bias"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("eligible_i8", &qd_linear_i8_eligible, "whether `linear_i8` accepts these inputs",
-        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("bias"));
-  m.def("linear_q4", &qd_linear_q4,
-        "x @ dequantized(w).T (+ bias), 4-bit weight in 16-row panels, int8 activations",
-        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("eligible_q4", &qd_linear_q4_eligible, "whether `linear_q4` accepts these inputs",
-        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"));
-  m.def("linear_panel", &qd_linear_panel, "x @ w.T (+ bias), w packed in 16-row panels",
-        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("eligible_panel", &qd_linear_panel_eligible, "whether `linear_panel` accepts these",
-        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"));
-  m.def("rms_norm", &qd_rms_norm, "x * rsqrt(mean(x^2) + eps) * (w + offset)", py::arg("x"),
-        py::arg("weight"), py::arg("eps"), py::arg("offset"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("add_rms_norm", &qd_add_rms_norm, "(x + delta, rms_norm(x + delta))", py::arg("x"),
-        py::arg("delta"), py::arg("weight"), py::arg("eps"), py::arg("offset"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("rope", &qd_rope, "rotate-half RoPE on the first cos.size(-1) dims of each head",
-        py::arg("x"), py::arg("cos"), py::arg("sin"), py::call_guard<py::gil_scoped_release>());
-  m.def("silu_mul", &qd_silu_mul, "silu(gate_up[:, :I]) * gate_up[:, I:]", py::arg("gate_up"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("gated_rms_norm", &qd_gated_rms_norm, "rms_norm(x) * w * silu(z)", py::arg("x"),
-        py::arg("weight"), py::arg("z"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
-  m.def("causal_conv_silu", &qd_causal_conv_silu, "silu(causal depthwise conv1d) in fp32",
-        py::arg("x"), py::arg("window"), py::arg("weight"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("gdn_delta", &qd_gdn_delta, "gated delta rule over one short chunk: out, k, d, cum",
-        py::arg("y"), py::arg("g"), py::arg("beta"), py::arg("state"), py::arg("k_heads"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("attend", &qd_attend, "causal GQA of n new queries over a KV cache (decode / verify)",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("start"), py::arg("scale"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("attend_eligible", &qd_attend_eligible, "whether `attend` accepts these inputs",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("start"));
-  m.def("kernel_calls", [] { return g_kernel_calls.load(); },
-        "how many calls ran the kernel (tests check the fast path was taken)");
-}
+int64_t qd_kernel_calls() { return g_kernel_calls.load(); }

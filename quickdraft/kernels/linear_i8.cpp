@@ -1,5 +1,5 @@
 // Small-M linear over an int8 weight (one fp32 scale per row) with int8 activations, for AVX2
-// CPUs; JIT-built with linear_bf16.cpp into one extension (cpu_linear.py owns the contract).
+// CPUs (kernels/linear_int.py owns the contract and the reference).
 //
 // Contract: y[m, n] = scale[n] * sum_b dx[m, b] * sum_{k in block b} xq[m, k] * q[n, k]
 //   (+ bias[n]), where per 32-value block b of token m x ~= dx * xq (quant.h: xq = round(x / dx)
@@ -23,6 +23,8 @@
 #include <torch/extension.h>
 
 #include "bf16.h"
+#include "ops.h"
+#include "panel_driver.h"
 #include "quant.h"
 #include "simd.h"
 
@@ -33,17 +35,13 @@
 #include <memory>
 #include <vector>
 
-void qd_count_kernel_call();  // linear_bf16.cpp
 
 namespace {
 
 using u16 = uint16_t;
 using qd_quant::kGroup;
 
-constexpr int kPanel = 16;         // weight rows per panel
-constexpr int kTmax = 4;           // tokens per pass: 2 * kTmax int32 sums + 2 w + ones + x, |x|
-constexpr int64_t kKBlock = 512;   // k per block when tokens need several passes (8 KiB of panel)
-constexpr int64_t kPrefetchBytes = 4096;    // distance ahead on the weight stream
+using qd_panel::kPanel;  // tokens per pass kTmax = 4: 2 * 4 int32 sums + 2 w + ones + x, |x|
 constexpr int64_t kGroupBytes = kGroup * kPanel;  // one 32-column block of a panel: 512 bytes
 
 inline __m256i broadcast4(const int8_t* p) {  // 4 bytes into every 32-bit lane
@@ -108,64 +106,6 @@ void tile_dispatch(int T, const int8_t* w, int64_t nb, const int8_t* xq, const i
   TORCH_CHECK(false, "quickdraft linear_i8: bad token chunk ", T);
 }
 
-struct Problem {
-  const int8_t* packed;
-  const float* scale;
-  const int8_t *xq, *ax;  // [M, K32]
-  const float* dx;        // [M, K32 / 32]
-  const void* bias;
-  bool bias_bf16;
-  void* y;
-  bool y_bf16;
-  int64_t M, N, K32;
-};
-
-void run(const Problem& p) {
-  const int64_t P = (p.N + kPanel - 1) / kPanel, nb = p.K32 / kGroup;
-  const int64_t nch = (p.M + kTmax - 1) / kTmax;  // balanced token chunks
-  const int64_t KB = nch == 1 ? p.K32 : kKBlock;
-  const int64_t panel_bytes = p.K32 * kPanel;
-  // ~128 KiB of weights per thread at least: below that the fork/join costs more than it saves
-  const int64_t grain = std::max<int64_t>(1, (int64_t{128} << 10) / panel_bytes);
-  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-    std::unique_ptr<float, decltype(&std::free)> acc_buf(
-        static_cast<float*>(std::aligned_alloc(64, (p.M * kPanel * 4 + 63) / 64 * 64)),
-        &std::free);
-    float* const acc = acc_buf.get();
-    TORCH_CHECK(acc, "quickdraft linear_i8: out of memory");
-    for (int64_t pi = p0; pi < p1; ++pi) {
-      const int8_t* wp = p.packed + pi * panel_bytes;
-      for (int64_t k0 = 0; k0 < p.K32; k0 += KB) {
-        const int64_t klen = std::min(KB, p.K32 - k0);
-        int64_t m0 = 0;
-        for (int64_t c = 0; c < nch; ++c) {
-          const int T = static_cast<int>(p.M / nch + (c < p.M % nch ? 1 : 0));
-          // the first pass over a block streams it from DRAM: prefetch ahead on the stream
-          const char* pf =
-              c == 0 ? reinterpret_cast<const char*>(wp + k0 * kPanel) + kPrefetchBytes : nullptr;
-          tile_dispatch(T, wp + k0 * kPanel, klen / kGroup, p.xq + m0 * p.K32 + k0,
-                        p.ax + m0 * p.K32 + k0, p.K32, p.dx + m0 * nb + k0 / kGroup, nb,
-                        acc + m0 * kPanel, k0 == 0, pf);
-          m0 += T;
-        }
-      }
-      const int64_t rows = std::min<int64_t>(kPanel, p.N - pi * kPanel);
-      for (int64_t m = 0; m < p.M; ++m)
-        for (int64_t j = 0; j < rows; ++j) {
-          const int64_t n = pi * kPanel + j;
-          float v = acc[m * kPanel + j] * p.scale[n];
-          if (p.bias)
-            v += p.bias_bf16 ? qd_bf16::bf16_to_f32(static_cast<const u16*>(p.bias)[n])
-                             : static_cast<const float*>(p.bias)[n];
-          if (p.y_bf16)
-            static_cast<u16*>(p.y)[m * p.N + n] = qd_bf16::f32_to_bf16(v);
-          else
-            static_cast<float*>(p.y)[m * p.N + n] = v;
-        }
-    }
-  });
-}
-
 }  // namespace
 
 bool qd_linear_i8_eligible(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
@@ -202,10 +142,7 @@ at::Tensor qd_linear_i8(const at::Tensor& x, const at::Tensor& packed, const at:
   if (M == 0) return y.view(out_shape);
   if (K != K32) x2 = at::constant_pad_nd(x2, {0, K32 - K});  // zero columns, as the weights
   x2 = x2.contiguous();
-  at::Tensor b;
-  if (bias.has_value() && bias->defined())
-    b = bias->scalar_type() == at::kBFloat16 ? bias->contiguous()
-                                             : bias->to(at::kFloat).contiguous();
+  const at::Tensor b = qd_panel::bias_operand(bias);
   // xq, ax [M, K32] int8 then dx [M, nb] fp32, in one per-thread scratch (floats)
   const int64_t nb = K32 / kGroup, x_floats = (M * K32 + 3) / 4;
   float* buf = qd_simd::scratch(static_cast<size_t>(2 * x_floats + M * nb));
@@ -224,18 +161,14 @@ at::Tensor qd_linear_i8(const at::Tensor& x, const at::Tensor& packed, const at:
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(ax + i), _mm256_abs_epi8(v));
   }
-  const Problem p{packed.data_ptr<int8_t>(),
-                  scale.data_ptr<float>(),
-                  xq,
-                  ax,
-                  dx,
-                  b.defined() ? b.data_ptr() : nullptr,
-                  b.defined() && b.scalar_type() == at::kBFloat16,
-                  y.data_ptr(),
-                  y.scalar_type() == at::kBFloat16,
-                  M,
-                  N,
-                  K32};
-  run(p);
+  const qd_panel::Epilogue e = qd_panel::epilogue(scale.data_ptr<float>(), b, y);
+  qd_panel::run(reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>()), M, N, nb,
+                kGroupBytes, e,
+                [&](int T, const uint8_t* w, int64_t g0, int64_t glen, int64_t m0, float* acc,
+                    bool init, const char* pf) {
+                  const int64_t k0 = g0 * kGroup;
+                  tile_dispatch(T, reinterpret_cast<const int8_t*>(w), glen, xq + m0 * K32 + k0,
+                                ax + m0 * K32 + k0, K32, dx + m0 * nb + g0, nb, acc, init, pf);
+                });
   return y.view(out_shape);
 }

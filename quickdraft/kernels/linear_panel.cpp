@@ -1,5 +1,5 @@
-// Small-M linear over a bf16 weight repacked into 16-row panels, for AVX2 + FMA CPUs; JIT-built
-// with linear_bf16.cpp into one extension (cpu_linear.py owns the Python-facing contract).
+// Small-M linear over a bf16 weight repacked into 16-row panels, for AVX2 + FMA CPUs
+// (kernels/linear_bf16.py owns the Python-facing contract).
 //
 // Contract: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for
 //   x       [..., K] bf16 or fp32 (flattened to M = numel / K rows),
@@ -25,6 +25,7 @@
 #include <torch/extension.h>
 
 #include "bf16.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -32,7 +33,6 @@
 #include <memory>
 #include <vector>
 
-void qd_count_kernel_call();  // linear_bf16.cpp
 
 namespace {
 

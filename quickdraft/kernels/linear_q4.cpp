@@ -1,6 +1,5 @@
 // Small-M linear over a 4-bit weight (groups of 32, fp16 scale + min) in 16-row panels, with
-// int8 activations, for AVX2 CPUs; JIT-built with linear_bf16.cpp into one extension
-// (cpu_linear.py owns the contract).
+// int8 activations, for AVX2 CPUs (kernels/linear_int.py owns the contract and the reference).
 //
 // Contract: y[m, n] = sum_b (d[n,b] * dx[m,b] * sum_j q[n,b,j] * xq[m,b,j] + mn[n,b] * sx[m,b])
 //   (+ bias[n]) where, per 32-weight group b of row n, w = d * q + mn with q in 0..15 (d and mn
@@ -25,6 +24,8 @@
 #include <torch/extension.h>
 
 #include "bf16.h"
+#include "ops.h"
+#include "panel_driver.h"
 #include "quant.h"
 #include "simd.h"
 
@@ -35,18 +36,14 @@
 #include <memory>
 #include <vector>
 
-void qd_count_kernel_call();  // linear_bf16.cpp
 
 namespace {
 
 using u16 = uint16_t;
 using qd_quant::kGroup;
 
-constexpr int kPanel = 16;           // weight rows per panel
-constexpr int kTmax = 4;             // tokens per pass: 2 * kTmax int32 sums + lo, hi, x, masks
-constexpr int64_t kBlockGroups = 16;  // groups per block when tokens need several passes (5 KiB)
+using qd_panel::kPanel;  // tokens per pass kTmax = 4: 2 * 4 int32 sums + lo, hi, x, masks
 constexpr int64_t kGroupBytes = kGroup * kPanel / 2 + 4 * kPanel;  // nibbles, d, mn: 320
-constexpr int64_t kPrefetchBytes = 4096;  // distance ahead on the weight stream
 
 inline __m256i broadcast4(const int8_t* p) {  // 4 bytes into every 32-bit lane
   int32_t v;
@@ -116,62 +113,6 @@ void tile_dispatch(int T, const uint8_t* w, int64_t nb, const int8_t* xq, int64_
   TORCH_CHECK(false, "quickdraft linear_q4: bad token chunk ", T);
 }
 
-struct Problem {
-  const uint8_t* packed;
-  const int8_t* xq;       // [M, K]
-  const float *dx, *sx;   // [M, G]
-  const void* bias;
-  bool bias_bf16;
-  void* y;
-  bool y_bf16;
-  int64_t M, N, G;
-};
-
-void run(const Problem& p) {
-  const int64_t P = (p.N + kPanel - 1) / kPanel, K = p.G * kGroup;
-  const int64_t nch = (p.M + kTmax - 1) / kTmax;  // balanced token chunks
-  const int64_t GB = nch == 1 ? p.G : kBlockGroups;
-  const int64_t panel_bytes = p.G * kGroupBytes;
-  // ~128 KiB of weights per thread at least: below that the fork/join costs more than it saves
-  const int64_t grain = std::max<int64_t>(1, (int64_t{128} << 10) / panel_bytes);
-  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-    std::unique_ptr<float, decltype(&std::free)> acc_buf(
-        static_cast<float*>(std::aligned_alloc(64, (p.M * kPanel * 4 + 63) / 64 * 64)),
-        &std::free);
-    float* const acc = acc_buf.get();
-    TORCH_CHECK(acc, "quickdraft linear_q4: out of memory");
-    for (int64_t pi = p0; pi < p1; ++pi) {
-      const uint8_t* wp = p.packed + pi * panel_bytes;
-      for (int64_t g0 = 0; g0 < p.G; g0 += GB) {
-        const int64_t glen = std::min(GB, p.G - g0);
-        const uint8_t* wg = wp + g0 * kGroupBytes;
-        int64_t m0 = 0;
-        for (int64_t c = 0; c < nch; ++c) {
-          const int T = static_cast<int>(p.M / nch + (c < p.M % nch ? 1 : 0));
-          // the first pass over a block streams it from DRAM: prefetch ahead on the stream
-          const char* pf = c == 0 ? reinterpret_cast<const char*>(wg) + kPrefetchBytes : nullptr;
-          tile_dispatch(T, wg, glen, p.xq + m0 * K + g0 * kGroup, K, p.dx + m0 * p.G + g0,
-                        p.sx + m0 * p.G + g0, p.G, acc + m0 * kPanel, g0 == 0, pf);
-          m0 += T;
-        }
-      }
-      const int64_t rows = std::min<int64_t>(kPanel, p.N - pi * kPanel);
-      for (int64_t m = 0; m < p.M; ++m)
-        for (int64_t j = 0; j < rows; ++j) {
-          const int64_t n = pi * kPanel + j;
-          float v = acc[m * kPanel + j];
-          if (p.bias)
-            v += p.bias_bf16 ? qd_bf16::bf16_to_f32(static_cast<const u16*>(p.bias)[n])
-                             : static_cast<const float*>(p.bias)[n];
-          if (p.y_bf16)
-            static_cast<u16*>(p.y)[m * p.N + n] = qd_bf16::f32_to_bf16(v);
-          else
-            static_cast<float*>(p.y)[m * p.N + n] = v;
-        }
-    }
-  });
-}
-
 }  // namespace
 
 bool qd_linear_q4_eligible(const at::Tensor& x, const at::Tensor& packed, int64_t N,
@@ -203,10 +144,7 @@ at::Tensor qd_linear_q4(const at::Tensor& x, const at::Tensor& packed, int64_t N
   at::Tensor y = at::empty({M, N}, x.options());
   qd_count_kernel_call();
   if (M == 0) return y.view(out_shape);
-  at::Tensor b;
-  if (bias.has_value() && bias->defined())
-    b = bias->scalar_type() == at::kBFloat16 ? bias->contiguous()
-                                             : bias->to(at::kFloat).contiguous();
+  const at::Tensor b = qd_panel::bias_operand(bias);
   // xq [M, K] int8 then dx, sx [M, G] fp32, in one per-thread scratch (floats)
   const int64_t xq_floats = (M * K + 3) / 4;
   float* buf = qd_simd::scratch(static_cast<size_t>(xq_floats + 2 * M * G));
@@ -220,17 +158,12 @@ at::Tensor qd_linear_q4(const at::Tensor& x, const at::Tensor& packed, int64_t N
     else
       qd_quant::quantize_row(x2.data_ptr<float>() + m * K, K, xq + m * K, dx + m * G, sx + m * G);
   }
-  const Problem p{packed.data_ptr<uint8_t>(),
-                  xq,
-                  dx,
-                  sx,
-                  b.defined() ? b.data_ptr() : nullptr,
-                  b.defined() && b.scalar_type() == at::kBFloat16,
-                  y.data_ptr(),
-                  y.scalar_type() == at::kBFloat16,
-                  M,
-                  N,
-                  G};
-  run(p);
+  const qd_panel::Epilogue e = qd_panel::epilogue(nullptr, b, y);
+  qd_panel::run(packed.data_ptr<uint8_t>(), M, N, G, kGroupBytes, e,
+                [&](int T, const uint8_t* w, int64_t g0, int64_t glen, int64_t m0, float* acc,
+                    bool init, const char* pf) {
+                  tile_dispatch(T, w, glen, xq + m0 * K + g0 * kGroup, K, dx + m0 * G + g0,
+                                sx + m0 * G + g0, G, acc, init, pf);
+                });
   return y.view(out_shape);
 }

@@ -1,6 +1,6 @@
 // Fused per-token ops of a decoder layer for the CPU: RMSNorm (optionally after a residual
-// add) and rotate-half RoPE. JIT-built with linear_bf16.cpp into one extension; registered in
-// its PYBIND11_MODULE; Python-facing contract in quickdraft/kernels/cpu_ops.py.
+// add) and rotate-half RoPE. Bound in bindings.cpp; Python-facing contract and references in
+// quickdraft/kernels/pointwise.py.
 //
 // Why: at decode time a layer's tensors are a few KB, so each torch op costs its dispatch
 // overhead, not its arithmetic: F.rms_norm on a bf16 row is ~8 ops (~30 us here), apply_rope

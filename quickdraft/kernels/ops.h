@@ -1,11 +1,18 @@
-// The extension's functions that one of its files calls in another (one JIT-built module:
-// linear_bf16.cpp binds them to Python, dense_layer.cpp chains them into a decoder layer).
+// The extension's functions that one of its files calls in another: bindings.cpp binds them
+// to Python, dense_layer.cpp chains them into a decoder layer, every GEMM counts its calls.
 #pragma once
 
 #include <torch/extension.h>
 
 #include <tuple>
 
+// linear_bf16.cpp
+bool qd_linear_eligible(const at::Tensor& x, const at::Tensor& w,
+                        const c10::optional<at::Tensor>& bias, int64_t max_m);
+at::Tensor qd_linear(const at::Tensor& x, const at::Tensor& w,
+                     const c10::optional<at::Tensor>& bias, int64_t max_m);
+void qd_count_kernel_call();
+int64_t qd_kernel_calls();
 // norm_rope.cpp
 at::Tensor qd_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double offset);
 std::tuple<at::Tensor, at::Tensor> qd_add_rms_norm(const at::Tensor& x, const at::Tensor& delta,

@@ -11,7 +11,7 @@ Committing fewer tokens than the forward wrote is the rollback, O(1) for every c
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -22,7 +22,6 @@ from torch import Tensor
 class ForwardOutput:
     logits: Tensor  # [len(logit_rows), vocab] fp32
     hidden: Tensor | None = None  # [num_tokens, hidden] post-final-norm, if asked for
-    layer_hidden: dict[int, Tensor] = field(default_factory=dict)  # layer idx -> its output
 
 
 class SequenceCache(Protocol):
@@ -85,6 +84,14 @@ class LanguageModel(Protocol):
         """An empty cache with room for `capacity` tokens (it grows past that on demand)."""
         ...
 
+    def pack_(self) -> None:
+        """bf16 GEMM operands -> the panel layout the CPU kernel streams (same values)."""
+        ...
+
+    def quantize_(self, fmt: str) -> None:
+        """GEMM operands -> `fmt` ("int8" / "int4") in place; ValueError where unsupported."""
+        ...
+
     def __call__(
         self,
         input_ids: Tensor,  # [N] new tokens of all sequences, packed in `caches` order
@@ -92,5 +99,4 @@ class LanguageModel(Protocol):
         num_new: Sequence[int],  # new tokens per sequence; sums to N
         logit_rows: Tensor | None = None,  # rows of N to score; default: last row of each seq
         return_hidden: bool = False,
-        hidden_layers: Sequence[int] = (),
     ) -> ForwardOutput: ...

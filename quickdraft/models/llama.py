@@ -17,28 +17,26 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quickdraft.config import ModelConfig
-from quickdraft.kernels import Int4Weight, Int8Weight, PanelWeight
-from quickdraft.kernels.cpu_linear import _extension
-from quickdraft.kernels.cpu_ops import rope as apply_rope
-from quickdraft.kernels.cpu_ops import silu_mul
-from quickdraft.kv_cache import KVCache
+from quickdraft.kernels.attention import ATTEND_KERNEL_MAX_QUERIES, attend
+from quickdraft.kernels.dense_layer import dense_layer
+from quickdraft.kernels.gemm import Weight, project, to_panels
+from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
+from quickdraft.kernels.pointwise import rope as apply_rope
+from quickdraft.kernels.pointwise import silu_mul
 from quickdraft.models.base import ForwardOutput, packed_positions
+from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.layers import (
-    ATTEND_KERNEL_MAX_QUERIES,
     LinearView,
+    OperandModule,
     RMSNorm,
     Rope,
-    Weight,
-    attend,
     convert_operands_,
     fused_projections,
-    project,
-    to_panels,
 )
 
 
-class Attention(nn.Module):
-    OPERANDS: ClassVar[tuple[str, ...]] = ("qkv", "o")  # see layers.convert_operands_
+class Attention(OperandModule):
+    OPERANDS: ClassVar[tuple[str, ...]] = ("qkv", "o")
     FUSED: ClassVar[tuple[str, ...]] = ("qkv_weight",)
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device):
@@ -99,7 +97,7 @@ class Attention(nn.Module):
         return project(out, self.o)
 
 
-class MLP(nn.Module):
+class MLP(OperandModule):
     OPERANDS: ClassVar[tuple[str, ...]] = ("gate_up", "down")
     FUSED: ClassVar[tuple[str, ...]] = ("gate_up_weight",)
 
@@ -164,58 +162,25 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-def _kernel_operand(
-    ext: Any, weight: Weight, in_features: int, dtype: torch.dtype, bias: Tensor | None = None
-) -> tuple[int, Tensor, Tensor, int] | None:
-    """(kind, packed, scale, out_features) of an operand dense_layer.cpp can run (kind 1 panel,
-    2 int8, 3 int4), else None: other formats, or one `project` would not give the kernel for
-    [n, in_features] rows of `dtype` (eligibility depends on dtypes and shapes only)."""
-    x = torch.zeros(1, in_features, dtype=dtype)
-    if isinstance(weight, PanelWeight):
-        op = 1, weight.packed, torch.empty(0), weight.out_features
-        ok = ext.eligible_panel(x, weight.packed, weight.out_features, bias)
-    elif isinstance(weight, Int8Weight):
-        op = 2, weight.packed, weight.scale, weight.out_features
-        ok = ext.eligible_i8(x, weight.packed, weight.scale, bias)
-    elif isinstance(weight, Int4Weight):
-        op = 3, weight.packed, torch.empty(0), weight.out_features
-        ok = ext.eligible_q4(x, weight.packed, weight.out_features, bias)
-    else:
-        return None
-    return op if ok else None
-
-
-def _fused_layer(ext: Any, layer: DecoderLayer, dtype: torch.dtype) -> Any:
-    """`layer` as the extension's C++ DenseLayer (kernels/dense_layer.cpp: the same kernels as
-    `forward_residual` in the same order, one call), or None when an operand or a shape is
-    outside what those kernels take."""
+def _fused_layer(layer: DecoderLayer, dtype: torch.dtype) -> Any:
+    """`layer` as the extension's C++ DenseLayer, or None where it cannot run."""
     attn, mlp = layer.self_attn, layer.mlp
-    hidden, q_width = layer.input_layernorm.weight.shape[0], attn.num_heads * attn.head_dim
-    ops = [
-        _kernel_operand(ext, attn.qkv, hidden, dtype, attn.qkv_bias),
-        _kernel_operand(ext, attn.o, q_width, dtype),
-        _kernel_operand(ext, mlp.gate_up, hidden, dtype),
-        _kernel_operand(ext, mlp.down, mlp.inter, dtype),
-    ]
-    if any(op is None for op in ops) or attn.head_dim % 32:  # % 32: the attention kernel's
-        return None
-    kinds, packed, scales, ns = zip(*ops, strict=True)
-    return ext.DenseLayer(
-        layer=attn.layer_idx,
-        heads=attn.num_heads,
-        kv_heads=attn.num_kv_heads,
-        head_dim=attn.head_dim,
-        eps=layer.input_layernorm.eps,
-        scale=attn.scale,
-        input_norm=layer.input_layernorm.weight,
-        post_norm=layer.post_attention_layernorm.weight,
-        q_norm=None if attn.q_norm is None else attn.q_norm.weight,
-        k_norm=None if attn.k_norm is None else attn.k_norm.weight,
-        kinds=list(kinds),
-        packed=list(packed),
-        scales=list(scales),
-        ns=list(ns),
-        qkv_bias=attn.qkv_bias,
+    return dense_layer(
+        attn.layer_idx,
+        attn.num_heads,
+        attn.num_kv_heads,
+        attn.head_dim,
+        layer.input_layernorm.eps,
+        attn.scale,
+        (
+            layer.input_layernorm.weight,
+            layer.post_attention_layernorm.weight,
+            None if attn.q_norm is None else attn.q_norm.weight,
+            None if attn.k_norm is None else attn.k_norm.weight,
+        ),
+        (attn.qkv, attn.o, mlp.gate_up, mlp.down),
+        attn.qkv_bias,
+        dtype,
     )
 
 
@@ -242,7 +207,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
-class CausalLM(nn.Module):
+class CausalLM(OperandModule):
     OPERANDS: ClassVar[tuple[str, ...]] = ("head",)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
@@ -278,23 +243,19 @@ class CausalLM(nn.Module):
 
     def pack_(self) -> None:
         """bf16 projection operands -> PanelWeight (the same values, in the layout the panel
-        kernel streams; see kernels/cpu_linear.py); the state_dict is not usable afterwards."""
+        kernel streams; see kernels/linear_bf16.py); the state_dict is not usable afterwards."""
         convert_operands_(self, to_panels)
         self._fused = None
 
     def _fused_layers(self) -> list[Any] | None:
-        """Every layer as a C++ DenseLayer (one call instead of ~13 Python-dispatched ops per
-        layer: a 0.5B int4 draft step spent ~5.5 ms of its ~18 ms there), or None when the
-        kernels are off or some layer's operands are not in a kernel format (fp32 or bf16
-        weights not yet in panels). Built on first use after `pack_` / `quantize_`."""
+        """Every layer as a C++ DenseLayer (kernels/dense_layer.py), or None when the kernels
+        are off or some layer's operands are not in a kernel format (fp32 or bf16 weights not
+        yet in panels). Built on first use after `pack_` / `quantize_`."""
         if self._fused is None:
-            ext = _extension() if self.device.type == "cpu" else None
-            dtype_ok = self.dtype in (torch.bfloat16, torch.float32)
-            layers = (
-                [_fused_layer(ext, layer, self.dtype) for layer in self.decoder_layers]
-                if ext is not None and dtype_ok and hasattr(ext, "DenseLayer")
-                else [None]
-            )
+            layers = [
+                _fused_layer(layer, self.dtype) if self.device.type == "cpu" else None
+                for layer in self.decoder_layers
+            ]
             self._fused = False if any(f is None for f in layers) else layers
         return self._fused if isinstance(self._fused, list) else None
 
@@ -317,7 +278,6 @@ class CausalLM(nn.Module):
         num_new: Sequence[int],  # new tokens per sequence; sums to N
         logit_rows: Tensor | None = None,  # rows of N to score; default: last row of each seq
         return_hidden: bool = False,
-        hidden_layers: Sequence[int] = (),
     ) -> ForwardOutput:
         assert input_ids.dim() == 1 and sum(num_new) == input_ids.shape[0]
         positions = packed_positions(
@@ -326,7 +286,6 @@ class CausalLM(nn.Module):
         rope = self.rope.tables(positions, self.dtype)
         h = self.model.embed_tokens(input_ids)  # [N, hidden]
         residual: Tensor | None = None
-        layer_hidden: dict[int, Tensor] = {}
         # decode and verify rows of one sequence: the C++ layers (the same kernels, same order)
         one = len(caches) == 1 and isinstance(caches[0], KVCache)
         fused = (
@@ -344,8 +303,6 @@ class CausalLM(nn.Module):
                 )
             else:
                 h, residual = layer.forward_residual(h, residual, rope, caches, num_new)
-            if i in hidden_layers:
-                layer_hidden[i] = residual + h  # the layer's output hidden state
         assert residual is not None, "a model has at least one layer"
         if logit_rows is None:
             ends = torch.tensor(list(num_new), device=self.device).cumsum(0) - 1
@@ -353,10 +310,10 @@ class CausalLM(nn.Module):
         if return_hidden:
             hidden = self.model.norm.add_forward(residual, h)[1]  # [N, hidden] post-norm
             logits = project(hidden[logit_rows], self.head).float()
-            return ForwardOutput(logits, hidden, layer_hidden)
+            return ForwardOutput(logits, hidden)
         last = self.model.norm.add_forward(residual[logit_rows], h[logit_rows])[1]
         logits = project(last, self.head).float()
-        return ForwardOutput(logits, None, layer_hidden)
+        return ForwardOutput(logits, None)
 
 
 def _quantizer(kind: type[Int8Weight] | type[Int4Weight]) -> Callable[[Weight], Weight]:

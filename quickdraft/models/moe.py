@@ -16,14 +16,15 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from quickdraft.kernels.cpu_ops import silu_mul
-from quickdraft.models.layers import LinearView, Weight, fused_projections, project
+from quickdraft.kernels.gemm import Weight, project
+from quickdraft.kernels.pointwise import silu_mul
+from quickdraft.models.layers import LinearView, OperandModule, fused_projections
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(OperandModule):
     """down(silu(gate(x)) * up(x)); gate and up run as one fused GEMM."""
 
-    OPERANDS: ClassVar[tuple[str, ...]] = ("gate_up", "down")  # see layers.convert_operands_
+    OPERANDS: ClassVar[tuple[str, ...]] = ("gate_up", "down")
     FUSED: ClassVar[tuple[str, ...]] = ("gate_up_weight",)
 
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device):
@@ -75,7 +76,7 @@ class Router(nn.Module):
         )
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(OperandModule):
     """Top-k softmax routing over `num_experts`, plus sigmoid(gate(x)) * shared_expert(x)."""
 
     OPERANDS: ClassVar[tuple[str, ...]] = ("shared_gate",)  # routed experts keep their layout

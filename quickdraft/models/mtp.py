@@ -29,17 +29,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quickdraft.config import ModelConfig
-from quickdraft.kv_cache import KVCache
+from quickdraft.kernels.gemm import Weight, project, to_panels
 from quickdraft.models.hybrid_config import HybridConfig
-from quickdraft.models.layers import (
-    LinearView,
-    RMSNorm,
-    Rope,
-    Weight,
-    convert_operands_,
-    project,
-    to_panels,
-)
+from quickdraft.models.kv_cache import KVCache
+from quickdraft.models.layers import LinearView, OperandModule, RMSNorm, Rope, convert_operands_
 from quickdraft.models.llama import DecoderLayer
 from quickdraft.models.qwen3_next import HybridDecoderLayer, OffsetRMSNorm
 
@@ -77,8 +70,8 @@ def hybrid_mtp_parts(cfg: HybridConfig, dtype: torch.dtype, device: torch.device
     )
 
 
-class MTPHead(nn.Module):
-    OPERANDS: ClassVar[tuple[str, ...]] = ("fc_weight", "lm_head_weight")  # see convert_operands_
+class MTPHead(OperandModule):
+    OPERANDS: ClassVar[tuple[str, ...]] = ("fc_weight", "lm_head_weight")
 
     def __init__(
         self,

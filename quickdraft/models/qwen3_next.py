@@ -28,31 +28,30 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from quickdraft.kernels.cpu_ops import add_rms_norm, gated_rms_norm, rms_norm
-from quickdraft.kernels.cpu_ops import rope as apply_rope
-from quickdraft.models.base import ForwardOutput, packed_positions
-from quickdraft.models.gdn import (
+from quickdraft.kernels.attention import attend
+from quickdraft.kernels.gdn import (
     causal_conv1d,
     conv_window,
     gated_delta_rule_chunked,
     prepare_qk,
     recurrent_updates,
 )
+from quickdraft.kernels.gemm import Weight, project, to_panels
+from quickdraft.kernels.pointwise import add_rms_norm, gated_rms_norm, rms_norm
+from quickdraft.kernels.pointwise import rope as apply_rope
+from quickdraft.models.base import ForwardOutput, packed_positions
 from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.layers import (
     LinearView,
+    OperandModule,
     RMSNorm,
     Rope,
-    Weight,
-    attend,
     convert_operands_,
     fused_projections,
-    project,
-    to_panels,
 )
 from quickdraft.models.llama import Embedding
 from quickdraft.models.moe import GatedMLP, SparseMoE
-from quickdraft.state_cache import GDNStateShape, HybridCache
+from quickdraft.models.state_cache import GDNStateShape, HybridCache
 
 
 class OffsetRMSNorm(RMSNorm):
@@ -72,10 +71,10 @@ class WeightOnly(nn.Module):
         self.weight = nn.Parameter(torch.ones(shape, dtype=dtype, device=device))
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(OperandModule):
     """Full attention with q/k (1 + w) RMSNorm, partial RoPE and a sigmoid output gate."""
 
-    OPERANDS: ClassVar[tuple[str, ...]] = ("qkv", "o")  # see layers.convert_operands_
+    OPERANDS: ClassVar[tuple[str, ...]] = ("qkv", "o")
     FUSED: ClassVar[tuple[str, ...]] = ("qkv_weight",)
 
     def __init__(self, cfg: HybridConfig, kv_index: int, dtype: torch.dtype, device: torch.device):
@@ -138,7 +137,7 @@ class GatedAttention(nn.Module):
         return project(out * torch.sigmoid(gate), self.o)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(OperandModule):
     """Linear attention: in-projections -> causal conv1d -> gated delta rule -> gated RMSNorm
     -> out_proj. Conv and delta rule run per sequence from its committed state."""
 
@@ -291,7 +290,7 @@ class HybridModel(nn.Module):
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
-class HybridLM(nn.Module):
+class HybridLM(OperandModule):
     OPERANDS: ClassVar[tuple[str, ...]] = ("head",)
 
     def __init__(
@@ -326,6 +325,10 @@ class HybridLM(nn.Module):
         stay as they are (their kernel indexes stacked expert weights)."""
         convert_operands_(self, to_panels)
 
+    def quantize_(self, fmt: str) -> None:
+        """Integer operands are for dense draft models (CausalLM.quantize_)."""
+        raise ValueError(f"{fmt} weights are supported for dense models only, not HybridLM")
+
     def new_cache(self, capacity: int) -> HybridCache:
         cfg = self.config
         return HybridCache(
@@ -346,7 +349,6 @@ class HybridLM(nn.Module):
         num_new: Sequence[int],  # new tokens per sequence; sums to N
         logit_rows: Tensor | None = None,  # rows of N to score; default: last row of each seq
         return_hidden: bool = False,
-        hidden_layers: Sequence[int] = (),
     ) -> ForwardOutput:
         assert input_ids.dim() == 1 and sum(num_new) == input_ids.shape[0]
         positions = packed_positions(
@@ -354,16 +356,13 @@ class HybridLM(nn.Module):
         )
         rope = self.rope.tables(positions, self.dtype)
         x = self.model.embed_tokens(input_ids)  # [N, hidden]
-        layer_hidden: dict[int, Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
+        for layer in self.model.layers:
             x = layer(x, rope, caches, num_new)
-            if i in hidden_layers:
-                layer_hidden[i] = x
         if logit_rows is None:
             logit_rows = torch.tensor(list(num_new), device=self.device).cumsum(0) - 1
         if return_hidden:
             hidden = self.model.norm(x)  # [N, hidden]
             logits = project(hidden[logit_rows], self.head).float()
-            return ForwardOutput(logits, hidden, layer_hidden)
+            return ForwardOutput(logits, hidden)
         logits = project(self.model.norm(x[logit_rows]), self.head).float()
-        return ForwardOutput(logits, None, layer_hidden)
+        return ForwardOutput(logits, None)

@@ -33,8 +33,8 @@ from quickdraft.engine import (
     RequestHandle,
     RequestOutput,
 )
-from quickdraft.generate import LoadedModel
-from quickdraft.sampling import SamplingParams
+from quickdraft.loading import LoadedModel
+from quickdraft.request import SamplingParams
 from quickdraft.server import admin
 from quickdraft.server.errors import (
     ApiKeyMiddleware,

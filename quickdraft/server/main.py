@@ -41,7 +41,7 @@ class ServeOptions:
 
 def serve(opts: ServeOptions, config: ServerConfig) -> None:
     from quickdraft.engine import Engine, ServedModel
-    from quickdraft.generate import load
+    from quickdraft.loading import load
 
     _setup_logging(opts.log_level)
     name = opts.served_name or opts.model

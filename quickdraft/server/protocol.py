@@ -15,8 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from quickdraft.request import SpecStats
-from quickdraft.sampling import MAX_STOP_STRINGS, SamplingParams
+from quickdraft.request import MAX_STOP_STRINGS, SamplingParams, SpecStats
 
 
 class APIError(Exception):

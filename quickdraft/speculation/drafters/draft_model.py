@@ -16,11 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quickdraft.drafters.base import Draft, DraftJob, draft_one
+from quickdraft.config import PREFILL_CHUNK
 from quickdraft.models.base import LanguageModel, SequenceCache
-from quickdraft.policy import StepShape
-
-PREFILL_CHUNK = 512
+from quickdraft.speculation.cost import StepShape
+from quickdraft.speculation.drafters.base import Draft, DraftJob, draft_one
 
 
 @dataclass(slots=True)
@@ -39,7 +38,6 @@ def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
 
 
 class DraftModelDrafter:
-    name = "draft"
     needs_hidden = False
 
     def __init__(self, model: LanguageModel, target_vocab_size: int) -> None:

@@ -1,37 +1,27 @@
 """Assemble speculation for a loaded target: the drafter (registry `DRAFTERS`) and its cost.
 
 A factory returns the drafter and how to time its forwards: a step-cost table in seconds, in
-the target's format (quickdraft/policy.py `StepCost`), or None for a lookup that costs nothing.
-The draft model's table is its own, timed like the target's (a few seconds at start-up); the
-MTP head's is the target's scaled by one timed head step against one target step. The table
-is only measured for the adaptive policy (forced requests draft k regardless of cost), and the
-engine then times every draft phase against it (`DraftCost.observe`), so a table taken on a
-busy host is corrected once decoding runs. (A single start-up ratio of draft to target step,
-used before, was seen off by 1.6x: 0.31 instead of ~0.19 for the 0.5B int8 draft of the 1.5B.)
-`QUICKDRAFT_DISABLE_SPECULATION=1` turns speculation off everywhere (for bisecting).
+the target's format (cost.py `StepCost`), or None for a lookup that costs nothing. The draft
+model's table is its own, timed like the target's (a few seconds at start-up); the MTP head's
+is the target's scaled by one timed head step against one target step. Tables are only
+measured for the adaptive policy (forced requests draft k regardless of cost), and the engine
+then times every draft phase against them, so a table taken on a busy host is corrected once
+decoding runs. `QUICKDRAFT_DISABLE_SPECULATION=1` turns speculation off everywhere (bisecting).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from quickdraft.config import SpeculativeConfig
-from quickdraft.drafters.base import Drafter
-from quickdraft.drafters.draft_model import DraftModelDrafter
-from quickdraft.drafters.mtp import head_step_seconds, mtp_drafter
-from quickdraft.drafters.ngram import NgramDrafter
-from quickdraft.generate import LoadedModel, load
-from quickdraft.policy import DraftCost, StepCost, measure_step_cost
-
-
-@dataclass(slots=True)
-class Speculation:
-    config: SpeculativeConfig
-    drafter: Drafter
-    draft_cost: DraftCost | None  # None: free to draft (n-gram), or no adaptive policy
-
+from quickdraft.loading import LoadedModel, load
+from quickdraft.speculation.cost import DraftCost, StepCost, measure_step_cost, model_cost
+from quickdraft.speculation.drafters.base import Drafter
+from quickdraft.speculation.drafters.draft_model import DraftModelDrafter
+from quickdraft.speculation.drafters.mtp import head_step_seconds, mtp_drafter
+from quickdraft.speculation.drafters.ngram import NgramDrafter
+from quickdraft.speculation.state import Speculation
 
 CostTable = Callable[[], StepCost] | None  # measures a drafter's forwards; None: free
 
@@ -65,7 +55,7 @@ def _mtp(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable
     drafter = mtp_drafter(lm.model, lm.path)
 
     def table() -> StepCost:
-        target = lm.step_cost()  # its 1-row step is the one the head step is compared with
+        target = model_cost(lm.model)  # its 1-row step is the one the head step is compared with
         return target.scaled(head_step_seconds(drafter.head) / target.seconds[0])
 
     return drafter, table
@@ -85,6 +75,6 @@ def make_speculation(lm: LoadedModel, config: SpeculativeConfig) -> Speculation 
     drafter, table = DRAFTERS[config.method](lm, config)
     cost = None
     if config.adaptive:  # only the adaptive policy needs costs (forced requests draft k always)
-        lm.step_cost()  # measured now (seconds), not in the first request's first step
+        model_cost(lm.model)  # measured now (seconds), not in the first request's first step
         cost = DraftCost(table()) if table is not None else None
     return Speculation(config, drafter, cost)

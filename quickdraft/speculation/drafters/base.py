@@ -19,10 +19,10 @@ After prefill n is the prompt length; after a verify it is accepted + 1. Every c
 position is passed exactly once, k = 0 cycles included, so the drafter's view never goes stale.
 For other drafters `hidden` is None.
 
-A drafter that runs a model lists the shapes of the forwards its last `propose` ran in
-`forwards` (`StepShape`s: rows, sequences, sequences with > 1 row), catch-ups included; the
-engine times the draft phase against its cost table with them (quickdraft/policy.py
-`DraftCost`).
+Every drafter lists the shapes of the forwards its last `propose` ran in `forwards`
+(`StepShape`s: rows, sequences, sequences with > 1 row), catch-ups included; the engine times
+the draft phase against the drafter's cost table with them (speculation/cost.py `DraftCost`).
+A lookup drafter runs none: its list stays empty.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from quickdraft.sampling import SamplingParams, probabilities, sample
+from quickdraft.request import SamplingParams
+from quickdraft.speculation.cost import StepShape
+from quickdraft.speculation.sampling import probabilities, sample
 
 
 @dataclass(slots=True)
@@ -68,8 +70,8 @@ def draft_one(logits: Tensor, job: DraftJob, draft: tuple[list[int], list[Tensor
 
 
 class Drafter(Protocol):
-    name: str
     needs_hidden: bool  # commit() gets the target's hidden states (see module docstring)
+    forwards: list[StepShape]  # the forwards of the last propose (see module docstring)
 
     def new_state(self, prompt_ids: list[int]) -> Any: ...
 

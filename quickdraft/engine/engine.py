@@ -17,13 +17,12 @@ block at once) and, on the last one, the finish reason; usage and speculation te
 readable on every output. `submit` raises `QueueFullError` when `max_waiting` requests are
 already waiting and `ValueError` for a request that cannot run (unknown model, too long).
 
-Inside: continuous batching. Per served model an `EngineCore` (quickdraft/core.py) runs
-steps: new requests join the running batch (their prefill chunked), finished and cancelled ones
-leave at once with their caches freed, and each step is ONE packed target forward with the
-speculation policy choosing every request's draft length from its acceptance and the batch
-(quickdraft/policy.py). Additions, all optional: `scheduler=SchedulerConfig(max_running,
-max_step_tokens, max_prefill_with_decodes)` in the constructor, and `step_stats` (per model,
-live counters of steps / rows / drafts / accepted for metrics).
+Inside: continuous batching. Per served model an `EngineCore` (core.py) runs steps: new
+requests join the running batch (their prefill chunked), finished and cancelled ones leave at
+once with their caches freed, and each step is ONE packed target forward with the speculation
+policy choosing every request's draft length from its acceptance and the batch. Optional:
+`scheduler=SchedulerConfig(...)` in the constructor, and `step_stats` (per model, live
+counters of steps / rows / drafts / accepted for metrics).
 
 A request that fails (an exception in its step) gets the exception on its handle and the
 engine serves on; if the engine thread itself dies, `alive` turns False and every waiting or
@@ -45,12 +44,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quickdraft.config import SpeculativeConfig
-from quickdraft.core import EngineCore, StepStats
-from quickdraft.generate import LoadedModel
-from quickdraft.request import FinishReason, Request, SpecStats, Timing
-from quickdraft.sampling import SamplingParams
-from quickdraft.scheduler import SchedulerConfig, Sequence
-from quickdraft.speculate import Speculation, make_speculation
+from quickdraft.engine.core import EngineCore, StepStats
+from quickdraft.engine.scheduler import SchedulerConfig
+from quickdraft.engine.sequence import Sequence
+from quickdraft.loading import LoadedModel
+from quickdraft.request import FinishReason, Request, SamplingParams, SpecStats, Timing
+from quickdraft.speculation.factory import make_speculation
+from quickdraft.speculation.state import Speculation
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,10 @@ Glossary (vLLM's vocabulary):
   bonus      the target's extra token from row k when all k drafts were accepted.
   mean acceptance length (AL) = tokens emitted per target forward = 1 + accepted / cycles.
 
-`verify_greedy` is exact matching against the argmax. `verify_sampled` is lossless rejection
-sampling (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023); given one-hot (greedy)
-`p_target` it returns exactly what `verify_greedy` returns.
+`verify` is the one entry point: greedy requests take `verify_greedy` (exact matching against
+the argmax), sampled ones `verify_sampled` (lossless rejection sampling, Leviathan et al. 2023,
+arXiv 2211.17192; Chen et al. 2023), which given one-hot (greedy) `p_target` returns exactly
+what `verify_greedy` returns.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from quickdraft.sampling import TokenRng, sample, sample_with
+from quickdraft.request import SamplingParams
+from quickdraft.speculation.sampling import TokenRng, probabilities, sample, sample_with
 
 
 @dataclass(slots=True)
@@ -35,6 +37,22 @@ class Verdict:
     tokens: list[int]  # accepted drafts + ONE recovered-or-bonus token: len == accepted + 1
     accepted: int  # draft tokens kept (the extra token is not counted)
     bonus: bool  # True when all drafts were accepted, i.e. tokens[-1] came from row k
+
+
+def verify(
+    draft: list[int],
+    p_draft: Tensor | None,
+    target_logits: Tensor,
+    params: SamplingParams,
+    rng: TokenRng,
+    position: int,
+) -> Verdict:
+    """The target's `[k + 1, vocab]` logits for inputs [last, d_1..d_k] -> accepted drafts + one
+    token, by the request's sampling params; `p_draft` `[k, vocab]` or None (one-hot drafts);
+    `position`: the output index of the first token emitted."""
+    if params.greedy:
+        return verify_greedy(draft, target_logits)
+    return verify_sampled(draft, p_draft, probabilities(target_logits, params), rng, position)
 
 
 def verify_greedy(draft: list[int], target_logits: Tensor) -> Verdict:

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from quickdraft.kv_cache import KVCache
-from quickdraft.models.gdn import DeltaUpdates, advance_state, conv_window
+from quickdraft.kernels.gdn import DeltaUpdates, advance_state, conv_window
+from quickdraft.models.kv_cache import KVCache
 
 # Largest forward whose every token can be committed: k + 1 for the largest k that
 # SpeculativeConfig allows (32). Longer forwards (prompt chunks) keep only their final state.

@@ -11,7 +11,7 @@ Contract (each op = its `reference_*` function up to fp32 rounding; outputs in x
     gated_rms_norm(x [N, H, D] fp32, weight [D], z [N, H, D], eps)
         -> rms_norm(x) * weight * silu(z) in z's dtype (z may be a strided view)
 `offset=1.0` is the zero-centred (1 + w) RMSNorm of Qwen3-Next / Qwen3.5. The C++ versions
-(norm_rope.cpp, gdn_ops.cpp, built with the linear kernel) run on CPU tensors in bf16 / fp32
+(norm_rope.cpp, gdn_ops.cpp) run on CPU tensors in bf16 / fp32
 with a matching weight dtype; anything else (CUDA, fp16, a failed build,
 QUICKDRAFT_NO_KERNELS=1) runs the reference, which is the same math in a few torch ops.
 
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from quickdraft.kernels.cpu_linear import _extension
+from quickdraft.kernels.build import extension
 
 
 def _fast(x: Tensor, weight: Tensor | None = None) -> bool:
@@ -44,7 +44,7 @@ def reference_rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
-    ext = _extension() if _fast(x, weight) else None
+    ext = extension() if _fast(x, weight) else None
     if ext is None:
         return reference_rms_norm(x, weight, eps, offset)
     out: Tensor = ext.rms_norm(x, weight, eps, offset)
@@ -61,7 +61,7 @@ def reference_add_rms_norm(
 def add_rms_norm(
     x: Tensor, delta: Tensor, weight: Tensor, eps: float, offset: float = 0.0
 ) -> tuple[Tensor, Tensor]:
-    ext = _extension() if _fast(x, weight) and delta.dtype == x.dtype else None
+    ext = extension() if _fast(x, weight) and delta.dtype == x.dtype else None
     if ext is None:
         return reference_add_rms_norm(x, delta, weight, eps, offset)
     s, y = ext.add_rms_norm(x, delta, weight, eps, offset)
@@ -79,7 +79,7 @@ def reference_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    ext = _extension() if _fast(x) and x.dim() == 3 and x.stride(-1) == 1 else None
+    ext = extension() if _fast(x) and x.dim() == 3 and x.stride(-1) == 1 else None
     if ext is None:
         return reference_rope(x, cos, sin)
     out: Tensor = ext.rope(x, cos, sin)
@@ -94,7 +94,7 @@ def reference_silu_mul(gate_up: Tensor) -> Tensor:
 def silu_mul(gate_up: Tensor) -> Tensor:
     """silu(gate) * up of a fused [N, 2I] gate/up projection -> [N, I]."""
     fast = _fast(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1
-    ext = _extension() if fast else None
+    ext = extension() if fast else None
     if ext is None:
         return reference_silu_mul(gate_up)
     out: Tensor = ext.silu_mul(gate_up)
@@ -118,7 +118,7 @@ def gated_rms_norm(x: Tensor, weight: Tensor, z: Tensor, eps: float) -> Tensor:
         and weight.is_cpu
         and weight.dtype in (torch.bfloat16, torch.float32)
     )
-    ext = _extension() if fast else None
+    ext = extension() if fast else None
     if ext is None:
         return reference_gated_rms_norm(x, weight, z, eps)
     out: Tensor = ext.gated_rms_norm(x, weight, z, eps)

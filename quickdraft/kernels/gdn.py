@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from quickdraft.kernels.cpu_linear import _extension
+from quickdraft.kernels.build import extension
 
 CHUNK_SIZE = 64
 
@@ -73,7 +73,7 @@ def causal_conv1d(
         and weight.dtype in (torch.bfloat16, torch.float32)
         and not (torch.is_grad_enabled() and x.requires_grad)
     )
-    ext = _extension() if fast else None
+    ext = extension() if fast else None
     if ext is None:
         return reference_causal_conv1d(x, window, weight)
     out: Tensor = ext.causal_conv_silu(x, window, weight)
@@ -250,7 +250,7 @@ def recurrent_updates(
         and dv % 8 == 0
         and not (torch.is_grad_enabled() and y.requires_grad)
     )
-    ext = _extension() if fast else None
+    ext = extension() if fast else None
     if ext is None:
         return reference_recurrent_updates(y, g, beta, state, k_heads)
     out, k, d, cum = ext.gdn_delta(y, g, beta, state, k_heads)

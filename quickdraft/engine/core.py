@@ -1,34 +1,41 @@
-"""The step machinery for one target model, without threads: sequence -> scheduler -> runner.
+"""The step machinery for one target model, without threads: sequence -> scheduler -> cycle.
 
-Stage: between the request API (engine.py's thread, or generate.stream for one request) and the
+Stage: between the request API (engine.py's thread, or `stream` below for one request) and the
 model. `step()` is the whole pipeline, read top-down:
-    plan = scheduler.schedule()          who runs, tokens fed, drafts wanted (policy.py)
-    drafts = runner.propose(plan)        one drafter.propose() per drafter, all jobs packed
-    out = runner.forward(plan, drafts)   ONE packed target forward over every row of the step
-    verdicts = runner.verify(...)        per request: accepted drafts + one recovered/bonus token
+    plan = scheduler.schedule()          who runs, tokens fed, drafts wanted (the policy)
+    drafts = cycle.propose(plan)         one drafter.propose() per drafter, all jobs packed
+    out = cycle.forward(plan, drafts)    ONE packed target forward over every row of the step
+    verdicts = cycle.verify(...)         per request: accepted drafts + one recovered/bonus token
+    planner.observe(...)                 what the step cost calibrates the policy's prices
     commit                               caches and drafters keep what was accepted; requests
                                          take their tokens; finished sequences leave
 A failure before the commit leaves every sequence untouched, so the step's sequences are then
 re-run one at a time and only the one that fails again is failed (its `error` set, the request
 aborted); the others carry on. `step` returns the sequences that produced output or ended.
+
+`stream(lm, request, speculation)` is a one-request run of the same machinery (`quickdraft
+generate`, the speculation benchmark, tests): a request alone in the engine runs exactly this,
+so there is one decode loop.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from quickdraft.drafters.base import Draft
+from quickdraft.config import PREFILL_CHUNK
+from quickdraft.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, StepPlan
+from quickdraft.engine.sequence import Sequence
+from quickdraft.engine.spec_cycle import SpecCycle, StepOutput
+from quickdraft.loading import LoadedModel
 from quickdraft.request import Request
-from quickdraft.runner import ModelRunner, StepOutput
-from quickdraft.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, Sequence, StepPlan
-from quickdraft.verify import Verdict
-
-if TYPE_CHECKING:
-    from quickdraft.generate import LoadedModel
-    from quickdraft.speculate import Speculation
+from quickdraft.speculation.cost import StepShape, model_cost
+from quickdraft.speculation.drafters.base import Draft
+from quickdraft.speculation.sampling import TokenRng
+from quickdraft.speculation.state import Speculation
+from quickdraft.speculation.verify import Verdict
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +59,19 @@ class StepStats:
 class EngineCore:
     def __init__(self, lm: LoadedModel, config: SchedulerConfig | None = None) -> None:
         self.lm = lm
+        model = lm.model
         self.scheduler = Scheduler(
-            config or SchedulerConfig(), lm.model.new_cache, lm.step_cost, lm.context_length
+            config or SchedulerConfig(),
+            model.new_cache,
+            lambda: model_cost(model),
+            lm.context_length,
         )
-        self.runner = ModelRunner(lm.model)
+        self.cycle = SpecCycle(model)
         self.stats = StepStats()
 
-    def add(self, request: Request, spec: Speculation | None) -> Sequence:
-        seq = Sequence(request, spec, request.params.rng(self.lm.model.device))
+    def add(self, request: Request, speculation: Speculation | None) -> Sequence:
+        rng = TokenRng.for_params(request.params, self.lm.model.device)
+        seq = Sequence(request, speculation, rng)
         self.scheduler.add(seq)
         return seq
 
@@ -97,39 +109,22 @@ class EngineCore:
 
     def _run(self, plan: StepPlan) -> list[Sequence]:
         t0 = time.perf_counter()
-        drafts = self.runner.propose(plan)  # one drafter.propose() per drafter, jobs packed
+        drafts = self.cycle.propose(plan)  # one drafter.propose() per drafter, jobs packed
         t1 = time.perf_counter()
-        out = self.runner.forward(plan, drafts)  # ONE packed target forward
+        out = self.cycle.forward(plan, drafts)  # ONE packed target forward
         t2 = time.perf_counter()
-        verdicts = self.runner.verify(plan, drafts, out)  # accepted drafts + 1 token each
+        verdicts = self.cycle.verify(plan, drafts, out)  # accepted drafts + 1 token each
         timing = (t1 - t0, time.perf_counter() - t1)
-        self._observe(plan, drafts, t1 - t0, t2 - t1)
-        return self._commit(plan, drafts, verdicts, out, timing)
-
-    def _observe(
-        self, plan: StepPlan, drafts: list[Draft], draft_s: float, forward_s: float
-    ) -> None:
-        """Feed the policy what this step cost (once it exists: only adaptive speculating
-        requests create it): the target forward's time for its actual shape (drafters may
-        return fewer drafts than asked), which calibrates the step-cost table; and, when one
-        drafter with a cost drafted, the draft phase's time against the forwards it ran
-        (`drafter.forwards`), which calibrates that drafter's table."""
-        if not self.scheduler.has_policy:
-            return  # (only forced requests so far: they never read costs)
-        shape = [
-            item.num_tokens + len(d.tokens) for item, d in zip(plan.items, drafts, strict=True)
+        # the forward as it ran: drafters may return fewer drafts than asked
+        rows = [item.num_tokens + len(d.tokens) for item, d in zip(plan.items, drafts, strict=True)]
+        forward = StepShape(sum(rows), len(rows), sum(n > 1 for n in rows))
+        drafted = [
+            item.seq.spec
+            for item, d in zip(plan.items, drafts, strict=True)
+            if d.tokens and item.seq.spec is not None
         ]
-        rows, masked = sum(shape), sum(n > 1 for n in shape)
-        self.scheduler.policy.observe(rows, len(shape), masked, forward_s)
-        specs = {
-            id(item.seq.spec): item.seq.spec
-            for item, draft in zip(plan.items, drafts, strict=True)
-            if draft.tokens and item.seq.spec is not None and item.seq.spec.draft_cost is not None
-        }
-        if len(specs) == 1:
-            (spec,) = specs.values()
-            assert spec.draft_cost is not None
-            spec.draft_cost.observe(getattr(spec.drafter, "forwards", ()), draft_s)
+        self.scheduler.planner.observe(forward, t2 - t1, drafted, t1 - t0)
+        return self._commit(plan, drafts, verdicts, out, timing)
 
     def _commit(
         self,
@@ -147,7 +142,7 @@ class EngineCore:
         ):
             seq = item.seq
             try:
-                self.runner.commit(item, verdict, out, out.row_start[idx])
+                self.cycle.commit(item, verdict, out, out.row_start[idx])
                 if verdict is None:  # a prefill chunk: nothing to emit yet
                     self.stats.prefill_rows += item.num_tokens
                     continue
@@ -192,3 +187,23 @@ class EngineCore:
         seq.error = exc
         self.stats.failed += 1
         self.scheduler.abort(seq)
+
+
+def stream(
+    lm: LoadedModel, req: Request, speculation: Speculation | None = None
+) -> Generator[str, None, None]:
+    """Generate for `req`, yielding text deltas (stop-string safe) until it finishes.
+
+    Closing the generator early aborts the request and frees its caches and drafter state."""
+    core = EngineCore(lm, SchedulerConfig(max_running=1, max_step_tokens=PREFILL_CHUNK))
+    seq = core.add(req, speculation)
+    try:
+        while not req.finished:
+            core.step()
+            delta = req.stream_delta()
+            if delta:
+                yield delta
+        if seq.error is not None:
+            raise seq.error
+    finally:
+        core.abort(seq)  # no-op when finished; marks a consumer that stopped early

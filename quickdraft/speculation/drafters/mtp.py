@@ -30,18 +30,18 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from quickdraft.drafters.base import Draft, DraftJob, draft_one
-from quickdraft.kernels import PanelWeight
-from quickdraft.kv_cache import KVCache
+from quickdraft.config import PREFILL_CHUNK
+from quickdraft.kernels.gemm import Weight
+from quickdraft.kernels.linear_bf16 import PanelWeight
 from quickdraft.models.base import LanguageModel
-from quickdraft.models.layers import Weight
+from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.loader import load_weights
 from quickdraft.models.mtp import MTPHead
 from quickdraft.models.registry import mtp_parts, name_map
-from quickdraft.policy import StepShape
+from quickdraft.speculation.cost import StepShape
+from quickdraft.speculation.drafters.base import Draft, DraftJob, draft_one
 
 HiddenFeed = Literal["post_norm", "pre_norm"]
-PREFILL_CHUNK = 512  # bounds the head's attention mask on a long catch-up (a prompt)
 
 
 def load_mtp_head(model: LanguageModel, path: str | Path) -> MTPHead:
@@ -91,7 +91,6 @@ class MTPState:
 
 
 class MTPDrafter:
-    name = "mtp"
     needs_hidden = True
 
     def __init__(

@@ -7,51 +7,12 @@ distributions, so filtering can never make verification lossy. temperature == 0 
 
 from __future__ import annotations
 
-import math
 import secrets
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-MAX_STOP_STRINGS = 4
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    max_tokens: int = 256
-    temperature: float = 0.0  # 0 -> greedy (argmax)
-    top_k: int = 0  # 0 -> off
-    top_p: float = 1.0  # 1 -> off
-    min_p: float = 0.0  # 0 -> off
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not (0.0 <= self.temperature <= 2.0) or math.isnan(self.temperature):
-            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def rng(self, device: torch.device | str = "cpu") -> TokenRng:
-        """The request's randomness (see `TokenRng`); unseeded requests draw a fresh seed."""
-        return TokenRng(secrets.randbits(63) if self.seed is None else self.seed, device)
-
+from quickdraft.request import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 
@@ -77,6 +38,11 @@ class TokenRng:
     model's samples, the accept uniforms and recovered/bonus tokens against a draft
     distribution.
     """
+
+    @classmethod
+    def for_params(cls, params: SamplingParams, device: torch.device | str = "cpu") -> TokenRng:
+        """A request's randomness: its `seed`, or a fresh one when unseeded."""
+        return cls(secrets.randbits(63) if params.seed is None else params.seed, device)
 
     def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
         self.device = device
@@ -130,10 +96,3 @@ def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
 def sample_with(probs: Tensor, race: Tensor) -> Tensor:
     """probs `[N, vocab]`, race `[N, vocab]` of Exp(1) draws -> token ids `[N]`."""
     return (probs / race).argmax(-1)
-
-
-def next_tokens(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> Tensor:
-    """logits `[N, vocab]` -> ids `[N]`: argmax when greedy (no RNG use), else a sample."""
-    if params.greedy:
-        return logits.argmax(-1)
-    return sample(probabilities(logits, params), generator)

@@ -1,4 +1,5 @@
-"""Runner stage: one StepPlan -> drafts -> ONE packed target forward -> verdicts -> commits.
+"""The speculative cycle of one step: StepPlan -> drafts -> ONE packed target forward ->
+verdicts -> commits.
 
 Contract, per step (the scheduler decided who runs and how many tokens/drafts each):
   propose(plan)                  one `drafter.propose(jobs)` per drafter for all the step's
@@ -23,24 +24,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from quickdraft.drafters.base import Draft, Drafter, DraftJob
+from quickdraft.engine.scheduler import ScheduledSeq, StepPlan
 from quickdraft.models.base import LanguageModel, SequenceCache
-from quickdraft.sampling import SamplingParams, TokenRng, probabilities
-from quickdraft.scheduler import ScheduledSeq, StepPlan
-from quickdraft.verify import Verdict, verify_greedy, verify_sampled
+from quickdraft.speculation.drafters.base import Draft, Drafter, DraftJob
+from quickdraft.speculation.verify import Verdict, verify
 
 NO_DRAFT = Draft([])
-
-
-def verify(
-    draft: Draft, logits: Tensor, params: SamplingParams, rng: TokenRng, position: int
-) -> Verdict:
-    """logits `[k + 1, vocab]` for inputs [last, d_1..d_k] -> accepted drafts + one token;
-    `position`: the output index of the first token emitted."""
-    if params.greedy:
-        return verify_greedy(draft.tokens, logits)
-    p_target = probabilities(logits, params)
-    return verify_sampled(draft.tokens, draft.p_draft, p_target, rng, position)
 
 
 @dataclass(slots=True)
@@ -51,7 +40,7 @@ class StepOutput:
     logit_start: list[int]  # per plan item: its first row in `logits` (-1: does not sample)
 
 
-class ModelRunner:
+class SpecCycle:
     def __init__(self, model: LanguageModel) -> None:
         self.model = model
 
@@ -71,7 +60,10 @@ class ModelRunner:
                 seq = item.seq
                 tokens = seq.request.all_ids
                 params = seq.request.params
-                jobs.append(DraftJob(seq.draft_state, tokens, item.k, params, seq.rng.generator))
+                assert seq.spec is not None
+                jobs.append(
+                    DraftJob(seq.spec.draft_state, tokens, item.k, params, seq.rng.generator)
+                )
             for idx, draft in zip(idxs, drafter.propose(jobs), strict=True):
                 drafts[idx] = draft
         return drafts
@@ -121,7 +113,9 @@ class ModelRunner:
             seq = item.seq
             logits = out.logits[lo : lo + 1 + len(draft.tokens)]  # [k + 1, vocab]
             position = len(seq.request.output_ids)
-            verdicts.append(verify(draft, logits, seq.request.params, seq.rng, position))
+            verdicts.append(
+                verify(draft.tokens, draft.p_draft, logits, seq.request.params, seq.rng, position)
+            )
         return verdicts
 
     def commit(
@@ -140,11 +134,11 @@ class ModelRunner:
             assert out.hidden is not None
             rows = out.hidden[row_start : row_start + kept]  # [kept, hidden]
             if verdict is None:  # a prefill chunk: the drafter hears of it after the last one
-                seq.prompt_hidden.append(rows)
+                spec.prompt_hidden.append(rows)
                 return
-            if seq.prompt_hidden:
-                rows = torch.cat([*seq.prompt_hidden, rows])
-                seq.prompt_hidden.clear()
+            if spec.prompt_hidden:
+                rows = torch.cat([*spec.prompt_hidden, rows])
+                spec.prompt_hidden.clear()
             hidden = rows
         if verdict is not None:
-            spec.drafter.commit(seq.draft_state, seq.request.all_ids + verdict.tokens, hidden)
+            spec.drafter.commit(spec.draft_state, seq.request.all_ids + verdict.tokens, hidden)

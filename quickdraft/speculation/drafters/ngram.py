@@ -14,33 +14,18 @@ suffix occurred or when that follower won less than `min_share` of the suffix's 
 Why votes and a stop: a suffix that was followed by different tokens is a branch point (the
 next JSON value, the name after `def `): guessing there wastes a verify row on a likely
 rejection, while a suffix that was always followed by the same token (copying an input span,
-a repeated structure) is a safe bet. Measured on Qwen2.5-Coder-1.5B (96 tokens, greedy), the
-acceptance rate of the drafted tokens rose from 0.54 to 0.57 (code) and 0.56 to 0.60 (JSON) over
-proposing the latest occurrence's continuation, at the same acceptance length.
+a repeated structure) is a safe bet. Why n from 1: a one-token suffix is weak evidence, but the
+vote and `min_share` already stop at the branch points, and at batch 1 a rejected verify row
+costs ~3% of a step.
 
 Shared index (llama.cpp's "dynamic" lookup cache): a drafter also learns from the outputs of
 the requests it served. `free` adds a finished request's output to an index shared by all its
 requests (n-grams within one output only, never across two), bounded to the most recent
 `shared_tokens` output tokens (oldest outputs dropped, index rebuilt). Where no suffix of the
-request's own tokens occurred, the shared index is asked the same way (n = max_n down to
-min_n, the same vote): a model answering similar requests repeats its own phrasing (JSON keys
-and layout, code scaffolding, stock sentences). Drafts never change the output (verification
-is lossless), only how many target forwards it takes. Replaying the greedy outputs of the
-shipped bench prompts through the drafter (Qwen2.5-Coder-1.5B, 128 tokens, every prompt, sets
-in the bench's order: code, prose, json, repetitive) the mean acceptance length went from 1.42
-to 1.65 on JSON and 1.15 to 1.21 on code (the index only helps from the second similar request
-on: over the first 5 JSON prompts 1.29 to 1.35). Asking it only from n = 3 or 4 up drafted a
-little more precisely (acceptance 0.37-0.38 vs 0.35) but accepted fewer tokens (1.53-1.57).
-
-Why n from 1 (`NGRAM_MIN`): a one-token suffix is weak evidence, but the vote and `min_share`
-already stop at the branch points, and at batch 1 a rejected verify row costs ~3% of a step.
-The same replay (every set's greedy outputs, k = 5, shared index on) with min_n = 1 instead of
-2: mean acceptance length code 1.22 -> 1.32, JSON 1.72 -> 1.90, repetitive 1.88 -> 2.30, prose
-1.09 -> 1.14. Requiring 2 or 3 earlier sightings of a one-token suffix gave back most of it
-(JSON 1.85, 1.81); k = 8 added 0.06 on JSON but more rejected rows. Also tried, not kept: a
-static index over a code corpus (llama.cpp's static lookup cache; the Python standard
-library, 3.07M tokens), asked where the request's own and the shared index had no match or a
-shorter one: code 1.32 -> 1.38-1.41, nothing elsewhere.
+request's own tokens occurred, the shared index is asked the same way: a model answering
+similar requests repeats its own phrasing (JSON keys and layout, code scaffolding). Drafts never
+change the output (verification is lossless), only how many target forwards it takes.
+docs/speculation.md has the replays behind these choices.
 """
 
 from __future__ import annotations
@@ -52,7 +37,8 @@ from dataclasses import dataclass, field
 import torch
 
 from quickdraft.config import NGRAM_MAX, NGRAM_MIN, NGRAM_SHARED_TOKENS
-from quickdraft.drafters.base import Draft, DraftJob
+from quickdraft.speculation.cost import StepShape
+from quickdraft.speculation.drafters.base import Draft, DraftJob
 
 
 class Followers:
@@ -106,7 +92,6 @@ def index_tokens(index: list[NgramIndex], min_n: int, tokens: Sequence[int], beg
 
 
 class NgramDrafter:
-    name = "ngram"
     needs_hidden = False
 
     def __init__(
@@ -124,6 +109,7 @@ class NgramDrafter:
             raise ValueError(f"shared_tokens must be >= 0, got {shared_tokens}")
         self.min_n = min_n
         self.max_n = max_n
+        self.forwards: list[StepShape] = []  # a lookup runs no model
         self.min_share = min_share
         # the shared index (module docstring), like a request's own; off at 0 tokens
         self.shared_tokens = shared_tokens

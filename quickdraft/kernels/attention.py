@@ -1,0 +1,54 @@
+"""Causal grouped-query attention of the new queries of one sequence over its KV cache.
+
+Contract: `attend(q [n, H, d], k [Hkv, S, d], v [Hkv, S, d], start, scale) -> [n, H * d]`:
+query i (at position start + i) of head h attends to keys 0 .. start + i of kv head
+h / (H / Hkv). Up to ATTEND_KERNEL_MAX_QUERIES queries (decode steps and verifies) run the C++
+kernel (attention.cpp: fp32 math, and a row's result does not depend on n, so a row of a
+verify equals the same row of a decode step bit for bit) when it accepts the inputs; the rest,
+and every case the kernel refuses, run `reference_attend` (SDPA).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from quickdraft.kernels.build import extension
+
+# Longest run of new queries `attend` gives the C++ kernel (decode steps and verifies); longer
+# ones (prompt chunks) go to SDPA, whose blocked GEMMs win once there are many query rows.
+ATTEND_KERNEL_MAX_QUERIES = 16
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float) -> Tensor:
+    """Causal grouped-query attention of n new queries at positions [start, start + n).
+
+    q `[n, heads, head_dim]`; k, v `[kv_heads, start + n, head_dim]` -> `[n, heads * head_dim]`:
+    query i sees keys 0 .. start + i. Up to ATTEND_KERNEL_MAX_QUERIES queries run the C++ kernel
+    (kernels/attention.cpp: fp32 math, rows independent of n) when it accepts the inputs, the
+    rest `reference_attend` (SDPA).
+    """
+    ext = extension() if q.is_cpu and q.shape[0] <= ATTEND_KERNEL_MAX_QUERIES else None
+    if ext is not None and ext.attend_eligible(q, k, v, start):
+        out: Tensor = ext.attend(q, k, v, start, scale)
+        return out
+    return reference_attend(q, k, v, start, scale)
+
+
+def reference_attend(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float) -> Tensor:
+    """`attend` by torch's SDPA. The query heads sharing a kv head are folded into the
+    query-row dimension (`[1, kv_heads, group * n, d]`): SDPA then takes its fast fused CPU
+    kernel in bf16 as well (its enable_gqa and per-head bmm paths are 4-20x slower here) and the
+    cache is never repeated."""
+    n, heads, d = q.shape
+    kv_heads = k.shape[0]
+    group = heads // kv_heads
+    qg = q.view(n, kv_heads, group, d).permute(1, 2, 0, 3).reshape(1, kv_heads, group * n, d)
+    mask = None
+    if n > 1:
+        # row (g, i) is query i at absolute position start + i: it sees keys 0..start + i
+        rows = torch.arange(n, device=q.device).repeat(group)[:, None] + start
+        mask = torch.arange(k.shape[1], device=q.device)[None, :] <= rows  # [group * n, S]
+    out = F.scaled_dot_product_attention(qg, k[None], v[None], attn_mask=mask, scale=scale)
+    return out[0].view(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)

@@ -1,0 +1,60 @@
+// The one Python module of the CPU extension (built by quickdraft/kernels/build.py): every op
+// the Python side calls, each defined in the source of its family and declared in ops.h. The
+// GIL is released around every kernel: they touch no Python objects, and other Python threads
+// (an HTTP server loop) keep running during a forward.
+#include <torch/extension.h>
+
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  qd_register_dense_layer(m);
+  // The GIL is released: the kernel touches no Python objects, and other Python threads
+  // (an HTTP server loop) keep running during a forward.
+  m.def("linear", &qd_linear, "x @ w.T (+ bias): the kernel when eligible, else at::linear",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("max_m"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("eligible", &qd_linear_eligible, "whether `linear` would run the kernel for these inputs",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("max_m"));
+  m.def("linear_i8", &qd_linear_i8,
+        "scale * (int8(x) . w) (+ bias), int8 weight in 16-row panels, int8 activations",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("bias"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("eligible_i8", &qd_linear_i8_eligible, "whether `linear_i8` accepts these inputs",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("bias"));
+  m.def("linear_q4", &qd_linear_q4,
+        "x @ dequantized(w).T (+ bias), 4-bit weight in 16-row panels, int8 activations",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("eligible_q4", &qd_linear_q4_eligible, "whether `linear_q4` accepts these inputs",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"));
+  m.def("linear_panel", &qd_linear_panel, "x @ w.T (+ bias), w packed in 16-row panels",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("eligible_panel", &qd_linear_panel_eligible, "whether `linear_panel` accepts these",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"));
+  m.def("rms_norm", &qd_rms_norm, "x * rsqrt(mean(x^2) + eps) * (w + offset)", py::arg("x"),
+        py::arg("weight"), py::arg("eps"), py::arg("offset"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("add_rms_norm", &qd_add_rms_norm, "(x + delta, rms_norm(x + delta))", py::arg("x"),
+        py::arg("delta"), py::arg("weight"), py::arg("eps"), py::arg("offset"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rope", &qd_rope, "rotate-half RoPE on the first cos.size(-1) dims of each head",
+        py::arg("x"), py::arg("cos"), py::arg("sin"), py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &qd_silu_mul, "silu(gate_up[:, :I]) * gate_up[:, I:]", py::arg("gate_up"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gated_rms_norm", &qd_gated_rms_norm, "rms_norm(x) * w * silu(z)", py::arg("x"),
+        py::arg("weight"), py::arg("z"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  m.def("causal_conv_silu", &qd_causal_conv_silu, "silu(causal depthwise conv1d) in fp32",
+        py::arg("x"), py::arg("window"), py::arg("weight"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gdn_delta", &qd_gdn_delta, "gated delta rule over one short chunk: out, k, d, cum",
+        py::arg("y"), py::arg("g"), py::arg("beta"), py::arg("state"), py::arg("k_heads"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("attend", &qd_attend, "causal GQA of n new queries over a KV cache (decode / verify)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("start"), py::arg("scale"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("attend_eligible", &qd_attend_eligible, "whether `attend` accepts these inputs",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("start"));
+  m.def("kernel_calls", &qd_kernel_calls,
+        "how many calls ran the kernel (tests check the fast path was taken)");
+}

@@ -1,0 +1,185 @@
+"""Build and load the C++ CPU extension (`quickdraft_cpu`), and the CPU features it may use.
+
+Contract: `extension()` returns the compiled module, building it on first use (a JIT build with
+torch's cpp_extension and ninja, ~1-2 min on 2 cores, cached under
+`$QUICKDRAFT_HOME/torch_extensions`), or None where it cannot run: not x86-64 with AVX2 + FMA +
+F16C (the baseline every source is compiled for), the build failed (one RuntimeWarning, then
+the torch references for the whole process), or `QUICKDRAFT_NO_KERNELS=1` was set when this
+module was imported (read once: an environment lookup per op cost ~8 us, 2-3 % of a decode
+step; `disabled` holds it, tests patch it). Every op module (linear.py, quant.py, pointwise.py,
+attention.py, gdn.py, dense_layer.py) calls its kernel only through `extension()` and falls
+back to its plain torch reference otherwise, so a machine without a compiler still runs.
+
+CPU features are read at run time (`cpu_flags`, /proc/cpuinfo): a kernel that needs more than
+the baseline (AVX-512, VNNI, AMX) checks for it before it runs, and never runs where it is not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import threading
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DISABLE_ENV = "QUICKDRAFT_NO_KERNELS"
+disabled = os.environ.get(DISABLE_ENV) == "1"
+
+EXT_NAME = "quickdraft_cpu"
+_HERE = Path(__file__).resolve().parent
+SOURCES = [
+    _HERE / f
+    for f in (
+        "bindings.cpp",
+        "linear_bf16.cpp",
+        "linear_panel.cpp",
+        "linear_i8.cpp",
+        "linear_q4.cpp",
+        "norm_rope.cpp",
+        "gdn_ops.cpp",
+        "attention.cpp",
+        "dense_layer.cpp",
+    )
+]
+BASELINE_FLAGS = frozenset({"avx2", "fma", "f16c"})  # what every source is compiled for
+# -fopenmp: at::parallel_for is header-inline and runs serially unless compiled with OpenMP;
+# the extension then shares torch's already-loaded libgomp pool (same soname).
+_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_loaded = False
+_ext: Any = None  # the compiled module once loaded; None if unsupported or the build failed
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux names them (avx2, avx512f, avx512_vnni, amx_int8...);
+    empty where /proc/cpuinfo cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_supported() -> bool:
+    """x86-64 with AVX2, FMA and F16C: the instruction sets the extension is compiled for."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    flags = cpu_flags()
+    if not flags:  # no /proc/cpuinfo (not Linux): trust torch's own CPU dispatch level
+        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return flags >= BASELINE_FLAGS
+
+
+def build_directory() -> Path:
+    """Where the JIT build lives; per torch and Python version so upgrades never mix objects,
+    and per source directory: torch rebuilds whenever the sources' paths differ from the last
+    build's, so two checkouts sharing one directory rebuilt on every switch."""
+    root = Path(os.environ.get("QUICKDRAFT_HOME") or Path.home() / ".cache" / "quickdraft")
+    py = f"{sys.version_info.major}{sys.version_info.minor}"
+    where = hashlib.sha256(str(_HERE).encode()).hexdigest()[:8]
+    tag = f"{EXT_NAME}-torch{torch.__version__}-py{py}-{where}".replace("+", "_")
+    return root / "torch_extensions" / tag
+
+
+def _ensure_ninja_on_path() -> None:
+    # torch's JIT build runs `ninja` from PATH; pip installs it next to the venv's python, which
+    # is not on PATH when that python is started by its full path.
+    if shutil.which("ninja"):
+        return
+    candidates = [Path(sys.executable).parent]
+    try:
+        import ninja  # type: ignore[import-not-found,unused-ignore]
+
+        candidates.insert(0, Path(ninja.BIN_DIR))
+    except ImportError:
+        pass
+    for d in candidates:
+        if (d / "ninja").exists():
+            os.environ["PATH"] = f"{d}{os.pathsep}{os.environ.get('PATH', '')}"
+            return
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """Serialise builds across processes with a kernel lock (released when its holder dies),
+    and clear torch's own `lock` file left by a build that was killed: torch waits for that
+    file to vanish forever, which hung every later start."""
+    with open(directory.with_name(directory.name + ".flock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            (directory / "lock").unlink(missing_ok=True)  # we hold the lock: nobody builds
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _load() -> Any:
+    """The compiled extension, building it on first use; None if unsupported or the build failed.
+    Never raises: any build problem becomes one RuntimeWarning."""
+    global _loaded, _ext
+    with _lock:
+        if _loaded:
+            return _ext
+        ext = None
+        if cpu_supported():
+            try:
+                from torch.utils import cpp_extension
+
+                _ensure_ninja_on_path()
+                directory = build_directory()
+                directory.mkdir(parents=True, exist_ok=True)
+                log.info("building quickdraft CPU kernels in %s (first use only)", directory)
+                with _build_lock(directory):
+                    ext = cpp_extension.load(
+                        name=EXT_NAME,
+                        sources=[str(f) for f in SOURCES],
+                        extra_cflags=_CFLAGS,
+                        extra_ldflags=_LDFLAGS,
+                        build_directory=str(directory),
+                        verbose=False,
+                    )
+            except Exception as e:  # a missing compiler must never take the engine down
+                warnings.warn(
+                    f"quickdraft: building the CPU kernels failed ({type(e).__name__}: {e}); "
+                    "using the torch reference ops instead",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                ext = None
+        _ext, _loaded = ext, True
+        return ext
+
+
+def extension() -> Any:
+    """The extension if it may be used right now, else None."""
+    if disabled:
+        return None
+    return _ext if _loaded else _load()
+
+
+def kernels_available() -> bool:
+    """True when the C++ kernels can run here (builds them on the first call)."""
+    return extension() is not None
+
+
+def kernel_calls() -> int:
+    """How many calls have run a weight-GEMM kernel in this process (0 if it is not built)."""
+    return int(_ext.kernel_calls()) if _ext is not None else 0

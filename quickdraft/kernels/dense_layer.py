@@ -1,0 +1,90 @@
+"""One dense decoder layer (Llama / Qwen2 / Qwen3) as a single C++ call, for the decode and
+verify rows of one sequence.
+
+Contract: `dense_layer(...)` returns the extension's `DenseLayer` (dense_layer.cpp) for a
+layer's norms and operands, or None where it cannot run them: no extension, an operand format
+without a kernel here (plain bf16 / fp32 tensors: pack them first), a head size the attention
+kernel does not take (% 32), or a shape or dtype some kernel refuses. Its
+`forward(h, residual, cos, sin, k_cache, v_cache, start)` returns exactly what the Python
+layer (models/llama.py `DecoderLayer.forward_residual`) returns when every op there takes its
+kernel: the same kernels in the same order on the same operands, so the outputs are bitwise
+equal. The caller keeps to that path: one sequence, at most ATTEND_KERNEL_MAX_QUERIES rows.
+
+Why: a 0.5B int4 draft step spent ~5.5 ms of its ~18 ms in Python and torch dispatch around
+its GEMMs (24 layers x ~13 ops); one call per layer removes most of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from quickdraft.kernels.build import extension
+from quickdraft.kernels.gemm import Weight
+from quickdraft.kernels.linear_bf16 import PanelWeight
+from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
+
+# operand kinds dense_layer.cpp takes
+_PANEL, _INT8, _INT4 = 1, 2, 3
+
+
+def _operand(
+    ext: Any, weight: Weight, dtype: torch.dtype, bias: Tensor | None = None
+) -> tuple[int, Tensor, Tensor, int] | None:
+    """(kind, packed, scale, out_features) of an operand the C++ layer can run, else None
+    (eligibility depends on dtypes and shapes only: one zero row stands for any rows)."""
+    x = torch.zeros(1, weight.shape[1], dtype=dtype)
+    if isinstance(weight, PanelWeight):
+        op = _PANEL, weight.packed, torch.empty(0), weight.out_features
+        ok = ext.eligible_panel(x, weight.packed, weight.out_features, bias)
+    elif isinstance(weight, Int8Weight):
+        op = _INT8, weight.packed, weight.scale, weight.out_features
+        ok = ext.eligible_i8(x, weight.packed, weight.scale, bias)
+    elif isinstance(weight, Int4Weight):
+        op = _INT4, weight.packed, torch.empty(0), weight.out_features
+        ok = ext.eligible_q4(x, weight.packed, weight.out_features, bias)
+    else:
+        return None
+    return op if ok else None
+
+
+def dense_layer(
+    layer: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    eps: float,
+    scale: float,
+    norms: tuple[Tensor, Tensor, Tensor | None, Tensor | None],  # input, post, q, k
+    operands: tuple[Weight, Weight, Weight, Weight],  # qkv, o, gate_up, down
+    qkv_bias: Tensor | None,
+    dtype: torch.dtype,
+) -> Any:
+    """The C++ layer for these norms and operands, or None (module docstring)."""
+    ext = extension()
+    if ext is None or dtype not in (torch.bfloat16, torch.float32) or head_dim % 32:
+        return None
+    ops = [_operand(ext, w, dtype, qkv_bias if i == 0 else None) for i, w in enumerate(operands)]
+    if any(op is None for op in ops):
+        return None
+    kinds, packed, scales, ns = zip(*ops, strict=True)
+    input_norm, post_norm, q_norm, k_norm = norms
+    return ext.DenseLayer(
+        layer=layer,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        eps=eps,
+        scale=scale,
+        input_norm=input_norm,
+        post_norm=post_norm,
+        q_norm=q_norm,
+        k_norm=k_norm,
+        kinds=list(kinds),
+        packed=list(packed),
+        scales=list(scales),
+        ns=list(ns),
+        qkv_bias=qkv_bias,
+    )

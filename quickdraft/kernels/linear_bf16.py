@@ -1,0 +1,169 @@
+"""Weight GEMMs over bf16 weights for decode and speculative verify: the nn.Linear-layout kernel
+(`linear`) and the 16-row panel layout every bf16 model runs on the CPU (`PanelWeight`).
+
+Contract:
+    linear(x [..., K], weight [N, K], bias [N] | None) -> [..., N] in x.dtype
+computes x @ weight.T (+ bias), the same function as `torch.nn.functional.linear`, except that
+a weight/bias of another floating dtype than x is used in x's dtype (the kernel takes fp32 x with
+a bf16 weight, so every path does; F.linear itself would raise). It runs the C++ kernel in
+`linear_bf16.cpp` when the extension is available (build.py) and
+  * weight is a contiguous 2-D bf16 tensor and K % 8 == 0;
+  * x is bf16 or fp32 and M = x.numel() // K <= MAX_M (no limit on AVX2-only CPUs, where the
+    kernel beats torch's bf16 matmul at every measured M; 64 where AVX-512 is present, see
+    `default_max_m`);
+  * nothing needs a gradient (the kernel has no backward);
+and `fallback_linear` (F.linear) otherwise. The kernel accumulates in fp32 and rounds once to
+x.dtype, so it matches `reference_linear` up to summation order. `linear_panel` is the same
+function over a `PanelWeight`.
+
+Why: decode streams every weight once per token, and a verify pass over k+1 tokens only pays
+if it costs about the same as one token. Torch's bf16 CPU matmul without AVX-512 reads the
+weights at 5-20 GB/s and its cost grows ~linearly with M; these kernels read them once per call
+at close to DRAM bandwidth for any M (`python -m quickdraft.bench.kernels`).
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from quickdraft.kernels.build import cpu_flags, extension
+
+
+def default_max_m(flags: frozenset[str] | None = None) -> int:
+    """Largest M routed to the kernel on a CPU with `flags` (default: this one).
+
+    Measured on the AVX2-only target (bench/kernels.py): the kernel beats F.linear bf16 at every
+    M tried, 1..2048 (1.5x at M=1, 6-7x at M=9..512, 2.3-6x at 2048; torch has no fast bf16
+    GEMM without AVX-512), so there is no limit. With AVX-512 (and more so AVX512_BF16/AMX),
+    oneDNN has real bf16 GEMMs that should win once weights are reused enough: there, only
+    decode/verify-sized M is taken (64; not measured, no such CPU was available).
+    """
+    flags = cpu_flags() if flags is None else flags
+    return 64 if any(f.startswith(("avx512", "amx")) for f in flags) else sys.maxsize
+
+
+MAX_M = default_max_m()  # read by `linear` at each call, so tests may monkeypatch it
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] @ weight[N, K].T (+ bias [N]) -> [..., N] in x.dtype (see module docstring)."""
+    if not x.is_cpu:
+        return fallback_linear(x, weight, bias)  # CUDA etc.: torch's own kernels only
+    ext = extension()
+    if ext is None:
+        return fallback_linear(x, weight, bias)
+    # One C++ call checks eligibility and runs the kernel or the same fallback as below.
+    out: Tensor = ext.linear(x, weight, bias, MAX_M)
+    return out
+
+
+def fallback_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """F.linear, with a weight/bias of another floating dtype cast to x's dtype first."""
+    if x.dtype.is_floating_point:
+        if weight.dtype != x.dtype and weight.dtype.is_floating_point:
+            weight = weight.to(x.dtype)
+        if bias is not None and bias.dtype != x.dtype and bias.dtype.is_floating_point:
+            bias = bias.to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+def path_for(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None
+) -> Literal["kernel", "fallback"]:
+    """Which implementation `linear(x, weight, bias)` would run (tests, debugging)."""
+    ext = extension() if x.is_cpu else None
+    return "kernel" if ext is not None and ext.eligible(x, weight, bias, MAX_M) else "fallback"
+
+
+def reference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The plain fp32 reference the kernel is tested against."""
+    b = bias.float() if bias is not None else None
+    return F.linear(x.float(), weight.float(), b).to(x.dtype)
+
+
+HUGE_PAGE = 2 << 20
+
+
+def streamed_empty(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> Tensor:
+    """An uninitialized CPU tensor for a packed weight that every decode step streams: from
+    2 MiB on, on its own anonymous mapping, 2 MiB-aligned and advised to use transparent huge
+    pages (Linux, THP in "madvise" or "always" mode). With 4 KiB pages the stream costs a TLB
+    miss per page and the hardware prefetcher stops at every page boundary: measured on the
+    0.5B draft's int4 weights (40 interleaved rounds, one process), a pass took 8.98 ms (min)
+    / 11.84 ms (median) on huge pages vs 10.49 / 13.37 ms. Costs up to 2 MiB of padding per
+    weight. Elsewhere, off the CPU or for smaller tensors, plain `torch.empty`."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if (
+        nbytes < HUGE_PAGE
+        or not hasattr(mmap, "MADV_HUGEPAGE")
+        or torch.device(device).type != "cpu"
+    ):
+        return torch.empty(shape, dtype=dtype, device=device)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: faults then map huge pages
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
+    start = -raw.data_ptr() % HUGE_PAGE
+    return raw[start : start + nbytes].view(dtype).view(shape)
+
+
+PANEL = 16  # weight rows per panel of a PanelWeight
+
+
+@dataclass(frozen=True, slots=True)
+class PanelWeight:
+    """A bf16 weight [N, K] repacked in panels of 16 rows for `linear_panel.cpp`: `packed`
+    [ceil(N / 16), K, 16] holds, for panel p and input k, rows 16p + j at position 2j and
+    16p + 8 + j at 2j + 1 (j < 8; rows past N are zero). Each kernel thread then reads one
+    sequential stream and up to 6 tokens share one pass over it: measured, a 5-token verify
+    costs ~1.0-1.2x a decode step here against 1.3-1.7x with the nn.Linear layout, at the same
+    decode speed (bench/kernels.py). Same bytes as the bf16 weight, same values."""
+
+    packed: Tensor  # [P, K, 16] bf16
+    out_features: int
+
+    @classmethod
+    def pack(cls, weight: Tensor) -> PanelWeight:
+        weight = weight.detach()
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+            shape = tuple(weight.shape)
+            raise ValueError(f"panels hold 2-D bf16 weights, got {weight.dtype} {shape}")
+        n, k = weight.shape
+        p = (n + PANEL - 1) // PANEL
+        padded = F.pad(weight, (0, 0, 0, p * PANEL - n)) if p * PANEL != n else weight
+        packed = streamed_empty((p, k, PANEL // 2, 2), torch.bfloat16, weight.device)
+        # [p, half, j, k] -> [p, k, j, half]: position 2j + half holds row 16p + 8 half + j
+        packed.copy_(padded.reshape(p, 2, PANEL // 2, k).permute(0, 3, 2, 1))
+        return cls(packed.view(p, k, PANEL), n)
+
+    def unpack(self) -> Tensor:
+        """The weight [N, K] in nn.Linear layout (a copy)."""
+        p, k, _ = self.packed.shape
+        rows = self.packed.view(p, k, PANEL // 2, 2).permute(0, 3, 2, 1).reshape(p * PANEL, k)
+        return rows[: self.out_features].contiguous()
+
+    def dequantize(self, dtype: torch.dtype) -> Tensor:
+        return self.unpack().to(dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.packed.shape[1]))
+
+
+def linear_panel(x: Tensor, weight: PanelWeight, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] @ weight.T (+ bias) -> [..., N] in x.dtype: the panel kernel when eligible,
+    else (GPU, no compiler) the unpacked weight through `linear`'s fallback."""
+    ext = extension() if x.is_cpu else None
+    if ext is not None and ext.eligible_panel(x, weight.packed, weight.out_features, bias):
+        out: Tensor = ext.linear_panel(x, weight.packed, weight.out_features, bias)
+        return out
+    return fallback_linear(x, weight.unpack(), bias)

@@ -1,0 +1,97 @@
+"""Load a model by name or path: the weights in their run-time layout, its tokenizer, its EOS ids.
+
+Stage: what every entry point calls first (CLI, server, benchmarks, tests, the draft-model
+drafter). `load` resolves the name through the hub (catalog name, Hugging Face directory or
+.gguf file), builds the model, converts its GEMM operands to the layout the CPU kernels stream
+(bf16 -> 16-row panels; or int8 / int4 for a draft model) and builds the kernels now rather
+than inside a first request. Nothing here runs a step: the engine (quickdraft/engine/) does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from quickdraft import hub
+from quickdraft.config import DEFAULT_DTYPE, QUANTIZATIONS, parse_dtype
+from quickdraft.kernels import kernels_available, panels_apply
+from quickdraft.models.base import LanguageModel
+from quickdraft.models.loader import load_model
+from quickdraft.request import Request, SamplingParams
+from quickdraft.tokenizer import Tokenizer
+
+
+class ContextLengthError(ValueError):
+    """A request that cannot fit the model's context; `param` names what to shorten."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    name: str
+    path: Path
+    dtype_name: str
+    model: LanguageModel
+    tokenizer: Tokenizer
+    eos_ids: tuple[int, ...]
+
+    @property
+    def context_length(self) -> int:
+        return self.model.config.max_position_embeddings
+
+    def room(self, prompt_tokens: int, max_tokens: int | None = None) -> int:
+        """Output tokens a prompt of `prompt_tokens` leaves in the context; raises
+        ContextLengthError when the prompt (param "prompt") or prompt + max_tokens (param
+        "max_tokens") does not fit."""
+        context = self.context_length
+        room = context - prompt_tokens
+        if room < 1:
+            raise ContextLengthError(
+                f"the prompt has {prompt_tokens} tokens; the model context is {context} tokens",
+                "prompt",
+            )
+        if max_tokens is not None and max_tokens > room:
+            raise ContextLengthError(
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                f"{prompt_tokens + max_tokens} exceeds the model context of {context} tokens",
+                "max_tokens",
+            )
+        return room
+
+    def new_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str = ""
+    ) -> Request:
+        self.room(len(prompt_ids), params.max_tokens)
+        return Request(prompt_ids, params, self.tokenizer, self.eos_ids, request_id)
+
+
+def load(
+    model: str,
+    dtype: str = DEFAULT_DTYPE,
+    device: str = "cpu",
+    progress: bool = True,
+    quantization: str = "none",
+) -> LoadedModel:
+    """`quantization="int8"` / `"int4"`: projection weights in 8 / 4 bits (half / 0.31x the
+    bytes of bf16, so a memory-bound step runs up to 2-3x faster); dense models only, meant for
+    draft models, whose precision only moves the acceptance rate."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r}: choose one of {QUANTIZATIONS}")
+    path = hub.resolve(model, dtype, progress=progress)
+    net = load_model(path, parse_dtype(dtype), device)
+    if net.device.type == "cpu":
+        # Build the C++ kernels (once per install, ~2 min on 2 cores) now, not inside the first
+        # forward: there a server's first request waited for it, past its client's timeout.
+        kernels_available()
+    if quantization != "none":
+        net.quantize_(quantization)
+    elif panels_apply(net.dtype, net.device):
+        net.pack_()  # bf16 on CPU: the layout the panel kernel streams
+    tokenizer = Tokenizer(path)
+    eos = set(net.config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return LoadedModel(model, path, dtype, net, tokenizer, tuple(sorted(eos)))

@@ -1,0 +1,233 @@
+"""What a forward costs: measured step-cost tables and their running calibration.
+
+Stage: the prices the speculation policy (policy.py) decides with. `StepCost` is a table of
+seconds for one forward over M packed rows, measured at start-up (`measure_step_cost`; a draft
+model gets its own table, the MTP head the target's scaled by one timed head step). A table
+timed on a shared machine can be off by 20% and more, more than the margin a draft decision is
+made on, so every step's target forward is timed and the table is scaled by a running ratio of
+measured to predicted seconds (`Calibration`, per step shape); a drafter's table likewise
+(`DraftCost`). docs/speculation.md has the measurements behind these choices.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from quickdraft.models.base import LanguageModel
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """Measured seconds of one target forward.
+
+    `rows[i]` packed rows of ONE sequence cost `seconds[i]` (ascending from 1 row,
+    non-decreasing). Each further sequence adds `per_seq` (attention and cache writes run per
+    sequence), and each sequence with more than one row (a verify or a prefill chunk: its
+    attention needs a causal mask) adds `per_masked` over a one-row sequence; the one-sequence
+    table already holds one such sequence for rows >= 2."""
+
+    rows: tuple[int, ...]
+    seconds: tuple[float, ...]
+    per_seq: float = 0.0
+    per_masked: float = 0.0
+
+    def __post_init__(self) -> None:
+        assert self.rows and self.rows[0] == 1 and len(self.rows) == len(self.seconds)
+
+    def __call__(self, rows: int, seqs: int = 1, masked: int | None = None) -> float:
+        """A forward of `rows` rows over `seqs` sequences, `masked` of them with > 1 row
+        (default: the one-sequence case)."""
+        in_table = 1 if rows >= 2 else 0
+        masked = in_table if masked is None else masked
+        extra = max(0, seqs - 1) * self.per_seq + (masked - in_table) * self.per_masked
+        return max(self.of_rows(rows) + extra, self.seconds[0])
+
+    def scaled(self, factor: float) -> StepCost:
+        """The same curve, every cost times `factor`."""
+        return StepCost(
+            self.rows,
+            tuple(x * factor for x in self.seconds),
+            self.per_seq * factor,
+            self.per_masked * factor,
+        )
+
+    def of_rows(self, m: int) -> float:
+        r, s = self.rows, self.seconds
+        if m <= r[0]:
+            return s[0] * max(m, 0) / r[0] if m < r[0] else s[0]
+        if m >= r[-1]:
+            if len(r) == 1:
+                return s[0] * m
+            slope = (s[-1] - s[-2]) / (r[-1] - r[-2])
+            return s[-1] + slope * (m - r[-1])
+        hi = next(i for i, x in enumerate(r) if x >= m)
+        lo = hi - 1
+        frac = (m - r[lo]) / (r[hi] - r[lo])
+        return s[lo] + frac * (s[hi] - s[lo])
+
+
+COST_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 32, 64)  # dense where the curve bends
+
+
+def measure_step_cost(
+    model: LanguageModel, rows: Sequence[int] = COST_ROWS, context: int = 8, seqs: int = 8
+) -> StepCost:
+    """Time target forwards over `rows` new tokens of one sequence after `context` cached ones
+    (best of three up to 16 rows, where the draft decisions are made and noise matters, one
+    run above); then `seqs` sequences of one row and of two rows each, which give `per_seq` and
+    `per_masked` (see StepCost). The best of three, because on a shared host one timing was
+    seen 2x another of the same forward (a 64 ms `per_seq` from one start-up, 0 from the
+    next); what noise is left, the policy's calibration corrects for the shapes that run.
+    ~20 s for a 1.5B model on this CPU, ~1 s for a 135M one."""
+    device = model.device
+    max_rows = max(max(rows), 2 * seqs)
+    length = max(context * seqs, context + max_rows)
+    ids = torch.randint(0, model.config.vocab_size, (length,), device=device)
+    caches = [model.new_cache(context + max_rows + 1) for _ in range(seqs)]
+    # one packed forward fills every cache's context
+    model(ids[: context * seqs], caches, [context] * seqs)
+    for cache in caches:
+        cache.commit(context)
+
+    def timed(per: int, num_seqs: int) -> float:
+        n = per * num_seqs
+        new, logit_rows = ids[context : context + n], torch.arange(n, device=device)
+        best = float("inf")
+        for _ in range(3 if n <= 16 else 1):
+            t = time.perf_counter()
+            model(new, caches[:num_seqs], [per] * num_seqs, logit_rows=logit_rows)
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    timed(16, 1)  # warm-up: allocator, kernel build
+    seconds: list[float] = []
+    for n in rows:
+        best = timed(n, 1)
+        # cost cannot fall with more rows; noise must not make extra rows look free
+        seconds.append(max(best, seconds[-1]) if seconds else best)
+    table = StepCost(tuple(rows), tuple(seconds))
+    if seqs < 2:
+        return table
+    one_row, two_rows = timed(1, seqs), timed(2, seqs)
+    rows_delta = table.of_rows(2 * seqs) - table.of_rows(seqs)
+    per_masked = max(0.0, (two_rows - one_row - rows_delta) / seqs)
+    per_seq = max(0.0, (one_row - table.of_rows(seqs) + per_masked) / (seqs - 1))
+    return StepCost(table.rows, table.seconds, per_seq, per_masked)
+
+
+def clamped_ratio(measured: float, predicted: float) -> float:
+    """measured / predicted within [1/4, 4]: one stalled step (a page fault, another process)
+    cannot swing a running ratio."""
+    return min(max(measured / predicted, 0.25), 4.0)
+
+
+def running_mean(mean: float, n: int, x: float, window: int) -> float:
+    """`mean` updated with its n-th value x: the plain mean of the first `window` values, then
+    an exponential average over about `window`."""
+    return mean + (x - mean) / min(n, window)
+
+
+@dataclass(slots=True)
+class Calibration:
+    """The running ratio of measured to predicted forward seconds, overall and per step
+    shape: each the mean of its first `window` observations, then an exponential average over
+    about `window`. A shape's factor is its own ratio shrunk towards the overall one (which
+    counts as one observation), so a shape never run follows the machine's overall speed:
+    when the whole table is off (a start-up timed on a busy host), the shapes that ran and the
+    ones that did not stay comparable. Each ratio is clamped to [1/4, 4] so one stalled step
+    (a page fault, another process) cannot swing it."""
+
+    window: int = 10
+    overall: float = 1.0
+    seen: int = 0
+    ratios: dict[tuple[int, int, int], tuple[float, int]] = field(default_factory=dict)
+
+    @staticmethod
+    def key(rows: int, seqs: int, masked: int) -> tuple[int, int, int]:
+        # rows beyond 16 (prefill chunks) share power-of-two buckets
+        bucket = rows if rows <= 16 else 1 << (rows - 1).bit_length()
+        return bucket, seqs, masked
+
+    def observe(self, rows: int, seqs: int, masked: int, measured: float, predicted: float) -> None:
+        if measured <= 0.0 or predicted <= 0.0:
+            return
+        ratio = clamped_ratio(measured, predicted)
+        self.seen += 1
+        self.overall = running_mean(self.overall, self.seen, ratio, self.window)
+        key = self.key(rows, seqs, masked)
+        mean, n = self.ratios.get(key, (1.0, 0))
+        self.ratios[key] = (running_mean(mean, n + 1, ratio, self.window), n + 1)
+
+    def factor(self, rows: int, seqs: int, masked: int) -> float:
+        mean, n = self.ratios.get(self.key(rows, seqs, masked), (1.0, 0))
+        n = min(n, self.window)
+        return (self.overall + mean * n) / (1 + n)
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """A forward's shape: rows, sequences, and sequences with > 1 row (a step's target forward
+    before drafting, or one drafter forward)."""
+
+    rows: int
+    seqs: int
+    masked: int = 0
+
+
+@dataclass(slots=True)
+class DraftCost:
+    """Seconds of a drafter's forwards: its own step-cost table,
+    timed at start-up, times the running ratio of measured to predicted draft phases (the mean
+    of the first `window` phases, then an exponential average; each ratio clamped to [1/4, 4]
+    like `Calibration`'s). The engine times every draft phase and tells it which forwards that
+    phase ran (`observe`)."""
+
+    table: StepCost
+    window: int = 10
+    ratio: float = 1.0
+    seen: int = 0
+
+    def __call__(self, shape: StepShape) -> float:
+        """One forward of `shape`; 0 for an empty one."""
+        if shape.seqs == 0:
+            return 0.0
+        return self.table(shape.rows, shape.seqs, shape.masked) * self.ratio
+
+    def observe(self, forwards: Sequence[StepShape], seconds: float) -> None:
+        """One draft phase: the forwards it ran, and how long the whole phase took."""
+        predicted = sum(self.table(f.rows, f.seqs, f.masked) for f in forwards if f.seqs)
+        if predicted <= 0.0 or seconds <= 0.0:
+            return
+        self.seen += 1
+        self.ratio = running_mean(
+            self.ratio, self.seen, clamped_ratio(seconds, predicted), self.window
+        )
+
+
+_TABLES: weakref.WeakKeyDictionary[Any, StepCost] = weakref.WeakKeyDictionary()
+
+
+def model_cost(model: LanguageModel) -> StepCost:
+    """`model`'s step-cost table: measured on the first call for that model object and kept
+    while it lives (~20 s for a 1.5B model on this class of CPU, so only what prices drafts
+    asks for it: adaptive speculation)."""
+    table = _TABLES.get(model)
+    if table is None:
+        table = _TABLES[model] = measure_step_cost(model)
+    return table
+
+
+def known_cost(model: LanguageModel) -> StepCost | None:
+    """The table `model_cost` holds for `model`, without measuring one."""
+    return _TABLES.get(model)
+
+
+def use_cost(model: LanguageModel, table: StepCost) -> None:
+    """Price `model` by `table` from now on instead of measuring (a table measured before)."""
+    _TABLES[model] = table

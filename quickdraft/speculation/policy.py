@@ -1,0 +1,266 @@
+"""Speculation policy: per step and per decoding request, how many tokens to draft (k >= 0).
+
+Stage: asked by the scheduler once per step (`DraftPlanner.choose`) with every request that
+decodes, told by the engine core what the step cost (`DraftPlanner.observe`). It sees the whole
+batch because the price of a draft row depends on what else is in the forward: the target
+streams its weights once per forward, so at batch 1 a few extra rows are nearly free, while at
+batch 8 each draft row pushes the forward further into the compute-bound regime.
+
+The rule (`BatchPolicy.choose`):
+* Gain. Each request keeps a running acceptance estimate alpha (state.py `Acceptance`); its
+  j-th draft adds alpha^j expected tokens (Leviathan et al. 2023, sec. 3).
+* Cost. The step's forward with the drafts minus the forward without (cost.py tables, as
+  calibrated by the steps that ran), plus the drafter's forwards (its own table; the n-gram
+  drafter is free). A drafter that was idle must first catch up on the tokens it missed; that
+  buys cheap drafting for the rest of the request, so it is charged spread over the steps the
+  request can still draft (min(tokens left, CATCH_UP_HORIZON) / (1 + alpha)), except in a step
+  that also prefills, whose batch is about to grow: there it is charged whole.
+* Choice. B decoding requests emit B tokens in the plain-decode step; an allocation D adds
+  gain(D) tokens for its extra seconds. Draft counts grow one token at a time, always the token
+  with the highest alpha^j (gains are concave per request), every total is scored by expected
+  tokens per second, and k = 0 for everyone wins unless the best beats it by `margin`: by the
+  model, speculation never makes a step slower.
+* Probes. A request at k = 0 learns nothing, so after `probe_every` idle steps it drafts one
+  token to refresh alpha, rationed so that all probes together cost at most `probe_budget` of
+  the step time.
+* `adaptive=False` requests always draft their ceiling (tests, forced benchmarks).
+docs/speculation.md has the measurements behind each of these choices.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from quickdraft.speculation.cost import Calibration, DraftCost, StepCost, StepShape
+from quickdraft.speculation.state import Acceptance, SpecState
+
+CATCH_UP_HORIZON = 128  # tokens over which a draft catch-up is spread (at most what is left)
+
+
+@dataclass(slots=True)
+class Candidate:
+    """A request that decodes this step, as the policy sees it."""
+
+    acceptance: Acceptance
+    k_max: int  # ceiling: the config's k, the room left (max_tokens, context)
+    adaptive: bool = True  # False: always draft k_max
+    drafter: int = 0  # index into the step's `draft_costs` (requests sharing a drafter pack)
+    catch_up: int = 1  # tokens the drafter must feed before its first draft (idle phases)
+    remaining: int = CATCH_UP_HORIZON  # tokens the request may still emit (max_tokens, context)
+
+
+def forced_drafts(cands: Sequence[Candidate], budget: int) -> tuple[list[int], int]:
+    """ks of the forced (adaptive=False) requests, their ceilings in order within `budget`,
+    0 for the others, and the budget left. Needs no cost model."""
+    ks = [0] * len(cands)
+    for i, c in enumerate(cands):
+        if not c.adaptive and c.k_max > 0:
+            ks[i] = min(c.k_max, budget)
+            budget -= ks[i]
+    return ks, budget
+
+
+@dataclass(slots=True)
+class BatchPolicy:
+    cost: StepCost
+    margin: float = 1.02  # beat plain decoding by 2% before taking the risk
+    probe_every: int = 16
+    probe_budget: float = 0.02  # share of step time all probes together may cost
+    probes: int = field(default=0)  # probes issued (telemetry)
+    calibration: Calibration = field(default_factory=Calibration)
+
+    def seconds(self, rows: int, seqs: int, masked: int) -> float:
+        """The step-cost table's forward seconds for this shape, calibrated by what steps of
+        the same shape measured."""
+        return self.cost(rows, seqs, masked) * self.calibration.factor(rows, seqs, masked)
+
+    def observe(self, rows: int, seqs: int, masked: int, seconds: float) -> None:
+        """One step's target forward: `rows` over `seqs` sequences, `masked` with > 1 row."""
+        self.calibration.observe(rows, seqs, masked, seconds, self.cost(rows, seqs, masked))
+
+    def catch_up_seconds(
+        self, cand: Candidate, draft_cost: DraftCost | None, spread: bool = True
+    ) -> float:
+        """A drafter's catch-up before `cand`'s first draft, spread over the steps it can
+        still draft unless `spread` is False (module docstring); 0 for the usual
+        <= 2-token resync, which the first draft position's forward feeds."""
+        if cand.catch_up <= 2 or draft_cost is None:
+            return 0.0
+        seconds = draft_cost(StepShape(cand.catch_up, 1, 1))
+        if not spread:
+            return seconds
+        steps = min(cand.remaining, CATCH_UP_HORIZON) / (1 + cand.acceptance.alpha)
+        return seconds / max(steps, 1.0)
+
+    def choose(
+        self,
+        cands: Sequence[Candidate],
+        draft_costs: Sequence[DraftCost | None],
+        base: StepShape,
+        budget: int,
+    ) -> list[int]:
+        """ks for `cands` (in order). `base`: the step's forward before drafting (decodes and
+        prefill chunks); `draft_costs[d]`: drafter d's forward cost (None: a free lookup);
+        `budget`: draft rows allowed in total."""
+        ks, budget = forced_drafts(cands, budget)
+        num_dec = len(cands)
+        t_dec = self.seconds(num_dec, num_dec, 0)  # the step of plain decoding: num_dec tokens
+        t_base = self.seconds(base.rows, base.seqs, base.masked)
+        # A step that prefills (base.masked: its chunks) has a batch about to grow: a catch-up
+        # there is charged whole (module docstring).
+        spread = base.masked == 0
+        # Running totals of the allocation in `ks`, updated one draft token at a time.
+        # (drafter, position) -> that drafter's packed forward for the position
+        forwards: dict[tuple[int, int], StepShape] = {}
+        gain = draft_s = 0.0
+        drafts = drafting = 0
+        empty = StepShape(0, 0)
+
+        def add(i: int) -> None:
+            nonlocal gain, draft_s, drafts, drafting
+            c = cands[i]
+            ks[i] += 1
+            drafts += 1
+            gain += c.acceptance.alpha ** ks[i]
+            cost = draft_costs[c.drafter]
+            if ks[i] == 1:
+                drafting += 1  # its attention now needs a mask
+                draft_s += self.catch_up_seconds(c, cost, spread)
+            if cost is None:
+                return
+            # The first position's forward also feeds what the drafter has not seen: the
+            # token the target emitted, and the last draft after an all-accepted cycle.
+            feed = min(max(c.catch_up, 1), 2) if ks[i] == 1 else 1
+            key = (c.drafter, ks[i] - 1)
+            old = forwards.get(key, empty)
+            new = StepShape(old.rows + feed, old.seqs + 1, old.masked + (feed > 1))
+            forwards[key] = new
+            draft_s += cost(new) - cost(old)
+
+        def score() -> float:
+            # extra rows never make a forward cheaper, whatever two calibrations say
+            t = max(self.seconds(base.rows + drafts, base.seqs, base.masked + drafting), t_base)
+            return (num_dec + gain) / (t_dec + t - t_base + draft_s)
+
+        forced, ks = ks, [0] * len(cands)
+        for i, k in enumerate(forced):
+            for _ in range(k):
+                add(i)
+        best, best_score = list(ks), score() * self.margin
+        avail = budget
+        # max-heap of each adaptive request's next draft gain alpha^(k+1)
+        heap = [(-c.acceptance.alpha, i) for i, c in enumerate(cands) if c.adaptive and c.k_max > 0]
+        heapq.heapify(heap)
+        while heap and budget > 0:
+            _, i = heapq.heappop(heap)
+            add(i)
+            budget -= 1
+            s = score()
+            if s > best_score:
+                best, best_score = list(ks), s
+            if ks[i] < cands[i].k_max:
+                heapq.heappush(heap, (-(cands[i].acceptance.alpha ** (ks[i] + 1)), i))
+        left = avail - (sum(best) - sum(forced))
+        return self._probe(cands, best, draft_costs, base, left)
+
+    def _probe(
+        self,
+        cands: Sequence[Candidate],
+        ks: list[int],
+        draft_costs: Sequence[DraftCost | None],
+        base: StepShape,
+        budget: int,
+    ) -> list[int]:
+        """Turn k = 0 into a 1-token probe for requests idle long enough (module docstring:
+        probes are rationed by what they cost); counts idle steps."""
+        rows = base.rows + sum(ks)
+        masked = base.masked + sum(k > 0 for k in ks)
+        step = self.seconds(rows, base.seqs, masked)
+        extra_row = max(0.0, self.seconds(rows + 1, base.seqs, masked + 1) - step)  # + its mask
+        for i, c in enumerate(cands):
+            acc = c.acceptance
+            if ks[i] > 0 or not c.adaptive or c.k_max == 0:
+                acc.idle_steps = 0
+                continue
+            acc.idle_steps += 1
+            if acc.idle_steps < self.probe_every or budget <= 0:
+                continue
+            cost = draft_costs[c.drafter]
+            catch_up = 0.0 if cost is None else cost(StepShape(max(c.catch_up, 1), 1, 1))
+            fraction = (extra_row + catch_up) / step
+            if acc.idle_steps >= math.ceil(len(cands) * fraction / self.probe_budget):
+                ks[i] = 1
+                budget -= 1
+                acc.idle_steps = 0
+                self.probes += 1
+        return ks
+
+
+@dataclass(frozen=True, slots=True)
+class Decoding:
+    """A request that decodes this step, as the scheduler sees it."""
+
+    spec: SpecState | None  # None: the request does not speculate
+    can_draft: bool  # it has its first output token (drafting starts from there)
+    room: int  # tokens it may still emit (max_tokens, context)
+    num_tokens: int  # committed tokens (prompt + output)
+
+
+class DraftPlanner:
+    """The policy as the engine sees it: `choose` the step's draft lengths, `observe` what the
+    step cost. The target's step-cost table is only measured (seconds) once a request that
+    speculates adaptively decodes: forced requests never read costs."""
+
+    def __init__(self, target_cost: Callable[[], StepCost]) -> None:
+        self.target_cost = target_cost
+        self._policy: BatchPolicy | None = None
+
+    @property
+    def policy(self) -> BatchPolicy:
+        if self._policy is None:
+            self._policy = BatchPolicy(self.target_cost())
+        return self._policy
+
+    def choose(self, decoding: Sequence[Decoding], base: StepShape, budget: int) -> list[int]:
+        """k per request of `decoding` (in order). `base`: the step's forward before drafting;
+        `budget`: draft rows allowed in total."""
+        if not any(d.spec is not None for d in decoding):
+            return [0] * len(decoding)
+        drafters: dict[int, int] = {}  # id(drafter) -> index into draft_costs
+        draft_costs: list[DraftCost | None] = [None]  # index 0: no drafter
+        cands = []
+        for d in decoding:
+            spec = d.spec
+            k_max = index = 0
+            if spec is not None and d.can_draft:
+                k_max = max(0, min(spec.config.num_draft_tokens, d.room - 1))
+                index = drafters.setdefault(id(spec.drafter), len(draft_costs))
+                if index == len(draft_costs):
+                    draft_costs.append(spec.speculation.draft_cost)
+            acceptance = Acceptance() if spec is None else spec.acceptance
+            adaptive = spec is None or spec.config.adaptive
+            catch_up = d.num_tokens - (0 if spec is None else spec.synced)
+            cands.append(Candidate(acceptance, k_max, adaptive, index, catch_up, d.room))
+        if any(c.adaptive for c in cands):
+            return self.policy.choose(cands, draft_costs, base, budget)
+        return forced_drafts(cands, budget)[0]  # forced requests only: no cost model needed
+
+    def observe(
+        self, forward: StepShape, forward_s: float, drafted: Sequence[SpecState], draft_s: float
+    ) -> None:
+        """One step: its target forward (`forward`'s shape, as run: drafters may return fewer
+        drafts than asked) took `forward_s`, calibrating the step-cost table; the requests in
+        `drafted` drafted in a phase of `draft_s`, which calibrates their drafter's table when
+        they share one drafter with a cost (a phase cannot be split between drafters)."""
+        if self._policy is None:
+            return  # only forced requests so far: they never read costs
+        self._policy.observe(forward.rows, forward.seqs, forward.masked, forward_s)
+        phases = {id(s.speculation): s for s in drafted if s.speculation.draft_cost is not None}
+        if len(phases) == 1:
+            (spec,) = phases.values()
+            cost = spec.speculation.draft_cost
+            assert cost is not None
+            cost.observe(spec.drafter.forwards, draft_s)

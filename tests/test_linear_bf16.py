@@ -1,0 +1,349 @@
+"""bf16 weight GEMMs (kernels/linear_bf16.py): the nn.Linear-layout kernel and the 16-row
+panel kernel against the fp32 reference, that the fast path is really taken where it should be,
+and that every other case falls back to F.linear correctly."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_checks import assert_close_to_reference, make, needs_kernel
+
+from quickdraft.kernels import (
+    Int4Weight,
+    Int8Weight,
+    PanelWeight,
+    build,
+    kernel_calls,
+    linear,
+    linear_bf16,
+    linear_panel,
+    reference_linear,
+)
+from quickdraft.kernels.linear_bf16 import path_for
+
+pytestmark = pytest.mark.usefixtures("kernels_enabled")
+
+
+PARITY_M = [1, 2, 3, 4, 5, 8, 9, 16, 17, 32]
+PARITY_N = [1, 3, 7, 64, 1000]
+PARITY_K = [8, 64, 1536]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["xbf16", "xfp32"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("k", PARITY_K, ids=lambda k: f"K{k}")
+@pytest.mark.parametrize("n", PARITY_N, ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("m", PARITY_M, ids=lambda m: f"M{m}")
+def test_linear_matches_reference_on_kernel_path(
+    m: int, n: int, k: int, bias: bool, dtype: torch.dtype
+) -> None:
+    x, w, b = make(m, n, k, bias, dtype)
+    assert path_for(x, w, b) == "kernel"
+    before = kernel_calls()
+    out = linear(x, w, b)
+    assert kernel_calls() == before + 1
+    assert_close_to_reference(out, x, w, b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["xbf16", "xfp32"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 9, 17, 130], ids=lambda m: f"M{m}")
+def test_linear_exact_on_small_integers(
+    m: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Integer inputs make every partial sum exact in fp32, so any order/offset mistake in the
+    # packing or tiling is a hard mismatch; sums reach ~10^4, far beyond bf16's 8-bit mantissa,
+    # so a bf16 output must also round exactly like torch (nearest-even).
+    g = torch.Generator().manual_seed(m)
+    k, n = 8 * 13 + 16 * 5, 37  # K % 16 == 8: exercises the 8-wide tail too
+    x = torch.randint(-3, 4, (m, k), generator=g).to(dtype)
+    w = torch.randint(-60, 61, (n, k), generator=g).bfloat16()
+    b = torch.randint(-5, 6, (n,), generator=g).float()
+    # the kernel itself, whatever M this CPU routes to it (AVX-512 hosts stop at 64 rows)
+    monkeypatch.setattr(linear_bf16, "MAX_M", sys.maxsize)
+    out = linear(x, w, b)
+    assert path_for(x, w, b) == "kernel"
+    assert torch.equal(out, reference_linear(x, w, b))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["xbf16", "xfp32"])
+def test_linear_3d_input_keeps_leading_dims(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 64, generator=g).to(dtype)
+    w = (torch.randn(48, 64, generator=g) * 0.1).bfloat16()
+    b = torch.randn(48, generator=g)
+    before = kernel_calls()
+    out = linear(x, w, b)
+    assert kernel_calls() == before + 1
+    assert out.shape == (2, 5, 48)
+    assert_close_to_reference(out, x, w, b)
+
+
+@needs_kernel
+def test_linear_non_contiguous_x_uses_kernel() -> None:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 6, generator=g).bfloat16().t()  # [6, 64], strides (1, 6)
+    w = (torch.randn(10, 64, generator=g) * 0.1).bfloat16()
+    assert path_for(x, w) == "kernel"
+    assert_close_to_reference(linear(x, w), x, w, None)
+
+
+@needs_kernel
+def test_linear_fused_weight_row_slice_uses_kernel() -> None:
+    # The model's q/k/v views are row slices of one fused weight: contiguous, offset storage.
+    g = torch.Generator().manual_seed(5)
+    fused = (torch.randn(96, 64, generator=g) * 0.1).bfloat16()
+    w = fused[32:80]
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    assert path_for(x, w) == "kernel"
+    assert_close_to_reference(linear(x, w), x, w, None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["xbf16", "xfp32"])
+def test_linear_propagates_nan_and_inf(dtype: torch.dtype) -> None:
+    x = torch.ones(3, 16, dtype=dtype)
+    x[0, 5] = float("nan")
+    x[1, 2] = float("inf")
+    w = torch.full((4, 16), 0.5, dtype=torch.bfloat16)
+    out = linear(x, w).float()
+    assert out[0].isnan().all()
+    assert (out[1] == float("inf")).all()
+    assert (out[2] == 8.0).all()
+
+
+@needs_kernel
+def test_linear_empty_batch_returns_empty() -> None:
+    x = torch.empty(0, 64, dtype=torch.bfloat16)
+    w = torch.zeros(5, 64, dtype=torch.bfloat16)
+    out = linear(x, w)
+    assert out.shape == (0, 5) and out.dtype == torch.bfloat16
+
+
+@needs_kernel
+def test_linear_bias_dtype_follows_reference() -> None:
+    x, w, _ = make(3, 33, 64, False, torch.float32)
+    b32 = torch.randn(33)  # fp32 bias with a bf16 weight: used as fp32, like the reference
+    assert_close_to_reference(linear(x, w, b32), x, w, b32)
+
+
+FALLBACKS = {
+    "K-not-multiple-of-8": lambda: (
+        torch.randn(3, 12).bfloat16(),
+        torch.randn(5, 12).bfloat16(),
+        torch.randn(5).bfloat16(),
+    ),
+    "fp32-weight": lambda: (torch.randn(3, 64), torch.randn(5, 64), None),
+    "fp16-weight": lambda: (torch.randn(3, 64).half(), torch.randn(5, 64).half(), None),
+    "fp16-x": lambda: (torch.randn(3, 64).half(), torch.randn(5, 64).bfloat16(), None),
+    "non-contiguous-weight": lambda: (
+        torch.randn(3, 64).bfloat16(),
+        torch.randn(64, 5).bfloat16().t(),
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FALLBACKS))
+def test_linear_fallback_cases_match_f_linear(case: str) -> None:
+    if case == "fp16-weight" and not _fp16_matmul_supported():
+        pytest.skip("this torch build has no fp16 CPU matmul")
+    x, w, b = FALLBACKS[case]()
+    assert path_for(x, w, b) == "fallback"
+    before = kernel_calls()
+    out = linear(x, w, b)
+    assert kernel_calls() == before
+    # Mixed dtypes (fp16 x, bf16 weight) run in x's dtype rather than raise like F.linear.
+    expected = F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("k", [12, 64], ids=["fallback-K12", "kernel-K64"])
+def test_linear_fp32_x_with_bf16_weight_works_on_every_path(k: int) -> None:
+    # The kernel takes fp32 activations with a bf16 weight; the fallback must not raise instead.
+    x, w, b = make(3, 6, k, True, torch.float32)
+    assert_close_to_reference(linear(x, w, b), x, w, b)
+
+
+def _fp16_matmul_supported() -> bool:
+    try:
+        F.linear(torch.ones(1, 8).half(), torch.ones(2, 8).half())
+    except RuntimeError:
+        return False
+    return True
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [65, 200], ids=lambda m: f"M{m}")
+def test_linear_prefill_sized_m_matches_reference(m: int) -> None:
+    # Beyond 64 tokens the kernel works in balanced token groups (65 -> 33 + 32).
+    x, w, b = make(m, 100, 64, True, torch.bfloat16)
+    expected_path = "kernel" if m <= linear_bf16.MAX_M else "fallback"
+    assert path_for(x, w, b) == expected_path
+    assert_close_to_reference(linear(x, w, b), x, w, b)
+
+
+def test_linear_m_above_limit_falls_back_and_stays_correct(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(linear_bf16, "MAX_M", 8)
+    x, w, b = make(9, 200, 64, True, torch.bfloat16)
+    assert path_for(x, w, b) == "fallback"
+    before = kernel_calls()
+    out = linear(x, w, b)
+    assert kernel_calls() == before
+    assert torch.equal(out, F.linear(x, w, b))
+    assert_close_to_reference(out, x, w, b)
+
+
+def test_default_max_m_is_unlimited_without_avx512() -> None:
+    assert linear_bf16.default_max_m(frozenset({"avx2", "fma", "f16c"})) >= 1 << 31
+    assert linear_bf16.default_max_m(frozenset({"avx2", "avx512f", "avx512_bf16"})) == 64
+
+
+def test_linear_needing_grad_falls_back_with_grad() -> None:
+    x = torch.randn(2, 64, requires_grad=True)
+    w = torch.randn(5, 64).bfloat16()
+    assert path_for(x, w) == "fallback"
+    before = kernel_calls()
+    linear(x, w.float()).sum().backward()
+    assert kernel_calls() == before
+    assert x.grad is not None and torch.allclose(x.grad, w.float().sum(0).expand(2, 64))
+
+
+@needs_kernel
+def test_linear_requires_grad_inside_no_grad_uses_kernel() -> None:
+    x = torch.randn(2, 64, requires_grad=True)
+    w = torch.randn(5, 64).bfloat16()
+    with torch.no_grad():
+        assert path_for(x, w) == "kernel"
+        assert_close_to_reference(linear(x, w), x.detach(), w, None)
+
+
+def test_linear_non_cpu_tensors_use_f_linear() -> None:
+    # The meta device stands in for CUDA: anything off the CPU must never reach the extension.
+    x = torch.empty(3, 64, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(5, 64, dtype=torch.bfloat16, device="meta")
+    before = kernel_calls()
+    out = linear(x, w)
+    assert out.device.type == "meta" and out.shape == (3, 5)
+    assert path_for(x, w) == "fallback"
+    assert kernel_calls() == before
+
+
+def test_reference_linear_is_fp32_math_in_x_dtype() -> None:
+    x = torch.tensor([[1.0, 2.0]], dtype=torch.bfloat16)
+    w = torch.tensor([[3.0, 4.0]], dtype=torch.bfloat16)
+    b = torch.tensor([0.5], dtype=torch.bfloat16)
+    out = reference_linear(x, w, b)
+    assert out.dtype == torch.bfloat16 and out.tolist() == [[11.5]]
+
+
+def _smaps_entry(addr: int) -> str:
+    """The /proc/self/smaps block of the mapping holding `addr`."""
+    blocks = Path("/proc/self/smaps").read_text().split("\n")
+    entry: list[str] = []
+    found = False
+    for line in blocks:
+        head = line.split(" ", 1)[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            if found:
+                break
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            found, entry = lo <= addr < hi, [line]
+        else:
+            entry.append(line)
+    assert found, f"no mapping holds {addr:#x}"
+    return "\n".join(entry)
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/smaps").exists()
+    or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
+    reason="needs Linux with transparent huge pages",
+)
+@pytest.mark.parametrize("kind", ["panel", "int8", "int4"])
+def test_big_packed_weights_sit_on_huge_page_eligible_aligned_memory(kind: str) -> None:
+    """Each format's packed weight, from 2 MiB on, is on its own 2 MiB-aligned mapping that
+    the kernel reports as THP-eligible; smaller ones stay ordinary tensors. Values survive."""
+    w = torch.randn(4000, 896, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    make = {"panel": PanelWeight.pack, "int8": Int8Weight.quantize, "int4": Int4Weight.quantize}
+    big, small = make[kind](w), make[kind](w[:48])
+    assert big.packed.numel() * big.packed.element_size() >= linear_bf16.HUGE_PAGE
+    assert big.packed.data_ptr() % linear_bf16.HUGE_PAGE == 0
+    smaps = _smaps_entry(big.packed.data_ptr())
+    assert re.search(r"THPeligible:\s+1", smaps) and re.search(r"VmFlags:.* hg", smaps), smaps
+    assert small.packed.data_ptr() % linear_bf16.HUGE_PAGE != 0 or small.packed.numel() == 0
+    torch.testing.assert_close(big.dequantize(torch.float32)[:48], small.dequantize(torch.float32))
+    torch.testing.assert_close(
+        big.dequantize(torch.float32), w.float(), rtol=0, atol=float(w.abs().max()) / 6
+    )
+
+
+# --- bf16 weights in 16-row panels ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 16, 37, 100], ids=lambda n: f"N{n}")
+def test_panel_pack_layout_and_roundtrip(n: int) -> None:
+    w = torch.randn(n, 24, generator=torch.Generator().manual_seed(n)).bfloat16()
+    p = PanelWeight.pack(w)
+    panels = (n + 15) // 16
+    assert p.packed.shape == (panels, 24, 16) and p.shape == (n, 24)
+    # the layout the kernel decodes: position 2j = row 16p + j, 2j + 1 = row 16p + 8 + j
+    for row in range(n):
+        panel, j = divmod(row, 16)
+        pos = 2 * j if j < 8 else 2 * (j - 8) + 1
+        assert torch.equal(p.packed[panel, :, pos], w[row])
+    padded = p.packed.reshape(-1, 24, 16).permute(0, 2, 1).reshape(-1, 24)
+    assert int((padded != 0).sum()) == int((w != 0).sum())  # rows past n are zero
+    assert torch.equal(p.unpack(), w)
+    with pytest.raises(ValueError, match="2-D bf16"):
+        PanelWeight.pack(w.float())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["xbf16", "xfp32"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("k", [1, 7, 64, 904, 1100], ids=lambda k: f"K{k}")
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 70, 130], ids=lambda m: f"M{m}")
+def test_linear_panel_matches_reference(m: int, k: int, bias: bool, dtype: torch.dtype) -> None:
+    # N = 37: three panels, the last one partial; K 1100 > the 512-k blocks of M > 6; M 70 and
+    # 130 span several token groups of 64; M 7 and 13 need several token chunks per panel.
+    x, w, b = make(m, 37, k, bias, dtype)
+    before = kernel_calls()
+    out = linear_panel(x, PanelWeight.pack(w), b)
+    assert kernel_calls() == before + 1  # the panel kernel ran, not the unpacking fallback
+    assert_close_to_reference(out, x, w, b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 5, 6, 9], ids=lambda m: f"M{m}")
+def test_linear_panel_exact_on_small_integers(m: int) -> None:
+    # integer x and w: every partial sum is exact, so any lane/row/panel mix-up shows
+    g = torch.Generator().manual_seed(m)
+    x = torch.randint(-3, 4, (m, 40), generator=g).float()
+    w = torch.randint(-50, 51, (45, 40), generator=g).bfloat16()
+    b = torch.randint(-9, 10, (45,), generator=g).float()
+    assert torch.equal(linear_panel(x, PanelWeight.pack(w), b), x @ w.float().T + b)
+
+
+def test_linear_panel_keeps_leading_dims_and_falls_back_off_cpu_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    x, w, b = make(6, 20, 32, True, torch.float32)
+    p = PanelWeight.pack(w)
+    out = linear_panel(x.view(2, 3, 32), p, b)
+    assert out.shape == (2, 3, 20)
+    monkeypatch.setattr(build, "disabled", True)  # no kernel: the unpacked weight, F.linear
+    before = kernel_calls()
+    fallback = linear_panel(x.view(2, 3, 32), p, b)
+    assert kernel_calls() == before
+    torch.testing.assert_close(fallback, F.linear(x, w.float(), b.float()).view(2, 3, 20))
+    torch.testing.assert_close(out, fallback, rtol=1e-5, atol=1e-5)
