@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # works without `pip install -e`
 from common import emit, machine, peak_rss_mb
 
-from quickdraft.benchmark import prompt_sets
+from quickdraft.bench.speculative import prompt_sets
 from quickdraft.config import DEFAULT_DRAFT_QUANTIZATION, QUANTIZATIONS, SpeculativeConfig
 from quickdraft.engine import Engine, ServedModel, stream
 from quickdraft.engine.scheduler import SchedulerConfig

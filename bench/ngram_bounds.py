@@ -46,7 +46,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, machine
 
-from quickdraft.benchmark import prompt_sets
+from quickdraft.bench.speculative import prompt_sets
 from quickdraft.engine import stream
 from quickdraft.loading import LoadedModel, load
 from quickdraft.request import SamplingParams

@@ -1,4 +1,4 @@
-"""HTTP serving benchmark (see quickdraft/server/loadtest.py); JSON as the last line.
+"""HTTP serving benchmark (quickdraft/bench/serving.py); JSON as the last line.
 
 python bench/serve.py --model smollm2-135m --speculative-method ngram          # quick one
 python bench/serve.py                                 # qwen2.5-coder-1.5b + 0.5b draft, bf16

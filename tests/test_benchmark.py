@@ -1,4 +1,4 @@
-"""quickdraft.benchmark end to end on tiny random models: the A/B report's shape and figures
+"""quickdraft.bench.speculative end to end on tiny random models: the A/B report's shape and figures
 (per set and per prompt), and the files it writes. Speeds are not asserted (tests never
 assert timings), only that they are measured and consistent."""
 
@@ -9,24 +9,26 @@ from pathlib import Path
 
 import pytest
 
-from quickdraft.benchmark import run
+from quickdraft.bench.speculative import SpecBench, run
 
 
 def test_benchmark_reports_sets_and_prompts(
     tiny_model_dir: Path, near_draft_dir: Path, tmp_path: Path
 ) -> None:
     report = run(
-        str(tiny_model_dir),
-        str(near_draft_dir),
-        dtype="fp32",
-        tokens=12,
-        per_set=2,
-        sets=["code", "json"],
-        k=3,
-        hf=False,
-        out_dir=tmp_path,
-        draft_quantization="none",
-        reference_per_set=0,
+        SpecBench(
+            str(tiny_model_dir),
+            str(near_draft_dir),
+            dtype="fp32",
+            tokens=12,
+            per_set=2,
+            sets=("code", "json"),
+            k=3,
+            hf=False,
+            out_dir=tmp_path,
+            draft_quantization="none",
+            reference_per_set=0,
+        )
     )
     assert list(report["results"]) == ["code", "json"]
     for row in report["results"].values():
@@ -56,4 +58,4 @@ def test_benchmark_reports_sets_and_prompts(
 
 def test_benchmark_rejects_negative_reference_count(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="reference_per_set"):
-        run(str(tiny_model_dir), reference_per_set=-1)
+        SpecBench(str(tiny_model_dir), reference_per_set=-1)

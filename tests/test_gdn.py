@@ -1,4 +1,4 @@
-"""Gated DeltaNet math (models/gdn.py): the chunked form against the naive recurrence, on
+"""Gated DeltaNet math (kernels/gdn.py): the chunked form against the naive recurrence, on
 outputs AND on the state after every token, from a non-zero starting state, for lengths around
 the chunk size; both against transformers' reference functions; the causal conv carried across
 calls against one full convolution; the C++ delta rule and conv (gdn_ops.cpp) against their

@@ -58,7 +58,7 @@ def test_generate_seeded_sampling_repeats(tiny_model_dir: Path) -> None:
 
 def test_generate_prompt_beyond_context_is_clear_error(tiny_model_dir: Path) -> None:
     lm = load(str(tiny_model_dir), "fp32", progress=False)
-    with pytest.raises(ValueError, match="exceeds the model context of 512"):
+    with pytest.raises(ValueError, match="the model context is 512 tokens"):
         lm.new_request([65] * 600, SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="max_tokens"):
         lm.new_request([65] * 500, SamplingParams(max_tokens=64))

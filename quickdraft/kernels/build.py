@@ -6,9 +6,10 @@ torch's cpp_extension and ninja, ~1-2 min on 2 cores, cached under
 F16C (the baseline every source is compiled for), the build failed (one RuntimeWarning, then
 the torch references for the whole process), or `QUICKDRAFT_NO_KERNELS=1` was set when this
 module was imported (read once: an environment lookup per op cost ~8 us, 2-3 % of a decode
-step; `disabled` holds it, tests patch it). Every op module (linear.py, quant.py, pointwise.py,
-attention.py, gdn.py, dense_layer.py) calls its kernel only through `extension()` and falls
-back to its plain torch reference otherwise, so a machine without a compiler still runs.
+step; `disabled` holds it, tests patch it). Every op module (linear_bf16.py, linear_int.py,
+pointwise.py, attention.py, gdn.py, dense_layer.py) calls its kernel only through `extension()`
+and falls back to its plain torch reference otherwise, so a machine without a compiler still
+runs.
 
 CPU features are read at run time (`cpu_flags`, /proc/cpuinfo): a kernel that needs more than
 the baseline (AVX-512, VNNI, AMX) checks for it before it runs, and never runs where it is not.
@@ -32,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from quickdraft.config import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +95,7 @@ def build_directory() -> Path:
     """Where the JIT build lives; per torch and Python version so upgrades never mix objects,
     and per source directory: torch rebuilds whenever the sources' paths differ from the last
     build's, so two checkouts sharing one directory rebuilt on every switch."""
-    root = Path(os.environ.get("QUICKDRAFT_HOME") or Path.home() / ".cache" / "quickdraft")
+    root = cache_dir()
     py = f"{sys.version_info.major}{sys.version_info.minor}"
     where = hashlib.sha256(str(_HERE).encode()).hexdigest()[:8]
     tag = f"{EXT_NAME}-torch{torch.__version__}-py{py}-{where}".replace("+", "_")

@@ -14,7 +14,7 @@
 // ops (cat, bmm, a triangular solve...), a strided bf16 silu ~40 us. One pass each here.
 // All math is fp32, rounded once to the output dtype.
 //
-// gdn_delta is models/gdn.py's delta_rule_updates after prepare_qk, for one chunk of T tokens:
+// gdn_delta is kernels/gdn.py's delta_rule_updates after prepare_qk, for one chunk of T tokens:
 // with c the cumulative log decay, S0 the starting state and q, k L2-normalised (q also scaled
 // by dk^-0.5), the state before token t's correction is exp(c_t) S0 + sum_{j<t} exp(c_t - c_j)
 // k_j d_j^T, so

@@ -19,7 +19,7 @@ function over a `PanelWeight`.
 Why: decode streams every weight once per token, and a verify pass over k+1 tokens only pays
 if it costs about the same as one token. Torch's bf16 CPU matmul without AVX-512 reads the
 weights at 5-20 GB/s and its cost grows ~linearly with M; these kernels read them once per call
-at close to DRAM bandwidth for any M (`python -m quickdraft.bench.kernels`).
+at close to DRAM bandwidth for any M (`python bench/kernels.py`).
 """
 
 from __future__ import annotations

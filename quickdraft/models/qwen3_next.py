@@ -3,7 +3,7 @@ Qwen3.5-MoE (`qwen3_5_moe`), as in transformers 5.x (its modeling files are the 
 
 Stage: the target model. Layers follow `layer_types` (by default 3 `linear_attention` : 1
 `full_attention`): a linear-attention layer is a Gated DeltaNet (fused in-projections, causal
-conv1d, gated delta rule, gated RMSNorm, out-projection; math in models/gdn.py), a full-attention
+conv1d, gated delta rule, gated RMSNorm, out-projection; math in kernels/gdn.py), a full-attention
 layer is attention with a sigmoid output gate, q/k RMSNorm and RoPE on the first
 `partial_rotary_factor` of each head. Every RMSNorm except the GDN output norm scales by
 (1 + w) (zero-centred weights). The MLP is dense or a sparse MoE with a gated shared expert

@@ -12,7 +12,7 @@ token. Per GDN layer:
   checkpoint slots, one per token t of a forward of n <= MAX_CHECKPOINTS tokens (a decode
   step or a verify of k + 1), pre-allocated and reused:
       inputs [t, C]                      its conv input (the window after t = last K-1 inputs)
-      k [H, t, dk], d [H, t, dv], cum [H, t]   its delta-rule update (models/gdn.py)
+      k [H, t, dk], d [H, t, dv], cum [H, t]   its delta-rule update (kernels/gdn.py)
 
 `commit(length)` keeps m = length - self.length tokens of the last forward in O(1): after a
 short forward it records m (the rank-m update is applied to the committed state when the next

@@ -8,7 +8,6 @@ metrics.py   Prometheus metrics (`quickdraft:` prefix) and the admin page's live
 admin.py     /admin page + its token-protected API; settings.py persists its changes
 state.py     ServerConfig and the per-server state (concurrency slots)
 main.py      serve(): load, start the engine, run uvicorn; BackgroundServer for tests
-loadtest.py  the HTTP serving benchmark (`quickdraft bench --serve`)
 """
 
 from quickdraft.server.app import create_app

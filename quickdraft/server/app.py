@@ -33,7 +33,7 @@ from quickdraft.engine import (
     RequestHandle,
     RequestOutput,
 )
-from quickdraft.loading import LoadedModel
+from quickdraft.loading import ContextLengthError, LoadedModel
 from quickdraft.request import SamplingParams
 from quickdraft.server import admin
 from quickdraft.server.errors import (
@@ -164,26 +164,12 @@ async def _generate(
     arrived: float,
 ) -> Response:
     lm = _model(state, body.model)
-    room = lm.context_length - len(prompt_ids)
-    prompt_param = "messages" if kind == "chat" else "prompt"
-    if room < 1:
-        raise APIError(
-            400,
-            f"the prompt has {len(prompt_ids)} tokens; the model context is "
-            f"{lm.context_length} tokens",
-            prompt_param,
-            "context_length_exceeded",
-        )
     requested = body.requested_max_tokens()
-    if requested is not None and requested > room:
-        raise APIError(
-            400,
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({requested}) = "
-            f"{len(prompt_ids) + requested} exceeds the model context of {lm.context_length} "
-            "tokens",
-            "max_tokens",
-            "context_length_exceeded",
-        )
+    try:
+        room = lm.room(len(prompt_ids), requested)
+    except ContextLengthError as exc:
+        param = exc.param if exc.param != "prompt" else ("messages" if kind == "chat" else "prompt")
+        raise APIError(400, str(exc), param, "context_length_exceeded") from None
     try:
         params = body.sampling(requested or min(state.config.default_max_tokens, room))
     except ValueError as exc:

@@ -19,7 +19,7 @@ from types import TracebackType
 import uvicorn
 from fastapi import FastAPI
 
-from quickdraft.config import SpeculativeConfig
+from quickdraft.config import DEFAULT_DTYPE, DEFAULT_MODEL, SpeculativeConfig
 from quickdraft.server.app import create_app
 from quickdraft.server.settings import load_settings
 from quickdraft.server.state import ServerConfig
@@ -29,8 +29,8 @@ log = logging.getLogger("quickdraft.server")
 
 @dataclass(frozen=True, slots=True)
 class ServeOptions:
-    model: str
-    dtype: str = "bf16"
+    model: str = DEFAULT_MODEL
+    dtype: str = DEFAULT_DTYPE
     spec: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     host: str = "127.0.0.1"
     port: int = 8000

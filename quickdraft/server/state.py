@@ -23,7 +23,7 @@ from quickdraft.server.settings import SpeculationSettings, save_settings
 class ServerConfig:
     api_key: str | None = None  # required as `Authorization: Bearer <key>` on /v1/* when set
     admin_token: str | None = None  # the admin API's own token; None = admin API disabled
-    max_concurrency: int = 64  # requests admitted at once (running + queued); more -> 503
+    max_concurrency: int = 32  # requests admitted at once (running + queued); more -> 503
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 2048  # when a request gives none (capped by the context)
     retry_after_s: int = 1  # the Retry-After header of a 503

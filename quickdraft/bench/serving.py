@@ -1,4 +1,4 @@
-"""The HTTP serving benchmark (`quickdraft bench --serve`, bench/serve.py): not a test.
+"""The HTTP serving benchmark (`quickdraft bench --serve`, bench/serve.py).
 
 Starts one `quickdraft serve` process, then at each concurrency level runs speculation off, then
 on (switched through the admin API, so both run in the same process on the same weights),
@@ -22,29 +22,31 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from quickdraft.config import SpeculativeConfig
+from quickdraft.bench.report import RESULTS, machine, write
+from quickdraft.bench.speculative import prompt_sets
+from quickdraft.config import BENCH_MAX_TOKENS, DEFAULT_DTYPE, DEFAULT_MODEL, SpeculativeConfig
 
 PHASES = ("off", "on")
 
 
 @dataclass(frozen=True, slots=True)
 class LoadTest:
-    model: str = "smollm2-135m"
-    dtype: str = "bf16"
-    spec: SpeculativeConfig = field(
-        default_factory=lambda: SpeculativeConfig(method="ngram", num_draft_tokens=5)
-    )
+    model: str = DEFAULT_MODEL
+    dtype: str = DEFAULT_DTYPE
+    spec: SpeculativeConfig = field(default_factory=lambda: SpeculativeConfig(method="ngram"))
     concurrency: tuple[int, ...] = (1, 4, 8)
     requests: int = 8  # per concurrency level and phase
-    max_tokens: int = 96
+    max_tokens: int = BENCH_MAX_TOKENS
     threads: int | None = None  # the server's torch threads (None: torch's default)
     start_timeout_s: float = 3600.0  # first use of a model may download + convert it
+    out_dir: Path = RESULTS
 
 
 @dataclass(slots=True)
@@ -57,8 +59,6 @@ class Sample:
 
 
 def _prompts(n: int) -> list[str]:
-    from quickdraft.benchmark import prompt_sets
-
     sets = list(prompt_sets().values())
     mixed = [s[i] for i in range(max(len(s) for s in sets)) for s in sets if i < len(s)]
     return [mixed[i % len(mixed)] for i in range(n)]
@@ -204,12 +204,13 @@ def _switch(url: str, token: str, model: str, on: bool) -> None:
     r.raise_for_status()
 
 
-def run(t: LoadTest, out_dir: Path) -> dict[str, Any]:
+def run_load_test(t: LoadTest) -> dict[str, Any]:
+    """Both phases at every level; writes serve-<model>.{json,md,png} in t.out_dir."""
     port, token = _free_port(), secrets.token_urlsafe(12)
     url = f"http://127.0.0.1:{port}"
     workdir = Path(tempfile.mkdtemp(prefix="quickdraft-loadtest-"))
     log_path = workdir / "server.log"
-    machine = _machine()  # before the server starts: the code it runs is the code recorded
+    host = machine()  # before the server starts: the code it runs is the code recorded
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             _server_cmd(t, port, token, workdir / "settings.json"),
@@ -251,28 +252,13 @@ def run(t: LoadTest, out_dir: Path) -> dict[str, Any]:
         "speculation": asdict(t.spec),
         "requests_per_level": t.requests,
         "max_tokens": t.max_tokens,
-        "machine": machine,
+        "machine": host,
         "results": results,
         "speedup_on_vs_off": speedup,
     }
-    _write(report, out_dir)
+    stem = f"serve-{Path(t.model).name}"  # not Path.with_suffix: names hold dots
+    write(stem, report, markdown(report), _plot(report), t.out_dir, figsize=(13, 3.8))
     return report
-
-
-def _machine() -> dict[str, Any]:
-    import platform
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
-
-    changed = git("status", "--porcelain", "--untracked-files=all", "quickdraft")
-    return {
-        "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "commit": git("rev-parse", "--short", "HEAD") or "unknown",
-        # package files that differ from that commit: the measured code is not the committed one
-        "uncommitted": changed.splitlines(),
-    }
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -302,33 +288,24 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write(report: dict[str, Any], out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"serve-{Path(report['model']).name}"  # not Path.with_suffix: names hold dots
-    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out_dir / f"{stem}.md").write_text(markdown(report))
-    import matplotlib
+def _plot(report: dict[str, Any]) -> Callable[[Any], None]:
+    def draw(fig: Any) -> None:
+        levels = list(report["results"]["off"])
+        axes = fig.subplots(1, 3)
+        panels = [
+            ("output_tok_s", "output tok/s", 1.0),
+            ("ttft_p50_s", "TTFT p50 (s)", 1.0),
+            ("itl_mean_s", "inter-token latency (ms)", 1000.0),
+        ]
+        for ax, (key, label, scale) in zip(axes, panels, strict=True):
+            for phase in PHASES:
+                ys = [(report["results"][phase][c][key] or 0) * scale for c in levels]
+                ax.plot([int(c) for c in levels], ys, marker="o", label=f"speculation {phase}")
+            ax.set_xlabel("concurrency")
+            ax.set_ylabel(label)
+            ax.set_xticks([int(c) for c in levels])
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=8)
+        fig.suptitle(f"{report['model']} ({report['dtype']}): serving, speculation on vs off")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    levels = list(report["results"]["off"])
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    panels = [
-        ("output_tok_s", "output tok/s", 1.0),
-        ("ttft_p50_s", "TTFT p50 (s)", 1.0),
-        ("itl_mean_s", "inter-token latency (ms)", 1000.0),
-    ]
-    for ax, (key, label, scale) in zip(axes, panels, strict=True):
-        for phase in PHASES:
-            ys = [(report["results"][phase][c][key] or 0) * scale for c in levels]
-            ax.plot([int(c) for c in levels], ys, marker="o", label=f"speculation {phase}")
-        ax.set_xlabel("concurrency")
-        ax.set_ylabel(label)
-        ax.set_xticks([int(c) for c in levels])
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"{report['model']} ({report['dtype']}): serving, speculation on vs off")
-    fig.tight_layout()
-    fig.savefig(out_dir / f"{stem}.png", dpi=100)
-    plt.close(fig)
+    return draw

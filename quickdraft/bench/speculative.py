@@ -26,7 +26,17 @@ from typing import Any
 
 import torch
 
-from quickdraft.config import DEFAULT_DRAFT_QUANTIZATION, SpeculativeConfig, parse_dtype
+from quickdraft.bench.report import RESULTS, bar_chart, write
+from quickdraft.config import (
+    BENCH_MAX_TOKENS,
+    DEFAULT_DRAFT_QUANTIZATION,
+    DEFAULT_DRAFTS,
+    DEFAULT_DTYPE,
+    DEFAULT_MODEL,
+    DEFAULT_NUM_DRAFT_TOKENS,
+    SpeculativeConfig,
+    parse_dtype,
+)
 from quickdraft.engine import stream
 from quickdraft.loading import LoadedModel, load
 from quickdraft.request import SamplingParams
@@ -136,28 +146,46 @@ def divergence(
     return {"position": pos, "top2_logit_gap": round(float(top[0] - top[1]), 4)}
 
 
-def run(
-    target: str = "qwen2.5-coder-1.5b",
-    draft: str = "qwen2.5-coder-0.5b",
-    dtype: str = "bf16",
-    tokens: int = 128,
-    per_set: int | None = None,
-    sets: list[str] | None = None,
-    k: int = 5,
-    hf: bool = True,
-    out_dir: Path = Path("bench/results"),
-    draft_quantization: str = DEFAULT_DRAFT_QUANTIZATION,
-    reference_per_set: int = 2,
-) -> dict[str, Any]:
-    """`draft` runs the draft model with `draft_quantization` weights; when that is not "none"
-    the unquantized draft model runs too, as `draft_unquantized`, so the table shows both.
-    `per_set`: prompts per set for our engines (None: all); `reference_per_set`: for the
-    reference engines (REFERENCE_ENGINES); 0 leaves them out (nothing of theirs is loaded)."""
-    if reference_per_set < 0:
-        raise ValueError(f"reference_per_set must be >= 0, got {reference_per_set}")
-    hf = hf and reference_per_set > 0
+@dataclass(frozen=True, slots=True)
+class SpecBench:
+    """What `run` measures. `draft` runs the draft model with `draft_quantization` weights;
+    when that is not "none" the unquantized draft model runs too, as `draft_unquantized`, so
+    the table shows both. `per_set`: prompts per set for our engines (None: all);
+    `reference_per_set`: for the reference engines (REFERENCE_ENGINES); 0 leaves them out
+    (nothing of theirs is loaded)."""
+
+    target: str = DEFAULT_MODEL
+    draft: str | None = None  # None: the target's paired draft model (config.DEFAULT_DRAFTS)
+    dtype: str = DEFAULT_DTYPE
+    tokens: int = BENCH_MAX_TOKENS
+    per_set: int | None = None
+    sets: tuple[str, ...] | None = None  # None: every set
+    k: int = DEFAULT_NUM_DRAFT_TOKENS
+    hf: bool = True  # the transformers baselines
+    draft_quantization: str = DEFAULT_DRAFT_QUANTIZATION
+    reference_per_set: int = 2
+    out_dir: Path = RESULTS
+
+    def __post_init__(self) -> None:
+        if self.reference_per_set < 0:
+            raise ValueError(f"reference_per_set must be >= 0, got {self.reference_per_set}")
+
+    @property
+    def draft_model(self) -> str:
+        draft = self.draft or DEFAULT_DRAFTS.get(self.target)
+        if draft is None:
+            raise ValueError(f"no packaged draft model pairs with {self.target!r}: give one")
+        return draft
+
+
+def run(opts: SpecBench) -> dict[str, Any]:
+    """Every engine over every chosen prompt; writes speculative.{json,md,png} in out_dir."""
+    target, draft, dtype, tokens, k = opts.target, opts.draft_model, opts.dtype, opts.tokens, opts.k
+    per_set, reference_per_set = opts.per_set, opts.reference_per_set
+    draft_quantization = opts.draft_quantization
+    hf = opts.hf and reference_per_set > 0
     all_sets = prompt_sets()
-    chosen = sets or list(all_sets)
+    chosen = list(opts.sets or all_sets)
     lm = load(target, dtype)
     specs: dict[str, Speculation | None] = {
         "none": None,
@@ -243,7 +271,22 @@ def run(
         "k_max": k,
         "results": results,
     }
-    write_reports(report, out_dir)
+    write(
+        "speculative",
+        report,
+        markdown(report),
+        bar_chart(
+            f"{target} ({dtype}): speculation A/B",
+            "tok/s",
+            chosen,
+            {
+                e: [results[s][e]["tok_s"] for s in chosen]
+                for e in ENGINES
+                if e in results[chosen[0]]
+            },
+        ),
+        opts.out_dir,
+    )
     return report
 
 
@@ -285,31 +328,3 @@ def markdown(report: dict[str, Any]) -> str:
     if vs_hf:
         lines += ["", "draft vs transformers assisted generation: " + ", ".join(vs_hf)]
     return "\n".join(lines) + "\n"
-
-
-def write_reports(report: dict[str, Any], out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "speculative.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out_dir / "speculative.md").write_text(markdown(report))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sets = list(report["results"])
-    engines = [e for e in ENGINES if e in report["results"][sets[0]]]
-    fig, ax = plt.subplots(figsize=(9, 4))
-    width = 0.8 / len(engines)
-    for i, e in enumerate(engines):
-        ax.bar(
-            [s + i * width for s in range(len(sets))],
-            [report["results"][s][e]["tok_s"] for s in sets],
-            width,
-            label=e,
-        )
-    ax.set_xticks([s + 0.4 - width / 2 for s in range(len(sets))], sets)
-    ax.set_ylabel("tok/s")
-    ax.set_title(f"{report['target']} ({report['dtype']}): speculation A/B")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "speculative.png", dpi=100)

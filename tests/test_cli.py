@@ -1,32 +1,35 @@
-"""`quickdraft serve` flags -> SpeculativeConfig: defaults, vLLM's --speculative-config, and
-clear errors for conflicting or malformed values (no model is loaded here)."""
+"""Command-line flags -> configs: `serve`'s speculation defaults, vLLM's --speculative-config,
+clear errors for conflicting or malformed values, and the same speculation flags with the same
+meaning on every subcommand (no model is loaded here)."""
 
 from __future__ import annotations
 
 import pytest
 
-from quickdraft.cli import build_parser, serve_spec_config
+from quickdraft.cli import build_parser, sampling_params, serve_options, spec_config
 from quickdraft.config import SpeculativeConfig
+from quickdraft.request import SamplingParams
+from quickdraft.server import ServerConfig
 
 
 def spec(*argv: str) -> SpeculativeConfig:
-    return serve_spec_config(build_parser().parse_args(["serve", *argv]))
+    return spec_config(build_parser().parse_args(["serve", *argv]))
 
 
-def test_server_cli_default_is_the_packaged_pair() -> None:
-    args = build_parser().parse_args(["serve"])
-    assert args.model == "qwen2.5-coder-1.5b" and args.host == "127.0.0.1"
-    assert args.dtype == "bf16"
+def test_cli_serve_default_is_the_packaged_pair() -> None:
+    opts, config = serve_options(build_parser().parse_args(["serve"]))
+    assert (opts.model, opts.dtype, opts.host) == ("qwen2.5-coder-1.5b", "bf16", "127.0.0.1")
+    assert config.max_concurrency == ServerConfig().max_concurrency
     cfg = spec()
     assert (cfg.method, cfg.draft_model, cfg.num_draft_tokens) == ("draft", "qwen2.5-coder-0.5b", 5)
 
 
-def test_server_cli_other_models_default_to_ngram() -> None:
+def test_cli_serve_other_models_default_to_ngram() -> None:
     cfg = spec("smollm2-135m")
     assert cfg.method == "ngram" and cfg.draft_model is None
 
 
-def test_server_cli_explicit_flags() -> None:
+def test_cli_serve_explicit_flags() -> None:
     cfg = spec("--speculative-method", "none")
     assert not cfg.enabled and cfg.draft_model == "qwen2.5-coder-0.5b"  # kept for the admin page
     cfg = spec("smollm2-135m", "--speculative-method", "ngram", "--num-draft-tokens", "3")
@@ -51,7 +54,7 @@ def test_server_cli_explicit_flags() -> None:
         ),
     ],
 )
-def test_server_cli_vllm_speculative_config(
+def test_cli_serve_vllm_speculative_config(
     json_text: str, expected: tuple[str, str | None, int]
 ) -> None:
     cfg = spec("smollm2-135m", "--speculative-config", json_text)
@@ -76,6 +79,51 @@ def test_server_cli_vllm_speculative_config(
         pytest.param(["--num-draft-tokens", "99"], "num_draft_tokens", id="k-too-large"),
     ],
 )
-def test_server_cli_bad_speculation_is_a_clear_error(argv: list[str], message: str) -> None:
+def test_cli_serve_bad_speculation_is_a_clear_error(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         spec("smollm2-135m", *argv)
+
+
+SPEC_FLAGS = [
+    "--speculative-method",
+    "ngram",
+    "--num-draft-tokens",
+    "3",
+    "--ngram-min",
+    "2",
+    "--ngram-max",
+    "3",
+    "--ngram-shared-tokens",
+    "0",
+    "--no-adaptive",
+]
+
+
+@pytest.mark.parametrize(
+    "command", [["serve", "m"], ["generate", "--model", "m"], ["bench", "--model", "m"]]
+)
+def test_cli_spec_flags_mean_the_same_everywhere(command: list[str]) -> None:
+    cfg = spec_config(build_parser().parse_args([*command, *SPEC_FLAGS]))
+    assert cfg == SpeculativeConfig(
+        method="ngram",
+        num_draft_tokens=3,
+        ngram_min=2,
+        ngram_max=3,
+        ngram_shared_tokens=0,
+        adaptive=False,
+    )
+
+
+def test_cli_unset_flags_keep_the_config_defaults() -> None:
+    """Nothing given: `generate` gets the dataclasses' own defaults (speculation off)."""
+    args = build_parser().parse_args(["generate", "hi"])
+    assert spec_config(args) == SpeculativeConfig()
+    assert sampling_params(args) == SamplingParams()
+    args = build_parser().parse_args(["generate", "--max-tokens", "7", "--stop", "x", "hi"])
+    assert sampling_params(args) == SamplingParams(max_tokens=7, stop=("x",))
+
+
+def test_cli_bench_defaults_to_the_packaged_pair() -> None:
+    cfg = spec_config(build_parser().parse_args(["bench"]))
+    assert (cfg.method, cfg.draft_model) == ("draft", "qwen2.5-coder-0.5b")
+    assert cfg.num_draft_tokens == SpeculativeConfig().num_draft_tokens

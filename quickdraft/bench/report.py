@@ -1,0 +1,149 @@
+"""What every benchmark records beside its figures, and how it writes them.
+
+`machine()` is the one description of the host a figure was measured on (CPU model and the ISA
+flags the kernels dispatch on, threads, torch, commit, uncommitted package files); `write()`
+puts a report into `<out>/<name>.json` + `.md` + `.png` and prints the JSON as the last line,
+so every benchmark leaves the same three files and a script can read the last line. Used by
+`quickdraft bench` (speculative.py, serving.py here) and by the scripts in bench/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quickdraft.kernels.build import cpu_flags
+
+RESULTS = Path("bench/results")  # relative to where a benchmark is run: the checkout's root
+# the flags that decide which kernel path runs (kernels/build.py); reported with every figure
+ISA_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx_vnni",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+)
+
+
+def _git(*args: str) -> str:
+    try:
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip()
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict[str, Any]:
+    """The host and code a figure comes from."""
+    flags = cpu_flags()
+    changed = _git("status", "--porcelain", "--untracked-files=all", "quickdraft")
+    return {
+        "cpu": cpu_model(),
+        "isa": [f for f in ISA_FLAGS if f in flags],
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "commit": _git("rev-parse", "--short", "HEAD") or "unknown",
+        # package files that differ from that commit: the measured code is not the committed one
+        "uncommitted": changed.splitlines(),
+    }
+
+
+def read_bandwidth_gbs(megabytes: int = 1024, repeats: int = 5) -> float:
+    """Best-of-N DRAM read bandwidth: a sum over a buffer far larger than the caches."""
+    buf = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    buf.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return buf.nbytes / best / 1e9
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def bar_chart(
+    title: str, ylabel: str, groups: Sequence[str], series: dict[str, Sequence[float]]
+) -> Callable[[Any], None]:
+    """A grouped bar chart (one bar per series in each group), for `write(plot=...)`."""
+
+    def draw(fig: Any) -> None:
+        ax = fig.subplots()
+        width = 0.8 / max(1, len(series))
+        for i, (label, values) in enumerate(series.items()):
+            xs = [g + i * width for g in range(len(groups))]
+            ax.bar(xs, list(values), width, label=label)
+        ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], list(groups))
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        if len(series) > 1:
+            ax.legend(fontsize=8)
+
+    return draw
+
+
+def write(
+    name: str,
+    report: dict[str, Any],
+    markdown: str,
+    plot: Callable[[Any], None],
+    out_dir: Path = RESULTS,
+    figsize: tuple[float, float] = (9, 4),
+) -> None:
+    """`out_dir/name.{json,md,png}`; prints the markdown, then the JSON on one line as the
+    last line.
+    `plot(fig)` draws on a fresh matplotlib figure (`bar_chart` makes one such function)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report.setdefault("machine", machine())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    m = report["machine"]
+    host = f"\n{m['cpu']} ({' '.join(m['isa']) or 'no listed ISA flags'}), commit {m['commit']}\n"
+    (out_dir / f"{name}.md").write_text(markdown + host)
+    fig = plt.figure(figsize=figsize)
+    plot(fig)
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{name}.png", dpi=100)
+    plt.close(fig)
+    print(markdown + host + "\n" + json.dumps(report), flush=True)
