@@ -2,7 +2,8 @@
 
 Same converted weights, dtype, prompt and token count for both. Decode tok/s is measured as
 (N - 1) / (time(N tokens) - time(1 token)) for both engines, so prefill and the first token are
-excluded symmetrically; one warm-up run each is excluded too. Prints one JSON object last.
+excluded symmetrically; one warm-up run each is excluded too. Writes bench/results/decode.json,
+.md (a table) and .png (a bar chart); prints the table, then the JSON as the last line.
 
     python bench/decode.py --models smollm2-135m qwen2.5-coder-1.5b --tokens 128
 """
@@ -12,13 +13,20 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, machine, peak_rss_mb, read_bandwidth_gbs
-
+from quickdraft.bench.report import (
+    bar_chart,
+    machine,
+    peak_rss_mb,
+    read_bandwidth_gbs,
+    table,
+    write,
+)
 from quickdraft.config import parse_dtype
 from quickdraft.engine import stream
 from quickdraft.loading import LoadedModel, load
@@ -110,16 +118,47 @@ def main() -> None:
             del hf
         rows.append(row)
         print(row, file=sys.stderr)
-    emit(
-        "decode",
-        {
-            "bench": "decode",
-            "read_bandwidth_gbs": round(bandwidth, 1),
-            "peak_rss_mb": round(peak_rss_mb()),
-            **machine(),
-            "results": rows,
-        },
+    result = {
+        "bench": "decode",
+        "read_bandwidth_gbs": round(bandwidth, 1),
+        "peak_rss_mb": round(peak_rss_mb()),
+        "machine": machine(),
+        "results": rows,
+    }
+    write("decode", result, markdown(result), plot(result))
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = result["results"]
+    tokens = rows[0]["tokens"] if rows else "?"
+    head = (
+        f"Greedy decode tok/s over {tokens} tokens (prefill and first token excluded), "
+        f"quickdraft vs transformers `generate`; % roofline = weight bytes x tok/s / "
+        f"{result['read_bandwidth_gbs']} GB/s measured DRAM read.\n\n"
     )
+    return head + table(
+        ["model", "dtype", "weights GB", "ours tok/s", "% roofline", "HF tok/s", "speedup"],
+        [
+            [
+                r["model"],
+                r["dtype"],
+                r["weight_gb"],
+                r["ours_tok_s"],
+                r["ours_pct_roofline"],
+                r.get("hf_tok_s", "-"),
+                f"{r['speedup_vs_hf']}x" if "speedup_vs_hf" in r else "-",
+            ]
+            for r in rows
+        ],
+    )
+
+
+def plot(result: dict[str, Any]) -> Callable[[Any], None]:
+    rows = result["results"]
+    series = {"quickdraft": [r["ours_tok_s"] for r in rows]}
+    if all("hf_tok_s" in r for r in rows):
+        series["transformers"] = [r["hf_tok_s"] for r in rows]
+    return bar_chart("Greedy decode", "tok/s", [r["model"] for r in rows], series)
 
 
 def load_path(name: str, dtype: str) -> Path:

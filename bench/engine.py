@@ -8,9 +8,10 @@ Per cell: output tok/s (all output tokens / wall time of the cell), speedup over
 off at the same concurrency, mean acceptance length (tokens per target forward after prefill),
 acceptance rate, drafts per cycle, median TTFT, and how many greedy outputs equal the
 speculation-off outputs (bf16: a multi-token verify can flip near-tie argmaxes). At concurrency
-1 it also runs `generate.stream` (the single-stream path) with the same speculation, so the
-engine's one-request overhead shows. Warm-up requests are excluded. JSON last line, also
-written to bench/results/<name>.json.
+1 it also runs `quickdraft.engine.stream` (the single-stream path) with the same speculation, so
+the engine's one-request overhead shows. Warm-up requests are excluded. Writes
+bench/results/<name>.json, .md (a table per cell) and .png (tok/s per cell; step cost vs rows);
+prints the table, then the JSON as the last line.
 
     python bench/engine.py                                          # 1.5B + 0.5B draft, bf16
     python bench/engine.py --model smollm2-135m --methods none ngram --name engine-smollm2
@@ -20,17 +21,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # works without `pip install -e`
-from common import emit, machine, peak_rss_mb
-
+from quickdraft.bench.report import bars, machine, peak_rss_mb, table, write
 from quickdraft.bench.speculative import prompt_sets
 from quickdraft.config import DEFAULT_DRAFT_QUANTIZATION, QUANTIZATIONS, SpeculativeConfig
 from quickdraft.engine import Engine, ServedModel, stream
@@ -202,7 +198,9 @@ def main() -> None:
         "--draft-quantization", default=DEFAULT_DRAFT_QUANTIZATION, choices=QUANTIZATIONS
     )
     ap.add_argument("--sets", nargs="*", default=None, help="prompt sets (default: all)")
-    ap.add_argument("--no-stream", action="store_true", help="skip the generate.stream rows")
+    ap.add_argument(
+        "--no-stream", action="store_true", help="skip the quickdraft.engine.stream rows"
+    )
     ap.add_argument("--name", default="engine")
     a = ap.parse_args()
     assert a.methods[0] == "none", "speculation off first: it is every cell's baseline"
@@ -261,9 +259,75 @@ def main() -> None:
             if s is not None and s.draft_cost is not None
         },
         "peak_rss_mb": round(peak_rss_mb()),
-        **machine(),
+        "machine": machine(),
     }
-    emit(a.name, report)
+    write(a.name, report, markdown(report), plot(report), figsize=(12, 4))
+
+
+def markdown(report: dict[str, Any]) -> str:
+    def show(value: Any) -> Any:
+        return "-" if value is None else value
+
+    draft = f" + draft {report['draft']}" if report["draft"] else ""
+    head = (
+        f"Engine throughput, in process, closed loop: {report['model']}{draft}, "
+        f"{report['dtype']}, up to {report['max_tokens']} tokens per request, k <= "
+        f"{report['k_max']}, {report['rounds']} interleaved rounds; speedup over speculation "
+        f"off at the same concurrency (stream_*: the single-stream path).\n\n"
+    )
+    rows = [
+        [
+            c.removeprefix("c"),
+            method,
+            s["tok_s"],
+            f"{s['speedup']}x" if "speedup" in s else "-",
+            show(s["mean_acceptance_length"]),
+            show(s["acceptance_rate"]),
+            show(s["drafts_per_cycle"]),
+            s["ttft_p50_s"],
+            f"{s['identical_to_off']}/{s['requests']}" if "identical_to_off" in s else "-",
+        ]
+        for c, cell in report["results"].items()
+        for method, s in cell.items()
+    ]
+    header = ["concurrency", "method", "tok/s", "speedup", "AL", "acceptance", "drafts/cycle"]
+    header += ["TTFT p50 s", "identical to off"]
+    return head + table(header, rows)
+
+
+def plot(report: dict[str, Any]) -> Any:
+    """Left: tok/s per concurrency and method; right: the step-cost tables (ms vs rows)."""
+    results = report["results"]
+    methods = list(dict.fromkeys(m for cell in results.values() for m in cell))
+    series = {  # a method missing at a concurrency (stream_*: only at 1) draws no bar there
+        "off" if m == "none" else m: [
+            cell[m]["tok_s"] if m in cell else 0.0 for cell in results.values()
+        ]
+        for m in methods
+    }
+    groups = [f"concurrency {c[1:]}" for c in results]
+    costs = {"target": report["step_cost"]} | {
+        f"drafter ({m})": c for m, c in report["draft_cost"].items()
+    }
+
+    def draw(fig: Any) -> None:
+        left, right = fig.subplots(1, 2)
+        bars(left, "Engine throughput", "output tok/s", groups, series)
+        for label, cost in costs.items():
+            rows = sorted((int(r), ms) for r, ms in cost["rows_ms"].items())
+            right.plot([r for r, _ in rows], [ms for _, ms in rows], marker="o", label=label)
+        right.set_xscale("log", base=2)
+        ticks = sorted(
+            {int(r) for c in costs.values() for r in c["rows_ms"] if int(r) & (int(r) - 1) == 0}
+        )
+        right.set_xticks(ticks, [str(t) for t in ticks])
+        right.minorticks_off()
+        right.set_xlabel("rows in one forward")
+        right.set_ylabel("ms")
+        right.set_title("Step cost (start-up tables)")
+        right.legend(fontsize=8)
+
+    return draw
 
 
 if __name__ == "__main__":

@@ -1,3 +1,5 @@
+# Over 400 lines on purpose: one benchmark of one hybrid model end to end (build, parity,
+# throughput, cycle stages, report), whose parts share the model and head it builds.
 """Hybrid (Gated DeltaNet) target + MTP self-speculation, on a random-weight model of realistic
 shape: Qwen3.5-0.8B's (hidden 1024; 24 layers = 18 GDN + 6 gated attention; 16 GDN heads of
 128; 8 query / 2 KV heads of 256; MLP 3584) with the vocabulary cut to 32k: ~0.6B params, bf16.
@@ -17,7 +19,8 @@ Measured side by side in one run, warm-up excluded:
                      (cache + drafter) in ms, and commit's share of the cycle
   tok/s              plain greedy decode vs MTP (k fixed), same prompts and lengths; AL,
                      acceptance rate and histogram, and whether outputs were identical
-Prints one JSON object as the last line (also bench/results/hybrid.json).
+Writes bench/results/hybrid.json, .md (tables) and .png (tok/s, decode vs verify, accepted
+histogram); prints the tables, then the JSON as the last line.
 
     flock /tmp/quickdraft-heavy.lock .venv/bin/python bench/hybrid.py
 """
@@ -26,19 +29,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, machine, peak_rss_mb
-
-from quickdraft.kernels import PanelWeight
+from quickdraft.bench.report import bars, machine, peak_rss_mb, table, write
+from quickdraft.kernels import PanelWeight, Weight, panels_apply, project
 from quickdraft.models.hybrid_config import HybridConfig
-from quickdraft.models.layers import Weight, panels_apply, project
 from quickdraft.models.moe import GatedMLP
 from quickdraft.models.mtp import MTPHead, hybrid_mtp_parts
 from quickdraft.models.qwen3_next import GatedAttention, GatedDeltaNet, HybridLM
@@ -95,7 +93,8 @@ def init_(module: torch.nn.Module, seed: int, out_scale: float) -> None:
 
 def build(out_scale: float) -> tuple[HybridLM, MTPHead, int, int]:
     """The model and its head as `quickdraft.loading.load` would run them (bf16 operands
-    packed into panels when the CPU kernels are available, see kernels/cpu_linear.py), and
+    packed into panels when the CPU kernels are available, see kernels/gemm.py and
+    kernels/linear_bf16.py), and
     their parameter counts (taken before packing releases the HF-named tensors)."""
     cfg = HybridConfig.from_dict(CONFIG)
     model = HybridLM(cfg, torch.bfloat16)
@@ -228,7 +227,8 @@ def commit_costs(model: HybridLM, k: int, reps: int = 200) -> dict[str, Any]:
 def generate(
     model: HybridLM, drafter: MTPDrafter | None, prompt: list[int], tokens: int, k: int
 ) -> dict[str, Any]:
-    """The decode cycle of generate.stream, timed per stage (greedy)."""
+    """The decode cycle of `quickdraft.engine.stream` (engine/spec_cycle.py: propose, forward,
+    verify, commit), timed per stage (greedy)."""
     gen, params = torch.Generator(), SamplingParams()
     cache = model.new_cache(len(prompt) + tokens + k + 1)
     hidden = drafter is not None
@@ -359,58 +359,141 @@ def main() -> None:
     cycle_ms = median_ms([a + b + c for a, b, c in zip(draft_s, verify_s, commit_s, strict=True)])
     full = sum(hist)
     cache = model.new_cache(args.prompt_len + args.tokens + k + 1)
-    emit(
-        "hybrid",
-        {
-            "machine": machine(),
-            "model": {
-                "shape": "Qwen3.5-0.8B layers/widths, vocab 32k, untied lm_head, bf16",
-                "params_m": round(params / 1e6, 1),
-                "mtp_head_params_m": round(head_params / 1e6, 1),
-                "weight_layout": "panels" if isinstance(model.head, PanelWeight) else "rows",
-                "layers": {"gdn": cache.shape.num_layers, "attention": model.num_attention_layers},
-                "out_scale": args.out_scale,
-                "build_s": round(build_s, 1),
-            },
-            "k": k,
-            "decode_vs_verify": speed,
-            "commit": {
-                **commits,
-                "share_of_cycle": round(statistics.median(commit_s) * 1e3 / cycle_ms, 5),
-            },
-            "cycle_ms": {
-                "draft": median_ms(draft_s),
-                "verify": median_ms(verify_s),
-                "commit": median_ms(commit_s),
-                "total": cycle_ms,
-                "head_step_over_target_step": round(head_step_seconds(head) / step_s, 3),
-            },
-            "throughput": {
-                "prompts": args.prompts,
-                "prompt_len": args.prompt_len,
-                "tokens": args.tokens,
-                "plain_tok_s": round(plain_n / plain_s, 2),
-                "mtp_tok_s": round(spec_n / spec_s, 2),
-                "speedup": round((spec_n / spec_s) / (plain_n / plain_s), 3),
-                "mean_acceptance_length": round(1 + accepted / cycles, 3),
-                "acceptance_rate": round(accepted / max(1, drafted), 3),
-                "accepted_histogram": hist,
-                "full_k_cycles": full,
-                "identical_outputs": f"{identical}/{len(prompts)}",
-                "divergences": divergences,
-            },
-            "memory": {
-                # committed + spare slot (a prompt chunk's final state)
-                "gdn_state_mb_per_seq": round((cache.ssm.nbytes + cache.conv.nbytes) / 2**20, 2),
-                "checkpoint_kb_per_seq": round(
-                    sum(t.nbytes for t in (cache.cp_inputs, cache.cp_k, cache.cp_d, cache.cp_cum))
-                    / 1024,
-                    1,
-                ),
-                "peak_rss_mb": round(peak_rss_mb(), 1),
-            },
+    result = {
+        "machine": machine(),
+        "model": {
+            "shape": "Qwen3.5-0.8B layers/widths, vocab 32k, untied lm_head, bf16",
+            "params_m": round(params / 1e6, 1),
+            "mtp_head_params_m": round(head_params / 1e6, 1),
+            "weight_layout": "panels" if isinstance(model.head, PanelWeight) else "rows",
+            "layers": {"gdn": cache.shape.num_layers, "attention": model.num_attention_layers},
+            "out_scale": args.out_scale,
+            "build_s": round(build_s, 1),
         },
+        "k": k,
+        "decode_vs_verify": speed,
+        "commit": {
+            **commits,
+            "share_of_cycle": round(statistics.median(commit_s) * 1e3 / cycle_ms, 5),
+        },
+        "cycle_ms": {
+            "draft": median_ms(draft_s),
+            "verify": median_ms(verify_s),
+            "commit": median_ms(commit_s),
+            "total": cycle_ms,
+            "head_step_over_target_step": round(head_step_seconds(head) / step_s, 3),
+        },
+        "throughput": {
+            "prompts": args.prompts,
+            "prompt_len": args.prompt_len,
+            "tokens": args.tokens,
+            "plain_tok_s": round(plain_n / plain_s, 2),
+            "mtp_tok_s": round(spec_n / spec_s, 2),
+            "speedup": round((spec_n / spec_s) / (plain_n / plain_s), 3),
+            "mean_acceptance_length": round(1 + accepted / cycles, 3),
+            "acceptance_rate": round(accepted / max(1, drafted), 3),
+            "accepted_histogram": hist,
+            "full_k_cycles": full,
+            "identical_outputs": f"{identical}/{len(prompts)}",
+            "divergences": divergences,
+        },
+        "memory": {
+            # committed + spare slot (a prompt chunk's final state)
+            "gdn_state_mb_per_seq": round((cache.ssm.nbytes + cache.conv.nbytes) / 2**20, 2),
+            "checkpoint_kb_per_seq": round(
+                sum(t.nbytes for t in (cache.cp_inputs, cache.cp_k, cache.cp_d, cache.cp_cum))
+                / 1024,
+                1,
+            ),
+            "peak_rss_mb": round(peak_rss_mb(), 1),
+        },
+    }
+    write("hybrid", result, markdown(result), plot(result), figsize=(13, 4))
+
+
+def markdown(result: dict[str, Any]) -> str:
+    model, speed, cycle, tp = (
+        result["model"],
+        result["decode_vs_verify"],
+        result["cycle_ms"],
+        result["throughput"],
     )
+    k = result["k"]
+    head = (
+        f"Hybrid (Gated DeltaNet) target + MTP self-speculation, k = {k}, on a random-weight "
+        f"model of real shape ({model['shape']}; {model['params_m']}M params, MTP head "
+        f"{model['mtp_head_params_m']}M, {model['weight_layout']} layout); acceptance is "
+        f"staged (out_scale {model['out_scale']}), the compute is real.\n\n"
+    )
+    figures = table(
+        ["figure", "value"],
+        [
+            ["plain tok/s", tp["plain_tok_s"]],
+            ["MTP tok/s", tp["mtp_tok_s"]],
+            ["speedup", f"{tp['speedup']}x"],
+            ["mean acceptance length", tp["mean_acceptance_length"]],
+            ["acceptance rate", tp["acceptance_rate"]],
+            ["identical outputs", tp["identical_outputs"]],
+            [f"forward, 1 row / {k + 1} rows (ms)", f"{speed['decode_ms']} / {speed['verify_ms']}"],
+            [f"forward, {k + 1} rows over 1", f"{speed['verify_over_decode']}x"],
+            [
+                f"weight GEMMs, 1 row / {k + 1} rows (ms)",
+                f"{speed['gemm_decode_ms']} / {speed['gemm_verify_ms']}",
+            ],
+            [f"weight GEMMs, {k + 1} rows over 1", f"{speed['gemm_verify_over_decode']}x"],
+            [
+                "cycle: draft / verify / commit / total (ms)",
+                f"{cycle['draft']} / {cycle['verify']} / {cycle['commit']} / {cycle['total']}",
+            ],
+            ["commit share of a cycle", result["commit"]["share_of_cycle"]],
+            ["MTP head step over target step", cycle["head_step_over_target_step"]],
+            ["GDN state per sequence (MB)", result["memory"]["gdn_state_mb_per_seq"]],
+        ],
+    )
+    commits = table(
+        ["accepted", "commit (us)", "deferred state update (ms)"],
+        [
+            [i, us, ms]
+            for i, (us, ms) in enumerate(
+                zip(
+                    result["commit"]["commit_us_by_accepted"],
+                    result["commit"]["apply_update_ms_by_accepted"],
+                    strict=True,
+                )
+            )
+        ],
+    )
+    return head + figures + "\n" + commits
+
+
+def plot(result: dict[str, Any]) -> Any:
+    """Three panels: tok/s plain vs MTP; 1-row vs (k + 1)-row cost of the forward and of its
+    weight GEMMs; how many drafts full-k cycles accepted."""
+    speed, tp, k = result["decode_vs_verify"], result["throughput"], result["k"]
+    panels = [
+        ("Greedy decode", "tok/s", ["plain", "MTP"], {"": [tp["plain_tok_s"], tp["mtp_tok_s"]]}),
+        (
+            "Decode vs verify",
+            "ms",
+            ["forward", "weight GEMMs"],
+            {
+                "1 row": [speed["decode_ms"], speed["gemm_decode_ms"]],
+                f"{k + 1} rows": [speed["verify_ms"], speed["gemm_verify_ms"]],
+            },
+        ),
+        (
+            f"Accepted drafts per cycle (k = {k})",
+            "cycles",
+            [str(i) for i in range(k + 1)],
+            {"": tp["accepted_histogram"]},
+        ),
+    ]
+
+    def draw(fig: Any) -> None:
+        for ax, panel in zip(fig.subplots(1, len(panels)), panels, strict=True):
+            bars(ax, *panel)
+
+    return draw
 
 
 if __name__ == "__main__":

@@ -8,10 +8,12 @@ copies (>= 320 MB, 10x the L3) that every call streams its weight from DRAM as i
 step; warm-up calls are excluded and the best repetition over --rounds passes is reported. On
 a shared machine each measurement first waits (up to --wait-idle seconds) for an idle CPU.
 Prints a table, then one JSON object as the last line (--save also writes
-bench/results/kernels.json).
+bench/results/kernels.json, .md and .png: time(M) / time(M=1) and the speedup over F.linear
+per weight, against M). The kernels: linear_panel.cpp (panels) and linear_bf16.cpp (rows),
+through the extension quickdraft/kernels/build.py builds.
 
     python bench/kernels.py                             # all shapes, M in 1 2 5 9 17
-    python bench/kernels.py --layout rows --shapes 17920x1536 --ms 1 9 --knobs 3 3 65536 0 1
+    python bench/kernels.py --layout rows --shapes 17920x1536 --ms 1 9
 """
 
 from __future__ import annotations
@@ -22,17 +24,14 @@ import sys
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # works without `pip install -e`
-from common import emit, machine, read_bandwidth_gbs
-
-from quickdraft.kernels import PanelWeight, cpu_linear
+from quickdraft.bench.report import machine, read_bandwidth_gbs, table, write
+from quickdraft.kernels import PanelWeight
+from quickdraft.kernels.build import extension
 
 # Qwen2.5-1.5B: q+k+v, o, gate+up, down, lm_head; SmolLM2-135M: q+k+v, lm_head, o...; and
 # a [576, 1536] block (K > N, short output).
@@ -101,20 +100,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="passes over each shape; best kept")
     ap.add_argument("--no-torch", action="store_true", help="skip the F.linear baseline")
     ap.add_argument(
-        "--knobs",
-        nargs=5,
-        type=int,
-        default=[0, 0, 0, 0, -1],
-        metavar=("R", "TMAX", "BLOCK_BYTES", "KB", "PREFETCH"),
-        help="kernel tuning (0 = default, PREFETCH -1 = default): tile rows x "
-        "tokens (4x1, 4x2, 2x4, 3x3), weight bytes per row block, k per block",
-    )
-    ap.add_argument(
         "--layout",
         choices=["panels", "rows"],
         default="panels",
         help="weight layout: 16-row panels (what load() runs bf16 models with, "
-        "linear_panel.cpp) or nn.Linear rows (linear_bf16.cpp, tuned by --knobs)",
+        "linear_panel.cpp) or nn.Linear rows (linear_bf16.cpp)",
     )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     ap.add_argument("--hot", action="store_true", help="no weight rotation: cache-resident")
@@ -129,17 +119,17 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    module = cpu_linear._load()
+    module = extension()
     if module is None:
         sys.exit("kernel unavailable (no AVX2/FMA/F16C or the build failed)")
-    knobs = list(args.knobs)
 
     def ours(x: torch.Tensor, w: torch.Tensor | PanelWeight) -> torch.Tensor:
-        # Both entry points raise rather than fall back, so this always times a kernel.
+        # linear_panel raises rather than fall back; `linear` falls back to
+        # F.linear when not eligible, so the rows loop checks eligibility before timing it.
         if isinstance(w, PanelWeight):
             out: torch.Tensor = module.linear_panel(x, w.packed, w.out_features, None)
         else:
-            out = module.linear_tuned(x, w, None, knobs)
+            out = module.linear(x, w, None, sys.maxsize)
         return out
 
     wait_idle(args.wait_idle)
@@ -163,6 +153,8 @@ def main() -> None:
         # Rounds a few seconds apart: the best of them dodges bursts of load from other users.
         for _ in range(args.rounds):
             for m in args.ms:
+                if args.layout == "rows" and not module.eligible(xs[m], w0, None, sys.maxsize):
+                    sys.exit(f"{spec}, M={m}: not eligible for the rows kernel (K % 8 != 0?)")
                 wait_idle(args.wait_idle)
                 t = time_call(partial(ours, xs[m]), operands, args.budget, 5)
                 best_ours[m] = min(best_ours.get(m, t), t)
@@ -198,13 +190,69 @@ def main() -> None:
         "machine": machine(),
         "read_bandwidth_gbs": round(bw, 2),
         "layout": args.layout,
-        "knobs": knobs,
         "rows": rows,
     }
     if args.save:
-        emit("kernels", result)
+        write("kernels", result, markdown(result), plot(result), figsize=(12, 4))
     else:
         print(json.dumps(result))
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = result["rows"]
+    torch_too = all("torch_ms" in r for r in rows)
+    head = (
+        f"bf16 linear at small M, {result['layout']} layout: ms per call with the weight "
+        f"streamed from DRAM, weight-read GB/s (DRAM read measured at "
+        f"{result['read_bandwidth_gbs']} GB/s), time(M) / time(M=1)"
+        + (", and torch F.linear for comparison" if torch_too else "")
+        + ".\n\n"
+    )
+    header = ["weight NxK", "M", "ours ms", "ours GB/s", "x M=1"]
+    if torch_too:
+        header += ["torch ms", "torch GB/s", "speedup"]
+    body = []
+    for r in rows:
+        line = [r["weight"], r["M"], r["ours_ms"], r["ours_gbs"], r["ours_vs_m1"] or "-"]
+        if torch_too:
+            line += [r["torch_ms"], r["torch_gbs"], f"{r['speedup']}x"]
+        body.append(line)
+    return head + table(header, body)
+
+
+def plot(result: dict[str, Any]) -> Callable[[Any], None]:
+    """Per weight, against M: ours' time(M) / time(M=1) (left) and the speedup over F.linear
+    (right; ours' weight-read GB/s when F.linear was skipped)."""
+    by_weight: dict[str, list[dict[str, Any]]] = {}
+    for r in result["rows"]:
+        by_weight.setdefault(r["weight"], []).append(r)
+    torch_too = all("torch_ms" in r for r in result["rows"])
+    ms_all = sorted({r["M"] for r in result["rows"]})
+    if torch_too:
+        right_key, right_title, right_label = "speedup", "Speedup over F.linear", "F.linear / ours"
+    else:
+        right_key, right_title, right_label = "ours_gbs", "Weight read", "ours, GB/s"
+
+    def draw(fig: Any) -> None:
+        left, right = fig.subplots(1, 2)
+        for weight, rows in by_weight.items():
+            ms = [r["M"] for r in rows]
+            if all(r["ours_vs_m1"] is not None for r in rows):
+                left.plot(ms, [r["ours_vs_m1"] for r in rows], marker="o", label=weight)
+            right.plot(ms, [r[right_key] for r in rows], marker="o", label=weight)
+        no_m1 = "" if 1 in ms_all else " (M=1 not measured)"
+        left.set_title(f"Cost of M rows over 1, {result['layout']}{no_m1}")
+        left.set_ylabel("time(M) / time(M=1)")
+        right.set_title(right_title)
+        right.set_ylabel(right_label)
+        for ax in (left, right):
+            ax.set_xlabel("M (tokens)")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ms_all, [str(m) for m in ms_all])
+            ax.minorticks_off()
+        right.legend(fontsize=7, title="weight NxK", title_fontsize=7)
+
+    return draw
 
 
 if __name__ == "__main__":

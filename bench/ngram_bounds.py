@@ -27,6 +27,8 @@ engine only scores the last prompt row) and its rows are priced as a causal veri
 pessimistic in one way: rejected rows (scored by the target in an engine) do not feed it.
 Nothing here is timed but the cost table: the bound moves with the host's row cost curve
 (flat to ~5 rows on an AVX2-only CPU, where the kernel becomes compute-bound).
+Writes bench/results/ngram-bounds.json, .md (a row per drafter shape) and .png (estimated
+speedup per shape; the step-cost table); prints the table, then the JSON as the last line.
 
     python bench/ngram_bounds.py --sets code json --tokens 128
 """
@@ -34,18 +36,14 @@ Nothing here is timed but the cost table: the bound moves with the host's row co
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, machine
-
+from quickdraft.bench.report import machine, table, write
 from quickdraft.bench.speculative import prompt_sets
 from quickdraft.engine import stream
 from quickdraft.loading import LoadedModel, load
@@ -183,21 +181,76 @@ def main() -> None:
     for widths in TREES:
         shapes[f"chain k={a.k}+tree {list(widths)}"] = replay(samples, a.k, widths, cost)
     best = {s: max(shapes, key=lambda shape: shapes[shape][s]["estimated_speedup"]) for s in sets}
-    emit(
-        "ngram-bounds",
-        {
-            "bench": "ngram_bounds",
-            "target": a.target,
-            "dtype": a.dtype,
-            "tokens": a.tokens,
-            "prompts_per_set": {s: len(v) for s, v in sets.items()},
-            "machine": machine(),
-            "step_cost_ms": {r: round(cost.of_rows(r) * 1e3, 1) for r in cost.rows},
-            "shapes": shapes,
-            "best": {s: {"shape": b, **shapes[b][s]} for s, b in best.items()},
-            "seconds": round(time.perf_counter() - t0, 1),
-        },
+    result = {
+        "bench": "ngram_bounds",
+        "target": a.target,
+        "dtype": a.dtype,
+        "tokens": a.tokens,
+        "prompts_per_set": {s: len(v) for s, v in sets.items()},
+        "machine": machine(),
+        "step_cost_ms": {r: round(cost.of_rows(r) * 1e3, 1) for r in cost.rows},
+        "shapes": shapes,
+        "best": {s: {"shape": b, **shapes[b][s]} for s, b in best.items()},
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    write("ngram-bounds", result, markdown(result), plot(result), figsize=(13, 5))
+
+
+def markdown(result: dict[str, Any]) -> str:
+    sets = list(result["prompts_per_set"])
+    prompts = ", ".join(f"{n} {s}" for s, n in result["prompts_per_set"].items())
+    head = (
+        f"Replay bound on model-free drafting: {result['target']} {result['dtype']} greedy "
+        f"outputs ({result['tokens']} tokens; prompts: {prompts}) replayed through each drafter "
+        f"shape; AL = tokens per target forward, speedup estimated from the measured step-cost "
+        f"table (no speculation run).\n\n"
     )
+    header = ["drafter shape"]
+    for s in sets:
+        header += [f"{s} AL", f"{s} rows/step", f"{s} est. speedup"]
+    rows = []
+    for shape, per_set in result["shapes"].items():
+        row: list[Any] = [shape]
+        for s in sets:
+            f = per_set[s]
+            row += [f["acceptance_length"], f["rows_per_step"], f"{f['estimated_speedup']}x"]
+        rows.append(row)
+    best = "; ".join(
+        f"{s}: {b['shape']} ({b['estimated_speedup']}x)" for s, b in result["best"].items()
+    )
+    return head + table(header, rows) + f"\nBest per set: {best}.\n"
+
+
+def plot(result: dict[str, Any]) -> Any:
+    """Left: estimated speedup per drafter shape and prompt set; right: the target's step
+    cost against the rows of one forward, which prices every shape's rows."""
+    shapes = list(result["shapes"])
+    sets = list(result["prompts_per_set"])
+    cost = sorted((int(r), ms) for r, ms in result["step_cost_ms"].items())
+
+    def draw(fig: Any) -> None:
+        left, right = fig.subplots(1, 2, width_ratios=(3, 2))
+        height = 0.8 / max(1, len(sets))
+        for i, s in enumerate(sets):
+            ys = [y + i * height for y in range(len(shapes))]
+            speedups = [result["shapes"][shape][s]["estimated_speedup"] for shape in shapes]
+            left.barh(ys, speedups, height, label=s)
+        left.set_yticks([y + 0.4 - height / 2 for y in range(len(shapes))], shapes, fontsize=8)
+        left.invert_yaxis()
+        left.axvline(1.0, color="grey", linewidth=0.8)
+        left.set_xlabel("estimated speedup over plain decode")
+        left.set_title("Replay bound per drafter shape")
+        left.legend(fontsize=8)
+        right.plot([r for r, _ in cost], [ms for _, ms in cost], marker="o")
+        right.set_xscale("log", base=2)
+        ticks = [r for r, _ in cost if r & (r - 1) == 0]  # powers of two
+        right.set_xticks(ticks, [str(t) for t in ticks])
+        right.minorticks_off()
+        right.set_xlabel("rows in one forward")
+        right.set_ylabel("ms")
+        right.set_title(f"{result['target']} step cost")
+
+    return draw
 
 
 if __name__ == "__main__":

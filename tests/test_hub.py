@@ -19,6 +19,8 @@ import pytest
 import torch
 
 from quickdraft import hub
+from quickdraft.config import cache_dir
+from quickdraft.hub import catalog
 
 
 def _wheel(directory: Path, package: str, member: str, data: bytes) -> Path:
@@ -163,7 +165,7 @@ def smollm2_fp32() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_gguf(smollm2_fp32: Path) -> Path:
-    return hub.cache_dir() / "gguf" / hub.CATALOG["smollm2-135m"].filename
+    return cache_dir() / "gguf" / hub.CATALOG["smollm2-135m"].filename
 
 
 @pytest.fixture(scope="session")
@@ -268,7 +270,7 @@ def test_pull_second_call_is_cached(smollm2_fp32: Path, monkeypatch: pytest.Monk
     def no_network(*args: object, **kwargs: object) -> list[Path]:
         raise AssertionError("pull went to the network for a converted model")
 
-    monkeypatch.setattr(hub, "_pip_download", no_network)
+    monkeypatch.setattr(catalog, "_pip_download", no_network)
     assert hub.pull("smollm2-135m", "float32", progress=False) == smollm2_fp32
     row = next(r for r in hub.list_models() if r.name == "smollm2-135m")
     assert row.downloaded and "fp32" in row.converted
@@ -283,7 +285,7 @@ def test_resolve_hf_directory_unchanged(smollm2_fp32: Path) -> None:
 def test_resolve_gguf_path_converts_once(smollm2_fp32: Path, smollm2_gguf: Path) -> None:
     first = hub.resolve(str(smollm2_gguf), "fp32", progress=False)
     assert first.parent.name.startswith("gguf-SmolLM2-135M-Instruct.Q4_1-")
-    assert first.name == "fp32" and first.parent.parent == hub.cache_dir() / "models"
+    assert first.name == "fp32" and first.parent.parent == cache_dir() / "models"
     # same GGUF, same dtype -> byte-identical checkpoint (the writer is deterministic)
     digest = [
         hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest()

@@ -99,24 +99,25 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def bars(
+    ax: Any, title: str, ylabel: str, groups: Sequence[str], series: dict[str, Sequence[float]]
+) -> None:
+    """Grouped bars on one matplotlib axes: one bar per series in each group."""
+    width = 0.8 / max(1, len(series))
+    for i, (label, values) in enumerate(series.items()):
+        ax.bar([g + i * width for g in range(len(groups))], list(values), width, label=label)
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], list(groups))
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if len(series) > 1:
+        ax.legend(fontsize=8)
+
+
 def bar_chart(
     title: str, ylabel: str, groups: Sequence[str], series: dict[str, Sequence[float]]
 ) -> Callable[[Any], None]:
-    """A grouped bar chart (one bar per series in each group), for `write(plot=...)`."""
-
-    def draw(fig: Any) -> None:
-        ax = fig.subplots()
-        width = 0.8 / max(1, len(series))
-        for i, (label, values) in enumerate(series.items()):
-            xs = [g + i * width for g in range(len(groups))]
-            ax.bar(xs, list(values), width, label=label)
-        ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], list(groups))
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        if len(series) > 1:
-            ax.legend(fontsize=8)
-
-    return draw
+    """A figure of one grouped bar chart (`bars`), for `write(plot=...)`."""
+    return lambda fig: bars(fig.subplots(), title, ylabel, groups, series)
 
 
 def write(

@@ -1,3 +1,5 @@
+// 475 lines on purpose: one kernel (activation packing, register tiles, format dispatch, driver)
+// read top to bottom; its tile shapes and the driver that picks them belong together.
 // Small-M linear over a bf16 weight in nn.Linear layout for AVX2 + FMA CPUs; the Python-facing
 // contract and the reference are quickdraft/kernels/linear_bf16.py's.
 //
