@@ -27,7 +27,7 @@ from quickdraft.bench.report import (
     table,
     write,
 )
-from quickdraft.config import parse_dtype
+from quickdraft.config import BENCH_MAX_TOKENS, DEFAULT_DTYPE, parse_dtype
 from quickdraft.engine import stream
 from quickdraft.loading import LoadedModel, load
 from quickdraft.request import SamplingParams
@@ -78,8 +78,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-1.5b"])
-    ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--dtype", default=DEFAULT_DTYPE)
+    ap.add_argument("--tokens", type=int, default=BENCH_MAX_TOKENS)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     args = ap.parse_args()

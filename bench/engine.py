@@ -28,7 +28,15 @@ from typing import Any
 
 from quickdraft.bench.report import bars, machine, peak_rss_mb, table, write
 from quickdraft.bench.speculative import prompt_sets
-from quickdraft.config import DEFAULT_DRAFT_QUANTIZATION, QUANTIZATIONS, SpeculativeConfig
+from quickdraft.config import (
+    DEFAULT_DRAFT_QUANTIZATION,
+    DEFAULT_DRAFTS,
+    DEFAULT_DTYPE,
+    DEFAULT_MODEL,
+    DEFAULT_NUM_DRAFT_TOKENS,
+    QUANTIZATIONS,
+    SpeculativeConfig,
+)
 from quickdraft.engine import Engine, ServedModel, stream
 from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.loading import LoadedModel, load
@@ -185,15 +193,15 @@ def cost_ms(cost: StepCost) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--draft", default=DEFAULT_DRAFTS[DEFAULT_MODEL])
+    ap.add_argument("--dtype", default=DEFAULT_DTYPE)
     ap.add_argument("--methods", nargs="+", default=["none", "ngram", "draft"])
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 8])
     ap.add_argument("--requests-per-slot", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2, help="interleaved repetitions")
     ap.add_argument("--tokens", type=int, default=64, help="max output tokens per request")
-    ap.add_argument("-k", type=int, default=5, help="draft length ceiling")
+    ap.add_argument("-k", type=int, default=DEFAULT_NUM_DRAFT_TOKENS, help="draft length ceiling")
     ap.add_argument(
         "--draft-quantization", default=DEFAULT_DRAFT_QUANTIZATION, choices=QUANTIZATIONS
     )

@@ -45,6 +45,12 @@ from tqdm import tqdm
 
 from quickdraft.bench.report import machine, table, write
 from quickdraft.bench.speculative import prompt_sets
+from quickdraft.config import (
+    BENCH_MAX_TOKENS,
+    DEFAULT_DTYPE,
+    DEFAULT_MODEL,
+    DEFAULT_NUM_DRAFT_TOKENS,
+)
 from quickdraft.engine import stream
 from quickdraft.loading import LoadedModel, load
 from quickdraft.request import SamplingParams
@@ -159,12 +165,14 @@ def replay(samples: list[Sample], k: int, widths: tuple[int, ...], cost: StepCos
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--target", default=DEFAULT_MODEL)
+    ap.add_argument("--dtype", default=DEFAULT_DTYPE)
+    ap.add_argument("--tokens", type=int, default=BENCH_MAX_TOKENS)
     ap.add_argument("--sets", nargs="*", default=["code", "json"], choices=SET_ORDER)
     ap.add_argument("--per-set", type=int, default=None, help="default: all prompts")
-    ap.add_argument("-k", type=int, default=5, help="longest n-gram chain replayed")
+    ap.add_argument(
+        "-k", type=int, default=DEFAULT_NUM_DRAFT_TOKENS, help="longest n-gram chain replayed"
+    )
     ap.add_argument("--width", type=int, default=8, help="target top tokens kept per position")
     a = ap.parse_args()
     if max(max(w) for w in TREES) > a.width:
