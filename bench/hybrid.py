@@ -305,6 +305,7 @@ def divergence(
 
 
 def main() -> None:
+    host = machine()  # at the start: the code recorded is the code measured
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=4)
@@ -360,7 +361,7 @@ def main() -> None:
     full = sum(hist)
     cache = model.new_cache(args.prompt_len + args.tokens + k + 1)
     result = {
-        "machine": machine(),
+        "machine": host,
         "model": {
             "shape": "Qwen3.5-0.8B layers/widths, vocab 32k, untied lm_head, bf16",
             "params_m": round(params / 1e6, 1),

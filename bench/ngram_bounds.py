@@ -164,6 +164,7 @@ def replay(samples: list[Sample], k: int, widths: tuple[int, ...], cost: StepCos
 
 
 def main() -> None:
+    host = machine()  # at the start: the code recorded is the code measured
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default=DEFAULT_MODEL)
     ap.add_argument("--dtype", default=DEFAULT_DTYPE)
@@ -195,7 +196,7 @@ def main() -> None:
         "dtype": a.dtype,
         "tokens": a.tokens,
         "prompts_per_set": {s: len(v) for s, v in sets.items()},
-        "machine": machine(),
+        "machine": host,
         "step_cost_ms": {r: round(cost.of_rows(r) * 1e3, 1) for r in cost.rows},
         "shapes": shapes,
         "best": {s: {"shape": b, **shapes[b][s]} for s, b in best.items()},

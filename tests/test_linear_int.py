@@ -13,6 +13,23 @@ from quickdraft.kernels import Int4Weight, Int8Weight, build, kernel_calls, line
 pytestmark = pytest.mark.usefixtures("kernels_enabled")
 
 
+def assert_matches_quantized_reference(
+    out: torch.Tensor, x: torch.Tensor, q: Int4Weight | Int8Weight, b: torch.Tensor | None
+) -> None:
+    """`out` against the weight's plain-torch reference (same activation quantization: only
+    the summation order differs), and that reference against the dequantized weight's product
+    (up to the int8 activation rounding)."""
+    bias = None if b is None else b.float()
+    ref = q.reference_linear(x.float(), bias)
+    assert out.dtype == x.dtype and out.shape == ref.shape
+    tol = 1e-5 * (ref.abs() + 1)
+    if x.dtype == torch.bfloat16:
+        tol = tol + BF16_ULP * ref.abs()
+    assert bool(((out.float() - ref).abs() <= tol).all())
+    deq = F.linear(x.float(), q.dequantize(torch.float32), bias)
+    assert float((ref - deq).abs().max()) < 0.02 * float(deq.abs().max())
+
+
 def test_int8_quantize_roundtrip_error_is_half_a_step() -> None:
     w = torch.randn(50, 96, generator=torch.Generator().manual_seed(3))
     q = Int8Weight.quantize(w)
@@ -66,15 +83,7 @@ def test_linear_int8_matches_its_reference(m: int, k: int, bias: bool, dtype: to
     before = kernel_calls()
     out = linear_int8(x, q, b)
     assert kernel_calls() == before + 1  # the kernel ran, not the reference fallback
-    ref = q.reference_linear(x.float(), None if b is None else b.float())
-    assert out.dtype == x.dtype and out.shape == ref.shape
-    tol = 1e-5 * (ref.abs() + 1)
-    if dtype == torch.bfloat16:
-        tol = tol + BF16_ULP * ref.abs()
-    assert bool(((out.float() - ref).abs() <= tol).all())
-    # and it is the dequantized weight's product up to the int8 activation rounding
-    deq = F.linear(x.float(), q.dequantize(torch.float32), None if b is None else b.float())
-    assert float((ref - deq).abs().max()) < 0.02 * float(deq.abs().max())
+    assert_matches_quantized_reference(out, x, q, b)
 
 
 @needs_kernel
@@ -157,15 +166,7 @@ def test_linear_int4_matches_its_reference(m: int, k: int, bias: bool, dtype: to
     before = kernel_calls()
     out = linear_int4(x, q, b)
     assert kernel_calls() == before + 1  # the kernel ran, not the reference fallback
-    ref = q.reference_linear(x.float(), None if b is None else b.float())
-    assert out.dtype == x.dtype and out.shape == ref.shape
-    tol = 1e-5 * (ref.abs() + 1)
-    if dtype == torch.bfloat16:
-        tol = tol + BF16_ULP * ref.abs()
-    assert bool(((out.float() - ref).abs() <= tol).all())
-    # and it is the dequantized weight's product up to the int8 activation rounding
-    deq = F.linear(x.float(), q.dequantize(torch.float32), None if b is None else b.float())
-    assert float((ref - deq).abs().max()) < 0.02 * float(deq.abs().max())
+    assert_matches_quantized_reference(out, x, q, b)
 
 
 @needs_kernel

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from quickdraft.bench.report import RESULTS, bar_chart, write
+from quickdraft.bench.report import RESULTS, bar_chart, machine, write
 from quickdraft.config import (
     BENCH_MAX_TOKENS,
     DEFAULT_DRAFT_QUANTIZATION,
@@ -180,6 +180,7 @@ class SpecBench:
 
 def run(opts: SpecBench) -> dict[str, Any]:
     """Every engine over every chosen prompt; writes speculative.{json,md,png} in out_dir."""
+    host = machine()  # at the start: the code recorded is the code measured
     target, draft, dtype, tokens, k = opts.target, opts.draft_model, opts.dtype, opts.tokens, opts.k
     per_set, reference_per_set = opts.per_set, opts.reference_per_set
     draft_quantization = opts.draft_quantization
@@ -269,6 +270,7 @@ def run(opts: SpecBench) -> dict[str, Any]:
         "prompts_per_set": per_set,
         "reference_prompts_per_set": reference_per_set,
         "k_max": k,
+        "machine": host,
         "results": results,
     }
     write(
