@@ -21,25 +21,9 @@ from typing import Any
 
 import torch
 
-from quickdraft.kernels.build import cpu_flags
+from quickdraft.kernels.build import isa
 
 RESULTS = Path("bench/results")  # relative to where a benchmark is run: the checkout's root
-# the flags that decide which kernel path runs (kernels/build.py); reported with every figure
-ISA_FLAGS = (
-    "avx2",
-    "fma",
-    "f16c",
-    "avx512f",
-    "avx512bw",
-    "avx512vl",
-    "avx512_vnni",
-    "avx512_bf16",
-    "avx512_fp16",
-    "avx_vnni",
-    "amx_tile",
-    "amx_int8",
-    "amx_bf16",
-)
 
 
 def _git(*args: str) -> str:
@@ -62,11 +46,10 @@ def cpu_model() -> str:
 
 def machine() -> dict[str, Any]:
     """The host and code a figure comes from."""
-    flags = cpu_flags()
     changed = _git("status", "--porcelain", "--untracked-files=all", "quickdraft")
     return {
         "cpu": cpu_model(),
-        "isa": [f for f in ISA_FLAGS if f in flags],
+        "isa": isa(),
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -129,7 +112,8 @@ def write(
     figsize: tuple[float, float] = (9, 4),
 ) -> None:
     """`out_dir/name.{json,md,png}`; prints the markdown, then the JSON on one line as the
-    last line.
+    last line. A benchmark records `machine()` in `report["machine"]` when it starts (the
+    code it ran is then the code recorded); one that did not gets the host as it is now.
     `plot(fig)` draws on a fresh matplotlib figure (`bar_chart` makes one such function)."""
     import matplotlib
 

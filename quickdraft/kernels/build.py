@@ -58,6 +58,22 @@ SOURCES = [
     )
 ]
 BASELINE_FLAGS = frozenset({"avx2", "fma", "f16c"})  # what every source is compiled for
+# the flags that decide which kernel path can run; benchmarks report them with every figure
+ISA_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx_vnni",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+)
 # -fopenmp: at::parallel_for is header-inline and runs serially unless compiled with OpenMP;
 # the extension then shares torch's already-loaded libgomp pool (same soname).
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
@@ -79,6 +95,21 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+def isa() -> list[str]:
+    """This CPU's ISA_FLAGS, in that order."""
+    flags = cpu_flags()
+    return [f for f in ISA_FLAGS if f in flags]
+
+
+@functools.cache
+def source_digest() -> str:
+    """A hash of the kernel sources (C++ and headers): what the compiled code is."""
+    h = hashlib.sha256()
+    for f in sorted(_HERE.glob("*.cpp")) + sorted(_HERE.glob("*.h")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def cpu_supported() -> bool:

@@ -11,15 +11,28 @@ measured to predicted seconds (`Calibration`, per step shape); a drafter's table
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
+import tempfile
 import time
 import weakref
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
+from quickdraft.config import cache_dir
+from quickdraft.kernels.build import extension, isa, source_digest
 from quickdraft.models.base import LanguageModel
+from quickdraft.models.layers import OperandModule
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,15 +224,90 @@ class DraftCost:
 
 
 _TABLES: weakref.WeakKeyDictionary[Any, StepCost] = weakref.WeakKeyDictionary()
+REMEASURE_ENV = "QUICKDRAFT_REMEASURE_COST"  # "1": measure again and replace the stored table
+TABLE_VERSION = 1  # bump when measure_step_cost changes what it measures
+
+
+def cost_key(model: LanguageModel) -> dict[str, Any]:
+    """What a step's cost depends on: the model's architecture, dtype and weight formats, and
+    the host (ISA, threads, torch, the kernels' sources). Not the weights' values."""
+    formats: Counter[str] = Counter()
+    if isinstance(model, nn.Module):
+        for module in model.modules():
+            if isinstance(module, OperandModule):
+                formats.update(type(getattr(module, name)).__name__ for name in module.OPERANDS)
+    return {
+        "version": TABLE_VERSION,
+        "model": type(model).__qualname__,
+        "config": repr(model.config),
+        "dtype": str(model.dtype),
+        "operands": sorted(formats.items()),
+        "isa": isa(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "kernels": source_digest() if extension() is not None else "none",
+    }
+
+
+def _table_path(key: dict[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / "step-cost" / f"{digest}.json"
+
+
+def _read_table(path: Path, key: dict[str, Any]) -> StepCost | None:
+    """The stored table for `key`, or None (none stored, another key, or unreadable)."""
+    try:
+        raw = json.loads(path.read_text())
+        if raw["key"] != json.loads(json.dumps(key)):
+            return None
+        return StepCost(
+            tuple(int(r) for r in raw["rows"]),
+            tuple(float(x) for x in raw["seconds"]),
+            float(raw["per_seq"]),
+            float(raw["per_masked"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        return None
+
+
+def _write_table(path: Path, key: dict[str, Any], table: StepCost) -> None:
+    text = json.dumps(
+        {
+            "key": key,
+            "rows": table.rows,
+            "seconds": table.seconds,
+            "per_seq": table.per_seq,
+            "per_masked": table.per_masked,
+        },
+        indent=1,
+    )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(text + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only cache costs a re-measure next start, nothing else
+        log.warning("could not store the step-cost table at %s: %s", path, exc)
 
 
 def model_cost(model: LanguageModel) -> StepCost:
-    """`model`'s step-cost table: measured on the first call for that model object and kept
-    while it lives (~20 s for a 1.5B model on this class of CPU, so only what prices drafts
-    asks for it: adaptive speculation)."""
+    """`model`'s step-cost table, measured once per machine: kept while the model object
+    lives, and on disk under `cache_dir()/step-cost/`, keyed by `cost_key` (a new model,
+    format, thread count, CPU or kernel build measures again, ~20 s for a 1.5B model on this
+    class of CPU; QUICKDRAFT_REMEASURE_COST=1 forces it). Only what prices drafts asks for
+    it: adaptive speculation. The engine's calibration corrects a stored table that the host's
+    load has since made wrong, as it does a freshly measured one."""
     table = _TABLES.get(model)
+    if table is not None:
+        return table
+    key = cost_key(model)
+    path = _table_path(key)
+    table = None if os.environ.get(REMEASURE_ENV) == "1" else _read_table(path, key)
     if table is None:
-        table = _TABLES[model] = measure_step_cost(model)
+        table = measure_step_cost(model)
+        _write_table(path, key, table)
+    _TABLES[model] = table
     return table
 
 

@@ -2,8 +2,8 @@
 
 A factory returns the drafter and how to time its forwards: a step-cost table in seconds, in
 the target's format (cost.py `StepCost`), or None for a lookup that costs nothing. The draft
-model's table is its own, timed like the target's (a few seconds at start-up); the MTP head's
-is the target's scaled by one timed head step against one target step. Tables are only
+model's table is its own, timed like the target's (once per machine: cost.py stores it); the
+MTP head's is the target's scaled by one timed head step against one target step. Tables are only
 measured for the adaptive policy (forced requests draft k regardless of cost), and the engine
 then times every draft phase against them, so a table taken on a busy host is corrected once
 decoding runs. `QUICKDRAFT_DISABLE_SPECULATION=1` turns speculation off everywhere (bisecting).
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.loading import LoadedModel, load
-from quickdraft.speculation.cost import DraftCost, StepCost, measure_step_cost, model_cost
+from quickdraft.speculation.cost import DraftCost, StepCost, model_cost
 from quickdraft.speculation.drafters.base import Drafter
 from quickdraft.speculation.drafters.draft_model import DraftModelDrafter
 from quickdraft.speculation.drafters.mtp import head_step_seconds, mtp_drafter
@@ -48,7 +48,7 @@ def _draft_model(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, C
             f"({lm.name}): speculative decoding needs identical token ids"
         )
     drafter = DraftModelDrafter(draft.model, lm.model.config.vocab_size)
-    return drafter, lambda: measure_step_cost(draft.model)
+    return drafter, lambda: model_cost(draft.model)
 
 
 def _mtp(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable]:

@@ -1,0 +1,95 @@
+"""Step-cost tables are measured once per machine: `model_cost` stores what it measured under
+QUICKDRAFT_HOME keyed by model, format and host, reads it back for a new model object of the
+same kind, measures again when the key changes or on request, and survives a broken file."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from quickdraft.loading import LoadedModel, load
+from quickdraft.speculation import cost
+from quickdraft.speculation.cost import StepCost, cost_key, model_cost
+
+
+@pytest.fixture()
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("QUICKDRAFT_HOME", str(tmp_path))
+    monkeypatch.delenv(cost.REMEASURE_ENV, raising=False)
+    return tmp_path
+
+
+@pytest.fixture()
+def measured(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[object]]:
+    """Counts the real measurements (each one still runs)."""
+    calls: list[object] = []
+    real = cost.measure_step_cost
+
+    def counting(model: object, *args: object, **kwargs: object) -> StepCost:
+        calls.append(model)
+        return real(model, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cost, "measure_step_cost", counting)
+    yield calls
+
+
+def fresh(tiny_model_dir: Path, dtype: str = "fp32") -> LoadedModel:
+    return load(str(tiny_model_dir), dtype, progress=False)
+
+
+def test_cost_table_is_measured_once_and_read_back(
+    home: Path, measured: list[object], tiny_model_dir: Path
+) -> None:
+    first = model_cost(fresh(tiny_model_dir).model)
+    assert len(measured) == 1
+    assert len(list((home / "step-cost").glob("*.json"))) == 1
+    second = model_cost(fresh(tiny_model_dir).model)  # another object, same kind: from disk
+    assert len(measured) == 1 and second == first
+
+
+def test_cost_table_is_measured_again_when_the_key_changes(
+    home: Path, measured: list[object], tiny_model_dir: Path
+) -> None:
+    model_cost(fresh(tiny_model_dir).model)
+    bf16 = fresh(tiny_model_dir, "bf16").model
+    assert cost_key(bf16) != cost_key(fresh(tiny_model_dir).model)
+    model_cost(bf16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        model_cost(fresh(tiny_model_dir).model)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(measured) == 3
+    assert len(list((home / "step-cost").glob("*.json"))) == 3
+
+
+def test_cost_table_remeasures_on_request(
+    home: Path, measured: list[object], tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model_cost(fresh(tiny_model_dir).model)
+    monkeypatch.setenv(cost.REMEASURE_ENV, "1")
+    model_cost(fresh(tiny_model_dir).model)
+    assert len(measured) == 2
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        pytest.param("{not json", id="not-json"),
+        pytest.param('{"key": 1}', id="missing-fields"),
+        pytest.param("", id="empty"),
+    ],
+)
+def test_cost_table_broken_file_is_measured_again(
+    home: Path, measured: list[object], tiny_model_dir: Path, content: str
+) -> None:
+    first = model_cost(fresh(tiny_model_dir).model)
+    (path,) = (home / "step-cost").glob("*.json")
+    path.write_text(content)
+    again = model_cost(fresh(tiny_model_dir).model)
+    assert len(measured) == 2 and again.rows == first.rows
+    assert cost._read_table(path, cost_key(fresh(tiny_model_dir).model)) == again  # rewritten
