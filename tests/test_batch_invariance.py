@@ -1,0 +1,59 @@
+"""Batch invariance of the GEMM kernels: one activation row gives bit-identical output alone
+(a decode step) and inside M = 2..16 rows at any position (a verify, a batched step). Without
+it greedy output with speculation on can differ from speculation off.
+
+Covered: the int8 and int4 panel kernels, with fp32 and bf16 activations, on shapes where the
+token count changes their schedule (several token chunks and weight blocks past M = 4). Not
+covered because it does not hold today: the bf16 panel kernel (linear_panel.cpp interleaves 4,
+2 or 1 accumulator sets by token count and splits k into blocks only past one token chunk, so
+a row's summation order depends on M; with 4096x896 weights every M in 2..16 differs from the
+row alone) and the nn.Linear-layout bf16 kernel (linear_bf16.cpp). Issue 31 makes them so."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from kernel_checks import needs_kernel
+from torch import Tensor
+
+from quickdraft.kernels import (
+    Int4Weight,
+    Int8Weight,
+    kernel_calls,
+    linear_int4,
+    linear_int8,
+)
+
+N, K = 300, 896  # N: a partial last panel; K: 28 groups of 32, several blocks when M > 4
+
+FORMATS: dict[str, Callable[[Tensor], tuple[object, Callable[..., Tensor]]]] = {
+    "int8": lambda w: (Int8Weight.quantize(w), linear_int8),
+    "int4": lambda w: (Int4Weight.quantize(w.float()), linear_int4),
+}
+CASES = [
+    pytest.param(fmt, dtype, id=f"{fmt}-{str(dtype).removeprefix('torch.')}")
+    for fmt in FORMATS
+    for dtype in (torch.float32, torch.bfloat16)
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize(("fmt", "dtype"), CASES)
+def test_batch_invariance_row_alone_equals_row_in_batch(
+    fmt: str, dtype: torch.dtype, kernels_enabled: None
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(N, K, generator=g) * 0.1).bfloat16()
+    bias = torch.randn(N, generator=g).bfloat16()
+    x = torch.randn(17, K, generator=g).to(dtype)
+    weight, linear = FORMATS[fmt](w)
+    before = kernel_calls()
+    alone = linear(x[:1], weight, bias)
+    assert kernel_calls() == before + 1  # the kernel ran, not a reference fallback
+    for m in range(2, 17):
+        first = linear(x[:m], weight, bias)
+        last = linear(torch.cat([x[1:m], x[:1]]), weight, bias)
+        assert torch.equal(first[:1], alone), f"row 0 of M={m} differs from the row alone"
+        assert torch.equal(last[-1:], alone), f"row {m - 1} of M={m} differs from the row alone"
