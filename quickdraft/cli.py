@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from quickdraft.bench.peers import PEERS
 from quickdraft.config import (
     DEFAULT_DRAFTS,
     DEFAULT_DTYPE,
@@ -161,15 +162,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-# the flags that --speculative-config replaces (the n-gram sizes and --no-adaptive combine)
-_EXCLUSIVE = ("method", "draft_model", "num_draft_tokens", "draft_quantization")
-
-
 def spec_config(args: argparse.Namespace) -> SpeculativeConfig:
     """The speculation flags or --speculative-config (not both) -> SpeculativeConfig. With
     `args.paired_default` and no method given: draft with a catalog model's paired draft model,
     else n-gram lookup (fits any model); the paired draft model is kept even when speculation
     is off or n-gram, so the admin page can switch to it."""
+    # what --speculative-config replaces (the n-gram sizes and --no-adaptive combine with it)
     flags = given(
         method=args.speculative_method,
         draft_model=args.draft_model,
@@ -322,6 +320,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 hf=False if args.no_hf else None,
                 draft_quantization=spec.draft_quantization,
                 reference_per_set=args.reference_per_set,
+                peers=None if args.peers is None else tuple(args.peers),
                 out_dir=None if args.out is None else Path(args.out),
             )
         )
@@ -351,6 +350,8 @@ def _add_bench_args(b: argparse.ArgumentParser) -> None:
     )
     b.add_argument("--sets", nargs="*", default=None, help="code prose json repetitive")
     b.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    peers_help = "engines run beside ours on the target's GGUF (the `peers` extra)"
+    b.add_argument("--peers", nargs="*", default=None, choices=list(PEERS), help=peers_help)
     b.add_argument("--out", default=None, help="results folder (bench/results)")
     b.set_defaults(func=cmd_bench)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from quickdraft.bench.speculative import SpecBench, run
+from quickdraft.bench.speculative import Run, SpecBench, decode_tok_s, run
 
 
 def test_benchmark_reports_sets_and_prompts(
@@ -59,3 +59,14 @@ def test_benchmark_reports_sets_and_prompts(
 def test_benchmark_rejects_negative_reference_count(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="reference_per_set"):
         SpecBench(str(tiny_model_dir), reference_per_set=-1)
+
+
+def test_benchmark_decode_rate_leaves_out_the_first_token() -> None:
+    runs = [Run([1, 2, 3, 4, 5], seconds=3.0, ttft=1.0), Run([1, 2, 3], seconds=2.0, ttft=1.0)]
+    assert decode_tok_s(runs) == pytest.approx((4 + 2) / (2.0 + 1.0))
+    assert decode_tok_s([Run([1], 1.0, float("nan"))]) is None  # no TTFT (transformers)
+
+
+def test_benchmark_rejects_unknown_peer(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="unknown peers"):
+        SpecBench(str(tiny_model_dir), peers=("vllm",))

@@ -2,11 +2,13 @@
 Hugging Face transformers baselines (plain `generate`, `prompt_lookup_num_tokens`,
 `assistant_model`) on the same converted weights, dtype and prompts, in ONE run.
 
-Per prompt set (code, prose, json, repetitive): tok/s (output tokens / request wall time, prefill
-included, the same for every engine), speedup vs our speculation-off, mean acceptance length,
-acceptance rate, TTFT, and parity with speculation off (in bf16 a k-token verify can flip
-near-tie argmaxes: where outputs diverge we report the position and the target's top-2 logit gap
-there). Warm-up runs are excluded. Writes JSON, a markdown table and a PNG chart.
+Per prompt set (code, prose, json, repetitive): tok/s (output tokens / request wall time,
+prefill included, the same for every engine) and decode-only tok/s (after the first token),
+speedup vs our speculation-off and, with `peers`, vs llama.cpp on the target's own GGUF
+(peers.py), mean acceptance length, acceptance rate, TTFT, and parity with speculation off (in
+bf16 a k-token verify can flip near-tie argmaxes: where outputs diverge we report the position
+and the target's top-2 logit gap there; a peer computes with other numerics and is left out).
+Warm-up runs are excluded. Writes JSON, a markdown table and a PNG chart.
 
 Our engines (none, ngram, draft) run every prompt of a set by default; the reference engines
 (the unquantized draft model and the three transformers baselines, 2-4x slower) run the first
@@ -17,6 +19,7 @@ ran (`Cell.summary`), so a comparison never mixes prompt subsets.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -26,6 +29,7 @@ from typing import Any
 
 import torch
 
+from quickdraft.bench.peers import PEERS, LlamaCpp
 from quickdraft.bench.report import RESULTS, bar_chart, machine, write
 from quickdraft.config import (
     BENCH_MAX_TOKENS,
@@ -50,7 +54,18 @@ def prompt_sets() -> dict[str, list[str]]:
     return data
 
 
-ENGINES = ("none", "ngram", "draft", "draft_unquantized", "hf", "hf_prompt_lookup", "hf_assisted")
+ENGINES = (
+    "none",
+    "ngram",
+    "draft",
+    "draft_unquantized",
+    "llama.cpp",
+    "hf",
+    "hf_prompt_lookup",
+    "hf_assisted",
+)
+OURS = ("none", "ngram", "draft")
+PEER_CONTEXT = 4096  # tokens of KV the peer allocates: the longest prompt + output fits
 REFERENCE_ENGINES = frozenset({"draft_unquantized", "hf", "hf_prompt_lookup", "hf_assisted"})
 
 
@@ -65,7 +80,16 @@ class Run:
 
 
 def tok_s(runs: list[Run]) -> float:
+    """Output tokens over the requests' whole time, prompt processing included."""
     return sum(len(r.tokens) for r in runs) / sum(r.seconds for r in runs)
+
+
+def decode_tok_s(runs: list[Run]) -> float | None:
+    """Tokens after the first over the time after the first (None: a run without a TTFT)."""
+    if any(math.isnan(r.ttft) for r in runs):
+        return None
+    seconds = sum(r.seconds - r.ttft for r in runs)
+    return sum(max(0, len(r.tokens) - 1) for r in runs) / seconds if seconds > 0 else None
 
 
 @dataclass(slots=True)
@@ -80,6 +104,9 @@ class Cell:
     def summary(self, base: Cell | None) -> dict[str, Any]:
         runs = list(self.runs.values())
         out: dict[str, Any] = {"tok_s": round(tok_s(runs), 2), "prompts": len(runs)}
+        decode = decode_tok_s(runs)
+        if decode is not None:
+            out["decode_tok_s"] = round(decode, 2)
         if base is not None:
             out["speedup"] = round(self.ratio(base), 3)
         cycles = sum(r.cycles for r in runs)
@@ -164,11 +191,15 @@ class SpecBench:
     hf: bool = True  # the transformers baselines
     draft_quantization: str = DEFAULT_DRAFT_QUANTIZATION
     reference_per_set: int = 2
+    peers: tuple[str, ...] = ()  # peers.PEERS run on the target's GGUF, every prompt
     out_dir: Path = RESULTS
 
     def __post_init__(self) -> None:
         if self.reference_per_set < 0:
             raise ValueError(f"reference_per_set must be >= 0, got {self.reference_per_set}")
+        unknown = sorted(set(self.peers) - set(PEERS))
+        if unknown:
+            raise ValueError(f"unknown peers {unknown}; choose from {list(PEERS)}")
 
     @property
     def draft_model(self) -> str:
@@ -227,13 +258,27 @@ def run(opts: SpecBench) -> dict[str, Any]:
         engines["hf_assisted"] = lambda ids: hf_run(
             tgt, ids, tokens, lm.eos_ids, assistant_model=asst
         )
+    peer_versions: dict[str, str] = {}
+    if "llama.cpp" in opts.peers:
+        from quickdraft import hub
+
+        peer = LlamaCpp(hub.gguf_file(target), torch.get_num_threads(), PEER_CONTEXT)
+        peer_versions["llama.cpp"] = f"llama-cpp-python {peer.version}"
+
+        def llama_cpp_run(ids: list[int]) -> Run:
+            r = peer.generate(ids, tokens, lm.eos_ids)
+            return Run(r.tokens, r.seconds, r.ttft)
+
+        engines["llama.cpp"] = llama_cpp_run
     warm = lm.tokenizer.encode_chat([{"role": "user", "content": "Say hi."}])
     for fn in engines.values():
         fn(warm)  # warm-up (JIT kernels, allocator, HF caches): excluded
     results: dict[str, Any] = {}
     for set_name in chosen:
         cells = {name: Cell() for name in engines}
-        parity: dict[str, list[Any]] = {name: [] for name in engines if name != "none"}
+        parity: dict[str, list[Any]] = {
+            name: [] for name in engines if name != "none" and name not in PEERS
+        }
         for i, prompt in enumerate(all_sets[set_name][:per_set]):
             ids = lm.tokenizer.encode_chat([{"role": "user", "content": prompt}])
             for name, fn in engines.items():
@@ -254,6 +299,9 @@ def run(opts: SpecBench) -> dict[str, Any]:
         for name in ("hf_prompt_lookup", "hf_assisted"):
             if name in row:
                 row[name]["speedup_vs_hf"] = round(cells[name].ratio(cells["hf"]), 3)
+        if "llama.cpp" in row:
+            for name in OURS:
+                row[name]["speedup_vs_llama_cpp"] = round(cells[name].ratio(cells["llama.cpp"]), 3)
         if "hf" in row:
             row["draft"]["speedup_vs_hf_assisted"] = round(
                 cells["draft"].ratio(cells["hf_assisted"]), 3
@@ -270,6 +318,7 @@ def run(opts: SpecBench) -> dict[str, Any]:
         "prompts_per_set": per_set,
         "reference_prompts_per_set": reference_per_set,
         "k_max": k,
+        "peers": peer_versions,
         "machine": host,
         "results": results,
     }
@@ -299,9 +348,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['tokens']} tokens, k <= {report['k_max']}; speedups are over the prompts both "
         "engines ran",
         "",
-        "| set | engine | prompts | tok/s | speedup vs none | AL | accept rate | TTFT s "
-        "| identical |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| set | engine | prompts | tok/s | decode tok/s | speedup vs none | vs llama.cpp | AL "
+        "| accept rate | TTFT s | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for set_name, row in report["results"].items():
         for name in ENGINES:
@@ -315,7 +364,9 @@ def markdown(report: dict[str, Any]) -> str:
                 name,
                 c.get("prompts", ""),
                 c["tok_s"],
+                c.get("decode_tok_s", ""),
                 speedup,
+                c.get("speedup_vs_llama_cpp", ""),
                 c.get("mean_acceptance_length", ""),
                 c.get("acceptance_rate", ""),
                 ttft,

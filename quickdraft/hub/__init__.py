@@ -3,7 +3,15 @@ assembled, verified and converted once into the cache), GGUF -> Hugging Face-for
 (convert.py), and their errors (errors.py). `resolve()` turns what a user typed into a model
 directory."""
 
-from quickdraft.hub.catalog import CATALOG, assemble, list_models, pull, resolve
+from quickdraft.hub.catalog import (
+    CATALOG,
+    assemble,
+    fetch_gguf,
+    gguf_file,
+    list_models,
+    pull,
+    resolve,
+)
 from quickdraft.hub.convert import convert_gguf
 from quickdraft.hub.errors import (
     ChecksumError,
@@ -20,6 +28,8 @@ __all__ = [
     "UnsupportedArchitectureError",
     "assemble",
     "convert_gguf",
+    "fetch_gguf",
+    "gguf_file",
     "list_models",
     "pull",
     "resolve",

