@@ -2,12 +2,12 @@
 (a decode step) and inside M = 2..16 rows at any position (a verify, a batched step). Without
 it greedy output with speculation on can differ from speculation off.
 
-Covered: the int8 and int4 panel kernels, with fp32 and bf16 activations, on shapes where the
-token count changes their schedule (several token chunks and weight blocks past M = 4). Not
-covered because it does not hold today: the bf16 panel kernel (linear_panel.cpp interleaves 4,
-2 or 1 accumulator sets by token count and splits k into blocks only past one token chunk, so
-a row's summation order depends on M; with 4096x896 weights every M in 2..16 differs from the
-row alone) and the nn.Linear-layout bf16 kernel (linear_bf16.cpp). Issue 31 makes them so."""
+Covered: the bf16 panel kernel (the path `load()` runs bf16 models on), the int8 and int4
+panel kernels, with fp32 and bf16 activations, on shapes where the token count changes their
+schedule (token chunks, weight blocks, two panels at once for one token). 4096x896 is where the
+bf16 panel kernel's earlier schedule (accumulator sets interleaved by token count) made every
+M in 2..16 differ from the row alone. Not covered because it does not hold today: the
+nn.Linear-layout bf16 kernel (linear_bf16.cpp, fp32 models and unpacked weights; issue 31)."""
 
 from __future__ import annotations
 
@@ -21,14 +21,18 @@ from torch import Tensor
 from quickdraft.kernels import (
     Int4Weight,
     Int8Weight,
+    PanelWeight,
     kernel_calls,
     linear_int4,
     linear_int8,
+    linear_panel,
 )
 
-N, K = 300, 896  # N: a partial last panel; K: 28 groups of 32, several blocks when M > 4
+# (300, 896): a partial last panel, 28 groups of 32 (several blocks when M > 4)
+SHAPES = [(300, 896), (4096, 896)]
 
 FORMATS: dict[str, Callable[[Tensor], tuple[object, Callable[..., Tensor]]]] = {
+    "bf16-panel": lambda w: (PanelWeight.pack(w), linear_panel),
     "int8": lambda w: (Int8Weight.quantize(w), linear_int8),
     "int4": lambda w: (Int4Weight.quantize(w.float()), linear_int4),
 }
@@ -40,14 +44,15 @@ CASES = [
 
 
 @needs_kernel
+@pytest.mark.parametrize(("n", "k"), SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
 @pytest.mark.parametrize(("fmt", "dtype"), CASES)
 def test_batch_invariance_row_alone_equals_row_in_batch(
-    fmt: str, dtype: torch.dtype, kernels_enabled: None
+    fmt: str, dtype: torch.dtype, n: int, k: int, kernels_enabled: None
 ) -> None:
     g = torch.Generator().manual_seed(0)
-    w = (torch.randn(N, K, generator=g) * 0.1).bfloat16()
-    bias = torch.randn(N, generator=g).bfloat16()
-    x = torch.randn(17, K, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(17, k, generator=g).to(dtype)
     weight, linear = FORMATS[fmt](w)
     before = kernel_calls()
     alone = linear(x[:1], weight, bias)

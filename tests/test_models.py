@@ -246,3 +246,43 @@ def test_cpp_layers_equal_python_layers_bitwise(
     end = caches[0].length
     assert torch.equal(caches[0].k[:, :, :end], caches[1].k[:, :, :end])
     assert torch.equal(caches[0].v[:, :, :end], caches[1].v[:, :, :end])
+
+
+@pytest.mark.skipif(not kernels_available(), reason="needs the C++ kernels (AVX2/FMA/F16C)")
+@pytest.mark.parametrize("fused", [True, False], ids=["cpp-layers", "python-layers"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_forward_bf16_verify_rows_equal_decode_steps(
+    tmp_path: Path, arch: str, fused: bool
+) -> None:
+    """bf16 with packed panels (how `load` runs a bf16 model): k + 1 rows through the target in
+    one forward (a verify) give each row the same bits as k + 1 one-row forwards (decode
+    steps), logits and hidden states alike: batch invariance end to end, which makes greedy
+    speculation token-identical to plain decoding in bf16."""
+    from conftest import make_tiny_hf_model
+
+    # hidden 256 / intermediate 512: k runs long enough that a kernel whose summation order
+    # followed the row count would show it
+    make_tiny_hf_model(arch, tmp_path, seed=9, hidden_size=256, intermediate_size=512, head_dim=32)
+    model = load_model(tmp_path, torch.bfloat16)
+    model.pack_()
+    if not fused:
+        model._fused = False
+    ids = torch.randint(0, 320, (60,), generator=torch.Generator().manual_seed(3))
+    for k in (1, 4, 7, 15):
+        decode = model.new_cache(64)
+        model(ids[:30], [decode], [30])
+        decode.commit(30)
+        steps = []
+        for j in range(k + 1):
+            steps.append(model(ids[30 + j : 31 + j], [decode], [1], return_hidden=True))
+            decode.commit(31 + j)
+        verify = model.new_cache(64)
+        model(ids[:30], [verify], [30])
+        verify.commit(30)
+        rows = torch.arange(k + 1)
+        out = model(ids[30 : 31 + k], [verify], [k + 1], logit_rows=rows, return_hidden=True)
+        assert out.hidden is not None
+        for j, step in enumerate(steps):
+            assert step.hidden is not None
+            assert torch.equal(out.logits[j], step.logits[-1]), f"k={k}: row {j} logits differ"
+            assert torch.equal(out.hidden[j], step.hidden[-1]), f"k={k}: row {j} hidden differs"

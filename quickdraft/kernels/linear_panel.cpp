@@ -16,10 +16,12 @@
 // two fp32 vectors (lane << 16 = rows 0-7, lane & 0xffff0000 = rows 8-15), and each token
 // broadcasts x[m, k] into 2 FMAs. So up to kTmax = 6 tokens share one pass over the weights with
 // 2 conversions per 2 * T FMAs, the accumulators are the outputs (no lane sums), and software
-// prefetch a fixed distance ahead on the stream keeps DRAM busy while the FMAs run. Measured on
-// a 2-core Zen 3 (bench/kernels.py, weights streamed from DRAM): M = 1 at 28-30 GB/s (the
-// machine's plain read rate), M = 2-4 at 0.9-1.05x and M = 5 at 1.2x the M = 1 time, M = 6
-// 1.4-1.65x (at 6 tokens the FMAs outrun the stream; the tile also spills a few registers).
+// prefetch a fixed distance ahead on the stream keeps DRAM busy while the FMAs run.
+// Batch invariance: every output is one FMA chain over k in order for any token count (an
+// earlier version interleaved 4, 2 or 1 accumulator sets by token count, which made a verify
+// row differ from the decode step's and flipped greedy near-ties under speculation in bf16).
+// One chain per output makes M = 1 latency-bound at ~8 bytes a cycle per core: memory-bound
+// still at 2 threads on the 2-core hosts here (docs/benchmarks.md has the before/after).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -60,42 +62,58 @@ __attribute__((always_inline)) inline void step(const u16* wk, const float* xk, 
 }
 
 // T tokens x 16 rows over k in [0, klen) of one panel slice `w` ([klen, 16] u16): acc [T][16]
-// (zeroed first when init). A accumulator sets alternate over k so that at least 8 independent
-// FMA chains cover the FMA latency at small T; a loop step takes S k (64 bytes or more) and
-// prefetches one line per 64 bytes at `pf` (kPrefetchBytes ahead on the stream; null: none).
+// (zeroed first when init). Each output is ONE fp32 FMA chain over k in order, whatever T is,
+// so a row's result does not depend on how many rows share the call (batch invariance: a
+// verify row equals the decode step's bit for bit). A loop step takes 2 k (64 bytes) and
+// prefetches one line at `pf` (kPrefetchBytes ahead on the stream; null: none).
 template <int T>
 inline void tile(const u16* w, int64_t klen, const float* xs, int64_t ldx, float* acc, bool init,
                  const char* pf) {
-  constexpr int A = T == 1 ? 4 : (T <= 3 ? 2 : 1);
-  constexpr int S = A == 1 ? 2 : A;
   const __m256i hi16 = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  __m256 a[A][T][2];
-#pragma GCC unroll 8
-  for (int s = 0; s < A; ++s)
-#pragma GCC unroll 8
-    for (int t = 0; t < T; ++t)
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h)
-        a[s][t][h] = (init || s > 0) ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + t * 16 + h * 8);
-  int64_t k = 0;
-  for (; k + S <= klen; k += S) {
-    if (pf) {
-#pragma GCC unroll 2
-      for (int l = 0; l < S / 2; ++l) _mm_prefetch(pf + k * 32 + l * 64, _MM_HINT_T0);
-    }
-#pragma GCC unroll 4
-    for (int i = 0; i < S; ++i) step<T>(w + (k + i) * 16, xs + k + i, ldx, a[i % A], hi16);
-  }
-  for (; k < klen; ++k) step<T>(w + k * 16, xs + k, ldx, a[0], hi16);
+  __m256 a[T][2];
 #pragma GCC unroll 8
   for (int t = 0; t < T; ++t)
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      __m256 s = a[0][t][h];
-#pragma GCC unroll 4
-      for (int j = 1; j < A; ++j) s = _mm256_add_ps(s, a[j][t][h]);
-      _mm256_storeu_ps(acc + t * 16 + h * 8, s);
-    }
+    for (int h = 0; h < 2; ++h)
+      a[t][h] = init ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + t * 16 + h * 8);
+  int64_t k = 0;
+  for (; k + 2 <= klen; k += 2) {
+    if (pf) _mm_prefetch(pf + k * 32, _MM_HINT_T0);
+    step<T>(w + k * 16, xs + k, ldx, a, hi16);
+    step<T>(w + (k + 1) * 16, xs + k + 1, ldx, a, hi16);
+  }
+  for (; k < klen; ++k) step<T>(w + k * 16, xs + k, ldx, a, hi16);
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t)
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + t * 16 + h * 8, a[t][h]);
+}
+
+// One token over two panels at once (w0, w1; [K, 16] u16 each), into acc0 and acc1 [16]: the
+// same chain per output as tile<1>, but four independent chains instead of two, which a decode
+// step (M = 1) needs to cover the FMA latency.
+inline void tile1_pair(const u16* w0, const u16* w1, int64_t K, const float* xs, float* acc0,
+                       float* acc1, const char* pf0, const char* pf1) {
+  const __m256i hi16 = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  __m256 a[1][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}};
+  __m256 b[1][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}};
+  int64_t k = 0;
+  for (; k + 2 <= K; k += 2) {
+    _mm_prefetch(pf0 + k * 32, _MM_HINT_T0);
+    _mm_prefetch(pf1 + k * 32, _MM_HINT_T0);
+    step<1>(w0 + k * 16, xs + k, 0, a, hi16);
+    step<1>(w1 + k * 16, xs + k, 0, b, hi16);
+    step<1>(w0 + (k + 1) * 16, xs + k + 1, 0, a, hi16);
+    step<1>(w1 + (k + 1) * 16, xs + k + 1, 0, b, hi16);
+  }
+  for (; k < K; ++k) {
+    step<1>(w0 + k * 16, xs + k, 0, a, hi16);
+    step<1>(w1 + k * 16, xs + k, 0, b, hi16);
+  }
+  _mm256_storeu_ps(acc0, a[0][0]);
+  _mm256_storeu_ps(acc0 + 8, a[0][1]);
+  _mm256_storeu_ps(acc1, b[0][0]);
+  _mm256_storeu_ps(acc1 + 8, b[0][1]);
 }
 
 void tile_dispatch(int T, const u16* w, int64_t klen, const float* xs, int64_t ldx, float* acc,
@@ -120,11 +138,42 @@ void run_group(const u16* packed, int64_t P, int64_t N, int64_t K, const float* 
   // ~128 KiB of weights per thread at least: below that the fork/join costs more than it saves
   const int64_t grain = std::max<int64_t>(1, (int64_t{128} << 10) / panel_bytes);
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    const int64_t acc_floats = std::max<int64_t>(M, 2) * kPanel;  // M = 1: two panels at once
     std::unique_ptr<float, decltype(&std::free)> acc_buf(
-        static_cast<float*>(std::aligned_alloc(64, (M * kPanel * 4 + 63) / 64 * 64)), &std::free);
+        static_cast<float*>(std::aligned_alloc(64, (acc_floats * 4 + 63) / 64 * 64)), &std::free);
     float* const acc = acc_buf.get();
     TORCH_CHECK(acc, "quickdraft linear_panel: out of memory");
-    for (int64_t p = p0; p < p1; ++p) {
+    // y rows of panel p from acc [M][16] (lane order: acc[m][0..7] = rows 0-7, [8..15] = 8-15)
+    auto write = [&](int64_t p, const float* pacc) {
+      const int64_t rows = std::min<int64_t>(kPanel, N - p * kPanel);
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t j = 0; j < rows; ++j) {
+          const int64_t n = p * kPanel + j;
+          float v = pacc[m * kPanel + j];
+          if (bias)
+            v += bias_bf16 ? qd_bf16::bf16_to_f32(static_cast<const u16*>(bias)[n])
+                           : static_cast<const float*>(bias)[n];
+          if (y_bf16)
+            static_cast<u16*>(y)[m * N + n] = qd_bf16::f32_to_bf16(v);
+          else
+            static_cast<float*>(y)[m * N + n] = v;
+        }
+      }
+    };
+    int64_t p = p0;
+    if (M == 1) {
+      for (; p + 2 <= p1; p += 2) {
+        const u16* w0 = packed + p * K * kPanel;
+        const u16* w1 = w0 + K * kPanel;
+        // prefetch kPrefetchBytes ahead on each of the two streams
+        const char* pf0 = reinterpret_cast<const char*>(w0) + kPrefetchBytes;
+        const char* pf1 = reinterpret_cast<const char*>(w1) + kPrefetchBytes;
+        tile1_pair(w0, w1, K, xs, acc, acc + kPanel, pf0, pf1);
+        write(p, acc);
+        write(p + 1, acc + kPanel);
+      }
+    }
+    for (; p < p1; ++p) {
       const u16* wp = packed + p * K * kPanel;
       for (int64_t k0 = 0; k0 < K; k0 += KB) {
         const int64_t klen = std::min(KB, K - k0);
@@ -140,21 +189,7 @@ void run_group(const u16* packed, int64_t P, int64_t N, int64_t K, const float* 
           m0 += T;
         }
       }
-      const int64_t rows = std::min<int64_t>(kPanel, N - p * kPanel);
-      for (int64_t m = 0; m < M; ++m) {
-        // lane order: acc[m][0..7] = rows 0-7, acc[m][8..15] = rows 8-15 (natural)
-        for (int64_t j = 0; j < rows; ++j) {
-          const int64_t n = p * kPanel + j;
-          float v = acc[m * kPanel + j];
-          if (bias)
-            v += bias_bf16 ? qd_bf16::bf16_to_f32(static_cast<const u16*>(bias)[n])
-                           : static_cast<const float*>(bias)[n];
-          if (y_bf16)
-            static_cast<u16*>(y)[m * N + n] = qd_bf16::f32_to_bf16(v);
-          else
-            static_cast<float*>(y)[m * N + n] = v;
-        }
-      }
+      write(p, acc);
     }
   });
 }
