@@ -148,3 +148,23 @@ def near_draft_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     noisy = {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
     save_file(noisy, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+@pytest.fixture(scope="session")
+def bf16_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny target whose every op has a batch-invariant kernel in bf16 (head_dim 32: the
+    attention kernel's granularity; the default tiny model's 16 runs SDPA, which is not
+    batch-invariant), and a draft model with small weight noise (agrees often, not always)."""
+    target = tmp_path_factory.mktemp("bf16-target")
+    make_tiny_hf_model(
+        "qwen2", target, seed=11, hidden_size=256, intermediate_size=512, head_dim=32
+    )
+    write_tiny_tokenizer(target)
+    draft = tmp_path_factory.mktemp("bf16-draft")
+    for f in target.iterdir():
+        shutil.copy(f, draft / f.name)
+    weights = load_file(str(draft / "model.safetensors"))
+    gen = torch.Generator().manual_seed(5)
+    noisy = {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
+    save_file(noisy, str(draft / "model.safetensors"), metadata={"format": "pt"})
+    return target, draft

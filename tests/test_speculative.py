@@ -296,27 +296,6 @@ def test_speculative_draft_with_other_tokenizer_is_refused(
         make_speculation(target, SpeculativeConfig(method="draft", draft_model=str(tmp_path)))
 
 
-@pytest.fixture(scope="module")
-def bf16_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A tiny target whose every op has a kernel in bf16 (head_dim 32: the attention kernel's
-    granularity; the default tiny model's 16 runs SDPA, which is not batch-invariant), and a
-    draft with small weight noise."""
-    from conftest import make_tiny_hf_model, write_tiny_tokenizer
-    from safetensors.torch import load_file, save_file
-
-    target = tmp_path_factory.mktemp("bf16-target")
-    make_tiny_hf_model("qwen2", target, seed=11, hidden_size=128, head_dim=32)
-    write_tiny_tokenizer(target)
-    draft = tmp_path_factory.mktemp("bf16-draft")
-    for f in target.iterdir():
-        shutil.copy(f, draft / f.name)
-    weights = load_file(str(draft / "model.safetensors"))
-    gen = torch.Generator().manual_seed(5)
-    noisy = {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
-    save_file(noisy, str(draft / "model.safetensors"), metadata={"format": "pt"})
-    return target, draft
-
-
 @needs_kernel
 @pytest.mark.parametrize("method", ["ngram", "draft-near"])
 def test_speculative_bf16_greedy_equals_plain(
