@@ -136,18 +136,21 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-@pytest.fixture(scope="session")
-def near_draft_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny target with small weight noise: a draft model that agrees with it often but not
-    always (exercises rejections)."""
-    out = tmp_path_factory.mktemp("near-draft")
-    for f in tiny_model_dir.iterdir():
+def noisy_copy(source: Path, out: Path) -> Path:
+    """`source`'s model with small weight noise in `out`: a draft model that agrees with it
+    often but not always (exercises rejections)."""
+    for f in source.iterdir():
         shutil.copy(f, out / f.name)
     weights = load_file(str(out / "model.safetensors"))
     gen = torch.Generator().manual_seed(5)
     noisy = {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
     save_file(noisy, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+@pytest.fixture(scope="session")
+def near_draft_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return noisy_copy(tiny_model_dir, tmp_path_factory.mktemp("near-draft"))
 
 
 @pytest.fixture(scope="session")
@@ -160,11 +163,4 @@ def bf16_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         "qwen2", target, seed=11, hidden_size=256, intermediate_size=512, head_dim=32
     )
     write_tiny_tokenizer(target)
-    draft = tmp_path_factory.mktemp("bf16-draft")
-    for f in target.iterdir():
-        shutil.copy(f, draft / f.name)
-    weights = load_file(str(draft / "model.safetensors"))
-    gen = torch.Generator().manual_seed(5)
-    noisy = {k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
-    save_file(noisy, str(draft / "model.safetensors"), metadata={"format": "pt"})
-    return target, draft
+    return target, noisy_copy(target, tmp_path_factory.mktemp("bf16-draft"))
