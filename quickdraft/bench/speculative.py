@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from quickdraft import hub
 from quickdraft.bench.peers import PEERS, LlamaCpp
 from quickdraft.bench.report import RESULTS, bar_chart, machine, write
 from quickdraft.config import (
@@ -241,8 +242,6 @@ def run(opts: SpecBench) -> dict[str, Any]:
         hf_models["target"] = transformers.AutoModelForCausalLM.from_pretrained(
             str(lm.path), dtype=torch_dtype
         ).eval()
-        from quickdraft import hub
-
         hf_models["assistant"] = transformers.AutoModelForCausalLM.from_pretrained(
             str(hub.resolve(draft, dtype)), dtype=torch_dtype
         ).eval()
@@ -260,8 +259,6 @@ def run(opts: SpecBench) -> dict[str, Any]:
         )
     peer_versions: dict[str, str] = {}
     if "llama.cpp" in opts.peers:
-        from quickdraft import hub
-
         peer = LlamaCpp(hub.gguf_file(target), torch.get_num_threads(), PEER_CONTEXT)
         peer_versions["llama.cpp"] = f"llama-cpp-python {peer.version}"
 

@@ -17,11 +17,11 @@
 // broadcasts x[m, k] into 2 FMAs. So up to kTmax = 6 tokens share one pass over the weights with
 // 2 conversions per 2 * T FMAs, the accumulators are the outputs (no lane sums), and software
 // prefetch a fixed distance ahead on the stream keeps DRAM busy while the FMAs run.
-// Batch invariance: every output is one FMA chain over k in order for any token count (an
-// earlier version interleaved 4, 2 or 1 accumulator sets by token count, which made a verify
-// row differ from the decode step's and flipped greedy near-ties under speculation in bf16).
-// One chain per output makes M = 1 latency-bound at ~8 bytes a cycle per core: memory-bound
-// still at 2 threads on the 2-core hosts here (docs/benchmarks.md has the before/after).
+// Batch invariance: every output is one FMA chain over k in order for any token count, so a
+// verify row equals the decode step's bit for bit (a summation order that followed the token
+// count flipped greedy near-ties under speculation in bf16). One token runs two panels at once
+// to keep four chains in flight (docs/speculation.md, "Batch invariance"; docs/benchmarks.md
+// has the cost).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>

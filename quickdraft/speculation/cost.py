@@ -241,7 +241,7 @@ def cost_key(model: LanguageModel) -> dict[str, Any]:
         "model": type(model).__qualname__,
         "config": repr(model.config),
         "dtype": str(model.dtype),
-        "operands": sorted(formats.items()),
+        "operands": [[name, count] for name, count in sorted(formats.items())],  # as in JSON
         "isa": isa(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -258,7 +258,7 @@ def _read_table(path: Path, key: dict[str, Any]) -> StepCost | None:
     """The stored table for `key`, or None (none stored, another key, or unreadable)."""
     try:
         raw = json.loads(path.read_text())
-        if raw["key"] != json.loads(json.dumps(key)):
+        if raw["key"] != key:
             return None
         return StepCost(
             tuple(int(r) for r in raw["rows"]),
