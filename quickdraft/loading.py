@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quickdraft import hub
-from quickdraft.config import DEFAULT_DTYPE, QUANTIZATIONS, parse_dtype
+from quickdraft.config import DEFAULT_DTYPE, GGUF_DTYPE, QUANTIZATIONS, parse_dtype
 from quickdraft.kernels import kernels_available, panels_apply
 from quickdraft.models.base import LanguageModel
 from quickdraft.models.loader import load_model
@@ -80,6 +80,8 @@ def load(
     draft models, whose precision only moves the acceptance rate."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r}: choose one of {QUANTIZATIONS}")
+    if dtype == GGUF_DTYPE and quantization != "none":
+        dtype = "bf16"  # int8 / int4 are made from the dequantized weights
     path = hub.resolve(model, dtype, progress=progress)
     net = load_model(path, parse_dtype(dtype), device)
     if net.device.type == "cpu":

@@ -18,7 +18,7 @@ def spec(*argv: str) -> SpeculativeConfig:
 
 def test_cli_serve_default_is_the_packaged_pair() -> None:
     opts, config = serve_options(build_parser().parse_args(["serve"]))
-    assert (opts.model, opts.dtype, opts.host) == ("qwen2.5-coder-1.5b", "bf16", "127.0.0.1")
+    assert (opts.model, opts.dtype, opts.host) == ("qwen2.5-coder-1.5b", "gguf", "127.0.0.1")
     assert config.max_concurrency == ServerConfig().max_concurrency
     cfg = spec()
     assert (cfg.method, cfg.draft_model, cfg.num_draft_tokens) == ("draft", "qwen2.5-coder-0.5b", 5)

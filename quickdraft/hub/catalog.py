@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from quickdraft.config import cache_dir, parse_dtype
+from quickdraft.config import GGUF_DTYPE, cache_dir, parse_dtype
 from quickdraft.hub.convert import convert_gguf, is_hf_dir
 from quickdraft.hub.errors import ChecksumError, HubError, UnknownModelError
 
@@ -126,6 +126,8 @@ class ModelInfo:
 
 
 def _canonical_dtype(dtype: str) -> str:
+    if dtype == GGUF_DTYPE:
+        return GGUF_DTYPE
     names = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
     return names[parse_dtype(dtype)]
 
@@ -134,7 +136,11 @@ def list_models() -> list[ModelInfo]:
     root = cache_dir()
     rows = []
     for m in CATALOG.values():
-        done = tuple(d for d in ("bf16", "fp32", "fp16") if is_hf_dir(root / "models" / m.name / d))
+        done = tuple(
+            d
+            for d in (GGUF_DTYPE, "bf16", "fp32", "fp16")
+            if is_hf_dir(root / "models" / m.name / d)
+        )
         downloaded = (root / "gguf" / m.filename).is_file()
         rows.append(
             ModelInfo(

@@ -23,16 +23,19 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from quickdraft.config import parse_dtype
+from quickdraft.config import GGUF_DTYPE, parse_dtype
 from quickdraft.hub.errors import HubError, UnsupportedArchitectureError
+
+GGUF_LINK = "model.gguf"  # in a "gguf" model directory: a link to the GGUF file it runs
 
 
 def is_hf_dir(path: Path) -> bool:
-    """A converted (or user-given) Hugging Face-format model directory."""
+    """A converted (or user-given) Hugging Face-format model directory: config, tokenizer and
+    weights (*.safetensors, or a link to the GGUF file whose own weights it runs)."""
     return (
         (path / "config.json").is_file()
         and (path / "tokenizer.json").is_file()
-        and any(path.glob("*.safetensors"))
+        and (any(path.glob("*.safetensors")) or (path / GGUF_LINK).is_file())
     )
 
 
@@ -213,7 +216,9 @@ def _write_tokenizer(gguf_path: Path, out: Path, chat_template: str | None) -> N
 def convert_gguf(
     gguf_path: Path, out_dir: Path, dtype: str = "bf16", progress: bool = True
 ) -> Path:
-    """Write a Hugging Face-format directory for `gguf_path` at `out_dir` (must not exist)."""
+    """Write a Hugging Face-format directory for `gguf_path` at `out_dir` (must not exist).
+    dtype "gguf": config and tokenizer only, and a link to the GGUF file (its weights are
+    loaded as they are, models/gguf_loader.py); else the weights dequantized to `dtype`."""
     import gguf
 
     torch_dtype = parse_dtype(dtype)
@@ -234,15 +239,18 @@ def convert_gguf(
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         gen = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": eos_ids}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-        _write_safetensors(
-            tmp / "model.safetensors",
-            reader,
-            cfg,
-            _ARCHS[arch][1],
-            torch_dtype,
-            progress,
-            gguf_path.name,
-        )
+        if dtype == GGUF_DTYPE:
+            (tmp / GGUF_LINK).symlink_to(gguf_path.resolve())
+        else:
+            _write_safetensors(
+                tmp / "model.safetensors",
+                reader,
+                cfg,
+                _ARCHS[arch][1],
+                torch_dtype,
+                progress,
+                gguf_path.name,
+            )
         tmp.chmod(0o755)  # mkdtemp creates 0700
         try:
             os.replace(tmp, out_dir)

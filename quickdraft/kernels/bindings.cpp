@@ -27,6 +27,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("eligible_q4", &qd_linear_q4_eligible, "whether `linear_q4` accepts these inputs",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"));
+  m.def("linear_gguf", &qd_linear_gguf,
+        "x @ w.T (+ bias), w in GGUF block formats repacked in 16-row panels, int8 activations",
+        py::arg("x"), py::arg("packed"), py::arg("fmts"), py::arg("ns"), py::arg("bias"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("eligible_gguf", &qd_linear_gguf_eligible, "whether `linear_gguf` accepts these inputs",
+        py::arg("x"), py::arg("packed"), py::arg("fmts"), py::arg("ns"), py::arg("bias"));
   m.def("linear_panel", &qd_linear_panel, "x @ w.T (+ bias), w packed in 16-row panels",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"),
         py::call_guard<py::gil_scoped_release>());

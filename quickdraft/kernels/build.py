@@ -51,6 +51,7 @@ SOURCES = [
         "linear_panel.cpp",
         "linear_i8.cpp",
         "linear_q4.cpp",
+        "linear_gguf.cpp",
         "norm_rope.cpp",
         "gdn_ops.cpp",
         "attention.cpp",

@@ -7,7 +7,7 @@
 // takes its kernel: the same kernels run in the same order on the same operands, so the
 // outputs are bitwise equal (tests/test_models.py checks it). The caller guarantees that path:
 // one sequence, n <= 16 new rows (the attention kernel's range), projection operands in panels
-// or int8 / int4 (kind 1 / 2 / 3 below), norm weights in h's dtype.
+// or int8 / int4 / GGUF blocks (kind 1 / 2 / 3 / 4 below), norm weights in h's dtype.
 //
 // Why: a 0.5B draft step ran ~5.5 ms of Python and torch dispatch around ~13 ms of GEMMs
 // (24 layers x ~13 ops, ~230 us per layer); a C++ layer makes that one call per layer.
@@ -21,27 +21,34 @@
 namespace {
 
 // A projection's operand: kind 1 = PanelWeight (packed, N), 2 = Int8Weight (packed, scale),
-// 3 = Int4Weight (packed, N); bias optional.
+// 3 = Int4Weight (packed, N), 4 = GGUFWeight (one packed tensor, format and N per part); bias
+// optional. Kinds 1-3 have one part.
 struct Operand {
   int64_t kind;
-  at::Tensor packed, scale;
-  int64_t n;
+  std::vector<at::Tensor> packed;
+  at::Tensor scale;
+  std::vector<int64_t> ns, fmts;
   c10::optional<at::Tensor> bias;
 
   at::Tensor operator()(const at::Tensor& x) const {
     switch (kind) {
-      case 1: return qd_linear_panel(x, packed, n, bias);
-      case 2: return qd_linear_i8(x, packed, scale, bias);
-      case 3: return qd_linear_q4(x, packed, n, bias);
+      case 1: return qd_linear_panel(x, packed[0], ns[0], bias);
+      case 2: return qd_linear_i8(x, packed[0], scale, bias);
+      case 3: return qd_linear_q4(x, packed[0], ns[0], bias);
+      case 4: return qd_linear_gguf(x, packed, fmts, ns, bias);
     }
     TORCH_CHECK(false, "quickdraft DenseLayer: unknown operand kind ", kind);
   }
 };
 
-Operand make_operand(int64_t kind, const at::Tensor& packed, const at::Tensor& scale, int64_t n,
+Operand make_operand(int64_t kind, std::vector<at::Tensor> packed, at::Tensor scale,
+                     std::vector<int64_t> ns, std::vector<int64_t> fmts,
                      const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(kind >= 1 && kind <= 3, "quickdraft DenseLayer: operand kind 1-3, got ", kind);
-  return Operand{kind, packed, scale, n, bias};
+  TORCH_CHECK(kind >= 1 && kind <= 4, "quickdraft DenseLayer: operand kind 1-4, got ", kind);
+  TORCH_CHECK(!packed.empty() && packed.size() == ns.size() && (kind == 4 || packed.size() == 1) &&
+                  (kind != 4 || fmts.size() == packed.size()),
+              "quickdraft DenseLayer: one part per operand (kind 4: a format and N per part)");
+  return Operand{kind, std::move(packed), std::move(scale), std::move(ns), std::move(fmts), bias};
 }
 
 }  // namespace
@@ -53,9 +60,9 @@ class QdDenseLayer {
   QdDenseLayer(int64_t layer, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
                double scale, at::Tensor input_norm, at::Tensor post_norm,
                c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
-               std::vector<int64_t> kinds, std::vector<at::Tensor> packed,
-               std::vector<at::Tensor> scales, std::vector<int64_t> ns,
-               c10::optional<at::Tensor> qkv_bias)
+               std::vector<int64_t> kinds, std::vector<std::vector<at::Tensor>> packed,
+               std::vector<at::Tensor> scales, std::vector<std::vector<int64_t>> ns,
+               std::vector<std::vector<int64_t>> fmts, c10::optional<at::Tensor> qkv_bias)
       : layer_(layer),
         heads_(heads),
         kv_heads_(kv_heads),
@@ -66,10 +73,11 @@ class QdDenseLayer {
         post_norm_(std::move(post_norm)),
         q_norm_(std::move(q_norm)),
         k_norm_(std::move(k_norm)) {
-    TORCH_CHECK(kinds.size() == 4 && packed.size() == 4 && scales.size() == 4 && ns.size() == 4,
+    TORCH_CHECK(kinds.size() == 4 && packed.size() == 4 && scales.size() == 4 && ns.size() == 4 &&
+                    fmts.size() == 4,
                 "quickdraft DenseLayer: 4 operands (qkv, o, gate_up, down)");
     for (int i = 0; i < 4; ++i)
-      ops_[i] = make_operand(kinds[i], packed[i], scales[i], ns[i],
+      ops_[i] = make_operand(kinds[i], packed[i], scales[i], ns[i], fmts[i],
                              i == 0 ? qkv_bias : c10::optional<at::Tensor>());
   }
 
@@ -122,12 +130,13 @@ void qd_register_dense_layer(py::module_& m) {
   py::class_<QdDenseLayer>(m, "DenseLayer")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor,
                     c10::optional<at::Tensor>, c10::optional<at::Tensor>, std::vector<int64_t>,
-                    std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
+                    std::vector<std::vector<at::Tensor>>, std::vector<at::Tensor>,
+                    std::vector<std::vector<int64_t>>, std::vector<std::vector<int64_t>>,
                     c10::optional<at::Tensor>>(),
            py::arg("layer"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
            py::arg("eps"), py::arg("scale"), py::arg("input_norm"), py::arg("post_norm"),
            py::arg("q_norm"), py::arg("k_norm"), py::arg("kinds"), py::arg("packed"),
-           py::arg("scales"), py::arg("ns"), py::arg("qkv_bias"))
+           py::arg("scales"), py::arg("ns"), py::arg("fmts"), py::arg("qkv_bias"))
       .def("forward", &QdDenseLayer::forward, py::arg("h"), py::arg("residual"), py::arg("cos"),
            py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("start"),
            py::call_guard<py::gil_scoped_release>());

@@ -24,27 +24,38 @@ from torch import Tensor
 from quickdraft.kernels.build import extension
 from quickdraft.kernels.gemm import Weight
 from quickdraft.kernels.linear_bf16 import PanelWeight
+from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
 
 # operand kinds dense_layer.cpp takes
-_PANEL, _INT8, _INT4 = 1, 2, 3
+_PANEL, _INT8, _INT4, _GGUF = 1, 2, 3, 4
+
+# (kind, packed per part, scale, out_features per part, format per part)
+Operand = tuple[int, list[Tensor], Tensor, list[int], list[int]]
 
 
 def _operand(
     ext: Any, weight: Weight, dtype: torch.dtype, bias: Tensor | None = None
-) -> tuple[int, Tensor, Tensor, int] | None:
-    """(kind, packed, scale, out_features) of an operand the C++ layer can run, else None
-    (eligibility depends on dtypes and shapes only: one zero row stands for any rows)."""
+) -> Operand | None:
+    """The operand as the C++ layer takes it, if it can run it, else None (eligibility
+    depends on dtypes and shapes only: one zero row stands for any rows)."""
     x = torch.zeros(1, weight.shape[1], dtype=dtype)
+    none = torch.empty(0)
+    op: Operand
     if isinstance(weight, PanelWeight):
-        op = _PANEL, weight.packed, torch.empty(0), weight.out_features
+        op = _PANEL, [weight.packed], none, [weight.out_features], []
         ok = ext.eligible_panel(x, weight.packed, weight.out_features, bias)
     elif isinstance(weight, Int8Weight):
-        op = _INT8, weight.packed, weight.scale, weight.out_features
+        op = _INT8, [weight.packed], weight.scale, [weight.out_features], []
         ok = ext.eligible_i8(x, weight.packed, weight.scale, bias)
     elif isinstance(weight, Int4Weight):
-        op = _INT4, weight.packed, torch.empty(0), weight.out_features
+        op = _INT4, [weight.packed], none, [weight.out_features], []
         ok = ext.eligible_q4(x, weight.packed, weight.out_features, bias)
+    elif isinstance(weight, GGUFWeight):
+        packed = [p.packed for p in weight.parts]
+        ns, fmts = [p.n for p in weight.parts], [p.fmt.code for p in weight.parts]
+        op = _GGUF, packed, none, ns, fmts
+        ok = ext.eligible_gguf(x, packed, fmts, ns, bias)
     else:
         return None
     return op if ok else None
@@ -69,7 +80,7 @@ def dense_layer(
     ops = [_operand(ext, w, dtype, qkv_bias if i == 0 else None) for i, w in enumerate(operands)]
     if any(op is None for op in ops):
         return None
-    kinds, packed, scales, ns = zip(*ops, strict=True)
+    kinds, packed, scales, ns, fmts = zip(*ops, strict=True)
     input_norm, post_norm, q_norm, k_norm = norms
     return ext.DenseLayer(
         layer=layer,
@@ -86,5 +97,6 @@ def dense_layer(
         packed=list(packed),
         scales=list(scales),
         ns=list(ns),
+        fmts=list(fmts),
         qkv_bias=qkv_bias,
     )

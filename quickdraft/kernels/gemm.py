@@ -1,9 +1,9 @@
 """The one entry point for weight GEMMs: `project(x, weight, bias)` over every operand format.
 
 A projection's operand (`Weight`) is a plain bf16 / fp32 tensor in nn.Linear layout (linear_bf16
-`linear`), bf16 in 16-row panels (`PanelWeight`), int8 with row scales (`Int8Weight`) or 4-bit
-groups (`Int4Weight`); `project` runs the kernel of its format. Models hold operands of any of
-these and never branch on the format themselves.
+`linear`), bf16 in 16-row panels (`PanelWeight`), int8 with row scales (`Int8Weight`), 4-bit
+groups (`Int4Weight`) or a GGUF file's own block formats (`GGUFWeight`); `project` runs the
+kernel of its format. Models hold operands of any of these and never branch on the format.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ from torch import Tensor
 
 from quickdraft.kernels.build import kernels_available
 from quickdraft.kernels.linear_bf16 import PanelWeight, linear, linear_panel
+from quickdraft.kernels.linear_gguf import GGUFWeight, linear_gguf
 from quickdraft.kernels.linear_int import Int4Weight, Int8Weight, linear_int4, linear_int8
 
-# a projection's GEMM operand: bf16/fp32, bf16 in 16-row panels, int8 + row scales, or 4-bit
-Weight = Tensor | PanelWeight | Int8Weight | Int4Weight
+# a projection's GEMM operand: bf16/fp32, bf16 in 16-row panels, int8 + row scales, 4-bit, or
+# a GGUF file's own block formats
+Weight = Tensor | PanelWeight | Int8Weight | Int4Weight | GGUFWeight
 
 
 def project(x: Tensor, weight: Weight, bias: Tensor | None = None) -> Tensor:
@@ -27,6 +29,8 @@ def project(x: Tensor, weight: Weight, bias: Tensor | None = None) -> Tensor:
         return linear_int8(x, weight, bias)
     if isinstance(weight, Int4Weight):
         return linear_int4(x, weight, bias)
+    if isinstance(weight, GGUFWeight):
+        return linear_gguf(x, weight, bias)
     return linear(x, weight, bias)
 
 

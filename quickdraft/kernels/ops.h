@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <tuple>
+#include <vector>
 
 // linear_bf16.cpp
 bool qd_linear_eligible(const at::Tensor& x, const at::Tensor& w,
@@ -33,6 +34,13 @@ bool qd_linear_q4_eligible(const at::Tensor& x, const at::Tensor& packed, int64_
                            const c10::optional<at::Tensor>& bias);
 at::Tensor qd_linear_q4(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                         const c10::optional<at::Tensor>& bias);
+// linear_gguf.cpp
+bool qd_linear_gguf_eligible(const at::Tensor& x, const std::vector<at::Tensor>& packed,
+                             const std::vector<int64_t>& fmts, const std::vector<int64_t>& ns,
+                             const c10::optional<at::Tensor>& bias);
+at::Tensor qd_linear_gguf(const at::Tensor& x, const std::vector<at::Tensor>& packed,
+                          const std::vector<int64_t>& fmts, const std::vector<int64_t>& ns,
+                          const c10::optional<at::Tensor>& bias);
 // linear_panel.cpp
 bool qd_linear_panel_eligible(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                               const c10::optional<at::Tensor>& bias);

@@ -27,13 +27,15 @@ constexpr int kTmax = 4;                  // tokens per tile pass
 constexpr int64_t kBlockGroups = 16;      // groups per block when tokens need several passes
 constexpr int64_t kPrefetchBytes = 4096;  // distance ahead on the weight stream
 
-// Where the results go: y[m, n] = acc * row_scale[n] (when given) + bias[n] (when given).
+// Where the results go: y[m * ldy + n] = acc * row_scale[n] (when given) + bias[n] (when
+// given).
 struct Epilogue {
   const float* row_scale;  // [N] or null
   const void* bias;        // [N] fp32 or bf16, or null
   bool bias_bf16;
-  void* y;  // [M, N] fp32 or bf16
+  void* y;  // [M, ldy] fp32 or bf16
   bool y_bf16;
+  int64_t ldy;
 };
 
 // The bias as a kernel reads it: bf16 and fp32 as they are, other dtypes cast to fp32 (a cast
@@ -47,19 +49,20 @@ inline at::Tensor bias_operand(const c10::optional<at::Tensor>& bias) {
 inline Epilogue epilogue(const float* row_scale, const at::Tensor& bias, at::Tensor& y) {
   return Epilogue{row_scale, bias.defined() ? bias.data_ptr() : nullptr,
                   bias.defined() && bias.scalar_type() == at::kBFloat16, y.data_ptr(),
-                  y.scalar_type() == at::kBFloat16};
+                  y.scalar_type() == at::kBFloat16, y.size(-1)};
 }
 
 // Runs `tile(T, w, g0, glen, m0, acc, init, pf)` over every panel of `packed` ([P, G,
 // group_bytes] bytes, P = ceil(N / 16)): T tokens from token m0, the panel's groups [g0, g0 +
 // glen) at w, accumulating into acc [T][16] fp32 (zeroed first when init), prefetching at pf
-// (null: none). Then writes y through `e`.
+// (null: none). Then writes y through `e`. With several token chunks, groups go in blocks of
+// `block_groups`.
 template <class Tile>
 void run(const uint8_t* packed, int64_t M, int64_t N, int64_t G, int64_t group_bytes,
-         const Epilogue& e, const Tile& tile) {
+         const Epilogue& e, const Tile& tile, int64_t block_groups = kBlockGroups) {
   const int64_t P = (N + kPanel - 1) / kPanel;
   const int64_t nch = (M + kTmax - 1) / kTmax;  // balanced token chunks
-  const int64_t GB = nch == 1 ? G : kBlockGroups;
+  const int64_t GB = nch == 1 ? G : block_groups;
   const int64_t panel_bytes = G * group_bytes;
   // ~128 KiB of weights per thread at least: below that the fork/join costs more than it saves
   const int64_t grain = std::max<int64_t>(1, (int64_t{128} << 10) / panel_bytes);
@@ -92,9 +95,9 @@ void run(const uint8_t* packed, int64_t M, int64_t N, int64_t G, int64_t group_b
             v += e.bias_bf16 ? qd_bf16::bf16_to_f32(static_cast<const uint16_t*>(e.bias)[n])
                              : static_cast<const float*>(e.bias)[n];
           if (e.y_bf16)
-            static_cast<uint16_t*>(e.y)[m * N + n] = qd_bf16::f32_to_bf16(v);
+            static_cast<uint16_t*>(e.y)[m * e.ldy + n] = qd_bf16::f32_to_bf16(v);
           else
-            static_cast<float*>(e.y)[m * N + n] = v;
+            static_cast<float*>(e.y)[m * e.ldy + n] = v;
         }
     }
   });

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -44,6 +45,26 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
         """(x + delta, norm(x + delta)) in one pass: the residual add before a pre-norm."""
         return add_rms_norm(x, delta, self.weight, self.eps)
+
+
+class GGUFEmbedding(nn.Module):
+    """An embedding table left in its GGUF format: a lookup dequantizes the rows it reads
+    (the gguf package's reference dequantization) to the model dtype. `raw` [vocab, row
+    bytes] may be a view of the mapped file."""
+
+    def __init__(self, raw: np.ndarray, qtype: str, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        from gguf import GGMLQuantizationType
+
+        self.raw, self.dim, self.dtype = raw, dim, dtype
+        self.qtype = GGMLQuantizationType[qtype]
+
+    def forward(self, ids: Tensor) -> Tensor:
+        from gguf.quants import dequantize
+
+        rows = self.raw[ids.cpu().numpy()]
+        w = np.asarray(dequantize(rows, self.qtype), dtype=np.float32).reshape(len(rows), self.dim)
+        return torch.from_numpy(w).to(self.dtype)
 
 
 class LinearView(nn.Module):
@@ -122,11 +143,17 @@ def convert_operands_(model: nn.Module, convert: Callable[[Weight], Weight]) -> 
             new = convert(old)
             changed = changed or new is not old
             setattr(module, name, new)
-    if not changed:
-        return
-    for module in owners:
-        for name in module.FUSED:
-            setattr(module, name, torch.empty(0))
-    for view in model.modules():
-        if isinstance(view, LinearView):
-            view.weight.data = view.weight.new_empty(0)
+    if changed:
+        release_fused_(model)
+
+
+def release_fused_(model: nn.Module) -> None:
+    """Empty the HF-named LinearView weights and the fused tensors each module names in
+    `FUSED`, once the operands the forward reads live elsewhere (packed, quantized, or loaded
+    from a GGUF file straight into their own form)."""
+    for module in model.modules():
+        if isinstance(module, OperandModule):
+            for name in module.FUSED:
+                setattr(module, name, torch.empty(0))
+        if isinstance(module, LinearView):
+            module.weight.data = module.weight.new_empty(0)

@@ -26,6 +26,7 @@ from quickdraft.kernels.pointwise import silu_mul
 from quickdraft.models.base import ForwardOutput, packed_positions
 from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.layers import (
+    GGUFEmbedding,
     LinearView,
     OperandModule,
     RMSNorm,
@@ -200,7 +201,10 @@ class DecoderModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        # a GGUF model's stays in its file's format (models/gguf_loader.py)
+        self.embed_tokens: Embedding | GGUFEmbedding = Embedding(
+            cfg.vocab_size, cfg.hidden_size, dtype, device
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers)
         )
@@ -217,9 +221,10 @@ class CausalLM(OperandModule):
         self.model = DecoderModel(cfg, dtype, device)
         # the same modules, typed (ModuleList items are plain nn.Modules to a type checker)
         self.decoder_layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
+        embed = self.model.embed_tokens
         head: Tensor = (
-            self.model.embed_tokens.weight
-            if cfg.tie_word_embeddings
+            embed.weight
+            if cfg.tie_word_embeddings and isinstance(embed, Embedding)
             else torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         )
         self.lm_head = LinearView(head, None)

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from torch import nn
 
 from quickdraft.models.base import LanguageModel
+from quickdraft.models.gguf_loader import is_gguf_dir, load_gguf_model
 from quickdraft.models.hybrid_config import NameMap
 from quickdraft.models.registry import model_class, name_map, read_config, same_names
 
@@ -25,6 +26,8 @@ def load_model(
     path: str | Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
 ) -> LanguageModel:
     path = Path(path)
+    if is_gguf_dir(path):
+        return load_gguf_model(path, dtype, device)
     cfg = read_config(path)
     cls = model_class(cfg.model_type)
     model = cls(cfg, dtype, device)

@@ -1,0 +1,403 @@
+// Small-M linear over a GGUF file's own quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+// Q5_K, Q6_K), repacked exactly into 16-row panels, with int8 activations, for AVX2 CPUs.
+// kernels/linear_gguf.py owns the contract, the layout and the reference; in short, per block
+// b (32 or 256 values) of row n and token t:
+//   y[t, n] += d dx[t,b] * sum_s sc[s] dot_s(u, xq[t])  -  dm dx[t,b] * sum_s m[s] bsum[t,s]
+// with the integer sums exact and the block terms added in fp32 in block order, so a row's
+// result does not depend on the other rows (decode and verify give the same bits).
+//
+// Why: decode streams every weight once per token; the GGUF's 4.5-6.6 bits per weight are
+// 0.28-0.41x the bytes of bf16. Per 4-column quad the weights are unpacked once (low nibbles,
+// plus the fifth / sixth bits from their own planes) and reused by every token: per token and
+// 8 rows one vpmaddubsw (u unsigned < 64 x int8 activations, pairs < 2^15) and one vpmaddwd
+// whose second operand is the row's sub-block scale (K-quants) or 1, so the scales cost no
+// extra multiply; the mins and Q4_0/Q5_0/Q6_K's offsets go through per-sub-block activation
+// sums, once per block. Q8_0 (signed) uses |q| x sign(x, q), as llama.cpp's AVX2 path does.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include "bf16.h"
+#include "ops.h"
+#include "panel_driver.h"
+#include "simd.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using qd_panel::kPanel;
+using u16 = uint16_t;
+
+// Formats by the id linear_gguf.py's FORMATS gives them.
+enum Fmt { kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kNumFmt };
+
+template <int F>
+struct Traits {
+  static constexpr bool kK = F >= kQ4_K;  // super-blocks of 256 with sub-block scales
+  static constexpr int kBlock = kK ? 256 : 32;
+  static constexpr int kGroups = kBlock / 32;
+  static constexpr int kBits = F == kQ4_0 || F == kQ4_1 || F == kQ4_K   ? 4
+                               : F == kQ5_0 || F == kQ5_1 || F == kQ5_K ? 5
+                               : F == kQ6_K                             ? 6
+                                                                        : 8;
+  static constexpr int kSub = F == kQ6_K ? 16 : 32;
+  static constexpr bool kHasM = F == kQ4_K || F == kQ5_K;
+  static constexpr bool kHasDm = F == kQ4_1 || F == kQ5_1 || F == kQ4_K || F == kQ5_K;
+  static constexpr int kMConst = F == kQ4_0 ? 8 : F == kQ5_0 ? 16 : 1;  // simple formats
+  // byte offsets within one panel block
+  static constexpr int64_t kQuant = kBits == 8 ? kPanel * kBlock : kPanel * kBlock / 2;
+  static constexpr int64_t kHigh = kBits == 5 || kBits == 6 ? kPanel * kBlock * (kBits - 4) / 8 : 0;
+  static constexpr int64_t kScOff = kQuant + kHigh;
+  static constexpr int64_t kMOff = kScOff + (kK ? kPanel * kBlock / kSub : 0);
+  static constexpr int64_t kDOff = kMOff + (kHasM ? kPanel * kBlock / 32 : 0);
+  static constexpr int64_t kBytes = kDOff + 2 * kPanel * (kHasDm ? 2 : 1);
+};
+
+inline int64_t block_bytes(int f) {
+  switch (f) {
+    case kQ4_0: return Traits<kQ4_0>::kBytes;
+    case kQ4_1: return Traits<kQ4_1>::kBytes;
+    case kQ5_0: return Traits<kQ5_0>::kBytes;
+    case kQ5_1: return Traits<kQ5_1>::kBytes;
+    case kQ8_0: return Traits<kQ8_0>::kBytes;
+    case kQ4_K: return Traits<kQ4_K>::kBytes;
+    case kQ5_K: return Traits<kQ5_K>::kBytes;
+    case kQ6_K: return Traits<kQ6_K>::kBytes;
+  }
+  return 0;
+}
+
+inline int block_size(int f) { return f >= kQ4_K ? 256 : 32; }
+
+inline __m256i bcast32(const void* p) {  // 4 bytes into every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// 8 int8 a[j] (and b[j]) -> lane j = (a[j], b[j]) as two int16: the vpmaddwd operand that
+// multiplies a row's pair of 16-bit sums by its own scale(s).
+inline __m256i pair16(const int8_t* a, const int8_t* b) {
+  const __m256i lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)));
+  const __m256i hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+  return _mm256_blend_epi16(lo, _mm256_slli_epi32(hi, 16), 0xAA);
+}
+
+inline __m256 load_f16x8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <int N, class Fn, int... I>
+inline void static_for_impl(Fn&& fn, std::integer_sequence<int, I...>) {
+  (fn(std::integral_constant<int, I>{}), ...);
+}
+template <int N, class Fn>
+inline void static_for(Fn&& fn) {
+  static_for_impl<N>(fn, std::make_integer_sequence<int, N>{});
+}
+
+// The unsigned values of quad C of group g, rows 0-7 (u[0]) and 8-15 (u[1]), for 4-6 bits.
+template <int F, int C>
+inline void unpack_quad(const uint8_t* wb, int g, __m256i u[2]) {
+  using Tr = Traits<F>;
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 256 + C * 32));
+  u[0] = _mm256_and_si256(v, low4);
+  u[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+  if constexpr (Tr::kBits == 5) {  // bit 2 (C % 4) + h of vector C / 4 -> bit 4
+    const __m256i hb = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(wb + Tr::kQuant + g * 64 + (C / 4) * 32));
+    const __m256i bit4 = _mm256_set1_epi8(0x10);
+    static_for<2>([&](auto h) {
+      constexpr int k = 2 * (C % 4) + decltype(h)::value;
+      __m256i t;
+      if constexpr (k < 4)
+        t = _mm256_slli_epi16(hb, 4 - k);
+      else if constexpr (k == 4)
+        t = hb;
+      else
+        t = _mm256_srli_epi16(hb, k - 4);
+      u[h] = _mm256_or_si256(u[h], _mm256_and_si256(t, bit4));
+    });
+  } else if constexpr (Tr::kBits == 6) {  // bits 2k, 2k + 1 of vector C / 2 -> bits 4, 5
+    const __m256i hb = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(wb + Tr::kQuant + g * 128 + (C / 2) * 32));
+    const __m256i bits45 = _mm256_set1_epi8(0x30);
+    static_for<2>([&](auto h) {
+      constexpr int k = 2 * (C % 2) + decltype(h)::value;
+      __m256i t;
+      if constexpr (k < 2)
+        t = _mm256_slli_epi16(hb, 4 - 2 * k);
+      else if constexpr (k == 2)
+        t = hb;
+      else
+        t = _mm256_srli_epi16(hb, 2);
+      u[h] = _mm256_or_si256(u[h], _mm256_and_si256(t, bits45));
+    });
+  }
+}
+
+// T tokens x 16 rows over blocks [0, nb) of one panel slice `w` (nb * kBytes): acc [T][16]
+// fp32 (zeroed first when init) += the block terms. xq: int8 activations (row stride ldx, from
+// this slice's first column); dx: block scales (row stride ldd); bs: int16 sums per sub-block
+// (row stride ldb). Prefetches each block at `pf` + its offset (null: none).
+template <int F, int T>
+void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const float* dx,
+          int64_t ldd, const int16_t* bs, int64_t ldb, float* acc, bool init, const char* pf) {
+  using Tr = Traits<F>;
+  constexpr int kSubs = Tr::kBlock / Tr::kSub;  // sub-blocks per block
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (init) std::fill(acc, acc + T * kPanel, 0.0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w + b * Tr::kBytes;
+    if (pf) {
+      for (int64_t l = 0; l < Tr::kBytes; l += 64) _mm_prefetch(pf + b * Tr::kBytes + l, _MM_HINT_T0);
+    }
+    const int8_t* sc = reinterpret_cast<const int8_t*>(wb + Tr::kScOff);  // [subs][16]
+    __m256i s[T][2];
+    static_for<T>([&](auto t) { s[t][0] = s[t][1] = _mm256_setzero_si256(); });
+    for (int g = 0; g < Tr::kGroups; ++g) {
+      const int8_t* xg = xq + b * Tr::kBlock + g * 32;
+      // vpmaddwd multipliers: the rows' sub-block scales (quads 0-3 and 4-7), or 1
+      __m256i mul[2][2];
+      if constexpr (Tr::kK) {
+        const int s0 = g * 32 / Tr::kSub, s1 = (g * 32 + 16) / Tr::kSub;
+        static_for<2>([&](auto h) {
+          mul[0][h] = pair16(sc + s0 * kPanel + 8 * h, sc + s0 * kPanel + 8 * h);
+          mul[1][h] = pair16(sc + s1 * kPanel + 8 * h, sc + s1 * kPanel + 8 * h);
+        });
+      } else {
+        mul[0][0] = mul[0][1] = mul[1][0] = mul[1][1] = ones;
+      }
+      static_for<8>([&](auto c) {
+        constexpr int C = decltype(c)::value;
+        if constexpr (Tr::kBits == 8) {
+          const uint8_t* q = wb + g * 512 + C * 64;
+          const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+          const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32));
+          const __m256i a0 = _mm256_sign_epi8(v0, v0), a1 = _mm256_sign_epi8(v1, v1);
+          static_for<T>([&](auto t) {
+            const __m256i xb = bcast32(xg + t * ldx + C * 4);
+            const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, v0));
+            const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, v1));
+            s[t][0] = _mm256_add_epi32(s[t][0], _mm256_madd_epi16(p0, ones));
+            s[t][1] = _mm256_add_epi32(s[t][1], _mm256_madd_epi16(p1, ones));
+          });
+        } else {
+          __m256i u[2];
+          unpack_quad<F, C>(wb, g, u);
+          static_for<T>([&](auto t) {
+            const __m256i xb = bcast32(xg + t * ldx + C * 4);
+            static_for<2>([&](auto h) {
+              const __m256i p = _mm256_maddubs_epi16(u[h], xb);
+              s[t][h] = _mm256_add_epi32(s[t][h], _mm256_madd_epi16(p, mul[C / 4][h]));
+            });
+          });
+        }
+      });
+    }
+    // mins / offsets, then the block's fp32 terms
+    __m256 d[2], dm[2];
+    static_for<2>([&](auto h) {
+      d[h] = load_f16x8(wb + Tr::kDOff + 16 * h);
+      dm[h] = Tr::kHasDm ? load_f16x8(wb + Tr::kDOff + 2 * kPanel + 16 * h) : d[h];
+    });
+    static_for<T>([&](auto t) {
+      const float dxt = dx[t * ldd + b];
+      const int16_t* bst = bs + t * ldb + b * kSubs;
+      __m256i msum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+      if constexpr (Tr::kK) {  // sum_s m[s] bsum[s] per row, m in pairs of sub-blocks
+        const int8_t* mm = Tr::kHasM ? reinterpret_cast<const int8_t*>(wb + Tr::kMOff) : sc;
+        static_for<kSubs / 2>([&](auto i) {
+          const __m256i xb = bcast32(bst + 2 * i);
+          static_for<2>([&](auto h) {
+            const __m256i mv = pair16(mm + 2 * i * kPanel + 8 * h, mm + (2 * i + 1) * kPanel + 8 * h);
+            msum[h] = _mm256_add_epi32(msum[h], _mm256_madd_epi16(mv, xb));
+          });
+        });
+        if constexpr (F == kQ6_K)  // m = 32 sc
+          static_for<2>([&](auto h) { msum[h] = _mm256_slli_epi32(msum[h], 5); });
+      } else if constexpr (F != kQ8_0) {
+        msum[0] = msum[1] = _mm256_set1_epi32(Tr::kMConst * static_cast<int32_t>(bst[0]));
+      }
+      float* a = acc + t * kPanel;
+      const __m256 dxv = _mm256_set1_ps(dxt);
+      static_for<2>([&](auto h) {
+        __m256 av = _mm256_loadu_ps(a + 8 * h);
+        if constexpr (Tr::kHasDm) {
+          av = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t][h]), _mm256_mul_ps(d[h], dxv), av);
+          av = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[h]), _mm256_mul_ps(dm[h], dxv), av);
+        } else {  // dm = d: subtract in integers, scale once
+          const __m256i tot = _mm256_sub_epi32(s[t][h], msum[h]);
+          av = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(d[h], dxv), av);
+        }
+        _mm256_storeu_ps(a + 8 * h, av);
+      });
+    });
+  }
+}
+
+using TileFn = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const float*, int64_t,
+                        const int16_t*, int64_t, float*, bool, const char*);
+
+template <int F>
+TileFn pick_tile(int T) {
+  switch (T) {
+    case 1: return &tile<F, 1>;
+    case 2: return &tile<F, 2>;
+    case 3: return &tile<F, 3>;
+    case 4: return &tile<F, 4>;
+  }
+  TORCH_CHECK(false, "quickdraft linear_gguf: bad token chunk ", T);
+}
+
+TileFn tile_for(int f, int T) {
+  switch (f) {
+    case kQ4_0: return pick_tile<kQ4_0>(T);
+    case kQ4_1: return pick_tile<kQ4_1>(T);
+    case kQ5_0: return pick_tile<kQ5_0>(T);
+    case kQ5_1: return pick_tile<kQ5_1>(T);
+    case kQ8_0: return pick_tile<kQ8_0>(T);
+    case kQ4_K: return pick_tile<kQ4_K>(T);
+    case kQ5_K: return pick_tile<kQ5_K>(T);
+    case kQ6_K: return pick_tile<kQ6_K>(T);
+  }
+  TORCH_CHECK(false, "quickdraft linear_gguf: unknown format ", f);
+}
+
+// One token's K values -> xq (int8, per `block` values dx = max|x| / 127, xq = round(x / dx)
+// half to even, as quantize_blocks in linear_gguf.py), dx [K / block] and the int16 sums of xq
+// per 16 values bs16 [K / 16].
+template <class Tx>
+void quantize_row(const Tx* x, int64_t K, int block, int8_t* xq, float* dx, int16_t* bs16) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b0 = 0; b0 < K; b0 += block) {
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < block; i += 8)
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, qd_simd::load8(x + b0 + i)));
+    const float d = qd_simd::hmax(amax) / 127.0f;
+    const float id = d > 0.0f ? 1.0f / d : 0.0f;
+    dx[b0 / block] = d;
+    for (int i = 0; i < block; i += 32) {
+      __m256i qi[4];
+      for (int j = 0; j < 4; ++j)  // round to nearest even (MXCSR default), as torch.round
+        qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(qd_simd::load8(x + b0 + i + 8 * j), _mm256_set1_ps(id)));
+      for (int half = 0; half < 2; ++half) {
+        __m256i s = _mm256_add_epi32(qi[2 * half], qi[2 * half + 1]);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        bs16[(b0 + i) / 16 + half] = static_cast<int16_t>(_mm_cvtsi128_si32(s4));
+      }
+      const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]);
+      const __m256i p16b = _mm256_packs_epi32(qi[2], qi[3]);
+      __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+      p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b0 + i), p8);
+    }
+  }
+}
+
+// The activations of x2 [M, K] for one block size: xq [M, K], dx [M, K / block], the sums per
+// 16 and per 32 values [M, K / 16], [M, K / 32].
+struct Acts {
+  std::vector<int8_t> xq;
+  std::vector<float> dx;
+  std::vector<int16_t> bs16, bs32;
+};
+
+Acts quantize(const at::Tensor& x2, int block) {
+  const int64_t M = x2.size(0), K = x2.size(1);
+  Acts a{std::vector<int8_t>(M * K), std::vector<float>(M * K / block),
+         std::vector<int16_t>(M * K / 16), std::vector<int16_t>(M * K / 32)};
+  for (int64_t m = 0; m < M; ++m) {
+    if (x2.scalar_type() == at::kBFloat16)
+      quantize_row(static_cast<const u16*>(x2.data_ptr()) + m * K, K, block, a.xq.data() + m * K,
+                   a.dx.data() + m * K / block, a.bs16.data() + m * K / 16);
+    else
+      quantize_row(x2.data_ptr<float>() + m * K, K, block, a.xq.data() + m * K,
+                   a.dx.data() + m * K / block, a.bs16.data() + m * K / 16);
+  }
+  for (int64_t i = 0; i < M * K / 32; ++i)
+    a.bs32[i] = static_cast<int16_t>(a.bs16[2 * i] + a.bs16[2 * i + 1]);
+  return a;
+}
+
+}  // namespace
+
+bool qd_linear_gguf_eligible(const at::Tensor& x, const std::vector<at::Tensor>& packed,
+                             const std::vector<int64_t>& fmts, const std::vector<int64_t>& ns,
+                             const c10::optional<at::Tensor>& bias) {
+  if (!x.defined() || !x.device().is_cpu() || x.dim() < 1) return false;
+  if (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kFloat) return false;
+  if (packed.empty() || packed.size() != fmts.size() || packed.size() != ns.size()) return false;
+  const int64_t K = x.size(-1);
+  int64_t total = 0;
+  for (size_t i = 0; i < packed.size(); ++i) {
+    const at::Tensor& p = packed[i];
+    if (fmts[i] < 0 || fmts[i] >= kNumFmt || ns[i] <= 0) return false;
+    const int f = static_cast<int>(fmts[i]);
+    if (!p.defined() || !p.device().is_cpu() || p.scalar_type() != at::kByte || p.dim() != 3 ||
+        !p.is_contiguous() || p.size(2) != block_bytes(f))
+      return false;
+    if (p.size(0) != (ns[i] + kPanel - 1) / kPanel || p.size(1) * block_size(f) != K ||
+        p.size(1) == 0)
+      return false;
+    total += ns[i];
+  }
+  if (bias.has_value() && bias->defined() &&
+      (!bias->device().is_cpu() || !at::isFloatingType(bias->scalar_type()) || bias->dim() != 1 ||
+       bias->size(0) != total || !bias->is_contiguous()))
+    return false;
+  return !(at::GradMode::is_enabled() && x.requires_grad());
+}
+
+at::Tensor qd_linear_gguf(const at::Tensor& x, const std::vector<at::Tensor>& packed,
+                          const std::vector<int64_t>& fmts, const std::vector<int64_t>& ns,
+                          const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(qd_linear_gguf_eligible(x, packed, fmts, ns, bias),
+              "quickdraft linear_gguf: inputs not eligible");
+  const int64_t K = x.size(-1);
+  int64_t N = 0;
+  for (int64_t n : ns) N += n;
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  qd_count_kernel_call();
+  if (M == 0) return y.view(out_shape);
+  const at::Tensor b = qd_panel::bias_operand(bias);
+  Acts acts[2];  // per block size 32, 256: made on first use
+  bool made[2] = {false, false};
+  int64_t col = 0;
+  for (size_t i = 0; i < packed.size(); ++i) {
+    const int f = static_cast<int>(fmts[i]);
+    const int block = block_size(f), which = block == 256;
+    if (!made[which]) acts[which] = quantize(x2, block), made[which] = true;
+    const Acts& a = acts[which];
+    const int16_t* bs = f == kQ6_K ? a.bs16.data() : a.bs32.data();
+    const int64_t ldb = f == kQ6_K ? K / 16 : K / 32;
+    const int64_t subs = block / (f == kQ6_K ? 16 : 32);
+    const int64_t G = K / block;  // blocks per row
+    qd_panel::Epilogue e = qd_panel::epilogue(nullptr, b, y);
+    e.y = static_cast<char*>(e.y) + col * y.element_size();
+    if (e.bias) e.bias = static_cast<const char*>(e.bias) + col * b.element_size();
+    const int64_t bytes = block_bytes(f);
+    qd_panel::run(
+        packed[i].data_ptr<uint8_t>(), M, ns[i], G, bytes, e,
+        [&](int T, const uint8_t* w, int64_t g0, int64_t glen, int64_t m0, float* acc, bool init,
+            const char* pf) {
+          tile_for(f, T)(w, glen, a.xq.data() + m0 * K + g0 * block, K, a.dx.data() + m0 * G + g0,
+                         G, bs + m0 * ldb + g0 * subs, ldb, acc, init, pf);
+        },
+        std::max<int64_t>(1, 8192 / bytes));
+    col += ns[i];
+  }
+  return y.view(out_shape);
+}

@@ -1,0 +1,407 @@
+"""A GGUF file's own quantized weights as GEMM operands (`GGUFWeight`), repacked once at load
+into 16-row panels that hold exactly the values the GGUF's reference dequantization gives.
+
+Formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32 weights, one fp16 scale) and Q4_K, Q5_K,
+Q6_K (super-blocks of 256 with 6- or 8-bit sub-block scales). Every one is written as
+
+    w = d * sc[s] * u - dm * m[s]
+
+with u an unsigned integer of 4, 5, 6 bits (Q8_0: signed 8 bits), sc and m small integers per
+sub-block s (16 or 32 weights), and d, dm fp16 per block: Q4_0 is d * (u - 8) (sc = 1, dm = d,
+m = 8), Q4_1 d * u + min (dm = -min, m = 1), Q6_K d * sc * (u - 32) (dm = d, m = 32 sc),
+Q4_K / Q5_K d * sc * u - dmin * m. `decode` turns a tensor's raw blocks into these parts;
+`GGUFWeight.from_parts` lays them out for linear_gguf.cpp (layout below).
+
+Contract: `linear_gguf(x, weight, bias)` computes, per output row n and token t,
+    y[t, n] = sum_b ( d[n,b] dx[t,b] sum_s sc[n,s] dot_s(u[n], xq[t])
+                     - dm[n,b] dx[t,b] sum_s m[n,s] bsum[t,s] )
+(+ bias), where per block b of the weight's format (32 or 256 values) the activations are
+quantized as xq = round(x / dx) in -127..127 with dx = max|x| / 127 and bsum is the sum of xq
+over sub-block s: the integer sums are exact, the block terms are added in fp32 in block order.
+`GGUFWeight.reference_linear` computes the same function in plain torch (float64 integer
+sums), so kernel and reference agree up to fp32 rounding of the block terms (tests: 1e-5
+relative to the output's scale); against x @ dequantize(w).T the difference is the activation
+quantization's (~1e-2 relative, as llama.cpp's Q8_0 / Q8_K activations). Each row's result
+depends on that row alone, whatever M: a decode step and a verify pass give the same bits.
+
+Layout (`packed`: one uint8 tensor [P, blocks, bytes_per_block] per part, P = ceil(N / 16)): per
+16-row panel and block, for each 32-column group g, 8 quads c of 4 columns:
+  * 4-bit low parts: 32 bytes per quad, byte 4j + i = u[j][4c+i] & 15 | (u[8+j][4c+i] & 15) << 4
+    (rows j < 8 in the low nibble, rows 8 + j in the high one), as Int4Weight;
+  * 5-bit formats then 64 bytes per group of fifth bits: vector v (quads 4v..4v+3), byte 4j + i,
+    bit 2 (c % 4) + h = bit 4 of u[8h + j][4c + i];
+  * 6-bit (Q6_K) then 128 bytes per group: vector v (quads 2v, 2v+1), bits 2k..2k+1 with
+    k = 2 (c % 2) + h = bits 4-5 of u[8h + j][4c + i];
+  * Q8_0 instead 64 bytes per quad: rows 0-7 then rows 8-15, byte 4j + i, signed;
+  then sc [subs][16] int8 (K-quants), m [32-subs][16] int8 (Q4_K, Q5_K), d [16] fp16, and dm
+  [16] fp16 (Q4_1, Q5_1, Q4_K, Q5_K; where dm = d it is not stored). Rows past N are zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from quickdraft.kernels.build import extension
+from quickdraft.kernels.linear_bf16 import PANEL, streamed_empty
+
+
+@dataclass(frozen=True, slots=True)
+class Format:
+    """One GGUF block format as linear_gguf.cpp runs it."""
+
+    name: str
+    code: int  # the kernel's format id
+    block: int  # weights per block (one d, dm)
+    block_bytes: int  # bytes per block in the GGUF file
+    bits: int  # bits of u
+    sub: int  # weights per sub-block (one sc, m; one activation sum)
+    has_sc: bool  # per-sub-block integer scales
+    has_m: bool  # per-sub-block integer mins, stored (Q4_K, Q5_K)
+    has_dm: bool  # a second fp16 per block, stored (else dm = d)
+    m_const: int  # m where it is one constant (Q4_0: 8, Q5_0: 16, Q4_1 / Q5_1: 1)
+
+    def panel_block_bytes(self) -> int:
+        """Bytes of one 16-row panel's block in the packed layout."""
+        quant = PANEL * self.block * (8 if self.bits == 8 else 4) // 8
+        if self.bits in (5, 6):
+            quant += PANEL * self.block * (self.bits - 4) // 8
+        scales = PANEL * (self.block // self.sub) if self.has_sc else 0
+        mins = PANEL * (self.block // 32) if self.has_m else 0
+        return quant + scales + mins + 2 * PANEL * (2 if self.has_dm else 1)
+
+
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format("Q4_0", 0, 32, 18, 4, 32, False, False, False, 8),
+        Format("Q4_1", 1, 32, 20, 4, 32, False, False, True, 1),
+        Format("Q5_0", 2, 32, 22, 5, 32, False, False, False, 16),
+        Format("Q5_1", 3, 32, 24, 5, 32, False, False, True, 1),
+        Format("Q8_0", 4, 32, 34, 8, 32, False, False, False, 0),
+        Format("Q4_K", 5, 256, 144, 4, 32, True, True, True, 0),
+        Format("Q5_K", 6, 256, 176, 5, 32, True, True, True, 0),
+        Format("Q6_K", 7, 256, 210, 6, 16, True, False, False, 0),
+    )
+}
+BY_CODE = {f.code: f for f in FORMATS.values()}
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """A weight [N, K] as w = d * sc * u - dm * m (module docstring), numpy arrays."""
+
+    u: np.ndarray  # [N, K] uint8 (Q8_0: the int8 values' bytes)
+    sc: np.ndarray | None  # [N, K / sub] int8
+    m: np.ndarray | None  # [N, K / sub] int16 (Q6_K: 32 sc; simple formats: None, m_const)
+    d: np.ndarray  # [N, K / block] fp16
+    dm: np.ndarray  # [N, K / block] fp16 (a copy of d where the format has none)
+
+
+def _f16(raw: np.ndarray, at: int) -> np.ndarray:
+    return np.ascontiguousarray(raw[..., at : at + 2]).view(np.float16)[..., 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] values: low nibbles first, then high (ggml's order)."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 scale bytes -> 8 6-bit scales and 8 6-bit mins (get_scale_min_k4)."""
+    q = scales.astype(np.uint8)
+    sc = np.empty((*q.shape[:-1], 8), np.uint8)
+    m = np.empty_like(sc)
+    sc[..., :4], m[..., :4] = q[..., 0:4] & 63, q[..., 4:8] & 63
+    sc[..., 4:] = (q[..., 8:12] & 15) | ((q[..., 0:4] >> 6) << 4)
+    m[..., 4:] = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)
+    return sc, m
+
+
+def decode(fmt: Format, raw: np.ndarray, k: int) -> Parts:
+    """A tensor's GGUF bytes ([N, K / block * block_bytes] uint8, one row per output) -> its
+    parts."""
+    n = raw.shape[0]
+    if k % fmt.block or raw.shape[1] != k // fmt.block * fmt.block_bytes:
+        raise ValueError(
+            f"{fmt.name}: rows of {raw.shape[1]} bytes do not hold {k} weights "
+            f"({fmt.block_bytes} bytes per {fmt.block})"
+        )
+    b = raw.reshape(n, k // fmt.block, fmt.block_bytes)
+    d = _f16(b, 0 if fmt.name != "Q6_K" else 208)
+    dm = d
+    sc = m = None
+    if fmt.name in ("Q4_0", "Q4_1"):
+        at = 2 if fmt.name == "Q4_0" else 4
+        u = _nibbles(b[..., at : at + 16])
+        if fmt.name == "Q4_1":
+            dm = -_f16(b, 2)
+    elif fmt.name in ("Q5_0", "Q5_1"):
+        at = 2 if fmt.name == "Q5_0" else 4
+        qh = np.ascontiguousarray(b[..., at : at + 4]).view("<u4")  # [N, nb, 1]
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+        u = _nibbles(b[..., at + 4 : at + 20]) | high
+        if fmt.name == "Q5_1":
+            dm = -_f16(b, 2)
+    elif fmt.name == "Q8_0":
+        u = b[..., 2:34]
+    elif fmt.name in ("Q4_K", "Q5_K"):
+        dm = _f16(b, 2)
+        sc, m = _k_scales(b[..., 4:16])
+        at = 16 if fmt.name == "Q4_K" else 48
+        qs = b[..., at : at + 128].reshape(n, -1, 4, 32)  # chunk i: subs 2i (low), 2i+1 (high)
+        u = np.stack([qs & 15, qs >> 4], axis=3)  # [N, nb, 4, 2, 32]
+        if fmt.name == "Q5_K":
+            qh = b[..., 16:48]  # bit 2i + half of qh[l]: the fifth bit of value l of sub 2i+half
+            shifts = np.arange(8, dtype=np.uint8).reshape(4, 2, 1)
+            u = u | (((qh[:, :, None, None, :] >> shifts) & 1) << 4)
+    elif fmt.name == "Q6_K":
+        ql, qh = b[..., 0:128].reshape(n, -1, 2, 2, 32), b[..., 128:192].reshape(n, -1, 2, 1, 32)
+        lo = np.stack([ql & 15, ql >> 4], axis=3)  # [N, nb, half, nib, l32, 32]
+        # value 128 half + 64 nib + 32 l32 + l has its top bits at qh[half][l] >> 2 (2 nib + l32)
+        shifts = (2 * (2 * np.arange(2).reshape(2, 1) + np.arange(2))).astype(np.uint8)
+        high = (qh[:, :, :, None] >> shifts[:, :, None]) & 3  # [N, nb, half, nib, l32, 32]
+        u = lo | (high << 4)
+        sc = b[..., 192:208].view(np.int8)
+        m = 32 * sc.astype(np.int16)
+    else:
+        raise ValueError(f"no decoder for {fmt.name}")
+    u = np.ascontiguousarray(u).reshape(n, k)
+    sc = None if sc is None else np.ascontiguousarray(sc).reshape(n, -1).view(np.int8)
+    if m is not None:
+        m = np.ascontiguousarray(m).reshape(n, -1).astype(np.int16)
+    return Parts(u, sc, m, np.ascontiguousarray(d), np.ascontiguousarray(dm))
+
+
+def dequantize_parts(fmt: Format, p: Parts) -> Tensor:
+    """w [N, K] float64 from its parts (tests compare it with the gguf package's own)."""
+    u = torch.from_numpy(p.u.view(np.int8) if fmt.bits == 8 else p.u).double()
+    n, k = u.shape
+    sc = torch.ones(n, k // fmt.sub, dtype=torch.float64)
+    if p.sc is not None:
+        sc = torch.from_numpy(p.sc).double()
+    if p.m is not None:
+        m = torch.from_numpy(p.m).double()
+    else:
+        m = torch.full((n, k // fmt.sub), float(fmt.m_const), dtype=torch.float64)
+    d = torch.from_numpy(p.d.astype(np.float64)).repeat_interleave(fmt.block, 1)
+    dm = torch.from_numpy(p.dm.astype(np.float64)).repeat_interleave(fmt.block, 1)
+    sc, m = sc.repeat_interleave(fmt.sub, 1), m.repeat_interleave(fmt.sub, 1)
+    return d * sc * u - dm * m
+
+
+def _panels(a: np.ndarray, rows: int) -> Tensor:
+    """[N, ...] numpy -> torch [P * 16, ...], zero rows past N."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    return F.pad(t, (0, 0, 0, rows - t.shape[0])) if t.dim() == 2 else t
+
+
+def pack(fmt: Format, p: Parts, out: Tensor | None = None) -> Tensor:
+    """Parts -> the panel layout [P, K / block, panel_block_bytes] uint8 (module docstring),
+    written into `out` when given."""
+    n, k = p.u.shape
+    npan, nb, s = (n + PANEL - 1) // PANEL, k // fmt.block, fmt.block // 32
+    rows = npan * PANEL
+    u = _panels(p.u, rows).reshape(npan, 2, 8, nb, s, 8, 4)  # [P, h, j, b, g, c, i]
+    pieces: list[Tensor] = []
+    if fmt.bits == 8:
+        pieces.append(u.permute(0, 3, 4, 5, 1, 2, 6).reshape(npan, nb, -1))  # [P,b,g,c,h,j,i]
+    else:
+        nib = (u[:, 0] & 15) | ((u[:, 1] & 15) << 4)  # [P, j, b, g, c, i]
+        pieces.append(nib.permute(0, 2, 3, 4, 1, 5).reshape(npan, nb, -1))
+        if fmt.bits in (5, 6):
+            xb = fmt.bits - 4  # extra bits per value
+            per = 8 // (2 * xb)  # quads sharing a vector
+            hi = ((u >> 4) & ((1 << xb) - 1)).reshape(npan, 2, 8, nb, s, 8 // per, per, 4)
+            shift = torch.arange(per).reshape(per, 1) * 2 + torch.arange(2)  # [cc, h] -> k
+            hi = hi.permute(0, 2, 3, 4, 5, 7, 6, 1)  # [P, j, b, g, v, i, cc, h]
+            byte = (hi.to(torch.int32) << (xb * shift).to(torch.int32)).sum(dim=(-2, -1))
+            byte = byte.to(torch.uint8).permute(0, 2, 3, 4, 1, 5)  # [P, b, g, v, j, i]
+            pieces.append(byte.reshape(npan, nb, -1))
+
+    def per_row(a: np.ndarray, dtype: torch.dtype) -> Tensor:
+        # [N, nb * per_block] -> [P, nb, per_block * 16 rows] bytes, row fastest
+        t = _panels(a, rows).reshape(npan, PANEL, nb, -1).permute(0, 2, 3, 1)
+        return t.contiguous().view(dtype).reshape(npan, nb, -1).view(torch.uint8)
+
+    if fmt.has_sc:
+        assert p.sc is not None
+        pieces.append(per_row(p.sc, torch.int8))
+    if fmt.has_m:
+        assert p.m is not None
+        pieces.append(per_row(p.m.astype(np.int8), torch.int8))
+    pieces.append(per_row(p.d, torch.float16))
+    if fmt.has_dm:
+        pieces.append(per_row(p.dm, torch.float16))
+    if out is None:
+        out = streamed_empty((npan, nb, fmt.panel_block_bytes()), torch.uint8)
+    torch.cat([x.reshape(npan, nb, -1).view(torch.uint8) for x in pieces], dim=2, out=out)
+    return out
+
+
+def unpack(fmt: Format, packed: Tensor, n: int) -> Parts:
+    """The panel layout back to parts (tests check the round trip)."""
+    npan, nb, _ = packed.shape
+    s, rows, k = fmt.block // 32, npan * PANEL, nb * fmt.block
+    at = 0
+
+    def take(nbytes: int) -> Tensor:
+        nonlocal at
+        piece = packed[:, :, at : at + nbytes]
+        at += nbytes
+        return piece
+
+    if fmt.bits == 8:
+        u = take(PANEL * fmt.block).reshape(npan, nb, s, 8, 2, 8, 4).permute(0, 4, 5, 1, 2, 3, 6)
+    else:
+        nib = take(PANEL * fmt.block // 2).reshape(npan, nb, s, 8, 8, 4)  # [P, b, g, c, j, i]
+        u = torch.stack([nib & 15, nib >> 4], 1).permute(0, 1, 5, 2, 3, 4, 6)  # [P,h,j,b,g,c,i]
+        if fmt.bits in (5, 6):
+            xb = fmt.bits - 4
+            per = 8 // (2 * xb)
+            byte = take(PANEL * fmt.block * xb // 8).reshape(npan, nb, s, 8 // per, 8, 4)
+            shift = torch.arange(per).reshape(per, 1) * 2 + torch.arange(2)  # [cc, h]
+            hi = (byte[..., None, None].to(torch.int32) >> (xb * shift)) & ((1 << xb) - 1)
+            hi = hi.permute(0, 7, 4, 1, 2, 3, 6, 5).reshape(npan, 2, 8, nb, s, 8, 4)
+            u = u | (hi.to(torch.uint8) << 4)
+    u_np = u.reshape(rows, k)[:n].contiguous().numpy()
+
+    def rows_of(nbytes: int, dtype: torch.dtype) -> np.ndarray:
+        t = take(nbytes).contiguous().view(dtype).reshape(npan, nb, -1, PANEL)
+        return t.permute(0, 3, 1, 2).reshape(rows, -1)[:n].contiguous().numpy()
+
+    sc = rows_of(PANEL * fmt.block // fmt.sub, torch.int8) if fmt.has_sc else None
+    m = rows_of(PANEL * fmt.block // 32, torch.int8).astype(np.int16) if fmt.has_m else None
+    if fmt.name == "Q6_K":
+        assert sc is not None
+        m = 32 * sc.astype(np.int16)
+    d = rows_of(2 * PANEL, torch.float16)
+    dm = rows_of(2 * PANEL, torch.float16) if fmt.has_dm else d
+    return Parts(u_np, sc, m, d, dm)
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFPart:
+    """Output rows [start, start + n) of a GGUFWeight, in one format."""
+
+    fmt: Format
+    packed: Tensor  # [ceil(n / 16), K / block, fmt.panel_block_bytes()] uint8
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFWeight:
+    """A weight [N, K] made of row ranges in GGUF block formats (one part, or several when a
+    fused projection joins tensors of different formats: Q4_K_M stores some v / ffn_down in
+    Q6_K), each repacked exactly into the panel layout (module docstring)."""
+
+    parts: tuple[GGUFPart, ...]
+    in_features: int
+
+    @classmethod
+    def from_raw(cls, fmt_name: str, raw: np.ndarray, k: int) -> GGUFWeight:
+        """From a tensor's GGUF bytes [N, row_bytes] (uint8, e.g. a view of the mapped file)."""
+        fmt = FORMATS.get(fmt_name)
+        if fmt is None:
+            raise ValueError(f"GGUF type {fmt_name} has no kernel; supported: {', '.join(FORMATS)}")
+        n = raw.shape[0]
+        packed = streamed_empty(
+            ((n + PANEL - 1) // PANEL, k // fmt.block, fmt.panel_block_bytes()), torch.uint8
+        )
+        # in slices of ~4M weights: the decoded parts and packing temporaries of a whole
+        # 150k-row output matrix would take several GB
+        step = max(PANEL, (1 << 22) // k // PANEL * PANEL)
+        for r0 in range(0, n, step):
+            chunk = raw[r0 : r0 + step]
+            pack(fmt, decode(fmt, chunk, k), packed[r0 // PANEL : (r0 + len(chunk) + 15) // PANEL])
+        return cls((GGUFPart(fmt, packed, n),), k)
+
+    @classmethod
+    def concat(cls, weights: list[GGUFWeight]) -> GGUFWeight:
+        """Rows of `weights` stacked in order (a fused q/k/v or gate/up operand)."""
+        if len({w.in_features for w in weights}) != 1:
+            raise ValueError("fused GGUF weights need one in_features")
+        return cls(tuple(p for w in weights for p in w.parts), weights[0].in_features)
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.n for p in self.parts)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.packed.numel() for p in self.parts)
+
+    def dequantize(self, dtype: torch.dtype) -> Tensor:
+        ws = [dequantize_parts(p.fmt, unpack(p.fmt, p.packed, p.n)) for p in self.parts]
+        return torch.cat(ws).to(dtype)
+
+    def reference_linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """What the kernel computes (module docstring), in plain torch: integer sums in
+        float64 (exact), the per-block terms summed in fp32."""
+        outs = [_reference_part(x, p, self.in_features) for p in self.parts]
+        y = torch.cat(outs, dim=1)
+        if bias is not None:
+            y = y + bias.float()
+        return y.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+
+def quantize_blocks(x: Tensor, block: int, sub: int) -> tuple[Tensor, Tensor, Tensor]:
+    """What linear_gguf.cpp does to x [M, K]: per block of `block` values xq = round(x / dx)
+    (half to even) with dx = max|x| / 127; returns xq [M, K] (integer-valued float64), dx
+    [M, K / block] fp32 and the sums of xq per sub-block [M, K / sub] (float64)."""
+    xs = x.float().reshape(x.shape[0], -1, block)
+    dx = xs.abs().amax(dim=2) / 127
+    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    xq = torch.round(xs * inv[..., None]).reshape(x.shape[0], -1).double()
+    return xq, dx, xq.reshape(x.shape[0], -1, sub).sum(dim=2)
+
+
+def _reference_part(x: Tensor, part: GGUFPart, k: int) -> Tensor:
+    fmt = part.fmt
+    p = unpack(fmt, part.packed, part.n)
+    x2 = x.reshape(-1, k)
+    xq, dx, bsum = quantize_blocks(x2, fmt.block, fmt.sub)
+    u = torch.from_numpy(p.u.view(np.int8) if fmt.bits == 8 else p.u).double()
+    n = u.shape[0]
+    nsub, nb = k // fmt.sub, k // fmt.block
+    dots = torch.einsum("msj,nsj->mns", xq.reshape(-1, nsub, fmt.sub), u.reshape(n, nsub, -1))
+    sc = torch.from_numpy(p.sc).double() if p.sc is not None else torch.ones(n, nsub).double()
+    if p.m is not None:
+        m = torch.from_numpy(p.m).double()
+    else:
+        m = torch.full((n, nsub), float(fmt.m_const), dtype=torch.float64)
+    per = fmt.block // fmt.sub
+    isum = (dots * sc).reshape(-1, n, nb, per).sum(dim=3)  # [M, N, nb], exact
+    msum = (bsum[:, None] * m).reshape(-1, n, nb, per).sum(dim=3)
+    d = torch.from_numpy(p.d.astype(np.float32))
+    dm = torch.from_numpy(p.dm.astype(np.float32))
+    if not fmt.has_dm:  # dm = d: the kernel subtracts in integers, then scales once
+        terms = (isum - msum).float() * (d * dx[:, None])
+    else:
+        terms = isum.float() * (d * dx[:, None]) - msum.float() * (dm * dx[:, None])
+    out = torch.zeros(terms.shape[:2])
+    for b in range(nb):  # fp32, in block order, as the kernel adds them
+        out += terms[:, :, b]
+    return out
+
+
+def linear_gguf(x: Tensor, weight: GGUFWeight, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] @ weight.T (+ bias) -> [..., N] in x.dtype, as `GGUFWeight.reference_linear`
+    says: the kernel when eligible, else that reference (slow)."""
+    ext = extension() if x.is_cpu else None
+    if ext is not None:
+        packed = [p.packed for p in weight.parts]
+        codes = [p.fmt.code for p in weight.parts]
+        ns = [p.n for p in weight.parts]
+        if ext.eligible_gguf(x, packed, codes, ns, bias):
+            out: Tensor = ext.linear_gguf(x, packed, codes, ns, bias)
+            return out
+    return weight.reference_linear(x, bias)

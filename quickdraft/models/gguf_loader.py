@@ -1,0 +1,296 @@
+"""Load a model whose weights are a GGUF file's own quantized tensors (a "gguf" model directory:
+config.json, the tokenizer and `model.gguf`, a link to the file; hub/convert.py writes it).
+
+Each projection becomes a `GGUFWeight` (kernels/linear_gguf.py): the file's blocks repacked once
+into the kernel's panel layout, the same weight values its reference dequantization gives;
+fused q/k/v and gate/up operands join tensors of different formats part by part. Norms and
+biases are read as they are; the embedding table stays in the mapped file and a lookup
+dequantizes only the rows it reads (`GGUFEmbedding`). Unquantized 2-D tensors (F32 / F16 /
+BF16) load in the model dtype like any other. A tensor in a format without a kernel here, a
+missing tensor or a shape that does not match the config fails with an error that names it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from quickdraft.kernels.gemm import Weight
+from quickdraft.kernels.linear_bf16 import streamed_empty
+from quickdraft.kernels.linear_gguf import FORMATS, GGUFPart, GGUFWeight
+from quickdraft.models.base import LanguageModel
+from quickdraft.models.layers import GGUFEmbedding, OperandModule, release_fused_
+from quickdraft.models.llama import CausalLM
+from quickdraft.models.registry import model_class, read_config
+
+log = logging.getLogger(__name__)
+
+GGUF_LINK = "model.gguf"  # hub/convert.py's name for the link
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+class GGUFTensorError(ValueError):
+    """A GGUF tensor that cannot be loaded: missing, misshapen or in an unsupported type."""
+
+
+def is_gguf_dir(path: Path) -> bool:
+    return (path / GGUF_LINK).is_file()
+
+
+def _rows_unpermuted(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation for the "llama" architecture (rows are whole
+    blocks, so quantized rows move as they are): per head, HF's rows [r0 .. r(d/2) ..] were
+    interleaved as [r0 r(d/2) r1 ...]."""
+    n = rows.shape[0]
+    idx = np.arange(n).reshape(heads, 2, n // heads // 2).transpose(0, 2, 1).reshape(n)
+    out = np.empty_like(rows)
+    out[idx] = rows
+    return out
+
+
+class _File:
+    """The GGUF's tensors by name, read for one model."""
+
+    def __init__(self, path: Path, permute: bool) -> None:
+        from gguf import GGUFReader
+
+        try:
+            self.reader = GGUFReader(str(path))
+        except Exception as e:  # the reader raises bare ValueErrors / struct errors
+            raise GGUFTensorError(f"{path.name}: not a readable GGUF file ({e})") from e
+        self.path = path
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.permute = permute
+
+    def get(self, name: str) -> Any:
+        t = self.tensors.get(name)
+        if t is None:
+            raise GGUFTensorError(f"{self.path.name}: lacks tensor {name!r}")
+        return t
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def rows(self, name: str, shape: tuple[int, int], heads: int = 0) -> tuple[str, np.ndarray]:
+        """(type name, rows [N, row_bytes or K]) of a 2-D tensor of `shape` [N, K]."""
+        t = self.get(name)
+        got = (int(t.shape[1]), int(t.shape[0])) if len(t.shape) == 2 else None
+        if got != shape:
+            raise GGUFTensorError(
+                f"{self.path.name}: tensor {name!r} has shape {got}, the config says {shape}"
+            )
+        rows = np.asarray(t.data).reshape(shape[0], -1)
+        if self.permute and heads:
+            rows = _rows_unpermuted(rows, heads)
+        return t.tensor_type.name, rows
+
+    def vector(self, name: str, size: int, heads: int = 0) -> Tensor:
+        """A 1-D float tensor (norm weight, bias) as fp32."""
+        t = self.get(name)
+        if t.tensor_type.name not in _FLOAT_TYPES or int(t.n_elements) != size:
+            raise GGUFTensorError(
+                f"{self.path.name}: tensor {name!r} is {t.tensor_type.name} with "
+                f"{int(t.n_elements)} values; expected {size} float values"
+            )
+        v = np.asarray(t.data, dtype=np.float32).reshape(size, 1)
+        if self.permute and heads:
+            v = _rows_unpermuted(v, heads)
+        return torch.from_numpy(v.reshape(size).copy())
+
+    def operand(self, parts: list[tuple[str, int, int]], k: int, dtype: torch.dtype) -> Weight:
+        """The rows of `parts` ([(name, rows, heads to unpermute or 0)]) stacked into one GEMM
+        operand [sum rows, k]: a GGUFWeight when every part is in a format with a kernel, a
+        dtype tensor when every part is a float type."""
+        loaded = [(name, *self.rows(name, (n, k), heads)) for name, n, heads in parts]
+        types = {t for _, t, _ in loaded}
+        if types <= set(_FLOAT_TYPES):
+            rows = [torch.from_numpy(np.asarray(r, dtype=np.float32)) for _, _, r in loaded]
+            return torch.cat(rows).to(dtype)
+        for name, t, _ in loaded:
+            if t not in FORMATS:
+                raise GGUFTensorError(
+                    f"{self.path.name}: tensor {name!r} is {t}, which has no quantized kernel "
+                    f"here (supported: {', '.join(FORMATS)}); load with --dtype bf16 to run "
+                    "it dequantized"
+                )
+        if types & set(_FLOAT_TYPES):
+            raise GGUFTensorError(
+                f"{self.path.name}: {[n for n, _, _ in loaded]} mix float and quantized types; "
+                "load with --dtype bf16"
+            )
+        return GGUFWeight.concat([GGUFWeight.from_raw(t, r, k) for _, t, r in loaded])
+
+
+def load_gguf_model(path: Path, dtype: torch.dtype, device: torch.device | str) -> LanguageModel:
+    """The model in `path` (a "gguf" directory) with the GGUF's own weights: from the packed
+    copy beside it when there is one (`PACKED_NAME`), else repacked from the file (and that
+    copy written)."""
+    cfg = read_config(path)
+    if model_class(cfg.model_type) is not CausalLM or torch.device(device).type != "cpu":
+        raise GGUFTensorError(
+            f"GGUF weights run natively for dense models on the CPU; {cfg.model_type!r} on "
+            f"{device}: load with --dtype bf16"
+        )
+    cache = path / PACKED_NAME
+    if cache.is_file():
+        try:
+            return _load_packed(cache, cfg, dtype)  # type: ignore[return-value]
+        except Exception as e:  # a stale or damaged copy: repack from the GGUF
+            log.warning("ignoring %s (%s: %s); repacking from the GGUF", cache, type(e).__name__, e)
+    model = _from_gguf(path / GGUF_LINK, cfg, dtype)
+    _save_packed(model, cache)
+    return model  # type: ignore[return-value]  # CausalLM implements LanguageModel
+
+
+def _from_gguf(file: Path, cfg: Any, dtype: torch.dtype) -> CausalLM:
+    model = CausalLM(cfg, dtype, "cpu")
+    f = _File(file, permute=cfg.model_type == "llama")
+    hidden, heads, kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    q_size, kv_size = heads * cfg.head_dim, kv_heads * cfg.head_dim
+    with torch.no_grad():
+        for i, layer in enumerate(model.decoder_layers):
+            pre, attn, mlp = f"blk.{i}.", layer.self_attn, layer.mlp
+            attn.qkv = f.operand(
+                [
+                    (pre + "attn_q.weight", q_size, heads),
+                    (pre + "attn_k.weight", kv_size, kv_heads),
+                    (pre + "attn_v.weight", kv_size, 0),
+                ],
+                hidden,
+                dtype,
+            )
+            attn.o = f.operand([(pre + "attn_output.weight", hidden, 0)], q_size, dtype)
+            mlp.gate_up = f.operand(
+                [
+                    (pre + "ffn_gate.weight", cfg.intermediate_size, 0),
+                    (pre + "ffn_up.weight", cfg.intermediate_size, 0),
+                ],
+                hidden,
+                dtype,
+            )
+            mlp.down = f.operand(
+                [(pre + "ffn_down.weight", hidden, 0)], cfg.intermediate_size, dtype
+            )
+            if attn.qkv_bias is not None:
+                attn.qkv_bias.copy_(
+                    torch.cat(
+                        [
+                            f.vector(pre + "attn_q.bias", q_size, heads),
+                            f.vector(pre + "attn_k.bias", kv_size, kv_heads),
+                            f.vector(pre + "attn_v.bias", kv_size),
+                        ]
+                    )
+                )
+            layer.input_layernorm.weight.copy_(f.vector(pre + "attn_norm.weight", hidden))
+            layer.post_attention_layernorm.weight.copy_(f.vector(pre + "ffn_norm.weight", hidden))
+            for norm, name in ((attn.q_norm, "attn_q_norm"), (attn.k_norm, "attn_k_norm")):
+                if norm is not None:
+                    norm.weight.copy_(f.vector(f"{pre}{name}.weight", cfg.head_dim))
+        model.model.norm.weight.copy_(f.vector("output_norm.weight", hidden))
+        head = "output.weight" if f.has("output.weight") else "token_embd.weight"
+        model.head = f.operand([(head, cfg.vocab_size, 0)], hidden, dtype)
+        qtype, table = f.rows("token_embd.weight", (cfg.vocab_size, hidden))
+        model.model.embed_tokens = GGUFEmbedding(table, qtype, hidden, dtype)
+    release_fused_(model)
+    return model
+
+
+# The packed copy: every operand's panels, the norms and biases, the embedding's raw rows, so
+# a later start reads one file (~ the GGUF's size) and repacks nothing. Named by layout
+# version: bump PACKED_VERSION when linear_gguf.py's layout or this naming changes.
+PACKED_VERSION = 1
+PACKED_NAME = f"packed-v{PACKED_VERSION}.safetensors"
+
+
+def _operands(model: CausalLM) -> list[tuple[str, OperandModule, str]]:
+    return [
+        (f"{name}.{op}" if name else op, module, op)
+        for name, module in model.named_modules()
+        if isinstance(module, OperandModule)
+        for op in module.OPERANDS
+    ]
+
+
+def _save_packed(model: CausalLM, file: Path) -> None:
+    from safetensors.torch import save_file
+
+    tensors: dict[str, Tensor] = {}
+    meta: dict[str, str] = {}
+    for key, module, op in _operands(model):
+        w = getattr(module, op)
+        if isinstance(w, GGUFWeight):
+            meta[key] = json.dumps([w.in_features, [[p.fmt.name, p.n] for p in w.parts]])
+            for j, part in enumerate(w.parts):
+                tensors[f"{key}.{j}"] = part.packed
+        else:
+            tensors[key] = w
+    for name, param in model.named_parameters():
+        if param.numel():
+            tensors[f"param.{name}"] = param.detach()
+    emb = model.model.embed_tokens
+    assert isinstance(emb, GGUFEmbedding)
+    tensors["embedding"] = torch.from_numpy(np.array(emb.raw))  # a copy out of the mapping
+    meta["embedding"] = json.dumps([emb.qtype.name, emb.dim])
+    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, file)
+    except OSError as e:  # a read-only model directory: run, repack again next time
+        log.warning("could not write %s (%s); the next start repacks again", file, e)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _read_packed(file: Path) -> tuple[dict[str, str], dict[str, Tensor]]:
+    """(metadata, tensors) of a safetensors file written by `_save_packed`, read with plain
+    file reads into fresh buffers (the panels on huge pages, `streamed_empty`): mapping the
+    file and copying out of it would hold both copies resident at the peak."""
+    dtypes = {"U8": torch.uint8, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    out: dict[str, Tensor] = {}
+    with file.open("rb") as fh:
+        (size,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(size))
+        meta = header.pop("__metadata__", {}) or {}
+        base = 8 + size
+        for name, info in header.items():
+            start, end = info["data_offsets"]
+            t = streamed_empty(tuple(info["shape"]), dtypes[info["dtype"]])
+            view = t.view(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+            if end - start != view.nbytes:
+                raise ValueError(f"{file.name}: tensor {name} has {end - start} bytes")
+            fh.seek(base + start)
+            if fh.readinto(memoryview(view)) != view.nbytes:  # type: ignore[arg-type]
+                raise ValueError(f"{file.name}: truncated at tensor {name}")
+            out[name] = t
+    return meta, out
+
+
+def _load_packed(file: Path, cfg: Any, dtype: torch.dtype) -> CausalLM:
+    meta, tensors = _read_packed(file)
+    model = CausalLM(cfg, dtype, "cpu")
+    for key, module, op in _operands(model):
+        if key in meta:
+            k, parts = json.loads(meta[key])
+            loaded = tuple(
+                GGUFPart(FORMATS[fmt], tensors.pop(f"{key}.{j}"), n)
+                for j, (fmt, n) in enumerate(parts)
+            )
+            setattr(module, op, GGUFWeight(loaded, k))
+        else:
+            setattr(module, op, tensors.pop(key).to(dtype))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if f"param.{name}" in tensors:
+                param.copy_(tensors.pop(f"param.{name}"))
+    qtype, dim = json.loads(meta["embedding"])
+    model.model.embed_tokens = GGUFEmbedding(tensors.pop("embedding").numpy(), qtype, dim, dtype)
+    release_fused_(model)
+    return model
