@@ -1,19 +1,22 @@
-"""Small-M bf16 linear: quickdraft's CPU kernel vs torch F.linear, per weight shape and M.
+"""Small-M linear: quickdraft's CPU kernels vs torch F.linear (bf16), per weight shape and M.
 
-For each bf16 weight [N, K] (in 16-row panels as `load()` runs it, or with --layout rows in
-nn.Linear layout) and token count M: milliseconds per call and weight-read bandwidth
-(weight bytes / time) for both, and ours' time(M) / time(M=1), the number that decides whether a
-speculative verify pass over M tokens is nearly free. Each timing rotates over enough weight
-copies (>= 320 MB, 10x the L3) that every call streams its weight from DRAM as in a real decode
-step; warm-up calls are excluded and the best repetition over --rounds passes is reported. On
-a shared machine each measurement first waits (up to --wait-idle seconds) for an idle CPU.
+For each weight [N, K] (bf16 in 16-row panels as `load()` runs it, with --layout rows in
+nn.Linear layout, or with --layout Q4_K etc. in a GGUF block format as `--dtype gguf` runs it,
+random blocks; --isa picks that kernel's tile) and token count M: milliseconds per call and
+weight-read bandwidth (weight bytes / time) for both, and ours' time(M) / time(M=1), the number
+that decides whether a speculative verify pass over M tokens is nearly free. Each timing
+rotates over enough weight copies (>= 320 MB, 10x the L3) that every call streams its weight
+from DRAM as in a real decode step; warm-up calls are excluded and the best repetition over
+--rounds passes is reported. On a shared machine each measurement first waits (up to
+--wait-idle seconds) for an idle CPU.
 Prints a table, then one JSON object as the last line (--save also writes
 bench/results/kernels.json, .md and .png: time(M) / time(M=1) and the speedup over F.linear
-per weight, against M). The kernels: linear_panel.cpp (panels) and linear_bf16.cpp (rows),
-through the extension quickdraft/kernels/build.py builds.
+per weight, against M). The kernels: linear_panel.cpp (panels), linear_bf16.cpp (rows) and
+linear_gguf.cpp (GGUF formats), through the extension quickdraft/kernels/build.py builds.
 
     python bench/kernels.py                             # all shapes, M in 1 2 5 9 17
     python bench/kernels.py --layout rows --shapes 17920x1536 --ms 1 9
+    python bench/kernels.py --layout Q4_K --isa avx2 --ms 1 2 4 6 --no-torch
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 from quickdraft.bench.report import machine, read_bandwidth_gbs, table, write
 from quickdraft.kernels import PanelWeight
 from quickdraft.kernels.build import extension
+from quickdraft.kernels.linear_gguf import FORMATS, GGUFWeight, random_blocks
 
 # Qwen2.5-1.5B: q+k+v, o, gate+up, down, lm_head; SmolLM2-135M: q+k+v, lm_head, o...; and
 # a [576, 1536] block (K > N, short output).
@@ -47,6 +51,7 @@ SHAPES: list[tuple[int, int]] = [
     (576, 1536),
 ]
 ROTATE_BYTES = 320 << 20
+ISAS = {"best": -1, "avx2": 0, "avx512": 1}  # --isa -> the extension's gguf_isa level
 
 
 def busy_fraction(window_s: float = 0.05) -> float:
@@ -102,10 +107,17 @@ def main() -> None:
     ap.add_argument("--no-torch", action="store_true", help="skip the F.linear baseline")
     ap.add_argument(
         "--layout",
-        choices=["panels", "rows"],
+        choices=["panels", "rows", *FORMATS],
         default="panels",
         help="weight layout: 16-row panels (what load() runs bf16 models with, "
-        "linear_panel.cpp) or nn.Linear rows (linear_bf16.cpp)",
+        "linear_panel.cpp), nn.Linear rows (linear_bf16.cpp) or a GGUF block format "
+        "(linear_gguf.cpp)",
+    )
+    ap.add_argument(
+        "--isa",
+        choices=list(ISAS),
+        default="best",
+        help="the GGUF kernel's tile: the best this CPU runs, AVX2, or AVX-512 VNNI",
     )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     ap.add_argument("--hot", action="store_true", help="no weight rotation: cache-resident")
@@ -124,11 +136,18 @@ def main() -> None:
     if module is None:
         sys.exit("kernel unavailable (no AVX2/FMA/F16C or the build failed)")
 
-    def ours(x: torch.Tensor, w: torch.Tensor | PanelWeight) -> torch.Tensor:
+    gguf = FORMATS.get(args.layout)
+    isa = module.gguf_isa(ISAS[args.isa])
+
+    def ours(x: torch.Tensor, w: torch.Tensor | PanelWeight | GGUFWeight) -> torch.Tensor:
         # linear_panel raises rather than fall back; `linear` falls back to
         # F.linear when not eligible, so the rows loop checks eligibility before timing it.
         if isinstance(w, PanelWeight):
             out: torch.Tensor = module.linear_panel(x, w.packed, w.out_features, None)
+        elif isinstance(w, GGUFWeight):
+            packed = [p.packed for p in w.parts]
+            codes, ns = [p.fmt.code for p in w.parts], [p.n for p in w.parts]
+            out = module.linear_gguf(x, packed, codes, ns, None)
         else:
             out = module.linear(x, w, None, sys.maxsize)
         return out
@@ -147,7 +166,16 @@ def main() -> None:
         w0 = (torch.randn(n, k) * 0.05).bfloat16()
         copies = 1 if args.hot else max(1, -(-ROTATE_BYTES // w0.nbytes))
         weights = [w0] + [w0.clone() for _ in range(copies - 1)]
-        operands = [PanelWeight.pack(w) for w in weights] if args.layout == "panels" else weights
+        operands: list[Any] = weights
+        nbytes = w0.nbytes
+        if args.layout == "panels":
+            operands = [PanelWeight.pack(w) for w in weights]
+        elif gguf is not None:
+            operands = [
+                GGUFWeight.from_raw(gguf.name, random_blocks(gguf, n, k, seed=i), k)
+                for i in range(max(1, -(-ROTATE_BYTES // (n * k))) if not args.hot else 1)
+            ]
+            nbytes = operands[0].nbytes
         xs = {m: torch.randn(m, k).bfloat16() for m in args.ms}
         best_ours: dict[int, float] = {}
         best_torch: dict[int, float] = {}
@@ -170,7 +198,7 @@ def main() -> None:
                 "weight": spec,
                 "M": m,
                 "ours_ms": round(t_ours * 1e3, 4),
-                "ours_gbs": round(w0.nbytes / t_ours / 1e9, 2),
+                "ours_gbs": round(nbytes / t_ours / 1e9, 2),
                 "ours_vs_m1": round(t_ours / ours_m1, 3) if ours_m1 else None,
             }
             line = f"{spec:>12} {m:>3} {t_ours * 1e3:8.3f} {row['ours_gbs']:6.1f} "
@@ -186,11 +214,13 @@ def main() -> None:
             rows.append(row)
             print(line, flush=True)
         del weights, operands, w0
+    module.gguf_isa(-1)
     result = {
         "bench": "kernels",
         "machine": host,
         "read_bandwidth_gbs": round(bw, 2),
         "layout": args.layout,
+        "gguf_tile": ("avx512" if isa else "avx2") if gguf else None,
         "rows": rows,
     }
     if args.save:
@@ -203,7 +233,9 @@ def markdown(result: dict[str, Any]) -> str:
     rows = result["rows"]
     torch_too = all("torch_ms" in r for r in rows)
     head = (
-        f"bf16 linear at small M, {result['layout']} layout: ms per call with the weight "
+        f"Linear at small M, {result['layout']} layout"
+        + (f" ({result['gguf_tile']} tile)" if result.get("gguf_tile") else "")
+        + ": ms per call with the weight "
         f"streamed from DRAM, weight-read GB/s (DRAM read measured at "
         f"{result['read_bandwidth_gbs']} GB/s), time(M) / time(M=1)"
         + (", and torch F.linear for comparison" if torch_too else "")

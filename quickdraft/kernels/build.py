@@ -52,6 +52,7 @@ SOURCES = [
         "linear_i8.cpp",
         "linear_q4.cpp",
         "linear_gguf.cpp",
+        "linear_gguf_avx512.cpp",
         "norm_rope.cpp",
         "gdn_ops.cpp",
         "attention.cpp",

@@ -18,6 +18,7 @@
 #include <torch/extension.h>
 
 #include "bf16.h"
+#include "gguf_layout.h"
 #include "ops.h"
 #include "panel_driver.h"
 #include "simd.h"
@@ -30,49 +31,8 @@
 
 namespace {
 
-using qd_panel::kPanel;
+using namespace qd_gguf;  // NOLINT: the layout's names
 using u16 = uint16_t;
-
-// Formats by the id linear_gguf.py's FORMATS gives them.
-enum Fmt { kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kNumFmt };
-
-template <int F>
-struct Traits {
-  static constexpr bool kK = F >= kQ4_K;  // super-blocks of 256 with sub-block scales
-  static constexpr int kBlock = kK ? 256 : 32;
-  static constexpr int kGroups = kBlock / 32;
-  static constexpr int kBits = F == kQ4_0 || F == kQ4_1 || F == kQ4_K   ? 4
-                               : F == kQ5_0 || F == kQ5_1 || F == kQ5_K ? 5
-                               : F == kQ6_K                             ? 6
-                                                                        : 8;
-  static constexpr int kSub = F == kQ6_K ? 16 : 32;
-  static constexpr bool kHasM = F == kQ4_K || F == kQ5_K;
-  static constexpr bool kHasDm = F == kQ4_1 || F == kQ5_1 || F == kQ4_K || F == kQ5_K;
-  static constexpr int kMConst = F == kQ4_0 ? 8 : F == kQ5_0 ? 16 : 1;  // simple formats
-  // byte offsets within one panel block
-  static constexpr int64_t kQuant = kBits == 8 ? kPanel * kBlock : kPanel * kBlock / 2;
-  static constexpr int64_t kHigh = kBits == 5 || kBits == 6 ? kPanel * kBlock * (kBits - 4) / 8 : 0;
-  static constexpr int64_t kScOff = kQuant + kHigh;
-  static constexpr int64_t kMOff = kScOff + (kK ? kPanel * kBlock / kSub : 0);
-  static constexpr int64_t kDOff = kMOff + (kHasM ? kPanel * kBlock / 32 : 0);
-  static constexpr int64_t kBytes = kDOff + 2 * kPanel * (kHasDm ? 2 : 1);
-};
-
-inline int64_t block_bytes(int f) {
-  switch (f) {
-    case kQ4_0: return Traits<kQ4_0>::kBytes;
-    case kQ4_1: return Traits<kQ4_1>::kBytes;
-    case kQ5_0: return Traits<kQ5_0>::kBytes;
-    case kQ5_1: return Traits<kQ5_1>::kBytes;
-    case kQ8_0: return Traits<kQ8_0>::kBytes;
-    case kQ4_K: return Traits<kQ4_K>::kBytes;
-    case kQ5_K: return Traits<kQ5_K>::kBytes;
-    case kQ6_K: return Traits<kQ6_K>::kBytes;
-  }
-  return 0;
-}
-
-inline int block_size(int f) { return f >= kQ4_K ? 256 : 32; }
 
 inline __m256i bcast32(const void* p) {  // 4 bytes into every 32-bit lane
   int32_t v;
@@ -151,18 +111,19 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
           int64_t ldd, const int16_t* bs, int64_t ldb, float* acc, bool init, const char* pf) {
   using Tr = Traits<F>;
   constexpr int kSubs = Tr::kBlock / Tr::kSub;  // sub-blocks per block
+  // quads whose vpmaddubsw pairs add up in 16 bits before one vpmaddwd: a pair is at most
+  // 2 * (2^bits - 1) * 127, so 8 / 4 / 2 of them fit in int16 for 4 / 5 / 6 bits
+  constexpr int kRun = Tr::kBits == 4 ? 8 : Tr::kBits == 5 ? 4 : 2;
   const __m256i ones = _mm256_set1_epi16(1);
   if (init) std::fill(acc, acc + T * kPanel, 0.0f);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = w + b * Tr::kBytes;
-    if (pf) {
-      for (int64_t l = 0; l < Tr::kBytes; l += 64) _mm_prefetch(pf + b * Tr::kBytes + l, _MM_HINT_T0);
-    }
     const int8_t* sc = reinterpret_cast<const int8_t*>(wb + Tr::kScOff);  // [subs][16]
-    __m256i s[T][2];
+    __m256i s[T][2], p16[T][2];
     static_for<T>([&](auto t) { s[t][0] = s[t][1] = _mm256_setzero_si256(); });
     for (int g = 0; g < Tr::kGroups; ++g) {
       const int8_t* xg = xq + b * Tr::kBlock + g * 32;
+      if (pf) prefetch_group<F>(pf + b * Tr::kBytes, g);
       // vpmaddwd multipliers: the rows' sub-block scales (quads 0-3 and 4-7), or 1
       __m256i mul[2][2];
       if constexpr (Tr::kK) {
@@ -195,7 +156,9 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
             const __m256i xb = bcast32(xg + t * ldx + C * 4);
             static_for<2>([&](auto h) {
               const __m256i p = _mm256_maddubs_epi16(u[h], xb);
-              s[t][h] = _mm256_add_epi32(s[t][h], _mm256_madd_epi16(p, mul[C / 4][h]));
+              p16[t][h] = C % kRun == 0 ? p : _mm256_add_epi16(p16[t][h], p);
+              if constexpr (C % kRun == kRun - 1)  // flush the run: times the scale, to 32 bits
+                s[t][h] = _mm256_add_epi32(s[t][h], _mm256_madd_epi16(p16[t][h], mul[C / 4][h]));
             });
           });
         }
@@ -328,7 +291,25 @@ Acts quantize(const at::Tensor& x2, int block) {
   return a;
 }
 
+bool cpu_has_avx512_vnni() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+
+int g_isa = -1;  // the tile in use: -1 the best this CPU runs, 0 AVX2, 1 AVX-512 VNNI
+
+bool use_avx512() { return g_isa < 0 ? cpu_has_avx512_vnni() : g_isa == 1; }
+
 }  // namespace
+
+int64_t qd_gguf_isa(int64_t level) {
+  TORCH_CHECK(level >= -1 && level <= 1, "quickdraft gguf_isa: -1 (best), 0 (AVX2), 1 (AVX-512)");
+  TORCH_CHECK(level != 1 || cpu_has_avx512_vnni(),
+              "quickdraft gguf_isa: this CPU lacks AVX512F/BW/VL + AVX512_VNNI");
+  g_isa = static_cast<int>(level);
+  return use_avx512() ? 1 : 0;
+}
 
 bool qd_linear_gguf_eligible(const at::Tensor& x, const std::vector<at::Tensor>& packed,
                              const std::vector<int64_t>& fmts, const std::vector<int64_t>& ns,
@@ -389,14 +370,20 @@ at::Tensor qd_linear_gguf(const at::Tensor& x, const std::vector<at::Tensor>& pa
     e.y = static_cast<char*>(e.y) + col * y.element_size();
     if (e.bias) e.bias = static_cast<const char*>(e.bias) + col * b.element_size();
     const int64_t bytes = block_bytes(f);
+    const bool wide = use_avx512();
     qd_panel::run(
         packed[i].data_ptr<uint8_t>(), M, ns[i], G, bytes, e,
         [&](int T, const uint8_t* w, int64_t g0, int64_t glen, int64_t m0, float* acc, bool init,
             const char* pf) {
-          tile_for(f, T)(w, glen, a.xq.data() + m0 * K + g0 * block, K, a.dx.data() + m0 * G + g0,
-                         G, bs + m0 * ldb + g0 * subs, ldb, acc, init, pf);
+          const int8_t* xq = a.xq.data() + m0 * K + g0 * block;
+          const float* dx = a.dx.data() + m0 * G + g0;
+          const int16_t* bsm = bs + m0 * ldb + g0 * subs;
+          if (wide)
+            tile_avx512(f, T, w, glen, xq, K, dx, G, bsm, ldb, acc, init, pf);
+          else
+            tile_for(f, T)(w, glen, xq, K, dx, G, bsm, ldb, acc, init, pf);
         },
-        std::max<int64_t>(1, 8192 / bytes));
+        std::max<int64_t>(1, 8192 / bytes), wide ? kTmaxAvx512 : qd_panel::kTmax);
     col += ns[i];
   }
   return y.view(out_shape);

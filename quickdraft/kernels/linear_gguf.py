@@ -177,6 +177,25 @@ def decode(fmt: Format, raw: np.ndarray, k: int) -> Parts:
     return Parts(u, sc, m, np.ascontiguousarray(d), np.ascontiguousarray(dm))
 
 
+def random_blocks(fmt: Format, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random GGUF bytes [n, k / block * block_bytes] of `fmt` with finite scales (d ~ 1e-3,
+    mins ~ 1e-2): weights for kernel tests and benchmarks where no real tensor is needed."""
+    rng = np.random.default_rng(seed)
+    nb = k // fmt.block
+    raw = rng.integers(0, 256, (n, nb, fmt.block_bytes), dtype=np.uint8)
+
+    def f16(scale: float, signed: bool) -> np.ndarray:
+        v = rng.random((n, nb)) * scale + scale / 10
+        if signed:
+            v *= rng.choice([-1.0, 1.0], (n, nb))
+        return v.astype(np.float16).view(np.uint8).reshape(n, nb, 2)
+
+    raw[..., (208 if fmt.name == "Q6_K" else 0) :][..., :2] = f16(1e-3, False)
+    if fmt.has_dm:  # Q4_1 / Q5_1: a signed min; K-quants: dmin >= 0
+        raw[..., 2:4] = f16(1e-2, fmt.block == 32)
+    return raw.reshape(n, -1)
+
+
 def dequantize_parts(fmt: Format, p: Parts) -> Tensor:
     """w [N, K] float64 from its parts (tests compare it with the gguf package's own)."""
     u = torch.from_numpy(p.u.view(np.int8) if fmt.bits == 8 else p.u).double()

@@ -41,6 +41,7 @@ bool qd_linear_gguf_eligible(const at::Tensor& x, const std::vector<at::Tensor>&
 at::Tensor qd_linear_gguf(const at::Tensor& x, const std::vector<at::Tensor>& packed,
                           const std::vector<int64_t>& fmts, const std::vector<int64_t>& ns,
                           const c10::optional<at::Tensor>& bias);
+int64_t qd_gguf_isa(int64_t level);
 // linear_panel.cpp
 bool qd_linear_panel_eligible(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                               const c10::optional<at::Tensor>& bias);

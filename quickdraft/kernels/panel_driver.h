@@ -56,12 +56,13 @@ inline Epilogue epilogue(const float* row_scale, const at::Tensor& bias, at::Ten
 // group_bytes] bytes, P = ceil(N / 16)): T tokens from token m0, the panel's groups [g0, g0 +
 // glen) at w, accumulating into acc [T][16] fp32 (zeroed first when init), prefetching at pf
 // (null: none). Then writes y through `e`. With several token chunks, groups go in blocks of
-// `block_groups`.
+// `block_groups`, and chunks hold at most `tmax` tokens.
 template <class Tile>
 void run(const uint8_t* packed, int64_t M, int64_t N, int64_t G, int64_t group_bytes,
-         const Epilogue& e, const Tile& tile, int64_t block_groups = kBlockGroups) {
+         const Epilogue& e, const Tile& tile, int64_t block_groups = kBlockGroups,
+         int64_t tmax = kTmax) {
   const int64_t P = (N + kPanel - 1) / kPanel;
-  const int64_t nch = (M + kTmax - 1) / kTmax;  // balanced token chunks
+  const int64_t nch = (M + tmax - 1) / tmax;  // balanced token chunks
   const int64_t GB = nch == 1 ? G : block_groups;
   const int64_t panel_bytes = G * group_bytes;
   // ~128 KiB of weights per thread at least: below that the fork/join costs more than it saves

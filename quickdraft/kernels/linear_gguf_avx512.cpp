@@ -1,0 +1,202 @@
+// The AVX-512 VNNI tile of the GGUF block kernel (linear_gguf.cpp runs it where the CPU has
+// AVX512F/BW/VL and AVX512_VNNI; kernels/linear_gguf.py owns the contract and the reference).
+//
+// Contract: tile_avx512 computes exactly what linear_gguf.cpp's AVX2 tile computes, bit for
+// bit: the same exact integer sums per block, then the same fp32 operations per row. One zmm
+// holds a quad's 16 rows x 4 values (rows 0-7 from the low nibbles, 8-15 from the high ones),
+// and one vpdpbusd per token adds the 64 products into the rows' int32 sums (AVX2 needs
+// vpmaddubsw + vpmaddwd + vpaddd per 8 rows); sub-block scales multiply each 16- or 32-column
+// run's sums once. Q8_0's signed weights go in as q + 128 (vpdpbusd takes unsigned weights),
+// and 128 * sum(x) comes off with the other offsets.
+//
+// Only this file is compiled for AVX-512 (the pragma below, after every include): it includes
+// no torch or standard header with code, so no inline function built for AVX-512 can be picked
+// by the linker for another file, and nothing here runs unless the CPU has the features.
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#include "gguf_layout.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+
+namespace qd_gguf {
+namespace {
+
+template <class Fn, int... I>
+inline void static_for_impl(Fn&& fn, std::integer_sequence<int, I...>) {
+  (fn(std::integral_constant<int, I>{}), ...);
+}
+template <int N, class Fn>
+inline void static_for(Fn&& fn) {
+  static_for_impl(fn, std::make_integer_sequence<int, N>{});
+}
+
+inline __m512i bcast32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// 16 int8 a[j] (and b[j]) -> lane j = (a[j], b[j]) as two int16.
+inline __m512i pair16(const int8_t* a, const int8_t* b) {
+  const __m512i lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
+  const __m512i hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+  return _mm512_mask_blend_epi16(0xAAAAAAAAu, lo, _mm512_slli_epi32(hi, 16));
+}
+
+inline __m512i halves(int lo, int hi) {  // 16-bit lanes: lo in the low 256 bits, hi above
+  return _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(lo)),
+                            _mm256_set1_epi16(static_cast<int16_t>(hi)), 1);
+}
+
+// Quad C of group g as 64 unsigned bytes: lane j (4 bytes) = row j's 4 values.
+template <int F, int C>
+inline __m512i unpack_quad(const uint8_t* wb, int g) {
+  using Tr = Traits<F>;
+  if constexpr (Tr::kBits == 8) {  // signed q -> q + 128
+    const __m512i v = _mm512_loadu_si512(wb + g * 512 + C * 64);
+    return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    const __m512i v = _mm512_broadcast_i64x4(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 256 + C * 32)));
+    __m512i u = _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFFFF0000u, v, 4),
+                                 _mm512_set1_epi8(0x0f));
+    if constexpr (Tr::kBits == 5) {  // bit 2 (C % 4) + h of vector C / 4 -> bit 4, per half h
+      const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(wb + Tr::kQuant + g * 64 + (C / 4) * 32)));
+      constexpr int k0 = 2 * (C % 4), k1 = k0 + 1;
+      __m512i t;
+      if constexpr (k1 <= 4)
+        t = _mm512_sllv_epi16(hb, halves(4 - k0, 4 - k1));
+      else
+        t = _mm512_srlv_epi16(hb, halves(k0 > 4 ? k0 - 4 : 0, k1 - 4));
+      u = _mm512_or_si512(u, _mm512_and_si512(t, _mm512_set1_epi8(0x10)));
+    } else if constexpr (Tr::kBits == 6) {  // bits 2k, 2k + 1 of vector C / 2 -> bits 4, 5
+      const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(wb + Tr::kQuant + g * 128 + (C / 2) * 32)));
+      constexpr int k0 = 2 * (C % 2), k1 = k0 + 1;
+      __m512i t;
+      if constexpr (k1 <= 2)
+        t = _mm512_sllv_epi16(hb, halves(4 - 2 * k0, 4 - 2 * k1));
+      else
+        t = _mm512_srlv_epi16(hb, halves(0, 2));
+      u = _mm512_or_si512(u, _mm512_and_si512(t, _mm512_set1_epi8(0x30)));
+    }
+    return u;
+  }
+}
+
+template <int F, int T>
+void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const float* dx,
+          int64_t ldd, const int16_t* bs, int64_t ldb, float* acc, bool init, const char* pf) {
+  using Tr = Traits<F>;
+  constexpr int kSubs = Tr::kBlock / Tr::kSub;
+  constexpr int kRun = Tr::kSub / 4;  // quads per sub-block
+  if (init)
+    for (int i = 0; i < T * kPanel; ++i) acc[i] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w + b * Tr::kBytes;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(wb + Tr::kScOff);  // [subs][16]
+    __m512i s[T], run[T];
+    static_for<T>([&](auto t) { s[t] = _mm512_setzero_si512(); });
+    for (int g = 0; g < Tr::kGroups; ++g) {
+      const int8_t* xg = xq + b * Tr::kBlock + g * 32;
+      if (pf) prefetch_group<F>(pf + b * Tr::kBytes, g);
+      __m512i scale[2];
+      if constexpr (Tr::kK) {
+        const int s0 = g * 32 / Tr::kSub, s1 = (g * 32 + 16) / Tr::kSub;
+        scale[0] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + s0 * kPanel)));
+        scale[1] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + s1 * kPanel)));
+      }
+      static_for<8>([&](auto c) {
+        constexpr int C = decltype(c)::value;
+        const __m512i u = unpack_quad<F, C>(wb, g);
+        static_for<T>([&](auto t) {
+          const __m512i xb = bcast32(xg + t * ldx + C * 4);
+          if constexpr (Tr::kK) {
+            run[t] = _mm512_dpbusd_epi32(C % kRun == 0 ? _mm512_setzero_si512() : run[t], u, xb);
+            if constexpr (C % kRun == kRun - 1)
+              s[t] = _mm512_add_epi32(s[t], _mm512_mullo_epi32(run[t], scale[C / 4]));
+          } else {
+            s[t] = _mm512_dpbusd_epi32(s[t], u, xb);
+          }
+        });
+      });
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + Tr::kDOff)));
+    const __m512 dm = Tr::kHasDm ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                       wb + Tr::kDOff + 2 * kPanel)))
+                                 : d;
+    static_for<T>([&](auto t) {
+      const int16_t* bst = bs + t * ldb + b * kSubs;
+      __m512i msum = _mm512_setzero_si512();
+      if constexpr (Tr::kK) {
+        const int8_t* mm = Tr::kHasM ? reinterpret_cast<const int8_t*>(wb + Tr::kMOff) : sc;
+        static_for<kSubs / 2>([&](auto i) {
+          const __m512i mv = pair16(mm + 2 * i * kPanel, mm + (2 * i + 1) * kPanel);
+          msum = _mm512_dpwssd_epi32(msum, mv, bcast32(bst + 2 * i));
+        });
+        if constexpr (F == kQ6_K) msum = _mm512_slli_epi32(msum, 5);  // m = 32 sc
+      } else {  // Q8_0's q + 128 brings 128 sum(x) to take off
+        constexpr int m = F == kQ8_0 ? 128 : Tr::kMConst;
+        msum = _mm512_set1_epi32(m * static_cast<int32_t>(bst[0]));
+      }
+      float* a = acc + t * kPanel;
+      const __m512 dxv = _mm512_set1_ps(dx[t * ldd + b]);
+      __m512 av = _mm512_loadu_ps(a);
+      if constexpr (Tr::kHasDm) {
+        av = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[t]), _mm512_mul_ps(d, dxv), av);
+        av = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dm, dxv), av);
+      } else {
+        const __m512i tot = _mm512_sub_epi32(s[t], msum);
+        av = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(d, dxv), av);
+      }
+      _mm512_storeu_ps(a, av);
+    });
+  }
+}
+
+using TileFn = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const float*, int64_t,
+                        const int16_t*, int64_t, float*, bool, const char*);
+
+template <int F>
+TileFn pick(int T) {
+  switch (T) {
+    case 1: return &tile<F, 1>;
+    case 2: return &tile<F, 2>;
+    case 3: return &tile<F, 3>;
+    case 4: return &tile<F, 4>;
+    case 5: return &tile<F, 5>;
+    case 6: return &tile<F, 6>;
+    case 7: return &tile<F, 7>;
+    default: return &tile<F, 8>;
+  }
+}
+
+}  // namespace
+
+void tile_avx512(int fmt, int T, const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx,
+                 const float* dx, int64_t ldd, const int16_t* bs, int64_t ldb, float* acc,
+                 bool init, const char* pf) {
+  TileFn fn = nullptr;
+  switch (fmt) {
+    case kQ4_0: fn = pick<kQ4_0>(T); break;
+    case kQ4_1: fn = pick<kQ4_1>(T); break;
+    case kQ5_0: fn = pick<kQ5_0>(T); break;
+    case kQ5_1: fn = pick<kQ5_1>(T); break;
+    case kQ8_0: fn = pick<kQ8_0>(T); break;
+    case kQ4_K: fn = pick<kQ4_K>(T); break;
+    case kQ5_K: fn = pick<kQ5_K>(T); break;
+    case kQ6_K: fn = pick<kQ6_K>(T); break;
+    default: return;
+  }
+  fn(w, nb, xq, ldx, dx, ldd, bs, ldb, acc, init, pf);
+}
+
+}  // namespace qd_gguf
+
+#pragma GCC pop_options
