@@ -1,0 +1,408 @@
+"""A GGUF file's own block formats as GEMM operands (kernels/linear_gguf.py): decoding against
+the gguf package's dequantization, the panel layout and its round trip, and the AVX2 kernel
+against `GGUFWeight.reference_linear` (same activation quantization) and against x @ the
+dequantized weight (up to that quantization). `random_blocks` is shared with
+test_gguf_loader.py, which writes whole model files from it."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize
+from kernel_checks import BF16_ULP, needs_kernel
+from torch import Tensor
+
+from quickdraft import hub
+from quickdraft.kernels import build, kernel_calls
+from quickdraft.kernels.build import extension
+from quickdraft.kernels.linear_gguf import (
+    FORMATS,
+    GGUFWeight,
+    decode,
+    dequantize_parts,
+    linear_gguf,
+    pack,
+    unpack,
+)
+
+pytestmark = pytest.mark.usefixtures("kernels_enabled")
+
+# byte offsets of every fp16 field (d, and dmin / min where the format has one) in one block
+FP16_FIELDS = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "Q2_K": (80, 82),  # no kernel: test_gguf_loader.py's unsupported-type file
+    "IQ4_NL": (0,),
+}
+# |d| per format for weights of roughly 0.05-0.1 (Q6_K's 1e-4 makes some d fp16 subnormals)
+SCALES = {
+    "Q4_0": 0.02,
+    "Q4_1": 0.02,
+    "Q5_0": 0.01,
+    "Q5_1": 0.01,
+    "Q8_0": 1e-3,
+    "Q4_K": 5e-4,
+    "Q5_K": 2.5e-4,
+    "Q6_K": 1e-4,
+    "Q2_K": 5e-3,
+    "IQ4_NL": 1e-3,
+}
+NAMES = list(FORMATS)
+N, K = 37, 512  # N: a partial last panel; K: 2 super-blocks, 16 blocks of 32
+
+
+def random_blocks(name: str, n: int, k: int, seed: int, scale: float | None = None) -> np.ndarray:
+    """Valid GGUF bytes [n, k / block * block_bytes] of type `name`: random bytes (every bit
+    pattern of the quants and sub-block scales is legal) with finite fp16 d / dmin fields of
+    magnitude ~`scale` and random sign."""
+    block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // block, nbytes), dtype=np.uint8)
+    for at in FP16_FIELDS[name]:
+        size = rng.uniform(0.5, 1.5, (n, k // block)) * (scale or SCALES[name])
+        d = (size * rng.choice([-1.0, 1.0], size.shape)).astype(np.float16)
+        raw[..., at : at + 2] = d[..., None].view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def gguf_dequantized(name: str, raw: np.ndarray) -> Tensor:
+    """The gguf package's dequantization of `raw` [n, row bytes] -> [n, K] fp32."""
+    w = dequantize(raw, GGMLQuantizationType[name])
+    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).reshape(raw.shape[0], -1)
+
+
+@functools.cache
+def weight(name: str, n: int = N, k: int = K, seed: int = 0) -> tuple[np.ndarray, GGUFWeight]:
+    raw = random_blocks(name, n, k, seed)
+    return raw, GGUFWeight.from_raw(name, raw, k)
+
+
+@functools.cache
+def mixed(names: tuple[str, ...]) -> tuple[GGUFWeight, Tensor]:
+    """A fused operand of `names` (21, 37, 53... rows each) and its gguf dequantization."""
+    raws = [random_blocks(name, 21 + 16 * i, K, seed=i) for i, name in enumerate(names)]
+    w = GGUFWeight.concat(
+        [GGUFWeight.from_raw(nm, r, K) for nm, r in zip(names, raws, strict=True)]
+    )
+    return w, torch.cat([gguf_dequantized(nm, r) for nm, r in zip(names, raws, strict=True)])
+
+
+def inputs(m: int, k: int, dtype: torch.dtype, seed: int = 0) -> Tensor:
+    """x [m, k]; the last row (when m > 1) has a zero super-block: the dx = 0 path."""
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 100 * m))
+    if m > 1:
+        x[-1, :256] = 0
+    return x.to(dtype)
+
+
+def assert_matches_reference(out: Tensor, ref: Tensor) -> None:
+    """Kernel vs reference: the same integer sums, fp32 block terms rounded differently
+    (fused multiply-add): 1e-5 of the output's scale, plus one bf16 ulp for a bf16 result."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    ref32 = ref.float()
+    tol = torch.full_like(ref32, 1e-5 * float(ref32.abs().max()) + 1e-30)
+    if out.dtype == torch.bfloat16:
+        tol = tol + BF16_ULP * ref32.abs()
+    err = (out.float() - ref32).abs()
+    assert bool((err <= tol).all()), f"max error {float(err.max()):.3g}"
+
+
+def assert_near_dequantized(out: Tensor, x: Tensor, w: Tensor, bias: Tensor | None) -> None:
+    """out vs x @ w.T with the gguf package's own weights: only the activations' int8
+    rounding differs (llama.cpp's Q8 activations do the same), ~1e-2 of the output's scale.
+    Catches a layout both pack and unpack got wrong in the same way."""
+    deq = x.float() @ w.T + (0 if bias is None else bias.float())
+    assert float((out.float() - deq).abs().max()) < 3e-2 * float(deq.abs().max())
+
+
+def needs_extension() -> None:
+    if not build.kernels_available():
+        pytest.skip("the C++ extension did not build or cannot run here")
+
+
+# --- decoding and layout ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_equals_gguf_dequantize(name: str) -> None:
+    """Bitwise in fp32: dequantize_parts is exact in float64 and every gguf dequantization
+    is one fp32 rounding of that exact value (d * sc fits fp32; d * sc * u and dm * m too)."""
+    fmt = FORMATS[name]
+    raw = random_blocks(name, 7, K, seed=1)
+    parts = decode(fmt, raw, K)
+    assert parts.u.shape == (7, K) and parts.d.shape == (7, K // fmt.block)
+    ours = dequantize_parts(fmt, parts)
+    assert ours.dtype == torch.float64
+    ref = gguf_dequantized(name, raw)
+    torch.testing.assert_close(ours, ref.double(), rtol=1e-6, atol=0)
+    assert torch.equal(ours.float(), ref)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_rejects_rows_of_the_wrong_size(name: str) -> None:
+    fmt = FORMATS[name]
+    raw = random_blocks(name, 3, K, seed=2)
+    with pytest.raises(ValueError, match=name):
+        decode(fmt, raw[:, : -fmt.block_bytes], K)
+    with pytest.raises(ValueError, match=name):
+        decode(fmt, raw, K + fmt.block)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_pack_unpack_round_trip(name: str) -> None:
+    fmt = FORMATS[name]
+    raw, w = weight(name)
+    parts = decode(fmt, raw, K)
+    packed = pack(fmt, parts)
+    assert packed.shape == (3, K // fmt.block, fmt.panel_block_bytes())
+    assert torch.equal(packed, w.parts[0].packed)  # from_raw packs the same bytes
+    back = unpack(fmt, packed, N)
+    for field in ("u", "sc", "m", "d", "dm"):
+        ours, theirs = getattr(back, field), getattr(parts, field)
+        assert (ours is None) == (theirs is None), field
+        if ours is not None:
+            assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs), field
+    padded = unpack(fmt, packed, 48)  # rows 37..47 of the last panel are zero
+    assert not padded.u[N:].any() and not padded.d[N:].astype(np.float32).any()
+
+
+def documented_u(name: str, packed: np.ndarray, row: int, col: int) -> int:
+    """u[row][col] read from `packed` by the module docstring's layout, byte by byte."""
+    fmt = FORMATS[name]
+    p, j16 = divmod(row, 16)
+    h, j = divmod(j16, 8)
+    b, within = divmod(col, fmt.block)
+    g, r = divmod(within, 32)
+    c, i = divmod(r, 4)
+    blk = packed[p, b]
+    if fmt.bits == 8:
+        return int(blk[g * 512 + c * 64 + h * 32 + 4 * j + i])
+    u = (int(blk[g * 256 + c * 32 + 4 * j + i]) >> (4 * h)) & 15
+    low = 16 * fmt.block // 2  # bytes of 4-bit low parts per panel block
+    if fmt.bits == 5:
+        hb = int(blk[low + g * 64 + (c // 4) * 32 + 4 * j + i])
+        u |= ((hb >> (2 * (c % 4) + h)) & 1) << 4
+    elif fmt.bits == 6:
+        hb = int(blk[low + g * 128 + (c // 2) * 32 + 4 * j + i])
+        u |= ((hb >> (2 * (2 * (c % 2) + h))) & 3) << 4
+    return u
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_panel_layout_is_the_documented_one(name: str) -> None:
+    """Every u of a 20 x 256 weight read from the bytes as the docstring (and the kernel)
+    places it, and each row's d at the end of its block: a layout pack and unpack share
+    cannot hide here."""
+    fmt = FORMATS[name]
+    raw = random_blocks(name, 20, 256, seed=3)
+    parts = decode(fmt, raw, 256)
+    packed = pack(fmt, parts)
+    as_np = packed.numpy()
+    got = np.array([[documented_u(name, as_np, r, c) for c in range(256)] for r in range(20)])
+    assert np.array_equal(got, parts.u.astype(np.int64))
+    d_at = fmt.panel_block_bytes() - 32 * (2 if fmt.has_dm else 1)
+    d = packed[..., d_at : d_at + 32].contiguous().view(torch.float16)  # [P, blocks, 16]
+    ours = d.permute(0, 2, 1).reshape(32, -1)[:20]
+    assert torch.equal(ours, torch.from_numpy(parts.d))
+
+
+def test_from_raw_in_slices_equals_one_pack() -> None:
+    """600 x 8192: from_raw packs in slices of 512 rows; the seam must not show."""
+    raw = random_blocks("Q4_0", 600, 8192, seed=4)
+    w = GGUFWeight.from_raw("Q4_0", raw, 8192)
+    fmt = FORMATS["Q4_0"]
+    assert torch.equal(w.parts[0].packed, pack(fmt, decode(fmt, raw, 8192)))
+
+
+def test_weight_errors_name_the_problem() -> None:
+    with pytest.raises(ValueError, match="Q2_K has no kernel"):
+        GGUFWeight.from_raw("Q2_K", random_blocks("Q2_K", 16, 256, seed=0), 256)
+    a = GGUFWeight.from_raw("Q8_0", random_blocks("Q8_0", 16, 256, seed=0), 256)
+    b = GGUFWeight.from_raw("Q8_0", random_blocks("Q8_0", 16, 512, seed=0), 512)
+    with pytest.raises(ValueError, match="one in_features"):
+        GGUFWeight.concat([a, b])
+
+
+@pytest.mark.parametrize(
+    "names", [("Q4_K", "Q6_K"), ("Q8_0", "Q5_0"), ("Q4_K", "Q8_0", "Q4_1")], ids="+".join
+)
+def test_concat_dequantizes_to_the_files_rows(names: tuple[str, ...]) -> None:
+    w, deq = mixed(names)
+    assert w.shape == deq.shape and [p.fmt.name for p in w.parts] == list(names)
+    assert torch.equal(w.dequantize(torch.float32), deq)
+
+
+# --- the kernel ------------------------------------------------------------------------------
+
+BIASES = {"nobias": None, "bias32": torch.float32, "bias16": torch.bfloat16}
+
+
+@needs_kernel
+@pytest.mark.parametrize("bias", list(BIASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["xfp32", "xbf16"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 17], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("name", NAMES)
+def test_kernel_matches_reference(name: str, m: int, dtype: torch.dtype, bias: str) -> None:
+    """M 1-4: one token pass; 5-17: several passes over blocks re-read from L1."""
+    needs_extension()
+    raw, w = weight(name)
+    x = inputs(m, K, dtype)
+    bdt = BIASES[bias]
+    b = None if bdt is None else torch.randn(N, generator=torch.Generator().manual_seed(m)).to(bdt)
+    before = kernel_calls()
+    out = linear_gguf(x, w, b)
+    assert kernel_calls() == before + 1  # the kernel ran, not the reference fallback
+    assert_matches_reference(out, w.reference_linear(x, b))
+    assert_near_dequantized(out, x, gguf_dequantized(name, raw), b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["xfp32", "xbf16"])
+@pytest.mark.parametrize("m", [1, 3, 5, 17], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize(
+    "names",
+    [("Q4_K", "Q5_K"), ("Q4_0", "Q5_1"), ("Q4_K", "Q6_K"), ("Q8_0", "Q5_0"), ("Q4_K", "Q8_0")],
+    ids="+".join,
+)
+def test_kernel_on_fused_parts_matches_reference(
+    names: tuple[str, ...], m: int, dtype: torch.dtype
+) -> None:
+    """A fused q/k/v or gate/up operand whose parts have different formats, of the same or of
+    different block sizes (the kernel quantizes x once per block size); bias over all rows."""
+    needs_extension()
+    w, deq = mixed(names)
+    x = inputs(m, K, dtype, seed=1)
+    b = torch.randn(w.out_features, generator=torch.Generator().manual_seed(5)).bfloat16()
+    before = kernel_calls()
+    out = linear_gguf(x, w, b)
+    assert kernel_calls() == before + 1
+    assert out.shape == (m, w.out_features)
+    assert_matches_reference(out, w.reference_linear(x, b))
+    assert_near_dequantized(out, x, deq, b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["xfp32", "xbf16"])
+@pytest.mark.parametrize("name", [*NAMES, "Q4_K+Q6_K+Q8_0"])
+def test_kernel_rows_are_batch_invariant(name: str, dtype: torch.dtype) -> None:
+    """Each row of an M-row call has the bits that row gets alone, for every M up to 17: a
+    decode step and a verify pass agree exactly."""
+    needs_extension()
+    w = mixed(tuple(name.split("+")))[0] if "+" in name else weight(name)[1]
+    x = inputs(17, K, dtype, seed=2)
+    alone = torch.cat([linear_gguf(x[i : i + 1], w) for i in range(17)])
+    for m in range(1, 18):
+        assert torch.equal(linear_gguf(x[:m], w), alone[:m]), f"M={m}"
+
+
+@needs_kernel
+def test_kernel_takes_any_leading_shape_and_empty_batches() -> None:
+    needs_extension()
+    _, w = weight("Q5_K")
+    x = inputs(6, K, torch.bfloat16)
+    out = linear_gguf(x.reshape(2, 3, K), w)
+    assert out.shape == (2, 3, N) and torch.equal(out.reshape(6, N), linear_gguf(x, w))
+    assert linear_gguf(x[:0], w).shape == (0, N)
+
+
+def test_linear_gguf_falls_back_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    w, _ = mixed(("Q4_K", "Q8_0"))
+    x = inputs(5, K, torch.bfloat16)
+    b = torch.randn(w.out_features)
+    fast = linear_gguf(x, w, b)
+    monkeypatch.setattr(build, "disabled", True)
+    before = kernel_calls()
+    slow = linear_gguf(x, w, b)
+    assert kernel_calls() == before
+    assert torch.equal(slow, w.reference_linear(x, b))
+    assert_matches_reference(fast, slow)
+
+
+@needs_kernel
+def test_linear_gguf_ineligible_input_falls_back_to_the_reference() -> None:
+    needs_extension()
+    _, w = weight("Q6_K")
+    x = inputs(3, K, torch.float16)  # the kernel takes fp32 and bf16 activations only
+    before = kernel_calls()
+    out = linear_gguf(x, w)
+    assert kernel_calls() == before
+    assert out.dtype == torch.float16 and torch.equal(out, w.reference_linear(x))
+
+
+@needs_kernel
+def test_eligibility_refusals() -> None:
+    needs_extension()
+    ext = extension()
+    w, _ = mixed(("Q4_K", "Q8_0"))
+    packed = [p.packed for p in w.parts]
+    codes = [p.fmt.code for p in w.parts]
+    ns = [p.n for p in w.parts]
+    n = w.out_features
+    x = torch.randn(2, K)
+    assert ext.eligible_gguf(x, packed, codes, ns, torch.zeros(n))
+    assert ext.eligible_gguf(x, packed, codes, ns, None)
+    strided = torch.zeros(*packed[1].shape[:2], 2 * packed[1].shape[2], dtype=torch.uint8)
+    strided = strided[..., : packed[1].shape[2]]  # the right shape, not contiguous
+    refused = {
+        "K": (torch.randn(2, K + 256), packed, codes, ns, None),
+        "N beyond the panels": (x, packed, codes, [ns[0], ns[1] + 16], None),
+        "N zero": (x, packed, codes, [0, ns[1]], None),
+        "codes short": (x, packed, codes[:1], ns, None),
+        "ns long": (x, packed, codes, [*ns, 16], None),
+        "no parts": (x, [], [], [], None),
+        "format swapped": (x, packed, codes[::-1], ns, None),
+        "unknown format": (x, packed, [codes[0], 99], ns, None),
+        "non-contiguous": (x, [packed[0], strided], codes, ns, None),
+        "not bytes": (x, [packed[0].view(torch.int8), packed[1]], codes, ns, None),
+        "bias size": (x, packed, codes, ns, torch.zeros(n + 1)),
+        "bias 2-D": (x, packed, codes, ns, torch.zeros(1, n)),
+        "bias integer": (x, packed, codes, ns, torch.zeros(n, dtype=torch.int32)),
+        "x fp16": (x.half(), packed, codes, ns, None),
+        "x grad": (x.clone().requires_grad_(), packed, codes, ns, None),
+    }
+    for why, args in refused.items():
+        assert not ext.eligible_gguf(*args), why
+    with pytest.raises(RuntimeError, match="not eligible"):
+        ext.linear_gguf(*refused["bias size"])
+
+
+# --- a real file -----------------------------------------------------------------------------
+
+
+@pytest.mark.real
+@needs_kernel
+@pytest.mark.parametrize(
+    ("tensor", "rows", "qtype"),
+    [("blk.0.ffn_down.weight", None, "Q4_1"), ("token_embd.weight", 1000, "Q8_0")],
+)
+def test_smollm2_tensors(tensor: str, rows: int | None, qtype: str) -> None:
+    """The packaged SmolLM2's own tensors (its Q4_1 projections, its Q8_0 embedding table,
+    first 1000 rows): decode == the gguf package; kernel == reference."""
+    needs_extension()
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(hub.fetch_gguf("smollm2-135m", progress=False)))
+    t = next(t for t in reader.tensors if t.name == tensor)
+    assert t.tensor_type.name == qtype
+    raw = np.asarray(t.data)[:rows]
+    k = int(t.shape[0])
+    fmt = FORMATS[qtype]
+    ref = gguf_dequantized(qtype, raw)
+    assert torch.equal(dequantize_parts(fmt, decode(fmt, raw, k)).float(), ref)
+    w = GGUFWeight.from_raw(qtype, raw, k)
+    for m in (1, 3, 6):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+        out = linear_gguf(x, w)
+        assert_matches_reference(out, w.reference_linear(x))
+        assert_near_dequantized(out, x, ref, None)
