@@ -127,7 +127,9 @@ BENCH_MAX_TOKENS = 128  # output tokens per request in the benchmarks
 PREFILL_CHUNK = 512  # prompt tokens per forward: bounds the [chunk, context] mask and activations
 
 SPEC_METHODS = ("none", "ngram", "draft", "mtp")
-QUANTIZATIONS = ("none", "int8", "int4")  # weight formats `load(..., quantization=)` accepts
+# weight formats `load(..., quantization=)` accepts: "gguf" the model's GGUF's own (as dtype
+# "gguf"), "none" the dtype's, int8 / int4 made from the dequantized weights
+QUANTIZATIONS = ("gguf", "none", "int8", "int4")
 # draft-model weights where the CLI and benchmarks are not told otherwise: same output, faster
 # drafts (docs/benchmarks.md: draft vs draft_unquantized)
 DEFAULT_DRAFT_QUANTIZATION = "int4"
@@ -137,8 +139,9 @@ NGRAM_SHARED_TOKENS = 1 << 16
 # n-gram lengths the drafter matches, longest first (docs/speculation.md says why from 1)
 NGRAM_MIN, NGRAM_MAX = 1, 4
 DRAFT_QUANTIZATION_HELP = (
-    "draft model weights: int4 (default; groups of 32, 0.31x the bytes of bf16), int8 (0.5x) "
-    "or none; a draft model's precision only moves the acceptance rate, never the output"
+    f"draft model weights: gguf (its GGUF's own formats), int4 (groups of 32, 0.31x the bytes "
+    f"of bf16), int8 (0.5x) or none (the target's dtype); default {DEFAULT_DRAFT_QUANTIZATION}. "
+    "A draft model's precision only moves the acceptance rate, never the output"
 )
 
 

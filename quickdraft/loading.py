@@ -75,12 +75,15 @@ def load(
     progress: bool = True,
     quantization: str = "none",
 ) -> LoadedModel:
-    """`quantization="int8"` / `"int4"`: projection weights in 8 / 4 bits (half / 0.31x the
+    """`quantization="gguf"`: the GGUF's own quantized weights (dtype "gguf"), for a model
+    that is a GGUF; `"int8"` / `"int4"`: projection weights in 8 / 4 bits (half / 0.31x the
     bytes of bf16, so a memory-bound step runs up to 2-3x faster); dense models only, meant for
     draft models, whose precision only moves the acceptance rate."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r}: choose one of {QUANTIZATIONS}")
-    if dtype == GGUF_DTYPE and quantization != "none":
+    if quantization == "gguf":  # the GGUF's own formats, whatever the caller's dtype
+        dtype, quantization = GGUF_DTYPE, "none"
+    elif dtype == GGUF_DTYPE and quantization != "none":
         dtype = "bf16"  # int8 / int4 are made from the dequantized weights
     path = hub.resolve(model, dtype, progress=progress)
     net = load_model(path, parse_dtype(dtype), device)

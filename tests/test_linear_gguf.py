@@ -7,6 +7,7 @@ test_gguf_loader.py, which writes whole model files from it."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -248,12 +249,31 @@ def test_concat_dequantizes_to_the_files_rows(names: tuple[str, ...]) -> None:
 BIASES = {"nobias": None, "bias32": torch.float32, "bias16": torch.bfloat16}
 
 
+TILES = {"avx2": 0, "avx512": 1}  # the extension's gguf_isa levels
+
+
+@pytest.fixture(params=list(TILES))
+def tile(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Runs the test on each kernel tile this CPU has (AVX-512 VNNI skips where absent)."""
+    needs_extension()
+    ext = build.extension()
+    if request.param == "avx512" and not {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= (
+        build.cpu_flags()
+    ):
+        pytest.skip("this CPU lacks AVX512F/BW/VL + AVX512_VNNI: only the AVX2 tile runs here")
+    ext.gguf_isa(TILES[request.param])
+    yield request.param
+    ext.gguf_isa(-1)
+
+
 @needs_kernel
 @pytest.mark.parametrize("bias", list(BIASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["xfp32", "xbf16"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 17], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("name", NAMES)
-def test_kernel_matches_reference(name: str, m: int, dtype: torch.dtype, bias: str) -> None:
+def test_kernel_matches_reference(
+    name: str, m: int, dtype: torch.dtype, bias: str, tile: str
+) -> None:
     """M 1-4: one token pass; 5-17: several passes over blocks re-read from L1."""
     needs_extension()
     raw, w = weight(name)
@@ -276,7 +296,7 @@ def test_kernel_matches_reference(name: str, m: int, dtype: torch.dtype, bias: s
     ids="+".join,
 )
 def test_kernel_on_fused_parts_matches_reference(
-    names: tuple[str, ...], m: int, dtype: torch.dtype
+    names: tuple[str, ...], m: int, dtype: torch.dtype, tile: str
 ) -> None:
     """A fused q/k/v or gate/up operand whose parts have different formats, of the same or of
     different block sizes (the kernel quantizes x once per block size); bias over all rows."""
@@ -295,7 +315,7 @@ def test_kernel_on_fused_parts_matches_reference(
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["xfp32", "xbf16"])
 @pytest.mark.parametrize("name", [*NAMES, "Q4_K+Q6_K+Q8_0"])
-def test_kernel_rows_are_batch_invariant(name: str, dtype: torch.dtype) -> None:
+def test_kernel_rows_are_batch_invariant(name: str, dtype: torch.dtype, tile: str) -> None:
     """Each row of an M-row call has the bits that row gets alone, for every M up to 17: a
     decode step and a verify pass agree exactly."""
     needs_extension()
@@ -304,6 +324,29 @@ def test_kernel_rows_are_batch_invariant(name: str, dtype: torch.dtype) -> None:
     alone = torch.cat([linear_gguf(x[i : i + 1], w) for i in range(17)])
     for m in range(1, 18):
         assert torch.equal(linear_gguf(x[:m], w), alone[:m]), f"M={m}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", [*NAMES, "Q4_K+Q6_K+Q8_0"])
+def test_avx512_tile_equals_avx2_tile(name: str) -> None:
+    """The AVX-512 VNNI tile gives the AVX2 tile's bits (same integer sums, same fp32 ops)."""
+    needs_extension()
+    ext = build.extension()
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= build.cpu_flags():
+        with pytest.raises(RuntimeError, match="lacks"):
+            ext.gguf_isa(1)
+        pytest.skip("this CPU lacks AVX512F/BW/VL + AVX512_VNNI: only the AVX2 tile runs here")
+    w = mixed(tuple(name.split("+")))[0] if "+" in name else weight(name)[1]
+    x = inputs(17, K, torch.float32, seed=3)
+    try:
+        outs = []
+        for level in (0, 1):
+            assert ext.gguf_isa(level) == level
+            outs.append([linear_gguf(x[:m], w) for m in (1, 4, 6, 8, 9, 17)])
+    finally:
+        ext.gguf_isa(-1)
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
 
 
 @needs_kernel

@@ -224,7 +224,10 @@ def convert_gguf(
     torch_dtype = parse_dtype(dtype)
     if out_dir.exists():
         raise HubError(f"{out_dir} already exists; remove it to convert again")
-    reader = gguf.GGUFReader(str(gguf_path))
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+    except Exception as e:  # the reader raises bare ValueErrors (reshape, struct) on bad files
+        raise HubError(f"{gguf_path}: not a readable GGUF file (truncated or damaged?): {e}") from e
     arch = _metadata(reader, "general.architecture")
     if arch not in _ARCHS:
         raise UnsupportedArchitectureError(

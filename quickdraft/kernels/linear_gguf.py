@@ -365,6 +365,8 @@ class GGUFWeight:
     def reference_linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """What the kernel computes (module docstring), in plain torch: integer sums in
         float64 (exact), the per-block terms summed in fp32."""
+        if x.numel() == 0:
+            return x.new_zeros(*x.shape[:-1], self.out_features)
         outs = [_reference_part(x, p, self.in_features) for p in self.parts]
         y = torch.cat(outs, dim=1)
         if bias is not None:

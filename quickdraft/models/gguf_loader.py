@@ -114,6 +114,11 @@ class _File:
         if types <= set(_FLOAT_TYPES):
             rows = [torch.from_numpy(np.asarray(r, dtype=np.float32)) for _, _, r in loaded]
             return torch.cat(rows).to(dtype)
+        if types & set(_FLOAT_TYPES):
+            raise GGUFTensorError(
+                f"{self.path.name}: {[n for n, _, _ in loaded]} mix float and quantized types; "
+                "load with --dtype bf16"
+            )
         for name, t, _ in loaded:
             if t not in FORMATS:
                 raise GGUFTensorError(
@@ -121,11 +126,6 @@ class _File:
                     f"here (supported: {', '.join(FORMATS)}); load with --dtype bf16 to run "
                     "it dequantized"
                 )
-        if types & set(_FLOAT_TYPES):
-            raise GGUFTensorError(
-                f"{self.path.name}: {[n for n, _, _ in loaded]} mix float and quantized types; "
-                "load with --dtype bf16"
-            )
         return GGUFWeight.concat([GGUFWeight.from_raw(t, r, k) for _, t, r in loaded])
 
 
