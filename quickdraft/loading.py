@@ -83,10 +83,8 @@ def load(
         raise ValueError(f"quantization {quantization!r}: choose one of {QUANTIZATIONS}")
     if quantization == "gguf":  # the GGUF's own formats, whatever the caller's dtype
         dtype, quantization = GGUF_DTYPE, "none"
-    elif dtype == GGUF_DTYPE and quantization != "none":
-        dtype = "bf16"  # int8 / int4 are made from the dequantized weights
     path = hub.resolve(model, dtype, progress=progress)
-    net = load_model(path, parse_dtype(dtype), device)
+    net = load_model(path, parse_dtype(dtype), device, quantization)
     if net.device.type == "cpu":
         # Build the C++ kernels (once per install, ~2 min on 2 cores) now, not inside the first
         # forward: there a server's first request waited for it, past its client's timeout.

@@ -30,8 +30,9 @@ from torch import Tensor
 from quickdraft.hub.errors import HubError
 from quickdraft.kernels import PanelWeight, build
 from quickdraft.kernels.linear_gguf import GGUFWeight
+from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
 from quickdraft.loading import LoadedModel, load
-from quickdraft.models.gguf_loader import PACKED_NAME, GGUFTensorError
+from quickdraft.models.gguf_loader import PACKED_NAME, GGUFTensorError, packed_name
 from quickdraft.models.layers import GGUFEmbedding
 from quickdraft.models.loader import load_model
 
@@ -266,6 +267,29 @@ def test_second_load_reads_the_packed_copy(built: Built, caplog: pytest.LogCaptu
     net: Any = second.model
     assert isinstance(net.head, GGUFWeight)
     assert torch.equal(all_logits(second, built.ids), built.logits)
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_quantized_draft_weights_from_the_gguf_are_kept(built: Built, quant: str) -> None:
+    """int4 / int8 weights made from a GGUF's exact values (a draft model's), written beside
+    it once: the second load reads that copy and gives the first's logits; the weights are
+    the GGUF's within the format's rounding."""
+    first = load(str(built.gguf), "gguf", progress=False, quantization=quant)
+    net: Any = first.model
+    kind = Int4Weight if quant == "int4" else Int8Weight
+    assert isinstance(net.head, kind) and isinstance(net.decoder_layers[0].mlp.down, kind)
+    copy = first.path / packed_name(quant)
+    stamp = copy.stat().st_mtime_ns
+    logits = all_logits(first, built.ids)
+    second = load(str(built.gguf), "gguf", progress=False, quantization=quant)
+    assert copy.stat().st_mtime_ns == stamp
+    assert torch.equal(all_logits(second, built.ids), logits)
+    own: Any = load(str(built.gguf), "gguf", progress=False).model
+    pairs = [(net.head, own.head), (net.decoder_layers[0].mlp.down, own.decoder_layers[0].mlp.down)]
+    for mine, theirs in pairs:
+        w, ref = mine.dequantize(torch.float32), theirs.dequantize(torch.float32)
+        err = float((w - ref).norm() / ref.norm())  # int4: steps of range / 15 per 32 weights
+        assert err < (0.15 if quant == "int4" else 0.01), err
 
 
 def damage(file: Path, how: str) -> None:

@@ -31,7 +31,7 @@ class PeerRun:
 class LlamaCpp:
     """llama.cpp on `gguf` with `threads` threads and room for `context` tokens."""
 
-    def __init__(self, gguf: Path, threads: int, context: int) -> None:
+    def __init__(self, gguf: Path, threads: int, context: int, logits_all: bool = False) -> None:
         try:
             import llama_cpp
         except ImportError as exc:
@@ -44,6 +44,7 @@ class LlamaCpp:
             n_threads_batch=threads,
             n_ctx=context,
             seed=0,
+            logits_all=logits_all,  # keep every position's logits (perplexity)
             verbose=False,
         )
         self.version: str = llama_cpp.__version__

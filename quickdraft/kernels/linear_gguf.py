@@ -359,8 +359,18 @@ class GGUFWeight:
         return sum(p.packed.numel() for p in self.parts)
 
     def dequantize(self, dtype: torch.dtype) -> Tensor:
-        ws = [dequantize_parts(p.fmt, unpack(p.fmt, p.packed, p.n)) for p in self.parts]
-        return torch.cat(ws).to(dtype)
+        """The weight [N, K] in `dtype`, made ~4M weights at a time (the float64 parts of a
+        whole 150k-row output matrix would take GBs)."""
+        out = torch.empty(self.out_features, self.in_features, dtype=dtype)
+        step = max(1, (1 << 22) // self.in_features // PANEL)  # panels per slice
+        row = 0
+        for part in self.parts:
+            for p0 in range(0, part.packed.shape[0], step):
+                n = min(part.n, (p0 + step) * PANEL) - p0 * PANEL
+                parts = unpack(part.fmt, part.packed[p0 : p0 + step], n)
+                out[row : row + n] = dequantize_parts(part.fmt, parts)
+                row += n
+        return out
 
     def reference_linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """What the kernel computes (module docstring), in plain torch: integer sums in

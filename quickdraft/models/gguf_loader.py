@@ -26,6 +26,7 @@ from torch import Tensor
 from quickdraft.kernels.gemm import Weight
 from quickdraft.kernels.linear_bf16 import streamed_empty
 from quickdraft.kernels.linear_gguf import FORMATS, GGUFPart, GGUFWeight
+from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
 from quickdraft.models.base import LanguageModel
 from quickdraft.models.layers import GGUFEmbedding, OperandModule, release_fused_
 from quickdraft.models.llama import CausalLM
@@ -129,23 +130,30 @@ class _File:
         return GGUFWeight.concat([GGUFWeight.from_raw(t, r, k) for _, t, r in loaded])
 
 
-def load_gguf_model(path: Path, dtype: torch.dtype, device: torch.device | str) -> LanguageModel:
-    """The model in `path` (a "gguf" directory) with the GGUF's own weights: from the packed
-    copy beside it when there is one (`PACKED_NAME`), else repacked from the file (and that
-    copy written)."""
+def load_gguf_model(
+    path: Path, dtype: torch.dtype, device: torch.device | str, quantization: str = "none"
+) -> LanguageModel:
+    """The model in `path` (a "gguf" directory) with the GGUF's own weights, or with
+    `quantization` ("int8" / "int4") weights made from their exact values: from the packed copy
+    beside it when there is one (`packed_name`), else built from the file (the GGUF's own
+    packed copy first) and that copy written."""
     cfg = read_config(path)
     if model_class(cfg.model_type) is not CausalLM or torch.device(device).type != "cpu":
         raise GGUFTensorError(
             f"GGUF weights run natively for dense models on the CPU; {cfg.model_type!r} on "
             f"{device}: load with --dtype bf16"
         )
-    cache = path / PACKED_NAME
+    cache = path / packed_name(quantization)
     if cache.is_file():
         try:
             return _load_packed(cache, cfg, dtype)  # type: ignore[return-value]
         except Exception as e:  # a stale or damaged copy: repack from the GGUF
             log.warning("ignoring %s (%s: %s); repacking from the GGUF", cache, type(e).__name__, e)
-    model = _from_gguf(path / GGUF_LINK, cfg, dtype)
+    if quantization == "none":
+        model = _from_gguf(path / GGUF_LINK, cfg, dtype)
+    else:
+        model = load_gguf_model(path, dtype, device)  # type: ignore[assignment]
+        model.quantize_(quantization)
     _save_packed(model, cache)
     return model  # type: ignore[return-value]  # CausalLM implements LanguageModel
 
@@ -204,10 +212,18 @@ def _from_gguf(file: Path, cfg: Any, dtype: torch.dtype) -> CausalLM:
 
 
 # The packed copy: every operand's panels, the norms and biases, the embedding's raw rows, so
-# a later start reads one file (~ the GGUF's size) and repacks nothing. Named by layout
-# version: bump PACKED_VERSION when linear_gguf.py's layout or this naming changes.
-PACKED_VERSION = 1
-PACKED_NAME = f"packed-v{PACKED_VERSION}.safetensors"
+# a later start reads one file (~ the GGUF's size) and repacks nothing; one per weight format
+# (the GGUF's own, int8, int4). Named by layout version: bump PACKED_VERSION when
+# linear_gguf.py's or linear_int.py's layout or this file's naming changes.
+PACKED_VERSION = 2
+
+
+def packed_name(quantization: str = "none") -> str:
+    kind = "" if quantization == "none" else f"{quantization}-"
+    return f"packed-{kind}v{PACKED_VERSION}.safetensors"
+
+
+PACKED_NAME = packed_name()
 
 
 def _operands(model: CausalLM) -> list[tuple[str, OperandModule, str]]:
@@ -227,9 +243,15 @@ def _save_packed(model: CausalLM, file: Path) -> None:
     for key, module, op in _operands(model):
         w = getattr(module, op)
         if isinstance(w, GGUFWeight):
-            meta[key] = json.dumps([w.in_features, [[p.fmt.name, p.n] for p in w.parts]])
+            meta[key] = json.dumps(["gguf", w.in_features, [[p.fmt.name, p.n] for p in w.parts]])
             for j, part in enumerate(w.parts):
                 tensors[f"{key}.{j}"] = part.packed
+        elif isinstance(w, Int4Weight):
+            meta[key] = json.dumps(["int4", w.out_features, w.in_features])
+            tensors[f"{key}.0"] = w.packed
+        elif isinstance(w, Int8Weight):
+            meta[key] = json.dumps(["int8", w.in_features])
+            tensors[f"{key}.0"], tensors[f"{key}.1"] = w.packed, w.scale
         else:
             tensors[key] = w
     for name, param in model.named_parameters():
@@ -243,6 +265,9 @@ def _save_packed(model: CausalLM, file: Path) -> None:
     try:
         save_file(tensors, str(tmp), metadata=meta)
         os.replace(tmp, file)
+        for old in file.parent.glob("packed-*.safetensors"):  # other layout versions' copies
+            if not old.name.endswith(f"v{PACKED_VERSION}.safetensors"):
+                old.unlink(missing_ok=True)
     except OSError as e:  # a read-only model directory: run, repack again next time
         log.warning("could not write %s (%s); the next start repacks again", file, e)
     finally:
@@ -253,7 +278,13 @@ def _read_packed(file: Path) -> tuple[dict[str, str], dict[str, Tensor]]:
     """(metadata, tensors) of a safetensors file written by `_save_packed`, read with plain
     file reads into fresh buffers (the panels on huge pages, `streamed_empty`): mapping the
     file and copying out of it would hold both copies resident at the peak."""
-    dtypes = {"U8": torch.uint8, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    dtypes = {
+        "U8": torch.uint8,
+        "I8": torch.int8,
+        "F32": torch.float32,
+        "BF16": torch.bfloat16,
+        "F16": torch.float16,
+    }
     out: dict[str, Tensor] = {}
     with file.open("rb") as fh:
         (size,) = struct.unpack("<Q", fh.read(8))
@@ -278,12 +309,20 @@ def _load_packed(file: Path, cfg: Any, dtype: torch.dtype) -> CausalLM:
     model = CausalLM(cfg, dtype, "cpu")
     for key, module, op in _operands(model):
         if key in meta:
-            k, parts = json.loads(meta[key])
-            loaded = tuple(
-                GGUFPart(FORMATS[fmt], tensors.pop(f"{key}.{j}"), n)
-                for j, (fmt, n) in enumerate(parts)
-            )
-            setattr(module, op, GGUFWeight(loaded, k))
+            kind, *spec = json.loads(meta[key])
+            w: Weight
+            if kind == "gguf":
+                k, parts = spec
+                loaded = tuple(
+                    GGUFPart(FORMATS[fmt], tensors.pop(f"{key}.{j}"), n)
+                    for j, (fmt, n) in enumerate(parts)
+                )
+                w = GGUFWeight(loaded, k)
+            elif kind == "int4":
+                w = Int4Weight(tensors.pop(f"{key}.0"), *spec)
+            else:
+                w = Int8Weight(tensors.pop(f"{key}.0"), tensors.pop(f"{key}.1"), *spec)
+            setattr(module, op, w)
         else:
             setattr(module, op, tensors.pop(key).to(dtype))
     with torch.no_grad():

@@ -20,6 +20,7 @@ from quickdraft.config import ModelConfig
 from quickdraft.kernels.attention import ATTEND_KERNEL_MAX_QUERIES, attend
 from quickdraft.kernels.dense_layer import dense_layer
 from quickdraft.kernels.gemm import Weight, project, to_panels
+from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
 from quickdraft.kernels.pointwise import rope as apply_rope
 from quickdraft.kernels.pointwise import silu_mul
@@ -325,6 +326,8 @@ def _quantizer(kind: type[Int8Weight] | type[Int4Weight]) -> Callable[[Weight], 
     def quantize(weight: Weight) -> Weight:
         if isinstance(weight, kind):
             return weight  # already in this format: quantize_ twice is a no-op
+        if isinstance(weight, GGUFWeight):  # a GGUF model's own: from its exact values
+            return kind.quantize(weight.dequantize(torch.bfloat16))
         if not isinstance(weight, Tensor):
             raise ValueError(f"weights already converted to {type(weight).__name__}")
         return kind.quantize(weight)

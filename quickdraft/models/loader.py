@@ -23,11 +23,16 @@ from quickdraft.models.registry import model_class, name_map, read_config, same_
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
+    path: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    quantization: str = "none",
 ) -> LanguageModel:
+    """The model in `path`. `quantization` ("int8" / "int4") is applied here only to a GGUF
+    model directory, whose quantized copy is kept on disk; the caller quantizes others."""
     path = Path(path)
     if is_gguf_dir(path):
-        return load_gguf_model(path, dtype, device)
+        return load_gguf_model(path, dtype, device, quantization)
     cfg = read_config(path)
     cls = model_class(cfg.model_type)
     model = cls(cfg, dtype, device)
