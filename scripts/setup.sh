@@ -33,4 +33,7 @@ install_browser() {
 }
 if [ -n "$extra" ]; then install_browser; fi
 .venv/bin/python -m pip install -q -e ".${extra}" "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
-.venv/bin/python -c "import quickdraft, torch; print('quickdraft ready: torch', torch.__version__)"
+# Build the C++ kernels now (~2-3 min on 2 cores, once per install) rather than in the first
+# `serve`; a machine without a compiler still runs, on the torch reference ops.
+.venv/bin/python -c "from quickdraft.kernels import kernels_available; import torch; \
+print('quickdraft ready: torch', torch.__version__, '| CPU kernels', kernels_available())"

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from quickdraft.config import SpeculativeConfig
 from quickdraft.loading import load
 from quickdraft.speculation.cost import (
     Calibration,
@@ -15,8 +16,9 @@ from quickdraft.speculation.cost import (
     StepShape,
     measure_step_cost,
 )
+from quickdraft.speculation.drafters.ngram import NgramDrafter
 from quickdraft.speculation.policy import BatchPolicy, Candidate
-from quickdraft.speculation.state import Acceptance
+from quickdraft.speculation.state import Acceptance, Speculation
 
 # Shapes like the ones measured on this CPU: flat up to 5 rows (weights streamed once), then
 # compute-bound (each row adds ~a quarter of a one-row forward).
@@ -259,3 +261,22 @@ def test_policy_charges_the_first_draft_position_what_the_drafter_must_resync() 
     after_accept = Candidate(acceptance(0.7), 1, drafter=1, catch_up=2)
     assert policy.choose([after_reject], [None, draft], StepShape(1, 1), 64) == [1]
     assert policy.choose([after_accept], [None, draft], StepShape(1, 1), 64) == [0]
+
+
+def test_new_requests_start_from_what_earlier_drafts_achieved() -> None:
+    """A request's acceptance prior is the drafter's pooled record: after requests whose
+    drafts were mostly accepted, a new one starts high enough to draft at once; after poor
+    ones, low. A fresh drafter starts at the neutral 0.5."""
+    good = Speculation(SpeculativeConfig(method="ngram"), NgramDrafter(), None)
+    assert good.start([1, 2, 3]).acceptance.alpha == pytest.approx(0.5)
+    for _ in range(3):
+        state = good.start([1, 2, 3])
+        for _ in range(40):
+            state.record(5, 5 if _ % 5 else 3, True, 10)  # 9 of 10 cycles all accepted
+        state.free()
+    assert good.start([4, 5]).acceptance.alpha > 0.9
+    poor = Speculation(SpeculativeConfig(method="ngram"), NgramDrafter(), None)
+    state = poor.start([1, 2, 3])
+    for _ in range(40):
+        state.record(5, 0, True, 10)
+    assert poor.start([4, 5]).acceptance.alpha < 0.1

@@ -8,7 +8,8 @@ batch 8 each draft row pushes the forward further into the compute-bound regime.
 
 The rule (`BatchPolicy.choose`):
 * Gain. Each request keeps a running acceptance estimate alpha (state.py `Acceptance`); its
-  j-th draft adds alpha^j expected tokens (Leviathan et al. 2023, sec. 3).
+  j-th draft adds alpha^j expected tokens (Leviathan et al. 2023, sec. 3). A new request's
+  prior is what its drafter's earlier drafts achieved (`Speculation.pooled`).
 * Cost. The step's forward with the drafts minus the forward without (cost.py tables, as
   calibrated by the steps that ran), plus the drafter's forwards (its own table; the n-gram
   drafter is free). A drafter that was idle must first catch up on the tokens it missed; that
