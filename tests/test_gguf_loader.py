@@ -1,3 +1,5 @@
+# ~450 lines on purpose: most of it writes the tiny GGUF files (tokenizer, two architectures,
+# mixed formats) that every loader test reads.
 """Models run on a GGUF file's own quantized weights (models/gguf_loader.py, `--dtype gguf`):
 tiny random GGUF files written with gguf-py (qwen2: q/k/v biases, untied head; llama: tied
 embeddings and llama.cpp's permuted q/k rows), weights in a mix of block formats, loaded end to

@@ -1,3 +1,5 @@
+# ~440 lines on purpose: the layout, its decoders per format, packing and the reference the
+# kernel is tested against describe one thing and are read together.
 """A GGUF file's own quantized weights as GEMM operands (`GGUFWeight`), repacked once at load
 into 16-row panels that hold exactly the values the GGUF's reference dequantization gives.
 
