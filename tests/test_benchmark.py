@@ -56,6 +56,29 @@ def test_benchmark_reports_sets_and_prompts(
     assert (tmp_path / "speculative.png").stat().st_size > 0
 
 
+def test_benchmark_without_a_draft_model_runs_the_other_engines(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A target with no packaged draft (and none given): off and n-gram only, no error."""
+    report = run(
+        SpecBench(
+            str(tiny_model_dir),
+            None,
+            dtype="fp32",
+            tokens=8,
+            per_set=1,
+            sets=("code",),
+            k=3,
+            hf=False,
+            out_dir=tmp_path,
+            reference_per_set=0,
+        )
+    )
+    assert report["draft"] is None
+    assert set(report["results"]["code"]) == {"none", "ngram"}
+    assert "no draft model" in (tmp_path / "speculative.md").read_text()
+
+
 def test_benchmark_rejects_negative_reference_count(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="reference_per_set"):
         SpecBench(str(tiny_model_dir), reference_per_set=-1)

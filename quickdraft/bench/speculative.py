@@ -203,11 +203,10 @@ class SpecBench:
             raise ValueError(f"unknown peers {unknown}; choose from {list(PEERS)}")
 
     @property
-    def draft_model(self) -> str:
-        draft = self.draft or DEFAULT_DRAFTS.get(self.target)
-        if draft is None:
-            raise ValueError(f"no packaged draft model pairs with {self.target!r}: give one")
-        return draft
+    def draft_model(self) -> str | None:
+        """The draft model: the one given, else the target's packaged pair; None when the
+        target has none (the draft-model engines and transformers' assisted run are left out)."""
+        return self.draft or DEFAULT_DRAFTS.get(self.target)
 
 
 def run(opts: SpecBench) -> dict[str, Any]:
@@ -224,8 +223,8 @@ def run(opts: SpecBench) -> dict[str, Any]:
         "none": None,
         "ngram": make_speculation(lm, SpeculativeConfig(method="ngram", num_draft_tokens=k)),
     }
-    quants = {"draft": draft_quantization}
-    if draft_quantization != "none" and reference_per_set > 0:
+    quants = {} if draft is None else {"draft": draft_quantization}
+    if draft is not None and draft_quantization != "none" and reference_per_set > 0:
         quants["draft_unquantized"] = "none"
     for name, quant in quants.items():
         specs[name] = make_speculation(
@@ -242,21 +241,23 @@ def run(opts: SpecBench) -> dict[str, Any]:
         hf_models["target"] = transformers.AutoModelForCausalLM.from_pretrained(
             str(lm.path), dtype=torch_dtype
         ).eval()
-        hf_models["assistant"] = transformers.AutoModelForCausalLM.from_pretrained(
-            str(hub.resolve(draft, dtype)), dtype=torch_dtype
-        ).eval()
+        if draft is not None:
+            hf_models["assistant"] = transformers.AutoModelForCausalLM.from_pretrained(
+                str(hub.resolve(draft, dtype)), dtype=torch_dtype
+            ).eval()
     engines: dict[str, Any] = {
         name: (lambda ids, s=s: ours(lm, ids, tokens, s)) for name, s in specs.items()
     }
     if hf:
-        tgt, asst = hf_models["target"], hf_models["assistant"]
+        tgt, asst = hf_models["target"], hf_models.get("assistant")
         engines["hf"] = lambda ids: hf_run(tgt, ids, tokens, lm.eos_ids)
         engines["hf_prompt_lookup"] = lambda ids: hf_run(
             tgt, ids, tokens, lm.eos_ids, prompt_lookup_num_tokens=k
         )
-        engines["hf_assisted"] = lambda ids: hf_run(
-            tgt, ids, tokens, lm.eos_ids, assistant_model=asst
-        )
+        if asst is not None:
+            engines["hf_assisted"] = lambda ids: hf_run(
+                tgt, ids, tokens, lm.eos_ids, assistant_model=asst
+            )
     peer_versions: dict[str, str] = {}
     if "llama.cpp" in opts.peers:
         peer = LlamaCpp(hub.gguf_file(target), torch.get_num_threads(), PEER_CONTEXT)
@@ -298,8 +299,11 @@ def run(opts: SpecBench) -> dict[str, Any]:
                 row[name]["speedup_vs_hf"] = round(cells[name].ratio(cells["hf"]), 3)
         if "llama.cpp" in row:
             for name in OURS:
-                row[name]["speedup_vs_llama_cpp"] = round(cells[name].ratio(cells["llama.cpp"]), 3)
-        if "hf" in row:
+                if name in row:
+                    row[name]["speedup_vs_llama_cpp"] = round(
+                        cells[name].ratio(cells["llama.cpp"]), 3
+                    )
+        if "draft" in row and "hf_assisted" in row:
             row["draft"]["speedup_vs_hf_assisted"] = round(
                 cells["draft"].ratio(cells["hf_assisted"]), 3
             )
@@ -339,9 +343,13 @@ def run(opts: SpecBench) -> dict[str, Any]:
 
 
 def markdown(report: dict[str, Any]) -> str:
+    draft = (
+        f"draft {report['draft']} ({report.get('draft_quantization', 'none')} weights)"
+        if report["draft"]
+        else "no draft model"
+    )
     lines = [
-        f"target {report['target']}, draft {report['draft']} "
-        f"({report.get('draft_quantization', 'none')} weights), {report['dtype']}, "
+        f"target {report['target']}, {draft}, {report['dtype']}, "
         f"{report['tokens']} tokens, k <= {report['k_max']}; speedups are over the prompts both "
         "engines ran",
         "",
