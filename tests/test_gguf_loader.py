@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from gguf.quants import dequantize, quantize
 from kernel_checks import needs_kernel
+from safetensors import safe_open
 from test_linear_gguf import random_blocks
 from torch import Tensor
 
@@ -269,6 +270,8 @@ def test_second_load_reads_the_packed_copy(built: Built, caplog: pytest.LogCaptu
     net: Any = second.model
     assert isinstance(net.head, GGUFWeight)
     assert torch.equal(all_logits(second, built.ids), built.logits)
+    with safe_open(str(packed), framework="pt") as f:  # a valid safetensors file
+        assert torch.equal(f.get_tensor("head.0"), net.head.parts[0].packed)
 
 
 @pytest.mark.parametrize("quant", ["int4", "int8"])

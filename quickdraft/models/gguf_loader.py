@@ -206,7 +206,9 @@ def _from_gguf(file: Path, cfg: Any, dtype: torch.dtype) -> CausalLM:
         head = "output.weight" if f.has("output.weight") else "token_embd.weight"
         model.head = f.operand([(head, cfg.vocab_size, 0)], hidden, dtype)
         qtype, table = f.rows("token_embd.weight", (cfg.vocab_size, hidden))
-        model.model.embed_tokens = GGUFEmbedding(table, qtype, hidden, dtype)
+        # a copy: the model then holds no view of the mapped file, whose pages (all of them
+        # read by the repack) stop counting towards the process's memory once it is closed
+        model.model.embed_tokens = GGUFEmbedding(np.array(table), qtype, hidden, dtype)
     release_fused_(model)
     return model
 
@@ -235,9 +237,40 @@ def _operands(model: CausalLM) -> list[tuple[str, OperandModule, str]]:
     ]
 
 
-def _save_packed(model: CausalLM, file: Path) -> None:
-    from safetensors.torch import save_file
+_ST_DTYPES = {
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+}
 
+
+def _write_safetensors(path: Path, tensors: dict[str, Tensor], meta: dict[str, str]) -> None:
+    """A safetensors file written tensor by tensor from the tensors' own memory (the format:
+    an 8-byte header size, a JSON header of dtypes, shapes and offsets, the raw bytes):
+    safetensors' save_file first gathers the whole file in memory, a second copy of every
+    weight at the peak of a model's first load."""
+    header: dict[str, Any] = {"__metadata__": meta}
+    offset = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _ST_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format wants the data 8-byte aligned
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for t in tensors.values():
+            if t.numel():
+                f.write(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
+
+
+def _save_packed(model: CausalLM, file: Path) -> None:
     tensors: dict[str, Tensor] = {}
     meta: dict[str, str] = {}
     for key, module, op in _operands(model):
@@ -259,11 +292,11 @@ def _save_packed(model: CausalLM, file: Path) -> None:
             tensors[f"param.{name}"] = param.detach()
     emb = model.model.embed_tokens
     assert isinstance(emb, GGUFEmbedding)
-    tensors["embedding"] = torch.from_numpy(np.array(emb.raw))  # a copy out of the mapping
+    tensors["embedding"] = torch.from_numpy(emb.raw)
     meta["embedding"] = json.dumps([emb.qtype.name, emb.dim])
     tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
     try:
-        save_file(tensors, str(tmp), metadata=meta)
+        _write_safetensors(tmp, tensors, meta)
         os.replace(tmp, file)
         for old in file.parent.glob("packed-*.safetensors"):  # other layout versions' copies
             if not old.name.endswith(f"v{PACKED_VERSION}.safetensors"):
