@@ -26,6 +26,9 @@
 namespace qd_gguf {
 namespace {
 
+// Its own copy of linear_gguf.cpp's static_for: defined under the pragma, so that GCC inlines
+// the AVX-512 lambdas into it (a function built for less may not inline them: each would
+// become a call per quad and token).
 template <class Fn, int... I>
 inline void static_for_impl(Fn&& fn, std::integer_sequence<int, I...>) {
   (fn(std::integral_constant<int, I>{}), ...);
