@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from quickdraft.kernels.gemm import Weight
+from quickdraft.kernels.linear_gguf import FORMATS, GGUFWeight, random_blocks
 from quickdraft.loading import LoadedModel, load
+from quickdraft.models.layers import convert_operands_
 from quickdraft.speculation import cost
 from quickdraft.speculation.cost import StepCost, cost_key, model_cost
 
@@ -65,6 +68,26 @@ def test_cost_table_is_measured_again_when_the_key_changes(
         torch.set_num_threads(threads)
     assert len(measured) == 3
     assert len(list((home / "step-cost").glob("*.json"))) == 3
+
+
+def test_cost_key_names_a_gguf_weights_block_formats(tiny_model_dir: Path) -> None:
+    """Two GGUF models of one architecture in different block formats are different keys."""
+
+    def as_gguf(fmt: str) -> dict[str, object]:
+        net = fresh(tiny_model_dir).model
+
+        def convert(w: Weight) -> Weight:
+            assert isinstance(w, torch.Tensor)
+            n, k = w.shape
+            raw = random_blocks(FORMATS[fmt], n, k)
+            return GGUFWeight.from_raw(fmt, raw, k)
+
+        convert_operands_(net, convert)
+        return cost_key(net)
+
+    q8, q4 = as_gguf("Q8_0"), as_gguf("Q4_0")
+    assert q8 != q4 and q8 == as_gguf("Q8_0")
+    assert any("GGUFWeight[Q8_0]" in name for name, _ in q8["operands"])
 
 
 def test_cost_table_remeasures_on_request(

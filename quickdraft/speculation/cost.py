@@ -29,6 +29,7 @@ from torch import nn
 
 from quickdraft.config import cache_dir
 from quickdraft.kernels.build import extension, isa, source_digest
+from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.models.base import LanguageModel
 from quickdraft.models.layers import OperandModule
 
@@ -228,6 +229,15 @@ REMEASURE_ENV = "QUICKDRAFT_REMEASURE_COST"  # "1": measure again and replace th
 TABLE_VERSION = 1  # bump when measure_step_cost changes what it measures
 
 
+def _operand_format(weight: object) -> str:
+    """An operand's format as the cost key names it: its type, and a GGUF weight's block
+    formats (two GGUFs of one architecture, Q4_K_M and Q8_0, step at different speeds)."""
+    name = type(weight).__name__
+    if isinstance(weight, GGUFWeight):
+        name += "[" + "+".join(p.fmt.name for p in weight.parts) + "]"
+    return name
+
+
 def cost_key(model: LanguageModel) -> dict[str, Any]:
     """What a step's cost depends on: the model's architecture, dtype and weight formats, and
     the host (ISA, threads, torch, the kernels' sources). Not the weights' values."""
@@ -235,7 +245,7 @@ def cost_key(model: LanguageModel) -> dict[str, Any]:
     if isinstance(model, nn.Module):
         for module in model.modules():
             if isinstance(module, OperandModule):
-                formats.update(type(getattr(module, name)).__name__ for name in module.OPERANDS)
+                formats.update(_operand_format(getattr(module, name)) for name in module.OPERANDS)
     return {
         "version": TABLE_VERSION,
         "model": type(model).__qualname__,
