@@ -67,6 +67,11 @@ _EOG_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
+def permutes_qk(arch: str) -> bool:
+    """Whether llama.cpp stored `arch`'s q/k rows permuted (see _ARCHS)."""
+    return _ARCHS.get(arch, ("", False))[1]
+
+
 def _hf_name(gguf_name: str) -> str:
     base, _, suffix = gguf_name.rpartition(".")
     if m := re.fullmatch(r"blk\.(\d+)\.(\w+)", base):
@@ -77,8 +82,9 @@ def _hf_name(gguf_name: str) -> str:
     raise HubError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent we know of")
 
 
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Inverse of llama.cpp's permute: per head, rows [r0 r1 ... | r(d/2) ...] were interleaved."""
+def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of llama.cpp's permute: per head, rows [r0 r1 ... | r(d/2) ...] were interleaved.
+    Rows may be any row layout, a quantized tensor's bytes included (rows are whole blocks)."""
     return (
         w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
         .transpose(1, 2)
@@ -185,9 +191,9 @@ def _write_safetensors(
                 arr = arr.copy()
             w = torch.from_numpy(arr).reshape(shape)
             if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
-                w = _unpermute(w, cfg["num_attention_heads"])
+                w = unpermute_rows(w, cfg["num_attention_heads"])
             elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
-                w = _unpermute(w, cfg["num_key_value_heads"])
+                w = unpermute_rows(w, cfg["num_key_value_heads"])
             f.write(w.to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy().data)
             del arr, w
 
@@ -249,7 +255,7 @@ def convert_gguf(
                 tmp / "model.safetensors",
                 reader,
                 cfg,
-                _ARCHS[arch][1],
+                permutes_qk(arch),
                 torch_dtype,
                 progress,
                 gguf_path.name,

@@ -267,24 +267,33 @@ void quantize_row(const Tx* x, int64_t K, int block, int8_t* xq, float* dx, int1
 }
 
 // The activations of x2 [M, K] for one block size: xq [M, K], dx [M, K / block], the sums per
-// 16 and per 32 values [M, K / 16], [M, K / 32].
+// 16 and per 32 values [M, K / 16], [M, K / 32]; views into `buf`.
 struct Acts {
-  std::vector<int8_t> xq;
-  std::vector<float> dx;
-  std::vector<int16_t> bs16, bs32;
+  int8_t* xq;
+  float* dx;
+  int16_t* bs16;
+  int16_t* bs32;
 };
 
-Acts quantize(const at::Tensor& x2, int block) {
+// Floats of scratch one block size's Acts take (each array rounded up to whole floats).
+int64_t acts_floats(int64_t M, int64_t K, int block) {
+  return (M * K + 3) / 4 + M * K / block + (M * K / 16 * 2 + 3) / 4 + (M * K / 32 * 2 + 3) / 4;
+}
+
+Acts quantize(const at::Tensor& x2, int block, float* buf) {
   const int64_t M = x2.size(0), K = x2.size(1);
-  Acts a{std::vector<int8_t>(M * K), std::vector<float>(M * K / block),
-         std::vector<int16_t>(M * K / 16), std::vector<int16_t>(M * K / 32)};
+  Acts a;
+  a.xq = reinterpret_cast<int8_t*>(buf);
+  a.dx = buf + (M * K + 3) / 4;
+  a.bs16 = reinterpret_cast<int16_t*>(a.dx + M * K / block);
+  a.bs32 = reinterpret_cast<int16_t*>(reinterpret_cast<float*>(a.bs16) + (M * K / 16 * 2 + 3) / 4);
   for (int64_t m = 0; m < M; ++m) {
     if (x2.scalar_type() == at::kBFloat16)
-      quantize_row(static_cast<const u16*>(x2.data_ptr()) + m * K, K, block, a.xq.data() + m * K,
-                   a.dx.data() + m * K / block, a.bs16.data() + m * K / 16);
+      quantize_row(static_cast<const u16*>(x2.data_ptr()) + m * K, K, block, a.xq + m * K,
+                   a.dx + m * K / block, a.bs16 + m * K / 16);
     else
-      quantize_row(x2.data_ptr<float>() + m * K, K, block, a.xq.data() + m * K,
-                   a.dx.data() + m * K / block, a.bs16.data() + m * K / 16);
+      quantize_row(x2.data_ptr<float>() + m * K, K, block, a.xq + m * K, a.dx + m * K / block,
+                   a.bs16 + m * K / 16);
   }
   for (int64_t i = 0; i < M * K / 32; ++i)
     a.bs32[i] = static_cast<int16_t>(a.bs16[2 * i] + a.bs16[2 * i + 1]);
@@ -354,15 +363,19 @@ at::Tensor qd_linear_gguf(const at::Tensor& x, const std::vector<at::Tensor>& pa
   qd_count_kernel_call();
   if (M == 0) return y.view(out_shape);
   const at::Tensor b = qd_panel::bias_operand(bias);
-  Acts acts[2];  // per block size 32, 256: made on first use
+  // per block size 32, 256: made on first use, in the per-thread scratch (a fresh allocation
+  // per call would cost a prefill chunk an mmap and its page faults)
+  const int64_t per = std::max(acts_floats(M, K, 32), acts_floats(M, K, 256));
+  float* scratch = qd_simd::scratch(static_cast<size_t>(2 * per));
+  Acts acts[2];
   bool made[2] = {false, false};
   int64_t col = 0;
   for (size_t i = 0; i < packed.size(); ++i) {
     const int f = static_cast<int>(fmts[i]);
     const int block = block_size(f), which = block == 256;
-    if (!made[which]) acts[which] = quantize(x2, block), made[which] = true;
+    if (!made[which]) acts[which] = quantize(x2, block, scratch + which * per), made[which] = true;
     const Acts& a = acts[which];
-    const int16_t* bs = f == kQ6_K ? a.bs16.data() : a.bs32.data();
+    const int16_t* bs = f == kQ6_K ? a.bs16 : a.bs32;
     const int64_t ldb = f == kQ6_K ? K / 16 : K / 32;
     const int64_t subs = block / (f == kQ6_K ? 16 : 32);
     const int64_t G = K / block;  // blocks per row
@@ -375,8 +388,8 @@ at::Tensor qd_linear_gguf(const at::Tensor& x, const std::vector<at::Tensor>& pa
         packed[i].data_ptr<uint8_t>(), M, ns[i], G, bytes, e,
         [&](int T, const uint8_t* w, int64_t g0, int64_t glen, int64_t m0, float* acc, bool init,
             const char* pf) {
-          const int8_t* xq = a.xq.data() + m0 * K + g0 * block;
-          const float* dx = a.dx.data() + m0 * G + g0;
+          const int8_t* xq = a.xq + m0 * K + g0 * block;
+          const float* dx = a.dx + m0 * G + g0;
           const int16_t* bsm = bs + m0 * ldb + g0 * subs;
           if (wide)
             tile_avx512(f, T, w, glen, xq, K, dx, G, bsm, ldb, acc, init, pf);

@@ -50,6 +50,7 @@ from torch import Tensor
 
 from quickdraft.kernels.build import extension
 from quickdraft.kernels.linear_bf16 import PANEL, streamed_empty
+from quickdraft.kernels.linear_int import quantize_activations
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,13 +388,11 @@ class GGUFWeight:
 
 
 def quantize_blocks(x: Tensor, block: int, sub: int) -> tuple[Tensor, Tensor, Tensor]:
-    """What linear_gguf.cpp does to x [M, K]: per block of `block` values xq = round(x / dx)
-    (half to even) with dx = max|x| / 127; returns xq [M, K] (integer-valued float64), dx
-    [M, K / block] fp32 and the sums of xq per sub-block [M, K / sub] (float64)."""
-    xs = x.float().reshape(x.shape[0], -1, block)
-    dx = xs.abs().amax(dim=2) / 127
-    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
-    xq = torch.round(xs * inv[..., None]).reshape(x.shape[0], -1).double()
+    """What linear_gguf.cpp does to x [M, K] (linear_int.quantize_activations per `block`
+    values); returns xq [M, K] (integer-valued float64), dx [M, K / block] fp32 and the sums of
+    xq per sub-block [M, K / sub] (float64)."""
+    xq, dx = quantize_activations(x, x.shape[-1], block)
+    xq = xq.reshape(x.shape[0], -1).double()
     return xq, dx, xq.reshape(x.shape[0], -1, sub).sum(dim=2)
 
 

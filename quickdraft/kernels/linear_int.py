@@ -23,14 +23,15 @@ from quickdraft.kernels.linear_bf16 import PANEL, streamed_empty
 Q4_GROUP = 32  # weights per group of an Int4Weight; values per activation block (int8 kernels)
 
 
-def quantize_activations(x: Tensor, k32: int) -> tuple[Tensor, Tensor]:
-    """What the integer-dot kernels (quant.h) do to x [..., K]: zero-pad to k32 columns, then
-    per block of 32 values xq = round(x / dx) (half to even) with dx = max|x| / 127. Returns
-    xq [M, k32 / 32, 32] (integer-valued fp32) and dx [M, k32 / 32]."""
+def quantize_activations(x: Tensor, k32: int, block: int = Q4_GROUP) -> tuple[Tensor, Tensor]:
+    """What the integer-dot kernels (quant.h, linear_gguf.cpp) do to x [..., K]: zero-pad to
+    k32 columns, then per block of `block` values xq = round(x / dx) (half to even) with
+    dx = max|x| / 127. Returns xq [M, k32 / block, block] (integer-valued fp32) and dx
+    [M, k32 / block]."""
     xs = x.float().reshape(-1, x.shape[-1])
     if k32 != xs.shape[1]:
         xs = F.pad(xs, (0, k32 - xs.shape[1]))
-    xs = xs.reshape(xs.shape[0], k32 // Q4_GROUP, Q4_GROUP)
+    xs = xs.reshape(xs.shape[0], k32 // block, block)
     dx = xs.abs().amax(dim=2) / 127
     inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
     return torch.round(xs * inv[..., None]), dx

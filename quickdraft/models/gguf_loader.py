@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from quickdraft.hub.convert import GGUF_LINK, permutes_qk, unpermute_rows
 from quickdraft.kernels.gemm import Weight
 from quickdraft.kernels.linear_bf16 import streamed_empty
 from quickdraft.kernels.linear_gguf import FORMATS, GGUFPart, GGUFWeight
@@ -36,7 +37,6 @@ from quickdraft.models.registry import model_class, read_config
 
 log = logging.getLogger(__name__)
 
-GGUF_LINK = "model.gguf"  # hub/convert.py's name for the link
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
@@ -46,17 +46,6 @@ class GGUFTensorError(ValueError):
 
 def is_gguf_dir(path: Path) -> bool:
     return (path / GGUF_LINK).is_file()
-
-
-def _rows_unpermuted(rows: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation for the "llama" architecture (rows are whole
-    blocks, so quantized rows move as they are): per head, HF's rows [r0 .. r(d/2) ..] were
-    interleaved as [r0 r(d/2) r1 ...]."""
-    n = rows.shape[0]
-    idx = np.arange(n).reshape(heads, 2, n // heads // 2).transpose(0, 2, 1).reshape(n)
-    out = np.empty_like(rows)
-    out[idx] = rows
-    return out
 
 
 class _File:
@@ -92,7 +81,7 @@ class _File:
             )
         rows = np.asarray(t.data).reshape(shape[0], -1)
         if self.permute and heads:
-            rows = _rows_unpermuted(rows, heads)
+            rows = unpermute_rows(torch.from_numpy(np.array(rows)), heads).numpy()
         return t.tensor_type.name, rows
 
     def vector(self, name: str, size: int, heads: int = 0) -> Tensor:
@@ -105,7 +94,7 @@ class _File:
             )
         v = np.asarray(t.data, dtype=np.float32).reshape(size, 1)
         if self.permute and heads:
-            v = _rows_unpermuted(v, heads)
+            v = unpermute_rows(torch.from_numpy(np.array(v)), heads).numpy()
         return torch.from_numpy(v.reshape(size).copy())
 
     def operand(self, parts: list[tuple[str, int, int]], k: int, dtype: torch.dtype) -> Weight:
@@ -179,7 +168,7 @@ def load_gguf_model(
 
 def _from_gguf(file: Path, cfg: Any, dtype: torch.dtype) -> CausalLM:
     model = CausalLM(cfg, dtype, "cpu")
-    f = _File(file, permute=cfg.model_type == "llama")
+    f = _File(file, permute=permutes_qk(cfg.model_type))
     hidden, heads, kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
     q_size, kv_size = heads * cfg.head_dim, kv_heads * cfg.head_dim
     with torch.no_grad():
