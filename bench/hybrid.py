@@ -402,8 +402,7 @@ def main() -> None:
             # committed + spare slot (a prompt chunk's final state)
             "gdn_state_mb_per_seq": round((cache.ssm.nbytes + cache.conv.nbytes) / 2**20, 2),
             "checkpoint_kb_per_seq": round(
-                sum(t.nbytes for t in (cache.cp_inputs, cache.cp_k, cache.cp_d, cache.cp_cum))
-                / 1024,
+                sum(t.nbytes for t in (cache.cp_inputs, cache.cp_k, cache.cp_d, cache.cp_g)) / 1024,
                 1,
             ),
             "peak_rss_mb": round(peak_rss_mb(), 1),

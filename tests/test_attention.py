@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quickdraft.kernels import attention, build
+from quickdraft.kernels import build
 from quickdraft.kernels.attention import attend, reference_attend
 
 needs_kernel = pytest.mark.skipif(
@@ -39,7 +39,8 @@ SHAPES = [  # n, heads, kv_heads, head_dim, start
     (6, 14, 2, 64, 17),  # Qwen2.5-0.5B, group of 7
     (3, 8, 2, 256, 0),  # hybrid gated attention, empty cache before the chunk
     (1, 4, 4, 32, 1),  # no grouping
-    (16, 9, 1, 64, 5),  # one kv head, the longest run the kernel takes
+    (16, 9, 1, 64, 5),  # one kv head, a verify of k = 15
+    (70, 12, 2, 128, 0),  # a prompt chunk: more rows than a task's block of 8
     (2, 3, 3, 96, 40),  # head_dim 96: a 32-multiple that is not a 64-multiple
 ]
 
@@ -75,6 +76,24 @@ def test_verify_rows_equal_decode_rows_bit_for_bit(dtype: torch.dtype) -> None:
 
 @needs_kernel
 @DTYPES
+def test_prompt_in_one_call_equals_prompt_in_chunks_bit_for_bit(dtype: torch.dtype) -> None:
+    """A prompt attended in one call gives every row the bits it gets when the prompt goes in
+    chunks (the scheduler chunks a prompt around other requests' rows) or row by row."""
+    n, heads, kv_heads, d = 45, 12, 2, 128
+    q, k, v = inputs(n, heads, kv_heads, d, 0, dtype, seed=3)
+    whole = attend(q, k, v, 0, d**-0.5)
+    for chunks in ([16, 16, 13], [1, 30, 14], [7] * 6 + [3]):
+        start = 0
+        for c in chunks:
+            part = attend(
+                q[start : start + c], k[:, : start + c], v[:, : start + c], start, d**-0.5
+            )
+            assert torch.equal(part, whole[start : start + c]), f"chunks {chunks} at {start}"
+            start += c
+
+
+@needs_kernel
+@DTYPES
 def test_causal_limit_and_first_position(dtype: torch.dtype) -> None:
     n, heads, kv_heads, d = 4, 4, 2, 32
     q, k, v = inputs(n, heads, kv_heads, d, 0, dtype, seed=2)
@@ -98,11 +117,6 @@ def test_ineligible_inputs_take_the_reference() -> None:
     q, k, v = inputs(2, 4, 2, 16, 3, torch.float32)
     assert not e.attend_eligible(q, k, v, 3)  # type: ignore[attr-defined]
     assert torch.equal(attend(q, k, v, 3, 0.25), reference_attend(q, k, v, 3, 0.25))
-    # more queries than the kernel takes (a prompt chunk)
-    n = attention.ATTEND_KERNEL_MAX_QUERIES + 1
-    q, k, v = inputs(n, 4, 2, 32, 0, torch.float32)
-    assert e.attend_eligible(q, k, v, 0)  # type: ignore[attr-defined]
-    assert torch.equal(attend(q, k, v, 0, 0.2), reference_attend(q, k, v, 0, 0.2))
     # mixed dtypes, and keys that do not end at the last query
     q, k, v = inputs(2, 4, 2, 32, 3, torch.float32)
     assert not e.attend_eligible(q.bfloat16(), k, v, 3)  # type: ignore[attr-defined]

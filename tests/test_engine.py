@@ -109,17 +109,11 @@ def test_engine_concurrent_greedy_equals_single_request(
         assert stats.draft_rows == drafted and stats.accepted == accepted
 
 
-# prompt chunks of at most 16 rows: the attention kernel's reach. Longer chunks run torch's
-# SDPA, whose numerics differ from the kernel's, so a prompt prefilled whole and the same prompt
-# prefilled in chunks would not match bit for bit (a gap issue 31 has still to close).
-SMALL_CHUNKS = SchedulerConfig(max_running=4, max_step_tokens=16, max_prefill_with_decodes=8)
-
-
 def engine_outputs(
     lm: LoadedModel, cfg: SpeculativeConfig, ids: list[list[int]], params: list[SamplingParams]
 ) -> tuple[list[list[Any]], Engine]:
     """Every request's outputs, all submitted at once to one engine with small prompt chunks."""
-    engine = Engine({"tiny": ServedModel(lm, cfg)}, scheduler=SMALL_CHUNKS)
+    engine = Engine({"tiny": ServedModel(lm, cfg)}, scheduler=SMALL_BATCH)
     engine.start()
     try:
         handles = [engine.submit("tiny", i, p) for i, p in zip(ids, params, strict=True)]
@@ -137,10 +131,11 @@ def tokens(outs: list[Any]) -> list[int]:
 def test_engine_bf16_concurrent_greedy_equals_single_request(
     bf16_pair: tuple[Path, Path], method: str, kernels_enabled: None
 ) -> None:
-    """bf16 on the kernels: a request decoded in a batch of 4 (prompt chunks of other requests
-    joining its steps, drafts of others verified beside its own) gets the tokens it gets
-    alone with speculation off: every op's result for a row is independent of the rows that
-    share its forward."""
+    """bf16 on the kernels: a request decoded in a batch of 4 (its prompt in chunks of up to 48
+    or 8 rows, other requests' prompt chunks joining its steps, drafts of others verified
+    beside its own) gets the tokens it gets alone with speculation off, its prompt prefilled in
+    one forward: every op's result for a row is independent of the rows that share its
+    forward."""
     target_dir, draft_dir = bf16_pair
     lm16 = load(str(target_dir), "bf16", progress=False)
     cfg = {
@@ -156,10 +151,7 @@ def test_engine_bf16_concurrent_greedy_equals_single_request(
     }[method]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     ids = [lm16.tokenizer.encode(p) for p in PROMPTS]
-    alone = [
-        tokens(engine_outputs(lm16, SpeculativeConfig(), [i], [p])[0][0])
-        for i, p in zip(ids, params, strict=True)
-    ]
+    alone = [plain(lm16, i, p) for i, p in zip(ids, params, strict=True)]
     together, engine = engine_outputs(lm16, cfg, ids, params)
     assert [tokens(outs) for outs in together] == alone
     assert engine.step_stats["tiny"].max_batch == 4  # requests really ran together

@@ -115,7 +115,7 @@ def test_delta_rule_updates_reach_every_state(t: int) -> None:
     assert (out - out_naive).abs().max().item() < 1e-5
     for m in range(1, t + 1):
         s = state.clone()
-        advance_state(s, updates.k[:, :m], updates.d[:, :m], updates.cum[:, :m])
+        advance_state(s, updates.k[:, :m], updates.d[:, :m], updates.g[:, :m])
         expected = naive_states[m - 1]
         assert expected is not None
         assert (s - expected).abs().max().item() < 1e-5, m
@@ -187,11 +187,11 @@ def test_recurrent_updates_kernel_matches_naive(
     out_naive = gated_delta_rule_naive(q, k, v, g, beta, state, naive_states)
     assert (out - out_naive).abs().max().item() < 1e-5
     assert (out - ref_out).abs().max().item() < 1e-5
-    for name in ("k", "d", "cum"):
+    for name in ("k", "d", "g"):
         assert (getattr(upd, name) - getattr(ref, name)).abs().max().item() < 1e-5, name
     for m in range(1, t + 1):
         s = state.clone()
-        advance_state(s, upd.k[:, :m], upd.d[:, :m], upd.cum[:, :m])
+        advance_state(s, upd.k[:, :m], upd.d[:, :m], upd.g[:, :m])
         assert (s - naive_states[m - 1]).abs().max().item() < 1e-5, m
 
 
@@ -211,3 +211,31 @@ def test_causal_conv1d_kernel_matches_reference(t: int, taps: int, dtype: torch.
     assert out.dtype == torch.float32 and out.shape == (t, channels)
     ref = reference_causal_conv1d(x, window, weight)
     assert (out - ref).abs().max().item() < 1e-5
+
+
+@needs_kernel
+@pytest.mark.parametrize("t", [2, 5, 9, 33])
+@pytest.mark.parametrize("dims", [(K_HEADS, V_HEADS, DK, DV), (2, 4, 128, 128)], ids=str)
+def test_recurrent_updates_verify_equals_decode_steps_bitwise(
+    t: int, dims: tuple[int, int, int, int]
+) -> None:
+    """Batch invariance of the C++ delta rule: token i of a t-token call (a verify) gives the
+    bits of a one-token call (a decode step) from the state that i decode steps commit, one at
+    a time, through advance_state; and committing m kept updates at once gives the bits of m
+    one-token commits."""
+    k_heads, v_heads, dk, dv = dims
+    gen = torch.Generator().manual_seed(t + dk)
+    y = torch.randn(t, 2 * k_heads * dk + v_heads * dv, generator=gen)
+    g = -2.0 * torch.rand(t, v_heads, generator=gen)
+    beta = torch.rand(t, v_heads, generator=gen)
+    state = torch.randn(v_heads, dk, dv, generator=gen)
+    out, upd = recurrent_updates(y, g, beta, state, k_heads)
+    s = state.clone()
+    for i in range(t):
+        one, step = recurrent_updates(y[i : i + 1], g[i : i + 1], beta[i : i + 1], s, k_heads)
+        assert torch.equal(one[0], out[i]), f"token {i}: output"
+        assert torch.equal(step.d[:, 0], upd.d[:, i]), f"token {i}: correction"
+        advance_state(s, step.k, step.d, step.g)
+        at_once = state.clone()
+        advance_state(at_once, upd.k[:, : i + 1], upd.d[:, : i + 1], upd.g[:, : i + 1])
+        assert torch.equal(at_once, s), f"state after {i + 1} tokens"

@@ -5,7 +5,6 @@ and that every other case falls back to F.linear correctly."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -54,9 +53,7 @@ def test_linear_matches_reference_on_kernel_path(
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["xbf16", "xfp32"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 9, 17, 130], ids=lambda m: f"M{m}")
-def test_linear_exact_on_small_integers(
-    m: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_linear_exact_on_small_integers(m: int, dtype: torch.dtype) -> None:
     # Integer inputs make every partial sum exact in fp32, so any order/offset mistake in the
     # packing or tiling is a hard mismatch; sums reach ~10^4, far beyond bf16's 8-bit mantissa,
     # so a bf16 output must also round exactly like torch (nearest-even).
@@ -65,8 +62,6 @@ def test_linear_exact_on_small_integers(
     x = torch.randint(-3, 4, (m, k), generator=g).to(dtype)
     w = torch.randint(-60, 61, (n, k), generator=g).bfloat16()
     b = torch.randint(-5, 6, (n,), generator=g).float()
-    # the kernel itself, whatever M this CPU routes to it (AVX-512 hosts stop at 64 rows)
-    monkeypatch.setattr(linear_bf16, "MAX_M", sys.maxsize)
     out = linear(x, w, b)
     assert path_for(x, w, b) == "kernel"
     assert torch.equal(out, reference_linear(x, w, b))
@@ -185,8 +180,7 @@ def _fp16_matmul_supported() -> bool:
 def test_linear_prefill_sized_m_matches_reference(m: int) -> None:
     # Beyond 64 tokens the kernel works in balanced token groups (65 -> 33 + 32).
     x, w, b = make(m, 100, 64, True, torch.bfloat16)
-    expected_path = "kernel" if m <= linear_bf16.MAX_M else "fallback"
-    assert path_for(x, w, b) == expected_path
+    assert path_for(x, w, b) == "kernel"
     assert_close_to_reference(linear(x, w, b), x, w, b)
 
 
@@ -201,11 +195,6 @@ def test_linear_m_above_limit_falls_back_and_stays_correct(
     assert kernel_calls() == before
     assert torch.equal(out, F.linear(x, w, b))
     assert_close_to_reference(out, x, w, b)
-
-
-def test_default_max_m_is_unlimited_without_avx512() -> None:
-    assert linear_bf16.default_max_m(frozenset({"avx2", "fma", "f16c"})) >= 1 << 31
-    assert linear_bf16.default_max_m(frozenset({"avx2", "avx512f", "avx512_bf16"})) == 64
 
 
 def test_linear_needing_grad_falls_back_with_grad() -> None:

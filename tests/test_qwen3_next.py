@@ -17,6 +17,7 @@ from hybrid_models import (
     save_hybrid_dir,
 )
 
+from quickdraft.kernels import kernels_available
 from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.loader import load_model
 from quickdraft.models.qwen3_next import HybridLM
@@ -168,3 +169,46 @@ def test_hybrid_bf16_close_to_fp32() -> None:
     a = fp32(ids, [fp32.new_cache(24)], [20], logit_rows=torch.arange(20)).logits
     b = bf16(ids, [bf16.new_cache(24)], [20], logit_rows=torch.arange(20)).logits
     assert (a - b).abs().max().item() < 0.1 * a.abs().max().item()
+
+
+@pytest.mark.skipif(not kernels_available(), reason="needs the C++ kernels (AVX2/FMA/F16C)")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hybrid_bf16_verify_rows_equal_decode_steps(family: str) -> None:
+    """bf16 with packed panels (how `load` runs a bf16 hybrid): k + 1 rows in one forward (a
+    verify) give each row the bits of k + 1 one-row forwards (decode steps, each committing its
+    token), and a verify packed with another sequence's rows gives them again: the Gated
+    DeltaNet recurrence, gated attention and (qwen3_5_moe) the routed experts are
+    batch-invariant, so greedy speculation equals plain decoding on a hybrid target."""
+    model = random_hybrid(family, seed=4, dtype=torch.bfloat16)
+    model.pack_()
+    ids = torch.randint(0, 320, (60,), generator=torch.Generator().manual_seed(5))
+    other = torch.randint(0, 320, (20,), generator=torch.Generator().manual_seed(6))
+    for k in (1, 4, 8):
+        decode = model.new_cache(64)
+        model(ids[:30], [decode], [30])
+        decode.commit(30)
+        steps = []
+        for j in range(k + 1):
+            steps.append(model(ids[30 + j : 31 + j], [decode], [1], return_hidden=True))
+            decode.commit(31 + j)
+        verify = model.new_cache(64)
+        model(ids[:30], [verify], [30])
+        verify.commit(30)
+        rows = torch.arange(k + 1)
+        out = model(ids[30 : 31 + k], [verify], [k + 1], logit_rows=rows, return_hidden=True)
+        mate, batched = model.new_cache(64), model.new_cache(64)
+        model(other[:17], [mate], [17])
+        mate.commit(17)
+        model(ids[:30], [batched], [30])
+        batched.commit(30)
+        both = model(
+            torch.cat([other[17:], ids[30 : 31 + k]]),
+            [mate, batched],
+            [3, k + 1],
+            logit_rows=torch.arange(3, 4 + k),
+        )
+        for j, step in enumerate(steps):
+            assert step.hidden is not None and out.hidden is not None
+            assert torch.equal(out.logits[j], step.logits[-1]), f"k={k}: row {j} logits differ"
+            assert torch.equal(out.hidden[j], step.hidden[-1]), f"k={k}: row {j} hidden differs"
+            assert torch.equal(both.logits[j], step.logits[-1]), f"k={k}: batched row {j}"

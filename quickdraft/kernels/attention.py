@@ -2,10 +2,11 @@
 
 Contract: `attend(q [n, H, d], k [Hkv, S, d], v [Hkv, S, d], start, scale) -> [n, H * d]`:
 query i (at position start + i) of head h attends to keys 0 .. start + i of kv head
-h / (H / Hkv). Up to ATTEND_KERNEL_MAX_QUERIES queries (decode steps and verifies) run the C++
-kernel (attention.cpp: fp32 math, and a row's result does not depend on n, so a row of a
-verify equals the same row of a decode step bit for bit) when it accepts the inputs; the rest,
-and every case the kernel refuses, run `reference_attend` (SDPA).
+h / (H / Hkv). Every call the C++ kernel accepts runs it (attention.cpp: fp32 math, and a row's
+result depends only on its own query and keys, not on n or start's split: a row of a verify,
+of a prompt chunk or of a whole prompt equals the same row of a decode step bit for bit); the
+rest (head sizes not a multiple of 32, mixed dtypes, no extension) run `reference_attend`
+(SDPA), which is not batch-invariant.
 """
 
 from __future__ import annotations
@@ -16,20 +17,18 @@ from torch import Tensor
 
 from quickdraft.kernels.build import extension
 
-# Longest run of new queries `attend` gives the C++ kernel (decode steps and verifies); longer
-# ones (prompt chunks) go to SDPA, whose blocked GEMMs win once there are many query rows.
-ATTEND_KERNEL_MAX_QUERIES = 16
-
 
 def attend(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float) -> Tensor:
     """Causal grouped-query attention of n new queries at positions [start, start + n).
 
     q `[n, heads, head_dim]`; k, v `[kv_heads, start + n, head_dim]` -> `[n, heads * head_dim]`:
-    query i sees keys 0 .. start + i. Up to ATTEND_KERNEL_MAX_QUERIES queries run the C++ kernel
-    (kernels/attention.cpp: fp32 math, rows independent of n) when it accepts the inputs, the
-    rest `reference_attend` (SDPA).
+    query i sees keys 0 .. start + i. The C++ kernel (kernels/attention.cpp: fp32 math, rows
+    independent of n) when it accepts the inputs, else `reference_attend` (SDPA). Prompt
+    chunks take the kernel too: it is batch-invariant and, measured with bench-sized shapes
+    (12 heads over 2 kv heads, d 128, bf16, this 2-core host), 2x faster than SDPA at 64-1024
+    causal queries.
     """
-    ext = extension() if q.is_cpu and q.shape[0] <= ATTEND_KERNEL_MAX_QUERIES else None
+    ext = extension() if q.is_cpu else None
     if ext is not None and ext.attend_eligible(q, k, v, start):
         out: Tensor = ext.attend(q, k, v, start, scale)
         return out

@@ -57,8 +57,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_conv_silu", &qd_causal_conv_silu, "silu(causal depthwise conv1d) in fp32",
         py::arg("x"), py::arg("window"), py::arg("weight"),
         py::call_guard<py::gil_scoped_release>());
-  m.def("gdn_delta", &qd_gdn_delta, "gated delta rule over one short chunk: out, k, d, cum",
+  m.def("gdn_delta", &qd_gdn_delta, "gated delta rule over one short chunk: out, k, d, g",
         py::arg("y"), py::arg("g"), py::arg("beta"), py::arg("state"), py::arg("k_heads"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gdn_advance", &qd_gdn_advance, "apply kept delta-rule updates to a state, in place",
+        py::arg("state"), py::arg("k"), py::arg("d"), py::arg("g"),
         py::call_guard<py::gil_scoped_release>());
   m.def("attend", &qd_attend, "causal GQA of n new queries over a KV cache (decode / verify)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("start"), py::arg("scale"),

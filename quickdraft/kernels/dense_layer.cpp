@@ -6,8 +6,8 @@
 // exactly what `DecoderLayer.forward_residual` returns for the same inputs when every op there
 // takes its kernel: the same kernels run in the same order on the same operands, so the
 // outputs are bitwise equal (tests/test_models.py checks it). The caller guarantees that path:
-// one sequence, n <= 16 new rows (the attention kernel's range), projection operands in panels
-// or int8 / int4 / GGUF blocks (kind 1 / 2 / 3 / 4 below), norm weights in h's dtype.
+// the new rows of one sequence, a head size the attention kernel takes, projection operands in
+// panels or int8 / int4 / GGUF blocks (kind 1 / 2 / 3 / 4 below), norm weights in h's dtype.
 //
 // Why: a 0.5B draft step ran ~5.5 ms of Python and torch dispatch around ~13 ms of GEMMs
 // (24 layers x ~13 ops, ~230 us per layer); a C++ layer makes that one call per layer.

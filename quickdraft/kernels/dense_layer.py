@@ -8,7 +8,7 @@ kernel does not take (% 32), or a shape or dtype some kernel refuses. Its
 `forward(h, residual, cos, sin, k_cache, v_cache, start)` returns exactly what the Python
 layer (models/llama.py `DecoderLayer.forward_residual`) returns when every op there takes its
 kernel: the same kernels in the same order on the same operands, so the outputs are bitwise
-equal. The caller keeps to that path: one sequence, at most ATTEND_KERNEL_MAX_QUERIES rows.
+equal. The caller keeps to that path: the rows of one sequence.
 
 Why: a 0.5B int4 draft step spent ~5.5 ms of its ~18 ms in Python and torch dispatch around
 its GEMMs (24 layers x ~13 ops); one call per layer removes most of it.

@@ -16,16 +16,19 @@ never writes it (a rejected draft must cost nothing):
   gated_delta_rule_chunked(..., state, dest, chunk_size) -> the same, parallel within chunks
       (UT transform, as flash-linear-attention and transformers' torch_chunk_gated_delta_rule)
       and sequential across them; for long forwards (prompt chunks).
-  delta_rule_updates(..., state) -> out, DeltaUpdates(k, d, cum): one chunk (a decode step or
+  delta_rule_updates(..., state) -> out, DeltaUpdates(k, d, g): one chunk (a decode step or
       a verify) whose per-token updates are kept instead of per-token states, and
-  advance_state(state, updates[:m]) applies the first m of them in place:
-      S_m = exp(c_m) S_0 + sum_{j<=m} exp(c_m - c_j) k_j d_j^T   (c: cumulative log decay).
+  advance_state(state, updates[:m]) applies the first m of them in place, token by token:
+      S_j = exp(g_j) S_{j-1} + k_j d_j^T.
       The state after any token of a verify costs k + d (a few KB) to keep, not S (MBs):
-      state_cache.py commits by remembering m and applies the update once, at the next forward.
+      state_cache.py commits by remembering m and applies the updates at the next forward, in
+      one pass over the state.
   recurrent_updates(y [T, C] conv output, g, beta, state, k_heads) -> out, DeltaUpdates:
-      prepare_qk + delta_rule_updates in one C++ pass per head (gdn_ops.cpp: the state read
-      once for all tokens, forward substitution instead of a triangular solve); the torch
-      functions are its reference and fallback.
+      prepare_qk + delta_rule_updates in one C++ call (gdn_ops.cpp), which runs the recurrence
+      token by token and builds each token's state with the very code advance_state's kernel
+      (gdn_advance) commits with: a verify's rows equal decode steps' bit for bit (batch
+      invariance). The torch functions are its reference and its fallback (no extension),
+      which is not batch-invariant (its verify takes the chunk form).
 Unlike transformers, every multi-token path starts from the given state (a verify continues
 the committed state). tests/test_gdn.py checks outputs and states of every path against the
 naive form.
@@ -194,7 +197,7 @@ class DeltaUpdates:
 
     k: Tensor  # [H, T, dk]
     d: Tensor  # [H, T, dv]
-    cum: Tensor  # [H, T] cumulative log decay from the chunk start through token j
+    g: Tensor  # [H, T] token j's log decay
 
 
 def delta_rule_updates(
@@ -216,20 +219,32 @@ def delta_rule_updates(
         d = (v.float().transpose(0, 1) - read[:, :1]) * beta.float()[0, :, None, None]
         out = read[:, 1:] + (q1 * k1).sum(-1, keepdim=True) * d  # S_1^T q = read_q + (k.q) d
         return out.transpose(0, 1), DeltaUpdates(k1, d, g.float().transpose(0, 1))
-    kc, cum, _, u, w, intra, q_decayed = _chunk_terms(q, k, v, g, beta, t_len)
+    kc, _, _, u, w, intra, q_decayed = _chunk_terms(q, k, v, g, beta, t_len)
     # the one read of the state: [w ; q_decayed] S_0
     read = torch.cat([w[:, 0], q_decayed[:, 0]], dim=1) @ state  # [H, 2T, dv]
     d = u[:, 0] - read[:, :t_len]
     out = read[:, t_len:] + intra[:, 0] @ d  # [H, T, dv]
-    return out.transpose(0, 1), DeltaUpdates(kc[:, 0], d, cum[:, 0])
+    return out.transpose(0, 1), DeltaUpdates(kc[:, 0], d, g.float().transpose(0, 1))
 
 
-def advance_state(state: Tensor, k: Tensor, d: Tensor, cum: Tensor) -> None:
+def advance_state(state: Tensor, k: Tensor, d: Tensor, g: Tensor) -> None:
     """In place: `state` (the chunk's starting state) becomes the state after the tokens of
-    the updates k [H, m, dk], d [H, m, dv], cum [H, m] (the first m of a chunk's)."""
-    last = cum[:, -1]  # [H]
-    k_w = k * (last[:, None] - cum).exp()[..., None]  # [H, m, dk]
-    state.mul_(last.exp()[:, None, None]).baddbmm_(k_w.transpose(1, 2), d)
+    the updates k [H, m, dk], d [H, m, dv], g [H, m] (the first m of a chunk's), token by
+    token: S <- exp(g_j) S + k_j d_j^T. The C++ kernel (gdn_advance, one pass over the state)
+    where it runs, which gives the bits a verify's in-chunk states have; else torch ops."""
+    fast = (
+        state.is_cpu
+        and state.dtype == k.dtype == d.dtype == g.dtype == torch.float32
+        and state.is_contiguous()
+        and state.shape[-1] % 8 == 0
+        and g.shape[1] <= CHUNK_SIZE
+    )
+    ext = extension() if fast else None
+    if ext is not None:
+        ext.gdn_advance(state, k, d, g)
+        return
+    for j in range(g.shape[1]):
+        state.mul_(g[:, j].exp()[:, None, None]).add_(k[:, j, :, None] * d[:, j, None, :])
 
 
 def recurrent_updates(

@@ -7,21 +7,28 @@
 //                                               -> rms_norm(x) * w * silu(z)  [N, H, D], z dtype
 //   causal_conv_silu(x [T, C], window [K-1, C], weight [C, K]) -> silu(causal conv)  [T, C] fp32
 //   gdn_delta(y [T, C] fp32, g [T, H], beta [T, H], state [H, dk, dv], k_heads)
-//       -> out [T, H, dv], k [H, T, dk], d [H, T, dv], cum [H, T]   (all fp32)
+//       -> out [T, H, dv], k [H, T, dk], d [H, T, dv], g [H, T]   (all fp32)
+//   gdn_advance(state [H, dk, dv] fp32, k [H, m, dk], d [H, m, dv], g [H, m])   in place
 //
 // Why: in a decode step or a k+1-row verify these tensors are a few KB, so each torch op costs
 // its dispatch and threading overhead, not its arithmetic; a verify's chunked delta rule is ~40
 // ops (cat, bmm, a triangular solve...), a strided bf16 silu ~40 us. One pass each here.
 // All math is fp32, rounded once to the output dtype.
 //
-// gdn_delta is kernels/gdn.py's delta_rule_updates after prepare_qk, for one chunk of T tokens:
-// with c the cumulative log decay, S0 the starting state and q, k L2-normalised (q also scaled
-// by dk^-0.5), the state before token t's correction is exp(c_t) S0 + sum_{j<t} exp(c_t - c_j)
-// k_j d_j^T, so
-//   d_t   = beta_t (v_t - exp(c_t) S0^T k_t - sum_{j<t} exp(c_t - c_j) (k_t . k_j) d_j)
-//   out_t = exp(c_t) S0^T q_t + sum_{j<=t} exp(c_t - c_j) (q_t . k_j) d_j
-// (forward substitution of the chunk form's triangular system). The state is read once per
-// head, for all tokens together, and never written.
+// gdn_delta is kernels/gdn.py's delta_rule_updates after prepare_qk, for one chunk of T tokens,
+// as the recurrence itself, token by token: with q, k L2-normalised (q also scaled by
+// dk^-0.5), e_t = exp(g_t) and S the state before token t (S0, the committed state, for t = 0),
+//   a = S^T k_t,  b = S^T q_t                    (read_state: two vectors, one pass)
+//   d_t   = beta_t (v_t - e_t a)
+//   out_t = e_t b + (q_t . k_t) d_t               (= S_t^T q_t)
+//   S_t   = e_t S + k_t d_t^T                     (step_rows, into a scratch copy: S0 is
+//                                                  never written)
+// gdn_advance applies the first m kept (k, d, g) to the committed state with the same
+// step_rows. So token t of a verify reads bitwise the state that t decode steps (each
+// committing one token) leave, and computes from it with the same code: a verify's rows equal
+// decode steps' bit for bit (batch invariance). The cost over the closed chunk form (which read
+// the state once for all T tokens) is T - 1 more reads and writes of a per-head scratch copy
+// (dk x dv fp32, 64 KiB at 128 x 128) that stays in L2.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -240,6 +247,27 @@ inline void axpy(float a, const float* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
+// the most kept updates gdn_advance applies in one call (kernels/gdn.py CHUNK_SIZE)
+constexpr int64_t kMaxAdvance = 64;
+
+// m token updates S <- e_j S + k_j d_j^T, in order, on rows [0, rows) of S (row i scales by
+// e_j and adds k_j[i] d_j), row by row: a row stays in L1 across the m updates, so applying m
+// kept updates costs one pass over the state. Every element takes the same instructions (an
+// fma of k_j[i] d_j[c] onto e_j S[i][c]) whatever m is and whether src == dst: the commit
+// (gdn_advance) and a verify's in-chunk states run this one function.
+void step_rows(const float* src, float* dst, int64_t rows, int64_t dv, int m, const float* e,
+               const float* const* k, const float* const* d) {
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t c = 0; c < dv; c += 8) {
+      __m256 s = _mm256_loadu_ps(src + i * dv + c);
+      for (int j = 0; j < m; ++j)
+        s = _mm256_fmadd_ps(_mm256_set1_ps(k[j][i]), _mm256_loadu_ps(d[j] + c),
+                            _mm256_mul_ps(_mm256_set1_ps(e[j]), s));
+      _mm256_storeu_ps(dst + i * dv + c, s);
+    }
+  }
+}
+
 }  // namespace
 
 at::Tensor qd_silu_mul(const at::Tensor& gate_up) {
@@ -322,76 +350,91 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qd_gdn_delta(
   TORCH_CHECK(y_in.size(1) == 2 * kd + H * dv, "gdn_delta: y must be [T, 2 Hk dk + H dv]");
   TORCH_CHECK(g_in.sizes() == beta_in.sizes() && g_in.size(0) == Tn && g_in.size(1) == H,
               "gdn_delta: g and beta must be [T, H]");
-  const at::Tensor y = y_in.contiguous(), g = g_in.contiguous(), beta = beta_in.contiguous();
+  const at::Tensor y = y_in.contiguous(), beta = beta_in.contiguous();
   const at::Tensor state = state_in.contiguous();
   auto opts = y.options();
   at::Tensor out = at::empty({Tn, H, dv}, opts), k_out = at::empty({H, Tn, dk}, opts);
-  at::Tensor d_out = at::empty({H, Tn, dv}, opts), cum_out = at::empty({H, Tn}, opts);
+  at::Tensor d_out = at::empty({H, Tn, dv}, opts), g_out = g_in.t().contiguous();  // [H, T]
   const float* yp = y.data_ptr<float>();
-  const float* gp = g.data_ptr<float>();
+  const float* gp = g_out.data_ptr<float>();
   const float* bp = beta.data_ptr<float>();
   const float* sp = state.data_ptr<float>();
   float* op = out.data_ptr<float>();
   float* kp = k_out.data_ptr<float>();
   float* dp = d_out.data_ptr<float>();
-  float* cp = cum_out.data_ptr<float>();
   const int64_t C = y.size(1), group = H / k_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(dk));
   // A one-token step is ~1 us of work per head: a second thread's fork/join costs more.
   const int64_t grain = Tn == 1 ? H : 1;
   at::parallel_for(0, H, grain, [&](int64_t h0, int64_t h1) {
-    std::vector<float> qn(Tn * dk), ks(Tn * dv), qs(Tn * dv), kk(Tn * Tn), qk(Tn * Tn);
+    std::vector<float> qn(dk), ks(dv), qs(dv);
+    std::vector<float> work(Tn > 1 ? dk * dv : 0);  // the state inside the chunk
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t hk = h / group;
-      float* kn = kp + h * Tn * dk;  // normalised keys go straight to the updates
-      float* d = dp + h * Tn * dv;
-      float* cum = cp + h * Tn;
-      float c = 0.0f;
+      const float* S = sp + h * dk * dv;
       for (int64_t t = 0; t < Tn; ++t) {
         const float* q = yp + t * C + hk * dk;
         const float* k = yp + t * C + kd + hk * dk;
+        float* kn = kp + (h * Tn + t) * dk;  // normalised keys go straight to the updates
         const float qinv = 1.0f / std::sqrt(dot(q, q, dk) + 1e-6f);
         const float kinv = 1.0f / std::sqrt(dot(k, k, dk) + 1e-6f);
         for (int64_t i = 0; i < dk; ++i) {
-          qn[t * dk + i] = q[i] * qinv * scale;
-          kn[t * dk + i] = k[i] * kinv;
+          qn[i] = q[i] * qinv * scale;
+          kn[i] = k[i] * kinv;
         }
-        c += gp[t * H + h];
-        cum[t] = c;
-      }
-      // S0^T k_t and S0^T q_t for all tokens: one pass over the state per 5 tokens
-      const float* S = sp + h * dk * dv;
-      for (int64_t t0 = 0; t0 < Tn; t0 += 5) {
-        const int n = static_cast<int>(std::min<int64_t>(5, Tn - t0));
-        const float* coef[10];
-        float* res[10];
-        for (int i = 0; i < n; ++i) {
-          coef[i] = kn + (t0 + i) * dk, res[i] = ks.data() + (t0 + i) * dv;
-          coef[n + i] = qn.data() + (t0 + i) * dk, res[n + i] = qs.data() + (t0 + i) * dv;
-        }
-        read_state(S, dk, dv, coef, res, 2 * n);
-      }
-      for (int64_t t = 0; t < Tn; ++t)
-        for (int64_t j = 0; j <= t; ++j) {
-          kk[t * Tn + j] = dot(kn + t * dk, kn + j * dk, dk);
-          qk[t * Tn + j] = dot(qn.data() + t * dk, kn + j * dk, dk);
-        }
-      for (int64_t t = 0; t < Tn; ++t) {
-        const float bt = bp[t * H + h], et = std::exp(cum[t]);
+        const float* coef[2] = {kn, qn.data()};
+        float* res[2] = {ks.data(), qs.data()};
+        read_state(S, dk, dv, coef, res, 2);
+        const float et = std::exp(gp[h * Tn + t]), bt = bp[t * H + h];
+        const float kq = dot(qn.data(), kn, dk);
         const float* v = yp + t * C + 2 * kd + h * dv;
-        float* dt = d + t * dv;
-        // d_t = beta_t (v_t - exp(c_t) S0^T k_t - sum_{j<t} exp(c_t - c_j) (k_t . k_j) d_j)
-        for (int64_t i = 0; i < dv; ++i) dt[i] = v[i] - et * ks[t * dv + i];
-        for (int64_t j = 0; j < t; ++j)
-          axpy(-std::exp(cum[t] - cum[j]) * kk[t * Tn + j], d + j * dv, dt, dv);
-        for (int64_t i = 0; i < dv; ++i) dt[i] *= bt;
-        // out_t = exp(c_t) S0^T q_t + sum_{j<=t} exp(c_t - c_j) (q_t . k_j) d_j
+        float* dt = dp + (h * Tn + t) * dv;
         float* o = op + (t * H + h) * dv;
-        for (int64_t i = 0; i < dv; ++i) o[i] = et * qs[t * dv + i];
-        for (int64_t j = 0; j <= t; ++j)
-          axpy(std::exp(cum[t] - cum[j]) * qk[t * Tn + j], d + j * dv, o, dv);
+        for (int64_t i = 0; i < dv; ++i) dt[i] = (v[i] - et * ks[i]) * bt;
+        for (int64_t i = 0; i < dv; ++i) o[i] = et * qs[i] + kq * dt[i];
+        if (t + 1 < Tn) {  // S_t, the state the next token reads
+          const float* kj[1] = {kn};
+          const float* dj[1] = {dt};
+          step_rows(S, work.data(), dk, dv, 1, &et, kj, dj);
+          S = work.data();
+        }
       }
     }
   });
-  return {out, k_out, d_out, cum_out};
+  return {out, k_out, d_out, g_out};
+}
+
+void qd_gdn_advance(at::Tensor state, const at::Tensor& k_in, const at::Tensor& d_in,
+                    const at::Tensor& g_in) {
+  for (const at::Tensor* t : {static_cast<const at::Tensor*>(&state), &k_in, &d_in, &g_in})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat,
+                "gdn_advance: CPU fp32 tensors only");
+  TORCH_CHECK(state.dim() == 3 && state.is_contiguous() && k_in.dim() == 3 && d_in.dim() == 3 &&
+                  g_in.dim() == 2,
+              "gdn_advance: state [H, dk, dv] contiguous, k [H, m, dk], d [H, m, dv], g [H, m]");
+  const int64_t H = state.size(0), dk = state.size(1), dv = state.size(2), m = g_in.size(1);
+  TORCH_CHECK(dv % 8 == 0 && m <= kMaxAdvance && g_in.size(0) == H && k_in.size(0) == H &&
+                  k_in.size(1) == m && k_in.size(2) == dk && d_in.size(0) == H &&
+                  d_in.size(1) == m && d_in.size(2) == dv,
+              "gdn_advance: shapes must agree, dv % 8 == 0, m <= ", kMaxAdvance);
+  if (m == 0) return;
+  const at::Tensor k = k_in.contiguous(), d = d_in.contiguous(), g = g_in.contiguous();
+  float* sp = state.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* dp = d.data_ptr<float>();
+  const float* gp = g.data_ptr<float>();
+  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+    float e[kMaxAdvance];
+    const float* kj[kMaxAdvance];
+    const float* dj[kMaxAdvance];
+    for (int64_t h = h0; h < h1; ++h) {
+      for (int64_t j = 0; j < m; ++j) {
+        e[j] = std::exp(gp[h * m + j]);
+        kj[j] = kp + (h * m + j) * dk;
+        dj[j] = dp + (h * m + j) * dv;
+      }
+      float* S = sp + h * dk * dv;
+      step_rows(S, S, dk, dv, static_cast<int>(m), e, kj, dj);
+    }
+  });
 }

@@ -57,7 +57,6 @@ using qd_bf16::bf16_even;
 using qd_bf16::bf16_odd;
 using qd_bf16::bf16x8_to_f32;  // 8 bf16 in natural order -> 8 fp32
 using qd_bf16::f32_to_bf16;
-using qd_simd::hsum;
 using qd_simd::scratch;
 
 // out[i] = sum of the 8 lanes of vector i, for n vectors stored contiguously (8 at a time through
@@ -76,7 +75,12 @@ inline void hsum_many(const float* a, int n, float* out) {
                              _mm256_permute2f128_ps(q0, q1, 0x31));
     _mm256_storeu_ps(out + i, s);
   }
-  for (; i < n; ++i) out[i] = hsum(_mm256_load_ps(a + i * 8));
+  for (; i < n; ++i) {  // the same additions as the tree above, so a sum's bits do not depend
+    const __m256 v = _mm256_load_ps(a + i * 8);  // on how many sums there are (batch invariance)
+    const __m256 h = _mm256_hadd_ps(v, v);
+    const __m256 q = _mm256_hadd_ps(h, h);
+    out[i] = _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1)));
+  }
 }
 
 // Weight formats: how a 16-weight block of one row becomes two fp32 vectors. The activations are
@@ -143,16 +147,15 @@ template <class W, int R, int T>
 inline void tile(const typename W::elem* const* wr, const float* xs, int64_t ldx, int64_t K,
                  bool init, float* acc_mem, const char*& pf, const char* pf_end) {
   using elem = typename W::elem;
-  // T == 1 keeps separate even/odd accumulators: with one token there are otherwise only R
-  // independent FMA chains, too few to hide the 4-cycle FMA latency.
-  constexpr int A = (T == 1) ? 2 : 1;
-  __m256 acc[R][T][A];
+  // One accumulator per (row, token) whatever T: every output is one FMA chain over k in
+  // order, so a row's bits do not depend on M (batch invariance; T == 1 once kept separate
+  // even/odd chains, which made a decode row differ from the same row in a verify).
+  __m256 acc[R][T];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) {
-      acc[r][t][0] = init ? _mm256_setzero_ps() : _mm256_load_ps(acc_mem + (r * T + t) * 8);
-      if constexpr (A == 2) acc[r][t][A - 1] = _mm256_setzero_ps();
+      acc[r][t] = init ? _mm256_setzero_ps() : _mm256_load_ps(acc_mem + (r * T + t) * 8);
     }
   const elem* w[R];
 #pragma GCC unroll 16
@@ -176,7 +179,7 @@ inline void tile(const typename W::elem* const* wr, const float* xs, int64_t ldx
       __m256 xv = _mm256_load_ps(xs + t * ldx + k);
       QD_IN_REG(xv);
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) acc[r][t][0] = _mm256_fmadd_ps(wv[r], xv, acc[r][t][0]);
+      for (int r = 0; r < R; ++r) acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
     }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
@@ -190,7 +193,7 @@ inline void tile(const typename W::elem* const* wr, const float* xs, int64_t ldx
       QD_IN_REG(xv);
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r)
-        acc[r][t][A - 1] = _mm256_fmadd_ps(wv[r], xv, acc[r][t][A - 1]);
+        acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
     }
   }
   if (K16 < K) {
@@ -201,16 +204,14 @@ inline void tile(const typename W::elem* const* wr, const float* xs, int64_t ldx
     for (int t = 0; t < T; ++t) {
       __m256 xv = _mm256_load_ps(xs + t * ldx + K16);
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) acc[r][t][0] = _mm256_fmadd_ps(w8[r], xv, acc[r][t][0]);
+      for (int r = 0; r < R; ++r) acc[r][t] = _mm256_fmadd_ps(w8[r], xv, acc[r][t]);
     }
   }
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) {
-      __m256 s = acc[r][t][0];
-      if constexpr (A == 2) s = _mm256_add_ps(s, acc[r][t][1]);
-      _mm256_store_ps(acc_mem + (r * T + t) * 8, s);
+      _mm256_store_ps(acc_mem + (r * T + t) * 8, acc[r][t]);
     }
 }
 

@@ -8,13 +8,12 @@ a weight/bias of another floating dtype than x is used in x's dtype (the kernel 
 a bf16 weight, so every path does; F.linear itself would raise). It runs the C++ kernel in
 `linear_bf16.cpp` when the extension is available (build.py) and
   * weight is a contiguous 2-D bf16 tensor and K % 8 == 0;
-  * x is bf16 or fp32 and M = x.numel() // K <= MAX_M (no limit on AVX2-only CPUs, where the
-    kernel beats torch's bf16 matmul at every measured M; 64 where AVX-512 is present, see
-    `default_max_m`);
+  * x is bf16 or fp32 (any M: see MAX_M);
   * nothing needs a gradient (the kernel has no backward);
 and `fallback_linear` (F.linear) otherwise. The kernel accumulates in fp32 and rounds once to
-x.dtype, so it matches `reference_linear` up to summation order. `linear_panel` is the same
-function over a `PanelWeight`.
+x.dtype, so it matches `reference_linear` up to summation order; each output is one FMA chain
+over k in order whatever M, so a row's bits do not depend on the other rows (batch
+invariance). `linear_panel` is the same function over a `PanelWeight`.
 
 Why: decode streams every weight once per token, and a verify pass over k+1 tokens only pays
 if it costs about the same as one token. Torch's bf16 CPU matmul without AVX-512 reads the
@@ -34,23 +33,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from quickdraft.kernels.build import cpu_flags, extension
+from quickdraft.kernels.build import extension
 
-
-def default_max_m(flags: frozenset[str] | None = None) -> int:
-    """Largest M routed to the kernel on a CPU with `flags` (default: this one).
-
-    Measured on the AVX2-only target (bench/kernels.py): the kernel beats F.linear bf16 at every
-    M tried, 1..2048 (1.5x at M=1, 6-7x at M=9..512, 2.3-6x at 2048; torch has no fast bf16
-    GEMM without AVX-512), so there is no limit. With AVX-512 (and more so AVX512_BF16/AMX),
-    oneDNN has real bf16 GEMMs that should win once weights are reused enough: there, only
-    decode/verify-sized M is taken (64; not measured, no such CPU was available).
-    """
-    flags = cpu_flags() if flags is None else flags
-    return 64 if any(f.startswith(("avx512", "amx")) for f in flags) else sys.maxsize
-
-
-MAX_M = default_max_m()  # read by `linear` at each call, so tests may monkeypatch it
+# Largest M routed to the kernel: none, so every row of every call is the same FMA chain
+# (batch invariance: a prompt chunk, a verify and a decode step give a row the same bits).
+# Measured on this layout (bench/kernels.py --layout rows): the kernel beats F.linear bf16 at
+# every M tried on an AVX2-only host (1.5x at M=1, 6-7x at M=9..512); on an AVX-512 host with
+# AVX512_BF16 (2-core EPYC), oneDNN's bf16 GEMM is faster from M=16 on (0.78x at 16, 0.44x at
+# 256), but its row results depend on M, so it is not used. Tests monkeypatch this limit.
+MAX_M = sys.maxsize
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -29,6 +29,8 @@ at::Tensor qd_causal_conv_silu(const at::Tensor& x, const at::Tensor& window,
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qd_gdn_delta(
     const at::Tensor& y, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
     int64_t k_heads);
+void qd_gdn_advance(at::Tensor state, const at::Tensor& k, const at::Tensor& d,
+                    const at::Tensor& g);
 // linear_q4.cpp
 bool qd_linear_q4_eligible(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                            const c10::optional<at::Tensor>& bias);

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quickdraft.config import ModelConfig
-from quickdraft.kernels.attention import ATTEND_KERNEL_MAX_QUERIES, attend
+from quickdraft.kernels.attention import attend
 from quickdraft.kernels.dense_layer import dense_layer
 from quickdraft.kernels.gemm import Weight, project, to_panels
 from quickdraft.kernels.linear_gguf import GGUFWeight
@@ -292,13 +292,10 @@ class CausalLM(OperandModule):
         rope = self.rope.tables(positions, self.dtype)
         h = self.model.embed_tokens(input_ids)  # [N, hidden]
         residual: Tensor | None = None
-        # decode and verify rows of one sequence: the C++ layers (the same kernels, same order)
+        # the rows of one sequence (decode, verify, a prompt chunk): the C++ layers (the same
+        # kernels in the same order as the Python layers, so the same bits)
         one = len(caches) == 1 and isinstance(caches[0], KVCache)
-        fused = (
-            self._fused_layers()
-            if one and input_ids.shape[0] <= ATTEND_KERNEL_MAX_QUERIES
-            else None
-        )
+        fused = self._fused_layers() if one else None
         if fused is not None:
             cache = caches[0]
             cos, sin = rope[0][:, 0], rope[1][:, 0]

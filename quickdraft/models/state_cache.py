@@ -12,12 +12,13 @@ token. Per GDN layer:
   checkpoint slots, one per token t of a forward of n <= MAX_CHECKPOINTS tokens (a decode
   step or a verify of k + 1), pre-allocated and reused:
       inputs [t, C]                      its conv input (the window after t = last K-1 inputs)
-      k [H, t, dk], d [H, t, dv], cum [H, t]   its delta-rule update (kernels/gdn.py)
+      k [H, t, dk], d [H, t, dv], g [H, t]   its delta-rule update (kernels/gdn.py)
 
 `commit(length)` keeps m = length - self.length tokens of the last forward in O(1): after a
-short forward it records m (the rank-m update is applied to the committed state when the next
-forward first reads that layer: one pass over the state, the same pass a decode step makes, and
-the same whatever m is); after a long forward only m = n (swap the slots) or m = 0 are
+short forward it records m (the m updates are applied to the committed state, token by token,
+when the next forward first reads that layer: one pass over the state whatever m is, and the
+same arithmetic the verify used for its in-chunk states); after a long forward only m = n (swap
+the slots) or m = 0 are
 possible. m = 0 keeps the committed state as it was. Committed tokens can never be rolled back
 (older states are gone): commit below the committed length is an error, except 0 (reset).
 A forward that fails half-way leaves the committed state intact: applying a pending update is
@@ -59,8 +60,8 @@ class HybridCache:
         "_long",
         "committed",
         "conv",
-        "cp_cum",
         "cp_d",
+        "cp_g",
         "cp_inputs",
         "cp_k",
         "kv",
@@ -101,9 +102,7 @@ class HybridCache:
         self.cp_d: Tensor = torch.empty(
             s.num_layers, s.num_heads, slots, s.value_dim, dtype=f32, device=device
         )
-        self.cp_cum: Tensor = torch.empty(
-            s.num_layers, s.num_heads, slots, dtype=f32, device=device
-        )
+        self.cp_g: Tensor = torch.empty(s.num_layers, s.num_heads, slots, dtype=f32, device=device)
         # pending[g]: tokens of the checkpoint slots committed but not yet applied to layer g
         self.pending = [0] * s.num_layers
         self.length = 0
@@ -139,7 +138,7 @@ class HybridCache:
                 ssm,
                 self.cp_k[layer, :, :m],
                 self.cp_d[layer, :, :m],
-                self.cp_cum[layer, :, :m],
+                self.cp_g[layer, :, :m],
             )
             conv.copy_(conv_window(conv, self.cp_inputs[layer, :m]))
             self.pending[layer] = 0
@@ -151,7 +150,7 @@ class HybridCache:
         self.cp_inputs[layer, :n] = inputs
         self.cp_k[layer, :, :n] = updates.k
         self.cp_d[layer, :, :n] = updates.d
-        self.cp_cum[layer, :, :n] = updates.cum
+        self.cp_g[layer, :, :n] = updates.g
 
     def final_state(self, layer: int) -> tuple[Tensor, Tensor]:
         """Where a long forward writes its final conv window / SSM state (the spare slot)."""
@@ -197,12 +196,12 @@ class HybridCache:
     trim = commit
 
     def nbytes(self) -> int:
-        cps = (self.cp_inputs, self.cp_k, self.cp_d, self.cp_cum)
+        cps = (self.cp_inputs, self.cp_k, self.cp_d, self.cp_g)
         return self.kv.nbytes() + self.conv.nbytes + self.ssm.nbytes + sum(t.nbytes for t in cps)
 
     def _grow(self, slots: int) -> None:
         """More checkpoint slots (rare: a larger k). Pending updates are kept."""
-        for name, dim in (("cp_inputs", 1), ("cp_k", 2), ("cp_d", 2), ("cp_cum", 2)):
+        for name, dim in (("cp_inputs", 1), ("cp_k", 2), ("cp_d", 2), ("cp_g", 2)):
             old: Tensor = getattr(self, name)
             shape = list(old.shape)
             shape[dim] = slots
