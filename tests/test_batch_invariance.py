@@ -24,11 +24,13 @@ from quickdraft.kernels import (
     Int4Weight,
     Int8Weight,
     PanelWeight,
+    gdn,
     kernel_calls,
     linear,
     linear_int4,
     linear_int8,
     linear_panel,
+    pointwise,
 )
 
 # (300, 896): a partial last panel, 28 groups of 32 (several blocks when M > 4)
@@ -70,3 +72,66 @@ def test_batch_invariance_row_alone_equals_row_in_batch(
     # a prompt chunk: more rows than a token group (64)
     many = run(torch.cat([x[1:], x[:1]]), weight, bias)
     assert torch.equal(many[-1:], alone), "row 79 of M=80 differs from the row alone"
+
+
+def _row_ops(dtype: torch.dtype) -> dict[str, Callable[[Tensor], Tensor]]:
+    """Each row-wise op of the target's forward as a function of the indices of the rows it
+    runs on (its input and per-row side inputs are those rows of fixed random tensors)."""
+    g = torch.Generator().manual_seed(1)
+    rows, hidden, heads, d = 80, 200, 3, 40  # not multiples of 8 / 16: scalar tails run too
+    x = (torch.randn(rows, hidden, generator=g) * 2).to(dtype)
+    delta = torch.randn(rows, hidden, generator=g).to(dtype)
+    w = torch.randn(hidden, generator=g).to(dtype)
+    wd = torch.randn(d, generator=g).to(dtype)
+    angles = torch.rand(rows, 16, generator=g) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1)
+    sin = torch.cat((angles.sin(), angles.sin()), -1)
+    core = torch.randn(rows, heads, d, generator=g) * 2  # fp32, as the delta rule leaves it
+    z = x[:, 40 : 40 + heads * d].reshape(rows, heads, d)
+
+    return {
+        "rms_norm": lambda i: pointwise.rms_norm(x[i], w, 1e-6),
+        "add_rms_norm": lambda i: torch.cat(
+            pointwise.add_rms_norm(x[i], delta[i], w, 1e-6, 1.0), dim=1
+        ),
+        "rope": lambda i: pointwise.rope(
+            x[i, : heads * d].reshape(len(i), heads, d), cos[i], sin[i]
+        ).reshape(len(i), -1),
+        "silu_mul": lambda i: pointwise.silu_mul(x[i]),
+        "gated_rms_norm": lambda i: pointwise.gated_rms_norm(core[i], wd, z[i], 1e-6).reshape(
+            len(i), -1
+        ),
+    }
+
+
+ROW_OPS = ["rms_norm", "add_rms_norm", "rope", "silu_mul", "gated_rms_norm"]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("op", ROW_OPS)
+def test_row_ops_row_alone_equals_row_in_batch(op: str, dtype: torch.dtype) -> None:
+    """Norms, RoPE, silu * up and the gated norm: a row's output alone equals it at the first
+    and at the last position of M = 2..16 and 80 rows, bit for bit."""
+    run = _row_ops(dtype)[op]
+    alone = run(torch.tensor([0]))
+    for m in [*range(2, 17), 80]:
+        assert torch.equal(run(torch.arange(m))[:1], alone), f"{op}: row 0 of M={m}"
+        moved = torch.cat([torch.arange(1, m), torch.tensor([0])])
+        assert torch.equal(run(moved)[-1:], alone), f"{op}: row {m - 1} of M={m}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_causal_conv_token_alone_equals_token_in_chunk(dtype: torch.dtype) -> None:
+    """The Gated DeltaNet conv: token t of a T-token call equals a one-token call from the
+    window the first t tokens leave."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 200, generator=g).to(dtype)
+    window = torch.randn(3, 200, generator=g).to(dtype)
+    weight = torch.randn(200, 4, generator=g).to(dtype)
+    whole = gdn.causal_conv1d(x, window, weight)
+    w = window
+    for t in range(40):
+        assert torch.equal(gdn.causal_conv1d(x[t : t + 1], w, weight)[0], whole[t]), f"token {t}"
+        w = gdn.conv_window(w, x[t : t + 1])

@@ -19,6 +19,7 @@ from quickdraft.kernels.gdn import (
     delta_rule_updates,
     gated_delta_rule_chunked,
     gated_delta_rule_naive,
+    long_forward,
     prepare_qk,
     recurrent_updates,
     reference_causal_conv1d,
@@ -239,3 +240,26 @@ def test_recurrent_updates_verify_equals_decode_steps_bitwise(
         at_once = state.clone()
         advance_state(at_once, upd.k[:, : i + 1], upd.d[:, : i + 1], upd.g[:, : i + 1])
         assert torch.equal(at_once, s), f"state after {i + 1} tokens"
+
+
+@needs_kernel
+@pytest.mark.parametrize("t", [34, 64, 150])
+def test_long_forward_equals_decode_steps_bitwise(t: int) -> None:
+    """A prompt chunk through long_forward: every output and the final state equal t decode
+    steps' (one-token recurrent_updates, each committed by advance_state), bit for bit."""
+    k_heads, v_heads, dk, dv = 2, 4, 32, 32
+    gen = torch.Generator().manual_seed(t)
+    y = torch.randn(t, 2 * k_heads * dk + v_heads * dv, generator=gen)
+    g = -2.0 * torch.rand(t, v_heads, generator=gen)
+    beta = torch.rand(t, v_heads, generator=gen)
+    state = torch.randn(v_heads, dk, dv, generator=gen)
+    before = state.clone()
+    final = torch.empty_like(state)
+    out = long_forward(y, g, beta, state, final, k_heads)
+    assert torch.equal(state, before)
+    s = state.clone()
+    for i in range(t):
+        one, step = recurrent_updates(y[i : i + 1], g[i : i + 1], beta[i : i + 1], s, k_heads)
+        assert torch.equal(one[0], out[i]), f"token {i}"
+        advance_state(s, step.k, step.d, step.g)
+    assert torch.equal(final, s)

@@ -212,3 +212,29 @@ def test_hybrid_bf16_verify_rows_equal_decode_steps(family: str) -> None:
             assert torch.equal(out.logits[j], step.logits[-1]), f"k={k}: row {j} logits differ"
             assert torch.equal(out.hidden[j], step.hidden[-1]), f"k={k}: row {j} hidden differs"
             assert torch.equal(both.logits[j], step.logits[-1]), f"k={k}: batched row {j}"
+
+
+@pytest.mark.skipif(not kernels_available(), reason="needs the C++ kernels (AVX2/FMA/F16C)")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hybrid_bf16_prompt_whole_equals_prompt_in_chunks(family: str) -> None:
+    """A 100-token prompt prefilled in one forward (a long forward: chunks of the delta rule
+    kept only at their end), in pieces of 40 + 7 + 53, or in pieces short enough to keep every
+    token's update (30 + 33 + 37): the same logits for the next token, bit for bit, and the same
+    continuation. The scheduler chunks a prompt around other requests' rows, so a request in
+    a batch equals it alone only if this holds."""
+    model = random_hybrid(family, seed=7, dtype=torch.bfloat16)
+    model.pack_()
+    ids = torch.randint(0, 320, (103,), generator=torch.Generator().manual_seed(8))
+    results = []
+    for pieces in ([100], [40, 7, 53], [30, 33, 37]):
+        cache, start = model.new_cache(128), 0
+        for n in pieces:
+            out = model(ids[start : start + n], [cache], [n])
+            start += n
+            cache.commit(start)
+        for j in range(3):  # decode steps after the prompt
+            out = model(ids[100 + j : 101 + j], [cache], [1])
+            cache.commit(101 + j)
+        results.append(out.logits)
+    assert torch.equal(results[0], results[1])
+    assert torch.equal(results[0], results[2])

@@ -15,7 +15,7 @@ never writes it (a rejected draft must cost nothing):
       The recurrence token by token: the reference.
   gated_delta_rule_chunked(..., state, dest, chunk_size) -> the same, parallel within chunks
       (UT transform, as flash-linear-attention and transformers' torch_chunk_gated_delta_rule)
-      and sequential across them; for long forwards (prompt chunks).
+      and sequential across them; long forwards take it when the kernels cannot run.
   delta_rule_updates(..., state) -> out, DeltaUpdates(k, d, g): one chunk (a decode step or
       a verify) whose per-token updates are kept instead of per-token states, and
   advance_state(state, updates[:m]) applies the first m of them in place, token by token:
@@ -29,6 +29,9 @@ never writes it (a rejected draft must cost nothing):
       (gdn_advance) commits with: a verify's rows equal decode steps' bit for bit (batch
       invariance). The torch functions are its reference and its fallback (no extension),
       which is not batch-invariant (its verify takes the chunk form).
+  long_forward(y, g, beta, state, final, k_heads) -> out; final <- the state after the last
+      token: a prompt chunk of any length, through recurrent_updates + advance_state per
+      CHUNK_SIZE tokens (the same bits as decode steps), else the chunk form.
 Unlike transformers, every multi-token path starts from the given state (a verify continues
 the committed state). tests/test_gdn.py checks outputs and states of every path against the
 naive form.
@@ -270,6 +273,40 @@ def recurrent_updates(
         return reference_recurrent_updates(y, g, beta, state, k_heads)
     out, k, d, cum = ext.gdn_delta(y, g, beta, state, k_heads)
     return out, DeltaUpdates(k, d, cum)
+
+
+def long_forward(
+    y: Tensor,  # [T, C] fp32 conv output, any T
+    g: Tensor,  # [T, H]
+    beta: Tensor,  # [T, H]
+    state: Tensor,  # [H, dk, dv] fp32, read only
+    final: Tensor,  # [H, dk, dv] fp32: receives the state after the last token
+    k_heads: int,
+) -> Tensor:
+    """A forward too long to keep every token's update (a prompt chunk): out [T, H, dv] fp32,
+    and the state after its last token written to `final`. With the kernels: chunks of
+    CHUNK_SIZE tokens through `recurrent_updates`, each committed into `final` by
+    `advance_state`, which is what decode steps compute token by token, so a prompt prefilled
+    in one forward, in several or token by token leaves the same bits (batch invariance: the
+    scheduler chunks a prompt around other requests' rows). Without them: the chunk form."""
+    t_len, (heads, dk, dv) = y.shape[0], state.shape
+    if extension() is None or not (dk % 8 == 0 and dv % 8 == 0 and y.is_cpu):
+        kd = k_heads * dk
+        q, k = prepare_qk(
+            y[:, :kd].view(t_len, k_heads, dk), y[:, kd : 2 * kd].view(t_len, k_heads, dk), heads
+        )
+        v = y[:, 2 * kd :].view(t_len, heads, dv)
+        dest: list[Tensor | None] = [None] * (t_len - 1) + [final]
+        return gated_delta_rule_chunked(q, k, v, g.float(), beta.float(), state, dest)
+    out = torch.empty(t_len, heads, dv, dtype=torch.float32, device=y.device)
+    final.copy_(state)
+    for c0 in range(0, t_len, CHUNK_SIZE):
+        c1 = min(c0 + CHUNK_SIZE, t_len)
+        out[c0:c1], updates = recurrent_updates(
+            y[c0:c1], g[c0:c1].float(), beta[c0:c1].float(), final, k_heads
+        )
+        advance_state(final, updates.k, updates.d, updates.g)
+    return out
 
 
 def reference_recurrent_updates(

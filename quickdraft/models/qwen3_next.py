@@ -32,8 +32,7 @@ from quickdraft.kernels.attention import attend
 from quickdraft.kernels.gdn import (
     causal_conv1d,
     conv_window,
-    gated_delta_rule_chunked,
-    prepare_qk,
+    long_forward,
     recurrent_updates,
 )
 from quickdraft.kernels.gemm import Weight, project, to_panels
@@ -197,7 +196,7 @@ class GatedDeltaNet(OperandModule):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # log decay
         conv_w = self.conv1d.weight[:, 0]  # [C, K]
         core = torch.empty(x.shape[0], self.v_heads, self.dv, dtype=torch.float32, device=x.device)
-        kd, start = self.key_dim, 0
+        start = 0
         for cache, n in zip(caches, num_new, strict=True):
             seg = slice(start, start + n)
             window, state = cache.gdn_state(self.gdn_index)  # committed; read only
@@ -206,15 +205,8 @@ class GatedDeltaNet(OperandModule):
                 core[seg], updates = recurrent_updates(y, g[seg], beta[seg], state, self.k_heads)
                 cache.keep_checkpoints(self.gdn_index, mixed[seg], updates)
             else:  # a prompt chunk: only its final state
-                q, k = prepare_qk(
-                    y[:, :kd].view(n, self.k_heads, self.dk),
-                    y[:, kd : 2 * kd].view(n, self.k_heads, self.dk),
-                    self.v_heads,
-                )
-                v = y[:, 2 * kd :].view(n, self.v_heads, self.dv)
                 final_conv, final_state = cache.final_state(self.gdn_index)
-                dest: list[Tensor | None] = [None] * (n - 1) + [final_state]
-                core[seg] = gated_delta_rule_chunked(q, k, v, g[seg], beta[seg], state, dest)
+                core[seg] = long_forward(y, g[seg], beta[seg], state, final_state, self.k_heads)
                 final_conv.copy_(conv_window(window, mixed[seg]))
             start += n
         # gated RMSNorm (plain w here, not 1 + w): norm(core) * w * silu(z), fp32 math, fused
