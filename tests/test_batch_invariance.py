@@ -1,15 +1,18 @@
-"""Batch invariance of the GEMM kernels: one activation row gives bit-identical output alone
-(a decode step) and inside M = 2..16 rows at any position (a verify, a batched step). Without
-it greedy output with speculation on can differ from speculation off.
+"""Batch invariance of the kernels on the target's path: one row gives bit-identical output
+alone (a decode step) and at every position of M = 2..16 rows (a verify, a batched step) and
+of a prompt-sized M. Without it greedy output with speculation on can differ from speculation
+off (docs/numerics.md).
 
-Covered: the bf16 panel kernel (the path `load()` runs bf16 models on), the nn.Linear-layout
-bf16 kernel (routed MoE experts, unpacked weights), the int8 and int4 panel kernels, with fp32
-and bf16 activations, on shapes where the token count changes their schedule (token chunks,
-token groups past 64 rows, weight blocks, k-blocks when K > 4096, two panels at once for one
-token). 4096x896 is where the bf16 panel kernel's earlier schedule (accumulator sets
-interleaved by token count) made every M in 2..16 differ from the row alone; the nn.Linear
-kernel kept two accumulators per output for one token only, and summed the lanes of a few
-outputs in another order than of many. The GGUF block kernels: tests/test_linear_gguf.py."""
+GEMMs: the bf16 panel kernel (the path `load()` runs bf16 models on), the nn.Linear-layout bf16
+kernel (routed MoE experts, unpacked weights), the int8 and int4 panel kernels, with fp32 and
+bf16 activations, on shapes where the token count changes their schedule (token chunks, token
+groups past 64 rows, weight blocks, k-blocks when K > 4096, two panels at once for one token).
+4096x896 is where the bf16 panel kernel's earlier schedule (accumulator sets interleaved by
+token count) made every M in 2..16 differ from the row alone; the nn.Linear kernel kept two
+accumulators per output for one token only, and summed the lanes of a few outputs in another
+order than of many. Then the row-wise ops and the hybrids' causal conv. The GGUF block kernels:
+tests/test_linear_gguf.py; attention: tests/test_attention.py; the delta rule:
+tests/test_gdn.py."""
 
 from __future__ import annotations
 
@@ -50,6 +53,18 @@ CASES = [
 ]
 
 
+def positions() -> list[tuple[int, int]]:
+    """(M, position) pairs: every position of M = 2..16 (verifies, batched decode steps), and
+    the ends and middle of M = 80 (a prompt chunk past a token group of 64)."""
+    return [(m, pos) for m in range(2, 17) for pos in range(m)] + [(80, 0), (80, 40), (80, 79)]
+
+
+def placed(m: int, pos: int) -> Tensor:
+    """Row indices for M = m rows with row 0 at `pos` and rows 1..m-1 around it."""
+    others = torch.arange(1, m)
+    return torch.cat([others[:pos], torch.tensor([0]), others[pos:]])
+
+
 @needs_kernel
 @pytest.mark.parametrize(("n", "k"), SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
 @pytest.mark.parametrize(("fmt", "dtype"), CASES)
@@ -64,14 +79,9 @@ def test_batch_invariance_row_alone_equals_row_in_batch(
     before = kernel_calls()
     alone = run(x[:1], weight, bias)
     assert kernel_calls() == before + 1  # the kernel ran, not a reference fallback
-    for m in range(2, 17):
-        first = run(x[:m], weight, bias)
-        last = run(torch.cat([x[1:m], x[:1]]), weight, bias)
-        assert torch.equal(first[:1], alone), f"row 0 of M={m} differs from the row alone"
-        assert torch.equal(last[-1:], alone), f"row {m - 1} of M={m} differs from the row alone"
-    # a prompt chunk: more rows than a token group (64)
-    many = run(torch.cat([x[1:], x[:1]]), weight, bias)
-    assert torch.equal(many[-1:], alone), "row 79 of M=80 differs from the row alone"
+    for m, pos in positions():
+        out = run(x[placed(m, pos)], weight, bias)
+        assert torch.equal(out[pos : pos + 1], alone), f"row {pos} of M={m} differs from alone"
 
 
 def _row_ops(dtype: torch.dtype) -> dict[str, Callable[[Tensor], Tensor]]:
@@ -88,6 +98,7 @@ def _row_ops(dtype: torch.dtype) -> dict[str, Callable[[Tensor], Tensor]]:
     sin = torch.cat((angles.sin(), angles.sin()), -1)
     core = torch.randn(rows, heads, d, generator=g) * 2  # fp32, as the delta rule leaves it
     z = x[:, 40 : 40 + heads * d].reshape(rows, heads, d)
+    a_log, dt_bias = torch.randn(16, generator=g), torch.randn(16, generator=g)
 
     return {
         "rms_norm": lambda i: pointwise.rms_norm(x[i], w, 1e-6),
@@ -101,24 +112,36 @@ def _row_ops(dtype: torch.dtype) -> dict[str, Callable[[Tensor], Tensor]]:
         "gated_rms_norm": lambda i: pointwise.gated_rms_norm(core[i], wd, z[i], 1e-6).reshape(
             len(i), -1
         ),
+        "sigmoid": lambda i: pointwise.sigmoid(x[i]),
+        "sigmoid_column": lambda i: pointwise.sigmoid(x[i, :1]),  # a [N, 1] gate (MoE shared)
+        "gdn_gates": lambda i: torch.cat(gdn.gates(x[i, :16], x[i, 16:32], a_log, dt_bias), dim=1),
     }
 
 
-ROW_OPS = ["rms_norm", "add_rms_norm", "rope", "silu_mul", "gated_rms_norm"]
+ROW_OPS = [
+    "rms_norm",
+    "add_rms_norm",
+    "rope",
+    "silu_mul",
+    "gated_rms_norm",
+    "sigmoid",
+    "sigmoid_column",
+    "gdn_gates",
+]
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("op", ROW_OPS)
 def test_row_ops_row_alone_equals_row_in_batch(op: str, dtype: torch.dtype) -> None:
-    """Norms, RoPE, silu * up and the gated norm: a row's output alone equals it at the first
-    and at the last position of M = 2..16 and 80 rows, bit for bit."""
+    """Norms, RoPE, silu * up, the gated norm, the gates' sigmoid and the Gated DeltaNet's
+    decay / beta: a row's output alone equals it at every position of M = 2..16 rows and in
+    80, bit for bit. (torch.sigmoid and softplus fail this: their vector path and scalar tail
+    are picked by an element's position in the tensor.)"""
     run = _row_ops(dtype)[op]
     alone = run(torch.tensor([0]))
-    for m in [*range(2, 17), 80]:
-        assert torch.equal(run(torch.arange(m))[:1], alone), f"{op}: row 0 of M={m}"
-        moved = torch.cat([torch.arange(1, m), torch.tensor([0])])
-        assert torch.equal(run(moved)[-1:], alone), f"{op}: row {m - 1} of M={m}"
+    for m, pos in positions():
+        assert torch.equal(run(placed(m, pos))[pos : pos + 1], alone), f"{op}: row {pos}, M={m}"
 
 
 @needs_kernel

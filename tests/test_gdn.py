@@ -19,10 +19,12 @@ from quickdraft.kernels.gdn import (
     delta_rule_updates,
     gated_delta_rule_chunked,
     gated_delta_rule_naive,
+    gates,
     long_forward,
     prepare_qk,
     recurrent_updates,
     reference_causal_conv1d,
+    reference_gates,
     reference_recurrent_updates,
 )
 
@@ -263,3 +265,20 @@ def test_long_forward_equals_decode_steps_bitwise(t: int) -> None:
         assert torch.equal(one[0], out[i]), f"token {i}"
         advance_state(s, step.k, step.d, step.g)
     assert torch.equal(final, s)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gates_match_reference(dtype: torch.dtype) -> None:
+    """The decay / beta op against torch's softplus and sigmoid, including softplus's
+    pass-through past 20 and saturated sigmoids."""
+    gen = torch.Generator().manual_seed(4)
+    a = (torch.randn(7, 12, generator=gen) * 8).to(dtype)
+    b = (torch.randn(7, 12, generator=gen) * 8).to(dtype)
+    a[0, 0], b[0, 1] = 60.0, -120.0
+    a_log, dt_bias = torch.randn(12, generator=gen).to(dtype), torch.randn(12, generator=gen)
+    g, beta = gates(a, b, a_log, dt_bias)
+    g_ref, beta_ref = reference_gates(a, b, a_log, dt_bias)
+    assert g.dtype == beta.dtype == torch.float32 and g.shape == (7, 12)
+    torch.testing.assert_close(g, g_ref, rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(beta, beta_ref, rtol=2e-6, atol=1e-6)

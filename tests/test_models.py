@@ -256,8 +256,9 @@ def test_forward_bf16_verify_rows_equal_decode_steps(
 ) -> None:
     """bf16 with packed panels (how `load` runs a bf16 model): k + 1 rows through the target in
     one forward (a verify) give each row the same bits as k + 1 one-row forwards (decode
-    steps), logits and hidden states alike: batch invariance end to end, which makes greedy
-    speculation token-identical to plain decoding in bf16."""
+    steps), logits and hidden states alike, and again when packed with another sequence's rows:
+    batch invariance end to end, which makes greedy speculation token-identical to plain
+    decoding in bf16."""
     from conftest import make_tiny_hf_model
 
     # hidden 256 / intermediate 512: k runs long enough that a kernel whose summation order
@@ -268,6 +269,7 @@ def test_forward_bf16_verify_rows_equal_decode_steps(
     if not fused:
         model._fused = False
     ids = torch.randint(0, 320, (60,), generator=torch.Generator().manual_seed(3))
+    other = torch.randint(0, 320, (20,), generator=torch.Generator().manual_seed(4))
     for k in (1, 4, 7, 15):
         decode = model.new_cache(64)
         model(ids[:30], [decode], [30])
@@ -281,8 +283,21 @@ def test_forward_bf16_verify_rows_equal_decode_steps(
         verify.commit(30)
         rows = torch.arange(k + 1)
         out = model(ids[30 : 31 + k], [verify], [k + 1], logit_rows=rows, return_hidden=True)
+        # the same verify packed after another sequence's rows (a continuous-batching step)
+        mate, batched = model.new_cache(64), model.new_cache(64)
+        model(other[:17], [mate], [17])
+        mate.commit(17)
+        model(ids[:30], [batched], [30])
+        batched.commit(30)
+        both = model(
+            torch.cat([other[17:], ids[30 : 31 + k]]),
+            [mate, batched],
+            [3, k + 1],
+            logit_rows=torch.arange(3, 4 + k),
+        )
         assert out.hidden is not None
         for j, step in enumerate(steps):
             assert step.hidden is not None
             assert torch.equal(out.logits[j], step.logits[-1]), f"k={k}: row {j} logits differ"
             assert torch.equal(out.hidden[j], step.hidden[-1]), f"k={k}: row {j} hidden differs"
+            assert torch.equal(both.logits[j], step.logits[-1]), f"k={k}: batched row {j}"

@@ -27,7 +27,8 @@ from safetensors.torch import load_file, save_file
 from quickdraft.bench.speculative import prompt_sets
 from quickdraft.cli import main as cli_main
 from quickdraft.config import ModelConfig, SpeculativeConfig
-from quickdraft.engine import stream
+from quickdraft.engine import Engine, ServedModel, stream
+from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.kernels import PanelWeight, kernels_available
 from quickdraft.loading import LoadedModel, load
 from quickdraft.models.llama import CausalLM
@@ -143,6 +144,31 @@ def test_mtp_bf16_greedy_equals_plain_on_the_prompt_set(family: str, tmp_path: P
     reqs = run_parity(lm, prompts, tokens=48)
     drafted, accepted = sum(r.spec.drafted for r in reqs), sum(r.spec.accepted for r in reqs)
     assert 0 < accepted < drafted
+
+
+@pytest.mark.skipif(not kernels_available(), reason="needs the C++ kernels (AVX2/FMA/F16C)")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mtp_bf16_batch_of_4_equals_alone(family: str, tmp_path: Path) -> None:
+    """bf16 hybrid with MTP on: 6 requests through the engine, 4 at a time (their prompts in
+    chunks of up to 48 or 8 rows beside other requests' decode and verify rows) each get the
+    tokens they get alone with speculation off, their prompt prefilled in one forward."""
+    model = random_hybrid(family, seed=1)
+    lm = load(str(save_hybrid_dir(model, family, tmp_path, copying_head(model))), "bf16")
+    sets = prompt_sets()
+    prompts = [p for name in ("code", "prose", "json") for p in sets[name][:2]]
+    alone = [generate(lm, p, None, 40).output_ids for p in prompts]
+    scheduler = SchedulerConfig(max_running=4, max_step_tokens=48, max_prefill_with_decodes=8)
+    engine = Engine({"m": ServedModel(lm, SPEC)}, scheduler=scheduler)
+    engine.start()
+    try:
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        handles = [engine.submit("m", lm.tokenizer.encode(p), params) for p in prompts]
+        outs = [list(h) for h in handles]
+    finally:
+        engine.stop()
+    assert [[t for o in out for t in o.token_ids] for out in outs] == alone
+    assert engine.step_stats["m"].max_batch == 4  # requests really ran together
+    assert sum(out[-1].spec.accepted for out in outs) > 0
 
 
 def test_mtp_dense_target_with_head(tmp_path: Path) -> None:

@@ -127,3 +127,16 @@ def test_gated_rms_norm_matches_reference_on_strided_z(dtype: torch.dtype) -> No
 def test_fused_ops_fall_back_for_fp16() -> None:
     gate_up = torch.randn(2, 16).half()
     torch.testing.assert_close(pointwise.silu_mul(gate_up), pointwise.reference_silu_mul(gate_up))
+
+
+@needs_kernel
+@FUSED_DTYPES
+@pytest.mark.parametrize("shape", [(1, 7), (5, 2048), (3, 1), (2, 3, 5)], ids=str)
+def test_sigmoid_matches_torch(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=g) * 6).to(dtype)
+    x.view(-1)[0] = -200.0  # saturated both ways
+    x.view(-1)[-1] = 200.0
+    out = pointwise.sigmoid(x)
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out, torch.sigmoid(x), **fused_tol(dtype))

@@ -212,6 +212,11 @@ def test_hybrid_bf16_verify_rows_equal_decode_steps(family: str) -> None:
             assert torch.equal(out.logits[j], step.logits[-1]), f"k={k}: row {j} logits differ"
             assert torch.equal(out.hidden[j], step.hidden[-1]), f"k={k}: row {j} hidden differs"
             assert torch.equal(both.logits[j], step.logits[-1]), f"k={k}: batched row {j}"
+        # the fp32 recurrent state after committing the verify's rows: bf16 activations round
+        # small differences away, the state keeps them
+        verify.commit(31 + k)
+        for layer in range(verify.shape.num_layers):
+            assert torch.equal(verify.gdn_state(layer)[1], decode.gdn_state(layer)[1]), layer
 
 
 @pytest.mark.skipif(not kernels_available(), reason="needs the C++ kernels (AVX2/FMA/F16C)")
@@ -219,8 +224,8 @@ def test_hybrid_bf16_verify_rows_equal_decode_steps(family: str) -> None:
 def test_hybrid_bf16_prompt_whole_equals_prompt_in_chunks(family: str) -> None:
     """A 100-token prompt prefilled in one forward (a long forward: chunks of the delta rule
     kept only at their end), in pieces of 40 + 7 + 53, or in pieces short enough to keep every
-    token's update (30 + 33 + 37): the same logits for the next token, bit for bit, and the same
-    continuation. The scheduler chunks a prompt around other requests' rows, so a request in
+    token's update (30 + 33 + 37), then 3 decode steps: the same logits and the same fp32
+    recurrent states, bit for bit. The scheduler chunks a prompt around other requests' rows, so a request in
     a batch equals it alone only if this holds."""
     model = random_hybrid(family, seed=7, dtype=torch.bfloat16)
     model.pack_()
@@ -235,6 +240,8 @@ def test_hybrid_bf16_prompt_whole_equals_prompt_in_chunks(family: str) -> None:
         for j in range(3):  # decode steps after the prompt
             out = model(ids[100 + j : 101 + j], [cache], [1])
             cache.commit(101 + j)
-        results.append(out.logits)
-    assert torch.equal(results[0], results[1])
-    assert torch.equal(results[0], results[2])
+        states = [cache.gdn_state(layer)[1].clone() for layer in range(cache.shape.num_layers)]
+        results.append((out.logits, states))
+    for logits, states in results[1:]:
+        assert torch.equal(logits, results[0][0])
+        assert all(torch.equal(a, b) for a, b in zip(states, results[0][1], strict=True))

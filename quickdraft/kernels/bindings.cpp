@@ -52,6 +52,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("cos"), py::arg("sin"), py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &qd_silu_mul, "silu(gate_up[:, :I]) * gate_up[:, I:]", py::arg("gate_up"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("sigmoid", &qd_sigmoid, "elementwise sigmoid, the same bits wherever an element is",
+        py::arg("x"), py::call_guard<py::gil_scoped_release>());
+  m.def("gdn_gates", &qd_gdn_gates, "Gated DeltaNet log decay g and beta, fp32",
+        py::arg("a"), py::arg("b"), py::arg("a_log"), py::arg("dt_bias"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("gated_rms_norm", &qd_gated_rms_norm, "rms_norm(x) * w * silu(z)", py::arg("x"),
         py::arg("weight"), py::arg("z"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.def("causal_conv_silu", &qd_causal_conv_silu, "silu(causal depthwise conv1d) in fp32",

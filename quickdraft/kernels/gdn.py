@@ -5,6 +5,7 @@ the gated output norm. The state of a sequence is its conv window (the last K-1 
 and its delta-rule state S [H, dk, dv]; every function here reads the committed state and
 never writes it (a rejected draft must cost nothing):
 
+  gates(a, b [T, H], A_log, dt_bias [H]) -> g (log decay), beta [T, H] fp32
   causal_conv1d(x [T, C], window [K-1, C], weight [C, K]) -> silu(conv) [T, C] fp32
       (the C++ kernel, gdn_ops.cpp, when it can run; else reference_causal_conv1d)
   conv_window(window, x) -> the window after the inputs x
@@ -61,6 +62,32 @@ def prepare_qk(q: Tensor, k: Tensor, num_v_heads: int) -> tuple[Tensor, Tensor]:
     if group > 1:
         q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
     return q, k
+
+
+def gates(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
+    """The delta rule's per-token gates from the in-projection's a, b [N, H]: log decay
+    g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b), fp32 [N, H]. The C++ op on the
+    CPU computes every element with the same scalar code wherever it sits (torch's elementwise
+    kernels take a vector path or a scalar tail by position, which made a token's gates, and so
+    the state, differ between a decode step and a verify); else `reference_gates`."""
+    fast = (
+        a.is_cpu
+        and a.dim() == 2
+        and a.dtype in (torch.bfloat16, torch.float32)
+        and b.dtype == a.dtype
+        and not (torch.is_grad_enabled() and a.requires_grad)
+    )
+    ext = extension() if fast else None
+    if ext is None:
+        return reference_gates(a, b, a_log, dt_bias)
+    g, beta = ext.gdn_gates(a, b, a_log.float(), dt_bias.float())
+    return g, beta
+
+
+def reference_gates(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
+    """`gates` in torch ops."""
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b.float())
 
 
 def causal_conv1d(

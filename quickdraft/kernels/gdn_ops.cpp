@@ -9,6 +9,8 @@
 //   gdn_delta(y [T, C] fp32, g [T, H], beta [T, H], state [H, dk, dv], k_heads)
 //       -> out [T, H, dv], k [H, T, dk], d [H, T, dv], g [H, T]   (all fp32)
 //   gdn_advance(state [H, dk, dv] fp32, k [H, m, dk], d [H, m, dv], g [H, m])   in place
+//   gdn_gates(a [N, H], b [N, H], A_log [H], dt_bias [H]) -> g, beta [N, H] fp32
+//   sigmoid(x) -> sigmoid(x) in x's dtype (any shape)
 //
 // Why: in a decode step or a k+1-row verify these tensors are a few KB, so each torch op costs
 // its dispatch and threading overhead, not its arithmetic; a verify's chunked delta rule is ~40
@@ -87,6 +89,27 @@ void silu_mul_rows(const T* in, int64_t ld, T* out, int64_t N, int64_t I) {
     int64_t i = 0;
     for (; i + 8 <= I; i += 8) store8(o + i, _mm256_mul_ps(silu8(load8(g + i)), load8(u + i)));
     for (; i < I; ++i) store1(o + i, silu1(load1(g + i)) * load1(u + i));
+  }
+}
+
+// ---- sigmoid, elementwise ---------------------------------------------------------------------
+
+// Every element through the same 8-lane code (the tail padded into a vector), so an element's
+// bits do not depend on where it falls in the tensor: torch's sigmoid takes its vector path or
+// its scalar tail by position, and so gave a gate row other bits alone than inside a verify.
+template <class T>
+void sigmoid_all(const T* x, T* out, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  auto sig = [&](__m256 v) {
+    return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), v))));
+  };
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(out + i, sig(load8(x + i)));
+  if (i < n) {
+    alignas(32) float buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t j = i; j < n; ++j) buf[j - i] = load1(x + j);
+    _mm256_store_ps(buf, sig(_mm256_load_ps(buf)));
+    for (int64_t j = i; j < n; ++j) store1(out + j, buf[j - i]);
   }
 }
 
@@ -269,6 +292,51 @@ void step_rows(const float* src, float* dst, int64_t rows, int64_t dv, int m, co
 }
 
 }  // namespace
+
+at::Tensor qd_sigmoid(const at::Tensor& x_in) {
+  check_float_cpu(x_in, "sigmoid");
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty_like(x);
+  dispatch_dtype(x, [&](auto tag) {
+    using T = decltype(tag);
+    sigmoid_all(static_cast<const T*>(x.data_ptr()), static_cast<T*>(out.data_ptr()), x.numel());
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> qd_gdn_gates(const at::Tensor& a_in, const at::Tensor& b_in,
+                                                const at::Tensor& a_log, const at::Tensor& dt_bias) {
+  check_float_cpu(a_in, "gdn_gates");
+  TORCH_CHECK(a_in.dim() == 2 && b_in.sizes() == a_in.sizes() &&
+                  b_in.scalar_type() == a_in.scalar_type() && a_log.dim() == 1 &&
+                  a_log.size(0) == a_in.size(1) && dt_bias.sizes() == a_log.sizes() &&
+                  a_log.scalar_type() == at::kFloat && dt_bias.scalar_type() == at::kFloat,
+              "gdn_gates: a, b [N, H] of one dtype, A_log and dt_bias [H] fp32");
+  const at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
+  const at::Tensor al = a_log.contiguous(), dt = dt_bias.contiguous();
+  const int64_t N = a.size(0), H = a.size(1);
+  auto opts = a.options().dtype(at::kFloat);
+  at::Tensor g = at::empty({N, H}, opts), beta = at::empty({N, H}, opts);
+  float* gp = g.data_ptr<float>();
+  float* bp = beta.data_ptr<float>();
+  const float* alp = al.data_ptr<float>();
+  const float* dtp = dt.data_ptr<float>();
+  // Scalar libm math per element, the same for every element wherever it is: g = -exp(A_log)
+  // softplus(a + dt_bias) (torch's softplus: x past 20 is itself), beta = sigmoid(b).
+  dispatch_dtype(a, [&](auto tag) {
+    using T = decltype(tag);
+    const T* ap = static_cast<const T*>(a.data_ptr());
+    const T* bq = static_cast<const T*>(b.data_ptr());
+    for (int64_t i = 0; i < N * H; ++i) {
+      const int64_t h = i % H;
+      const float x = load1(ap + i) + dtp[h];
+      const float sp = x > 20.0f ? x : std::log1p(std::exp(x));
+      gp[i] = -std::exp(alp[h]) * sp;
+      bp[i] = 1.0f / (1.0f + std::exp(-load1(bq + i)));
+    }
+  });
+  return {g, beta};
+}
 
 at::Tensor qd_silu_mul(const at::Tensor& gate_up) {
   check_float_cpu(gate_up, "silu_mul");

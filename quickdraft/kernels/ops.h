@@ -22,6 +22,9 @@ std::tuple<at::Tensor, at::Tensor> qd_add_rms_norm(const at::Tensor& x, const at
 at::Tensor qd_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 // gdn_ops.cpp
 at::Tensor qd_silu_mul(const at::Tensor& gate_up);
+at::Tensor qd_sigmoid(const at::Tensor& x);
+std::tuple<at::Tensor, at::Tensor> qd_gdn_gates(const at::Tensor& a, const at::Tensor& b,
+                                                const at::Tensor& a_log, const at::Tensor& dt_bias);
 at::Tensor qd_gated_rms_norm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& z,
                              double eps);
 at::Tensor qd_causal_conv_silu(const at::Tensor& x, const at::Tensor& window,

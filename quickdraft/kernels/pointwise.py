@@ -10,6 +10,9 @@ Contract (each op = its `reference_*` function up to fp32 rounding; outputs in x
     silu_mul(gate_up [N, 2I]) -> silu(gate_up[:, :I]) * gate_up[:, I:]   [N, I]
     gated_rms_norm(x [N, H, D] fp32, weight [D], z [N, H, D], eps)
         -> rms_norm(x) * weight * silu(z) in z's dtype (z may be a strided view)
+    sigmoid(x) -> sigmoid(x) in x's dtype, every element through the same code (torch's own
+        takes a vector path or a scalar tail by the element's position in the tensor, so a
+        gate row alone got other bits than inside a verify: not batch-invariant)
 `offset=1.0` is the zero-centred (1 + w) RMSNorm of Qwen3-Next / Qwen3.5. The C++ versions
 (norm_rope.cpp, gdn_ops.cpp) run on CPU tensors in bf16 / fp32
 with a matching weight dtype; anything else (CUDA, fp16, a failed build,
@@ -122,4 +125,15 @@ def gated_rms_norm(x: Tensor, weight: Tensor, z: Tensor, eps: float) -> Tensor:
     if ext is None:
         return reference_gated_rms_norm(x, weight, z, eps)
     out: Tensor = ext.gated_rms_norm(x, weight, z, eps)
+    return out
+
+
+def sigmoid(x: Tensor) -> Tensor:
+    """Elementwise sigmoid in x's dtype (fp32 math): the C++ op on the CPU, whose result for an
+    element does not depend on where it sits in the tensor (batch invariance), else
+    torch.sigmoid."""
+    ext = extension() if _fast(x) else None
+    if ext is None:
+        return torch.sigmoid(x)
+    out: Tensor = ext.sigmoid(x)
     return out

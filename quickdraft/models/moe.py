@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from quickdraft.kernels.gemm import Weight, project
-from quickdraft.kernels.pointwise import silu_mul
+from quickdraft.kernels.pointwise import sigmoid, silu_mul
 from quickdraft.models.layers import LinearView, OperandModule, fused_projections
 
 
@@ -106,8 +106,11 @@ class SparseMoE(OperandModule):
         router_logits = project(x, self.gate.weight)  # [N, E]
         probs = torch.softmax(router_logits.float(), dim=-1)
         top_weight, top_idx = torch.topk(probs, self.top_k, dim=-1)  # [N, top_k]
-        if self.norm_topk:
-            top_weight = top_weight / top_weight.sum(-1, keepdim=True)
+        if self.norm_topk:  # summed in slot order: a reduction could order it by batch shape
+            total = top_weight[:, 0]
+            for j in range(1, self.top_k):
+                total = total + top_weight[:, j]
+            top_weight = top_weight / total[:, None]
         routed = self.experts(x, top_idx, top_weight.to(x.dtype))
-        shared = torch.sigmoid(project(x, self.shared_gate)) * self.shared_expert(x)
+        shared = sigmoid(project(x, self.shared_gate)) * self.shared_expert(x)
         return routed + shared

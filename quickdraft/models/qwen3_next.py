@@ -25,18 +25,18 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quickdraft.kernels.attention import attend
 from quickdraft.kernels.gdn import (
     causal_conv1d,
     conv_window,
+    gates,
     long_forward,
     recurrent_updates,
 )
 from quickdraft.kernels.gemm import Weight, project, to_panels
-from quickdraft.kernels.pointwise import add_rms_norm, gated_rms_norm, rms_norm
+from quickdraft.kernels.pointwise import add_rms_norm, gated_rms_norm, rms_norm, sigmoid
 from quickdraft.kernels.pointwise import rope as apply_rope
 from quickdraft.models.base import ForwardOutput, packed_positions
 from quickdraft.models.hybrid_config import HybridConfig
@@ -133,7 +133,7 @@ class GatedAttention(OperandModule):
             outs.append(attend(q[seg], keys, values, cache.length, self.scale))
             start += count
         out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, H d]
-        return project(out * torch.sigmoid(gate), self.o)
+        return project(out * sigmoid(gate), self.o)
 
 
 class GatedDeltaNet(OperandModule):
@@ -192,8 +192,7 @@ class GatedDeltaNet(OperandModule):
 
     def forward(self, x: Tensor, caches: Sequence[HybridCache], num_new: Sequence[int]) -> Tensor:
         mixed, z, b, a = self._split(project(x, self.inp))
-        beta = torch.sigmoid(b.float())  # [N, Hv]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # log decay
+        g, beta = gates(a, b, self.A_log, self.dt_bias)  # [N, Hv] fp32: log decay, beta
         conv_w = self.conv1d.weight[:, 0]  # [C, K]
         core = torch.empty(x.shape[0], self.v_heads, self.dv, dtype=torch.float32, device=x.device)
         start = 0
