@@ -86,3 +86,39 @@ def test_sampling_params_reject_bad_stop_lists() -> None:
         SamplingParams(stop=("a", "b", "c", "d", "e"))
     with pytest.raises(ValueError, match="non-empty"):
         SamplingParams(stop=("",))
+
+
+# Legal but extreme values: each must give a valid distribution (finite, >= 0, sums to 1) that
+# keeps the argmax, and where the limit is greedy, exactly the one-hot argmax.
+EXTREME_LOGITS = torch.cat([LOGITS, torch.tensor([[30.0, -30.0, 29.5, 0.0, -1e4, 1e4]])])
+TINY = 5e-324  # the smallest float64 above 0 (0 in fp32)
+EXTREMES: list[tuple[str, dict[str, float], bool]] = [
+    ("temperature-3e-38", {"temperature": 3e-38}, True),
+    ("temperature-1e-45", {"temperature": 1e-45}, True),
+    ("temperature-min-float", {"temperature": TINY}, True),
+    ("top-p-min-float", {"temperature": 1.0, "top_p": TINY}, True),
+    ("top-p-1e-300", {"temperature": 0.5, "top_p": 1e-300}, True),
+    ("min-p-1", {"temperature": 1.0, "min_p": 1.0}, True),
+    ("min-p-near-1", {"temperature": 1.0, "min_p": 1 - 2**-53}, True),
+    ("top-k-huge", {"temperature": 1.0, "top_k": 10**30}, False),
+    ("temperature-2", {"temperature": 2.0}, False),
+    ("all-at-once", {"temperature": 1e-40, "top_p": TINY, "top_k": 10**9, "min_p": 1.0}, True),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "greedy"), [pytest.param(k, g, id=i) for i, k, g in EXTREMES])
+def test_probabilities_extreme_params_give_a_valid_distribution(
+    kwargs: dict[str, float], greedy: bool
+) -> None:
+    probs = probabilities(EXTREME_LOGITS, SamplingParams(**kwargs))  # type: ignore[arg-type]
+    assert torch.isfinite(probs).all() and (probs >= 0).all()
+    assert torch.allclose(probs.sum(-1), torch.ones(2))
+    argmax = EXTREME_LOGITS.argmax(-1)
+    assert (probs.argmax(-1) == argmax).all()
+    if greedy:
+        assert probs.tolist() == probabilities(EXTREME_LOGITS, SamplingParams()).tolist()
+    gen = torch.Generator().manual_seed(0)
+    draws = sample(probs.repeat(200, 1), gen)
+    assert (probs.repeat(200, 1).gather(-1, draws[:, None]) > 0).all()  # never a dropped token
+    if greedy:
+        assert (draws == argmax.repeat(200)).all()

@@ -248,3 +248,39 @@ def test_server_health_503_once_the_engine_is_dead(lm: LoadedModel) -> None:
         with pytest.raises(openai.InternalServerError) as exc:
             c.completions.create(model="tiny", prompt="hi", max_tokens=2)
         assert exc.value.status_code == 503 and exc.value.code == "engine_dead"
+
+
+# Legal but extreme sampling values (sent as the client sends them): each acts greedy where its
+# limit is greedy, else equals the same seeded request without the no-op filter; never an empty
+# or NaN-driven reply.
+EXTREME_GREEDY: list[tuple[str, dict[str, Any]]] = [
+    ("temperature-3e-38", {"temperature": 3e-38}),
+    ("temperature-min-float", {"temperature": 5e-324}),
+    ("top-p-min-float", {"temperature": 1.0, "top_p": 5e-324, "seed": 3}),
+    ("min-p-1", {"temperature": 1.0, "seed": 3, "extra_body": {"min_p": 1.0}}),
+]
+
+
+@pytest.mark.parametrize("kwargs", [pytest.param(k, id=i) for i, k in EXTREME_GREEDY])
+def test_server_extreme_sampling_values_act_greedy(
+    client: openai.OpenAI, kwargs: dict[str, Any]
+) -> None:
+    extra = {"ignore_eos": True, **kwargs.pop("extra_body", {})}
+    greedy = client.completions.create(model="tiny", prompt="abc abc", max_tokens=30, **GREEDY)
+    r = client.completions.create(
+        model="tiny", prompt="abc abc", max_tokens=30, extra_body=extra, **kwargs
+    )
+    assert r.usage is not None and r.usage.completion_tokens == 30
+    assert r.choices[0].text == greedy.choices[0].text
+
+
+def test_server_huge_top_k_is_no_filter(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {"temperature": 2.0, "seed": 5, "max_tokens": 30}
+    plain = client.completions.create(
+        model="tiny", prompt="abc abc", extra_body={"ignore_eos": True}, **kw
+    )
+    huge = client.completions.create(
+        model="tiny", prompt="abc abc", extra_body={"ignore_eos": True, "top_k": 10**30}, **kw
+    )
+    assert huge.usage is not None and huge.usage.completion_tokens == 30
+    assert huge.choices[0].text == plain.choices[0].text

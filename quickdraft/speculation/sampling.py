@@ -66,15 +66,21 @@ def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    # Shift the max to 0 before dividing: a tiny temperature then sends every other logit to
+    # -inf instead of the max to +inf (inf - inf = NaN in softmax). A temperature that is 0
+    # in fp32 (< 1.4e-45) would still give 0 / 0 at the max, so the max is set, not divided.
+    shifted = logits - logits.amax(-1, keepdim=True)  # [N, vocab], <= 0
+    logits = torch.where(shifted == 0, 0.0, shifted / params.temperature)
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        # drop a token when the mass strictly before it already reaches top_p (keeps >= 1)
+        # drop a token when the mass strictly before it already reaches top_p; the first is
+        # always kept (a top_p that is 0 in fp32, e.g. 5e-324, would otherwise drop it too)
         drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if params.min_p > 0.0:
