@@ -8,6 +8,7 @@ the bad input (broken JSON, a body that is not an object, a chunked body).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from quickdraft.server.main import BackgroundServer
 
 KEY = "sk-test-key"
 BODY_LIMIT = 64 * 1024
+JSON_HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +65,39 @@ def msgs(text: str = "hi") -> list[Any]:
     return [{"role": "user", "content": text}]
 
 
+def user(content: Any) -> dict[str, Any]:
+    return {"role": "user", "content": content}
+
+
+def part(text: Any) -> dict[str, Any]:
+    return user([{"type": "text", "text": text}])
+
+
+CONTENT = "messages[0].content"
+
+
 # (id, endpoint, request kwargs, expected param): each must be a 400 naming `param`
 BAD_REQUESTS: list[tuple[str, str, dict[str, Any], str | None]] = [
     ("missing-messages", "chat", {}, "messages"),
     ("empty-messages", "chat", {"messages": []}, "messages"),
     ("messages-not-a-list", "chat", {"messages": "hi"}, "messages"),
     ("bad-role", "chat", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-    ("content-wrong-type", "chat", {"messages": [{"role": "user", "content": 5}]}, None),
+    ("content-wrong-type", "chat", {"messages": [{"role": "user", "content": 5}]}, CONTENT),
+    # wrong shapes inside valid JSON name the field, not "the body must be a JSON object"
+    ("message-not-an-object", "chat", {"messages": [123]}, "messages[0]"),
+    ("message-a-list", "chat", {"messages": [msgs(), msgs()]}, "messages[0]"),
+    ("content-part-text-not-string", "chat", {"messages": [part(5)]}, CONTENT + "[0].text"),
+    ("content-part-not-object", "chat", {"messages": [user(["x"])]}, CONTENT + "[0]"),
+    ("stop-object", "chat", {"messages": msgs(), "stop": {"a": 1}}, "stop"),
+    ("stop-list-of-ints", "chat", {"messages": msgs(), "stop": [1]}, "stop[0]"),
+    ("prompt-object", "completion", {"prompt": {"a": 1}}, "prompt"),
+    ("temperature-list", "chat", {"messages": msgs(), "temperature": [1]}, "temperature"),
+    (
+        "stream-options-not-object",
+        "chat",
+        {"messages": msgs(), "stream": True, "stream_options": 5},
+        "stream_options",
+    ),
     ("temperature-string", "chat", {"messages": msgs(), "temperature": "0.5"}, "temperature"),
     ("temperature-negative", "chat", {"messages": msgs(), "temperature": -0.1}, "temperature"),
     ("temperature-above-2", "chat", {"messages": msgs(), "temperature": 2.5}, "temperature"),
@@ -109,8 +137,69 @@ def test_server_bad_request_is_400_then_serves(
     assert isinstance(err.body, dict) and set(err.body) == {"message", "type", "param", "code"}
     assert err.body["message"]
     if param is not None:
-        assert err.param == param
+        assert err.param == param and param in err.body["message"]
     assert_served(client)
+
+
+# Lone surrogates (valid JSON, not valid Unicode) in string fields: a 400 naming the field, never
+# a 500. Sent as raw bytes (the openai client cannot encode them) both ways JSON can carry them.
+S = "\ud800"
+SURROGATES: list[tuple[str, str, dict[str, Any], str | None]] = [
+    ("content", "chat", {"messages": msgs("a" + S)}, CONTENT),
+    ("content-part", "chat", {"messages": [part(S + "b")]}, CONTENT + "[0].text"),
+    ("name", "chat", {"messages": [{**user("x"), "name": S}]}, "messages[0].name"),
+    ("role", "chat", {"messages": [user("x") | {"role": S}]}, "messages[0].role"),
+    ("stop", "chat", {"messages": msgs(), "stop": S}, "stop"),
+    ("stop-list", "chat", {"messages": msgs(), "stop": ["a", "\udfff"]}, "stop[1]"),
+    ("user", "chat", {"messages": msgs(), "user": S}, "user"),
+    ("model", "chat", {"messages": msgs(), "model": S}, "model"),
+    ("unknown-key", "chat", {"messages": msgs(), S: 1}, None),
+    ("prompt", "completion", {"prompt": S}, "prompt"),
+    ("prompt-list", "completion", {"prompt": [S]}, "prompt[0]"),
+]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "param"), [pytest.param(e, b, p, id=i) for i, e, b, p in SURROGATES]
+)
+@pytest.mark.parametrize("encoding", ["escaped", "utf8-bytes"])
+def test_server_lone_surrogate_is_400_naming_the_field(
+    srv: BackgroundServer,
+    client: openai.OpenAI,
+    endpoint: str,
+    body: dict[str, Any],
+    param: str | None,
+    encoding: str,
+) -> None:
+    data = {"model": "tiny", "max_tokens": 2, **body}
+    if encoding == "escaped":  # json.dumps' default: ASCII, "\\ud800"
+        content = json.dumps(data).encode()
+    else:  # the surrogate itself, UTF-8 encoded (ED A0 80)
+        content = json.dumps(data, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    r = httpx.post(srv.url + path, content=content, headers=JSON_HEADERS)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and "Unicode" in err["message"]
+    assert err["param"] == param
+    assert_served(client)
+
+
+def test_server_internal_error_carries_no_exception_text(lm: LoadedModel) -> None:
+    """A bug in a route is a 500 saying so, without the exception's text (which can hold paths,
+    data or internals); the log keeps it. The bug: a route added to the real app for this."""
+    engine = Engine({"tiny": ServedModel(lm)})
+    app = create_app(engine)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("secret /srv/models/key.txt")
+
+    with BackgroundServer(app) as server:
+        r = httpx.get(server.url + "/boom")
+    assert r.status_code == 500
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert "secret" not in r.text and "RuntimeError" not in r.text
 
 
 def test_server_stream_options_error_names_the_field(client: openai.OpenAI) -> None:

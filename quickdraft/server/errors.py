@@ -32,29 +32,65 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
+# pydantic names each member of a union in the error location ("str", "list[TextPart]",
+# "function-after[_unicode(), str]"); a client knows only the field, so these are dropped
+_UNION_TAGS = {"str", "int", "float", "bool"}
+# wrong-type errors whose input should have been a JSON object
+_OBJECT_TYPES = {"model_type", "model_attributes_type", "dict_type"}
+
+
+def _field_loc(error: dict[str, Any]) -> tuple[Any, ...]:
+    """pydantic's location without "body" and union member names."""
+    loc = tuple(error.get("loc", ()))
+    if error.get("type") == "extra_forbidden":  # the last part is the client's own key
+        return (*_field_loc({"loc": loc[:-1]}), *loc[-1:])
+    return tuple(
+        p
+        for p in loc
+        if isinstance(p, int) or (p != "body" and "[" not in p and p not in _UNION_TAGS)
+    )
+
+
 def _param(loc: tuple[Any, ...]) -> str | None:
-    """('body', 'messages', 0, 'content') -> 'messages[0].content'."""
-    parts = [p for p in loc if p != "body"]
+    """('messages', 0, 'content') -> 'messages[0].content'."""
     out = ""
-    for p in parts:
+    for p in loc:
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
     return out or None
 
 
+def _is_wrong_type(error: dict[str, Any]) -> bool:
+    return str(error.get("type", "")).endswith("_type")
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
-    errors = list(exc.errors())
-    first: dict[str, Any] = dict(errors[0]) if errors else {"msg": "invalid request", "loc": ()}
-    if first.get("type") == "json_invalid":
-        detail = (first.get("ctx") or {}).get("error", "")
+    errors = [dict(e) for e in exc.errors()] or [{"msg": "invalid request", "loc": ()}]
+    if errors[0].get("type") == "json_invalid":
+        detail = (errors[0].get("ctx") or {}).get("error", "")
         return APIError(400, f"invalid JSON body: {detail}".rstrip(": "), code="invalid_json")
-    loc = tuple(first.get("loc", ()))
-    if first.get("type") == "model_attributes_type" or loc == ("body",):
-        return APIError(400, "the request body must be a JSON object", code="invalid_body")
-    param = _param(loc)
-    # a union type reports one error per member; the first names the field well enough
-    msg = str(first.get("msg", "invalid value"))
-    if first.get("type") == "extra_forbidden":
+    # A union reports one error per member. The member whose type fitted (a bad value, not a
+    # wrong type), then the deepest location, says best what is wrong (pydantic's own rule for
+    # picking a union member).
+    best = max(errors, key=lambda e: (not _is_wrong_type(e), len(_field_loc(e))))
+    param = _param(_field_loc(best))
+    kind = best.get("type")
+    msg = str(best.get("msg", "invalid value"))
+    if kind in _OBJECT_TYPES:
+        if param is None:
+            return APIError(400, "the request body must be a JSON object", code="invalid_body")
+        msg = "must be a JSON object"
+    elif kind == "string_unicode":  # protocol.Text's, or pydantic's own (a Literal, a key)
+        msg = "not valid Unicode (it holds a lone surrogate)"
+        if param is None:
+            msg = "a key of the request body is " + msg
+    elif kind == "extra_forbidden":
         msg = "unrecognized or unsupported request argument"
+    elif _is_wrong_type(best):  # every member of a union refused the type: list what fits
+        wanted = [
+            str(e["msg"]) for e in errors if _is_wrong_type(e) and _field_loc(e) == _field_loc(best)
+        ]
+        wanted = list(dict.fromkeys(wanted))
+        msg = " or ".join([wanted[0], *(w.removeprefix("Input should be ") for w in wanted[1:])])
     return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
 
 
@@ -77,8 +113,10 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None]) -> Non
         return await on_api_error(request, err)
 
     async def on_bug(request: Request, exc: Exception) -> JSONResponse:
+        # the exception's text stays in the log: it can quote internals, paths or other data
         log.exception("unhandled error in %s %s", request.method, request.url.path)
-        return await on_api_error(request, APIError(500, f"internal error: {exc!r}"))
+        err = APIError(500, "internal server error (logged)", code="internal_error")
+        return await on_api_error(request, err)
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(Exception, on_bug)

@@ -11,9 +11,10 @@ Response models mirror OpenAI's and add two blocks every response carries: `usag
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 from quickdraft.request import MAX_STOP_STRINGS, SamplingParams, SpecStats
 
@@ -41,12 +42,18 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {
             "error": {
-                "message": self.message,
+                "message": _encodable(self.message),
                 "type": self.type,
-                "param": self.param,
+                "param": None if self.param is None else _encodable(self.param),
                 "code": self.code,
             }
         }
+
+
+def _encodable(text: str) -> str:
+    """`text` with any lone surrogate written as an escape: an error that quotes bad input
+    must still encode as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 _ERROR_TYPES = {
@@ -59,6 +66,21 @@ _ERROR_TYPES = {
 }
 
 
+def _unicode(value: str) -> str:
+    # JSON can carry lone surrogates ("\\ud800"), which are not Unicode text: refused here,
+    # where the field is known, instead of failing in the tokenizer or in a response.
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            msg = "not valid Unicode (it holds a lone surrogate)"
+            raise PydanticCustomError("string_unicode", msg) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode)]  # every free-text field of a request
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -69,7 +91,7 @@ class StreamOptions(_Strict):
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
@@ -77,8 +99,8 @@ class ChatMessage(BaseModel):
     # tool_calls: null, ...); those fields carry nothing a plain chat template uses.
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+    content: Text | list[TextPart]
+    name: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -89,16 +111,16 @@ class ChatMessage(BaseModel):
 class GenerateRequest(_Strict):
     """The sampling fields chat and completions share."""
 
-    model: str
+    model: Text
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # torch's seed range
-    user: str | None = None
+    user: Text | None = None
     # accepted at their neutral values only (clients send them explicitly); anything else is
     # unsupported and refused rather than ignored
     frequency_penalty: float | None = None
@@ -180,9 +202,9 @@ class ChatCompletionRequest(GenerateRequest):
 
 class CompletionRequest(GenerateRequest):
     # one prompt per request: a string or token ids (a batch of prompts is a 400, like n > 1)
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     echo: bool | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
 
     def check(self) -> None:
         super().check()
