@@ -129,26 +129,44 @@ def test_admin_draft_model_setting_loads_the_draft(
     assert spec["accepted"] == spec["drafted"]
 
 
-@pytest.mark.parametrize(
-    ("change", "status"),
-    [
-        pytest.param({"method": "eagle"}, 400, id="unknown-method"),
-        pytest.param({"num_draft_tokens": 0}, 400, id="k-zero"),
-        pytest.param({"num_draft_tokens": "3"}, 400, id="k-string"),
-        pytest.param({"method": "draft", "draft_model": None}, 400, id="draft-without-model"),
-        pytest.param({"method": "draft", "draft_model": "/no/such/model"}, 400, id="no-such-draft"),
-        pytest.param({"extra": 1}, 400, id="unknown-field"),
-    ],
-)
+def not_a_model(tmp: Path) -> str:
+    (tmp / "config.json").write_text("{}")  # a directory, but not a model directory
+    return str(tmp)
+
+
+# (change to a good setting, the field the 400 names); each is refused whatever the method and
+# whether speculation is on: nothing of it is applied or stored
+BAD_CHANGES: list[tuple[str, dict[str, Any], str]] = [
+    ("unknown-method", {"method": "eagle"}, "method"),
+    ("k-zero", {"num_draft_tokens": 0}, "num_draft_tokens"),
+    ("k-above-32", {"num_draft_tokens": 33}, "num_draft_tokens"),
+    ("k-string", {"num_draft_tokens": "3"}, "num_draft_tokens"),
+    ("enabled-string", {"enabled": "yes"}, "enabled"),
+    ("draft-without-model", {"method": "draft", "draft_model": None}, "draft_model"),
+    ("no-such-draft", {"method": "draft", "draft_model": "/no/such/model"}, "draft_model"),
+    ("traversal-with-draft", {"method": "draft", "draft_model": "../../etc/passwd"}, "draft_model"),
+    ("traversal-with-ngram", {"draft_model": "../../etc/passwd"}, "draft_model"),
+    ("file-while-off", {"enabled": False, "draft_model": "/etc/passwd"}, "draft_model"),
+    ("not-a-model-dir", {"draft_model": "NOT_A_MODEL"}, "draft_model"),
+    ("nul-byte", {"draft_model": "qwen\x00"}, "draft_model"),
+    ("unknown-field", {"extra": 1}, "extra"),
+]
+
+
+@pytest.mark.parametrize(("change", "param"), [pytest.param(c, p, id=i) for i, c, p in BAD_CHANGES])
 def test_admin_bad_settings_change_nothing(
-    srv: BackgroundServer, settings_path: Path, change: dict[str, Any], status: int
+    srv: BackgroundServer, settings_path: Path, tmp_path: Path, change: dict[str, Any], param: str
 ) -> None:
+    if change.get("draft_model") == "NOT_A_MODEL":
+        change = {**change, "draft_model": not_a_model(tmp_path)}
     good = {"enabled": True, "method": "ngram", "draft_model": None, "num_draft_tokens": 4}
     assert admin(srv, "PUT", "/admin/api/models/tiny", json=good).status_code == 200
     before = settings_path.read_text()
     r = admin(srv, "PUT", "/admin/api/models/tiny", json={**good, **change})
-    assert r.status_code == status and r.json()["error"]["message"]
+    assert r.status_code == 400 and r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == param
     assert settings_path.read_text() == before
+    assert admin(srv, "GET", "/admin/api/state").json()["models"][0]["settings"] == good
     assert spec_of_next_request(srv.url)["method"] == "ngram"
 
 

@@ -6,6 +6,7 @@ directory."""
 from quickdraft.hub.catalog import (
     CATALOG,
     assemble,
+    check_model,
     fetch_gguf,
     gguf_file,
     list_models,
@@ -27,6 +28,7 @@ __all__ = [
     "UnknownModelError",
     "UnsupportedArchitectureError",
     "assemble",
+    "check_model",
     "convert_gguf",
     "fetch_gguf",
     "gguf_file",

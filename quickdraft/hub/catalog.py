@@ -308,23 +308,38 @@ def _unknown_message(model: str, why: str = "") -> str:
     )
 
 
+def check_model(model: str) -> None:
+    """UnknownModelError unless `model` is what resolve() takes: a catalog name, a Hugging Face
+    model directory or an existing .gguf file. Reads only file metadata: nothing is fetched."""
+    if model in CATALOG:
+        return
+    try:
+        path = Path(model).expanduser()
+        if path.is_dir():
+            if is_hf_dir(path):
+                return
+            raise UnknownModelError(_unknown_message(model, "directory lacks model files"))
+        if path.suffix.lower() == ".gguf":
+            if path.is_file():
+                return
+            raise UnknownModelError(_unknown_message(model, "no such .gguf file"))
+    except (OSError, ValueError, RuntimeError):  # a name too long, a NUL byte, "~nosuchuser"
+        pass
+    raise UnknownModelError(_unknown_message(model))
+
+
 def resolve(model: str, dtype: str = "bf16", progress: bool = True) -> Path:
     """A catalog name, HF directory or .gguf path -> a Hugging Face-format directory."""
+    check_model(model)
     if model in CATALOG:
         return pull(model, dtype, progress)
     path = Path(model).expanduser()
     if path.is_dir():
-        if is_hf_dir(path):
-            return path
-        raise UnknownModelError(_unknown_message(model, "directory lacks model files"))
-    if path.suffix.lower() == ".gguf":
-        if not path.is_file():
-            raise UnknownModelError(_unknown_message(model, "no such .gguf file"))
-        # (size, mtime) identifies the file without hashing gigabytes on every start-up.
-        stat = path.stat()
-        key = hashlib.sha256(f"{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-        target = cache_dir() / "models" / f"gguf-{path.stem}-{key}" / _canonical_dtype(dtype)
-        if is_hf_dir(target):
-            return target
-        return convert_gguf(path, target, dtype, progress)
-    raise UnknownModelError(_unknown_message(model))
+        return path
+    # a .gguf file; (size, mtime) identifies it without hashing gigabytes on every start-up
+    stat = path.stat()
+    key = hashlib.sha256(f"{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    target = cache_dir() / "models" / f"gguf-{path.stem}-{key}" / _canonical_dtype(dtype)
+    if is_hf_dir(target):
+        return target
+    return convert_gguf(path, target, dtype, progress)

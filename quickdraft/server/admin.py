@@ -5,7 +5,9 @@ everything under `/admin/api/` needs `Authorization: Bearer <admin token>`, a to
 (never the API key). `PUT /admin/api/models/{name}` changes a model's speculation for requests
 submitted from then on (running requests keep theirs), without a restart, and writes the
 settings file; a change the engine cannot apply (e.g. a draft model with another tokenizer)
-answers 400 and leaves the old settings in force.
+answers 400 and leaves the old settings in force. Every field is checked before anything is
+applied or stored, whatever the method and whether speculation is on: a draft model must be a
+catalog name, a model directory or a .gguf file (never any other path, e.g. `../../etc/passwd`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ def router(state: ServerState) -> APIRouter:
             raise APIError(404, f"model {name!r} is not served", "name", "model_not_found")
         if body.enabled and body.method == "draft" and not body.draft_model:
             raise APIError(400, "method 'draft' needs a draft model", "draft_model")
+        if body.draft_model is not None:  # checked even when unused now: it is stored
+            try:
+                hub.check_model(body.draft_model)
+            except hub.UnknownModelError as exc:
+                raise APIError(400, f"draft_model: {exc}", "draft_model") from None
         try:
             await state.reconfigure(name, body)
         except (ValueError, hub.HubError, OSError) as exc:
