@@ -1,7 +1,8 @@
 """Command line: `quickdraft serve | generate | bench | pull | models`.
 
 Each subcommand is a small function over the library; errors a user can fix (unknown model,
-bad hash, prompt too long, bad sampling values) print one clear line and exit 2.
+bad hash, prompt too long, bad sampling values) print one clear line and exit 2. Over 400 lines:
+every subcommand's flags live here, so a flag shared by two subcommands is declared once.
 """
 
 from __future__ import annotations
@@ -210,6 +211,7 @@ def serve_options(args: argparse.Namespace) -> tuple[ServeOptions, ServerConfig]
             max_concurrency=args.max_concurrency,
             max_body_bytes=args.max_body_bytes,
             default_max_tokens=args.default_max_tokens,
+            allowed_hosts=None if args.allowed_hosts is None else allowed_hosts(args.allowed_hosts),
         ),
         settings_path=settings,
     )
@@ -228,6 +230,11 @@ def serve_options(args: argparse.Namespace) -> tuple[ServeOptions, ServerConfig]
     return opts, config
 
 
+def allowed_hosts(given: list[str]) -> tuple[str, ...]:
+    """`--allowed-hosts a.example,b.example --allowed-hosts c.example` -> the names."""
+    return tuple(h.strip() for arg in given for h in arg.split(",") if h.strip())
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from quickdraft.server.main import serve
 
@@ -240,7 +247,18 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
     _add_spec_args(s, paired_default=True)
     s.add_argument("--host", default=None, help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=None, help="(8000)")
-    s.add_argument("--api-key", default=None, help="require it on /v1 (env QUICKDRAFT_API_KEY)")
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require it on every route but /health, /metrics, /admin (env QUICKDRAFT_API_KEY)",
+    )
+    s.add_argument(
+        "--allowed-hosts",
+        action="append",
+        default=None,
+        help="host names the server answers (Host and browser Origin), comma-separated, "
+        "besides localhost and IP addresses; '*' = any (default: none)",
+    )
     s.add_argument(
         "--admin-token",
         default=None,

@@ -127,3 +127,11 @@ def test_cli_bench_defaults_to_the_packaged_pair() -> None:
     cfg = spec_config(build_parser().parse_args(["bench"]))
     assert (cfg.method, cfg.draft_model) == ("draft", "qwen2.5-coder-0.5b")
     assert cfg.num_draft_tokens == SpeculativeConfig().num_draft_tokens
+
+
+def test_cli_serve_allowed_hosts() -> None:
+    _, config = serve_options(build_parser().parse_args(["serve"]))
+    assert config.allowed_hosts == ()
+    argv = ["serve", "--allowed-hosts", "a.example, b.example", "--allowed-hosts", "*"]
+    _, config = serve_options(build_parser().parse_args(argv))
+    assert config.allowed_hosts == ("a.example", "b.example", "*")

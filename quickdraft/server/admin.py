@@ -2,17 +2,17 @@
 
 Stage: the HTTP edge, for the operator. `GET /admin` serves the page itself (it holds no data);
 everything under `/admin/api/` needs `Authorization: Bearer <admin token>`, a token of its own
-(never the API key). `PUT /admin/api/models/{name}` changes a model's speculation for requests
-submitted from then on (running requests keep theirs), without a restart, and writes the
-settings file; a change the engine cannot apply (e.g. a draft model with another tokenizer)
-answers 400 and leaves the old settings in force. Every field is checked before anything is
-applied or stored, whatever the method and whether speculation is on: a draft model must be a
-catalog name, a model directory or a .gguf file (never any other path, e.g. `../../etc/passwd`).
+(never the API key), and stays out of the OpenAPI schema. `PUT /admin/api/models/{name}` changes
+a model's speculation for requests submitted from then on (running requests keep theirs),
+without a restart, and writes the settings file; a change the engine cannot apply (e.g. a
+draft model with another tokenizer) answers 400 and leaves the old settings in force. Every
+field is checked before anything is applied or stored, whatever the method and whether
+speculation is on: a draft model must be a catalog name, a model directory or a .gguf file
+(never any other path, e.g. `../../etc/passwd`).
 """
 
 from __future__ import annotations
 
-import secrets
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, Response
 
 from quickdraft import hub
+from quickdraft.server.access import token_matches
 from quickdraft.server.metrics import now
 from quickdraft.server.protocol import APIError
 from quickdraft.server.settings import METHODS, SpeculationSettings
@@ -41,8 +42,7 @@ def router(state: ServerState) -> APIRouter:
         token = state.config.admin_token
         if token is None:
             raise APIError(401, "the admin API is disabled (start with --admin-token)")
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        if not token_matches(request.headers.get("authorization", ""), token):
             raise APIError(401, "missing or invalid admin token", code="invalid_admin_token")
 
     @r.get("/admin", include_in_schema=False)
@@ -54,11 +54,13 @@ def router(state: ServerState) -> APIRouter:
         js = (STATIC / "admin.js").read_text()
         return Response(js, media_type="text/javascript", headers=_PAGE_HEADERS)
 
-    @r.get("/admin/api/state", dependencies=[Depends(require_admin)])
+    @r.get("/admin/api/state", dependencies=[Depends(require_admin)], include_in_schema=False)
     async def get_state() -> dict[str, Any]:
         return snapshot(state)
 
-    @r.put("/admin/api/models/{name}", dependencies=[Depends(require_admin)])
+    @r.put(
+        "/admin/api/models/{name}", dependencies=[Depends(require_admin)], include_in_schema=False
+    )
     async def put_model(name: str, body: SpeculationSettings) -> dict[str, Any]:
         if name not in state.engine.models:
             raise APIError(404, f"model {name!r} is not served", "name", "model_not_found")

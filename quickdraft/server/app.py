@@ -7,7 +7,8 @@ the engine thread owns the models and hands back text deltas through each reques
 
 Lifetime of a request: admit (a concurrency slot; 503 + Retry-After when full) -> submit ->
 relay outputs -> release the slot. Release cancels the handle, so a client that disconnects
-(or any failure on our side) frees its sequence at the engine's next step.
+(or any failure on our side) frees its sequence at the engine's next step. Who may call at all
+is decided before any route, in access.py.
 """
 
 from __future__ import annotations
@@ -36,12 +37,8 @@ from quickdraft.engine import (
 from quickdraft.loading import ContextLengthError, LoadedModel
 from quickdraft.request import SamplingParams
 from quickdraft.server import admin
-from quickdraft.server.errors import (
-    ApiKeyMiddleware,
-    BodyLimitMiddleware,
-    error_response,
-    install_error_handlers,
-)
+from quickdraft.server.access import ApiKeyMiddleware, HostCheckMiddleware
+from quickdraft.server.errors import BodyLimitMiddleware, error_response, install_error_handlers
 from quickdraft.server.metrics import now
 from quickdraft.server.protocol import (
     APIError,
@@ -78,11 +75,14 @@ def create_app(
     app = FastAPI(title="quickdraft", docs_url=None, redoc_url=None)
     app.state.qd = state
     install_error_handlers(app, state.metrics.error)
-    # the last added runs first: the key is checked before any body byte is read
+    # the last added runs first: Host / Origin, then the key, before any body byte is read
+    on_error = state.metrics.error
     app.add_middleware(
-        BodyLimitMiddleware, max_bytes=state.config.max_body_bytes, on_error=state.metrics.error
+        BodyLimitMiddleware, max_bytes=state.config.max_body_bytes, on_error=on_error
     )
-    app.add_middleware(ApiKeyMiddleware, api_key=state.config.api_key, on_error=state.metrics.error)
+    app.add_middleware(ApiKeyMiddleware, api_key=state.config.api_key, on_error=on_error)
+    hosts = state.config.allowed_hosts
+    app.add_middleware(HostCheckMiddleware, allowed_hosts=hosts, on_error=on_error)
     app.include_router(admin.router(state))
 
     @app.get("/health")

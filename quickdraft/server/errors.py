@@ -1,6 +1,6 @@
 """Every failure at the HTTP edge becomes an OpenAI-shaped error with the right status.
 
-Stage: the HTTP edge, around the routes (error handlers, API-key check, body limit). FastAPI
+Stage: the HTTP edge, around the routes (error handlers, body limit). FastAPI
 answers validation failures with 422 and its own body; OpenAI clients expect 400 and
 `{"error": {"message", "type", "param", "code"}}`, so the validation handler is replaced. The
 body limit is a small ASGI middleware of our own because Starlette's answers 413 in plain text
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -204,26 +203,3 @@ class BodyLimitMiddleware:
             }
         )
         await send({"type": "http.response.body", "body": payload})
-
-
-class ApiKeyMiddleware:
-    """`Authorization: Bearer <api_key>` on /v1/* (when a key is set); checked before the body
-    is read, so an unauthenticated client learns nothing else about the server."""
-
-    def __init__(self, app: ASGIApp, api_key: str | None, on_error: Any) -> None:
-        self.app = app
-        self.api_key = api_key
-        self.on_error = on_error
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.api_key is None or scope["type"] != "http" or not scope["path"].startswith("/v1"):
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope.get("headers") or [])
-        given = headers.get(b"authorization", b"").decode("latin-1")
-        if secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-            await self.app(scope, receive, send)
-            return
-        self.on_error(401)
-        err = APIError(401, "missing or invalid API key", code="invalid_api_key")
-        await error_response(err)(scope, receive, send)

@@ -21,13 +21,15 @@ from quickdraft.server.settings import SpeculationSettings, save_settings
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    api_key: str | None = None  # required as `Authorization: Bearer <key>` on /v1/* when set
+    api_key: str | None = None  # required as `Authorization: Bearer <key>` when set (access.py)
     admin_token: str | None = None  # the admin API's own token; None = admin API disabled
     max_concurrency: int = 32  # requests admitted at once (running + queued); more -> 503
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 2048  # when a request gives none (capped by the context)
     retry_after_s: int = 1  # the Retry-After header of a 503
     settings_path: Path | None = None  # admin changes persist here (None: not persisted)
+    # Host names answered besides localhost and IP literals; "*" = any (access.py says why)
+    allowed_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
