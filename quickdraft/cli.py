@@ -225,6 +225,7 @@ def serve_options(args: argparse.Namespace) -> tuple[ServeOptions, ServerConfig]
             served_name=args.served_model_name,
             log_level=args.log_level,
             access_log=args.access_log,
+            shutdown_timeout_s=args.shutdown_timeout,
         )
     )
     return opts, config
@@ -278,6 +279,12 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
     s.add_argument(
         "--access-log", action="store_true", default=None, help="uvicorn's per-request access log"
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=None,
+        help="seconds open requests may run on after SIGTERM before they are aborted (30)",
     )
     s.set_defaults(func=cmd_serve)
 

@@ -4,11 +4,6 @@ and `quickdraft serve` as a real process loading its settings file at start."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +11,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from serve_process import serve_process
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import Engine, ServedModel
@@ -181,36 +177,13 @@ def test_admin_serve_cli_loads_the_settings_file_at_start(
     settings = tmp_path / "settings.json"
     saved = {"enabled": True, "method": "ngram", "draft_model": None, "num_draft_tokens": 2}
     settings.write_text(json.dumps({"version": 1, "models": {"tiny": saved}}))
-    port = free_port()
-    cmd = [sys.executable, "-m", "quickdraft", "serve", str(tiny_model_dir), "--dtype", "fp32"]
-    cmd += ["--served-model-name", "tiny", "--speculative-method", "none", "--port", str(port)]
-    cmd += ["--settings", str(settings), "--admin-token", ADMIN, "--api-key", KEY]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=os.environ)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120  # a liveness bound for start-up, not a speed claim
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()  # type: ignore[union-attr]
-            assert time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        state = httpx.get(url + "/admin/api/state", headers={"Authorization": f"Bearer {ADMIN}"})
+    args = ["--speculative-method", "none", "--settings", str(settings)]
+    args += ["--admin-token", ADMIN, "--api-key", KEY]
+    with serve_process(tiny_model_dir, *args) as server:
+        auth = {"Authorization": f"Bearer {ADMIN}"}
+        state = httpx.get(server.url + "/admin/api/state", headers=auth)
         assert state.json()["models"][0]["settings"] == saved  # the file won over the flags
-        spec = spec_of_next_request(url)
+        spec = spec_of_next_request(server.url)
         assert spec["method"] == "ngram" and len(spec["accepted_per_position"]) <= 2
-    finally:
-        proc.terminate()
-        out, _ = proc.communicate(timeout=30)
-    log = out.decode()
-    assert "settings file" in log and "request cmpl-" in log  # one line per finished request
-    assert "cumulative acceptance" in log
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    assert "settings file" in server.log and "request cmpl-" in server.log  # a line per request
+    assert "cumulative acceptance" in server.log

@@ -135,3 +135,12 @@ def test_cli_serve_allowed_hosts() -> None:
     argv = ["serve", "--allowed-hosts", "a.example, b.example", "--allowed-hosts", "*"]
     _, config = serve_options(build_parser().parse_args(argv))
     assert config.allowed_hosts == ("a.example", "b.example", "*")
+
+
+def test_cli_serve_shutdown_timeout() -> None:
+    opts, _ = serve_options(build_parser().parse_args(["serve"]))
+    assert opts.shutdown_timeout_s == 30
+    opts, _ = serve_options(build_parser().parse_args(["serve", "--shutdown-timeout", "2.5"]))
+    assert opts.shutdown_timeout_s == 2.5
+    with pytest.raises(ValueError, match="shutdown timeout"):
+        serve_options(build_parser().parse_args(["serve", "--shutdown-timeout", "-1"]))

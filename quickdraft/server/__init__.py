@@ -8,7 +8,7 @@ errors.py    OpenAI-shaped errors (400 not 422), body limit (413)
 metrics.py   Prometheus metrics (`quickdraft:` prefix) and the admin page's live numbers
 admin.py     /admin page + its token-protected API; settings.py persists its changes
 state.py     ServerConfig and the per-server state (concurrency slots)
-main.py      serve(): load, start the engine, run uvicorn; BackgroundServer for tests
+main.py      serve(): load, start the engine, run uvicorn, drain on SIGTERM; BackgroundServer
 """
 
 from quickdraft.server.app import create_app

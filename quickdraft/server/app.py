@@ -5,10 +5,10 @@ own chat template), submit it to the engine, and relay the engine's outputs eith
 body or as Server-Sent Events in OpenAI's chunk format. The event loop never touches tensors:
 the engine thread owns the models and hands back text deltas through each request's handle.
 
-Lifetime of a request: admit (a concurrency slot; 503 + Retry-After when full) -> submit ->
-relay outputs -> release the slot. Release cancels the handle, so a client that disconnects
-(or any failure on our side) frees its sequence at the engine's next step. Who may call at all
-is decided before any route, in access.py.
+Lifetime of a request: admit (a concurrency slot; 503 + Retry-After when full or shutting
+down) -> submit -> relay outputs -> release the slot. Release cancels the handle, so a client
+that disconnects (or any failure on our side) frees its sequence at the engine's next step.
+Who may call at all is decided before any route, in access.py.
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def create_app(
     async def health() -> JSONResponse:
         eng = state.engine
         if not eng.alive:
-            why = f": {eng.error!r}" if eng.error is not None else ""
+            # what killed it is in the server log (the engine logs it), not in this reply
+            why = " (it failed: see the server log)" if eng.error is not None else ""
             err = APIError(503, f"the engine thread is not running{why}", code="engine_dead")
             return error_response(err)
         return JSONResponse(
@@ -132,7 +133,7 @@ def create_app(
         lm = _model(state, body.model)
         prompt = body.single_prompt()
         if isinstance(prompt, str):
-            prompt_ids = lm.tokenizer.encode(prompt)
+            prompt_ids = lm.tokenizer.encode(prompt, parse_special=body.parse_special_tokens)
         else:
             vocab = lm.model.config.vocab_size
             if any(not 0 <= t < vocab for t in prompt):
@@ -199,6 +200,8 @@ def _admit(
     arrived: float,
 ) -> Slot:
     retry = {"Retry-After": str(state.config.retry_after_s)}
+    if state.draining:
+        raise APIError(503, "the server is shutting down", code="shutting_down", headers=retry)
     if state.in_flight >= state.config.max_concurrency:
         raise APIError(
             503,
@@ -217,7 +220,6 @@ def _admit(
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
     handle.bind_loop()
-    state.in_flight += 1
     return Slot(state, handle, state.metrics.track(model, len(prompt_ids), arrived))
 
 
@@ -313,8 +315,8 @@ class _Relay:
         self.track.abort(self.rid, now(), reason="error")
         if isinstance(exc, EngineDeadError):
             return APIError(503, str(exc), code="engine_dead")
-        log.error("request %s failed: %r", self.rid, exc)
-        return APIError(500, f"generation failed: {exc}", code="generation_failed")
+        log.error("request %s failed: %r", self.rid, exc)  # the reply does not quote it
+        return APIError(500, "generation failed (logged)", code="generation_failed")
 
     def _chunk(
         self,

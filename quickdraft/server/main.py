@@ -4,17 +4,26 @@ Stage: process entry (`quickdraft serve` calls `serve`). Speculation at start = 
 line's, overridden per model by the settings file when it has an entry (what an operator set on
 the admin page survives restarts). `BackgroundServer` runs an app on a loopback port in a thread
 (tests, notebooks, the serving benchmark's in-process use).
+
+Shutdown (SIGTERM, SIGINT, or `BackgroundServer` leaving): uvicorn stops taking connections and
+waits for the open ones; `_Server` also refuses new requests on kept-alive connections and, once
+`shutdown_timeout_s` has passed, aborts the requests still open, so every stream still ends with
+its final chunk (finish_reason "abort") and `data: [DONE]`. `serve` then returns, and the process
+exits 0.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
+import signal
 import socket
 import sys
 import threading
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -22,7 +31,7 @@ from fastapi import FastAPI
 from quickdraft.config import DEFAULT_DTYPE, DEFAULT_MODEL, SpeculativeConfig
 from quickdraft.server.app import create_app
 from quickdraft.server.settings import load_settings
-from quickdraft.server.state import ServerConfig
+from quickdraft.server.state import ServerConfig, ServerState
 
 log = logging.getLogger("quickdraft.server")
 
@@ -37,6 +46,11 @@ class ServeOptions:
     served_name: str | None = None
     log_level: str = "info"
     access_log: bool = False
+    shutdown_timeout_s: float = 30.0  # open requests run on this long after SIGTERM, then abort
+
+    def __post_init__(self) -> None:
+        if not self.shutdown_timeout_s >= 0:
+            raise ValueError(f"shutdown timeout must be >= 0 s, got {self.shutdown_timeout_s}")
 
 
 def serve(opts: ServeOptions, config: ServerConfig) -> None:
@@ -61,16 +75,50 @@ def serve(opts: ServeOptions, config: ServerConfig) -> None:
         app = create_app(engine, config, {name: saved[name]} if name in saved else None)
         url = f"http://{opts.host}:{opts.port}"
         log.info("serving %s at %s/v1 (admin page %s/admin, metrics %s/metrics)", name, *[url] * 3)
-        uvicorn.run(
+        server = _Server(
             app,
+            opts.shutdown_timeout_s,
             host=opts.host,
             port=opts.port,
             log_level=opts.log_level,
             access_log=opts.access_log,
-            timeout_graceful_shutdown=5,
         )
+        if threading.current_thread() is threading.main_thread():
+            # uvicorn raises the signal it stopped on again once it has shut down; with this
+            # handler in place (uvicorn restores it) that is a no-op and the process exits 0
+            signal.signal(signal.SIGTERM, server.handle_exit)
+        server.run()
     finally:
         engine.stop()
+
+
+# after the shutdown timeout: time for the aborted requests to send their last chunk before
+# uvicorn cancels what is left
+_ABORT_GRACE_S = 10.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server; its shutdown drains the quickdraft state (see the module docstring)."""
+
+    def __init__(self, app: FastAPI, timeout_s: float, **options: Any) -> None:
+        grace = round(timeout_s + _ABORT_GRACE_S)
+        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=grace, **options))
+        self.qd: ServerState = app.state.qd
+        self.timeout_s = timeout_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.qd.drain()
+        if self.qd.in_flight:
+            log.info(
+                "shutting down: %d open requests finish (abort in %g s)",
+                self.qd.in_flight,
+                self.timeout_s,
+            )
+        abort = asyncio.get_running_loop().call_later(self.timeout_s, self.qd.abort_all)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            abort.cancel()
 
 
 def _with_admin_token(config: ServerConfig, token: str) -> ServerConfig:
@@ -95,15 +143,18 @@ class BackgroundServer:
     """`with BackgroundServer(app) as srv: httpx.get(srv.url + "/health")` -- uvicorn on a free
     loopback port in a daemon thread, stopped (and joined) on exit."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", log_level: str = "warning") -> None:
+    def __init__(
+        self,
+        app: FastAPI,
+        host: str = "127.0.0.1",
+        log_level: str = "warning",
+        shutdown_timeout_s: float = 1.0,
+    ) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, 0))
         self.host, self.port = self.sock.getsockname()[:2]
-        cfg = uvicorn.Config(
-            app, log_level=log_level, access_log=False, timeout_graceful_shutdown=2
-        )
-        self.server = uvicorn.Server(cfg)
+        self.server = _Server(app, shutdown_timeout_s, log_level=log_level, access_log=False)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
         )

@@ -1,9 +1,11 @@
 """What one server instance holds: its config, the engine, metrics, speculation settings.
 
 Stage: the HTTP side. `ServerState` lives on the event loop; the only thing shared with the
-engine thread is the Engine API (submit / iterate / cancel / configure). `in_flight` counts the
+engine thread is the Engine API (submit / iterate / cancel / configure). `slots` holds the
 requests this server has admitted and not yet released (the `--max-concurrency` bound): a slot is
-taken at submit and released exactly once when the response ends, however it ends.
+taken at submit and released exactly once when the response ends, however it ends. `drain()`
+(graceful shutdown) refuses new requests; `abort_all()` ends the open ones, each with its final
+output (finish_reason "abort"), so every stream still closes properly.
 """
 
 from __future__ import annotations
@@ -50,12 +52,13 @@ class Slot:
         self.handle = handle
         self.track = track
         self.released = False
+        state.slots.add(self)
 
     def release(self) -> None:
         if self.released:
             return
         self.released = True
-        self.state.in_flight -= 1
+        self.state.slots.discard(self)
         self.handle.cancel()  # no-op for a finished request; frees an unfinished one at once
         if not self.track.done:  # the client left (or the relay failed) before the last output
             self.track.abort(self.handle.id, now())
@@ -69,8 +72,21 @@ class ServerState:
     base_configs: dict[str, SpeculativeConfig]  # the start-up configs settings are applied to
     metrics: Metrics
     started: int = field(default_factory=lambda: int(time.time()))
-    in_flight: int = 0
+    slots: set[Slot] = field(default_factory=set)
+    draining: bool = False  # shutting down: no new requests
     configure_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.slots)
+
+    def drain(self) -> None:
+        self.draining = True
+
+    def abort_all(self) -> None:
+        """Cancel every open request; the engine ends each with finish_reason "abort"."""
+        for slot in list(self.slots):
+            slot.handle.cancel()
 
     @classmethod
     def create(
