@@ -4,11 +4,20 @@ Wraps a `tokenizers` tokenizer.json. Chat templates are untrusted code from mode
 rendered in jinja2's ImmutableSandboxedEnvironment with the same options and helpers transformers
 uses (trim_blocks, lstrip_blocks, loopcontrols, tojson, raise_exception, strftime_now), so our
 prompts are byte-identical to transformers' `apply_chat_template`.
+
+Control tokens come from the template only. Text a client wrote (message content, any message
+field) is tokenized as the characters it is, even where it spells a special token such as
+`<|im_end|>` (transformers' `split_special_tokens`, llama.cpp's `parse_special=false`), so no one
+can close their turn or forge a system turn. How: before rendering, every special token in the
+messages' strings is broken by a marker character no input contains; in the rendered prompt the
+special tokens still whole are the template's; the text between two of them that holds a marker
+is encoded with special tokens read as text (markers dropped), everything else exactly as before.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -55,10 +64,54 @@ def _token_text(value: Any) -> str | None:
     return value
 
 
+def _strings(value: Any) -> list[str]:
+    """Every string inside a message list (values, not keys)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list | tuple):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def _unused_char(texts: list[str]) -> str:
+    """A private-use character that occurs in none of `texts`."""
+    seen = set().union(*map(set, texts))
+    planes = (range(0xE000, 0xF900), range(0xF0000, 0xFFFFE), range(0x100000, 0x10FFFE))
+    return next(c for plane in planes for c in map(chr, plane) if c not in seen)
+
+
+def _break_specials(value: Any, whole: re.Pattern[str], marker: str) -> Any:
+    """`value` with every special token in its strings broken by `marker`: inserted after the
+    first character (before a one-character token, which `whole` then skips). Repeated until
+    none is left whole: breaking one match can expose an overlapping one."""
+    if isinstance(value, str):
+
+        def broken(match: re.Match[str]) -> str:
+            token = match[0]
+            return token[0] + marker + token[1:] if len(token) > 1 else marker + token
+
+        while whole.search(value):
+            value = whole.sub(broken, value)
+        return value
+    if isinstance(value, dict):
+        return {k: _break_specials(v, whole, marker) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_break_specials(v, whole, marker) for v in value]
+    return value
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
         self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        # the same tokenizer reading special tokens as plain text
+        self._plain = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self._plain.encode_special_tokens = True
+        added = self._tok.get_added_tokens_decoder().values()
+        # longest first: at one position the longest token wins, as in the tokenizer itself
+        self._specials = sorted({t.content for t in added if t.special}, key=len, reverse=True)
         cfg_path = model_dir / "tokenizer_config.json"
         cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         template = cfg.get("chat_template")
@@ -77,8 +130,13 @@ class Tokenizer:
         interchangeable for speculative decoding)."""
         return hash(frozenset(self._tok.get_vocab(with_added_tokens=True).items()))
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(
+        self, text: str, add_special_tokens: bool = True, parse_special: bool = True
+    ) -> list[int]:
+        """`parse_special`: read special-token text in `text` as those tokens (else as plain
+        text). `add_special_tokens`: the tokenizer's own additions, such as a BOS."""
+        tok = self._tok if parse_special else self._plain
+        return tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -96,8 +154,34 @@ class Tokenizer:
         )
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        # The rendered template already holds every special token (transformers does the same).
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        """The chat's token ids: the template's special tokens as control tokens, the messages'
+        text as plain text (see the module docstring)."""
+        if not self._specials:
+            return self.encode(self.render_chat(messages), add_special_tokens=False)
+        texts = _strings(messages)
+        fixed = [
+            *self._specials,
+            self.chat_template or "",
+            self.bos_token or "",
+            self.eos_token or "",
+        ]
+        marker = _unused_char([*texts, *fixed])
+        alternatives = "|".join(map(re.escape, self._specials))
+        # a special token not preceded by the marker (a broken one-character token is)
+        whole = re.compile(f"(?<!{re.escape(marker)})(?:{alternatives})")
+        rendered = self.render_chat(_break_specials(messages, whole, marker))
+        # Between two of the template's special tokens (and at either end): plain text where a
+        # marker shows client text broke a token there; the rest encoded as one stretch.
+        edges = [0, *(i for m in whole.finditer(rendered) for i in m.span()), len(rendered)]
+        ids: list[int] = []
+        done = 0  # rendered[:done] is encoded
+        for start, end in zip(edges[::2], edges[1::2], strict=True):
+            if marker in rendered[start:end]:
+                ids += self.encode(rendered[done:start], add_special_tokens=False)
+                text = rendered[start:end].replace(marker, "")
+                ids += self.encode(text, add_special_tokens=False, parse_special=False)
+                done = end
+        return ids + self.encode(rendered[done:], add_special_tokens=False)
 
 
 class IncrementalDetokenizer:

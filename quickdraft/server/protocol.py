@@ -205,6 +205,9 @@ class CompletionRequest(GenerateRequest):
     prompt: Text | list[int] | list[Text] | list[list[int]]
     echo: bool | None = None
     suffix: Text | None = None
+    # extension: read special-token text in the prompt (`<|im_start|>`) as those tokens; by
+    # default a prompt is plain text, like a chat message
+    parse_special_tokens: bool = False
 
     def check(self) -> None:
         super().check()
