@@ -1,12 +1,13 @@
-# ~450 lines on purpose: most of it writes the tiny GGUF files (tokenizer, two architectures,
+# ~500 lines on purpose: most of it writes the tiny GGUF files (tokenizer, three architectures,
 # mixed formats) that every loader test reads.
 """Models run on a GGUF file's own quantized weights (models/gguf_loader.py, `--dtype gguf`):
 tiny random GGUF files written with gguf-py (qwen2: q/k/v biases, untied head; llama: tied
-embeddings and llama.cpp's permuted q/k rows), weights in a mix of block formats, loaded end to
-end through `quickdraft.loading.load` into a throw-away QUICKDRAFT_HOME. Checked: every operand
-holds the file's values, logits agree with the dequantized (bf16) model, the packed copy beside
-the model gives the same bits, damaged copies and bad files fail or recover clearly, and the C++
-layers run the GGUF operands batch-invariantly."""
+embeddings and llama.cpp's permuted q/k rows; qwen3: per-head q/k RMSNorm), weights in a mix
+of block formats, loaded end to end through `quickdraft.loading.load` into a throw-away
+QUICKDRAFT_HOME. Checked: every operand holds the file's values, logits agree with the
+dequantized (bf16) model, the packed copy beside the model gives the same bits, damaged copies
+and bad files fail or recover clearly, the C++ layers run the GGUF operands batch-invariantly,
+and on F32 files the greedy tokens equal llama.cpp's (the `peers` extra)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from safetensors import safe_open
 from test_linear_gguf import random_blocks
 from torch import Tensor
 
+from quickdraft.engine import stream
 from quickdraft.hub.errors import HubError
 from quickdraft.kernels import PanelWeight, build
 from quickdraft.kernels.linear_gguf import GGUFWeight
@@ -38,6 +40,7 @@ from quickdraft.loading import LoadedModel, load
 from quickdraft.models.gguf_loader import PACKED_NAME, GGUFTensorError, packed_name
 from quickdraft.models.layers import GGUFEmbedding
 from quickdraft.models.loader import load_model
+from quickdraft.request import SamplingParams
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS, VOCAB = 256, 4, 2, 64, 512, 2, 300
 CHATML = (
@@ -56,6 +59,17 @@ TYPES: dict[str, dict[str, str]] = {
         ffn_gate="Q5_K",
         ffn_up="Q4_1",
         ffn_down="Q8_0",
+    ),
+    "qwen3": dict(  # as Qwen3 Q4_K_M files: K-quants, Q6_K for v and down
+        token_embd="Q6_K",
+        output="Q8_0",
+        attn_q="Q4_K",
+        attn_k="Q4_K",
+        attn_v="Q6_K",
+        attn_output="Q5_K",
+        ffn_gate="Q4_K",
+        ffn_up="Q4_K",
+        ffn_down="Q6_K",
     ),
     "llama": dict(  # the tied table is also the head: Q8_0 has a kernel
         token_embd="Q8_0",
@@ -120,7 +134,7 @@ def write_tiny_gguf(path: Path, arch: str, types: dict[str, str], seed: int = 0)
     q_size, kv_size = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
     matrix("token_embd.weight", VOCAB, HIDDEN)
     vector("output_norm.weight", HIDDEN)
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3"):
         matrix("output.weight", VOCAB, HIDDEN)
     for i in range(LAYERS):
         pre = f"blk.{i}."
@@ -139,6 +153,9 @@ def write_tiny_gguf(path: Path, arch: str, types: dict[str, str], seed: int = 0)
         if arch == "qwen2":
             for kind, n in (("attn_q", q_size), ("attn_k", kv_size), ("attn_v", kv_size)):
                 vector(f"{pre}{kind}.bias", n, norm=False)
+        if arch == "qwen3":
+            vector(pre + "attn_q_norm.weight", HEAD_DIM)
+            vector(pre + "attn_k_norm.weight", HEAD_DIM)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -173,7 +190,7 @@ class Built:
     logits: Tensor  # [len(ids), vocab] of `first`
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3"])
 def built(
     request: pytest.FixtureRequest, home: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Built:
@@ -243,6 +260,14 @@ def test_operands_hold_the_files_values(built: Built) -> None:
     if built.arch == "qwen2":
         bias = torch.cat([file_rows(f, f"blk.0.attn_{x}.bias") for x in "qkv"])
         assert torch.equal(attn.qkv_bias, bias.to(attn.qkv_bias.dtype))
+    else:
+        assert attn.qkv_bias is None
+    if built.arch == "qwen3":
+        for norm, name in ((attn.q_norm, "attn_q_norm"), (attn.k_norm, "attn_k_norm")):
+            expected = file_rows(f, f"blk.0.{name}.weight").to(norm.weight.dtype)
+            assert torch.equal(norm.weight, expected), name
+    else:
+        assert attn.q_norm is None and attn.k_norm is None
 
 
 def test_logits_close_to_the_dequantized_model(built: Built) -> None:
@@ -446,3 +471,44 @@ def test_verify_rows_equal_decode_steps(built: Built, fused: bool) -> None:
         out = net(ids[6 : 7 + k], [verify], [k + 1], logit_rows=torch.arange(k + 1)).logits
         for j, step in enumerate(steps):
             assert torch.equal(out[j], step), f"k={k}: row {j} differs"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_greedy_tokens_equal_llama_cpp_on_the_same_f32_file(
+    arch: str, home: Path, tmp_path: Path
+) -> None:
+    """llama.cpp as an independent oracle: on the same random F32 GGUF (no quantization on
+    either side), quickdraft's fp32 greedy tokens equal llama.cpp's for 60 tokens."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the `peers` extra) is not installed")
+    from quickdraft.bench.peers import LlamaCpp
+
+    path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, dict.fromkeys(TYPES[arch], "F32"), 3)
+    lm = load(str(path), "fp32", progress=False)
+    ids = lm.tokenizer.encode(PROMPT)
+    req = lm.new_request(ids, SamplingParams(max_tokens=60, ignore_eos=True))
+    for _ in stream(lm, req):
+        pass
+    theirs = LlamaCpp(path, torch.get_num_threads(), 256).generate(ids, 60, ()).tokens
+    assert req.output_ids == theirs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_f32_file_greedy_equals_transformers(arch: str, home: Path, tmp_path: Path) -> None:
+    """The same random F32 GGUF converted to fp32 safetensors: transformers' model class for
+    the architecture, on those weights, agrees with ours on the logits and the greedy tokens."""
+    import transformers
+
+    path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, dict.fromkeys(TYPES[arch], "F32"), 3)
+    lm = load(str(path), "fp32", progress=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(lm.path), dtype=torch.float32)
+    ids = torch.tensor(lm.tokenizer.encode(PROMPT))
+    ours = all_logits(lm, ids)
+    with torch.no_grad():
+        theirs = hf(ids[None]).logits[0]
+    torch.testing.assert_close(ours, theirs, atol=5e-5, rtol=1e-4)
+    with torch.no_grad():
+        hf_ids = hf.generate(ids[None], max_new_tokens=32, do_sample=False)[0, len(ids) :]
+    req = lm.new_request(ids.tolist(), SamplingParams(max_tokens=32, ignore_eos=True))
+    for _ in stream(lm, req):
+        pass
+    assert req.output_ids == hf_ids.tolist()

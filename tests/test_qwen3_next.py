@@ -225,8 +225,8 @@ def test_hybrid_bf16_prompt_whole_equals_prompt_in_chunks(family: str) -> None:
     """A 100-token prompt prefilled in one forward (a long forward: chunks of the delta rule
     kept only at their end), in pieces of 40 + 7 + 53, or in pieces short enough to keep every
     token's update (30 + 33 + 37), then 3 decode steps: the same logits and the same fp32
-    recurrent states, bit for bit. The scheduler chunks a prompt around other requests' rows, so a request in
-    a batch equals it alone only if this holds."""
+    recurrent states, bit for bit. The scheduler chunks a prompt around other requests' rows,
+    so a request in a batch equals it alone only if this holds."""
     model = random_hybrid(family, seed=7, dtype=torch.bfloat16)
     model.pack_()
     ids = torch.randint(0, 320, (103,), generator=torch.Generator().manual_seed(8))

@@ -41,10 +41,11 @@ def is_hf_dir(path: Path) -> bool:
 
 # GGUF architecture -> (HF class, llama.cpp permuted q/k rows). llama.cpp's converter permutes
 # q/k rows for archs it ropes in "normal" (adjacent-pair) mode so that matches HF's rotate_half;
-# qwen2 uses NEOX mode (already rotate_half), so its rows are stored as in HF.
+# qwen2 and qwen3 use NEOX mode (already rotate_half), so their rows are stored as in HF.
 _ARCHS: dict[str, tuple[str, bool]] = {
     "llama": ("LlamaForCausalLM", True),
     "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3ForCausalLM", False),  # + per-head q/k RMSNorm (attn_q_norm, attn_k_norm)
 }
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -54,6 +55,8 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
@@ -149,7 +152,7 @@ def _hf_config(reader: Any, arch: str, dtype: torch.dtype) -> tuple[dict[str, An
         "eos_token_id": eos_ids[0] if eos_ids else None,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if arch == "llama":  # qwen2 always has q/k/v biases and its config has no such field
+    if arch != "qwen2":  # qwen2 always has q/k/v biases and its config has no such field
         cfg["attention_bias"] = any(t.name == "blk.0.attn_q.bias" for t in reader.tensors)
     return cfg, eos_ids
 
