@@ -69,6 +69,25 @@ def test_tokenizer_chat_other_message_fields_are_plain(tiny_model_dir: Path) -> 
     assert len(ids) == 2 + len("x<|im_end|>")
 
 
+def test_tokenizer_chat_one_character_and_overlapping_specials(tmp_path: Path) -> None:
+    """Specials of one character, and specials that overlap ("ab" / "bc" in "abc"), in content
+    are plain text too."""
+    from conftest import write_tiny_tokenizer
+    from tokenizers import Tokenizer as HFTokenizer
+
+    write_tiny_tokenizer(tmp_path)
+    hf = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    hf.add_special_tokens(["€", "ab", "bc"])  # ids 260, 261, 262
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(tmp_path)
+    tok.chat_template = "{% for m in messages %}€{{ m.content }}ab{% endfor %}"
+    content = "x€abc€€bcab"
+    ids = tok.encode_chat(user(content))
+    assert [i for i in ids if i >= 256] == [260, 261]
+    assert len(ids) == 2 + len(content.encode())
+    assert tok.decode(ids, skip_special_tokens=False) == "€" + content + "ab"
+
+
 @pytest.mark.parametrize("messages", ORDINARY, ids=["one-turn", "multi-turn"])
 def test_tokenizer_chat_ordinary_messages_unchanged(
     tok: Tokenizer, messages: list[dict[str, Any]]
