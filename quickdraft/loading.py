@@ -62,10 +62,14 @@ class LoadedModel:
         return room
 
     def new_request(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str = ""
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str = "",
+        tenant: str = "",
     ) -> Request:
         self.room(len(prompt_ids), params.max_tokens)
-        return Request(prompt_ids, params, self.tokenizer, self.eos_ids, request_id)
+        return Request(prompt_ids, params, self.tokenizer, self.eos_ids, request_id, tenant)
 
 
 def load(

@@ -141,10 +141,12 @@ class Request:
         tokenizer: Tokenizer,
         eos_ids: tuple[int, ...],
         request_id: str = "",
+        tenant: str = "",
     ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         self.id = request_id
+        self.tenant = tenant  # who sent it: drafters share what they learn only within one
         self.prompt_ids = prompt_ids
         self.params = params
         self.eos_ids = () if params.ignore_eos else eos_ids

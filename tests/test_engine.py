@@ -292,8 +292,11 @@ class HiddenRecorder:
         self.ngram = NgramDrafter(1, 3)
         self.records: dict[tuple[int, ...], list[tuple[int, Tensor]]] = {}  # prompt -> commits
 
-    def new_state(self, prompt_ids: list[int]) -> tuple[Any, list[tuple[int, Tensor]]]:
-        return self.ngram.new_state(prompt_ids), self.records.setdefault(tuple(prompt_ids), [])
+    def new_state(
+        self, prompt_ids: list[int], tenant: str = ""
+    ) -> tuple[Any, list[tuple[int, Tensor]]]:
+        record = self.records.setdefault(tuple(prompt_ids), [])
+        return self.ngram.new_state(prompt_ids, tenant), record
 
     def propose(self, jobs: Sequence[DraftJob]) -> list[Draft]:
         inner = [DraftJob(j.state[0], j.tokens, j.k, j.params, j.generator) for j in jobs]

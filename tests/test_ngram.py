@@ -16,8 +16,10 @@ PARAMS = SamplingParams()
 GEN = torch.Generator()
 
 
-def propose(drafter: NgramDrafter, tokens: list[int], k: int, state: Any = None) -> list[int]:
-    state = drafter.new_state(tokens) if state is None else state
+def propose(
+    drafter: NgramDrafter, tokens: list[int], k: int, state: Any = None, tenant: str = ""
+) -> list[int]:
+    state = drafter.new_state(tokens, tenant) if state is None else state
     (draft,) = drafter.propose([DraftJob(state, tokens, k, PARAMS, GEN)])
     assert draft.p_draft is None  # n-gram drafts are one-hot
     return draft.tokens
@@ -166,9 +168,9 @@ def test_ngram_free_drops_index() -> None:
     assert state.indexed == 0
 
 
-def finish(drafter: NgramDrafter, prompt: list[int], output: list[int]) -> None:
+def finish(drafter: NgramDrafter, prompt: list[int], output: list[int], tenant: str = "") -> None:
     """One request through the drafter: prompt, its committed output, then free."""
-    state = drafter.new_state(prompt)
+    state = drafter.new_state(prompt, tenant)
     drafter.commit(state, prompt + output)
     drafter.free(state)
 
@@ -191,28 +193,53 @@ def test_ngram_shared_index_learns_finished_outputs() -> None:
     assert propose(off, [7, 8, 1, 2], 4) == [] and off.shared_size == 0
 
 
+def test_ngram_shared_index_is_per_tenant() -> None:
+    """A request drafts only from its own tenant's finished outputs."""
+    drafter = NgramDrafter(2, 4)
+    finish(drafter, [50, 51, 52], [1, 2, 3, 4, 5], tenant="a")
+    assert propose(drafter, [7, 8, 1, 2], 4, tenant="b") == []
+    assert propose(drafter, [7, 8, 1, 2], 4) == []  # "" is a tenant like any other
+    assert propose(drafter, [7, 8, 1, 2], 4, tenant="a") == [3, 4, 5]
+    finish(drafter, [50], [1, 2, 9, 9], tenant="b")
+    assert propose(drafter, [7, 8, 1, 2], 4, tenant="b") == [9, 9]
+    assert propose(drafter, [7, 8, 1, 2], 4, tenant="a") == [3, 4, 5]
+
+
 def test_ngram_shared_index_keeps_the_newest_outputs_within_budget() -> None:
-    """Against a naive index of the kept outputs, over random outputs and budgets."""
+    """Against a naive index of the kept outputs, over random outputs, tenants and budgets: the
+    newest outputs of all tenants together fit the one budget, each tenant's index is exactly
+    its own kept outputs."""
     rng = random.Random(4)
     for budget in (6, 10, 25):
         drafter = NgramDrafter(1, 3, shared_tokens=budget)
-        learned: list[list[int]] = []
-        for _ in range(40):
+        learned: list[tuple[str, list[int]]] = []
+        for _ in range(60):
             output = [rng.randrange(4) for _ in range(rng.randint(0, 9))]
-            finish(drafter, [9], output)
+            tenant = rng.choice("abc")
+            finish(drafter, [9], output, tenant)
             if len(output) > 1:
-                learned.append(output[-budget:])
-            kept = list(drafter.shared_outputs)
+                learned.append((tenant, output[-budget:]))
+            kept = list(zip(drafter.learned, _kept_outputs(drafter), strict=True))
             assert kept == learned[len(learned) - len(kept) :]  # the newest, in order
-            assert drafter.shared_size == sum(map(len, kept)) <= budget
-            for n, table in zip(range(1, 4), drafter.shared, strict=True):
-                want: dict[tuple[int, ...], dict[int, int]] = {}
-                for out in kept:
-                    for gram, follow in naive_index(out, n).items():
-                        for token, count in follow.items():
-                            got = want.setdefault(gram, {})
-                            got[token] = got.get(token, 0) + count
-                assert {g: dict(f.counts) for g, f in table.items()} == want
+            assert drafter.shared_size == sum(len(out) for _, out in kept) <= budget
+            assert set(drafter.shared) == {t for t, _ in kept}  # no empty tenant is kept
+            for tenant_name, scope in drafter.shared.items():
+                assert scope.size == sum(len(out) for t, out in kept if t == tenant_name)
+                mine = [out for t, out in kept if t == tenant_name]
+                for n, table in zip(range(1, 4), scope.index, strict=True):
+                    want: dict[tuple[int, ...], dict[int, int]] = {}
+                    for out in mine:
+                        for gram, follow in naive_index(out, n).items():
+                            for token, count in follow.items():
+                                got = want.setdefault(gram, {})
+                                got[token] = got.get(token, 0) + count
+                    assert {g: dict(f.counts) for g, f in table.items()} == want
+
+
+def _kept_outputs(drafter: NgramDrafter) -> list[list[int]]:
+    """Every kept output in the order learned (each tenant's deque is in that order too)."""
+    queues = {t: list(scope.outputs) for t, scope in drafter.shared.items()}
+    return [queues[t].pop(0) for t in drafter.learned]
 
 
 def test_ngram_rejects_negative_shared_budget() -> None:

@@ -263,10 +263,13 @@ class Engine:
         prompt_ids: list[int],
         params: SamplingParams,
         request_id: str | None = None,
+        tenant: str = "",
     ) -> RequestHandle:
+        """`tenant`: who sent it; what a drafter learns from one request's output drafts only
+        for requests of the same tenant (speculation/drafters/ngram.py)."""
         served = self._served(model)
         rid = request_id or f"req-{next(self._ids)}"
-        request = served.lm.new_request(prompt_ids, params, rid)  # ValueError if too long
+        request = served.lm.new_request(prompt_ids, params, rid, tenant)  # ValueError if too long
         with self._lock:
             if not self.alive:
                 raise EngineDeadError("the engine is not running")

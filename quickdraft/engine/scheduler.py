@@ -127,7 +127,7 @@ class Scheduler:
         k_max = speculation.config.num_draft_tokens if speculation else 0
         seq.cache = self.new_cache(len(req.prompt_ids) + req.params.max_tokens + k_max + 1)
         if speculation is not None:
-            seq.spec = speculation.start(req.prompt_ids)
+            seq.spec = speculation.start(req.prompt_ids, req.tenant)
             req.spec.method = speculation.config.method
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)

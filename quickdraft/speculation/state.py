@@ -59,9 +59,9 @@ class Speculation:
     # next ten code prompts.
     pooled: Acceptance = field(default_factory=lambda: Acceptance(forget=0.995))
 
-    def start(self, prompt_ids: list[int]) -> SpecState:
+    def start(self, prompt_ids: list[int], tenant: str = "") -> SpecState:
         prior = Acceptance(prior_alpha=self.pooled.alpha)
-        return SpecState(self, self.drafter.new_state(prompt_ids), prior)
+        return SpecState(self, self.drafter.new_state(prompt_ids, tenant), prior)
 
 
 @dataclass(slots=True, eq=False)

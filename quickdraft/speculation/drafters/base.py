@@ -73,7 +73,10 @@ class Drafter(Protocol):
     needs_hidden: bool  # commit() gets the target's hidden states (see module docstring)
     forwards: list[StepShape]  # the forwards of the last propose (see module docstring)
 
-    def new_state(self, prompt_ids: list[int]) -> Any: ...
+    def new_state(self, prompt_ids: list[int], tenant: str = "") -> Any:
+        """A request's state; `tenant`: who sent it (a drafter that learns across requests
+        shares what it learned only within one tenant, drafters/ngram.py)."""
+        ...
 
     def propose(self, jobs: Sequence[DraftJob]) -> list[Draft]:
         """One Draft per job, in order (each with at most job.k tokens)."""

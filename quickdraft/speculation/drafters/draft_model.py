@@ -51,7 +51,8 @@ class DraftModelDrafter:
         self.model = model
         self.forwards: list[StepShape] = []  # the forwards of the last propose (drafters/base.py)
 
-    def new_state(self, prompt_ids: list[int]) -> DraftState:
+    def new_state(self, prompt_ids: list[int], tenant: str = "") -> DraftState:
+        # nothing crosses requests: the tenant does not matter
         return DraftState(self.model.new_cache(len(prompt_ids) + 64))
 
     def _sync_rows(self, state: DraftState, tokens: list[int]) -> list[int]:

@@ -109,7 +109,8 @@ class MTPDrafter:
                 raise ValueError("pre_norm feed: the target's final norm zeroes a channel")
             self.unnorm = 1.0 / scale
 
-    def new_state(self, prompt_ids: list[int]) -> MTPState:
+    def new_state(self, prompt_ids: list[int], tenant: str = "") -> MTPState:
+        # nothing crosses requests: the tenant does not matter
         return MTPState(self.head.new_cache(len(prompt_ids) + 64))
 
     def commit(self, state: MTPState, tokens: list[int], hidden: Tensor | None) -> None:

@@ -19,13 +19,20 @@ vote and `min_share` already stop at the branch points, and at batch 1 a rejecte
 costs ~3% of a step.
 
 Shared index (llama.cpp's "dynamic" lookup cache): a drafter also learns from the outputs of
-the requests it served. `free` adds a finished request's output to an index shared by all its
-requests (n-grams within one output only, never across two), bounded to the most recent
-`shared_tokens` output tokens (oldest outputs dropped, index rebuilt). Where no suffix of the
-request's own tokens occurred, the shared index is asked the same way: a model answering
-similar requests repeats its own phrasing (JSON keys and layout, code scaffolding). Drafts never
-change the output (verification is lossless), only how many target forwards it takes.
-docs/speculation.md has the replays behind these choices.
+the requests it served. `free` adds a finished request's output to the shared index of the
+request's tenant (n-grams within one output only, never across two). Where no suffix of the
+request's own tokens occurred, its tenant's shared index is asked the same way: a model
+answering similar requests repeats its own phrasing (JSON keys and layout, code scaffolding).
+Drafts never change the output (verification is lossless), only how many target forwards it
+takes. docs/speculation.md has the replays behind these choices.
+
+Why per tenant: drafts do not change the text, but they show in how many were accepted (the
+response's `speculative` block, the timing), so a request drafting from another client's output
+learns whether that client's text continues its own: a read of someone else's text, a token at a
+time. A request drafts only from the outputs of requests of its own tenant (`new_state`'s
+`tenant`; the server decides who that is, server/access.py); one tenant "" for all = the old
+global index. All tenants share one budget of `shared_tokens` output tokens (the oldest outputs,
+whoever's, are dropped and their tenants' indexes rebuilt), so many tenants cost no more memory.
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ NgramIndex = dict[tuple[int, ...], Followers]  # n-gram -> what followed its occ
 @dataclass(slots=True)
 class NgramState:
     index: list[NgramIndex]  # index[n - min_n] for n in [min_n, max_n]
+    tenant: str = ""  # whose shared index it drafts from and joins at `free`
     # len(tokens) at the last catch-up: n-grams ending below it are indexed. Those ending at
     # len(tokens) are not, since nothing follows them yet; that is also what keeps the
     # current suffix from matching itself.
@@ -91,6 +99,16 @@ def index_tokens(index: list[NgramIndex], min_n: int, tokens: Sequence[int], beg
             followers.add(follower)
 
 
+@dataclass(slots=True)
+class SharedIndex:
+    """One tenant's share of the shared index: its kept outputs (oldest first) and their
+    n-grams, index[n - min_n] as in a request's own."""
+
+    index: list[NgramIndex]
+    outputs: deque[list[int]] = field(default_factory=deque)
+    size: int = 0  # tokens in outputs
+
+
 class NgramDrafter:
     needs_hidden = False
 
@@ -111,14 +129,14 @@ class NgramDrafter:
         self.max_n = max_n
         self.forwards: list[StepShape] = []  # a lookup runs no model
         self.min_share = min_share
-        # the shared index (module docstring), like a request's own; off at 0 tokens
+        # the shared index (module docstring), one per tenant; off at 0 tokens
         self.shared_tokens = shared_tokens
-        self.shared: list[NgramIndex] = [{} for _ in range(min_n, max_n + 1)]
-        self.shared_outputs: deque[list[int]] = deque()  # what `shared` indexes, oldest first
-        self.shared_size = 0  # tokens in shared_outputs
+        self.shared: dict[str, SharedIndex] = {}
+        self.learned: deque[str] = deque()  # the tenant of every kept output, oldest first
+        self.shared_size = 0  # tokens kept, all tenants together
 
-    def new_state(self, prompt_ids: list[int]) -> NgramState:
-        state = NgramState([{} for _ in range(self.min_n, self.max_n + 1)])
+    def new_state(self, prompt_ids: list[int], tenant: str = "") -> NgramState:
+        state = NgramState([{} for _ in range(self.min_n, self.max_n + 1)], tenant)
         state.prompt_len = len(prompt_ids)
         self._catch_up(state, prompt_ids)
         return state
@@ -130,12 +148,13 @@ class NgramDrafter:
         """Up to k tokens, each the voted follower of the longest earlier-seen suffix of
         `tokens` + the drafts before it; empty when no suffix of length >= min_n occurred."""
         self._catch_up(state, tokens)
+        shared = self.shared.get(state.tenant)
         context = tokens[-self.max_n :]
         draft: list[int] = []
         while len(draft) < k:
             followers = self._longest_match(state.index, context)
-            if followers is None and self.shared_size:
-                followers = self._longest_match(self.shared, context)
+            if followers is None and shared is not None:
+                followers = self._longest_match(shared.index, context)
             if followers is None:
                 break
             token, share = followers.vote()
@@ -162,29 +181,48 @@ class NgramDrafter:
         state.tokens = tokens
 
     def free(self, state: NgramState) -> None:
-        """End of a request: its output joins the shared index; its own index is dropped."""
-        self.learn(state.tokens[state.prompt_len :])
+        """End of a request: its output joins its tenant's shared index; its own is dropped."""
+        self.learn(state.tokens[state.prompt_len :], state.tenant)
         self._clear(state)
 
-    def learn(self, output: Sequence[int]) -> None:
-        """Add one finished output to the shared index, dropping the oldest outputs (and
-        rebuilding the index from the rest) once it would exceed `shared_tokens` tokens."""
+    def learn(self, output: Sequence[int], tenant: str = "") -> None:
+        """Add one finished output to `tenant`'s shared index, dropping the oldest outputs of
+        any tenant (and rebuilding those tenants' indexes from the rest) once all of them
+        together would exceed `shared_tokens` tokens."""
         if not self.shared_tokens or len(output) <= self.min_n:
             return
         output = list(output[-self.shared_tokens :])
-        self.shared_outputs.append(output)
+        mine = self.shared.get(tenant)
+        if mine is None:
+            mine = self.shared[tenant] = SharedIndex(
+                [{} for _ in range(self.min_n, self.max_n + 1)]
+            )
+        mine.outputs.append(output)
+        mine.size += len(output)
+        self.learned.append(tenant)
         self.shared_size += len(output)
         if self.shared_size <= self.shared_tokens:
-            index_tokens(self.shared, self.min_n, output, self.min_n)
+            index_tokens(mine.index, self.min_n, output, self.min_n)
             return
         # over budget: keep the newest outputs that fit in half of it (a rebuild then happens
         # at most once per shared_tokens / 2 tokens learned: amortised O(1) per token)
-        while self.shared_size > self.shared_tokens // 2 and len(self.shared_outputs) > 1:
-            self.shared_size -= len(self.shared_outputs.popleft())
-        for table in self.shared:
-            table.clear()
-        for kept in self.shared_outputs:
-            index_tokens(self.shared, self.min_n, kept, self.min_n)
+        touched = {tenant}
+        while self.shared_size > self.shared_tokens // 2 and len(self.learned) > 1:
+            oldest = self.learned.popleft()
+            scope = self.shared[oldest]
+            dropped = len(scope.outputs.popleft())
+            scope.size -= dropped
+            self.shared_size -= dropped
+            touched.add(oldest)
+        for name in touched:
+            scope = self.shared[name]
+            if not scope.outputs:
+                del self.shared[name]
+                continue
+            for table in scope.index:
+                table.clear()
+            for kept in scope.outputs:
+                index_tokens(scope.index, self.min_n, kept, self.min_n)
 
     def _clear(self, state: NgramState) -> None:
         for table in state.index:
