@@ -16,7 +16,17 @@ user's browser. 403 (OpenAI-shaped) otherwise.
 API key: when one is set, every route needs `Authorization: Bearer <key>` (the scheme word in
 any case, RFC 7235) except /health and /metrics (probes and scrapers) and /admin (the page is
 static; its API needs the admin token, checked with the same parser in admin.py). So
-/openapi.json sits behind the key; it never lists the admin API either way.
+/openapi.json sits behind the key; it never lists the admin API either way. Several keys
+(`--api-key a,b`, llama.cpp's comma-separated list) are each accepted.
+
+Tenant (`tenant_of()`): who a request comes from, for what the engine shares across requests (the
+n-gram drafter's index of finished outputs, speculation/drafters/ngram.py): the API key it used
+(by its place in the list, so the key itself is kept nowhere else) and, within one key, the
+request's `user` field (OpenAI's end-user id: an application holding one key keeps its end users
+apart by setting it). Without a key, `user` alone, and every request without one is the one
+anonymous tenant: a self-declared `user` keeps cooperating clients apart, not a client who
+claims another's id, which only separate keys do. `--ngram-shared-scope global` makes every
+request one tenant (one index for all, as before).
 """
 
 from __future__ import annotations
@@ -49,6 +59,26 @@ def token_matches(authorization: str, expected: str) -> bool:
     return given is not None and secrets.compare_digest(
         given.encode("latin-1", "replace"), expected.encode()
     )
+
+
+def key_index(authorization: str, keys: tuple[str, ...]) -> int | None:
+    """Which of `keys` the header's Bearer token is (each compared in constant time), or None."""
+    given = bearer_token(authorization)
+    if given is None:
+        return None
+    sent = given.encode("latin-1", "replace")  # as in token_matches
+    matches = [i for i, key in enumerate(keys) if secrets.compare_digest(sent, key.encode())]
+    return matches[0] if matches else None
+
+
+def tenant_of(authorization: str, keys: tuple[str, ...], user: str | None, scope: str) -> str:
+    """The request's tenant (module docstring): "key<i>" and/or "user:<id>", or "" when it
+    names neither, or for every request when `scope` is "global"."""
+    if scope == "global":
+        return ""
+    key = key_index(authorization, keys) if keys else None
+    parts = ([] if key is None else [f"key{key}"]) + ([] if user is None else [f"user:{user}"])
+    return "/".join(parts)
 
 
 def hostname(netloc: str) -> str | None:
@@ -130,18 +160,20 @@ def _forbidden(what: str, code: str) -> APIError:
 
 
 class ApiKeyMiddleware:
-    """`Authorization: Bearer <api_key>` on every route but the public ones (when a key is set);
-    checked before the body is read, so an unauthenticated client learns nothing else."""
+    """`Authorization: Bearer <one of api_keys>` on every route but the public ones (when keys
+    are set); checked before the body is read, so an unauthenticated client learns nothing."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, on_error: Callable[[int], None]) -> None:
+    def __init__(
+        self, app: ASGIApp, api_keys: tuple[str, ...], on_error: Callable[[int], None]
+    ) -> None:
         self.app = app
-        self.api_key = api_key
+        self.api_keys = api_keys
         self.on_error = on_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope.get("path", "")
         if (
-            self.api_key is None
+            not self.api_keys
             or scope["type"] != "http"
             or path in PUBLIC_PATHS
             or path == "/admin"
@@ -150,7 +182,10 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if token_matches(headers.get(b"authorization", b"").decode("latin-1"), self.api_key):
+        if (
+            key_index(headers.get(b"authorization", b"").decode("latin-1"), self.api_keys)
+            is not None
+        ):
             await self.app(scope, receive, send)
             return
         self.on_error(401)

@@ -37,7 +37,7 @@ from quickdraft.engine import (
 from quickdraft.loading import ContextLengthError, LoadedModel
 from quickdraft.request import SamplingParams
 from quickdraft.server import admin
-from quickdraft.server.access import ApiKeyMiddleware, HostCheckMiddleware
+from quickdraft.server.access import ApiKeyMiddleware, HostCheckMiddleware, tenant_of
 from quickdraft.server.errors import BodyLimitMiddleware, error_response, install_error_handlers
 from quickdraft.server.metrics import now
 from quickdraft.server.protocol import (
@@ -80,7 +80,7 @@ def create_app(
     app.add_middleware(
         BodyLimitMiddleware, max_bytes=state.config.max_body_bytes, on_error=on_error
     )
-    app.add_middleware(ApiKeyMiddleware, api_key=state.config.api_key, on_error=on_error)
+    app.add_middleware(ApiKeyMiddleware, api_keys=state.config.api_keys, on_error=on_error)
     hosts = state.config.allowed_hosts
     app.add_middleware(HostCheckMiddleware, allowed_hosts=hosts, on_error=on_error)
     app.include_router(admin.router(state))
@@ -176,7 +176,11 @@ async def _generate(
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    slot = _admit(state, body.model, prompt_ids, params, rid, arrived)
+    cfg = state.config
+    who = tenant_of(
+        request.headers.get("authorization", ""), cfg.api_keys, body.user, cfg.ngram_shared_scope
+    )
+    slot = _admit(state, body.model, prompt_ids, params, rid, arrived, who)
     relay = _Relay(slot, body, rid, kind)
     if body.stream:
         return _SlotStreamingResponse(
@@ -198,6 +202,7 @@ def _admit(
     params: SamplingParams,
     rid: str,
     arrived: float,
+    tenant: str = "",
 ) -> Slot:
     retry = {"Retry-After": str(state.config.retry_after_s)}
     if state.draining:
@@ -211,7 +216,7 @@ def _admit(
             headers=retry,
         )
     try:
-        handle = state.engine.submit(model, prompt_ids, params, request_id=rid)
+        handle = state.engine.submit(model, prompt_ids, params, request_id=rid, tenant=tenant)
     except QueueFullError as exc:
         err = APIError(503, f"queue full: {exc}; retry later", code="queue_full", headers=retry)
         raise err from None

@@ -20,10 +20,13 @@ from quickdraft.engine import Engine, RequestHandle
 from quickdraft.server.metrics import Metrics, RequestTrack, now
 from quickdraft.server.settings import SpeculationSettings, save_settings
 
+NGRAM_SHARED_SCOPES = ("tenant", "global")
+
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    api_key: str | None = None  # required as `Authorization: Bearer <key>` when set (access.py)
+    # required as `Authorization: Bearer <key>` when set; several: comma-separated (access.py)
+    api_key: str | None = None
     admin_token: str | None = None  # the admin API's own token; None = admin API disabled
     max_concurrency: int = 32  # requests admitted at once (running + queued); more -> 503
     max_body_bytes: int = 1 << 20
@@ -32,14 +35,31 @@ class ServerConfig:
     settings_path: Path | None = None  # admin changes persist here (None: not persisted)
     # Host names answered besides localhost and IP literals; "*" = any (access.py says why)
     allowed_hosts: tuple[str, ...] = ()
+    # who shares the n-gram drafter's index of finished outputs: "tenant" = requests of one API
+    # key / `user` only, "global" = every request (access.py `tenant_of`)
+    ngram_shared_scope: str = "tenant"
 
     def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_keys:
+            raise ValueError(f"api_key names no key: {self.api_key!r}")
+        if self.ngram_shared_scope not in NGRAM_SHARED_SCOPES:
+            raise ValueError(
+                f"ngram_shared_scope must be one of {NGRAM_SHARED_SCOPES}, "
+                f"got {self.ngram_shared_scope!r}"
+            )
         if self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The accepted keys (`api_key` split at commas); () = none needed."""
+        if self.api_key is None:
+            return ()
+        return tuple(k.strip() for k in self.api_key.split(",") if k.strip())
 
 
 class Slot:
