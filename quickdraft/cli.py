@@ -208,6 +208,7 @@ def serve_options(args: argparse.Namespace) -> tuple[ServeOptions, ServerConfig]
         **given(
             api_key=args.api_key or os.environ.get("QUICKDRAFT_API_KEY") or None,
             admin_token=args.admin_token or os.environ.get("QUICKDRAFT_ADMIN_TOKEN") or None,
+            ngram_shared_scope=args.ngram_shared_scope,
             max_concurrency=args.max_concurrency,
             max_body_bytes=args.max_body_bytes,
             default_max_tokens=args.default_max_tokens,
@@ -251,7 +252,15 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--api-key",
         default=None,
-        help="require it on every route but /health, /metrics, /admin (env QUICKDRAFT_API_KEY)",
+        help="require it on every route but /health, /metrics, /admin (env QUICKDRAFT_API_KEY); "
+        "several: comma-separated, each a tenant of its own",
+    )
+    s.add_argument(
+        "--ngram-shared-scope",
+        default=None,
+        choices=["tenant", "global"],
+        help="who drafts from whose finished outputs (the n-gram shared index): 'tenant' "
+        "(default) = requests of one API key / user field only, 'global' = all requests",
     )
     s.add_argument(
         "--allowed-hosts",

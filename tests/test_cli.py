@@ -144,3 +144,11 @@ def test_cli_serve_shutdown_timeout() -> None:
     assert opts.shutdown_timeout_s == 2.5
     with pytest.raises(ValueError, match="shutdown timeout"):
         serve_options(build_parser().parse_args(["serve", "--shutdown-timeout", "-1"]))
+
+
+def test_cli_serve_ngram_shared_scope_and_several_api_keys() -> None:
+    _, config = serve_options(build_parser().parse_args(["serve"]))
+    assert config.ngram_shared_scope == "tenant"
+    argv = ["serve", "--ngram-shared-scope", "global", "--api-key", "k1, k2"]
+    _, config = serve_options(build_parser().parse_args(argv))
+    assert config.ngram_shared_scope == "global" and config.api_keys == ("k1", "k2")
