@@ -18,6 +18,7 @@ import torch
 
 from quickdraft.bench.peers import PEERS
 from quickdraft.config import (
+    DEFAULT_DRAFT_VOCAB,
     DEFAULT_DRAFTS,
     DEFAULT_DTYPE,
     DEFAULT_MODEL,
@@ -86,6 +87,13 @@ def _add_spec_args(p: argparse.ArgumentParser, paired_default: bool) -> None:
         default=None,
         choices=list(QUANTIZATIONS),
         help=DRAFT_QUANTIZATION_HELP,
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help=f"token ids the draft model scores: the vocabulary's first N and the end-of-"
+        f"generation ids ({DEFAULT_DRAFT_VOCAB}; 0: all); never changes the output",
     )
     p.add_argument(
         "--ngram-min", type=int, default=None, help="shortest suffix the n-gram drafter matches"
@@ -178,6 +186,7 @@ def spec_config(args: argparse.Namespace) -> SpeculativeConfig:
         draft_model=args.draft_model,
         num_draft_tokens=args.num_draft_tokens,
         draft_quantization=args.draft_quantization,
+        draft_vocab=args.draft_vocab,
     )
     if args.speculative_config is not None:
         if flags:

@@ -133,6 +133,11 @@ QUANTIZATIONS = ("gguf", "none", "int8", "int4")
 # draft-model weights where the CLI and benchmarks are not told otherwise: same output, faster
 # drafts (docs/benchmarks.md: draft vs draft_unquantized)
 DEFAULT_DRAFT_QUANTIZATION = "int4"
+# token ids a draft model's head scores: the first N of the vocabulary (a BPE vocabulary lists
+# its tokens in merge order, roughly the most frequent first) plus the end-of-generation ids;
+# the rest are never drafted (the target still decides every token). 0: the whole vocabulary.
+# docs/speculation.md ("A draft model's vocabulary") has the measurements.
+DEFAULT_DRAFT_VOCAB = 98304
 # output tokens the n-gram drafter's shared index keeps (~300 requests of 200 tokens, ~25 MB of
 # index at most); 0 turns it off
 NGRAM_SHARED_TOKENS = 1 << 16
@@ -173,6 +178,8 @@ class SpeculativeConfig:
     draft_model: str | None = None  # catalog name / path, for method "draft"
     # the draft model's weights (DRAFT_QUANTIZATION_HELP); "none" keeps the target's dtype
     draft_quantization: str = DEFAULT_DRAFT_QUANTIZATION
+    # token ids the draft model scores (DEFAULT_DRAFT_VOCAB); 0: all
+    draft_vocab: int = DEFAULT_DRAFT_VOCAB
     ngram_min: int = NGRAM_MIN
     ngram_max: int = NGRAM_MAX
     # n-gram drafter: most recent output tokens of finished requests it also looks up (0: off)
@@ -194,6 +201,8 @@ class SpeculativeConfig:
             raise ValueError(
                 f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}"
             )
+        if self.draft_vocab < 0:
+            raise ValueError(f"draft_vocab must be >= 0 (0: all), got {self.draft_vocab}")
         if self.ngram_shared_tokens < 0:
             raise ValueError(f"ngram_shared_tokens must be >= 0, got {self.ngram_shared_tokens}")
 
@@ -210,6 +219,7 @@ _VLLM_SPEC_KEYS = {
     "prompt_lookup_min": "ngram_min",
     "prompt_lookup_max": "ngram_max",
     "quantization": "draft_quantization",
+    "draft_vocab_size": "draft_vocab",
 }
 _VLLM_METHODS = {"draft_model": "draft", "ngram": "ngram", "draft": "draft", "mtp": "mtp"}
 

@@ -1,12 +1,15 @@
-"""Draft-model drafter: a packed batch of jobs drafts exactly what each job drafts alone."""
+"""Draft-model drafter: a packed batch of jobs drafts exactly what each job drafts alone; a
+restricted draft vocabulary scores its kept ids exactly as before and keeps greedy output."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from quickdraft.config import SpeculativeConfig
 from quickdraft.loading import load
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.cost import StepShape
@@ -70,3 +73,74 @@ def test_draft_model_lists_the_forwards_of_each_propose(tiny_model_dir: Path) ->
     drafter.propose([DraftJob(s, t, 2, SamplingParams(), torch.Generator()) for s, t in pairs])
     # packed: the idle phase and the new prompt, then one row each
     assert drafter.forwards == [StepShape(20 + len(other), 2, 2), StepShape(2, 2, 0)]
+
+
+FORMATS = ["fp32", "bf16-panels", "int8", "int4"]
+
+
+def restricted_pair(directory: Path, fmt: str) -> tuple[Any, Any]:
+    """The same tiny model loaded twice in `fmt`; the second scores ids [0, 96) and 300, 301."""
+    dtype = "fp32" if fmt == "fp32" else "bf16"
+    quant = fmt if fmt in ("int8", "int4") else "none"
+    full = load(str(directory), dtype, progress=False, quantization=quant).model
+    cut = load(str(directory), dtype, progress=False, quantization=quant).model
+    cut.restrict_vocab_(90, [300, 301, 5])  # 90 -> 96 (whole panels); 5 is kept already
+    return full, cut
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_restricted_vocab_scores_the_kept_ids_as_before(tiny_model_dir: Path, fmt: str) -> None:
+    """The kept prefix of the head is the same rows in the same format: those logits are the
+    unrestricted model's bit for bit; the extra ids' rows are dequantized (close); every other
+    id is -inf, so it can never be drafted."""
+    full, cut = restricted_pair(tiny_model_dir, fmt)
+    assert cut.vocab_kept == 98 and full.vocab_kept is None
+    ids = torch.tensor([3, 17, 42, 99, 250, 7])
+    a = full(ids, [full.new_cache(16)], [6], logit_rows=torch.arange(6)).logits
+    b = cut(ids, [cut.new_cache(16)], [6], logit_rows=torch.arange(6)).logits
+    assert b.shape == a.shape
+    assert torch.equal(b[:, :96], a[:, :96])
+    torch.testing.assert_close(b[:, [300, 301]], a[:, [300, 301]], atol=0.05, rtol=0.05)
+    others = torch.ones(a.shape[1], dtype=torch.bool)
+    others[:96], others[[300, 301]] = False, False
+    assert bool((b[:, others] == float("-inf")).all())
+
+
+def test_restricted_vocab_draft_keeps_greedy_output_and_its_own_cost_table(
+    tiny_model_dir: Path, near_draft_dir: Path
+) -> None:
+    """A draft model scoring 160 of 320 ids: speculation still equals plain decoding, drafts
+    are still accepted, and its step-cost table is another than the full head's."""
+    from quickdraft.engine import stream
+    from quickdraft.speculation.cost import cost_key
+    from quickdraft.speculation.factory import make_speculation
+
+    lm = load(str(tiny_model_dir), "fp32", progress=False)
+    cfg = SpeculativeConfig(
+        method="draft",
+        num_draft_tokens=3,
+        draft_model=str(near_draft_dir),
+        draft_quantization="none",
+        draft_vocab=160,
+        adaptive=False,
+    )
+    spec = make_speculation(lm, cfg)
+    assert spec is not None
+    drafter = spec.drafter
+    assert isinstance(drafter, DraftModelDrafter) and drafter.model.vocab_kept == 160 + len(
+        [i for i in lm.eos_ids if i >= 160]
+    )
+    full = load(str(near_draft_dir), "fp32", progress=False).model
+    assert cost_key(drafter.model) != cost_key(full)
+    accepted = 0
+    for text in ("the cat sat on the mat. the cat sat on the", "abcabcabcabcabc"):
+        ids = lm.tokenizer.encode(text)
+        outs = []
+        for s in (None, spec):
+            req = lm.new_request(ids, SamplingParams(max_tokens=24, ignore_eos=True))
+            for _ in stream(lm, req, s):
+                pass
+            outs.append(req.output_ids)
+            accepted += req.spec.accepted
+        assert outs[0] == outs[1], text
+    assert accepted > 0

@@ -512,3 +512,18 @@ def test_f32_file_greedy_equals_transformers(arch: str, home: Path, tmp_path: Pa
     for _ in stream(lm, req):
         pass
     assert req.output_ids == hf_ids.tolist()
+
+
+def test_restricted_vocab_keeps_the_gguf_head_rows(built: Built) -> None:
+    """A GGUF head cut to its first panels stays in its block format, and those ids' logits
+    are bit for bit the unrestricted model's."""
+    cut = load(str(built.gguf), "gguf", progress=False).model
+    cut.restrict_vocab_(64, [VOCAB - 1])
+    head: Any = cut.head
+    assert isinstance(head, GGUFWeight) and head.out_features == 64
+    logits = all_logits(load(str(built.gguf), "gguf", progress=False), built.ids)
+    ids = built.ids
+    mine = cut(ids, [cut.new_cache(len(ids))], [len(ids)], logit_rows=torch.arange(len(ids)))
+    assert torch.equal(mine.logits[:, :64], logits[:, :64])
+    assert bool((mine.logits[:, 64 : VOCAB - 1] == float("-inf")).all())
+    torch.testing.assert_close(mine.logits[:, -1], logits[:, -1], atol=0.1, rtol=0.05)

@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 
 from quickdraft.kernels.build import kernels_available
-from quickdraft.kernels.linear_bf16 import PanelWeight, linear, linear_panel
-from quickdraft.kernels.linear_gguf import GGUFWeight, linear_gguf
+from quickdraft.kernels.linear_bf16 import PANEL, PanelWeight, linear, linear_panel
+from quickdraft.kernels.linear_gguf import GGUFPart, GGUFWeight, linear_gguf
 from quickdraft.kernels.linear_int import Int4Weight, Int8Weight, linear_int4, linear_int8
 
 # a projection's GEMM operand: bf16/fp32, bf16 in 16-row panels, int8 + row scales, 4-bit, or
@@ -45,3 +45,37 @@ def to_panels(weight: Weight) -> Weight:
     if isinstance(weight, Tensor) and weight.dtype == torch.bfloat16 and weight.dim() == 2:
         return PanelWeight.pack(weight)
     return weight
+
+
+def panel_rows(weight: Weight, p0: int, p1: int) -> Weight:
+    """Output rows [16 p0, 16 p1) (clipped to N) of an operand, in its own format: the packed
+    formats store rows in panels of 16, so whole panels slice exactly (a copy, so the rest of
+    the weight can be freed)."""
+    n = weight.shape[0]
+    r0, r1 = p0 * PANEL, min(p1 * PANEL, n)
+    if r0 >= r1:
+        raise ValueError(f"rows [{r0}, {r1}) of a {n}-row weight")
+    if isinstance(weight, Tensor):
+        return weight[r0:r1].clone()
+    if isinstance(weight, PanelWeight):
+        return PanelWeight(weight.packed[p0:p1].clone(), r1 - r0)
+    if isinstance(weight, Int8Weight):
+        scale = weight.scale[r0:r1].clone()
+        return Int8Weight(weight.packed[p0:p1].clone(), scale, weight.in_features)
+    if isinstance(weight, Int4Weight):
+        return Int4Weight(weight.packed[p0:p1].clone(), r1 - r0, weight.in_features)
+    if len(weight.parts) != 1:
+        raise ValueError("rows of a fused GGUF operand (several formats) are not sliced")
+    part = GGUFPart(weight.parts[0].fmt, weight.parts[0].packed[p0:p1].clone(), r1 - r0)
+    return GGUFWeight((part,), weight.in_features)
+
+
+def dequantized_rows(weight: Weight, ids: list[int]) -> Tensor:
+    """Rows `ids` of an operand's values, fp32 [len(ids), K], one 16-row panel dequantized at a
+    time (no copy of the whole weight)."""
+    rows = []
+    for i in ids:
+        panel = panel_rows(weight, i // PANEL, i // PANEL + 1)
+        values = panel.float() if isinstance(panel, Tensor) else panel.dequantize(torch.float32)
+        rows.append(values[i % PANEL])
+    return torch.stack(rows)

@@ -92,6 +92,15 @@ class LanguageModel(Protocol):
         """GEMM operands -> `fmt` ("int8" / "int4") in place; ValueError where unsupported."""
         ...
 
+    def restrict_vocab_(self, keep: int, extra: Sequence[int] = ()) -> None:
+        """Score only token ids [0, keep) and `extra`, -inf for the rest (a draft model)."""
+        ...
+
+    @property
+    def vocab_kept(self) -> int | None:
+        """Token ids the head scores after `restrict_vocab_`, else None."""
+        ...
+
     def __call__(
         self,
         input_ids: Tensor,  # [N] new tokens of all sequences, packed in `caches` order

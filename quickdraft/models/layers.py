@@ -1,5 +1,6 @@
-"""Building blocks shared by every model file: RMSNorm, RoPE tables, fused projections, and
-the conversion of a model's GEMM operands (panels, int8, int4).
+"""Building blocks shared by every model file: RMSNorm, RoPE tables, fused projections, the
+conversion of a model's GEMM operands (panels, int8, int4), and a draft model's restricted
+vocabulary (`VocabSubset`).
 
 Contract: all functions take packed tokens `[num_tokens, ...]` (no batch dim). Math follows the
 Hugging Face reference so that fp32 logits match it to < 1e-4 (tests/test_models.py). The ops
@@ -9,14 +10,16 @@ reference.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from quickdraft.kernels.gemm import Weight
+from quickdraft.kernels.gemm import Weight, dequantized_rows, panel_rows, project
+from quickdraft.kernels.linear_bf16 import PANEL
 from quickdraft.kernels.pointwise import add_rms_norm, rms_norm
 
 
@@ -157,3 +160,41 @@ def release_fused_(model: nn.Module) -> None:
                 setattr(module, name, torch.empty(0))
         if isinstance(module, LinearView):
             module.weight.data = module.weight.new_empty(0)
+
+
+@dataclass(frozen=True, slots=True)
+class VocabSubset:
+    """The token ids a restricted head scores: ids [0, keep) (whole 16-row panels of the
+    head operand) and `extra_ids` past them (rows in `extra`, model dtype); every other id of
+    the `vocab` gets a -inf logit."""
+
+    keep: int
+    vocab: int
+    extra_ids: Tensor | None  # [E] int64
+    extra: Tensor | None  # [E, hidden]
+
+    @property
+    def kept(self) -> int:
+        return self.keep + (0 if self.extra_ids is None else len(self.extra_ids))
+
+    def logits(self, x: Tensor, head: Weight) -> Tensor:
+        """[n, hidden] final-norm rows -> [n, vocab] fp32; `head` holds the first `keep` rows."""
+        part = project(x, head).float()
+        full = part.new_full((x.shape[0], self.vocab), float("-inf"))
+        full[:, : self.keep] = part
+        if self.extra_ids is not None and self.extra is not None:
+            full[:, self.extra_ids] = project(x, self.extra).float()
+        return full
+
+
+def restrict_head(
+    head: Weight, keep: int, extra: Sequence[int], dtype: torch.dtype
+) -> tuple[Weight, VocabSubset]:
+    """A head operand cut to its first `keep` rows (rounded up to a whole panel, in its own
+    format, exactly) and the rows of the `extra` ids past them (dequantized to `dtype`)."""
+    vocab = head.shape[0]
+    keep = min(vocab, -(-keep // PANEL) * PANEL)
+    ids = sorted({i for i in extra if keep <= i < vocab})
+    rows = dequantized_rows(head, ids).to(dtype) if ids else None
+    extra_ids = torch.tensor(ids, device=rows.device) if rows is not None else None
+    return panel_rows(head, 0, keep // PANEL), VocabSubset(keep, vocab, extra_ids, rows)

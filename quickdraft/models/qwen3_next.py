@@ -45,8 +45,10 @@ from quickdraft.models.layers import (
     OperandModule,
     RMSNorm,
     Rope,
+    VocabSubset,
     convert_operands_,
     fused_projections,
+    restrict_head,
 )
 from quickdraft.models.llama import Embedding
 from quickdraft.models.moe import GatedMLP, SparseMoE
@@ -298,6 +300,7 @@ class HybridLM(OperandModule):
         )
         self.lm_head = LinearView(head, None)
         self.head: Weight = self.lm_head.weight.detach()  # GEMM operand, as in GatedAttention
+        self.vocab: VocabSubset | None = None  # as a draft model, a restricted vocabulary
         self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, device)
         self.num_attention_layers = cfg.layer_types.count("full_attention")
         self.gdn_shape = GDNStateShape(
@@ -319,6 +322,20 @@ class HybridLM(OperandModule):
     def quantize_(self, fmt: str) -> None:
         """Integer operands are for dense draft models (CausalLM.quantize_)."""
         raise ValueError(f"{fmt} weights are supported for dense models only, not HybridLM")
+
+    def restrict_vocab_(self, keep: int, extra: Sequence[int] = ()) -> None:
+        """As CausalLM.restrict_vocab_: score only ids [0, keep) and `extra` (a draft model)."""
+        self.head, self.vocab = restrict_head(self.head, keep, extra, self.dtype)
+
+    @property
+    def vocab_kept(self) -> int | None:
+        return None if self.vocab is None else self.vocab.kept
+
+    def _logits(self, x: Tensor) -> Tensor:
+        """[n, hidden] final-norm rows -> [n, vocab] fp32 logits."""
+        if self.vocab is None:
+            return project(x, self.head).float()
+        return self.vocab.logits(x, self.head)
 
     def new_cache(self, capacity: int) -> HybridCache:
         cfg = self.config
@@ -353,7 +370,5 @@ class HybridLM(OperandModule):
             logit_rows = torch.tensor(list(num_new), device=self.device).cumsum(0) - 1
         if return_hidden:
             hidden = self.model.norm(x)  # [N, hidden]
-            logits = project(hidden[logit_rows], self.head).float()
-            return ForwardOutput(logits, hidden)
-        logits = project(self.model.norm(x[logit_rows]), self.head).float()
-        return ForwardOutput(logits, None)
+            return ForwardOutput(self._logits(hidden[logit_rows]), hidden)
+        return ForwardOutput(self._logits(self.model.norm(x[logit_rows])), None)

@@ -252,6 +252,7 @@ def cost_key(model: LanguageModel) -> dict[str, Any]:
         "config": repr(model.config),
         "dtype": str(model.dtype),
         "operands": [[name, count] for name, count in sorted(formats.items())],  # as in JSON
+        **({} if model.vocab_kept is None else {"vocab_kept": model.vocab_kept}),
         "isa": isa(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

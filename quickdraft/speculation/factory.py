@@ -47,6 +47,8 @@ def _draft_model(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, C
             f"draft model {config.draft_model!r} does not share the target's tokenizer "
             f"({lm.name}): speculative decoding needs identical token ids"
         )
+    if 0 < config.draft_vocab < draft.model.config.vocab_size:
+        draft.model.restrict_vocab_(config.draft_vocab, lm.eos_ids)
     drafter = DraftModelDrafter(draft.model, lm.model.config.vocab_size)
     return drafter, lambda: model_cost(draft.model)
 
