@@ -2,10 +2,11 @@
 // speculative verify), for AVX2 + FMA CPUs (bound in bindings.cpp); the Python-facing contract
 // and the torch reference are kernels/attention.py's (`attend`, `reference_attend`).
 //
-//   attend(q [n, H, d], k [Hkv, S, d], v [Hkv, S, d], start, scale) -> [n, H * d]
-//   query i (at position start + i) of head h attends to keys 0 .. start + i of kv head
-//   h / (H / Hkv), softmax(scale * q.k) weighted sum of v; q, k, v all bf16 or all fp32, any
-//   strides with a contiguous last dim; output in q's dtype. fp32 math, one rounding.
+//   attend(q [n, H, d], k [Hkv, S, d], v [Hkv, S, d], start, scale, window) -> [n, H * d]
+//   query i (at position p = start + i) of head h attends to keys lo .. p of kv head
+//   h / (H / Hkv), lo = 0 (window 0) or max(0, p - window + 1) (a sliding-window layer),
+//   softmax(scale * q.k) weighted sum of v; q, k, v all bf16 or all fp32, any strides with a
+//   contiguous last dim; output in q's dtype. fp32 math, one rounding.
 //
 // Why: torch's SDPA costs ~0.25 ms per layer for one query row here (dispatch, threading and
 // its flash-kernel setup for a few KFLOP), and with the causal mask a verify needs, ~0.55 ms
@@ -18,7 +19,9 @@
 // the query packed in the matching even/odd order), takes a two-pass softmax per row, and sums
 // p * v (2 rows x 32 dims per tile). Each row's arithmetic depends only on its own limit, not
 // on n or its tile neighbours (keys past a row's limit get p = 0 and add exactly nothing), so a
-// row of a verify equals the same row of a decode step bit for bit.
+// row of a verify equals the same row of a decode step bit for bit. A sliding window's keys
+// below a row's lo get p = 0 the same way; a task starts at its lowest lo rounded down to a
+// multiple of 8, so a key keeps its softmax lane (s % 8) whatever rows share the task.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -114,20 +117,26 @@ void score_rows(const float* qp, int64_t d, const T* k, int64_t ks, int64_t nkey
   }
 }
 
-// In place: row sc[0, limit) -> exp(sc - max), zero on [limit, width); returns the sum.
-float softmax_numerators(float* sc, int64_t limit, int64_t width) {
+// In place: row sc[lo, limit) -> exp(sc - max), zero on [first, lo) and [limit, width);
+// returns the sum. `first` (a multiple of 8, <= lo) is where the task's scores start.
+float softmax_numerators(float* sc, int64_t first, int64_t lo, int64_t limit, int64_t width) {
   const float ninf = -std::numeric_limits<float>::infinity();
   const int64_t padded = (limit + 7) / 8 * 8;  // sc has room up to a multiple of 8
+  for (int64_t s = first; s < lo; ++s) sc[s] = ninf;
   for (int64_t s = limit; s < padded; ++s) sc[s] = ninf;
   __m256 m = _mm256_set1_ps(ninf);
-  for (int64_t s = 0; s < padded; s += 8) m = _mm256_max_ps(m, _mm256_load_ps(sc + s));
+  for (int64_t s = first; s < padded; s += 8) m = _mm256_max_ps(m, _mm256_load_ps(sc + s));
   const __m256 mx = _mm256_set1_ps(hmax(m));
   __m256 sum = _mm256_setzero_ps();
-  for (int64_t s = 0; s < padded; s += 8) {
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t s = first; s < padded; s += 8) {
     __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(sc + s), mx));
     if (s + 8 > limit) {  // lanes past the limit: exactly 0
-      const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
       const __m256 keep = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(limit - s)), _CMP_LT_OQ);
+      e = _mm256_and_ps(e, keep);
+    }
+    if (s < lo) {  // lanes below the window: exactly 0
+      const __m256 keep = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(lo - s)), _CMP_GE_OQ);
       e = _mm256_and_ps(e, keep);
     }
     _mm256_store_ps(sc + s, e);
@@ -165,7 +174,7 @@ void weighted_values(const float* p, int64_t ldp, const T* v, int64_t vs, int64_
 
 template <class T>
 void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
-                 float scale, at::Tensor& out) {
+                 float scale, int64_t window, at::Tensor& out) {
   using R = Row16<T>;
   const int64_t n = q.size(0), H = q.size(1), d = q.size(2);
   const int64_t Hkv = k.size(0), group = H / Hkv;
@@ -186,14 +195,17 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t h = t / blocks, r0 = (t % blocks) * kRowsPerTask;
       const int nr = static_cast<int>(std::min<int64_t>(kRowsPerTask, rows - r0));
-      int64_t limit[kRowsPerTask];
+      int64_t limit[kRowsPerTask], lo[kRowsPerTask];
       const T* qrow[kRowsPerTask];
       T* orow[kRowsPerTask];
-      int64_t keys = 0;  // the task's longest limit
+      int64_t keys = 0;            // the task's longest limit
+      int64_t first = max_keys;    // the task's lowest window start
       for (int r = 0; r < nr; ++r) {
         const int64_t g = (r0 + r) / n, i = (r0 + r) % n, head = h * group + g;
         limit[r] = start + i + 1;
+        lo[r] = window > 0 ? std::max<int64_t>(0, limit[r] - window) : 0;
         keys = std::max(keys, limit[r]);
+        first = std::min(first, lo[r]);
         qrow[r] = qb + i * qs0 + head * qs1;
         orow[r] = ob + i * (H * d) + head * d;
       }
@@ -204,17 +216,22 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
             const int src = R::kEvenOdd ? (e < 8 ? 2 * e : 2 * (e - 8) + 1) : e;
             qp[r * d + j + e] = qd_simd::load1(qrow[r] + j + src) * scale;
           }
-      const T* kh = kb + h * ks0;
-      const T* vh = vb + h * vs0;
+      first = first / 8 * 8;  // keys below it are outside every row's window
+      const T* kh = kb + h * ks0 + first * ks1;
+      const T* vh = vb + h * vs0 + first * vs1;
+      float* const sf = sc + first;
+      const int64_t span = keys - first;
       int r = 0;
-      for (; r + 4 <= nr; r += 4) score_rows<T, 4>(qp + r * d, d, kh, ks1, keys, sc + r * ldsc, ldsc);
-      for (; r < nr; ++r) score_rows<T, 1>(qp + r * d, d, kh, ks1, keys, sc + r * ldsc, ldsc);
+      for (; r + 4 <= nr; r += 4) score_rows<T, 4>(qp + r * d, d, kh, ks1, span, sf + r * ldsc, ldsc);
+      for (; r < nr; ++r) score_rows<T, 1>(qp + r * d, d, kh, ks1, span, sf + r * ldsc, ldsc);
       float inv[kRowsPerTask];
-      for (r = 0; r < nr; ++r) inv[r] = 1.0f / softmax_numerators(sc + r * ldsc, limit[r], ldsc);
+      for (r = 0; r < nr; ++r)
+        inv[r] = 1.0f / softmax_numerators(sc + r * ldsc, first, lo[r], limit[r], ldsc);
       for (r = 0; r + 2 <= nr; r += 2)
-        weighted_values<T, 2>(sc + r * ldsc, ldsc, vh, vs1, std::max(limit[r], limit[r + 1]), d,
-                              o + r * d);
-      if (r < nr) weighted_values<T, 1>(sc + r * ldsc, ldsc, vh, vs1, limit[r], d, o + r * d);
+        weighted_values<T, 2>(sf + r * ldsc, ldsc, vh, vs1,
+                              std::max(limit[r], limit[r + 1]) - first, d, o + r * d);
+      if (r < nr)
+        weighted_values<T, 1>(sf + r * ldsc, ldsc, vh, vs1, limit[r] - first, d, o + r * d);
       for (r = 0; r < nr; ++r) {
         const float* src = o + r * d;
         const __m256 scl = _mm256_set1_ps(inv[r]);
@@ -253,14 +270,15 @@ bool qd_attend_eligible(const at::Tensor& q, const at::Tensor& k, const at::Tens
 }
 
 at::Tensor qd_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
-                     double scale) {
+                     double scale, int64_t window) {
+  TORCH_CHECK(window >= 0, "quickdraft attend: window must be >= 0 (0: none)");
   TORCH_CHECK(qd_attend_eligible(q, k, v, start),
               "quickdraft attend: q [n, H, d], k and v [Hkv, start + n, d] of one float "
               "dtype (bf16/fp32) on the CPU, d % 32 == 0, H % Hkv == 0, contiguous last dims");
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   if (q.scalar_type() == at::kFloat)
-    attend_impl<float>(q, k, v, start, static_cast<float>(scale), out);
+    attend_impl<float>(q, k, v, start, static_cast<float>(scale), window, out);
   else
-    attend_impl<u16>(q, k, v, start, static_cast<float>(scale), out);
+    attend_impl<u16>(q, k, v, start, static_cast<float>(scale), window, out);
   return out;
 }

@@ -1,8 +1,10 @@
 """Causal grouped-query attention of the new queries of one sequence over its KV cache.
 
-Contract: `attend(q [n, H, d], k [Hkv, S, d], v [Hkv, S, d], start, scale) -> [n, H * d]`:
-query i (at position start + i) of head h attends to keys 0 .. start + i of kv head
-h / (H / Hkv). Every call the C++ kernel accepts runs it (attention.cpp: fp32 math, and a row's
+Contract: `attend(q [n, H, d], k [Hkv, S, d], v [Hkv, S, d], start, scale, window=0)
+-> [n, H * d]`: query i (at position p = start + i) of head h attends to keys 0 .. p of kv head
+h / (H / Hkv); with `window` > 0 (a sliding-window layer) to keys max(0, p - window + 1) .. p
+only, so a row's keys depend on its own position, never on the call's other rows.
+Every call the C++ kernel accepts runs it (attention.cpp: fp32 math, and a row's
 result depends only on its own query and keys, not on n or start's split: a row of a verify,
 of a prompt chunk or of a whole prompt equals the same row of a decode step bit for bit); the
 rest (head sizes not a multiple of 32, mixed dtypes, no extension) run `reference_attend`
@@ -18,24 +20,26 @@ from torch import Tensor
 from quickdraft.kernels.build import extension
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float, window: int = 0) -> Tensor:
     """Causal grouped-query attention of n new queries at positions [start, start + n).
 
     q `[n, heads, head_dim]`; k, v `[kv_heads, start + n, head_dim]` -> `[n, heads * head_dim]`:
-    query i sees keys 0 .. start + i. The C++ kernel (kernels/attention.cpp: fp32 math, rows
-    independent of n) when it accepts the inputs, else `reference_attend` (SDPA). Prompt
-    chunks take the kernel too: it is batch-invariant and, measured with bench-sized shapes
-    (12 heads over 2 kv heads, d 128, bf16, this 2-core host), 2x faster than SDPA at 64-1024
-    causal queries.
+    query i sees keys 0 .. start + i (window 0), or the last `window` of them. The C++
+    kernel (kernels/attention.cpp: fp32 math, rows independent of n) when it accepts the
+    inputs, else `reference_attend` (SDPA). Prompt chunks take the kernel too: it is
+    batch-invariant and, measured with bench-sized shapes (12 heads over 2 kv heads, d 128,
+    bf16, this 2-core host), 2x faster than SDPA at 64-1024 causal queries.
     """
     ext = extension() if q.is_cpu else None
     if ext is not None and ext.attend_eligible(q, k, v, start):
-        out: Tensor = ext.attend(q, k, v, start, scale)
+        out: Tensor = ext.attend(q, k, v, start, scale, window)
         return out
-    return reference_attend(q, k, v, start, scale)
+    return reference_attend(q, k, v, start, scale, window)
 
 
-def reference_attend(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float) -> Tensor:
+def reference_attend(
+    q: Tensor, k: Tensor, v: Tensor, start: int, scale: float, window: int = 0
+) -> Tensor:
     """`attend` by torch's SDPA. The query heads sharing a kv head are folded into the
     query-row dimension (`[1, kv_heads, group * n, d]`): SDPA then takes its fast fused CPU
     kernel in bf16 as well (its enable_gqa and per-head bmm paths are 4-20x slower here) and the
@@ -45,9 +49,13 @@ def reference_attend(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float) 
     group = heads // kv_heads
     qg = q.view(n, kv_heads, group, d).permute(1, 2, 0, 3).reshape(1, kv_heads, group * n, d)
     mask = None
-    if n > 1:
+    if n > 1 or (window and k.shape[1] > window):
         # row (g, i) is query i at absolute position start + i: it sees keys 0..start + i
+        # (the last `window` of them in a sliding-window layer)
         rows = torch.arange(n, device=q.device).repeat(group)[:, None] + start
-        mask = torch.arange(k.shape[1], device=q.device)[None, :] <= rows  # [group * n, S]
+        keys = torch.arange(k.shape[1], device=q.device)[None, :]
+        mask = keys <= rows  # [group * n, S]
+        if window:
+            mask &= keys > rows - window
     out = F.scaled_dot_product_attention(qg, k[None], v[None], attn_mask=mask, scale=scale)
     return out[0].view(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)

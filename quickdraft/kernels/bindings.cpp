@@ -70,7 +70,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("attend", &qd_attend, "causal GQA of n new queries over a KV cache (decode / verify)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("start"), py::arg("scale"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("attend_eligible", &qd_attend_eligible, "whether `attend` accepts these inputs",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("start"));
   m.def("kernel_calls", &qd_kernel_calls,

@@ -61,6 +61,6 @@ at::Tensor qd_linear_i8(const at::Tensor& x, const at::Tensor& packed, const at:
 bool qd_attend_eligible(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         int64_t start);
 at::Tensor qd_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
-                     double scale);
+                     double scale, int64_t window = 0);
 // dense_layer.cpp
 void qd_register_dense_layer(py::module_& m);
