@@ -126,8 +126,8 @@ def test_assemble_truncated_part_fails_clearly(tmp_path: Path) -> None:
 def test_convert_gguf_unsupported_architecture(tmp_path: Path) -> None:
     import gguf
 
-    path = tmp_path / "tiny-gemma3.gguf"
-    writer = gguf.GGUFWriter(str(path), "gemma3")
+    path = tmp_path / "tiny-phi3.gguf"
+    writer = gguf.GGUFWriter(str(path), "phi3")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     writer.write_header_to_file()
@@ -135,7 +135,7 @@ def test_convert_gguf_unsupported_architecture(tmp_path: Path) -> None:
     writer.write_tensors_to_file()
     writer.close()
     out = tmp_path / "models" / "tiny" / "bf16"
-    with pytest.raises(hub.UnsupportedArchitectureError, match="'gemma3' is not supported"):
+    with pytest.raises(hub.UnsupportedArchitectureError, match="'phi3' is not supported"):
         hub.convert_gguf(path, out, "bf16", progress=False)
     assert not out.exists()
 
@@ -293,3 +293,19 @@ def test_resolve_gguf_path_converts_once(smollm2_fp32: Path, smollm2_gguf: Path)
     ]
     assert digest[0] == digest[1]
     assert hub.resolve(str(smollm2_gguf), "fp32") == first
+
+
+def test_convert_gguf_missing_metadata_is_named(tmp_path: Path) -> None:
+    """A supported architecture whose file lacks a required key: an error naming the key."""
+    import gguf
+
+    path = tmp_path / "no-width.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(hub.HubError, match=re.escape("gemma3.embedding_length")):
+        hub.convert_gguf(path, tmp_path / "out", "bf16", progress=False)

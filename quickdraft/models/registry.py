@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 
 from quickdraft.config import ModelConfig
+from quickdraft.models.gemma3 import Gemma3Config, Gemma3LM
 from quickdraft.models.hybrid_config import (
     HYBRID_TYPES,
     HybridConfig,
@@ -27,10 +28,14 @@ DENSE_TYPES = ("llama", "qwen2", "qwen3")
 MODELS: dict[str, type[nn.Module]] = {
     **{t: CausalLM for t in DENSE_TYPES},
     **{t: HybridLM for t in HYBRID_TYPES},
+    "gemma3_text": Gemma3LM,
 }
 
 # model_type -> config.json reader (model dir -> config record); default ModelConfig.from_hf
-CONFIGS: dict[str, Callable[[Path], Any]] = {t: HybridConfig.from_hf for t in HYBRID_TYPES}
+CONFIGS: dict[str, Callable[[Path], Any]] = {
+    **{t: HybridConfig.from_hf for t in HYBRID_TYPES},
+    "gemma3_text": Gemma3Config.from_hf,
+}
 
 # model_type -> (config -> checkpoint name map); default: checkpoint names are ours
 NAME_MAPS: dict[str, Callable[[Any], NameMap]] = {t: checkpoint_name_map for t in HYBRID_TYPES}
