@@ -39,8 +39,10 @@ from quickdraft.models.layers import (
     OperandModule,
     RMSNorm,
     Rope,
+    VocabSubset,
     convert_operands_,
     fused_projections,
+    restrict_head,
 )
 from quickdraft.models.llama import _QUANTIZERS, Embedding
 
@@ -265,6 +267,7 @@ class Gemma3LM(OperandModule):
         self.rope_local = Rope(cfg.head_dim, cfg.rope_local_theta, device)
         # HF multiplies by sqrt(hidden) rounded to the model dtype
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=dtype, device=device)
+        self.vocab: VocabSubset | None = None  # as a draft model, a restricted vocabulary
         self.requires_grad_(False)
 
     def quantize_(self, fmt: str) -> None:
@@ -276,6 +279,21 @@ class Gemma3LM(OperandModule):
     def pack_(self) -> None:
         """bf16 projection operands -> PanelWeight (same values, the panel kernel's layout)."""
         convert_operands_(self, to_panels)
+
+    def restrict_vocab_(self, keep: int, extra: Sequence[int] = ()) -> None:
+        """Score only token ids [0, keep) and `extra` (see llama.CausalLM.restrict_vocab_)."""
+        self.head, self.vocab = restrict_head(self.head, keep, extra, self.dtype)
+
+    @property
+    def vocab_kept(self) -> int | None:
+        """Token ids the head scores when restricted (`restrict_vocab_`), else None."""
+        return None if self.vocab is None else self.vocab.kept
+
+    def _logits(self, x: Tensor) -> Tensor:
+        """[n, hidden] final-norm rows -> [n, vocab] fp32 logits."""
+        if self.vocab is None:
+            return project(x, self.head).float()
+        return self.vocab.logits(x, self.head)
 
     def new_cache(self, capacity: int) -> KVCache:
         cfg = self.config
@@ -312,6 +330,5 @@ class Gemma3LM(OperandModule):
             logit_rows = torch.tensor(list(num_new), device=self.device).cumsum(0) - 1
         if return_hidden:
             hidden = self.model.norm(h)  # [N, hidden] post-norm
-            return ForwardOutput(project(hidden[logit_rows], self.head).float(), hidden)
-        last = self.model.norm(h[logit_rows])
-        return ForwardOutput(project(last, self.head).float(), None)
+            return ForwardOutput(self._logits(hidden[logit_rows]), hidden)
+        return ForwardOutput(self._logits(self.model.norm(h[logit_rows])), None)
