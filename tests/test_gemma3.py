@@ -9,6 +9,7 @@ decoding."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,12 @@ from test_linear_gguf import random_blocks
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import stream
+from quickdraft.engine.core import EngineCore
+from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.kernels import build
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.loading import LoadedModel, load
+from quickdraft.models.gguf_loader import PACKED_NAME, GGUFTensorError
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.factory import make_speculation
 
@@ -254,3 +258,54 @@ def test_gelu_rows_are_batch_invariant() -> None:
     whole = F.gelu(x, approximate="tanh")
     alone = torch.stack([F.gelu(r, approximate="tanh") for r in x.unbind(0)])
     assert not torch.equal(whole, alone)  # why the rows go one at a time
+
+
+def test_second_load_reads_the_packed_copy(quant: tuple[Path, LoadedModel]) -> None:
+    """The packed copy written beside the model on the first load gives a Gemma3LM with the
+    same bits (its norms, already shifted to HF's w, are not shifted twice)."""
+    path, first = quant
+    assert (first.path / PACKED_NAME).is_file()
+    second = load(str(path), "gguf", progress=False)
+    ids = torch.tensor(first.tokenizer.encode(PROMPT))
+    nets: list[Any] = [first.model, second.model]
+    outs = [n(ids, [n.new_cache(64)], [len(ids)], logit_rows=torch.arange(len(ids))) for n in nets]
+    assert torch.equal(outs[0].logits, outs[1].logits)
+
+
+@needs_kernel
+def test_requests_decoded_together_equal_each_alone(quant: tuple[Path, LoadedModel]) -> None:
+    """Two sequences at different positions (different window starts) in one packed forward
+    per step give each the tokens it gets alone."""
+    _, lm = quant
+    prompts = [lm.tokenizer.encode(PROMPT), lm.tokenizer.encode("Short one.")]
+    alone = [greedy(lm, ids, 40)[0] for ids in prompts]
+    core = EngineCore(lm, SchedulerConfig(max_running=2))
+    reqs = [lm.new_request(ids, SamplingParams(max_tokens=40, ignore_eos=True)) for ids in prompts]
+    for req in reqs:
+        core.add(req, None)
+    while core.has_work:
+        core.step()
+    assert core.stats.max_batch == 2
+    assert [r.output_ids for r in reqs] == alone
+
+
+def test_missing_tensor_is_named(home: Path, tmp_path: Path) -> None:
+    """A gemma3 file without one of its norms fails naming the tensor, on both load paths."""
+    full = write_tiny_gemma3(tmp_path / "full.gguf", F32)
+    reader = gguf.GGUFReader(str(full))
+    w = gguf.GGUFWriter(str(tmp_path / "cut.gguf"), "gemma3")
+    for field in reader.fields.values():
+        if field.name.startswith(("GGUF.", "general.architecture")):
+            continue
+        w.add_key_value(field.name, field.contents(), field.types[0], field.types[-1])
+    for t in reader.tensors:
+        if t.name != "blk.2.post_ffw_norm.weight":
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFTensorError, match=re.escape("'blk.2.post_ffw_norm.weight'")):
+        load(str(tmp_path / "cut.gguf"), "gguf", progress=False)
+    with pytest.raises(ValueError, match="post_feedforward_layernorm"):
+        load(str(tmp_path / "cut.gguf"), "fp32", progress=False)

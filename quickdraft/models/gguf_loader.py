@@ -111,7 +111,7 @@ class _File:
         loaded = [(name, *self.rows(name, (n, k), heads)) for name, n, heads in parts]
         types = {t for _, t, _ in loaded}
         if types <= set(_FLOAT_TYPES):
-            rows = [torch.from_numpy(np.asarray(r, dtype=np.float32)) for _, _, r in loaded]
+            rows = [torch.from_numpy(np.array(r, dtype=np.float32)) for _, _, r in loaded]
             return torch.cat(rows).to(dtype)
         if types & set(_FLOAT_TYPES):
             raise GGUFTensorError(
