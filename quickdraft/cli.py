@@ -334,6 +334,25 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     spec = spec_config(args)
+    if args.soak:
+        from quickdraft.bench.soak import SoakTest, run_soak
+
+        m = args.max_tokens
+        run_soak(
+            SoakTest(
+                **given(
+                    model=args.model,
+                    dtype=args.dtype,
+                    spec=spec,
+                    requests=args.requests,
+                    concurrency=None if args.concurrency is None else args.concurrency[0],
+                    max_tokens=None if m is None else (max(1, m // 8), max(1, m // 2), m),
+                    threads=args.threads,
+                    out_dir=None if args.out is None else Path(args.out),
+                )
+            )
+        )
+        return 0
     if args.serve:
         from quickdraft.bench.serving import LoadTest, run_load_test
 
@@ -384,8 +403,19 @@ def _add_bench_args(b: argparse.ArgumentParser) -> None:
         help="HTTP serving benchmark instead: a `quickdraft serve` process under load at each "
         "--concurrency, speculation (as the flags above set it) on vs off",
     )
-    b.add_argument("--concurrency", type=int, nargs="+", default=None, help="--serve: (1 4 8)")
-    b.add_argument("--requests", type=int, default=None, help="--serve: requests per level")
+    b.add_argument(
+        "--soak",
+        action="store_true",
+        help="soak benchmark instead: --requests (1000) at --concurrency (16) against one "
+        "`quickdraft serve`, 10%% cancelled mid-stream, 5%% invalid; reports lost requests, "
+        "5xx, greedy outputs != their single-request output, RSS and live sequences after",
+    )
+    b.add_argument(
+        "--concurrency", type=int, nargs="+", default=None, help="--serve: (1 4 8); --soak: (16)"
+    )
+    b.add_argument(
+        "--requests", type=int, default=None, help="--serve: requests per level; --soak: all"
+    )
     b.add_argument("--max-tokens", type=int, default=None, help="output tokens per request")
     b.add_argument("--per-set", type=int, default=None, help="prompts per set (default: all)")
     b.add_argument(
