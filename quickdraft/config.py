@@ -135,9 +135,10 @@ QUANTIZATIONS = ("gguf", "none", "int8", "int4")
 DEFAULT_DRAFT_QUANTIZATION = "int4"
 # token ids a draft model's head scores: the first N of the vocabulary (a BPE vocabulary lists
 # its tokens in merge order, roughly the most frequent first) plus the end-of-generation ids;
-# the rest are never drafted (the target still decides every token). 0: the whole vocabulary.
-# docs/speculation.md ("A draft model's vocabulary") has the measurements.
-DEFAULT_DRAFT_VOCAB = 98304
+# the rest are never drafted (the target still decides every token). 0: the whole vocabulary,
+# the default: for the Qwen2.5 0.5B/1.5B pair no cut paid (docs/speculation.md, "A draft
+# model's vocabulary"); it is for drafts whose head is a large share of their bytes.
+DEFAULT_DRAFT_VOCAB = 0
 # output tokens the n-gram drafter's shared index keeps (~300 requests of 200 tokens, ~25 MB of
 # index at most); 0 turns it off
 NGRAM_SHARED_TOKENS = 1 << 16
