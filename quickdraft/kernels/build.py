@@ -55,6 +55,7 @@ SOURCES = [
         "linear_gguf_avx512.cpp",
         "norm_rope.cpp",
         "gdn_ops.cpp",
+        "gdn_delta.cpp",
         "attention.cpp",
         "dense_layer.cpp",
     )

@@ -25,7 +25,7 @@ never writes it (a rejected draft must cost nothing):
       state_cache.py commits by remembering m and applies the updates at the next forward, in
       one pass over the state.
   recurrent_updates(y [T, C] conv output, g, beta, state, k_heads) -> out, DeltaUpdates:
-      prepare_qk + delta_rule_updates in one C++ call (gdn_ops.cpp), which runs the recurrence
+      prepare_qk + delta_rule_updates in one C++ call (gdn_delta.cpp), which runs the recurrence
       token by token and builds each token's state with the very code advance_state's kernel
       (gdn_advance) commits with: a verify's rows equal decode steps' bit for bit (batch
       invariance). The torch functions are its reference and its fallback (no extension),

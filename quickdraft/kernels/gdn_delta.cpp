@@ -1,0 +1,235 @@
+// The Gated DeltaNet delta rule over one short chunk (a decode step or a verify) and the
+// commit of kept updates, for AVX2 + FMA CPUs. Bound in bindings.cpp; the Python-facing contract
+// and the torch references are quickdraft/kernels/gdn.py's.
+//
+//   gdn_delta(y [T, C] fp32, g [T, H], beta [T, H], state [H, dk, dv], k_heads)
+//       -> out [T, H, dv], k [H, T, dk], d [H, T, dv], g [H, T]   (all fp32)
+//   gdn_advance(state [H, dk, dv] fp32, k [H, m, dk], d [H, m, dv], g [H, m])   in place
+//
+// Why: a verify's delta rule in torch is ~40 ops (cat, bmm, a triangular solve...) on tensors
+// of a few KB, each costing its dispatch, not its arithmetic. All math fp32.
+//
+// gdn_delta is kernels/gdn.py's delta_rule_updates after prepare_qk, for one chunk of T tokens,
+// as the recurrence itself, token by token: with q, k L2-normalised (q also scaled by
+// dk^-0.5), e_t = exp(g_t) and S the state before token t (S0, the committed state, for t = 0),
+//   a = S^T k_t,  b = S^T q_t                    (read_state: two vectors, one pass)
+//   d_t   = beta_t (v_t - e_t a)
+//   out_t = e_t b + (q_t . k_t) d_t               (= S_t^T q_t)
+//   S_t   = e_t S + k_t d_t^T                     (step_rows, into a scratch copy: S0 is
+//                                                  never written)
+// gdn_advance applies the first m kept (k, d, g) to the committed state with the same
+// step_rows. So token t of a verify reads bitwise the state that t decode steps (each
+// committing one token) leave, and computes from it with the same code: a verify's rows equal
+// decode steps' bit for bit (batch invariance). The cost over the closed chunk form (which read
+// the state once for all T tokens) is T - 1 more reads and writes of a per-head scratch copy
+// (dk x dv fp32, 64 KiB at 128 x 128) that stays in L2.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// ---- gated delta rule over one short chunk ---------------------------------------------------
+
+// acc[g][j] (+)= sum_{i < rows} coef[g][i] * S[i][j0 + j] for G coefficient vectors, j in
+// [0, 8J): one pass over a tile of the state (`init`: start from zero, else accumulate).
+template <int G, int J>
+void read_block(const float* S, int64_t rows, int64_t dv, int64_t j0, const float* const* coef,
+                float* const* acc, bool init) {
+  __m256 a[G][J];
+#pragma GCC unroll 16
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int j = 0; j < J; ++j)
+      a[g][j] = init ? _mm256_setzero_ps() : _mm256_loadu_ps(acc[g] + j0 + 8 * j);
+  for (int64_t i = 0; i < rows; ++i) {
+    __m256 s[J];
+#pragma GCC unroll 4
+    for (int j = 0; j < J; ++j) s[j] = _mm256_loadu_ps(S + i * dv + j0 + 8 * j);
+#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g) {
+      const __m256 c = _mm256_broadcast_ss(coef[g] + i);
+#pragma GCC unroll 4
+      for (int j = 0; j < J; ++j) a[g][j] = _mm256_fmadd_ps(c, s[j], a[g][j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int j = 0; j < J; ++j) _mm256_storeu_ps(acc[g] + j0 + 8 * j, a[g][j]);
+}
+
+// out[g] = S^T coef[g] for n <= 10 coefficient vectors. The state is walked in tiles of 16
+// whole rows (8 KiB at dv = 128): a column block over all dk rows would stride by a row
+// (512 B) and keep only a few L1 sets busy, so every tile row would come from L2 again.
+void read_state(const float* S, int64_t dk, int64_t dv, const float* const* coef,
+                float* const* out, int n) {
+  const int J = n <= 2 && dv % 32 == 0 ? 4 : (n <= 4 && dv % 16 == 0 ? 2 : 1);
+  constexpr int64_t kRows = 16;
+  for (int64_t i0 = 0; i0 < dk; i0 += kRows) {
+    const int64_t rows = std::min(kRows, dk - i0);
+    const float* c[10];
+    for (int g = 0; g < n; ++g) c[g] = coef[g] + i0;
+    const float* tile = S + i0 * dv;
+    const bool init = i0 == 0;
+    for (int64_t j0 = 0; j0 < dv; j0 += 8 * J) {
+      switch (n * 10 + J) {
+#define QD_CASE(G, JJ) \
+  case G * 10 + JJ:    \
+    read_block<G, JJ>(tile, rows, dv, j0, c, out, init); \
+    break;
+        QD_CASE(1, 4) QD_CASE(2, 4) QD_CASE(1, 2) QD_CASE(2, 2) QD_CASE(3, 2) QD_CASE(4, 2)
+        QD_CASE(1, 1) QD_CASE(2, 1) QD_CASE(3, 1) QD_CASE(4, 1) QD_CASE(5, 1) QD_CASE(6, 1)
+        QD_CASE(7, 1) QD_CASE(8, 1) QD_CASE(9, 1) QD_CASE(10, 1)
+#undef QD_CASE
+        default:
+          TORCH_CHECK(false, "gdn_delta: bad read block ", n, "x", J);
+      }
+    }
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  float s = 0.0f;
+  for (float l : lanes) s += l;
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// the most kept updates gdn_advance applies in one call (kernels/gdn.py CHUNK_SIZE)
+constexpr int64_t kMaxAdvance = 64;
+
+// m token updates S <- e_j S + k_j d_j^T, in order, on rows [0, rows) of S (row i scales by
+// e_j and adds k_j[i] d_j), row by row: a row stays in L1 across the m updates, so applying m
+// kept updates costs one pass over the state. Every element takes the same instructions (an
+// fma of k_j[i] d_j[c] onto e_j S[i][c]) whatever m is and whether src == dst: the commit
+// (gdn_advance) and a verify's in-chunk states run this one function.
+void step_rows(const float* src, float* dst, int64_t rows, int64_t dv, int m, const float* e,
+               const float* const* k, const float* const* d) {
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t c = 0; c < dv; c += 8) {
+      __m256 s = _mm256_loadu_ps(src + i * dv + c);
+      for (int j = 0; j < m; ++j)
+        s = _mm256_fmadd_ps(_mm256_set1_ps(k[j][i]), _mm256_loadu_ps(d[j] + c),
+                            _mm256_mul_ps(_mm256_set1_ps(e[j]), s));
+      _mm256_storeu_ps(dst + i * dv + c, s);
+    }
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qd_gdn_delta(
+    const at::Tensor& y_in, const at::Tensor& g_in, const at::Tensor& beta_in,
+    const at::Tensor& state_in, int64_t k_heads) {
+  for (const auto* t : {&y_in, &g_in, &beta_in, &state_in})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat,
+                "gdn_delta: CPU fp32 tensors only");
+  TORCH_CHECK(state_in.dim() == 3 && y_in.dim() == 2 && g_in.dim() == 2,
+              "gdn_delta: y [T, C], g / beta [T, H], state [H, dk, dv]");
+  const int64_t H = state_in.size(0), dk = state_in.size(1), dv = state_in.size(2);
+  const int64_t Tn = y_in.size(0), kd = k_heads * dk;
+  TORCH_CHECK(k_heads > 0 && H % k_heads == 0 && dk % 8 == 0 && dv % 8 == 0,
+              "gdn_delta: heads must group evenly and head dims be multiples of 8");
+  TORCH_CHECK(y_in.size(1) == 2 * kd + H * dv, "gdn_delta: y must be [T, 2 Hk dk + H dv]");
+  TORCH_CHECK(g_in.sizes() == beta_in.sizes() && g_in.size(0) == Tn && g_in.size(1) == H,
+              "gdn_delta: g and beta must be [T, H]");
+  const at::Tensor y = y_in.contiguous(), beta = beta_in.contiguous();
+  const at::Tensor state = state_in.contiguous();
+  auto opts = y.options();
+  at::Tensor out = at::empty({Tn, H, dv}, opts), k_out = at::empty({H, Tn, dk}, opts);
+  at::Tensor d_out = at::empty({H, Tn, dv}, opts), g_out = g_in.t().contiguous();  // [H, T]
+  const float* yp = y.data_ptr<float>();
+  const float* gp = g_out.data_ptr<float>();
+  const float* bp = beta.data_ptr<float>();
+  const float* sp = state.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* kp = k_out.data_ptr<float>();
+  float* dp = d_out.data_ptr<float>();
+  const int64_t C = y.size(1), group = H / k_heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  // A one-token step is ~1 us of work per head: a second thread's fork/join costs more.
+  const int64_t grain = Tn == 1 ? H : 1;
+  at::parallel_for(0, H, grain, [&](int64_t h0, int64_t h1) {
+    std::vector<float> qn(dk), ks(dv), qs(dv);
+    std::vector<float> work(Tn > 1 ? dk * dv : 0);  // the state inside the chunk
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t hk = h / group;
+      const float* S = sp + h * dk * dv;
+      for (int64_t t = 0; t < Tn; ++t) {
+        const float* q = yp + t * C + hk * dk;
+        const float* k = yp + t * C + kd + hk * dk;
+        float* kn = kp + (h * Tn + t) * dk;  // normalised keys go straight to the updates
+        const float qinv = 1.0f / std::sqrt(dot(q, q, dk) + 1e-6f);
+        const float kinv = 1.0f / std::sqrt(dot(k, k, dk) + 1e-6f);
+        for (int64_t i = 0; i < dk; ++i) {
+          qn[i] = q[i] * qinv * scale;
+          kn[i] = k[i] * kinv;
+        }
+        const float* coef[2] = {kn, qn.data()};
+        float* res[2] = {ks.data(), qs.data()};
+        read_state(S, dk, dv, coef, res, 2);
+        const float et = std::exp(gp[h * Tn + t]), bt = bp[t * H + h];
+        const float kq = dot(qn.data(), kn, dk);
+        const float* v = yp + t * C + 2 * kd + h * dv;
+        float* dt = dp + (h * Tn + t) * dv;
+        float* o = op + (t * H + h) * dv;
+        for (int64_t i = 0; i < dv; ++i) dt[i] = (v[i] - et * ks[i]) * bt;
+        for (int64_t i = 0; i < dv; ++i) o[i] = et * qs[i] + kq * dt[i];
+        if (t + 1 < Tn) {  // S_t, the state the next token reads
+          const float* kj[1] = {kn};
+          const float* dj[1] = {dt};
+          step_rows(S, work.data(), dk, dv, 1, &et, kj, dj);
+          S = work.data();
+        }
+      }
+    }
+  });
+  return {out, k_out, d_out, g_out};
+}
+
+void qd_gdn_advance(at::Tensor state, const at::Tensor& k_in, const at::Tensor& d_in,
+                    const at::Tensor& g_in) {
+  for (const at::Tensor* t : {static_cast<const at::Tensor*>(&state), &k_in, &d_in, &g_in})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat,
+                "gdn_advance: CPU fp32 tensors only");
+  TORCH_CHECK(state.dim() == 3 && state.is_contiguous() && k_in.dim() == 3 && d_in.dim() == 3 &&
+                  g_in.dim() == 2,
+              "gdn_advance: state [H, dk, dv] contiguous, k [H, m, dk], d [H, m, dv], g [H, m]");
+  const int64_t H = state.size(0), dk = state.size(1), dv = state.size(2), m = g_in.size(1);
+  TORCH_CHECK(dv % 8 == 0 && m <= kMaxAdvance && g_in.size(0) == H && k_in.size(0) == H &&
+                  k_in.size(1) == m && k_in.size(2) == dk && d_in.size(0) == H &&
+                  d_in.size(1) == m && d_in.size(2) == dv,
+              "gdn_advance: shapes must agree, dv % 8 == 0, m <= ", kMaxAdvance);
+  if (m == 0) return;
+  const at::Tensor k = k_in.contiguous(), d = d_in.contiguous(), g = g_in.contiguous();
+  float* sp = state.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* dp = d.data_ptr<float>();
+  const float* gp = g.data_ptr<float>();
+  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+    float e[kMaxAdvance];
+    const float* kj[kMaxAdvance];
+    const float* dj[kMaxAdvance];
+    for (int64_t h = h0; h < h1; ++h) {
+      for (int64_t j = 0; j < m; ++j) {
+        e[j] = std::exp(gp[h * m + j]);
+        kj[j] = kp + (h * m + j) * dk;
+        dj[j] = dp + (h * m + j) * dv;
+      }
+      float* S = sp + h * dk * dv;
+      step_rows(S, S, dk, dv, static_cast<int>(m), e, kj, dj);
+    }
+  });
+}
