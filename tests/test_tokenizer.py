@@ -128,3 +128,29 @@ def test_tokenizer_real_chat_unchanged_and_injection_plain(model: str) -> None:
         benign = tok.encode_chat(user("x"))
         assert [i for i in ids if i in specials] == [i for i in benign if i in specials]
         assert tok.decode(ids, skip_special_tokens=False) == tok.render_chat(user(content))
+
+
+def test_chat_request_passes_message_names_to_the_template(tiny_model_dir: Path) -> None:
+    """`messages[].name` reaches the chat template (which prints it where it has a place for
+    it, as plain text); a template without one ignores it."""
+    from quickdraft.server.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": "hi", "name": "ada"},
+                {"role": "developer", "content": "be brief"},
+            ],
+        }
+    )
+    chat = req.chat()
+    assert chat == [
+        {"role": "user", "content": "hi", "name": "ada"},
+        {"role": "system", "content": "be brief"},
+    ]
+    tok = Tokenizer(tiny_model_dir)
+    plain = tok.encode_chat([{"role": "user", "content": "hi"}])
+    assert tok.encode_chat(chat[:1]) == plain  # ChatML has no place for a name
+    tok.chat_template = "{% for m in messages %}{{ m.name or '?' }}: {{ m.content }}\n{% endfor %}"
+    assert tok.decode(tok.encode_chat(chat)) == "ada: hi\n?: be brief\n"

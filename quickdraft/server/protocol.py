@@ -193,9 +193,14 @@ class ChatCompletionRequest(GenerateRequest):
         return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
 
     def chat(self) -> list[dict[str, Any]]:
-        # "developer" is OpenAI's newer name for "system"; chat templates know "system"
+        # "developer" is OpenAI's newer name for "system"; chat templates know "system". A
+        # message's `name` goes to the template, which uses it where it has a place for it.
         return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": m.text(),
+                **({} if m.name is None else {"name": m.name}),
+            }
             for m in self.messages
         ]
 
