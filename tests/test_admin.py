@@ -146,6 +146,8 @@ BAD_CHANGES: list[tuple[str, dict[str, Any], str]] = [
     ("not-a-model-dir", {"draft_model": "NOT_A_MODEL"}, "draft_model"),
     ("nul-byte", {"draft_model": "qwen\x00"}, "draft_model"),
     ("unknown-field", {"extra": 1}, "extra"),
+    ("mtp-without-head", {"method": "mtp"}, "method"),
+    ("mtp-without-head-while-off", {"enabled": False, "method": "mtp"}, "method"),
 ]
 
 

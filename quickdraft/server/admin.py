@@ -8,7 +8,8 @@ without a restart, and writes the settings file; a change the engine cannot appl
 draft model with another tokenizer) answers 400 and leaves the old settings in force. Every
 field is checked before anything is applied or stored, whatever the method and whether
 speculation is on: a draft model must be a catalog name, a model directory or a .gguf file
-(never any other path, e.g. `../../etc/passwd`).
+(never any other path, e.g. `../../etc/passwd`), and method `mtp` needs a model whose
+checkpoint has an MTP head.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from quickdraft.server.metrics import now
 from quickdraft.server.protocol import APIError
 from quickdraft.server.settings import METHODS, SpeculationSettings
 from quickdraft.server.state import ServerState
+from quickdraft.speculation.drafters.mtp import mtp_tensor_names
 
 STATIC = Path(__file__).resolve().parent / "static"
 # the page loads only its own script; no framing (clickjacking of the settings form)
@@ -66,6 +68,9 @@ def router(state: ServerState) -> APIRouter:
             raise APIError(404, f"model {name!r} is not served", "name", "model_not_found")
         if body.enabled and body.method == "draft" and not body.draft_model:
             raise APIError(400, "method 'draft' needs a draft model", "draft_model")
+        if body.method == "mtp" and not mtp_tensor_names(state.engine.models[name].lm.path):
+            # checked even with speculation off: it is stored, and refused once switched on
+            raise APIError(400, f"model {name!r} has no MTP head (no mtp.* tensors)", "method")
         if body.draft_model is not None:  # checked even when unused now: it is stored
             try:
                 hub.check_model(body.draft_model)

@@ -44,6 +44,16 @@ from quickdraft.speculation.drafters.base import Draft, DraftJob, draft_one
 HiddenFeed = Literal["post_norm", "pre_norm"]
 
 
+def mtp_tensor_names(path: str | Path) -> list[str]:
+    """The `mtp.*` tensor names of checkpoint dir `path` (safetensors headers only; none for a
+    directory without safetensors, e.g. a GGUF model)."""
+    names: list[str] = []
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            names += [n for n in f.keys() if n.startswith("mtp.")]  # noqa: SIM118
+    return names
+
+
 def load_mtp_head(model: LanguageModel, path: str | Path) -> MTPHead:
     """The `mtp.*` tensors of checkpoint dir `path` as a head sharing the target's embedding
     and lm_head. A clear error if the checkpoint has no head (or a layout we cannot run)."""
@@ -51,10 +61,7 @@ def load_mtp_head(model: LanguageModel, path: str | Path) -> MTPHead:
     target: nn.Module = model
     path = Path(path)
     files = sorted(path.glob("*.safetensors"))
-    names: list[str] = []
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            names += [n for n in f.keys() if n.startswith("mtp.")]  # noqa: SIM118
+    names = mtp_tensor_names(path)
     if not names:
         raise ValueError(
             f"{path} has no MTP head (no mtp.* tensors): --speculative-method mtp needs a "
