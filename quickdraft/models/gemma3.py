@@ -35,6 +35,7 @@ from quickdraft.models.base import ForwardOutput, packed_positions
 from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.layers import (
     GGUFEmbedding,
+    HeadLogits,
     LinearView,
     OperandModule,
     RMSNorm,
@@ -42,7 +43,6 @@ from quickdraft.models.layers import (
     VocabSubset,
     convert_operands_,
     fused_projections,
-    restrict_head,
 )
 from quickdraft.models.llama import _QUANTIZERS, Embedding
 
@@ -241,7 +241,7 @@ class DecoderModel(nn.Module):
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
-class Gemma3LM(OperandModule):
+class Gemma3LM(HeadLogits, OperandModule):
     OPERANDS: ClassVar[tuple[str, ...]] = ("head",)
 
     def __init__(self, cfg: Gemma3Config, dtype: torch.dtype, device: torch.device | str = "cpu"):
@@ -279,21 +279,6 @@ class Gemma3LM(OperandModule):
     def pack_(self) -> None:
         """bf16 projection operands -> PanelWeight (same values, the panel kernel's layout)."""
         convert_operands_(self, to_panels)
-
-    def restrict_vocab_(self, keep: int, extra: Sequence[int] = ()) -> None:
-        """Score only token ids [0, keep) and `extra` (see llama.CausalLM.restrict_vocab_)."""
-        self.head, self.vocab = restrict_head(self.head, keep, extra, self.dtype)
-
-    @property
-    def vocab_kept(self) -> int | None:
-        """Token ids the head scores when restricted (`restrict_vocab_`), else None."""
-        return None if self.vocab is None else self.vocab.kept
-
-    def _logits(self, x: Tensor) -> Tensor:
-        """[n, hidden] final-norm rows -> [n, vocab] fp32 logits."""
-        if self.vocab is None:
-            return project(x, self.head).float()
-        return self.vocab.logits(x, self.head)
 
     def new_cache(self, capacity: int) -> KVCache:
         cfg = self.config

@@ -198,3 +198,32 @@ def restrict_head(
     rows = dequantized_rows(head, ids).to(dtype) if ids else None
     extra_ids = torch.tensor(ids, device=rows.device) if rows is not None else None
     return panel_rows(head, 0, keep // PANEL), VocabSubset(keep, vocab, extra_ids, rows)
+
+
+class HeadLogits:
+    """The head half of a model class (mixed into CausalLM, HybridLM, Gemma3LM): logits from
+    the `head` operand, and the draft models' restricted vocabulary. The class sets `head`,
+    `vocab = None` and `dtype`."""
+
+    head: Weight
+    vocab: VocabSubset | None
+    dtype: torch.dtype
+
+    def restrict_vocab_(self, keep: int, extra: Sequence[int] = ()) -> None:
+        """Score only the first `keep` token ids (rounded up to whole 16-row panels) and the ids
+        in `extra`; every other id gets a -inf logit. For a draft model: it never proposes those
+        ids, which cannot change the output (the target verifies every token, and a draft's
+        distribution restricted to a subset is still a valid proposal for rejection sampling),
+        and its head shrinks. Call it last: after `pack_` / `quantize_`."""
+        self.head, self.vocab = restrict_head(self.head, keep, extra, self.dtype)
+
+    @property
+    def vocab_kept(self) -> int | None:
+        """Token ids the head scores when restricted (`restrict_vocab_`), else None."""
+        return None if self.vocab is None else self.vocab.kept
+
+    def _logits(self, x: Tensor) -> Tensor:
+        """[n, hidden] final-norm rows -> [n, vocab] fp32 logits."""
+        if self.vocab is None:
+            return project(x, self.head).float()
+        return self.vocab.logits(x, self.head)

@@ -28,6 +28,7 @@ from quickdraft.models.base import ForwardOutput, packed_positions
 from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.layers import (
     GGUFEmbedding,
+    HeadLogits,
     LinearView,
     OperandModule,
     RMSNorm,
@@ -35,7 +36,6 @@ from quickdraft.models.layers import (
     VocabSubset,
     convert_operands_,
     fused_projections,
-    restrict_head,
 )
 
 
@@ -214,7 +214,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
-class CausalLM(OperandModule):
+class CausalLM(HeadLogits, OperandModule):
     OPERANDS: ClassVar[tuple[str, ...]] = ("head",)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
@@ -249,27 +249,6 @@ class CausalLM(OperandModule):
             raise ValueError(f"unknown weight format {fmt!r}; supported: {', '.join(_QUANTIZERS)}")
         convert_operands_(self, _QUANTIZERS[fmt])
         self._fused = None
-
-    def restrict_vocab_(self, keep: int, extra: Sequence[int] = ()) -> None:
-        """Score only the first `keep` token ids (rounded up to whole 16-row panels) and the ids
-        in `extra`; every other id gets a -inf logit. For a draft model: it never proposes those
-        ids, which cannot change the output (the target verifies every token, and a draft's
-        distribution restricted to a subset is still a valid proposal for rejection sampling),
-        and its head shrinks (Qwen2.5-0.5B: 151936 rows of 896, ~28 % of its int4 bytes).
-        Call it last: after `pack_` / `quantize_`."""
-        self.head, self.vocab = restrict_head(self.head, keep, extra, self.dtype)
-        self._fused = None
-
-    @property
-    def vocab_kept(self) -> int | None:
-        """Token ids the head scores when restricted (`restrict_vocab_`), else None."""
-        return None if self.vocab is None else self.vocab.kept
-
-    def _logits(self, x: Tensor) -> Tensor:
-        """[n, hidden] final-norm rows -> [n, vocab] fp32 logits."""
-        if self.vocab is None:
-            return project(x, self.head).float()
-        return self.vocab.logits(x, self.head)
 
     def pack_(self) -> None:
         """bf16 projection operands -> PanelWeight (the same values, in the layout the panel

@@ -41,6 +41,7 @@ from quickdraft.kernels.pointwise import rope as apply_rope
 from quickdraft.models.base import ForwardOutput, packed_positions
 from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.layers import (
+    HeadLogits,
     LinearView,
     OperandModule,
     RMSNorm,
@@ -48,7 +49,6 @@ from quickdraft.models.layers import (
     VocabSubset,
     convert_operands_,
     fused_projections,
-    restrict_head,
 )
 from quickdraft.models.llama import Embedding
 from quickdraft.models.moe import GatedMLP, SparseMoE
@@ -283,7 +283,7 @@ class HybridModel(nn.Module):
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
-class HybridLM(OperandModule):
+class HybridLM(HeadLogits, OperandModule):
     OPERANDS: ClassVar[tuple[str, ...]] = ("head",)
 
     def __init__(
@@ -322,20 +322,6 @@ class HybridLM(OperandModule):
     def quantize_(self, fmt: str) -> None:
         """Integer operands are for dense draft models (CausalLM.quantize_)."""
         raise ValueError(f"{fmt} weights are supported for dense models only, not HybridLM")
-
-    def restrict_vocab_(self, keep: int, extra: Sequence[int] = ()) -> None:
-        """As CausalLM.restrict_vocab_: score only ids [0, keep) and `extra` (a draft model)."""
-        self.head, self.vocab = restrict_head(self.head, keep, extra, self.dtype)
-
-    @property
-    def vocab_kept(self) -> int | None:
-        return None if self.vocab is None else self.vocab.kept
-
-    def _logits(self, x: Tensor) -> Tensor:
-        """[n, hidden] final-norm rows -> [n, vocab] fp32 logits."""
-        if self.vocab is None:
-            return project(x, self.head).float()
-        return self.vocab.logits(x, self.head)
 
     def new_cache(self, capacity: int) -> HybridCache:
         cfg = self.config
