@@ -22,8 +22,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +95,45 @@ def _server_cmd(t: LoadTest, port: int, token: str, settings: Path) -> list[str]
     if t.threads:
         cmd += ["--threads", str(t.threads)]
     return cmd
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    url: str  # http://127.0.0.1:<port>
+    token: str  # its admin token
+    proc: subprocess.Popen[bytes]
+
+
+@contextmanager
+def served(
+    command: Callable[[int, str, Path], list[str]], start_timeout_s: float, name: str
+) -> Iterator[Served]:
+    """A `quickdraft serve` subprocess, `command(port, admin_token, settings_file)`, on a free
+    loopback port with its log and settings in a fresh temp dir, yielded once healthy; if the
+    body fails, the log's tail goes to stderr; terminated (killed after 30 s) at the end."""
+    port, token = _free_port(), secrets.token_urlsafe(12)
+    url = f"http://127.0.0.1:{port}"
+    workdir = Path(tempfile.mkdtemp(prefix=f"quickdraft-{name}-"))
+    log_path = workdir / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            command(port, token, workdir / "settings.json"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        _wait_healthy(url, proc, start_timeout_s)
+        yield Served(url, token, proc)
+    except BaseException:
+        sys.stderr.write(f"server log ({log_path}):\n{log_path.read_text()[-4000:]}\n")
+        raise
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
@@ -206,20 +247,10 @@ def _switch(url: str, token: str, model: str, on: bool) -> None:
 
 def run_load_test(t: LoadTest) -> dict[str, Any]:
     """Both phases at every level; writes serve-<model>.{json,md,png} in t.out_dir."""
-    port, token = _free_port(), secrets.token_urlsafe(12)
-    url = f"http://127.0.0.1:{port}"
-    workdir = Path(tempfile.mkdtemp(prefix="quickdraft-loadtest-"))
-    log_path = workdir / "server.log"
     host = machine()  # before the server starts: the code it runs is the code recorded
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            _server_cmd(t, port, token, workdir / "settings.json"),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    try:
-        _wait_healthy(url, proc, t.start_timeout_s)
+    command = partial(_server_cmd, t)
+    with served(command, t.start_timeout_s, "loadtest") as server:
+        url, token = server.url, server.token
         prompts = _prompts(t.requests)
         results: dict[str, dict[str, Any]] = {phase: {} for phase in PHASES}
         # off and on alternate per level (not one phase after the other): on a shared machine
@@ -232,15 +263,6 @@ def run_load_test(t: LoadTest) -> dict[str, Any]:
                 samples, wall = asyncio.run(_level(url, t.model, prompts, conc, t.max_tokens))
                 results[phase][str(conc)] = row = _summary(samples, wall)
                 print(f"[serve bench] {phase} c={conc}: {json.dumps(row)}", flush=True)
-    except BaseException:
-        sys.stderr.write(f"server log ({log_path}):\n{log_path.read_text()[-4000:]}\n")
-        raise
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     speedup = {
         c: round(results["on"][c]["output_tok_s"] / results["off"][c]["output_tok_s"], 3)
         for c in results["on"]

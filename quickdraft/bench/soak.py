@@ -17,22 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
-import secrets
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from quickdraft.bench.report import RESULTS, machine, write
-from quickdraft.bench.serving import _free_port, _prompts, _wait_healthy
+from quickdraft.bench.serving import _prompts, served
 from quickdraft.config import DEFAULT_DTYPE, DEFAULT_MODEL, SpeculativeConfig
 
 
@@ -220,21 +217,10 @@ def server_cmd(t: SoakTest, port: int, token: str, settings: Path) -> list[str]:
 
 
 def run_soak(t: SoakTest) -> dict[str, Any]:
-    port, token = _free_port(), secrets.token_urlsafe(12)
-    url = f"http://127.0.0.1:{port}"
-    workdir = Path(tempfile.mkdtemp(prefix="quickdraft-soak-"))
-    log_path = workdir / "server.log"
     host = machine()
     items = plan(t)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            server_cmd(t, port, token, workdir / "settings.json"),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    try:
-        _wait_healthy(url, proc, t.start_timeout_s)
+    with served(partial(server_cmd, t), t.start_timeout_s, "soak") as server:
+        url = server.url
         keys = sorted({(p.prompt, p.max_tokens) for p in items if p.kind == "greedy"})
         singles = [Planned("greedy", prompt, n, False) for prompt, n in keys]
         t0 = time.perf_counter()
@@ -246,23 +232,14 @@ def run_soak(t: SoakTest) -> dict[str, Any]:
         ]
         asyncio.run(run_plan(url, t.model, warm, t.concurrency, t.seed))
         settle(url)
-        rss_before = rss_mb(proc.pid)
+        rss_before = rss_mb(server.proc.pid)
         t0 = time.perf_counter()
         outcomes, samples = asyncio.run(
-            run_plan(url, t.model, items, t.concurrency, t.seed, proc.pid)
+            run_plan(url, t.model, items, t.concurrency, t.seed, server.proc.pid)
         )
         wall = time.perf_counter() - t0
         live = settle(url)
-        rss_after = rss_mb(proc.pid)
-    except BaseException:
-        sys.stderr.write(f"server log ({log_path}):\n{log_path.read_text()[-4000:]}\n")
-        raise
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        rss_after = rss_mb(server.proc.pid)
     ref_failed = [o for o in refs if o.status != 200 or o.lost]
     report = {
         "bench": "soak",
