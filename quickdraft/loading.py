@@ -9,15 +9,17 @@ than inside a first request. Nothing here runs a step: the engine (quickdraft/en
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from quickdraft import hub
 from quickdraft.config import DEFAULT_DTYPE, GGUF_DTYPE, QUANTIZATIONS, parse_dtype
+from quickdraft.grammar import Grammar, GrammarCompiler, Matcher
 from quickdraft.kernels import kernels_available, panels_apply
 from quickdraft.models.base import LanguageModel
 from quickdraft.models.loader import load_model
-from quickdraft.request import Request, SamplingParams
+from quickdraft.request import Request, SamplingError, SamplingParams
 from quickdraft.tokenizer import Tokenizer
 
 
@@ -37,6 +39,20 @@ class LoadedModel:
     model: LanguageModel
     tokenizer: Tokenizer
     eos_ids: tuple[int, ...]
+    _grammars: GrammarCompiler | None = field(default=None, repr=False)
+    _grammars_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """This model's grammar compiler, built on first use (it reads the whole vocabulary)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                vocab = self.model.config.vocab_size
+                self._grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_ids)
+            return self._grammars
+
+    def grammar_matcher(self, grammar: Grammar) -> Matcher:
+        """A fresh matcher at the start of `grammar`; GrammarError if it does not compile."""
+        return self.grammar_compiler().matcher(grammar)
 
     @property
     def context_length(self) -> int:
@@ -69,6 +85,11 @@ class LoadedModel:
         tenant: str = "",
     ) -> Request:
         self.room(len(prompt_ids), params.max_tokens)
+        vocab = self.model.config.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise SamplingError(f"logit_bias token ids must be < {vocab}", "logit_bias")
+        if params.grammar is not None:
+            self.grammar_compiler().compile(params.grammar)  # GrammarError: refused here
         return Request(prompt_ids, params, self.tokenizer, self.eos_ids, request_id, tenant)
 
 

@@ -13,9 +13,12 @@ import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from quickdraft.grammar import Grammar
 from quickdraft.tokenizer import IncrementalDetokenizer, Tokenizer
 
 MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+MAX_LOGIT_BIAS = 100.0  # |bias|, OpenAI's range
 
 
 class SamplingError(ValueError):
@@ -29,7 +32,13 @@ class SamplingError(ValueError):
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How a request samples (quickdraft/speculation/sampling.py applies them). temperature 0
-    is greedy; top_k 0, top_p 1 and min_p 0 are off."""
+    is greedy; top_k 0, top_p 1 and min_p 0 are off.
+
+    Applied to the target's logits before those, at every position, with the output as of that
+    position (speculation/logits.py): `logit_bias` ((token id, bias) pairs, added), then
+    `repetition_penalty` (prompt and output tokens, 1 = off), `frequency_penalty` /
+    `presence_penalty` (output tokens, 0 = off), then the `grammar` mask. `logprobs`: how many
+    top alternatives to report per output token (0: the chosen token's only; None: off)."""
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -39,6 +48,12 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, param: str, rule: str) -> None:
@@ -53,10 +68,47 @@ class SamplingParams:
         check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]")
         check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings")
         check(all(self.stop), "stop", "non-empty strings")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            check(-2.0 <= v <= 2.0 and not math.isnan(v), name, "in [-2, 2]")
+        r = self.repetition_penalty
+        check(0.0 < r <= 10.0 and not math.isnan(r), "repetition_penalty", "in (0, 10]")
+        check(
+            all(
+                t >= 0 and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS and not math.isnan(b)
+                for t, b in self.logit_bias
+            ),
+            "logit_bias",
+            f"token ids >= 0 with biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+        )
+        lp = self.logprobs
+        check(lp is None or 0 <= lp <= MAX_TOP_LOGPROBS, "logprobs", f"in [0, {MAX_TOP_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether anything changes the target's logits before sampling (bias, penalties,
+        grammar)."""
+        return bool(
+            self.logit_bias
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.grammar is not None
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """An output token's log-probability under the target's raw distribution, with the
+    `top` most likely tokens of that position ((id, logprob), most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class FinishReason(StrEnum):
@@ -151,6 +203,7 @@ class Request:
         self.params = params
         self.eos_ids = () if params.ignore_eos else eos_ids
         self.output_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []  # per output id, when params.logprobs is set
         self.text = ""
         self.sent = 0  # chars of `text` already handed out by stream_delta()
         self.finish_reason: FinishReason | None = None
@@ -167,8 +220,9 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
-    def append(self, ids: list[int]) -> int:
-        """Consume generated ids in order; return how many were kept (<= len(ids))."""
+    def append(self, ids: list[int], logprobs: list[TokenLogprob] | None = None) -> int:
+        """Consume generated ids in order (with their logprobs, if reported); return how many
+        were kept (<= len(ids))."""
         if self.timing.first_token is None:
             self.timing.first_token = time.perf_counter()
         kept = 0
@@ -180,6 +234,8 @@ class Request:
                 self._finish(FinishReason.STOP)
                 break
             self.output_ids.append(tok)
+            if logprobs is not None:
+                self.logprobs.append(logprobs[kept - 1])
             old_len = len(self.text)
             self.text += self._detok.push(tok)
             if self._max_stop and self._cut_at_stop(old_len):

@@ -124,6 +124,36 @@ class Tokenizer:
         eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.eos_token_id: int | None = eos_id
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._added_ids = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()}
+        decoder = json.loads(self._tok.to_str()).get("decoder")
+        self._byte_level = "ByteLevel" in json.dumps(decoder)
+
+    @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers` tokenizer itself (for libraries that read the vocabulary)."""
+        return self._tok
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone (special tokens as their text): a logprobs entry's
+        `token`; a token holding part of a UTF-8 character decodes to U+FFFD, as in vLLM."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a logprobs entry's `bytes`): exact also for a token
+        that holds part of a multi-byte character."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if piece in self._added_ids:
+            return piece.encode()
+        if self._byte_level:
+            table = _byte_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+            return piece.encode()
+        if (m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)) is not None:  # byte fallback
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()  # sentencepiece's word marker
 
     def fingerprint(self) -> int:
         """Identity of the id <-> token mapping (two tokenizers that agree here are
@@ -182,6 +212,20 @@ class Tokenizer:
                 ids += self.encode(text, add_special_tokens=False, parse_special=False)
                 done = end
         return ids + self.encode(rendered[done:], add_special_tokens=False)
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, read backwards: the character a byte-level BPE vocabulary
+    writes for each byte -> that byte."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = {b: b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + extra
+            extra += 1
+    return {chr(c): b for b, c in chars.items()}
 
 
 class IncrementalDetokenizer:

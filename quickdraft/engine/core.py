@@ -33,6 +33,7 @@ from quickdraft.loading import LoadedModel
 from quickdraft.request import Request
 from quickdraft.speculation.cost import StepShape, model_cost
 from quickdraft.speculation.drafters.base import Draft
+from quickdraft.speculation.logits import LogitControls
 from quickdraft.speculation.sampling import TokenRng
 from quickdraft.speculation.state import Speculation
 from quickdraft.speculation.verify import Verdict
@@ -70,8 +71,13 @@ class EngineCore:
         self.stats = StepStats()
 
     def add(self, request: Request, speculation: Speculation | None) -> Sequence:
-        rng = TokenRng.for_params(request.params, self.lm.model.device)
+        params = request.params
+        rng = TokenRng.for_params(params, self.lm.model.device)
         seq = Sequence(request, speculation, rng)
+        if params.shapes_logits:
+            matcher = None if params.grammar is None else self.lm.grammar_matcher(params.grammar)
+            vocab = self.lm.model.config.vocab_size
+            seq.controls = LogitControls(params, request.prompt_ids, vocab, matcher)
         self.scheduler.add(seq)
         return seq
 
@@ -151,7 +157,7 @@ class EngineCore:
                 seq.request.spec.verify_seconds += timing[1]
                 self._account(item, len(draft.tokens), verdict.accepted, len(verdict.tokens))
                 self.scheduler.postprocess(
-                    item, verdict.tokens, len(draft.tokens), verdict.accepted
+                    item, verdict.tokens, len(draft.tokens), verdict.accepted, verdict.logprobs
                 )
             except Exception as exc:
                 self._fail(seq, exc)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from quickdraft.config import PREFILL_CHUNK
 from quickdraft.engine.sequence import SeqStatus, Sequence
 from quickdraft.models.base import SequenceCache
+from quickdraft.request import TokenLogprob
 from quickdraft.speculation.cost import StepCost, StepShape
 from quickdraft.speculation.policy import Decoding, DraftPlanner
 
@@ -148,9 +149,15 @@ class Scheduler:
             item.k = k
 
     def postprocess(
-        self, item: ScheduledSeq, tokens: list[int], drafted: int, accepted: int
+        self,
+        item: ScheduledSeq,
+        tokens: list[int],
+        drafted: int,
+        accepted: int,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> None:
-        """The sequence of `item` takes its step's tokens (empty for a mid-prefill chunk)."""
+        """The sequence of `item` takes its step's tokens (empty for a mid-prefill chunk), with
+        their logprobs if the request reports them."""
         seq = item.seq
         if not tokens:
             return
@@ -158,7 +165,7 @@ class Scheduler:
         cycle = bool(req.output_ids)  # a verify cycle (the first token comes from prefill)
         if cycle:
             req.spec.record(drafted, accepted)
-        req.append(tokens)
+        req.append(tokens, logprobs)
         if cycle and seq.spec is not None:
             seq.spec.record(drafted, accepted, item.k > 0, seq.num_tokens)
         if req.finished:

@@ -16,6 +16,7 @@ from enum import StrEnum
 
 from quickdraft.models.base import SequenceCache
 from quickdraft.request import Request
+from quickdraft.speculation.logits import LogitControls
 from quickdraft.speculation.sampling import TokenRng
 from quickdraft.speculation.state import SpecState, Speculation
 
@@ -35,6 +36,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     cache: SequenceCache | None = None  # allocated on admission, dropped when it leaves
     error: BaseException | None = None  # why the request failed, if it did
+    controls: LogitControls | None = None  # bias / penalties / grammar, if the request has any
 
     @property
     def num_tokens(self) -> int:

@@ -27,6 +27,7 @@ from torch import Tensor
 from quickdraft.engine.scheduler import ScheduledSeq, StepPlan
 from quickdraft.models.base import LanguageModel, SequenceCache
 from quickdraft.speculation.drafters.base import Draft, Drafter, DraftJob
+from quickdraft.speculation.logits import LogitControls, token_logprobs
 from quickdraft.speculation.verify import Verdict, verify
 
 NO_DRAFT = Draft([])
@@ -61,11 +62,10 @@ class SpecCycle:
                 tokens = seq.request.all_ids
                 params = seq.request.params
                 assert seq.spec is not None
-                jobs.append(
-                    DraftJob(seq.spec.draft_state, tokens, item.k, params, seq.rng.generator)
-                )
+                state, gen = seq.spec.draft_state, seq.rng.generator
+                jobs.append(DraftJob(state, tokens, item.k, params, gen, seq.controls))
             for idx, draft in zip(idxs, drafter.propose(jobs), strict=True):
-                drafts[idx] = draft
+                drafts[idx] = _cut(draft, plan.items[idx].seq.controls)
         return drafts
 
     def forward(self, plan: StepPlan, drafts: list[Draft]) -> StepOutput:
@@ -111,11 +111,16 @@ class SpecCycle:
                 verdicts.append(None)
                 continue
             seq = item.seq
-            logits = out.logits[lo : lo + 1 + len(draft.tokens)]  # [k + 1, vocab]
+            params = seq.request.params
+            raw = out.logits[lo : lo + 1 + len(draft.tokens)]  # [k + 1, vocab]
+            ctl = seq.controls
+            logits = raw if ctl is None else ctl.apply(raw, draft.tokens)
             position = len(seq.request.output_ids)
-            verdicts.append(
-                verify(draft.tokens, draft.p_draft, logits, seq.request.params, seq.rng, position)
-            )
+            verdict = verify(draft.tokens, draft.p_draft, logits, params, seq.rng, position)
+            if params.logprobs is not None:
+                rows = raw[: len(verdict.tokens)]  # row i chose token i
+                verdict.logprobs = token_logprobs(rows, verdict.tokens, params.logprobs)
+            verdicts.append(verdict)
         return verdicts
 
     def commit(
@@ -126,6 +131,8 @@ class SpecCycle:
         assert seq.cache is not None
         kept = item.num_tokens + (verdict.accepted if verdict is not None else 0)
         seq.cache.commit(seq.cache.length + kept)
+        if verdict is not None and seq.controls is not None:
+            seq.controls.commit(verdict.tokens)
         spec = seq.spec
         if spec is None:
             return
@@ -142,3 +149,14 @@ class SpecCycle:
             hidden = rows
         if verdict is not None:
             spec.drafter.commit(spec.draft_state, seq.request.all_ids + verdict.tokens, hidden)
+
+
+def _cut(draft: Draft, controls: LogitControls | None) -> Draft:
+    """The draft up to the first token the request's grammar refuses (verify would reject it)."""
+    if controls is None or not draft.tokens:
+        return draft
+    n = controls.cut(draft.tokens)
+    if n == len(draft.tokens):
+        return draft
+    p_draft = None if draft.p_draft is None else draft.p_draft[:n]
+    return Draft(draft.tokens[:n], p_draft)

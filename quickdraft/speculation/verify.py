@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from quickdraft.request import SamplingParams
+from quickdraft.request import SamplingParams, TokenLogprob
 from quickdraft.speculation.sampling import TokenRng, probabilities, sample, sample_with
 
 
@@ -37,6 +37,7 @@ class Verdict:
     tokens: list[int]  # accepted drafts + ONE recovered-or-bonus token: len == accepted + 1
     accepted: int  # draft tokens kept (the extra token is not counted)
     bonus: bool  # True when all drafts were accepted, i.e. tokens[-1] came from row k
+    logprobs: list[TokenLogprob] | None = None  # per token, when the request reports them
 
 
 def verify(

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.cost import StepShape
+from quickdraft.speculation.logits import LogitControls
 from quickdraft.speculation.sampling import probabilities, sample
 
 
@@ -48,6 +49,7 @@ class DraftJob:
     k: int  # drafts wanted, >= 1
     params: SamplingParams
     generator: torch.Generator
+    controls: LogitControls | None = None  # the request's bias / penalties / grammar
 
 
 @dataclass(slots=True)
@@ -59,8 +61,11 @@ class Draft:
 def draft_one(logits: Tensor, job: DraftJob, draft: tuple[list[int], list[Tensor]]) -> None:
     """Pick one draft token from a drafter's `logits` `[vocab]` row for `job` and append it to
     `draft` = (tokens, draft distributions): the argmax when greedy, else a sample from the
-    job's sampling distribution (kept: rejection sampling needs p_draft)."""
+    job's sampling distribution (kept: rejection sampling needs p_draft). The request's logit
+    controls shape the row first, as they will shape the target's."""
     tokens, dists = draft
+    if job.controls is not None:  # draft what the target may accept: the same shaping
+        logits = job.controls.shape_next(logits[None], tokens)[0]
     if job.params.greedy:
         tokens.append(int(logits.argmax()))
         return
