@@ -15,6 +15,7 @@ move it, which is what speculative verification needs (speculation/logits.py).
 from __future__ import annotations
 
 import json
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -101,19 +102,22 @@ class GrammarCompiler:
                     tool_choice=spec["tool_choice"],
                     reasoning="disabled",
                     parallel_tool_calls=grammar.parallel,
+                    max_whitespace_cnt=2,  # a model can pad JSON with whitespace forever
                 )
                 return self._compiler.compile_structural_tag(tag)
         except (RuntimeError, ValueError, TypeError, KeyError) as exc:
             what = {"regex": "regex", "ebnf": "grammar"}.get(grammar.kind, "JSON schema")
-            raise GrammarError(f"invalid {what}: {_first_line(exc)}", grammar.param) from None
+            msg = f"{grammar.param}: invalid {what}: {_first_line(exc)}"
+            raise GrammarError(msg, grammar.param) from None
 
     def matcher(self, grammar: Grammar) -> Matcher:
         return Matcher(self, self.compile(grammar))
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
+    """xgrammar's message without its time stamp and C++ source location."""
+    text = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text)[:300]
 
 
 class Matcher:

@@ -171,24 +171,35 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template has a place for tool definitions (`tools`)."""
+        return self.chat_template is not None and "tools" in self.chat_template
+
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         return _compile(self.chat_template).render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """The chat's token ids: the template's special tokens as control tokens, the messages'
-        text as plain text (see the module docstring)."""
+        (and tool definitions') text as plain text (see the module docstring)."""
         if not self._specials:
-            return self.encode(self.render_chat(messages), add_special_tokens=False)
-        texts = _strings(messages)
+            return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
+        texts = _strings([messages, tools])
         fixed = [
             *self._specials,
             self.chat_template or "",
@@ -199,7 +210,10 @@ class Tokenizer:
         alternatives = "|".join(map(re.escape, self._specials))
         # a special token not preceded by the marker (a broken one-character token is)
         whole = re.compile(f"(?<!{re.escape(marker)})(?:{alternatives})")
-        rendered = self.render_chat(_break_specials(messages, whole, marker))
+        rendered = self.render_chat(
+            _break_specials(messages, whole, marker),
+            tools=None if tools is None else _break_specials(tools, whole, marker),
+        )
         # Between two of the template's special tokens (and at either end): plain text where a
         # marker shows client text broke a token there; the rest encoded as one stretch.
         edges = [0, *(i for m in whole.finditer(rendered) for i in m.span()), len(rendered)]

@@ -74,6 +74,10 @@ def part(text: Any) -> dict[str, Any]:
 
 
 CONTENT = "messages[0].content"
+TOOL = {
+    "type": "function",
+    "function": {"name": "add", "parameters": {"type": "object", "properties": {}}},
+}
 
 
 # (id, endpoint, request kwargs, expected param): each must be a 400 naming `param`
@@ -110,11 +114,123 @@ BAD_REQUESTS: list[tuple[str, str, dict[str, Any], str | None]] = [
     ("stop-empty-list", "chat", {"messages": msgs(), "stop": []}, "stop"),
     ("stop-five-strings", "chat", {"messages": msgs(), "stop": list("abcde")}, "stop"),
     ("stop-empty-string", "chat", {"messages": msgs(), "stop": [""]}, "stop"),
-    ("n-2", "chat", {"messages": msgs(), "n": 2}, "n"),
+    ("n-17", "chat", {"messages": msgs(), "n": 17}, "n"),
+    ("n-beyond-concurrency", "chat", {"messages": msgs(), "n": 2}, "n"),
+    ("best-of-below-n", "completion", {"prompt": "a", "n": 2, "best_of": 1}, "best_of"),
     ("stream-options-without-stream", "chat", {"messages": msgs(), "stream_options": {}}, None),
     ("stream-not-bool", "chat", {"messages": msgs(), "stream": "yes"}, "stream"),
     ("unknown-field", "chat", {"messages": msgs(), "frobnicate": 1}, "frobnicate"),
-    ("penalty-unsupported", "chat", {"messages": msgs(), "presence_penalty": 1.0}, None),
+    (
+        "presence-penalty-above-2",
+        "chat",
+        {"messages": msgs(), "presence_penalty": 2.5},
+        "presence_penalty",
+    ),
+    (
+        "frequency-penalty-below-2",
+        "chat",
+        {"messages": msgs(), "frequency_penalty": -3},
+        "frequency_penalty",
+    ),
+    (
+        "repetition-penalty-zero",
+        "chat",
+        {"messages": msgs(), "repetition_penalty": 0},
+        "repetition_penalty",
+    ),
+    (
+        "logit-bias-out-of-range",
+        "chat",
+        {"messages": msgs(), "logit_bias": {"5": 101}},
+        "logit_bias",
+    ),
+    ("logit-bias-not-an-id", "chat", {"messages": msgs(), "logit_bias": {"a": 1}}, "logit_bias"),
+    (
+        "logit-bias-beyond-vocab",
+        "chat",
+        {"messages": msgs(), "logit_bias": {"99999": 1}},
+        "logit_bias",
+    ),
+    (
+        "top-logprobs-21",
+        "chat",
+        {"messages": msgs(), "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+    ),
+    (
+        "top-logprobs-without-logprobs",
+        "chat",
+        {"messages": msgs(), "top_logprobs": 2},
+        "top_logprobs",
+    ),
+    ("completion-logprobs-21", "completion", {"prompt": "a", "logprobs": 21}, "logprobs"),
+    (
+        "schema-invalid",
+        "chat",
+        {
+            "messages": msgs(),
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object", "properties": 3}},
+            },
+        },
+        "response_format",
+    ),
+    (
+        "schema-missing",
+        "chat",
+        {
+            "messages": msgs(),
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x"}},
+        },
+        "response_format",
+    ),
+    (
+        "format-unknown-type",
+        "chat",
+        {"messages": msgs(), "response_format": {"type": "yaml"}},
+        "response_format.type",
+    ),
+    (
+        "regex-invalid",
+        "chat",
+        {"messages": msgs(), "structured_outputs": {"regex": "a(b"}},
+        "structured_outputs",
+    ),
+    (
+        "structured-two-kinds",
+        "chat",
+        {"messages": msgs(), "structured_outputs": {"regex": "a", "grammar": 'root ::= "a"'}},
+        "structured_outputs",
+    ),
+    (
+        "tool-choice-unknown-name",
+        "chat",
+        {
+            "messages": msgs(),
+            "tools": [TOOL],
+            "tool_choice": {"type": "function", "function": {"name": "nope"}},
+        },
+        "tool_choice",
+    ),
+    (
+        "tool-choice-without-tools",
+        "chat",
+        {"messages": msgs(), "tool_choice": "required"},
+        "tool_choice",
+    ),
+    (
+        "tool-name-invalid",
+        "chat",
+        {"messages": msgs(), "tools": [{"type": "function", "function": {"name": "a b"}}]},
+        "tools[0].function.name",
+    ),
+    (
+        "tool-message-without-id",
+        "chat",
+        {"messages": [*msgs(), {"role": "tool", "content": "1"}]},
+        "messages[1].tool_call_id",
+    ),
     ("completion-empty-prompt", "completion", {"prompt": ""}, "prompt"),
     ("completion-two-prompts", "completion", {"prompt": ["a", "b"]}, "prompt"),
     ("completion-token-out-of-vocab", "completion", {"prompt": [1, 99999]}, "prompt"),

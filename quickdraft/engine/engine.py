@@ -48,7 +48,14 @@ from quickdraft.engine.core import EngineCore, StepStats
 from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.engine.sequence import Sequence
 from quickdraft.loading import LoadedModel
-from quickdraft.request import FinishReason, Request, SamplingParams, SpecStats, Timing
+from quickdraft.request import (
+    FinishReason,
+    Request,
+    SamplingParams,
+    SpecStats,
+    Timing,
+    TokenLogprob,
+)
 from quickdraft.speculation.factory import make_speculation
 from quickdraft.speculation.state import Speculation
 
@@ -107,6 +114,7 @@ class RequestOutput:
     completion_tokens: int  # output tokens so far
     spec: SpecStats  # the request's live telemetry (read-only for consumers)
     timing: Timing
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per new token id, if asked
 
     @property
     def finished(self) -> bool:
@@ -362,4 +370,5 @@ class Engine:
             len(req.output_ids),
             req.spec,
             req.timing,
+            req.logprobs[sent_ids:],
         )

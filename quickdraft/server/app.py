@@ -14,26 +14,17 @@ Who may call at all is decided before any route, in access.py.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from quickdraft.engine import (
-    Engine,
-    EngineDeadError,
-    QueueFullError,
-    RequestHandle,
-    RequestOutput,
-)
+from quickdraft.engine import Engine, EngineDeadError, QueueFullError
+from quickdraft.grammar import GrammarError
 from quickdraft.loading import ContextLengthError, LoadedModel
 from quickdraft.request import SamplingParams
 from quickdraft.server import admin
@@ -42,24 +33,18 @@ from quickdraft.server.errors import BodyLimitMiddleware, error_response, instal
 from quickdraft.server.metrics import now
 from quickdraft.server.protocol import (
     APIError,
-    AssistantMessage,
-    ChatChoice,
-    ChatCompletion,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChunkChoice,
-    Completion,
-    CompletionChoice,
     CompletionRequest,
-    Delta,
     GenerateRequest,
+)
+from quickdraft.server.relay import Relay
+from quickdraft.server.responses import (
     ModelCard,
     ModelList,
-    Speculative,
-    Usage,
 )
 from quickdraft.server.settings import SpeculationSettings
 from quickdraft.server.state import ServerConfig, ServerState, Slot
+from quickdraft.server.tools import hermes_messages
 
 log = logging.getLogger("quickdraft.server")
 
@@ -120,8 +105,11 @@ def create_app(
         arrived = now()
         body.check()
         lm = _model(state, body.model)
+        messages, tools = body.chat(), body.tool_defs()
+        if not lm.tokenizer.renders_tools and (tools or _mentions_tools(messages)):
+            messages, tools = hermes_messages(messages, tools), None  # as plain turns
         try:
-            prompt_ids = lm.tokenizer.encode_chat(body.chat())
+            prompt_ids = lm.tokenizer.encode_chat(messages, tools)
         except (ValueError, jinja2.TemplateError) as exc:  # no template / template refused
             raise APIError(400, f"cannot render the chat: {exc}", "messages") from None
         return await _generate(state, request, body, prompt_ids, "chat", arrived)
@@ -171,25 +159,52 @@ async def _generate(
     except ContextLengthError as exc:
         param = exc.param if exc.param != "prompt" else ("messages" if kind == "chat" else "prompt")
         raise APIError(400, str(exc), param, "context_length_exceeded") from None
+    max_tokens = requested or min(state.config.default_max_tokens, room)
+    runs = body.candidates if isinstance(body, CompletionRequest) else body.choices
+    if runs > state.config.max_concurrency:  # each choice is a request: it could never run
+        param = "best_of" if runs > body.choices else "n"
+        limit = state.config.max_concurrency
+        raise APIError(
+            400, f"{param} ({runs}) exceeds the server's {limit} concurrent requests", param
+        )
     try:
-        params = body.sampling(requested or min(state.config.default_max_tokens, room))
+        params = [body.sampling(max_tokens, i) for i in range(runs)]
     except ValueError as exc:
-        raise APIError(400, str(exc)) from None
+        raise APIError(400, str(exc), getattr(exc, "param", None)) from None
+    grammar = params[0].grammar
+    if grammar is not None:  # compiled off the event loop (the first one reads the vocabulary)
+        try:
+            await asyncio.to_thread(lm.grammar_compiler().compile, grammar)
+        except GrammarError as exc:
+            raise APIError(400, str(exc), exc.param) from None
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     cfg = state.config
     who = tenant_of(
         request.headers.get("authorization", ""), cfg.api_keys, body.user, cfg.ngram_shared_scope
     )
-    slot = _admit(state, body.model, prompt_ids, params, rid, arrived, who)
-    relay = _Relay(slot, body, rid, kind)
+    slots: list[Slot] = []
+    try:
+        for i, p in enumerate(params):
+            seq_id = rid if i == 0 else f"{rid}-{i}"
+            slots.append(_admit(state, body.model, prompt_ids, p, seq_id, arrived, who))
+    except BaseException:
+        for slot in slots:
+            slot.release()
+        raise
+    relay = Relay(slots, body, rid, lm.tokenizer)
     if body.stream:
         return _SlotStreamingResponse(
-            slot, relay.events(), media_type="text/event-stream", headers=_SSE_HEADERS
+            slots, relay.events(), media_type="text/event-stream", headers=_SSE_HEADERS
         )
     try:
         return JSONResponse(await relay.collect(request))
     finally:
-        slot.release()
+        for slot in slots:
+            slot.release()
+
+
+def _mentions_tools(messages: list[dict[str, Any]]) -> bool:
+    return any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
 
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -223,7 +238,7 @@ def _admit(
     except EngineDeadError as exc:
         raise APIError(503, str(exc), code="engine_dead") from None
     except ValueError as exc:
-        raise APIError(400, str(exc)) from None
+        raise APIError(400, str(exc), getattr(exc, "param", None)) from None
     handle.bind_loop()
     return Slot(state, handle, state.metrics.track(model, len(prompt_ids), arrived))
 
@@ -232,142 +247,13 @@ class _SlotStreamingResponse(StreamingResponse):
     """Releases the slot however the response ends: finished, client gone (Starlette cancels
     the body iterator when it sees the disconnect), or never started."""
 
-    def __init__(self, slot: Slot, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, slots: list[Slot], *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.slot = slot
+        self.slots = slots
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.slot.release()
-
-
-class _Relay:
-    """Engine outputs -> one JSON body or SSE chunks, with metrics on the way."""
-
-    def __init__(self, slot: Slot, body: GenerateRequest, rid: str, kind: str) -> None:
-        self.handle: RequestHandle = slot.handle
-        self.track = slot.track
-        self.body = body
-        self.rid = rid
-        self.chat = kind == "chat"
-        self.created = int(time.time())
-
-    async def outputs(self) -> AsyncIterator[RequestOutput]:
-        async for out in self.handle:
-            self.track.output(out, now())
-            if out.finished:
-                self.track.finish(out, now())
-            yield out
-
-    async def collect(self, request: Request) -> dict[str, Any]:
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, self.handle))
-        try:
-            parts: list[str] = []
-            last: RequestOutput | None = None
-            async for out in self.outputs():
-                parts.append(out.text)
-                last = out
-        except Exception as exc:  # the request failed inside the engine; the engine lives on
-            raise self._failed(exc) from None
-        finally:
-            watcher.cancel()
-        assert last is not None and last.finished, "the engine ends every stream with a reason"
-        text, usage = "".join(parts), Usage.of(last.prompt_tokens, last.completion_tokens)
-        spec, reason = Speculative.of(last.spec), str(last.finish_reason)
-        result: BaseModel
-        if self.chat:
-            result = ChatCompletion(
-                id=self.rid,
-                created=self.created,
-                model=self.body.model,
-                choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=reason)],
-                usage=usage,
-                speculative=spec,
-            )
-        else:
-            result = Completion(
-                id=self.rid,
-                created=self.created,
-                model=self.body.model,
-                choices=[CompletionChoice(text=text, finish_reason=reason)],
-                usage=usage,
-                speculative=spec,
-            )
-        return result.model_dump()
-
-    async def events(self) -> AsyncIterator[str]:
-        try:
-            if self.chat:  # OpenAI opens with the role (lets clients render before token 1)
-                yield self._chunk(Delta(role="assistant", content=""))
-            last: RequestOutput | None = None
-            async for out in self.outputs():
-                last = out
-                if out.text:
-                    yield self._chunk(Delta(content=out.text), text=out.text)
-            assert last is not None and last.finished, "every stream ends with a reason"
-            spec = Speculative.of(last.spec)
-            yield self._chunk(Delta(), reason=str(last.finish_reason), spec=spec)
-            if self.body.include_usage:
-                usage = Usage.of(last.prompt_tokens, last.completion_tokens)
-                yield self._chunk(None, usage=usage, spec=spec)
-        except Exception as exc:  # as in collect(), but in-band: the stream has started
-            yield _sse(self._failed(exc).body())
-        yield "data: [DONE]\n\n"
-
-    def _failed(self, exc: Exception) -> APIError:
-        self.track.abort(self.rid, now(), reason="error")
-        if isinstance(exc, EngineDeadError):
-            return APIError(503, str(exc), code="engine_dead")
-        log.error("request %s failed: %r", self.rid, exc)  # the reply does not quote it
-        return APIError(500, "generation failed (logged)", code="generation_failed")
-
-    def _chunk(
-        self,
-        delta: Delta | None,
-        text: str = "",
-        reason: str | None = None,
-        usage: Usage | None = None,
-        spec: Speculative | None = None,
-    ) -> str:
-        """One SSE event. `delta` None = the usage-only chunk (`choices: []`)."""
-        chunk: BaseModel
-        if self.chat:
-            choices = [] if delta is None else [ChunkChoice(delta=delta, finish_reason=reason)]
-            chunk = ChatCompletionChunk(
-                id=self.rid, created=self.created, model=self.body.model, choices=choices
-            )
-        else:
-            c_choices = [] if delta is None else [CompletionChoice(text=text, finish_reason=reason)]
-            chunk = Completion(
-                id=self.rid, created=self.created, model=self.body.model, choices=c_choices
-            )
-        data = chunk.model_dump()
-        for choice in data["choices"]:
-            if "delta" in choice:  # OpenAI sends only the delta fields that are set
-                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
-        # with include_usage every chunk carries "usage" (null until the last); otherwise none
-        if self.body.include_usage:
-            data["usage"] = None if usage is None else usage.model_dump()
-        else:
-            data.pop("usage")
-        if spec is None:
-            data.pop("speculative")
-        else:
-            data["speculative"] = spec.model_dump()
-        return _sse(data)
-
-
-def _sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
-
-
-async def _cancel_on_disconnect(request: Request, handle: RequestHandle) -> None:
-    """For non-stream requests: the body has been read, so the next ASGI message is the
-    client going away (or the server finishing the response); cancel the request then."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            handle.cancel()
-            return
+            for slot in self.slots:
+                slot.release()

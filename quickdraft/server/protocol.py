@@ -1,22 +1,30 @@
-"""OpenAI wire format: request bodies (validated) and response / stream-chunk bodies.
+"""OpenAI wire format, the request side: bodies validated, with the rules between fields.
 
 Stage: the HTTP edge. Request models are strict (no silent "0.5" -> 0.5 coercion) and forbid
 unknown fields, so a typo or an unsupported option is a clear 400 naming the field instead of
 being ignored. Range checks live in the field types; rules that need several fields or a clearer
 message than pydantic's live in `check()` and raise `APIError` with the offending `param`.
-Response models mirror OpenAI's and add two blocks every response carries: `usage` and
-`speculative` (this request's drafted / accepted counts, see request.SpecStats).
+The response bodies live in responses.py.
 """
 
 from __future__ import annotations
 
-import time
+import dataclasses
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
-from quickdraft.request import MAX_STOP_STRINGS, SamplingParams, SpecStats
+from quickdraft.grammar import Grammar
+from quickdraft.request import (
+    MAX_LOGIT_BIAS,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+)
+
+MAX_CHOICES = 16  # n (and best_of): each choice is a sequence of its own in the engine
 
 
 class APIError(Exception):
@@ -94,18 +102,109 @@ class TextPart(_Strict):
     text: Text
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     # extra="ignore": clients replay assistant messages as the SDK returned them (refusal,
-    # tool_calls: null, ...); those fields carry nothing a plain chat template uses.
+    # audio: null, ...); those fields carry nothing a chat template uses.
     model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: Text | None = None  # a tool result: the call it answers
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (HF's convention: a tool call's `arguments`
+        as an object when it is JSON, so templates can `tojson` it)."""
+        # "developer" is OpenAI's newer name for "system"; chat templates know "system"
+        out: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text(),
+        }
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _json_or_text(c)},
+                }
+                for c in self.tool_calls
+            ]
+        return out
+
+
+def _json_or_text(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
+
+
+class FunctionDef(_Strict):
+    name: Annotated[Text, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: Text
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: Text = "response"
+    description: Text | None = None
+    # "schema" shadows a BaseModel attribute in pydantic, hence the alias
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """Extension (vLLM's `structured_outputs`): exactly one of a JSON schema, a regex, an
+    EBNF grammar (xgrammar's dialect, GBNF-like), or a list of choices."""
+
+    json_: dict[str, Any] | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    grammar: Text | None = None
+    choice: list[Text] | None = None
 
 
 class GenerateRequest(_Strict):
@@ -121,14 +220,15 @@ class GenerateRequest(_Strict):
     stop: Text | list[Text] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # torch's seed range
     user: Text | None = None
-    # accepted at their neutral values only (clients send them explicitly); anything else is
-    # unsupported and refused rather than ignored
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logprobs: bool | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    response_format: ResponseFormat | None = None
     # extensions (vLLM names), passed by the openai client through `extra_body`
     top_k: int | None = Field(default=None, ge=0)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    structured_outputs: StructuredOutputs | None = None
     ignore_eos: bool = False
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -145,22 +245,74 @@ class GenerateRequest(_Strict):
 
     def check(self) -> None:
         """Cross-field rules pydantic's field types cannot express."""
-        if self.n not in (None, 1):
-            raise APIError(400, f"n must be 1 (one choice per request), got {self.n}", "n")
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             msg = "stream_options is only allowed with stream: true"
             raise APIError(400, msg, "stream_options")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise APIError(400, f"{name} is not supported (only 0)", name)
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported", "logprobs")
         self.stop_strings()
+        self.bias()
+        self.grammar()
+
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs; 400 naming `logit_bias` when malformed."""
+        out = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                msg = f"logit_bias values must be in [-100, 100], got {value} for token {key}"
+                raise APIError(400, msg, "logit_bias")
+            out.append((int(key), float(value)))
+        return tuple(out)
+
+    def grammar(self) -> Grammar | None:
+        """The grammar `response_format` / `structured_outputs` ask for (None: free text)."""
+        fmt, so = self.response_format, self.structured_outputs
+        if so is not None:
+            given = [
+                k for k in ("json_", "regex", "grammar", "choice") if getattr(so, k) is not None
+            ]
+            if len(given) != 1:
+                msg = "structured_outputs takes exactly one of json, regex, grammar, choice"
+                raise APIError(400, msg, "structured_outputs")
+            if fmt is not None and fmt.type != "text":
+                msg = "give response_format or structured_outputs, not both"
+                raise APIError(400, msg, "structured_outputs")
+            param = "structured_outputs"
+            if so.json_ is not None:
+                return Grammar("json_schema", json.dumps(so.json_), param)
+            if so.regex is not None:
+                return Grammar("regex", so.regex, param)
+            if so.grammar is not None:
+                return Grammar("ebnf", so.grammar, param)
+            assert so.choice is not None
+            if not so.choice:
+                raise APIError(400, "structured_outputs.choice is empty", param)
+            return Grammar("json_schema", json.dumps({"enum": so.choice}), param)
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return Grammar("json_object")
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            msg = "response_format json_schema needs json_schema.schema"
+            raise APIError(400, msg, "response_format")
+        return Grammar("json_schema", json.dumps(fmt.json_schema.schema_))
+
+    def logprobs_count(self) -> int | None:
+        """Top alternatives to report per token (0: the chosen token only; None: none)."""
+        return None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
+    def sampling(self, max_tokens: int, choice: int = 0) -> SamplingParams:
+        """The engine's params for choice `choice` of n (seeded choices get seed + choice)."""
+        seed = self.seed if self.seed is None or choice == 0 else (self.seed + choice) % 2**64
         return SamplingParams(
             max_tokens=max_tokens,
             # OpenAI's defaults: temperature 1, top_p 1 (0 = greedy)
@@ -168,9 +320,15 @@ class GenerateRequest(_Strict):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
             min_p=self.min_p or 0.0,
-            seed=self.seed,
+            seed=seed,
             stop=self.stop_strings(),
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            logit_bias=self.bias(),
+            logprobs=self.logprobs_count(),
+            grammar=self.grammar(),
         )
 
     @property
@@ -181,6 +339,11 @@ class GenerateRequest(_Strict):
 class ChatCompletionRequest(GenerateRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def check(self) -> None:
         super().check()
@@ -188,28 +351,70 @@ class ChatCompletionRequest(GenerateRequest):
             raise APIError(
                 400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens"
             )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        choice = self.tool_choice
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise APIError(400, "tools: function names must be unique", "tools")
+        if choice is not None and choice != "none" and not names:
+            raise APIError(400, "tool_choice needs tools", "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            msg = f"tool_choice names {choice.function.name!r}, which is not in tools"
+            raise APIError(400, msg, "tool_choice")
+        if self.tool_grammar() is not None and self.grammar() is not None:
+            msg = "a forced tool call (tool_choice) cannot also follow response_format"
+            raise APIError(400, msg, "tool_choice")
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" and m.tool_call_id is None:
+                msg = f"messages[{i}].tool_call_id is required in a tool message"
+                raise APIError(400, msg, f"messages[{i}].tool_call_id")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
 
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether tools are offered: the output is then parsed for tool calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def tool_defs(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates read them (None: none offered)."""
+        if not self.calls_tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def tool_grammar(self) -> Grammar | None:
+        """A forced call (`required` or a named function) is enforced by a grammar."""
+        choice = self.tool_choice
+        if not self.tools or choice in (None, "none", "auto"):
+            return None
+        tools = self.tool_defs() or []
+        wire = choice if isinstance(choice, str) else choice.model_dump()
+        return Grammar.tool_calls(tools, wire, self.parallel_tool_calls is not False)
+
     def chat(self) -> list[dict[str, Any]]:
-        # "developer" is OpenAI's newer name for "system"; chat templates know "system". A
-        # message's `name` goes to the template, which uses it where it has a place for it.
-        return [
-            {
-                "role": "system" if m.role == "developer" else m.role,
-                "content": m.text(),
-                **({} if m.name is None else {"name": m.name}),
-            }
-            for m in self.messages
-        ]
+        # A message's `name` goes to the template, which uses it where it has a place for it.
+        return [m.for_template() for m in self.messages]
+
+    def sampling(self, max_tokens: int, choice: int = 0) -> SamplingParams:
+        params = super().sampling(max_tokens, choice)
+        grammar = self.tool_grammar()
+        if grammar is None:
+            return params
+        return dataclasses.replace(params, grammar=grammar)
 
 
 class CompletionRequest(GenerateRequest):
-    # one prompt per request: a string or token ids (a batch of prompts is a 400, like n > 1)
+    # one prompt per request: a string or token ids (a batch of prompts is a 400)
     prompt: Text | list[int] | list[Text] | list[list[int]]
     echo: bool | None = None
     suffix: Text | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     # extension: read special-token text in the prompt (`<|im_start|>`) as those tokens; by
     # default a prompt is plain text, like a chat message
     parse_special_tokens: bool = False
@@ -220,6 +425,22 @@ class CompletionRequest(GenerateRequest):
             raise APIError(400, "echo is not supported", "echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
+        if self.best_of is not None:
+            if self.best_of < self.choices:
+                msg = f"best_of ({self.best_of}) must be >= n ({self.choices})"
+                raise APIError(400, msg, "best_of")
+            if self.stream and self.best_of > self.choices:
+                raise APIError(400, "best_of > n cannot stream", "best_of")
+
+    @property
+    def candidates(self) -> int:
+        """Sequences to run: best_of (the n with the highest mean logprob are returned)."""
+        return max(self.best_of or 1, self.choices)
+
+    def logprobs_count(self) -> int | None:
+        if self.logprobs is None and self.candidates > self.choices:
+            return 0  # best_of ranks by logprob
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         p: Any = self.prompt
@@ -231,121 +452,3 @@ class CompletionRequest(GenerateRequest):
             raise APIError(400, "the prompt is empty", "prompt")
         assert isinstance(p, str | list)
         return p
-
-
-# ---------------------------------------------------------------------------------- responses
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
-        return cls(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens,
-        )
-
-
-class Speculative(BaseModel):
-    """Per-request speculation telemetry (vLLM's counting: accepted excludes the bonus)."""
-
-    method: str
-    drafted: int
-    accepted: int
-    acceptance_rate: float
-    mean_acceptance_length: float  # tokens per target forward: 1 + accepted / cycles
-    cycles: int  # target forwards after prefill
-    accepted_per_position: list[int]
-
-    @classmethod
-    def of(cls, spec: SpecStats) -> Speculative:
-        return cls(
-            method=spec.method,
-            drafted=spec.drafted,
-            accepted=spec.accepted,
-            acceptance_rate=round(spec.acceptance_rate, 4),
-            mean_acceptance_length=round(spec.mean_acceptance_length, 4),
-            cycles=spec.cycles,
-            accepted_per_position=list(spec.accepted_per_position),
-        )
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: str | None
-    logprobs: None = None
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    speculative: Speculative
-
-
-class Delta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChunkChoice(BaseModel):
-    index: int = 0
-    delta: Delta
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChunkChoice]
-    usage: Usage | None = None
-    speculative: Speculative | None = None
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class Completion(BaseModel):
-    """Both the non-stream body and each stream chunk (OpenAI uses one shape for both)."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    speculative: Speculative | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "quickdraft"
-    max_model_len: int
-    speculative_method: str
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

@@ -1,0 +1,178 @@
+"""OpenAI wire format, the response side: bodies and stream chunks (requests: protocol.py).
+
+Response models mirror OpenAI's and add two blocks every response carries: `usage` and
+`speculative` (this request's drafted / accepted counts, see request.SpecStats).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from quickdraft.request import SpecStats
+from quickdraft.server.protocol import FunctionCall
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+
+class Speculative(BaseModel):
+    """Per-request speculation telemetry (vLLM's counting: accepted excludes the bonus)."""
+
+    method: str
+    drafted: int
+    accepted: int
+    acceptance_rate: float
+    mean_acceptance_length: float  # tokens per target forward: 1 + accepted / cycles
+    cycles: int  # target forwards after prefill
+    accepted_per_position: list[int]
+
+    @classmethod
+    def of(cls, spec: SpecStats) -> Speculative:
+        return cls(
+            method=spec.method,
+            drafted=spec.drafted,
+            accepted=spec.accepted,
+            acceptance_rate=round(spec.acceptance_rate, 4),
+            mean_acceptance_length=round(spec.mean_acceptance_length, 4),
+            cycles=spec.cycles,
+            accepted_per_position=list(spec.accepted_per_position),
+        )
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobEntry] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class OutputToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[OutputToolCall] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    speculative: Speculative
+
+
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    speculative: Speculative | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(BaseModel):
+    """Both the non-stream body and each stream chunk (OpenAI uses one shape for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    speculative: Speculative | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "quickdraft"
+    max_model_len: int
+    speculative_method: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
