@@ -334,6 +334,26 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     spec = spec_config(args)
+    if args.structured:
+        from quickdraft.bench.structured import StructuredBench
+        from quickdraft.bench.structured import run as run_structured
+
+        run_structured(
+            StructuredBench(
+                **given(
+                    target=args.model,
+                    draft=spec.draft_model,
+                    dtype=args.dtype,
+                    tokens=args.max_tokens,
+                    per_set=args.per_set,
+                    sets=None if args.sets is None else tuple(args.sets),
+                    k=spec.num_draft_tokens,
+                    draft_quantization=spec.draft_quantization,
+                    out_dir=None if args.out is None else Path(args.out),
+                )
+            )
+        )
+        return 0
     if args.soak:
         from quickdraft.bench.soak import SoakTest, run_soak
 
@@ -409,6 +429,12 @@ def _add_bench_args(b: argparse.ArgumentParser) -> None:
         help="soak benchmark instead: --requests (1000) at --concurrency (16) against one "
         "`quickdraft serve`, 10%% cancelled mid-stream, 5%% invalid; reports lost requests, "
         "5xx, greedy outputs != their single-request output, RSS and live sequences after",
+    )
+    b.add_argument(
+        "--structured",
+        action="store_true",
+        help="structured-output benchmark instead: JSON-schema and tool-call sets decoded "
+        "under their grammars, speculation off vs n-gram vs draft model",
     )
     b.add_argument(
         "--concurrency", type=int, nargs="+", default=None, help="--serve: (1 4 8); --soak: (16)"
