@@ -144,6 +144,11 @@ class Matcher:
         if n > 0:
             self._m.rollback(n)
 
+    def forced_text(self) -> str:
+        """The longest text every continuation allowed from here starts with (a JSON key the
+        schema requires next, the punctuation around it); "" where there is a choice."""
+        return str(self._m.find_jump_forward_string())
+
     @property
     def terminated(self) -> bool:
         return bool(self._m.is_terminated())

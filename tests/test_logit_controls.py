@@ -293,3 +293,19 @@ def test_controls_with_mtp_on_a_hybrid_target_equal_speculation_off(tmp_path: Pa
         )
         accepted += on.spec.accepted
     assert accepted > 0
+
+
+def test_text_the_grammar_forces_is_drafted_and_accepted(target: LoadedModel) -> None:
+    """JSON keys the schema requires are forced text: drafted even where the n-gram index has
+    nothing (the prompt holds no JSON), accepted, and the output equals speculation off."""
+    grammar = Grammar("json_schema", json.dumps(SCHEMA))
+    m = target.grammar_matcher(grammar)
+    assert m.accept(target.tokenizer.encode("{")[0])
+    assert m.forced_text().startswith('"kind"')  # the first required key
+    ngram = SpeculativeConfig(method="ngram", num_draft_tokens=6, adaptive=False)
+    params = SamplingParams(max_tokens=64, grammar=grammar)
+    off = run(target, "zq", params, None)
+    on = run(target, "zq", params, ngram)
+    assert on.output_ids == off.output_ids and off.finish_reason == "stop"
+    assert on.spec.accepted >= len('"kind":"","ok":,"n":')  # the keys and their punctuation
+    jsonschema.validate(json.loads(on.text), SCHEMA)

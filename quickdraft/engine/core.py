@@ -77,9 +77,15 @@ class EngineCore:
         if params.shapes_logits:
             matcher = None if params.grammar is None else self.lm.grammar_matcher(params.grammar)
             vocab = self.lm.model.config.vocab_size
-            seq.controls = LogitControls(params, request.prompt_ids, vocab, matcher)
+            seq.controls = LogitControls(
+                params, request.prompt_ids, vocab, matcher, self._encode_plain
+            )
         self.scheduler.add(seq)
         return seq
+
+    def _encode_plain(self, text: str) -> list[int]:
+        """Text as the model would write it (grammar-forced drafts): no special tokens."""
+        return self.lm.tokenizer.encode(text, add_special_tokens=False, parse_special=False)
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)

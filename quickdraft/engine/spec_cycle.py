@@ -27,7 +27,7 @@ from torch import Tensor
 from quickdraft.engine.scheduler import ScheduledSeq, StepPlan
 from quickdraft.models.base import LanguageModel, SequenceCache
 from quickdraft.speculation.drafters.base import Draft, Drafter, DraftJob
-from quickdraft.speculation.logits import LogitControls, token_logprobs
+from quickdraft.speculation.logits import token_logprobs
 from quickdraft.speculation.verify import Verdict, verify
 
 NO_DRAFT = Draft([])
@@ -65,7 +65,7 @@ class SpecCycle:
                 state, gen = seq.spec.draft_state, seq.rng.generator
                 jobs.append(DraftJob(state, tokens, item.k, params, gen, seq.controls))
             for idx, draft in zip(idxs, drafter.propose(jobs), strict=True):
-                drafts[idx] = _cut(draft, plan.items[idx].seq.controls)
+                drafts[idx] = _constrain(draft, plan.items[idx])
         return drafts
 
     def forward(self, plan: StepPlan, drafts: list[Draft]) -> StepOutput:
@@ -151,12 +151,20 @@ class SpecCycle:
             spec.drafter.commit(spec.draft_state, seq.request.all_ids + verdict.tokens, hidden)
 
 
-def _cut(draft: Draft, controls: LogitControls | None) -> Draft:
-    """The draft up to the first token the request's grammar refuses (verify would reject it)."""
-    if controls is None or not draft.tokens:
+def _constrain(draft: Draft, item: ScheduledSeq) -> Draft:
+    """The draft up to the first token the request's grammar refuses (verify would reject it),
+    then, up to k, the tokens the grammar forces next (one-hot: certain under the grammar)."""
+    controls = item.seq.controls
+    if controls is None or controls.matcher is None:
         return draft
     n = controls.cut(draft.tokens)
-    if n == len(draft.tokens):
-        return draft
+    tokens = draft.tokens[:n]
     p_draft = None if draft.p_draft is None else draft.p_draft[:n]
-    return Draft(draft.tokens[:n], p_draft)
+    forced = controls.forced(tokens, item.k - n)
+    if forced and p_draft is not None:  # a drafted distribution: forced rows are one-hot
+        one_hot = torch.zeros(len(forced), p_draft.shape[-1], dtype=p_draft.dtype)
+        one_hot[torch.arange(len(forced)), torch.tensor(forced)] = 1.0
+        p_draft = torch.cat([p_draft, one_hot])
+    if n == len(draft.tokens) and not forced:
+        return draft
+    return Draft(tokens + forced, p_draft)

@@ -5,6 +5,8 @@ presence penalties, a grammar mask; and the logprobs it reports.
 Contract (SpecCycle calls these for one request per step):
   cut(draft)                  the longest prefix of a draft the grammar allows (the rest could
                               never be accepted: verify would mask it out)
+  forced(draft, n)            tokens of the text the grammar forces after the draft (JSON keys,
+                              punctuation): appended to a short draft, free to propose
   apply(logits, draft)        `[k + 1, vocab]` target rows for inputs [last, d_1..d_k] -> the
                               rows sampling sees: row i is shaped with the output as it would be
                               after d_1..d_i were accepted (penalty counts, grammar state), which
@@ -19,6 +21,8 @@ is identical with speculation on and off, and sampling is exact.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -36,10 +40,13 @@ class LogitControls:
         prompt_ids: list[int],
         vocab: int,
         matcher: Matcher | None = None,
+        encode: Callable[[str], list[int]] | None = None,
     ) -> None:
+        """`encode`: text -> token ids (plain text, no special tokens), for `forced`."""
         self.params = params
         self.vocab = vocab
         self.matcher = matcher
+        self.encode = encode
         bad = [t for t, _ in params.logit_bias if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias token ids must be < {vocab}, got {bad[:4]}")
@@ -56,6 +63,23 @@ class LogitControls:
         valid = [t for t in prompt_ids if t < vocab]
         if valid:
             self.seen[torch.tensor(valid)] = True
+
+    def forced(self, draft: list[int], limit: int) -> list[int]:
+        """Up to `limit` tokens of the text the grammar forces after `draft` (which it
+        allows): free drafts, since the target can only follow them (its tokenization of the
+        text may still differ: then verification stops there, as for any draft)."""
+        m = self.matcher
+        if m is None or self.encode is None or limit <= 0:
+            return []
+        walked = sum(m.accept(d) for d in draft)
+        out: list[int] = []
+        text = "" if m.terminated else m.forced_text()
+        for tok in self.encode(text)[:limit] if text else []:
+            if not m.accept(tok):
+                break
+            out.append(tok)
+        m.rollback(walked + len(out))
+        return out
 
     def cut(self, draft: list[int]) -> int:
         """How many leading draft tokens the grammar allows (all of them without a grammar)."""
