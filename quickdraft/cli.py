@@ -25,6 +25,7 @@ from quickdraft.config import (
     DRAFT_QUANTIZATION_HELP,
     QUANTIZATIONS,
     SPEC_METHODS,
+    PrefixCacheConfig,
     SpeculativeConfig,
     cache_dir,
     given,
@@ -121,6 +122,35 @@ def _add_spec_args(p: argparse.ArgumentParser, paired_default: bool) -> None:
         '"prompt_lookup_max": N, "quantization": Q}',
     )
     p.set_defaults(paired_default=paired_default)
+
+
+def _add_prefix_cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-prefix-cache",
+        action="store_false",
+        dest="prefix_cache",
+        default=None,
+        help="do not reuse the KV of prompt prefixes earlier requests computed",
+    )
+    p.add_argument(
+        "--prefix-cache-gb",
+        type=float,
+        default=None,
+        help="prefix cache memory budget in GB (default: 25%% of the available RAM, at most 8)",
+    )
+    p.add_argument(
+        "--prefix-block-size", type=int, default=None, help="prefix cache block, tokens (16)"
+    )
+
+
+def prefix_cache_config(args: argparse.Namespace) -> PrefixCacheConfig:
+    return PrefixCacheConfig(
+        **given(
+            enabled=args.prefix_cache,
+            max_gb=args.prefix_cache_gb,
+            block_size=args.prefix_block_size,
+        )
+    )
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -256,6 +286,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _add_serve_args(s: argparse.ArgumentParser) -> None:
     _add_model_args(s, positional=True)
     _add_spec_args(s, paired_default=True)
+    _add_prefix_cache_args(s)
     s.add_argument("--host", default=None, help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=None, help="(8000)")
     s.add_argument(

@@ -212,6 +212,29 @@ class SpeculativeConfig:
         return self.method != "none" and self.num_draft_tokens > 0
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixCacheConfig:
+    """The prefix cache each served model keeps (engine/prefix_cache.py, docs/prefix_cache.md):
+    the KV of whole token blocks earlier requests computed, matched at admission."""
+
+    enabled: bool = True
+    block_size: int = 16  # tokens per cached block: the granularity of a match
+    # memory budget in GB (10^9 bytes) per model; None: min(25 % of the RAM available when the
+    # engine starts, 8 GB)
+    max_gb: float | None = None
+    # hybrid (recurrent) targets: a state snapshot every N blocks; a hit resumes from the
+    # deepest one, and prompt chunks end at these boundaries
+    snapshot_every: int = 16
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"prefix cache block_size must be >= 1, got {self.block_size}")
+        if self.max_gb is not None and not self.max_gb >= 0:
+            raise ValueError(f"prefix cache budget must be >= 0 GB, got {self.max_gb}")
+        if self.snapshot_every < 1:
+            raise ValueError(f"snapshot_every must be >= 1 block, got {self.snapshot_every}")
+
+
 # vLLM `--speculative-config` keys -> ours; vLLM's method names -> ours
 _VLLM_SPEC_KEYS = {
     "method": "method",

@@ -141,7 +141,38 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "user": either(texts),
     "frequency_penalty": either(numbers),
     "presence_penalty": either(numbers),
-    "logprobs": either(st.booleans()),
+    "logprobs": either(st.booleans() | small_ints),
+    "top_logprobs": either(small_ints | numbers),
+    "repetition_penalty": either(st.floats(0, 3) | numbers),
+    "logit_bias": either(st.dictionaries(st.integers(-3, 400).map(str) | texts, numbers)),
+    "best_of": either(small_ints),
+    "response_format": either(
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["text", "json_object", "json_schema"])},
+            optional={
+                "json_schema": st.fixed_dictionaries(
+                    {"name": texts}, optional={"schema": json_values}
+                )
+            },
+        )
+    ),
+    "structured_outputs": either(
+        st.dictionaries(st.sampled_from(["json", "regex", "grammar", "choice"]), json_values)
+    ),
+    "tools": either(
+        st.lists(
+            st.fixed_dictionaries(
+                {
+                    "type": st.just("function"),
+                    "function": st.fixed_dictionaries(
+                        {"name": texts | st.just("f")}, optional={"parameters": json_values}
+                    ),
+                }
+            ),
+            max_size=2,
+        )
+    ),
+    "tool_choice": either(st.sampled_from(["none", "auto", "required"]) | json_values),
     "ignore_eos": either(st.booleans()),
     "parse_special_tokens": either(st.booleans()),
 }
@@ -150,6 +181,7 @@ MESSAGE_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "content": either(texts),
     "name": either(texts),
     "tool_calls": json_values,
+    "tool_call_id": either(texts),
 }
 
 
