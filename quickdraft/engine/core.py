@@ -9,6 +9,7 @@ model. `step()` is the whole pipeline, read top-down:
     planner.observe(...)                 what the step cost calibrates the policy's prices
     commit                               caches and drafters keep what was accepted; requests
                                          take their tokens; finished sequences leave
+    prefix.extend                        newly committed whole blocks join the prefix cache
 A failure before the commit leaves every sequence untouched, so the step's sequences are then
 re-run one at a time and only the one that fails again is failed (its `error` set, the request
 aborted); the others carry on. `step` returns the sequences that produced output or ended.
@@ -25,7 +26,8 @@ import time
 from collections.abc import Generator
 from dataclasses import dataclass
 
-from quickdraft.config import PREFILL_CHUNK
+from quickdraft.config import PREFILL_CHUNK, PrefixCacheConfig
+from quickdraft.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from quickdraft.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, StepPlan
 from quickdraft.engine.sequence import Sequence
 from quickdraft.engine.spec_cycle import SpecCycle, StepOutput
@@ -55,20 +57,33 @@ class StepStats:
     seconds: float = 0.0  # wall time inside step()
     last_batch: int = 0  # sequences in the last step
     max_batch: int = 0  # most sequences in one step
+    prefix_cache: PrefixCacheStats | None = None  # the model's prefix cache (None: off)
 
 
 class EngineCore:
-    def __init__(self, lm: LoadedModel, config: SchedulerConfig | None = None) -> None:
+    def __init__(
+        self,
+        lm: LoadedModel,
+        config: SchedulerConfig | None = None,
+        prefix_cache: PrefixCacheConfig | None = None,
+    ) -> None:
+        """`prefix_cache`: None or not enabled = no prefix cache."""
         self.lm = lm
         model = lm.model
+        self.prefix = (
+            PrefixCache(prefix_cache, model.device)
+            if prefix_cache is not None and prefix_cache.enabled
+            else None
+        )
         self.scheduler = Scheduler(
             config or SchedulerConfig(),
             model.new_cache,
             lambda: model_cost(model),
             lm.context_length,
+            self.prefix,
         )
         self.cycle = SpecCycle(model)
-        self.stats = StepStats()
+        self.stats = StepStats(prefix_cache=None if self.prefix is None else self.prefix.stats)
 
     def add(self, request: Request, speculation: Speculation | None) -> Sequence:
         params = request.params
@@ -155,6 +170,10 @@ class EngineCore:
             seq = item.seq
             try:
                 self.cycle.commit(item, verdict, out, out.row_start[idx])
+                if seq.prefix is not None:  # the cache now also holds the accepted drafts
+                    assert self.prefix is not None and seq.cache is not None
+                    tokens = seq.request.all_ids + (verdict.tokens if verdict else [])
+                    self.prefix.extend(seq.prefix, tokens, seq.cache, seq.spec)
                 if verdict is None:  # a prefill chunk: nothing to emit yet
                     self.stats.prefill_rows += item.num_tokens
                     continue

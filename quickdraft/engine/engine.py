@@ -20,9 +20,12 @@ already waiting and `ValueError` for a request that cannot run (unknown model, t
 Inside: continuous batching. Per served model an `EngineCore` (core.py) runs steps: new
 requests join the running batch (their prefill chunked), finished and cancelled ones leave at
 once with their caches freed, and each step is ONE packed target forward with the speculation
-policy choosing every request's draft length from its acceptance and the batch. Optional:
+policy choosing every request's draft length from its acceptance and the batch. Each model
+keeps a prefix cache (engine/prefix_cache.py; on unless `prefix_cache=PrefixCacheConfig(
+enabled=False)`): a prompt that starts with blocks an earlier request computed skips their
+prefill, and `RequestOutput.cached_tokens` says how many prompt tokens that was. Optional:
 `scheduler=SchedulerConfig(...)` in the constructor, and `step_stats` (per model, live
-counters of steps / rows / drafts / accepted for metrics).
+counters of steps / rows / drafts / accepted, and the prefix cache's, for metrics).
 
 A request that fails (an exception in its step) gets the exception on its handle and the
 engine serves on; if the engine thread itself dies, `alive` turns False and every waiting or
@@ -43,7 +46,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from quickdraft.config import SpeculativeConfig
+from quickdraft.config import PrefixCacheConfig, SpeculativeConfig
 from quickdraft.engine.core import EngineCore, StepStats
 from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.engine.sequence import Sequence
@@ -115,6 +118,7 @@ class RequestOutput:
     spec: SpecStats  # the request's live telemetry (read-only for consumers)
     timing: Timing
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per new token id, if asked
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (known from admission)
 
     @property
     def finished(self) -> bool:
@@ -201,7 +205,9 @@ class Engine:
         models: dict[str, ServedModel],
         max_waiting: int = 64,
         scheduler: SchedulerConfig | None = None,
+        prefix_cache: PrefixCacheConfig | None = None,
     ) -> None:
+        """`prefix_cache`: each model's prefix cache (None: the defaults, on)."""
         if not models:
             raise ValueError("the engine needs at least one model")
         self.models = models
@@ -209,7 +215,8 @@ class Engine:
         self._lock = threading.Lock()
         self._waiting: deque[RequestHandle] = deque()  # submitted, not yet in a core
         self._wake = threading.Condition(self._lock)
-        self._cores = {name: EngineCore(s.lm, scheduler) for name, s in models.items()}
+        prefix = prefix_cache or PrefixCacheConfig()
+        self._cores = {name: EngineCore(s.lm, scheduler, prefix) for name, s in models.items()}
         self._handles: dict[Sequence, RequestHandle] = {}  # engine thread only
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -345,7 +352,7 @@ class Engine:
                 handle._put(seq.error)
             text = req.stream_delta()
             if text or req.finished:
-                handle._put(self._output(req, text, handle.sent_ids))
+                handle._put(self._output(req, text, handle.sent_ids, seq.cached_tokens))
                 handle.sent_ids = len(req.output_ids)
             if req.finished:
                 del self._handles[seq]  # before _DONE: a consumer that saw the end of its
@@ -360,7 +367,7 @@ class Engine:
                 )
 
     @staticmethod
-    def _output(req: Request, text: str, sent_ids: int) -> RequestOutput:
+    def _output(req: Request, text: str, sent_ids: int, cached_tokens: int) -> RequestOutput:
         return RequestOutput(
             req.id,
             text,
@@ -371,4 +378,5 @@ class Engine:
             req.spec,
             req.timing,
             req.logprobs[sent_ids:],
+            cached_tokens=cached_tokens,
         )

@@ -20,6 +20,9 @@ One step's rows (the token budget `max_step_tokens`) are spent in this order:
      k from its running acceptance and what the step's forward already holds; draft rows live
      in the same budget, and a sequence drafts only once it has its first output token.
 A chunk that feeds a sequence's last pending token (sequence.py) samples the next one.
+With a prefix cache (prefix_cache.py), admission copies the prompt's cached blocks into the new
+cache first, so prefill starts after them; a hybrid target's prompt chunks end at its state
+snapshot boundaries; a sequence that leaves unlocks its blocks.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from quickdraft.config import PREFILL_CHUNK
+from quickdraft.engine.prefix_cache import PrefixCache
 from quickdraft.engine.sequence import SeqStatus, Sequence
 from quickdraft.models.base import SequenceCache
 from quickdraft.request import TokenLogprob
@@ -84,9 +88,11 @@ class Scheduler:
         new_cache: Callable[[int], SequenceCache],
         step_cost: Callable[[], StepCost],
         context_length: int,
+        prefix: PrefixCache | None = None,
     ) -> None:
         self.config = config
         self.new_cache = new_cache
+        self.prefix = prefix  # the model's prefix cache (None: off)
         self.context_length = context_length
         self.planner = DraftPlanner(step_cost)  # measures the cost only when asked to price
         self.waiting: deque[Sequence] = deque()
@@ -112,12 +118,12 @@ class Scheduler:
             if prefill <= 0:
                 break
             if seq.pending > 1:
-                plan.items.append(ScheduledSeq(seq, min(seq.pending, prefill)))
+                plan.items.append(ScheduledSeq(seq, self._chunk(seq, prefill)))
                 prefill -= plan.items[-1].num_tokens
         while self.waiting and len(self.running) < cfg.max_running and prefill > 0:
             seq = self.waiting.popleft()
             self._admit(seq)
-            plan.items.append(ScheduledSeq(seq, min(seq.pending, prefill)))
+            plan.items.append(ScheduledSeq(seq, self._chunk(seq, prefill)))
             prefill -= plan.items[-1].num_tokens
         budget = cfg.max_step_tokens - plan.num_rows
         self._choose_drafts(plan, budget)
@@ -130,8 +136,19 @@ class Scheduler:
         if speculation is not None:
             seq.spec = speculation.start(req.prompt_ids, req.tenant)
             req.spec.method = speculation.config.method
+        if self.prefix is not None:  # the cached blocks of the prompt: prefill skips them
+            seq.prefix = self.prefix.admit(req.prompt_ids, seq.cache, seq.spec)
+            seq.cached_tokens = seq.prefix.cached_tokens
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Prompt rows `seq` feeds this step: its pending rows within `budget` (up to a state
+        snapshot boundary of the prefix cache's)."""
+        rows = min(seq.pending, budget)
+        if self.prefix is None or seq.cache is None:
+            return rows
+        return self.prefix.chunk(seq.cache, seq.num_computed, rows)
 
     def _choose_drafts(self, plan: StepPlan, budget: int) -> None:
         decoding = [i for i in plan.items if i.num_tokens == 1 and i.samples]
@@ -179,10 +196,18 @@ class Scheduler:
         self.release(seq)
 
     def release(self, seq: Sequence) -> None:
-        """Leave the batch and free the KV cache and the drafter state (idempotent)."""
+        """Leave the batch, unlock its prefix-cache blocks and free the KV cache and the
+        drafter state (idempotent)."""
         if seq.status == SeqStatus.RUNNING:
             self.running.remove(seq)
-        if seq.spec is not None:
-            seq.spec.free()
-        seq.cache, seq.spec = None, None
-        seq.status = SeqStatus.FINISHED
+        cursor, seq.prefix = seq.prefix, None
+        try:
+            if cursor is not None:
+                assert self.prefix is not None
+                failed = seq.error is not None
+                self.prefix.leave(cursor, seq.spec, failed)
+        finally:
+            if seq.spec is not None:
+                seq.spec.free()
+            seq.cache, seq.spec = None, None
+            seq.status = SeqStatus.FINISHED

@@ -3,7 +3,8 @@ tokens have been through the target.
 
 Token bookkeeping only: the prompt and output ids live on the `Request`, the KV (or hybrid)
 cache holds what the target has computed, and a speculating request's drafter state and
-acceptance live in its `SpecState` (speculation/state.py), which this record only carries.
+acceptance live in its `SpecState` (speculation/state.py), which this record only carries; so
+does its place in the prefix cache (engine/prefix_cache.py).
 A sequence's pending tokens are `all_ids[num_computed:]`: the rest of the prompt while
 prefilling, exactly one token (the last committed) while decoding, so prefill and decode are
 the same operation.
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from quickdraft.engine.prefix_cache import PrefixCursor
 from quickdraft.models.base import SequenceCache
 from quickdraft.request import Request
 from quickdraft.speculation.logits import LogitControls
@@ -37,6 +39,8 @@ class Sequence:
     cache: SequenceCache | None = None  # allocated on admission, dropped when it leaves
     error: BaseException | None = None  # why the request failed, if it did
     controls: LogitControls | None = None  # bias / penalties / grammar, if the request has any
+    prefix: PrefixCursor | None = None  # its path in the prefix cache, while it runs
+    cached_tokens: int = 0  # prompt tokens the prefix cache served (set at admission)
 
     @property
     def num_tokens(self) -> int:

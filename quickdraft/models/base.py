@@ -6,6 +6,11 @@ more sequences packed together (prefill, decode, or a k+1-token verify) and writ
 entries past `cache.length` WITHOUT moving it; the caller then `commit`s the length it keeps.
 Committing fewer tokens than the forward wrote is the rollback, O(1) for every cache kind
 (attention KV: a length; recurrent state: a checkpoint slot).
+
+For the prefix cache (engine/prefix_cache.py) a cache also copies the KV of committed tokens out
+(`export_kv`, an immutable `KVBlock`) and a fresh cache takes such blocks as its first tokens
+(`import_kv`); a recurrent cache cannot be cut back, so it also hands out the state after a
+recent position (`state_at`, a `StateSnapshot`) and resumes from one.
 """
 
 from __future__ import annotations
@@ -24,10 +29,45 @@ class ForwardOutput:
     hidden: Tensor | None = None  # [num_tokens, hidden] post-final-norm, if asked for
 
 
+@dataclass(frozen=True, slots=True)
+class KVBlock:
+    """Attention KV of a run of committed tokens, copied out of a sequence's cache and never
+    written again: k, v `[num_layers, num_kv_heads, tokens, head_dim]`."""
+
+    k: Tensor
+    v: Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class StateSnapshot:
+    """The recurrent (GDN) state of every recurrent layer after some token, copied:
+    conv windows `[layers, K-1, C]` and delta-rule states `[layers, H, dk, dv]` (fp32)."""
+
+    conv: Tensor
+    ssm: Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.ssm.nbytes
+
+
 class SequenceCache(Protocol):
     """The cache of one sequence. `length` = committed tokens."""
 
     length: int
+
+    @property
+    def recurrent(self) -> bool:
+        """It holds recurrent state (cannot be cut back to an arbitrary length)."""
+        ...
 
     def reserve(self, num_new: int) -> None:
         """Make room for `num_new` tokens past `length` (called by the model's forward)."""
@@ -38,6 +78,20 @@ class SequenceCache(Protocol):
         ...
 
     def nbytes(self) -> int: ...
+
+    def export_kv(self, start: int, end: int) -> KVBlock:
+        """A copy of the KV of committed tokens [start, end)."""
+        ...
+
+    def import_kv(self, blocks: Sequence[KVBlock], state: StateSnapshot | None = None) -> None:
+        """An empty cache takes `blocks` as its first tokens, committed; a recurrent cache also
+        takes `state`, the recurrent state after them."""
+        ...
+
+    def state_at(self, position: int) -> StateSnapshot | None:
+        """A copy of the recurrent state after the first `position` tokens, if it can still be
+        had: `position` within the last commit (None otherwise, and for attention-only caches)."""
+        ...
 
 
 def packed_positions(

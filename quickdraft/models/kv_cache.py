@@ -5,16 +5,22 @@ doubling. `length` counts the tokens whose KV is committed. A forward writes the
 tokens at `[length, length + n)` without moving `length`; the caller then `commit(n_kept)`s.
 Committing fewer tokens than were written is the rollback: O(1), nothing is copied or cleared
 (the stale rows are overwritten by the next forward and never read before that).
+The prefix cache copies committed rows out (`export_kv`) and into a fresh cache (`import_kv`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
+
+from quickdraft.models.base import KVBlock, StateSnapshot
 
 
 class KVCache:
     __slots__ = ("capacity", "k", "length", "v")
+    recurrent = False
 
     def __init__(
         self,
@@ -62,3 +68,21 @@ class KVCache:
 
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+    def export_kv(self, start: int, end: int) -> KVBlock:
+        """Copies of the committed rows [start, end) `[num_layers, num_kv_heads, n, head_dim]`."""
+        assert 0 <= start <= end <= self.length, (start, end, self.length)
+        return KVBlock(self.k[:, :, start:end].clone(), self.v[:, :, start:end].clone())
+
+    def import_kv(self, blocks: Sequence[KVBlock], state: StateSnapshot | None = None) -> None:
+        """An empty cache takes `blocks`, in order, as its first committed tokens."""
+        assert self.length == 0 and state is None, "import into an empty attention cache"
+        self.reserve(sum(b.num_tokens for b in blocks))
+        for block in blocks:
+            end = self.length + block.num_tokens
+            self.k[:, :, self.length : end] = block.k
+            self.v[:, :, self.length : end] = block.v
+            self.length = end
+
+    def state_at(self, position: int) -> StateSnapshot | None:
+        return None  # attention only: the KV rows are the whole state

@@ -27,16 +27,24 @@ value-preserving and nothing else is written to it.
 vLLM keeps k + 1 full state snapshots per request (a slot per verified token); keeping the
 updates instead makes a checkpoint a few KB rather than the whole state (MBs per layer) and
 keeps a verify's state traffic equal to a decode step's.
+
+Prefix cache (engine/prefix_cache.py): the recurrent state cannot be cut back, so the prefix
+cache keeps snapshots of it at block boundaries. `state_at(p)` copies the state after token p
+for any p the last commit reached (the committed slot after a long forward; the committed state
+advanced by the first m kept updates after a short one: the bits the next forward will
+compute); `import_kv` resumes a fresh cache from KV blocks and a snapshot.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from quickdraft.kernels.gdn import DeltaUpdates, advance_state, conv_window
+from quickdraft.models.base import KVBlock, StateSnapshot
 from quickdraft.models.kv_cache import KVCache
 
 # Largest forward whose every token can be committed: k + 1 for the largest k that
@@ -70,6 +78,7 @@ class HybridCache:
         "shape",
         "ssm",
     )
+    recurrent = True
 
     def __init__(
         self,
@@ -198,6 +207,40 @@ class HybridCache:
     def nbytes(self) -> int:
         cps = (self.cp_inputs, self.cp_k, self.cp_d, self.cp_g)
         return self.kv.nbytes() + self.conv.nbytes + self.ssm.nbytes + sum(t.nbytes for t in cps)
+
+    # -- the prefix cache's side ---------------------------------------------------------------
+
+    def export_kv(self, start: int, end: int) -> KVBlock:
+        return self.kv.export_kv(start, end)
+
+    def import_kv(self, blocks: Sequence[KVBlock], state: StateSnapshot | None = None) -> None:
+        """An empty cache takes `blocks` as its first tokens and `state`, the recurrent state
+        after them (required unless there are no blocks)."""
+        assert self.length == 0 and self._forward == 0, "import into an empty cache"
+        if not blocks:
+            return
+        assert state is not None, "a recurrent cache resumes only from a state snapshot"
+        self.kv.import_kv(blocks)
+        self.conv[:, self.committed].copy_(state.conv)
+        self.ssm[:, self.committed].copy_(state.ssm)
+        self.pending = [0] * len(self.pending)
+        self.length = self.kv.length
+
+    def state_at(self, position: int) -> StateSnapshot | None:
+        """The state after the first `position` tokens if the last commit reached it: the
+        committed state with the first m of its layer's pending updates applied (to a copy),
+        as the next forward's `gdn_state` will apply them. None for an older position."""
+        base = [self.length - pending for pending in self.pending]
+        if not all(b <= position <= self.length for b in base):
+            return None
+        conv = self.conv[:, self.committed].clone()  # [G, K-1, C]
+        ssm = self.ssm[:, self.committed].clone()  # [G, H, dk, dv]
+        for g, start in enumerate(base):
+            m = position - start
+            if m:
+                advance_state(ssm[g], self.cp_k[g, :, :m], self.cp_d[g, :, :m], self.cp_g[g, :, :m])
+                conv[g] = conv_window(conv[g], self.cp_inputs[g, :m])
+        return StateSnapshot(conv, ssm)
 
     def _grow(self, slots: int) -> None:
         """More checkpoint slots (rare: a larger k). Pending updates are kept."""

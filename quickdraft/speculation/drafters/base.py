@@ -23,6 +23,11 @@ Every drafter lists the shapes of the forwards its last `propose` ran in `forwar
 (`StepShape`s: rows, sequences, sequences with > 1 row), catch-ups included; the engine times
 the draft phase against the drafter's cost table with them (speculation/cost.py `DraftCost`).
 A lookup drafter runs none: its list stays empty.
+
+A drafter whose per-request state is a function of the committed tokens alone (a draft model's
+KV; an MTP head's KV and the target hidden rows it reads) also implements `PrefixDrafter`: the
+prefix cache (engine/prefix_cache.py) keeps that state per token block beside the target's KV,
+and a hit hands it to a new request, so the drafter skips that prefill too.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from quickdraft.models.base import KVBlock
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.cost import StepShape
 from quickdraft.speculation.logits import LogitControls
@@ -90,3 +96,34 @@ class Drafter(Protocol):
     def commit(self, state: Any, tokens: list[int], hidden: Tensor | None) -> None: ...
 
     def free(self, state: Any) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DraftBlock:
+    """A drafter's share of one prefix-cache block: its model's KV of the block's tokens and,
+    for a drafter that reads the target's hidden states, the target's hidden row of the block's
+    last token `[hidden]` (what its row at that position needs besides the next token)."""
+
+    kv: KVBlock
+    hidden: Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes + (0 if self.hidden is None else self.hidden.nbytes)
+
+
+class PrefixDrafter(Protocol):
+    """A drafter whose state the prefix cache keeps (see the module docstring)."""
+
+    def export_block(self, state: Any, start: int, ids: Sequence[int]) -> DraftBlock | None:
+        """Copies of what `state` holds for the committed tokens `ids` at positions
+        [start, start + len(ids)), or None while it does not hold them (yet)."""
+        ...
+
+    def import_blocks(
+        self, state: Any, tokens: list[int], blocks: Sequence[DraftBlock], block_size: int
+    ) -> int:
+        """A new request's `state` takes `blocks` (`block_size` tokens each) as the first
+        committed tokens of `tokens` (no blocks: it only learns the block size, to keep what
+        later exports need); returns how many committed tokens it has now seen."""
+        ...

@@ -19,7 +19,7 @@ import torch
 from quickdraft.config import PREFILL_CHUNK
 from quickdraft.models.base import LanguageModel, SequenceCache
 from quickdraft.speculation.cost import StepShape
-from quickdraft.speculation.drafters.base import Draft, DraftJob, draft_one
+from quickdraft.speculation.drafters.base import Draft, DraftBlock, DraftJob, draft_one
 
 
 @dataclass(slots=True)
@@ -111,3 +111,20 @@ class DraftModelDrafter:
 
     def free(self, state: DraftState) -> None:
         state.fed.clear()
+
+    def export_block(self, state: DraftState, start: int, ids: Sequence[int]) -> DraftBlock | None:
+        end = start + len(ids)
+        # fed[:stable] are committed tokens whose KV the cache holds (set by commit)
+        if end > min(state.stable, state.cache.length) or state.cache.recurrent:
+            return None
+        assert state.fed[start:end] == list(ids), "the draft KV is of other tokens"
+        return DraftBlock(state.cache.export_kv(start, end))
+
+    def import_blocks(
+        self, state: DraftState, tokens: list[int], blocks: Sequence[DraftBlock], block_size: int
+    ) -> int:
+        assert state.cache.length == 0 and not state.fed, "a new request's state"
+        state.cache.import_kv([b.kv for b in blocks])
+        state.stable = state.cache.length
+        state.fed = tokens[: state.stable]
+        return state.stable

@@ -16,6 +16,10 @@ hidden and the head's post-`norm` output; vLLM's choice) or "pre_norm" (the resi
 before those norms; the target's is recovered exactly, up to the head's RMSNorm eps, as
 post_norm / final-norm scale, because the head normalises it again with pre_fc_norm_hidden).
 Real checkpoints settle it by acceptance (bench/hybrid.py reports it).
+Prefix cache (`PrefixDrafter`): a block of tokens [a, b) keeps the head's KV rows whose inputs
+lie in it, positions [a - 1, b - 1) (row i reads t_{i+1}), and the target hidden row h_{b-1}
+(kept from `commit` once the block size is known): a hit of n tokens restores rows [0, n - 1)
+and queues h_{n-1}, exactly where a request that ran the n tokens itself would be.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from quickdraft.models.loader import load_weights
 from quickdraft.models.mtp import MTPHead
 from quickdraft.models.registry import mtp_parts, name_map
 from quickdraft.speculation.cost import StepShape
-from quickdraft.speculation.drafters.base import Draft, DraftJob, draft_one
+from quickdraft.speculation.drafters.base import Draft, DraftBlock, DraftJob, draft_one
 
 HiddenFeed = Literal["post_norm", "pre_norm"]
 
@@ -95,6 +99,8 @@ class MTPState:
     cache: KVCache  # head rows run with the target's hidden: row i at position i
     pending: list[Tensor] = field(default_factory=list)  # target hidden rows not run yet
     queued: int = 0  # rows in `pending`
+    block: int = 0  # prefix-cache block size (0: none): keep the hidden rows of block ends
+    block_ends: dict[int, Tensor] = field(default_factory=dict)  # position -> [hidden] row
 
 
 class MTPDrafter:
@@ -129,6 +135,10 @@ class MTPDrafter:
         rows = hidden if self.unnorm is None else hidden.float() * self.unnorm
         state.pending.append(rows)
         state.queued += rows.shape[0]
+        if state.block:  # positions p with p + 1 a multiple of the block: a block's last row
+            first = start + (-(start + 1)) % state.block
+            for p in range(first, start + rows.shape[0], state.block):
+                state.block_ends[p] = rows[p - start].clone()
 
     def _run(
         self, states: list[MTPState], ids: list[list[int]], hidden: list[Tensor]
@@ -195,6 +205,27 @@ class MTPDrafter:
     def free(self, state: MTPState) -> None:
         state.pending.clear()
         state.queued = 0
+        state.block_ends.clear()
+
+    def export_block(self, state: MTPState, start: int, ids: Sequence[int]) -> DraftBlock | None:
+        end = start + len(ids)
+        hidden = state.block_ends.get(end - 1)
+        if hidden is None or state.cache.length < end - 1:  # the head has not run them yet
+            return None
+        return DraftBlock(state.cache.export_kv(max(start - 1, 0), end - 1), hidden)
+
+    def import_blocks(
+        self, state: MTPState, tokens: list[int], blocks: Sequence[DraftBlock], block_size: int
+    ) -> int:
+        assert state.cache.length == 0 and not state.queued, "a new request's state"
+        state.block = block_size
+        if not blocks:
+            return 0
+        last = blocks[-1].hidden
+        assert last is not None, "an MTP block carries its last target hidden row"
+        state.cache.import_kv([b.kv for b in blocks])  # rows [0, n - 1)
+        state.pending, state.queued = [last[None]], 1  # h_{n-1}: its row waits for t_n
+        return state.cache.length + 1
 
 
 def mtp_drafter(
