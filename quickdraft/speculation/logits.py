@@ -71,7 +71,7 @@ class LogitControls:
         m = self.matcher
         if m is None or self.encode is None or limit <= 0:
             return []
-        walked = sum(m.accept(d) for d in draft)
+        walked = self._walk(draft)
         out: list[int] = []
         text = "" if m.terminated else m.forced_text()
         for tok in self.encode(text)[:limit] if text else []:
@@ -81,14 +81,22 @@ class LogitControls:
         m.rollback(walked + len(out))
         return out
 
+    def _walk(self, tokens: list[int]) -> int:
+        """Advance the matcher by `tokens` while it allows them and has not ended (a drafted
+        stop token ends it); return how many it took, for the rollback."""
+        m = self.matcher
+        assert m is not None
+        n = 0
+        while n < len(tokens) and not m.terminated and m.accept(tokens[n]):
+            n += 1
+        return n
+
     def cut(self, draft: list[int]) -> int:
         """How many leading draft tokens the grammar allows (all of them without a grammar)."""
         m = self.matcher
         if m is None:
             return len(draft)
-        n = 0
-        while n < len(draft) and not m.terminated and m.accept(draft[n]):
-            n += 1  # nothing after a stop token: the request ends there
+        n = self._walk(draft)  # nothing after a stop token: the request ends there
         m.rollback(n)
         return n
 
@@ -125,16 +133,14 @@ class LogitControls:
                 rows -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
         m = self.matcher
         if m is not None and not m.terminated:  # terminated: only with ignore_eos; free text
-            walked = 0
-            for d in draft[:first]:
-                walked += m.accept(d)
+            walked = self._walk(draft[:first])
             mask = m.bitmask(n)
             for i in range(n):
                 if m.terminated:  # a row after a drafted stop token: never sampled from
                     break
                 m.fill(mask, i)
                 if i < n - 1:
-                    walked += m.accept(draft[first + i])
+                    walked += self._walk(draft[first + i : first + i + 1])
             m.rollback(walked)
             apply_bitmask(rows, mask)
         return rows
