@@ -158,7 +158,7 @@ def conversation(
 
 
 def nodes(cache: PrefixCache) -> list[Block]:
-    out, stack = [], list(cache.roots.values())
+    out, stack = [], [node for roots in cache.roots.values() for node in roots.values()]
     while stack:
         node = stack.pop()
         out.append(node)
@@ -464,3 +464,21 @@ def test_hybrid_snapshot_equals_a_cold_prefill(hybrid: LoadedModel) -> None:
     out_a = model(ids[45:60], [resumed], [15]).logits
     out_b = model(ids[45:60], [cold], [15]).logits
     assert torch.equal(out_a, out_b)
+
+
+def test_prefix_cache_is_per_tenant(dense: LoadedModel) -> None:
+    """A hit shows (cached_tokens, TTFT): one tenant's prompts never serve another's."""
+    core = EngineCore(dense, SMALL, CACHE)
+    prompt = dense.tokenizer.encode(SYSTEM * 2 + "hello")
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    def send(tenant: str) -> int:
+        seq = core.add(dense.new_request(prompt, params, tenant=tenant), None)
+        while core.has_work:
+            core.step()
+        return seq.cached_tokens
+
+    assert send("key0") == 0
+    assert send("key1") == 0
+    assert send("key0") == send("key1") == (len(prompt) - 1) // 8 * 8
+    assert core.prefix is not None and set(core.prefix.roots) == {"key0", "key1"}

@@ -22,18 +22,24 @@ shorter commit, in the sequence's own cache) cannot reach one: copy-on-write is 
 Because every kernel is batch-invariant, a block's KV does not depend on how its prompt was
 chunked or batched, and an output with the cache equals the output without it bit for bit.
 
-  admit(prompt, cache, spec) -> cursor  the longest run of whole prompt blocks, leaving the
-                      prompt's last token to run (its logits give the first output token);
-                      recurrent targets: up to the deepest snapshot in it; a drafter that reads
-                      the target's hidden states (MTP): only blocks carrying its part too (it
-                      cannot catch up on positions the target skipped). Copies them into `cache`
-                      and the drafter state.
-  extend(cursor, tokens, cache, spec)   after a commit: the sequence's newly whole blocks join
-                      the tree (nodes other requests inserted are reused), with the snapshots
-                      and drafter parts the sequence can give
-  chunk(cache, computed, n)             recurrent targets: a prompt chunk ends at the next
-                      snapshot boundary (a long forward keeps only its final state)
-  leave(cursor, spec, failed)           the sequence is done with its path
+  admit(prompt, cache, spec, tenant) -> cursor
+        the longest run of whole prompt blocks in the tenant's tree, leaving the prompt's last
+        token to run (its logits give the first output token); recurrent targets: up to the
+        deepest snapshot in it; a drafter that reads the target's hidden states (MTP): only
+        blocks that carry its part too (it cannot catch up on positions the target skipped).
+        Copies them into `cache` and the drafter state, and locks them.
+  extend(cursor, tokens, cache, spec)
+        after a commit: the sequence's newly whole blocks join the tree (nodes other requests
+        inserted are reused), with the snapshots and drafter parts the sequence can give
+  chunk(cache, computed, n)
+        recurrent targets: a prompt chunk ends at the next snapshot boundary (a long forward
+        keeps only its final state)
+  leave(cursor, spec, failed)
+        the sequence is done with its path: unlocked
+Tenants: each tenant (the request's, as the server names it: API key / `user`, or "" for all
+when the server shares across them) has a tree of its own, as for the n-gram drafter's shared
+index: a hit is visible (`cached_tokens`, the time to first token), so a shared tree would tell
+one client whether another had sent a prompt.
 Reference counts: a running sequence locks the deepest node of its path, so that node and its
 ancestors stay; only unlocked leaves are evicted, least recently used first, when an insert
 would pass the memory budget. When the locked blocks hold the whole budget, nothing new is
@@ -112,12 +118,14 @@ class Block:
         "parent",
         "refs",
         "state",
+        "tenant",
         "tokens",
     )
 
     def __init__(
-        self, tokens: tuple[int, ...], parent: Block | None, kv: KVBlock, depth: int
+        self, tenant: str, tokens: tuple[int, ...], parent: Block | None, kv: KVBlock, depth: int
     ) -> None:
+        self.tenant = tenant
         self.tokens = tokens
         self.parent = parent
         self.depth = depth  # blocks from the root: this one covers tokens up to depth * size
@@ -135,6 +143,7 @@ class Block:
 class PrefixCursor:
     """One sequence's place in the tree, from admission until it leaves."""
 
+    tenant: str  # whose tree
     path: list[Block]  # its blocks in the tree, in order; the last one is locked
     drafter: PrefixDrafter | None  # its drafter, if the cache keeps that drafter's state
     key: int  # the drafter's key in `Block.drafts`
@@ -146,7 +155,7 @@ class PrefixCache:
     def __init__(self, config: PrefixCacheConfig, device: torch.device) -> None:
         self.config = config
         self.size = config.block_size
-        self.roots: dict[tuple[int, ...], Block] = {}
+        self.roots: dict[str, dict[tuple[int, ...], Block]] = {}  # tenant -> first blocks
         self.stats = PrefixCacheStats(budget_bytes=budget_bytes(config, device))
         self._tick = 0
         self._heap: list[tuple[int, int, Block]] = []  # (last_used, serial, node), lazy
@@ -158,14 +167,14 @@ class PrefixCache:
     # ------------------------------------------------------------------ the scheduler's side
 
     def admit(
-        self, prompt: list[int], cache: SequenceCache, spec: SpecState | None
+        self, prompt: list[int], cache: SequenceCache, spec: SpecState | None, tenant: str = ""
     ) -> PrefixCursor:
         """Match `prompt`, copy the usable blocks into the empty `cache` (and the drafter's
         state) and lock them; the sequence then prefills only the rest."""
         size = self.size
         drafter = self._drafter(spec)
         key = 0 if drafter is None else self._key(drafter)
-        path = self._match(prompt, (len(prompt) - 1) // size)
+        path = self._match(self.roots.get(tenant, {}), prompt, (len(prompt) - 1) // size)
         drafted = 0
         if drafter is not None:
             while drafted < len(path) and key in path[drafted].drafts:
@@ -189,7 +198,7 @@ class PrefixCache:
             path[-1].refs += 1
         self.stats.queries += len(prompt)
         self.stats.hits += usable * size
-        return PrefixCursor(path, drafter, key, drafted, usable * size)
+        return PrefixCursor(tenant, path, drafter, key, drafted, usable * size)
 
     def chunk(self, cache: SequenceCache, computed: int, num_tokens: int) -> int:
         """Prompt rows to feed from `computed`: at most up to the next snapshot boundary for a
@@ -225,14 +234,14 @@ class PrefixCache:
             depth = len(cur.path) + 1
             start, end = (depth - 1) * size, depth * size
             parent = cur.path[-1] if cur.path else None
-            siblings = self.roots if parent is None else parent.children
+            siblings = self.roots.setdefault(cur.tenant, {}) if parent is None else parent.children
             ids = tuple(tokens[start:end])
             node = siblings.get(ids)
             if node is None:
                 kv = cache.export_kv(start, end)
                 if not self._reserve(kv.nbytes):
                     break
-                node = Block(ids, parent, kv, depth)
+                node = Block(cur.tenant, ids, parent, kv, depth)
                 siblings[ids] = node
                 self.stats.blocks += 1
                 self.stats.inserted += 1
@@ -252,9 +261,10 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ inside
 
-    def _match(self, tokens: list[int], max_blocks: int) -> list[Block]:
+    def _match(
+        self, siblings: dict[tuple[int, ...], Block], tokens: list[int], max_blocks: int
+    ) -> list[Block]:
         path: list[Block] = []
-        siblings = self.roots
         for i in range(max_blocks):
             node = siblings.get(tuple(tokens[i * self.size : (i + 1) * self.size]))
             if node is None:
@@ -312,8 +322,10 @@ class PrefixCache:
     def _evict(self, node: Block) -> None:
         assert node.refs == 0 and not node.children, "only unlocked leaves are evicted"
         parent = node.parent
-        siblings = self.roots if parent is None else parent.children
+        siblings = self.roots[node.tenant] if parent is None else parent.children
         del siblings[node.tokens]
+        if not siblings and parent is None:
+            del self.roots[node.tenant]
         node.live = False
         self.stats.blocks -= 1
         self.stats.evicted += 1
@@ -344,7 +356,7 @@ class PrefixCache:
         heapq.heapify(self._heap)
 
     def _nodes(self) -> Iterator[Block]:
-        stack = list(self.roots.values())
+        stack = [node for roots in self.roots.values() for node in roots.values()]
         while stack:
             node = stack.pop()
             yield node

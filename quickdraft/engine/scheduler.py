@@ -137,7 +137,7 @@ class Scheduler:
             seq.spec = speculation.start(req.prompt_ids, req.tenant)
             req.spec.method = speculation.config.method
         if self.prefix is not None:  # the cached blocks of the prompt: prefill skips them
-            seq.prefix = self.prefix.admit(req.prompt_ids, seq.cache, seq.spec)
+            seq.prefix = self.prefix.admit(req.prompt_ids, seq.cache, seq.spec, req.tenant)
             seq.cached_tokens = seq.prefix.cached_tokens
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
