@@ -108,6 +108,32 @@ def _add_spec_args(p: argparse.ArgumentParser, paired_default: bool) -> None:
         "(0: only the request's own tokens)",
     )
     p.add_argument(
+        "--suffix-max-depth",
+        type=int,
+        default=None,
+        help="suffix drafter: the longest substring its trees hold (64)",
+    )
+    p.add_argument(
+        "--suffix-max-spec-factor",
+        type=float,
+        default=None,
+        help="suffix drafter: draft tokens per matched token (a match of m tokens drafts at "
+        "most factor x m; 1.0)",
+    )
+    p.add_argument(
+        "--suffix-min-token-prob",
+        type=float,
+        default=None,
+        help="suffix drafter: stop a draft where its path's probability falls below this (0.1)",
+    )
+    p.add_argument(
+        "--suffix-shared-tokens",
+        type=int,
+        default=None,
+        help="suffix drafter: also draft from the latest N output tokens of finished requests "
+        "(0: only the request's own tokens)",
+    )
+    p.add_argument(
         "--no-adaptive",
         action="store_false",
         dest="adaptive",
@@ -117,9 +143,10 @@ def _add_spec_args(p: argparse.ArgumentParser, paired_default: bool) -> None:
     p.add_argument(
         "--speculative-config",
         default=None,
-        help='vLLM-style JSON instead of the flags above: {"method": "draft_model"|"ngram"|"mtp", '
-        '"model": NAME, "num_speculative_tokens": K, "prompt_lookup_min": N, '
-        '"prompt_lookup_max": N, "quantization": Q}',
+        help='vLLM-style JSON instead of the flags above: {"method": "draft_model"|"ngram"|'
+        '"suffix"|"mtp", "model": NAME, "num_speculative_tokens": K, "prompt_lookup_min": N, '
+        '"prompt_lookup_max": N, "quantization": Q, "suffix_decoding_max_tree_depth": N, '
+        '"suffix_decoding_max_spec_factor": F, "suffix_decoding_min_token_prob": P}',
     )
     p.set_defaults(paired_default=paired_default)
 
@@ -210,7 +237,8 @@ def spec_config(args: argparse.Namespace) -> SpeculativeConfig:
     `args.paired_default` and no method given: draft with a catalog model's paired draft model,
     else n-gram lookup (fits any model); the paired draft model is kept even when speculation
     is off or n-gram, so the admin page can switch to it."""
-    # what --speculative-config replaces (the n-gram sizes and --no-adaptive combine with it)
+    # what --speculative-config replaces (the n-gram and suffix settings and --no-adaptive
+    # combine with it)
     flags = given(
         method=args.speculative_method,
         draft_model=args.draft_model,
@@ -227,6 +255,10 @@ def spec_config(args: argparse.Namespace) -> SpeculativeConfig:
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
         ngram_shared_tokens=args.ngram_shared_tokens,
+        suffix_max_depth=args.suffix_max_depth,
+        suffix_max_spec_factor=args.suffix_max_spec_factor,
+        suffix_min_token_prob=args.suffix_min_token_prob,
+        suffix_shared_tokens=args.suffix_shared_tokens,
         adaptive=args.adaptive,
     )
     fields.update(flags)
@@ -235,7 +267,7 @@ def spec_config(args: argparse.Namespace) -> SpeculativeConfig:
         if draft is not None:
             fields["draft_model"] = draft
         fields.setdefault("method", "draft" if draft else "ngram")
-    for key in ("num_draft_tokens", "ngram_min", "ngram_max"):
+    for key in ("num_draft_tokens", "ngram_min", "ngram_max", "suffix_max_depth"):
         if key in fields:
             require_int(fields[key])
     return SpeculativeConfig(**fields)
@@ -299,7 +331,8 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
         "--ngram-shared-scope",
         default=None,
         choices=["tenant", "global"],
-        help="who drafts from whose finished outputs (the n-gram shared index): 'tenant' "
+        help="who drafts from whose finished outputs (the n-gram and suffix drafters' shared "
+        "indexes): 'tenant' "
         "(default) = requests of one API key / user field only, 'global' = all requests",
     )
     s.add_argument(
@@ -482,7 +515,7 @@ def _add_bench_args(b: argparse.ArgumentParser) -> None:
         help="prompts per set for the slower reference engines (transformers, unquantized "
         "draft); 0 skips them",
     )
-    b.add_argument("--sets", nargs="*", default=None, help="code prose json repetitive")
+    b.add_argument("--sets", nargs="*", default=None, help="code prose json repetitive agentic")
     b.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     peers_help = "engines run beside ours on the target's GGUF (the `peers` extra)"
     b.add_argument("--peers", nargs="*", default=None, choices=list(PEERS), help=peers_help)

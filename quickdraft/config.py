@@ -126,7 +126,7 @@ DEFAULT_NUM_DRAFT_TOKENS = 5  # the draft length ceiling k
 BENCH_MAX_TOKENS = 128  # output tokens per request in the benchmarks
 PREFILL_CHUNK = 512  # prompt tokens per forward: bounds the [chunk, context] mask and activations
 
-SPEC_METHODS = ("none", "ngram", "draft", "mtp")
+SPEC_METHODS = ("none", "ngram", "suffix", "draft", "mtp")
 # weight formats `load(..., quantization=)` accepts: "gguf" the model's GGUF's own (as dtype
 # "gguf"), "none" the dtype's, int8 / int4 made from the dequantized weights
 QUANTIZATIONS = ("gguf", "none", "int8", "int4")
@@ -144,6 +144,15 @@ DEFAULT_DRAFT_VOCAB = 0
 NGRAM_SHARED_TOKENS = 1 << 16
 # n-gram lengths the drafter matches, longest first (docs/speculation.md says why from 1)
 NGRAM_MIN, NGRAM_MAX = 1, 4
+# suffix drafter (drafters/suffix.py; SuffixDecoding's defaults): the longest substring its
+# trees hold, the draft length per matched token (a match of m tokens drafts at most
+# floor(factor x m)), and the path probability below which a draft stops
+SUFFIX_MAX_DEPTH = 64
+SUFFIX_MAX_SPEC_FACTOR = 1.0
+SUFFIX_MIN_TOKEN_PROB = 0.1
+# output tokens of finished requests its shared trees keep, all tenants together; 0 turns
+# them off
+SUFFIX_SHARED_TOKENS = 1 << 16
 DRAFT_QUANTIZATION_HELP = (
     f"draft model weights: gguf (its GGUF's own formats), int4 (groups of 32, 0.31x the bytes "
     f"of bf16), int8 (0.5x) or none (the target's dtype); default {DEFAULT_DRAFT_QUANTIZATION}. "
@@ -174,7 +183,7 @@ class SpeculativeConfig:
     """How a request speculates. `num_draft_tokens` is the ceiling; the adaptive policy
     (speculation/policy.py) picks k <= it per cycle, down to 0 (no drafting) when it cannot pay."""
 
-    method: str = "none"  # "none" | "ngram" | "draft" | "mtp" (the target's own head)
+    method: str = "none"  # "none" | "ngram" | "suffix" | "draft" | "mtp" (the target's own head)
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     draft_model: str | None = None  # catalog name / path, for method "draft"
     # the draft model's weights (DRAFT_QUANTIZATION_HELP); "none" keeps the target's dtype
@@ -185,6 +194,12 @@ class SpeculativeConfig:
     ngram_max: int = NGRAM_MAX
     # n-gram drafter: most recent output tokens of finished requests it also looks up (0: off)
     ngram_shared_tokens: int = NGRAM_SHARED_TOKENS
+    # suffix drafter: tree depth, draft tokens per matched token, the draft's probability floor,
+    # and the output tokens of finished requests its shared trees keep (0: off)
+    suffix_max_depth: int = SUFFIX_MAX_DEPTH
+    suffix_max_spec_factor: float = SUFFIX_MAX_SPEC_FACTOR
+    suffix_min_token_prob: float = SUFFIX_MIN_TOKEN_PROB
+    suffix_shared_tokens: int = SUFFIX_SHARED_TOKENS
     adaptive: bool = True
 
     def __post_init__(self) -> None:
@@ -206,6 +221,18 @@ class SpeculativeConfig:
             raise ValueError(f"draft_vocab must be >= 0 (0: all), got {self.draft_vocab}")
         if self.ngram_shared_tokens < 0:
             raise ValueError(f"ngram_shared_tokens must be >= 0, got {self.ngram_shared_tokens}")
+        if self.suffix_max_depth < 2:
+            raise ValueError(f"suffix_max_depth must be >= 2, got {self.suffix_max_depth}")
+        if not self.suffix_max_spec_factor > 0:
+            raise ValueError(
+                f"suffix_max_spec_factor must be > 0, got {self.suffix_max_spec_factor}"
+            )
+        if not 0.0 <= self.suffix_min_token_prob <= 1.0:
+            raise ValueError(
+                f"suffix_min_token_prob must be in [0, 1], got {self.suffix_min_token_prob}"
+            )
+        if self.suffix_shared_tokens < 0:
+            raise ValueError(f"suffix_shared_tokens must be >= 0, got {self.suffix_shared_tokens}")
 
     @property
     def enabled(self) -> bool:
@@ -244,8 +271,17 @@ _VLLM_SPEC_KEYS = {
     "prompt_lookup_max": "ngram_max",
     "quantization": "draft_quantization",
     "draft_vocab_size": "draft_vocab",
+    "suffix_decoding_max_tree_depth": "suffix_max_depth",
+    "suffix_decoding_max_spec_factor": "suffix_max_spec_factor",
+    "suffix_decoding_min_token_prob": "suffix_min_token_prob",
 }
-_VLLM_METHODS = {"draft_model": "draft", "ngram": "ngram", "draft": "draft", "mtp": "mtp"}
+_VLLM_METHODS = {
+    "draft_model": "draft",
+    "ngram": "ngram",
+    "suffix": "suffix",
+    "draft": "draft",
+    "mtp": "mtp",
+}
 
 
 def parse_speculative_config(text: str) -> dict[str, object]:

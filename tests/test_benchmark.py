@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from quickdraft.bench.speculative import Run, SpecBench, decode_tok_s, run
+from quickdraft.bench import speculative
+from quickdraft.bench.speculative import (
+    Run,
+    SpecBench,
+    bench_sets,
+    decode_tok_s,
+    fill,
+    run,
+    session_requests,
+)
 
 
 def test_benchmark_reports_sets_and_prompts(
@@ -32,7 +41,8 @@ def test_benchmark_reports_sets_and_prompts(
     )
     assert list(report["results"]) == ["code", "json"]
     for row in report["results"].values():
-        assert set(row) == {"none", "ngram", "draft"}
+        assert set(row) == {"none", "ngram", "suffix", "draft"}
+        assert row["suffix"]["speedup_vs_ngram"] > 0
         for name, cell in row.items():
             assert cell["prompts"] == 2 and cell["tok_s"] > 0
             prompts = cell["per_prompt"]
@@ -75,7 +85,7 @@ def test_benchmark_without_a_draft_model_runs_the_other_engines(
         )
     )
     assert report["draft"] is None
-    assert set(report["results"]["code"]) == {"none", "ngram"}
+    assert set(report["results"]["code"]) == {"none", "ngram", "suffix"}
     assert "no draft model" in (tmp_path / "speculative.md").read_text()
 
 
@@ -93,3 +103,53 @@ def test_benchmark_decode_rate_leaves_out_the_first_token() -> None:
 def test_benchmark_rejects_unknown_peer(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="unknown peers"):
         SpecBench(str(tiny_model_dir), peers=("vllm",))
+
+
+def test_benchmark_agentic_sessions_expand_to_one_request_per_answer() -> None:
+    session = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u1"},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "u2"},
+        {"role": "assistant", "content": None},
+    ]
+    first, second = session_requests(session)
+    assert first == session[:2] and second == session[:4]
+    assert fill(second, ["a1"])[2] == {"role": "assistant", "content": "a1"}
+    assert fill(first, []) == first
+    assert session_requests("p") == [[{"role": "user", "content": "p"}]]
+    with pytest.raises(AssertionError):
+        fill(first, ["extra"])
+    agentic = bench_sets()["agentic"]
+    assert len(agentic) >= 4 and all(len(session_requests(s)) == 3 for s in agentic)
+
+
+def test_benchmark_runs_agentic_sessions(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short session through the bench (the shipped one is longer than the tiny model's
+    context): every turn is a request of every engine, greedy output identical."""
+    session = [
+        {"role": "user", "content": "abcabc"},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "again: abcabc"},
+        {"role": "assistant", "content": None},
+    ]
+    monkeypatch.setattr(speculative, "bench_sets", lambda: {"agentic": [session, session]})
+    report = run(
+        SpecBench(
+            str(tiny_model_dir),
+            None,
+            dtype="fp32",
+            tokens=8,
+            per_set=3,
+            sets=("agentic",),
+            k=3,
+            hf=False,
+            out_dir=tmp_path,
+            reference_per_set=0,
+        )
+    )
+    row = report["results"]["agentic"]
+    assert row["none"]["prompts"] == 3 and row["suffix"]["identical"] == 3
+    assert "| agentic | suffix | 3 |" in (tmp_path / "speculative.md").read_text()

@@ -1,19 +1,26 @@
-"""A/B benchmark of speculative decoding: speculation off vs n-gram vs draft model, and the
-Hugging Face transformers baselines (plain `generate`, `prompt_lookup_num_tokens`,
-`assistant_model`) on the same converted weights, dtype and prompts, in ONE run.
+"""A/B benchmark of speculative decoding (over 400 lines: one run's engines, sets and report).
 
-Per prompt set (code, prose, json, repetitive): tok/s (output tokens / request wall time,
-prefill included, the same for every engine) and decode-only tok/s (after the first token),
-speedup vs our speculation-off and, with `peers`, vs llama.cpp on the target's own GGUF
-(peers.py), mean acceptance length, acceptance rate, TTFT, and parity with speculation off (in
-bf16 a k-token verify can flip near-tie argmaxes: where outputs diverge we report the position
-and the target's top-2 logit gap there; a peer computes with other numerics and is left out).
-Warm-up runs are excluded. Writes JSON, a markdown table and a PNG chart.
+Speculation off vs n-gram vs suffix tree vs draft model, and the Hugging Face transformers
+baselines (plain `generate`, `prompt_lookup_num_tokens`, `assistant_model`) on the same
+converted weights, dtype and prompts, in ONE run.
 
-Our engines (none, ngram, draft) run every prompt of a set by default; the reference engines
-(the unquantized draft model and the three transformers baselines, 2-4x slower) run the first
-`reference_per_set` prompts, and every ratio between two engines is taken over the prompts both
-ran (`Cell.summary`), so a comparison never mixes prompt subsets.
+Per prompt set (code, prose, json, repetitive, agentic): tok/s (output tokens / request wall
+time, prefill included, the same for every engine) and decode-only tok/s (after the first token),
+speedup vs our speculation-off (suffix also vs n-gram) and, with `peers`, vs llama.cpp on the
+target's own GGUF (peers.py), mean acceptance length, acceptance rate, TTFT, and parity with
+speculation off (in bf16 a k-token verify can flip near-tie argmaxes: where outputs diverge we
+report the position and the target's top-2 logit gap there; a peer computes with other numerics
+and is left out). Warm-up runs are excluded. Writes JSON, a markdown table and a PNG chart.
+
+The agentic set (prompts/agentic.json, built by bench/agentic_prompts.py) replays a coding
+agent's edit/test loop: sessions whose every request resends the whole conversation, with the
+baseline engine's own earlier answers in it (`session_requests`); a set's "prompts" are its
+requests. The drafters' shared indexes learn every output of the run, in order.
+
+Our engines (none, ngram, suffix, draft) run every prompt of a set by default; the reference
+engines (the unquantized draft model and the three transformers baselines, 2-4x slower) run the
+first `reference_per_set` prompts, and every ratio between two engines is taken over the prompts
+both ran (`Cell.summary`), so a comparison never mixes prompt subsets.
 """
 
 from __future__ import annotations
@@ -48,16 +55,45 @@ from quickdraft.request import SamplingParams
 from quickdraft.speculation.factory import make_speculation
 from quickdraft.speculation.state import Speculation
 
+Message = dict[str, str | None]  # a chat message; an assistant's None: the model's own answer
+Prompt = str | list[Message]  # one user message, or an agentic session
+
 
 def prompt_sets() -> dict[str, list[str]]:
+    """The one-message sets (the serving benchmarks mix these too)."""
     text = resources.files("quickdraft.prompts").joinpath("spec_bench.json").read_text()
     data: dict[str, list[str]] = json.loads(text)
     return data
 
 
+def bench_sets() -> dict[str, list[Prompt]]:
+    """Every set this benchmark runs: the one-message sets and the agentic sessions."""
+    text = resources.files("quickdraft.prompts").joinpath("agentic.json").read_text()
+    return {**prompt_sets(), "agentic": json.loads(text)["sessions"]}
+
+
+def session_requests(prompt: Prompt) -> list[list[Message]]:
+    """The requests of one set entry: a prompt string is one user message; a session one
+    request per assistant turn whose content is None, the messages before that turn (the
+    earlier None turns still to fill with the answers, `fill`)."""
+    if isinstance(prompt, str):
+        return [[{"role": "user", "content": prompt}]]
+    turns = [i for i, m in enumerate(prompt) if m["role"] == "assistant" and m["content"] is None]
+    return [prompt[:i] for i in turns]
+
+
+def fill(messages: list[Message], answers: list[str]) -> list[Message]:
+    """`messages` with its assistant turns of content None given `answers`, in order."""
+    pending = iter(answers)
+    out = [m if m["content"] is not None else {**m, "content": next(pending)} for m in messages]
+    assert next(pending, None) is None, "one answer per earlier turn"
+    return out
+
+
 ENGINES = (
     "none",
     "ngram",
+    "suffix",
     "draft",
     "draft_unquantized",
     "llama.cpp",
@@ -65,7 +101,7 @@ ENGINES = (
     "hf_prompt_lookup",
     "hf_assisted",
 )
-OURS = ("none", "ngram", "draft")
+OURS = ("none", "ngram", "suffix", "draft")
 PEER_CONTEXT = 4096  # tokens of KV the peer allocates: the longest prompt + output fits
 REFERENCE_ENGINES = frozenset({"draft_unquantized", "hf", "hf_prompt_lookup", "hf_assisted"})
 
@@ -216,12 +252,13 @@ def run(opts: SpecBench) -> dict[str, Any]:
     per_set, reference_per_set = opts.per_set, opts.reference_per_set
     draft_quantization = opts.draft_quantization
     hf = opts.hf and reference_per_set > 0
-    all_sets = prompt_sets()
+    all_sets = bench_sets()
     chosen = list(opts.sets or all_sets)
     lm = load(target, dtype)
     specs: dict[str, Speculation | None] = {
         "none": None,
         "ngram": make_speculation(lm, SpeculativeConfig(method="ngram", num_draft_tokens=k)),
+        "suffix": make_speculation(lm, SpeculativeConfig(method="suffix", num_draft_tokens=k)),
     }
     quants = {} if draft is None else {"draft": draft_quantization}
     if draft is not None and draft_quantization != "none" and reference_per_set > 0:
@@ -277,12 +314,20 @@ def run(opts: SpecBench) -> dict[str, Any]:
         parity: dict[str, list[Any]] = {
             name: [] for name in engines if name != "none" and name not in PEERS
         }
-        for i, prompt in enumerate(all_sets[set_name][:per_set]):
-            ids = lm.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        requests = [
+            (turns, n)
+            for prompt in all_sets[set_name]
+            for n, turns in enumerate(session_requests(prompt))
+        ][:per_set]
+        answers: list[str] = []  # the baseline's answers earlier in the current session
+        for i, (turns, n) in enumerate(requests):
+            answers = answers[:n]  # n == 0: a new session
+            ids = lm.tokenizer.encode_chat(fill(turns, answers))
             for name, fn in engines.items():
                 if name not in REFERENCE_ENGINES or i < reference_per_set:
                     cells[name].runs[i] = fn(ids)
             ref = cells["none"].runs[i].tokens
+            answers.append(lm.tokenizer.decode(ref))
             for name in parity:
                 if i in cells[name].runs:
                     got = cells[name].runs[i].tokens
@@ -294,6 +339,7 @@ def run(opts: SpecBench) -> dict[str, Any]:
             if name in parity:
                 row[name]["identical"] = sum(p is None for p in parity[name])
                 row[name]["divergences"] = [p for p in parity[name] if p is not None]
+        row["suffix"]["speedup_vs_ngram"] = round(cells["suffix"].ratio(cells["ngram"]), 3)
         for name in ("hf_prompt_lookup", "hf_assisted"):
             if name in row:
                 row[name]["speedup_vs_hf"] = round(cells[name].ratio(cells["hf"]), 3)
@@ -353,9 +399,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['tokens']} tokens, k <= {report['k_max']}; speedups are over the prompts both "
         "engines ran",
         "",
-        "| set | engine | prompts | tok/s | decode tok/s | speedup vs none | vs llama.cpp | AL "
-        "| accept rate | TTFT s | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| set | engine | prompts | tok/s | decode tok/s | speedup vs none | vs ngram "
+        "| vs llama.cpp | AL | accept rate | TTFT s | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for set_name, row in report["results"].items():
         for name in ENGINES:
@@ -371,6 +417,7 @@ def markdown(report: dict[str, Any]) -> str:
                 c["tok_s"],
                 c.get("decode_tok_s", ""),
                 speedup,
+                c.get("speedup_vs_ngram", ""),
                 c.get("speedup_vs_llama_cpp", ""),
                 c.get("mean_acceptance_length", ""),
                 c.get("acceptance_rate", ""),

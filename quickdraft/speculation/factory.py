@@ -21,6 +21,7 @@ from quickdraft.speculation.drafters.base import Drafter
 from quickdraft.speculation.drafters.draft_model import DraftModelDrafter
 from quickdraft.speculation.drafters.mtp import head_step_seconds, mtp_drafter
 from quickdraft.speculation.drafters.ngram import NgramDrafter
+from quickdraft.speculation.drafters.suffix import SuffixDrafter
 from quickdraft.speculation.state import Speculation
 
 CostTable = Callable[[], StepCost] | None  # measures a drafter's forwards; None: free
@@ -35,6 +36,16 @@ def _ngram(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTab
         config.ngram_min, config.ngram_max, shared_tokens=config.ngram_shared_tokens
     )
     return drafter, None  # a dict lookup: free
+
+
+def _suffix(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable]:
+    drafter = SuffixDrafter(
+        config.suffix_max_depth,
+        config.suffix_max_spec_factor,
+        config.suffix_min_token_prob,
+        config.suffix_shared_tokens,
+    )
+    return drafter, None  # a tree walk: free
 
 
 def _draft_model(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable]:
@@ -66,6 +77,7 @@ def _mtp(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable
 # method -> factory(loaded target, config) -> (drafter, what measures its cost table)
 DRAFTERS: dict[str, Callable[[LoadedModel, SpeculativeConfig], tuple[Drafter, CostTable]]] = {
     "ngram": _ngram,
+    "suffix": _suffix,
     "draft": _draft_model,
     "mtp": _mtp,
 }
