@@ -382,6 +382,29 @@ def test_prefix_cache_never_evicts_a_block_in_use(dense: LoadedModel) -> None:
     assert cache.stats.bytes == 3 * size
 
 
+def test_prefix_cache_evicting_a_tenants_last_block(dense: LoadedModel) -> None:
+    """Budget: 1 block. A tenant's only block is evicted to make room for its next request's
+    first block: the new block is in the tree (not in a dropped root map), and evicting it in
+    turn works."""
+    model = dense.model
+    probe = model.new_cache(8)
+    model(torch.arange(8), [probe], [8])
+    probe.commit(8)
+    size = probe.export_kv(0, 8).nbytes
+    cache = PrefixCache(PrefixCacheConfig(block_size=8, max_gb=size / 1e9), model.device)
+    for first in (10, 50, 90):
+        tokens = list(range(first, first + 9))
+        seq_cache = model.new_cache(len(tokens))
+        cur = cache.admit(tokens, seq_cache, None, tenant="t")
+        model(torch.tensor(tokens), [seq_cache], [len(tokens)])
+        seq_cache.commit(len(tokens))
+        cache.extend(cur, tokens, seq_cache, None)
+        cache.leave(cur, None, failed=False)
+        assert [n.tokens[0] for n in nodes(cache)] == [first]
+        assert cache.stats.blocks == 1 and cache.stats.bytes == size
+    assert cache.stats.evicted == 2
+
+
 # ------------------------------------------------------------------ engine, config, CLI
 
 

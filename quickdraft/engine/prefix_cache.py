@@ -174,7 +174,7 @@ class PrefixCache:
         size = self.size
         drafter = self._drafter(spec)
         key = 0 if drafter is None else self._key(drafter)
-        path = self._match(self.roots.get(tenant, {}), prompt, (len(prompt) - 1) // size)
+        path = self._match(self._children(tenant, None), prompt, (len(prompt) - 1) // size)
         drafted = 0
         if drafter is not None:
             while drafted < len(path) and key in path[drafted].drafts:
@@ -234,15 +234,17 @@ class PrefixCache:
             depth = len(cur.path) + 1
             start, end = (depth - 1) * size, depth * size
             parent = cur.path[-1] if cur.path else None
-            siblings = self.roots.setdefault(cur.tenant, {}) if parent is None else parent.children
             ids = tuple(tokens[start:end])
-            node = siblings.get(ids)
+            node = self._children(cur.tenant, parent).get(ids)
             if node is None:
                 kv = cache.export_kv(start, end)
-                if not self._reserve(kv.nbytes):
+                if not self._reserve(kv.nbytes):  # may evict: look the siblings up after it
                     break
                 node = Block(cur.tenant, ids, parent, kv, depth)
-                siblings[ids] = node
+                if parent is None:
+                    self.roots.setdefault(cur.tenant, {})[ids] = node
+                else:
+                    parent.children[ids] = node
                 self.stats.blocks += 1
                 self.stats.inserted += 1
                 self.stats.bytes += node.nbytes
@@ -272,6 +274,10 @@ class PrefixCache:
             path.append(node)
             siblings = node.children
         return path
+
+    def _children(self, tenant: str, parent: Block | None) -> dict[tuple[int, ...], Block]:
+        """The blocks under `parent` (None: the tenant's first blocks); read only."""
+        return self.roots.get(tenant, {}) if parent is None else parent.children
 
     def _attach(self, cur: PrefixCursor, spec: SpecState | None) -> None:
         """The drafter's parts of the path's blocks, as far as its state holds them."""
