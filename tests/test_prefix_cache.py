@@ -20,6 +20,7 @@ from hybrid_models import (
     randomize,
     save_hybrid_dir,
 )
+from kernel_checks import needs_kernel
 
 from quickdraft.cli import build_parser, prefix_cache_config
 from quickdraft.config import ModelConfig, PrefixCacheConfig, SpeculativeConfig
@@ -235,6 +236,21 @@ def test_prefix_cache_greedy_equals_cache_off(
         assert 0 < accepted < drafted
     if method in ("draft", "mtp"):  # the drafter's blocks were cached and restored too
         assert any(n.drafts for n in nodes(core.prefix))
+
+
+@needs_kernel
+def test_prefix_cache_bf16_greedy_equals_cache_off(
+    bf16_pair: tuple[Path, Path], kernels_enabled: None
+) -> None:
+    """bf16 on the batch-invariant kernels: a block's KV has the same bits whichever chunk and
+    batch computed it, so outputs stay identical with the cache (draft model included)."""
+    target, draft = bf16_pair
+    lm = load(str(target), "bf16", progress=False)
+    expected, cold, _ = conversation(lm, speculation(lm, "draft", draft), OFF)
+    got, seqs, _ = conversation(lm, speculation(lm, "draft", draft), CACHE, invariants)
+    assert got == expected and sum(s.cached_tokens for s in seqs) > 0
+    drafts = [(s.request.spec.drafted, s.request.spec.accepted) for s in seqs]
+    assert drafts == [(s.request.spec.drafted, s.request.spec.accepted) for s in cold]
 
 
 def test_prefix_cache_hit_skips_prefill_rows(dense: LoadedModel) -> None:
