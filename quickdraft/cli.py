@@ -298,7 +298,8 @@ def serve_options(args: argparse.Namespace) -> tuple[ServeOptions, ServerConfig]
             log_level=args.log_level,
             access_log=args.access_log,
             shutdown_timeout_s=args.shutdown_timeout,
-        )
+        ),
+        prefix_cache=prefix_cache_config(args),
     )
     return opts, config
 

@@ -24,6 +24,16 @@ def test_cli_serve_default_is_the_packaged_pair() -> None:
     assert (cfg.method, cfg.draft_model, cfg.num_draft_tokens) == ("draft", "qwen2.5-coder-0.5b", 5)
 
 
+def test_cli_serve_prefix_cache_flags_reach_the_engine_options() -> None:
+    opts, _ = serve_options(build_parser().parse_args(["serve"]))
+    assert opts.prefix_cache.enabled
+    opts, _ = serve_options(build_parser().parse_args(["serve", "--no-prefix-cache"]))
+    assert not opts.prefix_cache.enabled
+    argv = ["serve", "--prefix-cache-gb", "0.5", "--prefix-block-size", "32"]
+    opts, _ = serve_options(build_parser().parse_args(argv))
+    assert (opts.prefix_cache.max_gb, opts.prefix_cache.block_size) == (0.5, 32)
+
+
 def test_cli_serve_other_models_default_to_ngram() -> None:
     cfg = spec("smollm2-135m")
     assert cfg.method == "ngram" and cfg.draft_model is None

@@ -315,3 +315,22 @@ def test_server_completion_prompt_special_text_is_plain_unless_asked(
         model="tiny", prompt=text, max_tokens=1, extra_body={"parse_special_tokens": True}
     )
     assert parsed.usage is not None and parsed.usage.prompt_tokens == 1 + len("user")
+
+
+def test_server_prefix_cache_hit_shows_in_usage_metrics_and_admin(
+    client: openai.OpenAI, served: tuple[BackgroundServer, Engine]
+) -> None:
+    """A prompt sent twice: the second answer reports the cached prompt tokens in
+    usage.prompt_tokens_details, /metrics counts the hits, the admin state shows the rate."""
+    messages = chat("a long shared system prompt for the prefix cache " * 4)
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, **GREEDY)
+    again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, **GREEDY)
+    assert first.choices[0].message.content == again.choices[0].message.content
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    cached = again.usage.prompt_tokens_details.cached_tokens or 0
+    assert 0 < cached < again.usage.prompt_tokens and cached % 16 == 0  # whole blocks
+    text = httpx.get(served[0].url + "/metrics").text
+    hits = [line for line in text.splitlines() if line.startswith("quickdraft:prefix_cache_hits")]
+    assert hits and float(hits[0].split()[-1]) >= cached
+    stats = served[1].step_stats["tiny"].prefix_cache
+    assert stats is not None and stats.hits >= cached and stats.queries > stats.hits

@@ -21,6 +21,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, Response
 
 from quickdraft import hub
+from quickdraft.engine.prefix_cache import PrefixCacheStats
 from quickdraft.server.access import token_matches
 from quickdraft.server.metrics import now
 from quickdraft.server.protocol import APIError
@@ -85,6 +86,20 @@ def router(state: ServerState) -> APIRouter:
     return r
 
 
+def _prefix(st: PrefixCacheStats | None) -> dict[str, Any] | None:
+    """The prefix cache's numbers for the page (None: the cache is off)."""
+    if st is None:
+        return None
+    return {
+        "queries": st.queries,
+        "hits": st.hits,
+        "hit_rate": round(st.hits / st.queries, 4) if st.queries else 0.0,
+        "blocks": st.blocks,
+        "megabytes": round(st.bytes / 2**20, 1),
+        "budget_megabytes": round(st.budget_bytes / 2**20, 1),
+    }
+
+
 def snapshot(state: ServerState) -> dict[str, Any]:
     """Everything the page shows: per model its settings, what runs, and live statistics."""
     t = now()
@@ -104,6 +119,7 @@ def snapshot(state: ServerState) -> dict[str, Any]:
                     "adaptive": cfg.adaptive,
                 },
                 "stats": state.metrics.models[name].snapshot(t),
+                "prefix_cache": _prefix(eng.step_stats[name].prefix_cache),
             }
         )
     path = state.config.settings_path

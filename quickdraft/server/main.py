@@ -28,7 +28,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from quickdraft.config import DEFAULT_DTYPE, DEFAULT_MODEL, SpeculativeConfig
+from quickdraft.config import DEFAULT_DTYPE, DEFAULT_MODEL, PrefixCacheConfig, SpeculativeConfig
 from quickdraft.server.app import create_app
 from quickdraft.server.settings import load_settings
 from quickdraft.server.state import ServerConfig, ServerState
@@ -47,6 +47,7 @@ class ServeOptions:
     log_level: str = "info"
     access_log: bool = False
     shutdown_timeout_s: float = 30.0  # open requests run on this long after SIGTERM, then abort
+    prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
 
     def __post_init__(self) -> None:
         if not self.shutdown_timeout_s >= 0:
@@ -69,7 +70,11 @@ def serve(opts: ServeOptions, config: ServerConfig) -> None:
         log.warning("admin token for this run (--admin-token sets one): %s", config.admin_token)
     log.info("loading %s (%s), speculation %s", opts.model, opts.dtype, spec)
     lm = load(opts.model, opts.dtype)
-    engine = Engine({name: ServedModel(lm, spec)}, max_waiting=config.max_concurrency)
+    engine = Engine(
+        {name: ServedModel(lm, spec)},
+        max_waiting=config.max_concurrency,
+        prefix_cache=opts.prefix_cache,
+    )
     engine.start()
     try:
         app = create_app(engine, config, {name: saved[name]} if name in saved else None)

@@ -13,12 +13,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from quickdraft.engine import RequestOutput
+from quickdraft.engine.prefix_cache import PrefixCacheStats
 from quickdraft.request import SpecStats
 
 log = logging.getLogger("quickdraft.server")
@@ -84,10 +88,46 @@ def _ratio(a: float, b: float) -> float:
     return round(a / b, 4) if b else 0.0
 
 
+PrefixStats = Callable[[], dict[str, PrefixCacheStats | None]]
+
+
+class PrefixCacheCollector(Collector):
+    """The engine's live prefix-cache counters, read at scrape time (vLLM's names:
+    prefix_cache_queries / _hits in tokens; and the cache's blocks, bytes and evictions)."""
+
+    def __init__(self, stats: PrefixStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        per_model = {name: st for name, st in self.stats().items() if st is not None}
+        counters = {
+            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", "queries"),
+            "prefix_cache_hits": ("Prompt tokens served from the prefix cache", "hits"),
+            "prefix_cache_evicted_blocks": ("Blocks evicted from the prefix cache", "evicted"),
+        }
+        for metric, (doc, attr) in counters.items():
+            c = CounterMetricFamily(PREFIX + metric, doc, labels=["model_name"])
+            for name, st in per_model.items():
+                c.add_metric([name], getattr(st, attr))
+            yield c
+        gauges = {
+            "prefix_cache_blocks": ("Blocks held by the prefix cache", "blocks"),
+            "prefix_cache_bytes": ("Bytes held by the prefix cache", "bytes"),
+            "prefix_cache_budget_bytes": ("The prefix cache's memory budget", "budget_bytes"),
+        }
+        for metric, (doc, attr) in gauges.items():
+            g = GaugeMetricFamily(PREFIX + metric, doc, labels=["model_name"])
+            for name, st in per_model.items():
+                g.add_metric([name], getattr(st, attr))
+            yield g
+
+
 class Metrics:
-    def __init__(self, models: list[str]) -> None:
+    def __init__(self, models: list[str], prefix_stats: PrefixStats | None = None) -> None:
         # one registry per app: several servers (tests) in one process never share counters
         self.registry = r = CollectorRegistry()
+        if prefix_stats is not None:
+            r.register(PrefixCacheCollector(prefix_stats))
         m = ["model_name"]
         self.success = Counter(
             PREFIX + "request_success", "Finished requests", [*m, "finished_reason"], registry=r

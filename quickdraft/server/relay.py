@@ -203,7 +203,7 @@ class Relay:
     def _usage(self, ran: list[_Choice]) -> Usage:
         last = [c.last for c in ran if c.last is not None]
         completion = sum(o.completion_tokens for o in last)
-        cached = max((getattr(o, "cached_tokens", 0) for o in last), default=0)
+        cached = max((o.cached_tokens for o in last), default=0)
         return Usage.of(last[0].prompt_tokens if last else 0, completion, cached)
 
     # ------------------------------------------------------------------ logprobs

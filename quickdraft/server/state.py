@@ -17,6 +17,7 @@ from pathlib import Path
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import Engine, RequestHandle
+from quickdraft.engine.prefix_cache import PrefixCacheStats
 from quickdraft.server.metrics import Metrics, RequestTrack, now
 from quickdraft.server.settings import SpeculationSettings, save_settings
 
@@ -120,7 +121,11 @@ class ServerState:
         current = {
             name: given.get(name) or SpeculationSettings.of(cfg) for name, cfg in base.items()
         }
-        return cls(engine, config, current, base, Metrics(list(engine.models)))
+
+        def prefix_stats() -> dict[str, PrefixCacheStats | None]:
+            return {name: st.prefix_cache for name, st in engine.step_stats.items()}
+
+        return cls(engine, config, current, base, Metrics(list(engine.models), prefix_stats))
 
     async def reconfigure(self, model: str, new: SpeculationSettings) -> None:
         """Apply `new` to requests submitted from now on, then persist it. Raises ValueError

@@ -52,12 +52,15 @@ function renderActive(sec, model) {
   sec.querySelector(".active").textContent = text;
 }
 
-function renderStats(sec, st, active) {
+function renderStats(sec, st, active, pc) {
   sec.querySelector(".acceptance-rate").textContent = st.draft_tokens ? pct(st.acceptance_rate) : "-";
   sec.querySelector(".recent-acceptance").textContent =
     st.recent_acceptance_rate ? pct(st.recent_acceptance_rate) : "-";
   sec.querySelector(".al").textContent = st.drafts ? st.mean_acceptance_length.toFixed(2) : "-";
   sec.querySelector(".tok-s").textContent = st.recent_tok_s.toFixed(1);
+  // pc: the prefix cache (null: off)
+  sec.querySelector(".prefix-hit-rate").textContent = !pc ? "off"
+    : pc.queries ? `${pct(pc.hit_rate)} (${pc.megabytes} MB)` : "-";
   sec.querySelector(".window").textContent = st.window_s;
   sec.querySelector(".requests").textContent = st.requests;
   const hist = sec.querySelector(".hist");
@@ -137,7 +140,7 @@ function update(state) {
     const sec = section(model.name);
     if (!sec) continue;
     renderActive(sec, model);
-    renderStats(sec, model.stats, model.active);
+    renderStats(sec, model.stats, model.active, model.prefix_cache);
   }
 }
 
