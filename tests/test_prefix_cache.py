@@ -269,6 +269,23 @@ def test_prefix_cache_hit_skips_prefill_rows(dense: LoadedModel) -> None:
             assert second.cached_tokens == 0 and rows == len(second.request.prompt_ids)
 
 
+def test_requests_arriving_together_prefill_a_shared_prompt_once(dense: LoadedModel) -> None:
+    """n choices of one request (or a burst with one system prompt), submitted together: one
+    prefills, the others wait for it and copy its blocks; outputs equal the cache off."""
+    enc = dense.tokenizer.encode
+    prompts = [enc(SYSTEM * 3 + "same question")] * 3 + [enc(SYSTEM * 3 + "other")]
+    outputs = {}
+    for prefix in (OFF, CACHE):
+        core = EngineCore(dense, SMALL, prefix)
+        seqs = run(core, dense, None, prompts)
+        outputs[prefix.enabled] = [s.request.output_ids for s in seqs]
+        if prefix.enabled:
+            cached = [s.cached_tokens for s in seqs]
+            assert cached[0] == 0 and all(c >= len(enc(SYSTEM * 3)) // 8 * 8 for c in cached[1:])
+            assert core.stats.prefill_rows == sum(len(p) for p in prompts) - sum(cached)
+    assert outputs[True] == outputs[False]
+
+
 def test_prefix_cache_hit_skips_the_draft_models_prefill(
     dense: LoadedModel, near_draft_dir: Path
 ) -> None:

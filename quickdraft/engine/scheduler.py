@@ -120,14 +120,38 @@ class Scheduler:
             if seq.pending > 1:
                 plan.items.append(ScheduledSeq(seq, self._chunk(seq, prefill)))
                 prefill -= plan.items[-1].num_tokens
+        deferred: list[Sequence] = []
         while self.waiting and len(self.running) < cfg.max_running and prefill > 0:
             seq = self.waiting.popleft()
+            if self._follows_a_prefill(seq):
+                deferred.append(seq)
+                continue
             self._admit(seq)
             plan.items.append(ScheduledSeq(seq, self._chunk(seq, prefill)))
             prefill -= plan.items[-1].num_tokens
+        self.waiting.extendleft(reversed(deferred))  # in arrival order, at the front
         budget = cfg.max_step_tokens - plan.num_rows
         self._choose_drafts(plan, budget)
         return plan
+
+    def _follows_a_prefill(self, seq: Sequence) -> bool:
+        """Whether `seq`'s prompt starts with a block that a running sequence of the same
+        tenant is still prefilling: it then waits for that prefill and copies the blocks from
+        the prefix cache instead of computing them a second time (n choices of one request, a
+        burst of requests with one system prompt)."""
+        if self.prefix is None:
+            return False
+        req, size = seq.request, self.prefix.size
+        if len(req.prompt_ids) <= size:
+            return False
+        head = req.prompt_ids[:size]
+        return any(
+            s.pending > 1
+            and not s.request.output_ids
+            and s.request.tenant == req.tenant
+            and s.request.prompt_ids[:size] == head
+            for s in self.running
+        )
 
     def _admit(self, seq: Sequence) -> None:
         req, speculation = seq.request, seq.speculation
