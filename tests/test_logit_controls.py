@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
 import pytest
 import torch
 from hybrid_models import copying_head, random_hybrid, randomize, save_hybrid_dir
+from second_token import assert_second_token_follows, second_token_marginal
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import stream
@@ -251,24 +253,11 @@ def test_sampled_output_under_controls_follows_the_shaped_target_distribution(
         ctl.commit(out)
         return probabilities(ctl.apply(o.logits, []), sp)[0]
 
-    p1 = shaped(prompt, [])
-    assert set(p1.nonzero().flatten().tolist()) <= set(letters)
-    marginal = torch.zeros_like(p1)
-    for t1 in p1.nonzero().flatten().tolist():
-        marginal += p1[t1] * shaped([*prompt, t1], [t1])
-    counts = torch.zeros_like(p1)
-    n = 2000
-    for seed in range(n):
-        req = target.new_request(prompt, SamplingParams(**base, seed=seed))  # type: ignore[arg-type]
-        for _ in stream(target, req, spec):
-            pass
-        counts[req.output_ids[1]] += 1
-    support = marginal > 0
-    assert counts[~support].sum() == 0
-    expected = marginal[support] * n
-    chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
-    dof = int(support.sum()) - 1
-    assert chi2 < dof + 4 * (2 * dof) ** 0.5 + 10, (chi2, dof)  # ~p < 0.001 for these dof
+    assert set(shaped(prompt, []).nonzero().flatten().tolist()) <= set(letters)
+    marginal = second_token_marginal(shaped, prompt)
+    assert_second_token_follows(
+        target, spec, prompt, lambda seed: replace(sp, seed=seed), marginal, 2000
+    )
 
 
 def test_controls_with_mtp_on_a_hybrid_target_equal_speculation_off(tmp_path: Path) -> None:

@@ -6,11 +6,12 @@ distribution, and EOS / max_tokens / stop strings inside an accepted block cut e
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 from kernel_checks import needs_kernel
+from second_token import assert_second_token_follows, plain_distribution, second_token_marginal
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import stream
@@ -145,31 +146,11 @@ def test_speculative_sampled_matches_target_distribution(
     )
     spec = make_speculation(target, cfg)
     prompt = target.tokenizer.encode("ab")
-    params = dict(max_tokens=2, temperature=1.0, top_k=6, ignore_eos=True)
-    # exact marginal of token 2: sum_t1 p(t1) p(t2 | t1), over the top-6 support
-    from quickdraft.speculation.sampling import probabilities
-
-    model = target.model
-    sp = SamplingParams(**params)  # type: ignore[arg-type]
-    out = model(torch.tensor(prompt), [model.new_cache(8)], [len(prompt)])
-    p1 = probabilities(out.logits, sp)[0]
-    marginal = torch.zeros_like(p1)
-    for t1 in p1.nonzero().flatten().tolist():
-        o = model(torch.tensor([*prompt, t1]), [model.new_cache(8)], [len(prompt) + 1])
-        marginal += p1[t1] * probabilities(o.logits, sp)[0]
-    counts = torch.zeros_like(p1)
-    n = 3000
-    for seed in range(n):
-        req = target.new_request(prompt, SamplingParams(**params, seed=seed))  # type: ignore[arg-type]
-        for _ in stream(target, req, spec):
-            pass
-        counts[req.output_ids[1]] += 1
-    support = marginal > 0
-    assert counts[~support].sum() == 0
-    expected = marginal[support] * n
-    chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
-    dof = int(support.sum()) - 1
-    assert chi2 < dof + 4 * (2 * dof) ** 0.5 + 10, (chi2, dof)  # ~p < 0.001 for these dof
+    params = SamplingParams(max_tokens=2, temperature=1.0, top_k=6, ignore_eos=True)
+    marginal = second_token_marginal(plain_distribution(target, params), prompt)
+    assert_second_token_follows(
+        target, spec, prompt, lambda seed: replace(params, seed=seed), marginal, 3000
+    )
 
 
 @pytest.mark.parametrize("case", ["eos", "max_tokens", "stop"])

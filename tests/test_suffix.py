@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from second_token import assert_second_token_follows, plain_distribution, second_token_marginal
 
 from quickdraft.cli import build_parser, spec_config
 from quickdraft.config import SpeculativeConfig, parse_speculative_config
@@ -22,7 +23,6 @@ from quickdraft.request import Request, SamplingParams
 from quickdraft.speculation.drafters.base import DraftJob
 from quickdraft.speculation.drafters.suffix import Node, SuffixDrafter, SuffixTree
 from quickdraft.speculation.factory import make_speculation
-from quickdraft.speculation.sampling import probabilities
 from quickdraft.speculation.state import Speculation
 
 PARAMS = SamplingParams()
@@ -481,31 +481,12 @@ def test_suffix_sampled_matches_target_distribution(target: LoadedModel) -> None
     cfg = SpeculativeConfig(method="suffix", num_draft_tokens=2, adaptive=False)
     spec = make_speculation(target, cfg)
     prompt = target.tokenizer.encode("abababab")
-    params = dict(max_tokens=3, temperature=1.0, top_k=6, ignore_eos=True)
-    model = target.model
-    sp = SamplingParams(**params)  # type: ignore[arg-type]
-    out = model(torch.tensor(prompt), [model.new_cache(16)], [len(prompt)])
-    p1 = probabilities(out.logits, sp)[0]
-    marginal = torch.zeros_like(p1)
-    for t1 in p1.nonzero().flatten().tolist():
-        o = model(torch.tensor([*prompt, t1]), [model.new_cache(16)], [len(prompt) + 1])
-        marginal += p1[t1] * probabilities(o.logits, sp)[0]
-    counts = torch.zeros_like(p1)
-    n, drafted, accepted = 3000, 0, 0
-    for _ in range(n):
-        req = target.new_request(prompt, SamplingParams(**params))  # type: ignore[arg-type]
-        for _ in stream(target, req, spec):
-            pass
-        counts[req.output_ids[1]] += 1
-        drafted += req.spec.drafted
-        accepted += req.spec.accepted
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=6, ignore_eos=True)
+    marginal = second_token_marginal(plain_distribution(target, params), prompt)
+    reqs = assert_second_token_follows(target, spec, prompt, lambda _: params, marginal, 3000)
+    drafted = sum(r.spec.drafted for r in reqs)
+    accepted = sum(r.spec.accepted for r in reqs)
     assert 0 < accepted < drafted, (accepted, drafted)  # the drafts were judged, both ways
-    support = marginal > 0
-    assert counts[~support].sum() == 0
-    expected = marginal[support] * n
-    chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
-    dof = int(support.sum()) - 1
-    assert chi2 < dof + 4 * (2 * dof) ** 0.5 + 10, (chi2, dof)  # ~p < 0.001 for these dof
 
 
 def test_suffix_tenant_never_drafts_from_another_tenants_output(target: LoadedModel) -> None:
