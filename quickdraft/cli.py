@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -397,27 +398,28 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prompt_bench_fields(args: argparse.Namespace, spec: SpeculativeConfig) -> dict[str, Any]:
+    """The fields the prompt-set benchmarks (speculative, structured) share, as given."""
+    return given(
+        target=args.model,
+        draft=spec.draft_model,
+        dtype=args.dtype,
+        tokens=args.max_tokens,
+        per_set=args.per_set,
+        sets=None if args.sets is None else tuple(args.sets),
+        k=spec.num_draft_tokens,
+        draft_quantization=spec.draft_quantization,
+        out_dir=None if args.out is None else Path(args.out),
+    )
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     spec = spec_config(args)
     if args.structured:
         from quickdraft.bench.structured import StructuredBench
         from quickdraft.bench.structured import run as run_structured
 
-        run_structured(
-            StructuredBench(
-                **given(
-                    target=args.model,
-                    draft=spec.draft_model,
-                    dtype=args.dtype,
-                    tokens=args.max_tokens,
-                    per_set=args.per_set,
-                    sets=None if args.sets is None else tuple(args.sets),
-                    k=spec.num_draft_tokens,
-                    draft_quantization=spec.draft_quantization,
-                    out_dir=None if args.out is None else Path(args.out),
-                )
-            )
-        )
+        run_structured(StructuredBench(**_prompt_bench_fields(args, spec)))
         return 0
     if args.soak:
         from quickdraft.bench.soak import SoakTest, run_soak
@@ -458,24 +460,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     from quickdraft.bench.speculative import SpecBench, run
 
-    run(
-        SpecBench(
-            **given(
-                target=args.model,
-                draft=spec.draft_model,
-                dtype=args.dtype,
-                tokens=args.max_tokens,
-                per_set=args.per_set,
-                sets=None if args.sets is None else tuple(args.sets),
-                k=spec.num_draft_tokens,
-                hf=False if args.no_hf else None,
-                draft_quantization=spec.draft_quantization,
-                reference_per_set=args.reference_per_set,
-                peers=None if args.peers is None else tuple(args.peers),
-                out_dir=None if args.out is None else Path(args.out),
-            )
-        )
+    extra = given(
+        hf=False if args.no_hf else None,
+        reference_per_set=args.reference_per_set,
+        peers=None if args.peers is None else tuple(args.peers),
     )
+    run(SpecBench(**_prompt_bench_fields(args, spec), **extra))
     return 0
 
 
