@@ -14,7 +14,8 @@ Nothing is committed before `commit`, so a failure in the first three leaves eve
 request as it was (the engine then retries the sequences one by one to find the culprit).
 Drafters that read hidden states get exactly the rows that ran and were kept: all prompt rows
 after the last prefill chunk (collected chunk by chunk), the fed token + accepted drafts after
-a verify.
+a verify; post-final-norm rows, or the outputs of the target layers the drafter lists in
+`hidden_layers` (the forward returns the union of the step's drafters' layers).
 """
 
 from __future__ import annotations
@@ -39,6 +40,18 @@ class StepOutput:
     hidden: Tensor | None  # [rows of the step, hidden] post-final-norm, if a drafter needs it
     row_start: list[int]  # per plan item: its first row in the packed batch
     logit_start: list[int]  # per plan item: its first row in `logits` (-1: does not sample)
+    layers: Tensor | None = None  # [rows, len(layer_ids), hidden] tapped layer outputs
+    layer_ids: tuple[int, ...] = ()  # the target layers in `layers`, in order
+
+    def hidden_rows(self, drafter: Drafter, start: int, n: int) -> Tensor:
+        """The rows [start, start + n) as `drafter` reads them: post-final-norm `[n, hidden]`,
+        or its `hidden_layers`' outputs concatenated `[n, len(hidden_layers) * hidden]`."""
+        if not drafter.hidden_layers:
+            assert self.hidden is not None
+            return self.hidden[start : start + n]
+        assert self.layers is not None
+        picks = [self.layer_ids.index(i) for i in drafter.hidden_layers]
+        return self.layers[start : start + n, picks].flatten(1)  # a copy: the step's is freed
 
 
 class SpecCycle:
@@ -76,6 +89,7 @@ class SpecCycle:
         row_start: list[int] = []
         logit_start: list[int] = []
         want_hidden = False
+        taps: set[int] = set()  # target layers some drafter reads
         for item, draft in zip(plan.items, drafts, strict=True):
             seq = item.seq
             assert seq.cache is not None, "a scheduled sequence holds a cache"
@@ -92,17 +106,22 @@ class SpecCycle:
             ids.extend(draft.tokens)
             caches.append(seq.cache)
             num_new.append(len(fed) + len(draft.tokens))
-            want_hidden |= seq.spec is not None and seq.spec.drafter.needs_hidden
+            drafter = seq.spec.drafter if seq.spec is not None else None
+            if drafter is not None and drafter.needs_hidden:
+                taps.update(drafter.hidden_layers)
+                want_hidden |= not drafter.hidden_layers
         device = self.model.device
         rows = torch.tensor(logit_rows or [len(ids) - 1], device=device)
+        layer_ids = tuple(sorted(taps))
         out = self.model(
             torch.tensor(ids, device=device),  # [N]
             caches,
             num_new,
             logit_rows=rows,
             return_hidden=want_hidden,
+            hidden_layers=layer_ids,
         )
-        return StepOutput(out.logits, out.hidden, row_start, logit_start)
+        return StepOutput(out.logits, out.hidden, row_start, logit_start, out.layers, layer_ids)
 
     def verify(self, plan: StepPlan, drafts: list[Draft], out: StepOutput) -> list[Verdict | None]:
         verdicts: list[Verdict | None] = []
@@ -138,8 +157,7 @@ class SpecCycle:
             return
         hidden = None
         if spec.drafter.needs_hidden:
-            assert out.hidden is not None
-            rows = out.hidden[row_start : row_start + kept]  # [kept, hidden]
+            rows = out.hidden_rows(spec.drafter, row_start, kept)  # [kept, hidden (x taps)]
             if verdict is None:  # a prefill chunk: the drafter hears of it after the last one
                 spec.prompt_hidden.append(rows)
                 return

@@ -27,6 +27,10 @@ from torch import Tensor
 class ForwardOutput:
     logits: Tensor  # [len(logit_rows), vocab] fp32
     hidden: Tensor | None = None  # [num_tokens, hidden] post-final-norm, if asked for
+    # [num_tokens, len(hidden_layers), hidden]: the outputs of the decoder layers listed in
+    # `hidden_layers` (0-based), if any were asked for: HF's output_hidden_states[i + 1], so
+    # the last layer's after the final norm (models/layers.py `tapped_layers`)
+    layers: Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,4 +166,5 @@ class LanguageModel(Protocol):
         num_new: Sequence[int],  # new tokens per sequence; sums to N
         logit_rows: Tensor | None = None,  # rows of N to score; default: last row of each seq
         return_hidden: bool = False,
+        hidden_layers: Sequence[int] = (),  # decoder layers whose outputs to return (`layers`)
     ) -> ForwardOutput: ...

@@ -43,6 +43,7 @@ from quickdraft.models.layers import (
     VocabSubset,
     convert_operands_,
     fused_projections,
+    tapped_layers,
 )
 from quickdraft.models.llama import _QUANTIZERS, Embedding
 
@@ -299,6 +300,7 @@ class Gemma3LM(HeadLogits, OperandModule):
         num_new: Sequence[int],  # new tokens per sequence; sums to N
         logit_rows: Tensor | None = None,  # rows of N to score; default: last row of each seq
         return_hidden: bool = False,
+        hidden_layers: Sequence[int] = (),  # layers whose outputs to return (ForwardOutput)
     ) -> ForwardOutput:
         assert input_ids.dim() == 1 and sum(num_new) == input_ids.shape[0]
         positions = packed_positions(
@@ -309,11 +311,16 @@ class Gemma3LM(HeadLogits, OperandModule):
             False: self.rope_global.tables(positions, self.dtype),
         }
         h = self.model.embed_tokens(input_ids) * self.embed_scale  # [N, hidden]
-        for layer in self.decoder_layers:
+        wanted = set(hidden_layers)
+        taps: dict[int, Tensor] = {}  # layer -> its output [N, hidden]
+        for i, layer in enumerate(self.decoder_layers):
             h = layer(h, ropes[layer.sliding], caches, num_new)
+            if i in wanted:
+                taps[i] = h
+        layers = tapped_layers(taps, hidden_layers, len(self.decoder_layers), self.model.norm)
         if logit_rows is None:
             logit_rows = torch.tensor(list(num_new), device=self.device).cumsum(0) - 1
         if return_hidden:
             hidden = self.model.norm(h)  # [N, hidden] post-norm
-            return ForwardOutput(self._logits(hidden[logit_rows]), hidden)
-        return ForwardOutput(self._logits(self.model.norm(h[logit_rows])), None)
+            return ForwardOutput(self._logits(hidden[logit_rows]), hidden, layers)
+        return ForwardOutput(self._logits(self.model.norm(h[logit_rows])), None, layers)

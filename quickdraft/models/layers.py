@@ -131,6 +131,22 @@ class Rope:
         return cos, sin
 
 
+def tapped_layers(
+    taps: dict[int, Tensor],  # layer -> its output [N, hidden], for (at least) `order`
+    order: Sequence[int],
+    num_layers: int,
+    final_norm: Callable[[Tensor], Tensor],
+) -> Tensor | None:
+    """The outputs of the layers `order` lists, stacked `[N, len(order), hidden]` (None for
+    none): Hugging Face's output_hidden_states[i + 1], so the last layer's is taken after the
+    final norm, as drafters trained on those hidden states saw it."""
+    if not order:
+        return None
+    assert set(order) <= taps.keys(), f"hidden_layers {sorted(order)} past the model's layers"
+    last = num_layers - 1
+    return torch.stack([final_norm(taps[i]) if i == last else taps[i] for i in order], 1)
+
+
 def convert_operands_(model: nn.Module, convert: Callable[[Weight], Weight]) -> None:
     """Replace every GEMM operand of `model` in place by `convert(operand)` and free the
     nn.Linear-layout copies. Operands are the attributes each module names in its `OPERANDS`

@@ -36,6 +36,7 @@ from quickdraft.models.layers import (
     VocabSubset,
     convert_operands_,
     fused_projections,
+    tapped_layers,
 )
 
 
@@ -72,13 +73,9 @@ class Attention(OperandModule):
         )
         self.scale = self.head_dim**-0.5
 
-    def forward(
-        self,
-        x: Tensor,  # [N, hidden]
-        rope: tuple[Tensor, Tensor],  # cos, sin [N, 1, head_dim]
-        caches: Sequence[KVCache],
-        num_new: Sequence[int],
-    ) -> Tensor:
+    def rotated_qkv(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """x [N, hidden] -> q [N, H, d], k, v [N, Hkv, d]: projected, q and k normed (Qwen3)
+        and rotated."""
         n, d = x.shape[0], self.head_dim
         qkv = project(x, self.qkv, self.qkv_bias)  # [N, (H + 2 Hkv) * d]
         q = qkv[:, : self.num_heads * d].view(n, self.num_heads, d)
@@ -88,7 +85,16 @@ class Attention(OperandModule):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope[0][:, 0], rope[1][:, 0]  # [N, head_dim]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # fused; q, k are views
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v  # fused; q, k are views
+
+    def forward(
+        self,
+        x: Tensor,  # [N, hidden]
+        rope: tuple[Tensor, Tensor],  # cos, sin [N, 1, head_dim]
+        caches: Sequence[KVCache],
+        num_new: Sequence[int],
+    ) -> Tensor:
+        q, k, v = self.rotated_qkv(x, rope)
         outs, start = [], 0
         for cache, count in zip(caches, num_new, strict=True):
             seg = slice(start, start + count)
@@ -287,6 +293,7 @@ class CausalLM(HeadLogits, OperandModule):
         num_new: Sequence[int],  # new tokens per sequence; sums to N
         logit_rows: Tensor | None = None,  # rows of N to score; default: last row of each seq
         return_hidden: bool = False,
+        hidden_layers: Sequence[int] = (),  # layers whose outputs to return (ForwardOutput)
     ) -> ForwardOutput:
         assert input_ids.dim() == 1 and sum(num_new) == input_ids.shape[0]
         positions = packed_positions(
@@ -295,6 +302,8 @@ class CausalLM(HeadLogits, OperandModule):
         rope = self.rope.tables(positions, self.dtype)
         h = self.model.embed_tokens(input_ids)  # [N, hidden]
         residual: Tensor | None = None
+        wanted = set(hidden_layers)
+        taps: dict[int, Tensor] = {}  # layer -> its output [N, hidden]
         # the rows of one sequence (decode, verify, a prompt chunk): the C++ layers (the same
         # kernels in the same order as the Python layers, so the same bits)
         one = len(caches) == 1 and isinstance(caches[0], KVCache)
@@ -309,15 +318,18 @@ class CausalLM(HeadLogits, OperandModule):
                 )
             else:
                 h, residual = layer.forward_residual(h, residual, rope, caches, num_new)
+            if i in wanted:  # the layer's output: the sum the next norm forms
+                taps[i] = residual + h
         assert residual is not None, "a model has at least one layer"
+        layers = tapped_layers(taps, hidden_layers, len(self.decoder_layers), self.model.norm)
         if logit_rows is None:
             ends = torch.tensor(list(num_new), device=self.device).cumsum(0) - 1
             logit_rows = ends
         if return_hidden:
             hidden = self.model.norm.add_forward(residual, h)[1]  # [N, hidden] post-norm
-            return ForwardOutput(self._logits(hidden[logit_rows]), hidden)
+            return ForwardOutput(self._logits(hidden[logit_rows]), hidden, layers)
         last = self.model.norm.add_forward(residual[logit_rows], h[logit_rows])[1]
-        return ForwardOutput(self._logits(last), None)
+        return ForwardOutput(self._logits(last), None, layers)
 
 
 def _quantizer(kind: type[Int8Weight] | type[Int4Weight]) -> Callable[[Weight], Weight]:

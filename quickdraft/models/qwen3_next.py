@@ -49,6 +49,7 @@ from quickdraft.models.layers import (
     VocabSubset,
     convert_operands_,
     fused_projections,
+    tapped_layers,
 )
 from quickdraft.models.llama import Embedding
 from quickdraft.models.moe import GatedMLP, SparseMoE
@@ -343,6 +344,7 @@ class HybridLM(HeadLogits, OperandModule):
         num_new: Sequence[int],  # new tokens per sequence; sums to N
         logit_rows: Tensor | None = None,  # rows of N to score; default: last row of each seq
         return_hidden: bool = False,
+        hidden_layers: Sequence[int] = (),  # layers whose outputs to return (ForwardOutput)
     ) -> ForwardOutput:
         assert input_ids.dim() == 1 and sum(num_new) == input_ids.shape[0]
         positions = packed_positions(
@@ -350,11 +352,16 @@ class HybridLM(HeadLogits, OperandModule):
         )
         rope = self.rope.tables(positions, self.dtype)
         x = self.model.embed_tokens(input_ids)  # [N, hidden]
-        for layer in self.model.layers:
+        wanted = set(hidden_layers)
+        taps: dict[int, Tensor] = {}  # layer -> its output [N, hidden]
+        for i, layer in enumerate(self.model.layers):
             x = layer(x, rope, caches, num_new)
+            if i in wanted:
+                taps[i] = x
+        layers = tapped_layers(taps, hidden_layers, len(self.model.layers), self.model.norm)
         if logit_rows is None:
             logit_rows = torch.tensor(list(num_new), device=self.device).cumsum(0) - 1
         if return_hidden:
             hidden = self.model.norm(x)  # [N, hidden]
-            return ForwardOutput(self._logits(hidden[logit_rows]), hidden)
-        return ForwardOutput(self._logits(self.model.norm(x[logit_rows])), None)
+            return ForwardOutput(self._logits(hidden[logit_rows]), hidden, layers)
+        return ForwardOutput(self._logits(self.model.norm(x[logit_rows])), None, layers)

@@ -17,7 +17,9 @@ just ran AND that were committed, i.e. positions [len(tokens) - 1 - n, len(token
 last committed token has not been through the target yet: it is the next cycle's first input).
 After prefill n is the prompt length; after a verify it is accepted + 1. Every committed
 position is passed exactly once, k = 0 cycles included, so the drafter's view never goes stale.
-For other drafters `hidden` is None.
+A drafter that reads inner layers instead (a DFlash block drafter) lists them in
+`hidden_layers`; its rows are then those layers' outputs, concatenated in that order
+`[n, len(hidden_layers) * hidden_size]`. For other drafters `hidden` is None.
 
 Every drafter lists the shapes of the forwards its last `propose` ran in `forwards`
 (`StepShape`s: rows, sequences, sequences with > 1 row), catch-ups included; the engine times
@@ -82,6 +84,8 @@ def draft_one(logits: Tensor, job: DraftJob, draft: tuple[list[int], list[Tensor
 
 class Drafter(Protocol):
     needs_hidden: bool  # commit() gets the target's hidden states (see module docstring)
+    # with needs_hidden: the target layers its rows are the outputs of; (): post-final-norm
+    hidden_layers: tuple[int, ...]
     forwards: list[StepShape]  # the forwards of the last propose (see module docstring)
 
     def new_state(self, prompt_ids: list[int], tenant: str = "") -> Any:

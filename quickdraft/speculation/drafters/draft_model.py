@@ -39,6 +39,7 @@ def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
 
 class DraftModelDrafter:
     needs_hidden = False
+    hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, model: LanguageModel, target_vocab_size: int) -> None:
         # The target's embedding table may be padded past the tokenizer (Qwen: 151936 rows for

@@ -105,6 +105,7 @@ class MTPState:
 
 class MTPDrafter:
     needs_hidden = True
+    hidden_layers: tuple[int, ...] = ()
 
     def __init__(
         self, head: MTPHead, final_norm: nn.Module, feed: HiddenFeed = "post_norm"

@@ -111,6 +111,7 @@ class SharedIndex:
 
 class NgramDrafter:
     needs_hidden = False
+    hidden_layers: tuple[int, ...] = ()
 
     def __init__(
         self,
