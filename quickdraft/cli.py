@@ -83,7 +83,11 @@ def _add_spec_args(p: argparse.ArgumentParser, paired_default: bool) -> None:
         "--speculative-method", default=None, choices=list(SPEC_METHODS), help=f"({default})"
     )
     p.add_argument("--num-draft-tokens", type=int, default=None, help="draft length ceiling k")
-    p.add_argument("--draft-model", default=None, help="draft model (same tokenizer as target)")
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="draft model (same tokenizer as target); for dflash the DFlash checkpoint dir",
+    )
     p.add_argument(
         "--draft-quantization",
         default=None,
@@ -135,6 +139,19 @@ def _add_spec_args(p: argparse.ArgumentParser, paired_default: bool) -> None:
         "(0: only the request's own tokens)",
     )
     p.add_argument(
+        "--dflash-block-size",
+        type=int,
+        default=None,
+        help="DFlash drafter: rows of its block, i.e. drafts per forward + 1 (default: the "
+        "checkpoint's; capped by --num-draft-tokens + 1)",
+    )
+    p.add_argument(
+        "--dflash-window",
+        type=int,
+        default=None,
+        help="DFlash drafter: committed tokens its context keeps (0, the default: all)",
+    )
+    p.add_argument(
         "--no-adaptive",
         action="store_false",
         dest="adaptive",
@@ -145,9 +162,10 @@ def _add_spec_args(p: argparse.ArgumentParser, paired_default: bool) -> None:
         "--speculative-config",
         default=None,
         help='vLLM-style JSON instead of the flags above: {"method": "draft_model"|"ngram"|'
-        '"suffix"|"mtp", "model": NAME, "num_speculative_tokens": K, "prompt_lookup_min": N, '
-        '"prompt_lookup_max": N, "quantization": Q, "suffix_decoding_max_tree_depth": N, '
-        '"suffix_decoding_max_spec_factor": F, "suffix_decoding_min_token_prob": P}',
+        '"suffix"|"mtp"|"dflash", "model": NAME, "num_speculative_tokens": K, '
+        '"prompt_lookup_min": N, "prompt_lookup_max": N, "quantization": Q, '
+        '"suffix_decoding_max_tree_depth": N, "suffix_decoding_max_spec_factor": F, '
+        '"suffix_decoding_min_token_prob": P}',
     )
     p.set_defaults(paired_default=paired_default)
 
@@ -260,6 +278,8 @@ def spec_config(args: argparse.Namespace) -> SpeculativeConfig:
         suffix_max_spec_factor=args.suffix_max_spec_factor,
         suffix_min_token_prob=args.suffix_min_token_prob,
         suffix_shared_tokens=args.suffix_shared_tokens,
+        dflash_block_size=args.dflash_block_size,
+        dflash_window=args.dflash_window,
         adaptive=args.adaptive,
     )
     fields.update(flags)

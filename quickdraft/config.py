@@ -126,7 +126,7 @@ DEFAULT_NUM_DRAFT_TOKENS = 5  # the draft length ceiling k
 BENCH_MAX_TOKENS = 128  # output tokens per request in the benchmarks
 PREFILL_CHUNK = 512  # prompt tokens per forward: bounds the [chunk, context] mask and activations
 
-SPEC_METHODS = ("none", "ngram", "suffix", "draft", "mtp")
+SPEC_METHODS = ("none", "ngram", "suffix", "draft", "mtp", "dflash")
 # weight formats `load(..., quantization=)` accepts: "gguf" the model's GGUF's own (as dtype
 # "gguf"), "none" the dtype's, int8 / int4 made from the dequantized weights
 QUANTIZATIONS = ("gguf", "none", "int8", "int4")
@@ -183,9 +183,11 @@ class SpeculativeConfig:
     """How a request speculates. `num_draft_tokens` is the ceiling; the adaptive policy
     (speculation/policy.py) picks k <= it per cycle, down to 0 (no drafting) when it cannot pay."""
 
-    method: str = "none"  # "none" | "ngram" | "suffix" | "draft" | "mtp" (the target's own head)
+    # "none" | "ngram" | "suffix" | "draft" | "mtp" (the target's own head) | "dflash"
+    method: str = "none"
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
-    draft_model: str | None = None  # catalog name / path, for method "draft"
+    # catalog name / path, for method "draft"; the DFlash checkpoint dir for "dflash"
+    draft_model: str | None = None
     # the draft model's weights (DRAFT_QUANTIZATION_HELP); "none" keeps the target's dtype
     draft_quantization: str = DEFAULT_DRAFT_QUANTIZATION
     # token ids the draft model scores (DEFAULT_DRAFT_VOCAB); 0: all
@@ -200,6 +202,10 @@ class SpeculativeConfig:
     suffix_max_spec_factor: float = SUFFIX_MAX_SPEC_FACTOR
     suffix_min_token_prob: float = SUFFIX_MIN_TOKEN_PROB
     suffix_shared_tokens: int = SUFFIX_SHARED_TOKENS
+    # DFlash drafter: rows of its block (drafts per forward + 1; 0: the checkpoint's, capped by
+    # k + 1) and the committed tokens its context keeps (0: all of them)
+    dflash_block_size: int = 0
+    dflash_window: int = 0
     adaptive: bool = True
 
     def __post_init__(self) -> None:
@@ -207,8 +213,10 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method {self.method!r}: choose one of {SPEC_METHODS}")
         if not 0 <= self.num_draft_tokens <= 32:
             raise ValueError(f"num_draft_tokens must be in [0, 32], got {self.num_draft_tokens}")
-        if self.method == "draft" and not self.draft_model:
-            raise ValueError("speculative method 'draft' needs a draft model (--draft-model)")
+        if self.method in ("draft", "dflash") and not self.draft_model:
+            raise ValueError(
+                f"speculative method {self.method!r} needs a draft model (--draft-model)"
+            )
         if self.draft_quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"draft quantization {self.draft_quantization!r}: choose one of {QUANTIZATIONS}"
@@ -233,6 +241,13 @@ class SpeculativeConfig:
             )
         if self.suffix_shared_tokens < 0:
             raise ValueError(f"suffix_shared_tokens must be >= 0, got {self.suffix_shared_tokens}")
+        if self.dflash_block_size < 0 or self.dflash_block_size == 1:
+            raise ValueError(
+                f"dflash_block_size must be >= 2 (0: the checkpoint's), "
+                f"got {self.dflash_block_size}"
+            )
+        if self.dflash_window < 0:
+            raise ValueError(f"dflash_window must be >= 0 (0: all), got {self.dflash_window}")
 
     @property
     def enabled(self) -> bool:
@@ -281,6 +296,7 @@ _VLLM_METHODS = {
     "suffix": "suffix",
     "draft": "draft",
     "mtp": "mtp",
+    "dflash": "dflash",
 }
 
 

@@ -3,10 +3,11 @@
 A factory returns the drafter and how to time its forwards: a step-cost table in seconds, in
 the target's format (cost.py `StepCost`), or None for a lookup that costs nothing. The draft
 model's table is its own, timed like the target's (once per machine: cost.py stores it); the
-MTP head's is the target's scaled by one timed head step against one target step. Tables are only
-measured for the adaptive policy (forced requests draft k regardless of cost), and the engine
-then times every draft phase against them, so a table taken on a busy host is corrected once
-decoding runs. `QUICKDRAFT_DISABLE_SPECULATION=1` turns speculation off everywhere (bisecting).
+MTP head's (and the DFlash drafter's) is the target's scaled by one timed head (block) step
+against one target step. Tables are only measured for the adaptive policy (forced requests
+draft k regardless of cost), and the engine then times every draft phase against them, so a
+table taken on a busy host is corrected once decoding runs.
+`QUICKDRAFT_DISABLE_SPECULATION=1` turns speculation off everywhere (bisecting).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from quickdraft.config import SpeculativeConfig
 from quickdraft.loading import LoadedModel, load
 from quickdraft.speculation.cost import DraftCost, StepCost, model_cost
 from quickdraft.speculation.drafters.base import Drafter
+from quickdraft.speculation.drafters.dflash import block_step_seconds, dflash_drafter
 from quickdraft.speculation.drafters.draft_model import DraftModelDrafter
 from quickdraft.speculation.drafters.mtp import head_step_seconds, mtp_drafter
 from quickdraft.speculation.drafters.ngram import NgramDrafter
@@ -74,12 +76,27 @@ def _mtp(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable
     return drafter, table
 
 
+def _dflash(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable]:
+    assert config.draft_model is not None
+    drafter = dflash_drafter(
+        lm.model, config.draft_model, config.dflash_block_size, config.dflash_window
+    )
+
+    def table() -> StepCost:
+        # one block forward priced like the MTP head: the target's curve, scaled
+        target = model_cost(lm.model)
+        return target.scaled(block_step_seconds(drafter) / target.seconds[0])
+
+    return drafter, table
+
+
 # method -> factory(loaded target, config) -> (drafter, what measures its cost table)
 DRAFTERS: dict[str, Callable[[LoadedModel, SpeculativeConfig], tuple[Drafter, CostTable]]] = {
     "ngram": _ngram,
     "suffix": _suffix,
     "draft": _draft_model,
     "mtp": _mtp,
+    "dflash": _dflash,
 }
 
 
