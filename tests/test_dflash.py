@@ -16,6 +16,7 @@ prompts), the sampled output's distribution (chi-square), block size caps, the C
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from hybrid_models import (
     save_hybrid_dir,
 )
 from safetensors.torch import save_file
+from second_token import assert_second_token_follows, plain_distribution, second_token_marginal
 from test_mtp import DENSE_CONFIG as DENSE  # a tiny Qwen3 with an untied lm_head
 from torch import Tensor
 
@@ -48,7 +50,7 @@ from quickdraft.request import Request, SamplingParams
 from quickdraft.speculation.drafters.base import DraftJob
 from quickdraft.speculation.drafters.dflash import DFlashDrafter, dflash_drafter, load_dflash
 from quickdraft.speculation.factory import make_speculation
-from quickdraft.speculation.sampling import TokenRng, probabilities
+from quickdraft.speculation.sampling import TokenRng
 from quickdraft.speculation.state import Speculation
 
 MASK = 300  # the mask token id the drafters here use (inside the 320-token vocabulary)
@@ -671,31 +673,13 @@ def test_dflash_sampled_matches_target_distribution(tmp_path: Path) -> None:
     spec = make_speculation(lm, cfg)
     prompt = lm.tokenizer.encode("ab")
     # 4 tokens: with 2 the last cycle has no room to draft; token 2 is what is tested
-    params = dict(max_tokens=4, temperature=1.0, top_k=6, ignore_eos=True)
-    model = lm.model
-    sp = SamplingParams(**params)  # type: ignore[arg-type]
-    p1 = probabilities(model(torch.tensor(prompt), [model.new_cache(8)], [len(prompt)]).logits, sp)[
-        0
-    ]
-    marginal = torch.zeros_like(p1)
-    for t1 in p1.nonzero().flatten().tolist():
-        o = model(torch.tensor([*prompt, t1]), [model.new_cache(8)], [len(prompt) + 1])
-        marginal += p1[t1] * probabilities(o.logits, sp)[0]
-    counts = torch.zeros_like(p1)
-    n, drafted, accepted = 3000, 0, 0
-    for seed in range(n):
-        req = lm.new_request(prompt, SamplingParams(**params, seed=seed))  # type: ignore[arg-type]
-        for _ in stream(lm, req, spec):
-            pass
-        counts[req.output_ids[1]] += 1
-        drafted, accepted = drafted + req.spec.drafted, accepted + req.spec.accepted
+    params = SamplingParams(max_tokens=4, temperature=1.0, top_k=6, ignore_eos=True)
+    marginal = second_token_marginal(plain_distribution(lm, params), prompt)
+    reqs = assert_second_token_follows(
+        lm, spec, prompt, lambda seed: replace(params, seed=seed), marginal, 3000
+    )
+    drafted, accepted = sum(r.spec.drafted for r in reqs), sum(r.spec.accepted for r in reqs)
     assert 0 < accepted < drafted  # both branches of the rejection sampler ran
-    support = marginal > 0
-    assert counts[~support].sum() == 0
-    expected = marginal[support] * n
-    chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
-    dof = int(support.sum()) - 1
-    assert chi2 < dof + 4 * (2 * dof) ** 0.5 + 10, (chi2, dof)  # ~p < 0.001 for these dof
 
 
 def test_dflash_cli_and_vllm_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

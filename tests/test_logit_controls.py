@@ -236,7 +236,7 @@ def test_sampled_output_under_controls_follows_the_shaped_target_distribution(
     prompt = tok.encode("ab")
     letters = [tok.encode(c)[0] for c in "abcdef"]
     base = dict(
-        max_tokens=2,
+        max_tokens=4,  # with 2 the cycle after the first token has no room to draft
         temperature=1.0,
         ignore_eos=True,
         presence_penalty=1.0,
@@ -255,9 +255,11 @@ def test_sampled_output_under_controls_follows_the_shaped_target_distribution(
 
     assert set(shaped(prompt, []).nonzero().flatten().tolist()) <= set(letters)
     marginal = second_token_marginal(shaped, prompt)
-    assert_second_token_follows(
+    reqs = assert_second_token_follows(
         target, spec, prompt, lambda seed: replace(sp, seed=seed), marginal, 2000
     )
+    drafted, accepted = sum(r.spec.drafted for r in reqs), sum(r.spec.accepted for r in reqs)
+    assert 0 < accepted < drafted  # both branches of the rejection sampler ran
 
 
 def test_controls_with_mtp_on_a_hybrid_target_equal_speculation_off(tmp_path: Path) -> None:

@@ -146,11 +146,14 @@ def test_speculative_sampled_matches_target_distribution(
     )
     spec = make_speculation(target, cfg)
     prompt = target.tokenizer.encode("ab")
-    params = SamplingParams(max_tokens=2, temperature=1.0, top_k=6, ignore_eos=True)
+    # 4 tokens: with 2 the one cycle after the first token has no room to draft
+    params = SamplingParams(max_tokens=4, temperature=1.0, top_k=6, ignore_eos=True)
     marginal = second_token_marginal(plain_distribution(target, params), prompt)
-    assert_second_token_follows(
+    reqs = assert_second_token_follows(
         target, spec, prompt, lambda seed: replace(params, seed=seed), marginal, 3000
     )
+    drafted, accepted = sum(r.spec.drafted for r in reqs), sum(r.spec.accepted for r in reqs)
+    assert 0 < accepted < drafted  # both branches of the rejection sampler ran
 
 
 @pytest.mark.parametrize("case", ["eos", "max_tokens", "stop"])
