@@ -1,4 +1,5 @@
-"""Command line: `quickdraft serve | generate | bench | pull | models`.
+"""Command line: `quickdraft serve | generate | bench | pull | models` (over 400 lines: every
+subcommand's flags and how they become the engine's and server's options, in one place).
 
 Each subcommand is a small function over the library; errors a user can fix (unknown model,
 bad hash, prompt too long, bad sampling values) print one clear line and exit 2. Over 400 lines:

@@ -1,4 +1,5 @@
-"""engine/prefix_cache.py on tiny random-weight fp32 models: greedy outputs with the prefix cache
+"""engine/prefix_cache.py (over 400 lines: dense and hybrid targets x every drafter, eviction,
+locks, tenants) on tiny random-weight fp32 models: greedy outputs with the prefix cache
 equal those without it, for a dense and a hybrid (Gated DeltaNet) target, with speculation off,
 n-gram, a draft model and MTP (hybrid), over multi-turn prompts, prompts that diverge inside a
 cached block, repeats and requests cancelled while sharing blocks; a repeated prefix really

@@ -1,4 +1,4 @@
-"""quickdraft.server: bad input never hurts the server (issue item 5).
+"""quickdraft.server: bad input never hurts the server (over 400 lines: one row per bad input).
 
 Every case gets its OpenAI-shaped error with the right status (400 not 422, 401, 404, 413, 503 +
 Retry-After), and after every one the next valid request is served correctly. Real server on

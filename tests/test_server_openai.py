@@ -1,5 +1,6 @@
-"""The OpenAI surface under speculation: logprobs, penalties, logit_bias, structured outputs,
-tools, n / best_of. A real server on loopback and the real `openai` client.
+"""The OpenAI surface under speculation (over 400 lines: one section per feature): logprobs,
+penalties, logit_bias, structured outputs, tools, n / best_of. A real server on loopback and
+the real `openai` client.
 
 One engine serves the same tiny fp32 model three times: speculation off, n-gram, and a draft
 model, so every feature is checked to give the same output (and logprobs) with speculation on

@@ -1,4 +1,5 @@
-"""OpenAI wire format, the request side: bodies validated, with the rules between fields.
+"""OpenAI wire format, the request side: bodies validated, with the rules between fields (over
+400 lines: every field of both endpoints, tools and structured outputs included).
 
 Stage: the HTTP edge. Request models are strict (no silent "0.5" -> 0.5 coercion) and forbid
 unknown fields, so a typo or an unsupported option is a clear 400 naming the field instead of
