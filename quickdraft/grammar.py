@@ -21,7 +21,6 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import torch
 from torch import Tensor
 
 from quickdraft.tokenizer import Tokenizer
@@ -129,6 +128,7 @@ class Matcher:
         self.vocab_size = compiler.vocab_size
         self._m = xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
         self._fill = xgr.allocate_token_bitmask  # [rows, ceil(vocab / 32)] int32
+        self._apply = xgr.apply_token_bitmask_inplace
 
     def bitmask(self, rows: int) -> Tensor:
         return self._fill(rows, self.vocab_size)
@@ -150,15 +150,11 @@ class Matcher:
         schema requires next, the punctuation around it); "" where there is a choice."""
         return str(self._m.find_jump_forward_string())
 
+    def apply(self, logits: Tensor, bitmask: Tensor) -> None:
+        """Set the logits `[rows, vocab]` (fp32) of the tokens `bitmask` disallows to -inf, in
+        place."""
+        self._apply(logits, bitmask, vocab_size=self.vocab_size)
+
     @property
     def terminated(self) -> bool:
         return bool(self._m.is_terminated())
-
-
-def apply_bitmask(logits: Tensor, bitmask: Tensor) -> None:
-    """Set the logits of disallowed tokens to -inf, in place (`logits` `[rows, vocab]` fp32,
-    `bitmask` `[rows, ceil(vocab / 32)]` int32, bit j of word w allows token 32 w + j)."""
-    rows, vocab = logits.shape
-    bits = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask[:rows, :, None] >> bits) & 1).bool().reshape(rows, -1)[:, :vocab]
-    logits.masked_fill_(~allowed, float("-inf"))

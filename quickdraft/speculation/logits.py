@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from quickdraft.grammar import Matcher, apply_bitmask
+from quickdraft.grammar import Matcher
 from quickdraft.request import SamplingParams, TokenLogprob
 
 
@@ -47,9 +47,8 @@ class LogitControls:
         self.vocab = vocab
         self.matcher = matcher
         self.encode = encode
-        bad = [t for t, _ in params.logit_bias if t >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias token ids must be < {vocab}, got {bad[:4]}")
+        # ids were checked against the vocabulary with the request (LoadedModel.new_request)
+        assert all(t < vocab for t, _ in params.logit_bias), "logit_bias id beyond the vocabulary"
         self.bias: Tensor | None = None
         if params.logit_bias:
             self.bias = torch.zeros(vocab)
@@ -57,12 +56,12 @@ class LogitControls:
                 self.bias[token] = value
         self.penalize = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
         self.repetition = params.repetition_penalty
-        # output counts (frequency / presence) and the prompt + output set (repetition)
+        # output counts (frequency / presence; repetition: with the prompt's tokens)
         self.counts = torch.zeros(vocab)
-        self.seen = torch.zeros(vocab, dtype=torch.bool)
+        self.in_prompt = torch.zeros(vocab, dtype=torch.bool)
         valid = [t for t in prompt_ids if t < vocab]
         if valid:
-            self.seen[torch.tensor(valid)] = True
+            self.in_prompt[torch.tensor(valid)] = True
 
     def forced(self, draft: list[int], limit: int) -> list[int]:
         """Up to `limit` tokens of the text the grammar forces after `draft` (which it
@@ -120,13 +119,11 @@ class LogitControls:
         if self.repetition != 1.0 or self.penalize:
             # per row: the state after the drafts before it; only draft columns differ by row
             counts = self.counts.expand(n, -1).clone()
-            seen = self.seen.expand(n, -1).clone()
             for i, d in enumerate(draft[: first + n - 1]):
-                row0 = max(0, i + 1 - first)
-                counts[row0:, d] += 1
-                seen[row0:, d] = True
+                counts[max(0, i + 1 - first) :, d] += 1
             if self.repetition != 1.0:
                 r = self.repetition
+                seen = self.in_prompt | (counts > 0)
                 rows = torch.where(seen, torch.where(rows > 0, rows / r, rows * r), rows)
             if self.penalize:
                 p = self.params
@@ -142,7 +139,7 @@ class LogitControls:
                 if i < n - 1:
                     walked += self._walk(draft[first + i : first + i + 1])
             m.rollback(walked)
-            apply_bitmask(rows, mask)
+            m.apply(rows, mask)
         return rows
 
     def commit(self, tokens: list[int]) -> None:
@@ -150,7 +147,6 @@ class LogitControls:
         for t in tokens:
             if t < self.vocab:
                 self.counts[t] += 1
-                self.seen[t] = True
             if self.matcher is not None and not self.matcher.terminated:
                 self.matcher.accept(t)
 
