@@ -22,6 +22,7 @@ from hybrid_models import (
     save_hybrid_dir,
 )
 from kernel_checks import needs_kernel
+from test_mtp import DENSE_CONFIG
 
 from quickdraft.cli import build_parser, prefix_cache_config
 from quickdraft.config import ModelConfig, PrefixCacheConfig, SpeculativeConfig
@@ -64,21 +65,7 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     return load(str(path), "fp32", progress=False)
 
 
-DRAFT_CONFIG = dict(
-    model_type="qwen3",
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    rope_theta=1000000.0,
-    tie_word_embeddings=False,
-    eos_token_id=2,
-)
+DRAFT_CONFIG = dict(DENSE_CONFIG, num_hidden_layers=2)  # a tiny Qwen3 draft model
 
 
 @pytest.fixture(scope="module")
