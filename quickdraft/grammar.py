@@ -9,8 +9,9 @@ mean (4.2 max) on the structured-output set's schemas with the Qwen2.5 vocabular
 `Grammar` is the request's description (frozen, hashable: it lives in `SamplingParams`);
 `GrammarCompiler.compile` turns it into a compiled grammar (cached by xgrammar per source
 string) and raises `GrammarError` for a schema / regex / grammar xgrammar refuses; a `Matcher`
-walks one request's tokens: `allowed(mask)` fills the next token's bitmask, `accept` / `rollback`
-move it, which is what speculative verification needs (speculation/logits.py).
+walks one request's tokens: `fill` writes the next token's bitmask, `apply` masks logits by
+it, `accept` / `rollback` move it, which is what speculative verification needs
+(speculation/logits.py).
 """
 
 from __future__ import annotations
