@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from quickdraft.bench.peers import PEERS
+from quickdraft.cluster.deploy import ClusterOptions
 from quickdraft.config import (
     DEFAULT_DRAFT_VOCAB,
     DEFAULT_DRAFTS,
@@ -331,7 +332,23 @@ def allowed_hosts(given: list[str]) -> tuple[str, ...]:
     return tuple(h.strip() for arg in given for h in arg.split(",") if h.strip())
 
 
+def cluster_options(args: argparse.Namespace) -> ClusterOptions:
+    return ClusterOptions(
+        **given(
+            replicas=args.replicas,
+            max_replicas=args.max_replicas,
+            threads_per_replica=args.threads_per_replica,
+            address=args.ray_address,
+        )
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.replicas is not None or args.ray_address is not None:  # the Ray cluster server
+        from quickdraft.cluster.deploy import serve_cluster
+
+        serve_cluster(*serve_options(args), cluster_options(args))
+        return 0
     from quickdraft.server.main import serve
 
     serve(*serve_options(args))
@@ -390,6 +407,18 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="seconds open requests may run on after SIGTERM before they are aborted (30)",
+    )
+    c = s.add_argument_group("cluster (Ray Serve; needs the `cluster` extra)")
+    c.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="engine replicas (processes) behind one endpoint, on Ray Serve (default: no Ray)",
+    )
+    c.add_argument("--max-replicas", type=int, default=None, help="autoscale up to this many")
+    c.add_argument("--threads-per-replica", type=int, default=None, help="torch threads each (1)")
+    c.add_argument(
+        "--ray-address", default=None, help="join this Ray cluster (default: start a local one)"
     )
     s.set_defaults(func=cmd_serve)
 

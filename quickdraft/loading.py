@@ -31,6 +31,25 @@ class ContextLengthError(ValueError):
         self.param = param
 
 
+def context_room(context: int, prompt_tokens: int, max_tokens: int | None = None) -> int:
+    """Output tokens a prompt of `prompt_tokens` leaves in a `context`; raises
+    ContextLengthError when the prompt (param "prompt") or prompt + max_tokens (param
+    "max_tokens") does not fit."""
+    room = context - prompt_tokens
+    if room < 1:
+        raise ContextLengthError(
+            f"the prompt has {prompt_tokens} tokens; the model context is {context} tokens",
+            "prompt",
+        )
+    if max_tokens is not None and max_tokens > room:
+        raise ContextLengthError(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+            f"{prompt_tokens + max_tokens} exceeds the model context of {context} tokens",
+            "max_tokens",
+        )
+    return room
+
+
 @dataclass(slots=True)
 class LoadedModel:
     name: str
@@ -58,24 +77,12 @@ class LoadedModel:
     def context_length(self) -> int:
         return self.model.config.max_position_embeddings
 
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
     def room(self, prompt_tokens: int, max_tokens: int | None = None) -> int:
-        """Output tokens a prompt of `prompt_tokens` leaves in the context; raises
-        ContextLengthError when the prompt (param "prompt") or prompt + max_tokens (param
-        "max_tokens") does not fit."""
-        context = self.context_length
-        room = context - prompt_tokens
-        if room < 1:
-            raise ContextLengthError(
-                f"the prompt has {prompt_tokens} tokens; the model context is {context} tokens",
-                "prompt",
-            )
-        if max_tokens is not None and max_tokens > room:
-            raise ContextLengthError(
-                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-                f"{prompt_tokens + max_tokens} exceeds the model context of {context} tokens",
-                "max_tokens",
-            )
-        return room
+        return context_room(self.context_length, prompt_tokens, max_tokens)
 
     def new_request(
         self,

@@ -104,6 +104,7 @@ def snapshot(state: ServerState) -> dict[str, Any]:
     """Everything the page shows: per model its settings, what runs, and live statistics."""
     t = now()
     eng = state.engine
+    prefix = eng.prefix_stats()
     models = []
     for name, served in eng.models.items():
         cfg = served.spec_config
@@ -119,7 +120,7 @@ def snapshot(state: ServerState) -> dict[str, Any]:
                     "adaptive": cfg.adaptive,
                 },
                 "stats": state.metrics.models[name].snapshot(t),
-                "prefix_cache": _prefix(eng.step_stats[name].prefix_cache),
+                "prefix_cache": _prefix(prefix[name]),
             }
         )
     path = state.config.settings_path
@@ -129,6 +130,7 @@ def snapshot(state: ServerState) -> dict[str, Any]:
         "draft_models": sorted(hub.CATALOG),
         "settings_file": None if path is None else str(path),
         "engine": {"alive": eng.alive, "running": eng.num_running, "waiting": eng.num_waiting},
+        "replicas": eng.replicas(),  # [] for the single-process server
         "in_flight": state.in_flight,
         "max_concurrency": state.config.max_concurrency,
     }

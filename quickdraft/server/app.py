@@ -5,6 +5,12 @@ own chat template), submit it to the engine, and relay the engine's outputs eith
 body or as Server-Sent Events in OpenAI's chunk format. The event loop never touches tensors:
 the engine thread owns the models and hands back text deltas through each request's handle.
 
+The routes talk to a `Backend` (backend.py): the one in-process engine, or engine replicas
+behind Ray (quickdraft/cluster/). Each request carries a route key, the prefix it shares with
+other requests (chat: the tools and the turns up to the first user message; completions: the
+first `ROUTE_PREFIX_TOKENS` prompt tokens; both per tenant), so a cluster runs it where that
+prefix is cached.
+
 Lifetime of a request: admit (a concurrency slot; 503 + Retry-After when full or shutting
 down) -> submit -> relay outputs -> release the slot. Release cancels the handle, so a client
 that disconnects (or any failure on our side) frees its sequence at the engine's next step.
@@ -14,6 +20,8 @@ Who may call at all is decided before any route, in access.py.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import uuid
 from typing import Any
@@ -25,10 +33,11 @@ from starlette.types import Receive, Scope, Send
 
 from quickdraft.engine import Engine, EngineDeadError, QueueFullError
 from quickdraft.grammar import GrammarError
-from quickdraft.loading import ContextLengthError, LoadedModel
+from quickdraft.loading import ContextLengthError
 from quickdraft.request import SamplingParams
 from quickdraft.server import admin
 from quickdraft.server.access import ApiKeyMiddleware, HostCheckMiddleware, tenant_of
+from quickdraft.server.backend import Backend, LocalBackend, ModelFront, ReplicaLostError
 from quickdraft.server.errors import BodyLimitMiddleware, error_response, install_error_handlers
 from quickdraft.server.metrics import now
 from quickdraft.server.protocol import (
@@ -47,16 +56,19 @@ from quickdraft.server.state import ServerConfig, ServerState, Slot
 from quickdraft.server.tools import hermes_messages
 
 log = logging.getLogger("quickdraft.server")
+# a completion prompt's route key covers this many leading tokens (a system prompt's worth)
+ROUTE_PREFIX_TOKENS = 64
 
 
 def create_app(
-    engine: Engine,
+    engine: Engine | Backend,
     config: ServerConfig | None = None,
     settings: dict[str, SpeculationSettings] | None = None,
 ) -> FastAPI:
-    """`engine`: a started quickdraft.engine.Engine; `settings`: the speculation settings the
-    engine was configured with (from the settings file), if any."""
-    state = ServerState.create(engine, config or ServerConfig(), settings)
+    """`engine`: a started quickdraft.engine.Engine (or a Backend); `settings`: the speculation
+    settings the engine was configured with (from the settings file), if any."""
+    backend = LocalBackend(engine) if isinstance(engine, Engine) else engine
+    state = ServerState.create(backend, config or ServerConfig(), settings)
     app = FastAPI(title="quickdraft", docs_url=None, redoc_url=None)
     app.state.qd = state
     install_error_handlers(app, state.metrics.error)
@@ -112,7 +124,9 @@ def create_app(
             prompt_ids = lm.tokenizer.encode_chat(messages, tools)
         except (ValueError, jinja2.TemplateError) as exc:  # no template / template refused
             raise APIError(400, f"cannot render the chat: {exc}", "messages") from None
-        return await _generate(state, request, body, prompt_ids, "chat", arrived)
+        root = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
+        shared = [tools, messages[: root + 1]]  # the conversation's start: stays as it grows
+        return await _generate(state, request, body, prompt_ids, "chat", arrived, shared)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -123,16 +137,17 @@ def create_app(
         if isinstance(prompt, str):
             prompt_ids = lm.tokenizer.encode(prompt, parse_special=body.parse_special_tokens)
         else:
-            vocab = lm.model.config.vocab_size
+            vocab = lm.vocab_size
             if any(not 0 <= t < vocab for t in prompt):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
             prompt_ids = list(prompt)
-        return await _generate(state, request, body, prompt_ids, "completion", arrived)
+        shared = prompt_ids[:ROUTE_PREFIX_TOKENS]
+        return await _generate(state, request, body, prompt_ids, "completion", arrived, shared)
 
     return app
 
 
-def _model(state: ServerState, name: str) -> LoadedModel:
+def _model(state: ServerState, name: str) -> ModelFront:
     served = state.engine.models.get(name)
     if served is None:
         raise APIError(
@@ -151,7 +166,9 @@ async def _generate(
     prompt_ids: list[int],
     kind: str,
     arrived: float,
+    shared: list[Any],
 ) -> Response:
+    """`shared`: the part of the request other requests may share (its route key)."""
     lm = _model(state, body.model)
     requested = body.requested_max_tokens()
     try:
@@ -182,25 +199,54 @@ async def _generate(
     who = tenant_of(
         request.headers.get("authorization", ""), cfg.api_keys, body.user, cfg.ngram_shared_scope
     )
+    key = _route_key(who, shared)
     slots: list[Slot] = []
     try:
         for i, p in enumerate(params):
             seq_id = rid if i == 0 else f"{rid}-{i}"
-            slots.append(_admit(state, body.model, prompt_ids, p, seq_id, arrived, who))
+            slots.append(_admit(state, body.model, prompt_ids, p, seq_id, arrived, who, key))
+        where = await _placement(state, slots)
     except BaseException:
         for slot in slots:
             slot.release()
         raise
     relay = Relay(slots, body, rid, lm.tokenizer)
     if body.stream:
+        headers = {**_SSE_HEADERS, **where}
         return _SlotStreamingResponse(
-            slots, relay.events(), media_type="text/event-stream", headers=_SSE_HEADERS
+            slots, relay.events(), media_type="text/event-stream", headers=headers
         )
     try:
-        return JSONResponse(await relay.collect(request))
+        return JSONResponse(await relay.collect(request), headers=where)
     finally:
         for slot in slots:
             slot.release()
+
+
+def _route_key(tenant: str, shared: list[Any]) -> str:
+    """Equal for requests that share a cacheable prefix; the prefix cache is per tenant."""
+    text = json.dumps([tenant, shared], separators=(",", ":"), default=str)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+async def _placement(state: ServerState, slots: list[Slot]) -> dict[str, str]:
+    """The response headers saying where the request runs (its first choice's place)."""
+    try:
+        return await state.engine.placement(slots[0].handle)
+    except (QueueFullError, EngineDeadError, ValueError) as exc:
+        raise _refused(state, exc) from None
+
+
+def _refused(state: ServerState, exc: Exception) -> APIError:
+    """The HTTP answer to the engine (or replica) refusing a request at submit."""
+    retry = {"Retry-After": str(state.config.retry_after_s)}
+    if isinstance(exc, QueueFullError):
+        return APIError(503, f"queue full: {exc}; retry later", code="queue_full", headers=retry)
+    if isinstance(exc, ReplicaLostError):  # the other replicas serve on
+        return APIError(503, f"{exc}; retry", code="replica_lost", headers=retry)
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code="engine_dead")
+    return APIError(400, str(exc), getattr(exc, "param", None))
 
 
 def _mentions_tools(messages: list[dict[str, Any]]) -> bool:
@@ -218,6 +264,7 @@ def _admit(
     rid: str,
     arrived: float,
     tenant: str = "",
+    route_key: str = "",
 ) -> Slot:
     retry = {"Retry-After": str(state.config.retry_after_s)}
     if state.draining:
@@ -231,14 +278,9 @@ def _admit(
             headers=retry,
         )
     try:
-        handle = state.engine.submit(model, prompt_ids, params, request_id=rid, tenant=tenant)
-    except QueueFullError as exc:
-        err = APIError(503, f"queue full: {exc}; retry later", code="queue_full", headers=retry)
-        raise err from None
-    except EngineDeadError as exc:
-        raise APIError(503, str(exc), code="engine_dead") from None
-    except ValueError as exc:
-        raise APIError(400, str(exc), getattr(exc, "param", None)) from None
+        handle = state.engine.submit(model, prompt_ids, params, rid, tenant, route_key)
+    except (QueueFullError, EngineDeadError, ValueError) as exc:
+        raise _refused(state, exc) from None
     handle.bind_loop()
     return Slot(state, handle, state.metrics.track(model, len(prompt_ids), arrived))
 

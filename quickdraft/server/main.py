@@ -30,7 +30,7 @@ from fastapi import FastAPI
 
 from quickdraft.config import DEFAULT_DTYPE, DEFAULT_MODEL, PrefixCacheConfig, SpeculativeConfig
 from quickdraft.server.app import create_app
-from quickdraft.server.settings import load_settings
+from quickdraft.server.settings import SpeculationSettings, load_settings
 from quickdraft.server.state import ServerConfig, ServerState
 
 log = logging.getLogger("quickdraft.server")
@@ -60,14 +60,7 @@ def serve(opts: ServeOptions, config: ServerConfig) -> None:
 
     _setup_logging(opts.log_level)
     name = opts.served_name or opts.model
-    saved = load_settings(config.settings_path) if config.settings_path else {}
-    spec = opts.spec
-    if name in saved:
-        spec = saved[name].apply(opts.spec)
-        log.info("settings file %s sets %s speculation: %s", config.settings_path, name, spec)
-    if config.admin_token is None:  # the admin page is always protected: make up a token
-        config = _with_admin_token(config, secrets.token_urlsafe(18))
-        log.warning("admin token for this run (--admin-token sets one): %s", config.admin_token)
+    config, spec, saved = start_settings(opts, config)
     log.info("loading %s (%s), speculation %s", opts.model, opts.dtype, spec)
     lm = load(opts.model, opts.dtype)
     engine = Engine(
@@ -77,7 +70,7 @@ def serve(opts: ServeOptions, config: ServerConfig) -> None:
     )
     engine.start()
     try:
-        app = create_app(engine, config, {name: saved[name]} if name in saved else None)
+        app = create_app(engine, config, saved)
         url = f"http://{opts.host}:{opts.port}"
         log.info("serving %s at %s/v1 (admin page %s/admin, metrics %s/metrics)", name, *[url] * 3)
         server = _Server(
@@ -95,6 +88,24 @@ def serve(opts: ServeOptions, config: ServerConfig) -> None:
         server.run()
     finally:
         engine.stop()
+
+
+def start_settings(
+    opts: ServeOptions, config: ServerConfig
+) -> tuple[ServerConfig, SpeculativeConfig, dict[str, SpeculationSettings] | None]:
+    """The config with an admin token (made up if none was given), the served model's
+    speculation at start (the settings file's entry, if any, over the command line's), and
+    that entry as the admin page's settings (None: none saved)."""
+    name = opts.served_name or opts.model
+    saved = load_settings(config.settings_path) if config.settings_path else {}
+    spec = opts.spec
+    if name in saved:
+        spec = saved[name].apply(opts.spec)
+        log.info("settings file %s sets %s speculation: %s", config.settings_path, name, spec)
+    if config.admin_token is None:  # the admin page is always protected: make up a token
+        config = _with_admin_token(config, secrets.token_urlsafe(18))
+        log.warning("admin token for this run (--admin-token sets one): %s", config.admin_token)
+    return config, spec, {name: saved[name]} if name in saved else None
 
 
 # after the shutdown timeout: time for the aborted requests to send their last chunk before

@@ -19,8 +19,9 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel
 
-from quickdraft.engine import EngineDeadError, RequestHandle, RequestOutput
+from quickdraft.engine import EngineDeadError, RequestOutput
 from quickdraft.request import SpecStats, TokenLogprob
+from quickdraft.server.backend import Handle, ReplicaLostError
 from quickdraft.server.metrics import RequestTrack, now
 from quickdraft.server.protocol import (
     APIError,
@@ -55,7 +56,7 @@ log = logging.getLogger("quickdraft.server")
 class _Choice:
     """One sequence's accumulated output."""
 
-    handle: RequestHandle
+    handle: Handle
     track: RequestTrack
     parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -288,6 +289,9 @@ class Relay:
         for c in self.choices:
             if not c.track.done:
                 c.track.abort(c.handle.id, now(), reason="error")
+        if isinstance(exc, ReplicaLostError):  # the other replicas serve: worth a retry
+            retry = {"Retry-After": "1"}
+            return APIError(503, f"{exc}; retry", code="replica_lost", headers=retry)
         if isinstance(exc, EngineDeadError):
             return APIError(503, str(exc), code="engine_dead")
         log.error("request %s failed: %r", self.rid, exc)  # the reply does not quote it

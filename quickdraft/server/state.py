@@ -1,7 +1,8 @@
 """What one server instance holds: its config, the engine, metrics, speculation settings.
 
 Stage: the HTTP side. `ServerState` lives on the event loop; the only thing shared with the
-engine thread is the Engine API (submit / iterate / cancel / configure). `slots` holds the
+engine (thread, or replicas: backend.py) is the Backend API (submit / iterate / cancel /
+configure). `slots` holds the
 requests this server has admitted and not yet released (the `--max-concurrency` bound): a slot is
 taken at submit and released exactly once when the response ends, however it ends. `drain()`
 (graceful shutdown) refuses new requests; `abort_all()` ends the open ones, each with its final
@@ -16,8 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quickdraft.config import SpeculativeConfig
-from quickdraft.engine import Engine, RequestHandle
-from quickdraft.engine.prefix_cache import PrefixCacheStats
+from quickdraft.server.backend import Backend, Handle
 from quickdraft.server.metrics import Metrics, RequestTrack, now
 from quickdraft.server.settings import SpeculationSettings, save_settings
 
@@ -68,7 +68,7 @@ class Slot:
 
     __slots__ = ("handle", "released", "state", "track")
 
-    def __init__(self, state: ServerState, handle: RequestHandle, track: RequestTrack) -> None:
+    def __init__(self, state: ServerState, handle: Handle, track: RequestTrack) -> None:
         self.state = state
         self.handle = handle
         self.track = track
@@ -87,7 +87,7 @@ class Slot:
 
 @dataclass
 class ServerState:
-    engine: Engine
+    engine: Backend
     config: ServerConfig
     settings: dict[str, SpeculationSettings]
     base_configs: dict[str, SpeculativeConfig]  # the start-up configs settings are applied to
@@ -112,7 +112,7 @@ class ServerState:
     @classmethod
     def create(
         cls,
-        engine: Engine,
+        engine: Backend,
         config: ServerConfig,
         settings: dict[str, SpeculationSettings] | None = None,
     ) -> ServerState:
@@ -121,11 +121,8 @@ class ServerState:
         current = {
             name: given.get(name) or SpeculationSettings.of(cfg) for name, cfg in base.items()
         }
-
-        def prefix_stats() -> dict[str, PrefixCacheStats | None]:
-            return {name: st.prefix_cache for name, st in engine.step_stats.items()}
-
-        return cls(engine, config, current, base, Metrics(list(engine.models), prefix_stats))
+        metrics = Metrics(list(engine.models), engine.prefix_stats)
+        return cls(engine, config, current, base, metrics)
 
     async def reconfigure(self, model: str, new: SpeculationSettings) -> None:
         """Apply `new` to requests submitted from now on, then persist it. Raises ValueError
