@@ -2,8 +2,9 @@
 # One-time, idempotent set-up: a venv in .venv with torch 2.13.0 (the CPU build on this machine's
 # disk; a bare "torch" would pull a multi-GB CUDA build) and quickdraft installed editable.
 #   scripts/setup.sh          runtime deps
-#   scripts/setup.sh --dev    + test/lint deps, and chromium + chromedriver (apt, Debian/Ubuntu)
-#                             for the admin page's headless-browser test
+#   scripts/setup.sh --dev    + test/lint deps, the `cluster` extra (Ray Serve: its tests run in
+#                             CI), and chromium + chromedriver (apt, Debian/Ubuntu) for the admin
+#                             page's headless-browser test
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -14,7 +15,7 @@ fi
 # torch first and pinned, so that no later resolver picks a different build.
 .venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
 extra=""
-if [ "${1:-}" = "--dev" ]; then extra="[dev]"; fi
+if [ "${1:-}" = "--dev" ]; then extra="[dev,cluster]"; fi
 
 install_browser() {
   # tests/test_admin_browser.py drives the admin page in Debian's chromium through chromedriver
