@@ -490,6 +490,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
             )
         )
         return 0
+    if args.serve and args.replicas is not None:
+        from quickdraft.bench.replicas import ScaleTest, run_scale_test
+
+        run_scale_test(
+            ScaleTest(
+                **given(
+                    model=args.model,
+                    dtype=args.dtype,
+                    spec=spec,
+                    replicas=tuple(int(r) for r in args.replicas.split(",")),
+                    concurrency=None if args.concurrency is None else args.concurrency[0],
+                    max_tokens=args.max_tokens,
+                    out_dir=None if args.out is None else Path(args.out),
+                )
+            )
+        )
+        return 0
     if args.serve:
         from quickdraft.bench.serving import LoadTest, run_load_test
 
@@ -527,6 +544,13 @@ def _add_bench_args(b: argparse.ArgumentParser) -> None:
         action="store_true",
         help="HTTP serving benchmark instead: a `quickdraft serve` process under load at each "
         "--concurrency, speculation (as the flags above set it) on vs off",
+    )
+    b.add_argument(
+        "--replicas",
+        default=None,
+        metavar="R1,R2",
+        help="--serve: scale-out instead: the single-process server vs `serve --replicas R` on "
+        "the same cores (R must divide them), multi-turn chats at --concurrency (8)",
     )
     b.add_argument(
         "--soak",

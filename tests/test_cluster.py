@@ -2,7 +2,7 @@
 driven through Serve's HTTP proxy by the real `openai` client, against the single-process
 server on the same weights.
 
-One Ray instance serves the whole module (2 CPUs, no dashboard); the replica-kill test runs
+One Ray instance serves the whole session (2 CPUs, no dashboard); the replica-kill test runs
 last, since it leaves a replica freshly replaced. Skipped, with the reason, only where the
 `cluster` extra is missing or Ray cannot start.
 """
@@ -42,7 +42,7 @@ SYSTEM = (
 )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from ray import serve
 
@@ -71,7 +71,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         ray.shutdown()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def single(cluster: str) -> Iterator[str]:
     """The single-process server on the same model, speculation and key (started after the
     cluster, so the two do not load at once on 2 cores)."""
@@ -248,3 +248,16 @@ def test_cluster_options_refuse_bad_values(tmp_path: Path) -> None:
         ClusterOptions(replicas=3, max_replicas=2)
     with pytest.raises(ValueError, match="--threads-per-replica"):
         ClusterOptions(threads_per_replica=0)
+
+
+def test_router_rendezvous_moves_only_the_lost_replicas_keys() -> None:
+    from quickdraft.cluster.router import rendezvous
+
+    replicas = [f"replica-{i}" for i in range(4)]
+    keys = [f"conversation-{i}" for i in range(400)]
+    home = {k: rendezvous(k, replicas)[0] for k in keys}
+    assert set(home.values()) == set(replicas)  # every replica is some conversation's home
+    after = {k: rendezvous(k, replicas[:3])[0] for k in keys}
+    moved = [k for k in keys if after[k] != home[k]]
+    assert moved and all(home[k] == "replica-3" for k in moved)  # only the lost one's keys
+    assert all(after[k] == rendezvous(k, replicas)[1] for k in moved)  # to their second choice
