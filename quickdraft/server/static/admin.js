@@ -136,6 +136,13 @@ function update(state) {
     ? `running ${e.running}, waiting ${e.waiting} (in flight ${state.in_flight}/${state.max_concurrency})`
     : "DEAD";
   document.getElementById("settings-file").textContent = state.settings_file || "(not persisted)";
+  // a cluster (quickdraft serve --replicas): one line per engine replica, as last reported
+  const reps = document.getElementById("replicas");
+  reps.hidden = !state.replicas.length;
+  reps.textContent = state.replicas
+    .map((r) => `replica ${r.replica} (pid ${r.pid}): running ${r.running}, waiting ${r.waiting}, `
+      + `${r.requests} requests, acceptance ${pct(r.acceptance_rate)}`)
+    .join(" | ");
   for (const model of state.models) {
     const sec = section(model.name);
     if (!sec) continue;
