@@ -137,10 +137,11 @@ def build_directory() -> Path:
 
 
 def _ensure_ninja_on_path() -> None:
-    # torch's JIT build runs `ninja` from PATH; pip installs it next to the venv's python, which
-    # is not on PATH when that python is started by its full path.
-    if shutil.which("ninja"):
-        return
+    # torch's JIT build runs `ninja` from PATH. Always the pip package's (a dependency; next to
+    # the venv's python, which is not on PATH when that python is started by its full path),
+    # ahead of a system ninja: ninja 1.12 changed how .ninja_log hashes command lines, so two
+    # versions taking turns on one build directory ("command line changed") rebuilt every
+    # kernel, minutes on 2 cores, at each start after the other one had built.
     candidates = [Path(sys.executable).parent]
     try:
         import ninja  # type: ignore[import-not-found,unused-ignore]
@@ -150,7 +151,8 @@ def _ensure_ninja_on_path() -> None:
         pass
     for d in candidates:
         if (d / "ninja").exists():
-            os.environ["PATH"] = f"{d}{os.pathsep}{os.environ.get('PATH', '')}"
+            if shutil.which("ninja") != str(d / "ninja"):
+                os.environ["PATH"] = f"{d}{os.pathsep}{os.environ.get('PATH', '')}"
             return
 
 
