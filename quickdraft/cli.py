@@ -21,12 +21,15 @@ import torch
 from quickdraft.bench.peers import PEERS
 from quickdraft.cluster.deploy import ClusterOptions
 from quickdraft.config import (
+    ADAPTIVE_DRAFTERS,
     DEFAULT_DRAFT_VOCAB,
     DEFAULT_DRAFTS,
     DEFAULT_DTYPE,
     DEFAULT_MODEL,
     DRAFT_QUANTIZATION_HELP,
     QUANTIZATIONS,
+    RELAXED_DELTA,
+    RELAXED_TOP_K,
     SPEC_METHODS,
     PrefixCacheConfig,
     SpeculativeConfig,
@@ -35,7 +38,7 @@ from quickdraft.config import (
     parse_speculative_config,
     require_int,
 )
-from quickdraft.request import SamplingParams
+from quickdraft.request import RelaxedThinking, SamplingParams
 from quickdraft.server.main import ServeOptions
 from quickdraft.server.state import ServerConfig
 
@@ -154,6 +157,23 @@ def _add_spec_args(p: argparse.ArgumentParser, paired_default: bool) -> None:
         help="DFlash drafter: committed tokens its context keeps (0, the default: all)",
     )
     p.add_argument(
+        "--adaptive-drafters",
+        default=None,
+        help="method adaptive: the drafters each request picks among per step, comma-separated "
+        f"from {','.join(ADAPTIVE_DRAFTERS)} (default: ngram,suffix, and draft with a draft "
+        "model); draft uses --draft-model",
+    )
+    p.add_argument(
+        "--relaxed-thinking",
+        nargs="?",
+        const=f"{RELAXED_TOP_K},{RELAXED_DELTA}",
+        default=None,
+        metavar="TOP_K,DELTA",
+        help="LOSSY, off by default: inside <think>...</think> keep a draft the target would "
+        "reject when it is among the row's TOP_K logits and within DELTA of the argmax "
+        f"(default {RELAXED_TOP_K},{RELAXED_DELTA}); a request's relaxed_thinking overrides it",
+    )
+    p.add_argument(
         "--no-adaptive",
         action="store_false",
         dest="adaptive",
@@ -253,6 +273,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def relaxed_thinking(text: str) -> RelaxedThinking:
+    """--relaxed-thinking's "TOP_K,DELTA" -> RelaxedThinking."""
+    top_k, sep, delta = text.partition(",")
+    try:
+        return RelaxedThinking(int(top_k), float(delta) if sep else RELAXED_DELTA)
+    except ValueError as exc:
+        raise ValueError(f"--relaxed-thinking {text!r}: want TOP_K,DELTA ({exc})") from None
+
+
 def spec_config(args: argparse.Namespace) -> SpeculativeConfig:
     """The speculation flags or --speculative-config (not both) -> SpeculativeConfig. With
     `args.paired_default` and no method given: draft with a catalog model's paired draft model,
@@ -283,6 +312,12 @@ def spec_config(args: argparse.Namespace) -> SpeculativeConfig:
         dflash_block_size=args.dflash_block_size,
         dflash_window=args.dflash_window,
         adaptive=args.adaptive,
+        adaptive_drafters=None
+        if args.adaptive_drafters is None
+        else tuple(d.strip() for d in args.adaptive_drafters.split(",") if d.strip()),
+        relaxed_thinking=None
+        if args.relaxed_thinking is None
+        else relaxed_thinking(args.relaxed_thinking),
     )
     fields.update(flags)
     if args.paired_default:
@@ -588,6 +623,76 @@ def _add_bench_args(b: argparse.ArgumentParser) -> None:
     b.set_defaults(func=cmd_bench)
 
 
+def _add_train_args(t: argparse.ArgumentParser) -> None:
+    _add_model_args(t, positional=True)
+    t.add_argument("--out", default=None, help="checkpoint dir (default: drafters/MODEL-dflash)")
+    t.add_argument(
+        "--corpus",
+        nargs="+",
+        default=None,
+        help="text files / dirs (.py .md .rst .txt; default: the Python standard library)",
+    )
+    t.add_argument("--max-tokens", type=int, default=None, help="corpus tokens used (400000)")
+    t.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (512)")
+    t.add_argument("--layers", type=int, default=None, help="draft layers (2)")
+    t.add_argument("--block-size", type=int, default=None, help="block rows: drafts + 1 (8)")
+    t.add_argument("--taps", type=str, default=None, help="target layers read, e.g. 1,10,19,27")
+    t.add_argument("--num-taps", type=int, default=None, help="taps spread evenly (4)")
+    t.add_argument("--mask-token-id", type=int, default=None)
+    t.add_argument("--steps", type=int, default=None, help="total optimizer steps (2000)")
+    t.add_argument("--minutes", type=float, default=None, help="stop after this long too")
+    t.add_argument("--batch", type=int, default=None, help="sequences per step (4)")
+    t.add_argument("--anchors", type=int, default=None, help="blocks per sequence (32)")
+    t.add_argument("--lr", type=float, default=None, help="peak learning rate (6e-4)")
+    t.add_argument("--eval-every", type=int, default=None, help="steps between AL estimates")
+    t.add_argument("--save-every", type=int, default=None, help="steps between checkpoints")
+    t.add_argument("--seed", type=int, default=None)
+    t.set_defaults(func=cmd_train_drafter)
+
+
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    """Train (or resume: the same command again continues) a DFlash drafter for a model."""
+    from quickdraft.training.dflash import TrainConfig
+    from quickdraft.training.run import DataConfig, train_drafter
+
+    taps = None if args.taps is None else tuple(int(t) for t in args.taps.split(",") if t)
+    train_cfg = TrainConfig(
+        **given(
+            block_size=args.block_size,
+            num_layers=args.layers,
+            steps=args.steps,
+            minutes=args.minutes,
+            batch=args.batch,
+            anchors=args.anchors,
+            lr=args.lr,
+            eval_every=args.eval_every,
+            save_every=args.save_every,
+            seed=args.seed,
+        )
+    )
+    data_cfg = DataConfig(
+        **given(
+            corpus=None if args.corpus is None else tuple(args.corpus),
+            seq_len=args.seq_len,
+            max_tokens=args.max_tokens,
+            num_taps=args.num_taps,
+            taps=taps,
+            mask_token_id=args.mask_token_id,
+        )
+    )
+    out = (
+        Path(args.out) if args.out else cache_dir() / "drafters" / f"{Path(args.model).name}-dflash"
+    )
+    summary = train_drafter(args.model, out, train_cfg, data_cfg, args.dtype)
+    print(f"drafter: {out}")
+    for key, value in summary.items():
+        print(f"  {key}: {value:.4g}")
+    print(
+        f"serve it: quickdraft serve {args.model} --speculative-method dflash --draft-model {out}"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="quickdraft", description=__doc__)
     parser.set_defaults(threads=None)  # the subcommands that load a model take --threads
@@ -609,6 +714,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_pull)
 
     _add_bench_args(sub.add_parser("bench", help="speculation A/B benchmark (JSON + md + PNG)"))
+    _add_train_args(sub.add_parser("train-drafter", help="train a DFlash drafter for a model"))
 
     m = sub.add_parser("models", help="list the packaged-model catalog")
     m.set_defaults(func=cmd_models)

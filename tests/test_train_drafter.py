@@ -1,0 +1,241 @@
+"""`quickdraft train-drafter` (training/corpus.py, training/dflash.py, training/run.py) on the
+tiny rigged dense target of test_dflash.py (no real drafter can be trained in a test's time).
+
+Structure: the training forward equals the serving forward (models/dflash.py) on the checkpoint
+it writes; which block rows carry a label (the corpus following the target's greedy chain);
+a short training run lowers the loss and raises acceptance in the real engine above the
+untrained drafter's, with greedy output still identical to speculation off; a run resumes
+where it stopped; the CLI end to end on a corpus file.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hybrid_models import one_thread  # noqa: F401 (autouse fixture)
+from test_dflash import MASK, dense_target, generate
+
+from quickdraft.cli import main as cli_main
+from quickdraft.config import SpeculativeConfig
+from quickdraft.engine import stream
+from quickdraft.loading import LoadedModel
+from quickdraft.request import SamplingParams
+from quickdraft.speculation.drafters.dflash import load_dflash
+from quickdraft.speculation.factory import make_speculation
+from quickdraft.training.corpus import TapCorpus, read_texts, run_target, token_sequences
+from quickdraft.training.dflash import (
+    DFlashTrainModel,
+    TrainConfig,
+    save_checkpoint,
+    train,
+    trainer_for,
+)
+from quickdraft.training.run import read_log
+
+TAPS = (0, 1)
+
+
+def greedy_corpus(lm: LoadedModel, rows: int, length: int, seed: int) -> TapCorpus:
+    """`rows` sequences of a few random tokens, each continued greedily by the target: the
+    target's own text, so every label past the prompt is known (self-distillation data)."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs = []
+    for _ in range(rows):
+        prompt = torch.randint(3, 280, (4,), generator=gen).tolist()
+        req = lm.new_request(prompt, SamplingParams(max_tokens=length - 4, ignore_eos=True))
+        for _ in stream(lm, req, None):
+            pass
+        seqs.append(prompt + req.output_ids)
+    return run_target(lm.model, torch.tensor(seqs), TAPS, progress=False)
+
+
+def trainer(lm: LoadedModel, block: int = 4, seed: int = 0) -> DFlashTrainModel:
+    return trainer_for(lm.model, 1, TAPS, block, MASK, seed=seed, dtype=torch.float32)
+
+
+def test_training_forward_equals_the_serving_forward(tmp_path: Path) -> None:
+    """Logits of a block from the training forward (many blocks per sequence, masked) equal
+    the serving DFlashModel's on the checkpoint the trainer wrote, for each of 3 anchors."""
+    lm = dense_target(tmp_path / "target", rigged=True)
+    model = trainer_for(lm.model, 2, TAPS, 4, MASK, seed=3, dtype=torch.float32)
+    with torch.no_grad():  # away from the init, so that every tensor matters
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    save_checkpoint(model, torch.optim.AdamW(model.parameters()), 0, TrainConfig(), tmp_path, "t")
+    served = load_dflash(lm.model, tmp_path)
+    ids = torch.tensor(lm.tokenizer.encode("def add(a, b):\n    return a + b\n\ndef add("))[:20]
+    corpus = run_target(lm.model, ids[None], TAPS, progress=False)
+    anchors = torch.tensor([[5, 12, 17]])
+    hidden = model.block_hidden(corpus.ids, corpus.taps, anchors)  # [1, 3, 4, H]
+    embed = lm.model.get_submodule("model.embed_tokens")  # type: ignore[attr-defined]
+    for n, a in enumerate(anchors[0].tolist()):
+        cache = served.new_cache(32)
+        served.extend_context(corpus.taps[0, :a].float(), [cache], [a])
+        block = embed(torch.tensor([int(ids[a]), MASK, MASK, MASK]))
+        want = served(block, [cache], [4], torch.arange(1, 4))
+        got = model.logits(hidden[0, n, 1:]).detach()
+        assert (got - want).abs().max().item() < 1e-4, a
+
+
+def test_labels_are_known_while_the_corpus_follows_the_target(tmp_path: Path) -> None:
+    lm = dense_target(tmp_path / "target")
+    model = trainer(lm, block=5)
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15, 16, 17]])
+    preds = torch.tensor([[11, 12, 99, 14, 15, 16, 17, 18]])  # the corpus leaves at 2 -> 3
+    labels, known = model.labels(ids, preds, torch.tensor([[1, 3, 5]]))
+    # anchor 1: rows at 2..5 are labelled preds[1..4] = 12, 99, 14, 15; known while ids follow
+    assert labels[0, 0].tolist() == [12, 99, 14, 15]
+    assert known[0, 0].tolist() == [True, True, False, False]
+    assert known[0, 1].tolist() == [True, True, True, True]  # anchor 3: 14.. all followed
+    assert known[0, 2].tolist() == [True, True, True, False]  # anchor 5: row 4 past the end
+
+
+def acceptance(lm: LoadedModel, directory: Path, prompts: list[list[int]]) -> tuple[float, list]:
+    cfg = SpeculativeConfig(
+        method="dflash", draft_model=str(directory), num_draft_tokens=3, adaptive=False
+    )
+    spec = make_speculation(lm, cfg)
+    accepted = drafted = 0
+    outputs = []
+    for prompt in prompts:
+        req = lm.new_request(prompt, SamplingParams(max_tokens=24, ignore_eos=True))
+        for _ in stream(lm, req, spec):
+            pass
+        accepted, drafted = accepted + req.spec.accepted, drafted + req.spec.drafted
+        outputs.append(req.output_ids)
+    return accepted / drafted, outputs
+
+
+def test_training_lowers_loss_and_raises_acceptance(tmp_path: Path) -> None:
+    """300 steps on the target's own greedy text: the loss falls, the held-out AL estimate and
+    the real engine's acceptance rise above the untrained drafter's, and greedy output with the
+    trained drafter is still exactly speculation off's."""
+    lm = dense_target(tmp_path / "target", rigged=True)
+    data, held_out = greedy_corpus(lm, 160, 40, seed=0).split(0.1)
+    model = trainer(lm)
+    untrained = tmp_path / "untrained"
+    save_checkpoint(model, torch.optim.AdamW(model.parameters()), 0, TrainConfig(), untrained, "t")
+    cfg = TrainConfig(
+        block_size=4,
+        num_layers=1,
+        steps=300,
+        batch=4,
+        anchors=8,
+        lr=3e-3,
+        warmup=5,
+        eval_every=100,
+        save_every=300,
+        eval_blocks=64,
+    )
+    log = train(model, data, held_out, cfg, tmp_path / "trained", "tiny", progress=False)
+    assert [r["step"] for r in log] == [0, 100, 200, 300]
+    assert log[-1]["loss"] < 0.7 * log[1]["loss"], log
+    assert log[-1]["al"] > log[0]["al"] + 0.3, log
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 280, (4,), generator=gen).tolist() for _ in range(6)]
+    before, _ = acceptance(lm, untrained, prompts)
+    after, outputs = acceptance(lm, tmp_path / "trained", prompts)
+    assert after > before + 0.15, (before, after)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        req = lm.new_request(prompt, SamplingParams(max_tokens=24, ignore_eos=True))
+        for _ in stream(lm, req, None):
+            pass
+        assert out == req.output_ids
+
+
+def test_training_resumes_where_it_stopped(tmp_path: Path) -> None:
+    lm = dense_target(tmp_path / "target", rigged=True)
+    data, held_out = greedy_corpus(lm, 8, 32, seed=1).split(0.25)
+    out = tmp_path / "run"
+    cfg = TrainConfig(
+        block_size=4,
+        num_layers=1,
+        steps=6,
+        batch=2,
+        anchors=4,
+        eval_every=3,
+        save_every=3,
+        eval_blocks=16,
+    )
+    train(trainer(lm), data, held_out, cfg, out, "tiny", progress=False)
+    stopped = json.loads((out / "config.json").read_text())["quickdraft"]["steps"]
+    assert stopped == 6
+    longer = replace(cfg, steps=9)
+    resumed = trainer(lm, seed=99)  # other init: the checkpoint must replace it
+    log = train(resumed, data, held_out, longer, out, "tiny", progress=False)
+    assert [r["step"] for r in log] == [9]  # no step 0 again: it went on from 6
+    assert [r["step"] for r in read_log(out)] == [0, 3, 6, 9]
+    assert json.loads((out / "config.json").read_text())["quickdraft"]["steps"] == 9
+
+
+def test_cli_trains_a_loadable_drafter(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lm = dense_target(tmp_path / "target", rigged=True)
+    text = tmp_path / "corpus"
+    text.mkdir()
+    (text / "a.py").write_text("def add(a, b):\n    return a + b\n" * 40)
+    (text / "b.md").write_text("the cat sat on the mat. " * 60)
+    (text / "skip.bin").write_bytes(b"\x00" * 10)
+    assert len(read_texts([text])) == 2
+    out = tmp_path / "drafter"
+    code = cli_main(
+        [
+            "train-drafter",
+            str(lm.path),
+            "--dtype",
+            "fp32",
+            "--out",
+            str(out),
+            "--corpus",
+            str(text),
+            "--seq-len",
+            "32",
+            "--layers",
+            "1",
+            "--block-size",
+            "4",
+            "--taps",
+            "0,1",
+            "--mask-token-id",
+            str(MASK),
+            "--steps",
+            "4",
+            "--batch",
+            "2",
+            "--anchors",
+            "4",
+            "--eval-every",
+            "2",
+            "--save-every",
+            "2",
+        ]
+    )
+    assert code == 0, capsys.readouterr().err
+    assert "--speculative-method dflash" in capsys.readouterr().out
+    assert (out / "training_curve.png").is_file() and (out / "trainer.pt").is_file()
+    drafter = load_dflash(lm.model, out)
+    assert drafter.cfg.target_layer_ids == TAPS and drafter.cfg.block_size == 4
+    plain = generate(lm, "the cat", None, max_tokens=12)
+    spec = make_speculation(
+        lm, SpeculativeConfig(method="dflash", draft_model=str(out), num_draft_tokens=3)
+    )
+    assert generate(lm, "the cat", spec, max_tokens=12).output_ids == plain.output_ids
+    # a bad corpus path is a clear error, exit 2
+    assert cli_main(["train-drafter", str(lm.path), "--corpus", str(tmp_path / "none")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    shutil.rmtree(out)
+
+
+def test_token_sequences_cut_and_join() -> None:
+    class Chars:
+        def encode(self, text: str) -> list[int]:
+            return [ord(c) for c in text]
+
+    rows = token_sequences(Chars(), ["abc", "de"], 3, 100, eos=0)  # type: ignore[arg-type]
+    assert rows.tolist() == [[97, 98, 99], [0, 100, 101]]  # the trailing eos is cut off
+    with pytest.raises(ValueError, match="fewer than one sequence"):
+        token_sequences(Chars(), ["a"], 8, 100, eos=0)  # type: ignore[arg-type]
