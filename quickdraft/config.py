@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from quickdraft.request import RelaxedThinking
+
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
@@ -126,7 +128,14 @@ DEFAULT_NUM_DRAFT_TOKENS = 5  # the draft length ceiling k
 BENCH_MAX_TOKENS = 128  # output tokens per request in the benchmarks
 PREFILL_CHUNK = 512  # prompt tokens per forward: bounds the [chunk, context] mask and activations
 
-SPEC_METHODS = ("none", "ngram", "suffix", "draft", "mtp", "dflash")
+SPEC_METHODS = ("none", "ngram", "suffix", "draft", "mtp", "dflash", "adaptive")
+# method "adaptive": the drafters a request may pick among (speculation/adaptive.py); those
+# that read the target's hidden states (mtp, dflash) need every committed row and are not
+# offered yet
+ADAPTIVE_DRAFTERS = ("ngram", "suffix", "draft")
+# relaxed thinking-phase acceptance where a flag or request turns it on without numbers:
+# drafts among the row's 8 largest logits and within 1.0 of its argmax (speculation/relaxed.py)
+RELAXED_TOP_K, RELAXED_DELTA = 8, 1.0
 # weight formats `load(..., quantization=)` accepts: "gguf" the model's GGUF's own (as dtype
 # "gguf"), "none" the dtype's, int8 / int4 made from the dequantized weights
 QUANTIZATIONS = ("gguf", "none", "int8", "int4")
@@ -207,12 +216,28 @@ class SpeculativeConfig:
     dflash_block_size: int = 0
     dflash_window: int = 0
     adaptive: bool = True
+    # method "adaptive": the drafters it picks among per request (ADAPTIVE_DRAFTERS; "draft"
+    # needs `draft_model`); (): ngram and suffix, and draft when a draft model is given
+    adaptive_drafters: tuple[str, ...] = ()
+    # relaxed (lossy) acceptance inside reasoning blocks for this model's requests, unless a
+    # request says otherwise (SamplingParams.relaxed_thinking); None: strict, the default
+    relaxed_thinking: RelaxedThinking | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative method {self.method!r}: choose one of {SPEC_METHODS}")
         if not 0 <= self.num_draft_tokens <= 32:
             raise ValueError(f"num_draft_tokens must be in [0, 32], got {self.num_draft_tokens}")
+        if self.method == "adaptive":
+            unknown = [d for d in self.adaptive_drafters if d not in ADAPTIVE_DRAFTERS]
+            if unknown:
+                raise ValueError(
+                    f"adaptive drafters {unknown}: choose among {list(ADAPTIVE_DRAFTERS)}"
+                )
+            if "draft" in self.adaptive_drafters and not self.draft_model:
+                raise ValueError("adaptive drafter 'draft' needs a draft model (--draft-model)")
+            if not self.adaptive:
+                raise ValueError("method 'adaptive' prices drafters: it needs the adaptive policy")
         if self.method in ("draft", "dflash") and not self.draft_model:
             raise ValueError(
                 f"speculative method {self.method!r} needs a draft model (--draft-model)"
@@ -252,6 +277,15 @@ class SpeculativeConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "none" and self.num_draft_tokens > 0
+
+    @property
+    def drafters(self) -> tuple[str, ...]:
+        """The drafter methods this config speculates with: one, or an adaptive set."""
+        if self.method != "adaptive":
+            return (self.method,)
+        if self.adaptive_drafters:
+            return self.adaptive_drafters
+        return ("ngram", "suffix", "draft") if self.draft_model else ("ngram", "suffix")
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from quickdraft.tokenizer import IncrementalDetokenizer, Tokenizer
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 MAX_LOGIT_BIAS = 100.0  # |bias|, OpenAI's range
+MAX_RELAXED_TOP_K = 64  # relaxed thinking acceptance: the widest top-k a request may ask for
 
 
 class SamplingError(ValueError):
@@ -30,6 +31,32 @@ class SamplingError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class RelaxedThinking:
+    """Relaxed (lossy, opt-in) acceptance inside a reasoning block (speculation/relaxed.py): a
+    draft the target would reject is kept when it is among the verify row's `top_k` logits and
+    within `delta` of the row's largest. top_k 0: off (strict verification everywhere)."""
+
+    top_k: int = 0
+    delta: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.top_k <= MAX_RELAXED_TOP_K:
+            raise SamplingError(
+                f"relaxed_thinking.top_k must be in [0, {MAX_RELAXED_TOP_K}], got {self.top_k}",
+                "relaxed_thinking",
+            )
+        if not (0.0 <= self.delta <= 1e4):  # also refuses NaN
+            raise SamplingError(
+                f"relaxed_thinking.delta must be in [0, 1e4] logits, got {self.delta}",
+                "relaxed_thinking",
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.top_k > 0
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How a request samples (quickdraft/speculation/sampling.py applies them). temperature 0
     is greedy; top_k 0, top_p 1 and min_p 0 are off.
@@ -38,7 +65,9 @@ class SamplingParams:
     position (speculation/logits.py): `logit_bias` ((token id, bias) pairs, added), then
     `repetition_penalty` (prompt and output tokens, 1 = off), `frequency_penalty` /
     `presence_penalty` (output tokens, 0 = off), then the `grammar` mask. `logprobs`: how many
-    top alternatives to report per output token (0: the chosen token's only; None: off)."""
+    top alternatives to report per output token (0: the chosen token's only; None: off).
+    `relaxed_thinking`: this request's relaxed acceptance inside a reasoning block (None: the
+    model's `SpeculativeConfig.relaxed_thinking`; `RelaxedThinking()`: off)."""
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -54,6 +83,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     grammar: Grammar | None = None
+    relaxed_thinking: RelaxedThinking | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, param: str, rule: str) -> None:
@@ -136,15 +166,29 @@ class SpecStats:
     cycles: int = 0  # target forwards after prefill (each emits >= 1 token)
     drafted: int = 0
     accepted: int = 0
+    # accepted drafts that strict verification would have rejected (relaxed thinking-phase
+    # acceptance; included in `accepted`)
+    relaxed: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [pos] -> times accepted
     drafted_per_position: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    # method "adaptive": drafter name -> [cycles it drafted in, drafted, accepted]
+    drafters: dict[str, list[int]] = field(default_factory=dict)
 
-    def record(self, num_drafted: int, num_accepted: int) -> None:
+    def record(
+        self, num_drafted: int, num_accepted: int, num_relaxed: int = 0, drafter: str = ""
+    ) -> None:
+        """One verify cycle; `drafter`: which drafter of an adaptive request drafted it."""
         self.cycles += 1
         self.drafted += num_drafted
         self.accepted += num_accepted
+        self.relaxed += num_relaxed
+        if drafter and num_drafted:
+            counts = self.drafters.setdefault(drafter, [0, 0, 0])
+            counts[0] += 1
+            counts[1] += num_drafted
+            counts[2] += num_accepted
         grow = num_drafted - len(self.drafted_per_position)
         if grow > 0:
             self.drafted_per_position += [0] * grow
@@ -164,21 +208,26 @@ class SpecStats:
         return 1.0 + self.accepted / self.cycles if self.cycles else 0.0
 
     def as_dict(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "method": self.method,
             "cycles": self.cycles,
             "drafted": self.drafted,
             "accepted": self.accepted,
+            "relaxed_accepted": self.relaxed,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
             "accepted_per_position": self.accepted_per_position,
             "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4),
         }
+        if self.drafters:
+            out["drafters"] = {k: list(v) for k, v in self.drafters.items()}
+        return out
 
     def summary(self) -> str:
         return (
             f"spec={self.method} drafted {self.drafted} accepted {self.accepted} "
+            f"(relaxed {self.relaxed}) "
             f"({100 * self.acceptance_rate:.0f}%) AL {self.mean_acceptance_length:.2f} "
             f"cycles {self.cycles} draft {self.draft_seconds:.2f}s "
             f"verify {self.verify_seconds:.2f}s"

@@ -138,6 +138,11 @@ class Tokenizer:
         `token`; a token holding part of a UTF-8 character decodes to U+FFFD, as in vLLM."""
         return self._tok.decode([token_id], skip_special_tokens=False)
 
+    def token_id(self, text: str) -> int | None:
+        """The id of the vocabulary entry (added tokens included) spelled exactly `text`."""
+        found: int | None = self._tok.token_to_id(text)
+        return found
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a logprobs entry's `bytes`): exact also for a token
         that holds part of a multi-byte character."""

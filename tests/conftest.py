@@ -109,9 +109,12 @@ CHATML = (
 TINY_SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]  # ids 256..259
 
 
-def write_tiny_tokenizer(directory: Path) -> None:
+def write_tiny_tokenizer(
+    directory: Path, extra_specials: tuple[str, ...] = (), template: str = CHATML
+) -> None:
     """A real byte-level tokenizer (one token per byte, no merges) + ChatML template: 260 ids,
-    within the tiny models' 320-entry vocabulary, so tiny models run the whole text pipeline."""
+    within the tiny models' 320-entry vocabulary, so tiny models run the whole text pipeline.
+    `extra_specials` get the ids from 260 on (e.g. a reasoning model's `<think>`)."""
     import json
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -120,10 +123,10 @@ def write_tiny_tokenizer(directory: Path) -> None:
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(TINY_SPECIALS)
+    tok.add_special_tokens([*TINY_SPECIALS, *extra_specials])
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": CHATML, "bos_token": "<s>", "eos_token": "<|im_end|>"})
+        json.dumps({"chat_template": template, "bos_token": "<s>", "eos_token": "<|im_end|>"})
     )
 
 

@@ -41,8 +41,10 @@ def test_benchmark_reports_sets_and_prompts(
     )
     assert list(report["results"]) == ["code", "json"]
     for row in report["results"].values():
-        assert set(row) == {"none", "ngram", "suffix", "draft"}
+        assert set(row) == {"none", "ngram", "suffix", "draft", "adaptive"}
         assert row["suffix"]["speedup_vs_ngram"] > 0
+        assert row["adaptive"]["best_single"] in ("ngram", "suffix", "draft")
+        assert row["adaptive"]["speedup_vs_best_single"] > 0
         for name, cell in row.items():
             assert cell["prompts"] == 2 and cell["tok_s"] > 0
             prompts = cell["per_prompt"]

@@ -1,6 +1,8 @@
 """A/B benchmark of speculative decoding (over 400 lines: one run's engines, sets and report).
 
-Speculation off vs n-gram vs suffix tree vs draft model, and the Hugging Face transformers
+Speculation off vs n-gram vs suffix tree vs draft model vs adaptive (each request picks among
+n-gram, suffix and the draft model per step: speculation/adaptive.py), and the Hugging Face
+transformers
 baselines (plain `generate`, `prompt_lookup_num_tokens`, `assistant_model`) on the same
 converted weights, dtype and prompts, in ONE run.
 
@@ -17,10 +19,11 @@ agent's edit/test loop: sessions whose every request resends the whole conversat
 baseline engine's own earlier answers in it (`session_requests`); a set's "prompts" are its
 requests. The drafters' shared indexes learn every output of the run, in order.
 
-Our engines (none, ngram, suffix, draft) run every prompt of a set by default; the reference
-engines (the unquantized draft model and the three transformers baselines, 2-4x slower) run the
-first `reference_per_set` prompts, and every ratio between two engines is taken over the prompts
-both ran (`Cell.summary`), so a comparison never mixes prompt subsets.
+Our engines (none, ngram, suffix, draft, adaptive) run every prompt of a set by default; the
+reference engines (the unquantized draft model and the three transformers baselines, 2-4x
+slower) run the first `reference_per_set` prompts, and every ratio between two engines is taken
+over the prompts both ran (`Cell.summary`), so a comparison never mixes prompt subsets. Adaptive
+is also compared with the set's best single drafter, and every engine over all sets together.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from quickdraft.engine import stream
 from quickdraft.loading import LoadedModel, load
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.factory import make_speculation
-from quickdraft.speculation.state import Speculation
+from quickdraft.speculation.state import AnySpeculation
 
 Message = dict[str, str | None]  # a chat message; an assistant's None: the model's own answer
 Prompt = str | list[Message]  # one user message, or an agentic session
@@ -95,13 +98,15 @@ ENGINES = (
     "ngram",
     "suffix",
     "draft",
+    "adaptive",
     "draft_unquantized",
     "llama.cpp",
     "hf",
     "hf_prompt_lookup",
     "hf_assisted",
 )
-OURS = ("none", "ngram", "suffix", "draft")
+OURS = ("none", "ngram", "suffix", "draft", "adaptive")
+SINGLE = ("ngram", "suffix", "draft")  # the drafters adaptive picks among
 PEER_CONTEXT = 4096  # tokens of KV the peer allocates: the longest prompt + output fits
 REFERENCE_ENGINES = frozenset({"draft_unquantized", "hf", "hf_prompt_lookup", "hf_assisted"})
 
@@ -114,6 +119,7 @@ class Run:
     drafted: int = 0
     accepted: int = 0
     cycles: int = 0
+    drafters: dict[str, list[int]] = field(default_factory=dict)  # adaptive: SpecStats.drafters
 
 
 def tok_s(runs: list[Run]) -> float:
@@ -168,14 +174,16 @@ class Cell:
         return row
 
 
-def ours(lm: LoadedModel, ids: list[int], n: int, spec: Speculation | None) -> Run:
+def ours(lm: LoadedModel, ids: list[int], n: int, spec: AnySpeculation | None) -> Run:
     req = lm.new_request(ids, SamplingParams(max_tokens=n))
     t = time.perf_counter()
     for _ in stream(lm, req, spec):
         pass
     seconds = time.perf_counter() - t
     s = req.spec
-    return Run(req.output_ids, seconds, req.timing.ttft or 0.0, s.drafted, s.accepted, s.cycles)
+    return Run(
+        req.output_ids, seconds, req.timing.ttft or 0.0, s.drafted, s.accepted, s.cycles, s.drafters
+    )
 
 
 def hf_run(model: Any, ids: list[int], n: int, eos: tuple[int, ...], **kw: Any) -> Run:
@@ -255,7 +263,7 @@ def run(opts: SpecBench) -> dict[str, Any]:
     all_sets = bench_sets()
     chosen = list(opts.sets or all_sets)
     lm = load(target, dtype)
-    specs: dict[str, Speculation | None] = {
+    specs: dict[str, AnySpeculation | None] = {
         "none": None,
         "ngram": make_speculation(lm, SpeculativeConfig(method="ngram", num_draft_tokens=k)),
         "suffix": make_speculation(lm, SpeculativeConfig(method="suffix", num_draft_tokens=k)),
@@ -270,6 +278,17 @@ def run(opts: SpecBench) -> dict[str, Any]:
                 method="draft", num_draft_tokens=k, draft_model=draft, draft_quantization=quant
             ),
         )
+    drafters = ("ngram", "suffix", "draft") if draft is not None else ("ngram", "suffix")
+    specs["adaptive"] = make_speculation(
+        lm,
+        SpeculativeConfig(
+            method="adaptive",
+            num_draft_tokens=k,
+            draft_model=draft,
+            draft_quantization=draft_quantization,
+            adaptive_drafters=drafters,
+        ),
+    )
     hf_models: dict[str, Any] = {}
     if hf:
         import transformers
@@ -309,6 +328,7 @@ def run(opts: SpecBench) -> dict[str, Any]:
     for fn in engines.values():
         fn(warm)  # warm-up (JIT kernels, allocator, HF caches): excluded
     results: dict[str, Any] = {}
+    every: dict[str, list[Run]] = {name: [] for name in OURS if name in engines}  # all sets
     for set_name in chosen:
         cells = {name: Cell() for name in engines}
         parity: dict[str, list[Any]] = {
@@ -340,6 +360,18 @@ def run(opts: SpecBench) -> dict[str, Any]:
                 row[name]["identical"] = sum(p is None for p in parity[name])
                 row[name]["divergences"] = [p for p in parity[name] if p is not None]
         row["suffix"]["speedup_vs_ngram"] = round(cells["suffix"].ratio(cells["ngram"]), 3)
+        singles = [name for name in SINGLE if name in cells]
+        best = max(singles, key=lambda name: tok_s(list(cells[name].runs.values())))
+        row["adaptive"]["best_single"] = best
+        row["adaptive"]["speedup_vs_best_single"] = round(cells["adaptive"].ratio(cells[best]), 3)
+        # drafter -> [cycles it drafted in, drafted, accepted], over the set's prompts
+        picks: dict[str, list[int]] = {}
+        for r in cells["adaptive"].runs.values():
+            for name, counts in r.drafters.items():
+                total = picks.setdefault(name, [0, 0, 0])
+                for j, n in enumerate(counts):
+                    total[j] += n
+        row["adaptive"]["drafters"] = picks
         for name in ("hf_prompt_lookup", "hf_assisted"):
             if name in row:
                 row[name]["speedup_vs_hf"] = round(cells[name].ratio(cells["hf"]), 3)
@@ -354,7 +386,11 @@ def run(opts: SpecBench) -> dict[str, Any]:
                 cells["draft"].ratio(cells["hf_assisted"]), 3
             )
         results[set_name] = row
+        for name, runs in every.items():
+            runs.extend(cells[name].runs.values())
         print(set_name, json.dumps(row), flush=True)
+    # every set's requests together: output tokens over their time
+    overall = {name: round(tok_s(runs), 2) for name, runs in every.items() if runs}
     report = {
         "bench": "speculative",
         "target": target,
@@ -368,6 +404,7 @@ def run(opts: SpecBench) -> dict[str, Any]:
         "peers": peer_versions,
         "machine": host,
         "results": results,
+        "overall_tok_s": overall,
     }
     write(
         "speculative",
@@ -400,8 +437,8 @@ def markdown(report: dict[str, Any]) -> str:
         "engines ran",
         "",
         "| set | engine | prompts | tok/s | decode tok/s | speedup vs none | vs ngram "
-        "| vs llama.cpp | AL | accept rate | TTFT s | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| vs llama.cpp | vs best single | AL | accept rate | TTFT s | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for set_name, row in report["results"].items():
         for name in ENGINES:
@@ -419,6 +456,7 @@ def markdown(report: dict[str, Any]) -> str:
                 speedup,
                 c.get("speedup_vs_ngram", ""),
                 c.get("speedup_vs_llama_cpp", ""),
+                f"{c['speedup_vs_best_single']} ({c['best_single']})" if "best_single" in c else "",
                 c.get("mean_acceptance_length", ""),
                 c.get("acceptance_rate", ""),
                 ttft,
@@ -432,4 +470,20 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     if vs_hf:
         lines += ["", "draft vs transformers assisted generation: " + ", ".join(vs_hf)]
+    overall = report.get("overall_tok_s", {})
+    if overall:
+        lines += [
+            "",
+            "all sets together, tok/s: " + ", ".join(f"{k} {v}" for k, v in overall.items()),
+        ]
+    picks = [
+        f"{set_name} {row['adaptive']['drafters']}"
+        for set_name, row in report["results"].items()
+        if row.get("adaptive", {}).get("drafters")
+    ]
+    if picks:
+        lines += [
+            "",
+            "adaptive, drafter -> [cycles drafted in, drafted, accepted]: " + "; ".join(picks),
+        ]
     return "\n".join(lines) + "\n"

@@ -40,7 +40,7 @@ from quickdraft.grammar import Grammar
 from quickdraft.loading import LoadedModel, load
 from quickdraft.request import Request, SamplingParams
 from quickdraft.speculation.factory import make_speculation
-from quickdraft.speculation.state import Speculation
+from quickdraft.speculation.state import AnySpeculation
 
 SETS = ("json_schema", "tool_call")
 ENGINES = ("none", "ngram", "draft")
@@ -162,7 +162,9 @@ def run(bench: StructuredBench) -> dict[str, Any]:
             draft_model=draft,
             draft_quantization=bench.draft_quantization,
         )
-    specs: dict[str, Speculation | None] = {e: make_speculation(lm, c) for e, c in configs.items()}
+    specs: dict[str, AnySpeculation | None] = {
+        e: make_speculation(lm, c) for e, c in configs.items()
+    }
     data = structured_sets()
     results: dict[str, Any] = {}
     for name in bench.sets:
@@ -245,7 +247,7 @@ def run(bench: StructuredBench) -> dict[str, Any]:
 
 
 def _decode(
-    lm: LoadedModel, ids: list[int], grammar: Grammar, tokens: int, spec: Speculation | None
+    lm: LoadedModel, ids: list[int], grammar: Grammar, tokens: int, spec: AnySpeculation | None
 ) -> tuple[Request, float]:
     req = lm.new_request(ids, SamplingParams(max_tokens=tokens, grammar=grammar))
     t0 = time.perf_counter()

@@ -36,8 +36,9 @@ from quickdraft.request import Request
 from quickdraft.speculation.cost import StepShape, model_cost
 from quickdraft.speculation.drafters.base import Draft
 from quickdraft.speculation.logits import LogitControls
+from quickdraft.speculation.relaxed import think_tokens
 from quickdraft.speculation.sampling import TokenRng
-from quickdraft.speculation.state import Speculation
+from quickdraft.speculation.state import AnySpeculation
 from quickdraft.speculation.verify import Verdict
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class StepStats:
     prefill_rows: int = 0
     draft_rows: int = 0  # drafts verified
     accepted: int = 0  # drafts accepted
+    relaxed: int = 0  # of those, kept only by relaxed thinking-phase acceptance
     emitted: int = 0  # tokens produced (before stop truncation)
     failed: int = 0  # requests failed by an error
     seconds: float = 0.0  # wall time inside step()
@@ -82,10 +84,10 @@ class EngineCore:
             lm.context_length,
             self.prefix,
         )
-        self.cycle = SpecCycle(model)
+        self.cycle = SpecCycle(model, think_tokens(lm.tokenizer))
         self.stats = StepStats(prefix_cache=None if self.prefix is None else self.prefix.stats)
 
-    def add(self, request: Request, speculation: Speculation | None) -> Sequence:
+    def add(self, request: Request, speculation: AnySpeculation | None) -> Sequence:
         params = request.params
         rng = TokenRng.for_params(params, self.lm.model.device)
         seq = Sequence(request, speculation, rng)
@@ -180,21 +182,27 @@ class EngineCore:
                 if draft.tokens:  # wall time of the step phases this request took part in
                     seq.request.spec.draft_seconds += timing[0]
                 seq.request.spec.verify_seconds += timing[1]
-                self._account(item, len(draft.tokens), verdict.accepted, len(verdict.tokens))
+                self._account(item, len(draft.tokens), verdict, len(verdict.tokens))
                 self.scheduler.postprocess(
-                    item, verdict.tokens, len(draft.tokens), verdict.accepted, verdict.logprobs
+                    item,
+                    verdict.tokens,
+                    len(draft.tokens),
+                    verdict.accepted,
+                    verdict.logprobs,
+                    verdict.relaxed,
                 )
             except Exception as exc:
                 self._fail(seq, exc)
             done.append(seq)
         return done
 
-    def _account(self, item: ScheduledSeq, drafted: int, accepted: int, emitted: int) -> None:
+    def _account(self, item: ScheduledSeq, drafted: int, verdict: Verdict, emitted: int) -> None:
         st = self.stats
         if not item.seq.request.output_ids:
             st.prefill_rows += item.num_tokens
         st.draft_rows += drafted
-        st.accepted += accepted
+        st.accepted += verdict.accepted
+        st.relaxed += verdict.relaxed
         st.emitted += emitted
 
     def _isolate(self, plan: StepPlan, exc: Exception) -> list[Sequence]:
@@ -221,7 +229,7 @@ class EngineCore:
 
 
 def stream(
-    lm: LoadedModel, req: Request, speculation: Speculation | None = None
+    lm: LoadedModel, req: Request, speculation: AnySpeculation | None = None
 ) -> Generator[str, None, None]:
     """Generate for `req`, yielding text deltas (stop-string safe) until it finishes.
 

@@ -60,7 +60,7 @@ from quickdraft.request import (
     TokenLogprob,
 )
 from quickdraft.speculation.factory import make_speculation
-from quickdraft.speculation.state import Speculation
+from quickdraft.speculation.state import AnySpeculation
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class ServedModel:
 
     lm: LoadedModel
     spec_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
-    speculation: Speculation | None = None
+    speculation: AnySpeculation | None = None
 
 
 _DONE = object()  # end-of-stream marker in a handle's queue
@@ -141,7 +141,7 @@ class RequestHandle:
     """The consumer's side of one request: iterate outputs, or cancel."""
 
     def __init__(
-        self, request: Request, model: str, speculation: Speculation | None = None
+        self, request: Request, model: str, speculation: AnySpeculation | None = None
     ) -> None:
         self.request = request
         self.model = model

@@ -180,7 +180,7 @@ class PrefixCache:
             while drafted < len(path) and key in path[drafted].drafts:
                 drafted += 1
         usable = len(path)
-        if spec is not None and spec.drafter.needs_hidden:
+        if spec is not None and any(a.speculation.drafter.needs_hidden for a in spec.arms):
             usable = drafted  # it could not catch up on positions the target skips
         if cache.recurrent:  # resume from the deepest state snapshot
             usable = max((i + 1 for i in range(usable) if path[i].state is not None), default=0)
@@ -190,7 +190,8 @@ class PrefixCache:
         if drafter is not None:
             assert spec is not None
             parts = [b.drafts[key] for b in path[:drafted]]
-            spec.synced = drafter.import_blocks(spec.draft_state, prompt, parts, size)
+            arm = spec.arm_of(drafter)
+            arm.synced = drafter.import_blocks(arm.draft_state, prompt, parts, size)
         self._tick += 1
         for node in path:
             node.last_used = self._tick
@@ -287,7 +288,8 @@ class PrefixCache:
             node = cur.path[cur.drafted]
             if cur.key not in node.drafts:
                 start = cur.drafted * self.size
-                part = cur.drafter.export_block(spec.draft_state, start, node.tokens)
+                state = spec.arm_of(cur.drafter).draft_state
+                part = cur.drafter.export_block(state, start, node.tokens)
                 if part is None or not self._reserve(part.nbytes):
                     return
                 node.drafts[cur.key] = part
@@ -295,10 +297,11 @@ class PrefixCache:
             cur.drafted += 1
 
     def _drafter(self, spec: SpecState | None) -> PrefixDrafter | None:
+        """The request's drafter whose state the cache keeps (of several: the first such)."""
         if spec is None:
             return None
-        drafter = spec.drafter
-        return drafter if isinstance(drafter, PREFIX_DRAFTERS) else None
+        drafters = (a.speculation.drafter for a in spec.arms)
+        return next((d for d in drafters if isinstance(d, PREFIX_DRAFTERS)), None)
 
     def _key(self, drafter: object) -> int:
         key = self._keys.get(drafter)

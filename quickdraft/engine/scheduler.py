@@ -196,19 +196,23 @@ class Scheduler:
         drafted: int,
         accepted: int,
         logprobs: list[TokenLogprob] | None = None,
+        relaxed: int = 0,
     ) -> None:
         """The sequence of `item` takes its step's tokens (empty for a mid-prefill chunk), with
-        their logprobs if the request reports them."""
+        their logprobs if the request reports them; `relaxed`: accepted drafts only relaxed
+        acceptance kept."""
         seq = item.seq
         if not tokens:
             return
         req = seq.request
         cycle = bool(req.output_ids)  # a verify cycle (the first token comes from prefill)
         if cycle:
-            req.spec.record(drafted, accepted)
+            spec = seq.spec  # which drafter drafted, where a request has several
+            name = spec.arm.name if spec is not None and len(spec.arms) > 1 else ""
+            req.spec.record(drafted, accepted, relaxed, name)
         req.append(tokens, logprobs)
         if cycle and seq.spec is not None:
-            seq.spec.record(drafted, accepted, item.k > 0, seq.num_tokens)
+            seq.spec.record(drafted, accepted, item.k > 0, seq.num_tokens, tokens)
         if req.finished:
             self.release(seq)
 

@@ -20,7 +20,7 @@ from quickdraft.models.base import SequenceCache
 from quickdraft.request import Request
 from quickdraft.speculation.logits import LogitControls
 from quickdraft.speculation.sampling import TokenRng
-from quickdraft.speculation.state import SpecState, Speculation
+from quickdraft.speculation.state import AnySpeculation, SpecState
 
 
 class SeqStatus(StrEnum):
@@ -32,7 +32,7 @@ class SeqStatus(StrEnum):
 @dataclass(slots=True, eq=False)
 class Sequence:
     request: Request
-    speculation: Speculation | None  # what it was submitted with (None: no speculation)
+    speculation: AnySpeculation | None  # what it was submitted with (None: no speculation)
     rng: TokenRng  # the request's sampling randomness (verify and drafters draw from it)
     spec: SpecState | None = None  # its share of `speculation`, from admission until it leaves
     status: SeqStatus = SeqStatus.WAITING

@@ -8,6 +8,8 @@ Contract, per step (the scheduler decided who runs and how many tokens/drafts ea
                                  [pending tokens..., d_1..d_k], through the target once; logit
                                  rows only where a sequence samples (last pending row + drafts)
   verify(plan, drafts, out)      per sampling sequence: accepted drafts + one recovered/bonus
+                                 (leniently inside a reasoning block where the request or model
+                                 asks for relaxed acceptance: speculation/relaxed.py)
   commit(item, ...)              cache.commit(length + fed + accepted) (rollback of the rejected
                                  rows is this commit) and drafter.commit(tokens, hidden)
 Nothing is committed before `commit`, so a failure in the first three leaves every cache and
@@ -29,7 +31,8 @@ from quickdraft.engine.scheduler import ScheduledSeq, StepPlan
 from quickdraft.models.base import LanguageModel, SequenceCache
 from quickdraft.speculation.drafters.base import Draft, Drafter, DraftJob
 from quickdraft.speculation.logits import token_logprobs
-from quickdraft.speculation.verify import Verdict, verify
+from quickdraft.speculation.relaxed import ThinkScan, ThinkTokens, lenient_rows
+from quickdraft.speculation.verify import Verdict, relaxed_ok, verify
 
 NO_DRAFT = Draft([])
 
@@ -55,8 +58,10 @@ class StepOutput:
 
 
 class SpecCycle:
-    def __init__(self, model: LanguageModel) -> None:
+    def __init__(self, model: LanguageModel, think: ThinkTokens | None = None) -> None:
+        """`think`: the model's reasoning-block markers (None: nothing is ever relaxed)."""
         self.model = model
+        self.think = think
 
     def propose(self, plan: StepPlan) -> list[Draft]:
         """Drafts per plan item (NO_DRAFT where k = 0); one propose call per drafter."""
@@ -79,7 +84,29 @@ class SpecCycle:
                 jobs.append(DraftJob(state, tokens, item.k, params, gen, seq.controls))
             for idx, draft in zip(idxs, drafter.propose(jobs), strict=True):
                 drafts[idx] = _constrain(draft, plan.items[idx])
+        self._shadow(plan)
         return drafts
+
+    def _shadow(self, plan: StepPlan) -> None:
+        """Requests with several drafters: the free lookups that did not draft this step
+        draft beside it (`Arm.shadow`; nothing is verified), so their acceptance is learnt every
+        decode step, also while the policy drafts nothing."""
+        for item in plan.items:
+            seq, spec = item.seq, item.seq.spec
+            if spec is None or len(spec.arms) == 1 or not (item.samples and seq.decoding):
+                continue
+            for arm in spec.arms:
+                drafter = arm.speculation.drafter
+                if (arm is spec.arm and item.k > 0) or arm.speculation.draft_cost is not None:
+                    continue
+                job = DraftJob(
+                    arm.draft_state,
+                    seq.request.all_ids,
+                    spec.config.num_draft_tokens,
+                    seq.request.params,
+                    seq.rng.generator,
+                )
+                arm.shadow = drafter.propose([job])[0].tokens
 
     def forward(self, plan: StepPlan, drafts: list[Draft]) -> StepOutput:
         ids: list[int] = []
@@ -135,12 +162,31 @@ class SpecCycle:
             ctl = seq.controls
             logits = raw if ctl is None else ctl.apply(raw, draft.tokens)
             position = len(seq.request.output_ids)
-            verdict = verify(draft.tokens, draft.p_draft, logits, params, seq.rng, position)
+            lenient = self._lenient(item, draft.tokens, logits)
+            verdict = verify(
+                draft.tokens, draft.p_draft, logits, params, seq.rng, position, lenient
+            )
             if params.logprobs is not None:
                 rows = raw[: len(verdict.tokens)]  # row i chose token i
                 verdict.logprobs = token_logprobs(rows, verdict.tokens, params.logprobs)
             verdicts.append(verdict)
         return verdicts
+
+    def _lenient(self, item: ScheduledSeq, draft: list[int], logits: Tensor) -> list[bool] | None:
+        """Per draft position, whether relaxed acceptance may keep it (None: strict): the
+        request's `relaxed_thinking`, else its model's, and only inside a reasoning block."""
+        seq, think = item.seq, self.think
+        if not draft or seq.spec is None or think is None:
+            return None
+        relaxed = seq.request.params.relaxed_thinking
+        if relaxed is None:
+            relaxed = seq.spec.config.relaxed_thinking
+        if relaxed is None or not relaxed.enabled:
+            return None
+        if seq.spec.think is None:
+            seq.spec.think = ThinkScan(think)
+        rows = lenient_rows(seq.spec.think.inside(seq.request.all_ids), draft, think)
+        return relaxed_ok(draft, logits, rows, relaxed.top_k, relaxed.delta)
 
     def commit(
         self, item: ScheduledSeq, verdict: Verdict | None, out: StepOutput, row_start: int

@@ -171,6 +171,13 @@ class Metrics:
         self.num_accepted = Counter(
             PREFIX + "spec_decode_num_accepted_tokens", "Accepted draft tokens", m, registry=r
         )
+        self.num_relaxed = Counter(
+            PREFIX + "spec_decode_num_relaxed_accepted_tokens",
+            "Accepted draft tokens that strict verification would have rejected (relaxed "
+            "thinking-phase acceptance; counted within the accepted tokens too)",
+            m,
+            registry=r,
+        )
         self.accepted_per_pos = Counter(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
             "Accepted draft tokens by draft position",
@@ -181,7 +188,7 @@ class Metrics:
         for name in models:  # export zeros from the start: a scrape always lists every series
             for c in (self.prompt_tokens, self.generation_tokens, self.num_drafts):
                 c.labels(name)
-            for c in (self.num_draft_tokens, self.num_accepted):
+            for c in (self.num_draft_tokens, self.num_accepted, self.num_relaxed):
                 c.labels(name)
 
     def track(self, model: str, prompt_tokens: int, arrived: float) -> RequestTrack:
@@ -200,8 +207,11 @@ class Metrics:
         s = self.models[model]
         return s.accepted / s.draft_tokens if s.draft_tokens else 0.0
 
-    def add_spec(self, model: str, drafts: int, drafted: int, accepted: list[int]) -> None:
-        """Add one request's speculation progress (deltas); accepted = [per position]."""
+    def add_spec(
+        self, model: str, drafts: int, drafted: int, accepted: list[int], relaxed: int = 0
+    ) -> None:
+        """Add one request's speculation progress (deltas); accepted = [per position];
+        `relaxed`: of those, kept only by relaxed acceptance."""
         stats = self.models[model]
         stats.drafts += drafts
         stats.draft_tokens += drafted
@@ -213,6 +223,8 @@ class Metrics:
         self.num_drafts.labels(model).inc(drafts)
         self.num_draft_tokens.labels(model).inc(drafted)
         self.num_accepted.labels(model).inc(n_acc)
+        if relaxed:
+            self.num_relaxed.labels(model).inc(relaxed)
         for pos, n in enumerate(accepted):
             if n:
                 stats.accepted_per_pos[pos] += n
@@ -232,6 +244,7 @@ class RequestTrack:
         "metrics",
         "model",
         "per_pos",
+        "relaxed",
         "tokens",
     )
 
@@ -245,6 +258,7 @@ class RequestTrack:
         self.tokens = 0
         self.drafts = 0  # speculation counts already reported
         self.drafted = 0
+        self.relaxed = 0
         self.per_pos: list[int] = []
 
     def output(self, out: RequestOutput, now: float) -> None:
@@ -278,8 +292,11 @@ class RequestTrack:
         old = self.per_pos + [0] * (len(per_pos) - len(self.per_pos))
         delta = [n - o for n, o in zip(per_pos, old, strict=False)]
         d_drafted = drafted_now - self.drafted
-        self.metrics.add_spec(self.model, drafts_now - self.drafts, d_drafted, delta)
+        relaxed_now = spec.relaxed
+        d_relaxed = relaxed_now - self.relaxed
+        self.metrics.add_spec(self.model, drafts_now - self.drafts, d_drafted, delta, d_relaxed)
         self.drafts, self.drafted, self.per_pos = drafts_now, drafted_now, per_pos
+        self.relaxed = relaxed_now
         return d_drafted, sum(delta)
 
     def abort(self, request_id: str, now: float, reason: str = "abort") -> None:

@@ -17,11 +17,14 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
+from quickdraft.config import RELAXED_DELTA, RELAXED_TOP_K
 from quickdraft.grammar import Grammar
 from quickdraft.request import (
     MAX_LOGIT_BIAS,
+    MAX_RELAXED_TOP_K,
     MAX_STOP_STRINGS,
     MAX_TOP_LOGPROBS,
+    RelaxedThinking,
     SamplingParams,
 )
 
@@ -208,6 +211,14 @@ class StructuredOutputs(_Strict):
     choice: list[Text] | None = None
 
 
+class RelaxedThinkingBody(_Strict):
+    """Extension `relaxed_thinking`: lossy acceptance inside a reasoning block
+    (speculation/relaxed.py); top_k 0 turns it off."""
+
+    top_k: int = Field(default=RELAXED_TOP_K, ge=0, le=MAX_RELAXED_TOP_K)
+    delta: float = Field(default=RELAXED_DELTA, ge=0.0, le=1e4)
+
+
 class GenerateRequest(_Strict):
     """The sampling fields chat and completions share."""
 
@@ -231,6 +242,8 @@ class GenerateRequest(_Strict):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     structured_outputs: StructuredOutputs | None = None
     ignore_eos: bool = False
+    # quickdraft extension: true / {"top_k", "delta"} / false; absent: the server's setting
+    relaxed_thinking: bool | RelaxedThinkingBody | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -330,7 +343,17 @@ class GenerateRequest(_Strict):
             logit_bias=self.bias(),
             logprobs=self.logprobs_count(),
             grammar=self.grammar(),
+            relaxed_thinking=self.relaxed(),
         )
+
+    def relaxed(self) -> RelaxedThinking | None:
+        """The request's relaxed thinking acceptance (None: the server's setting)."""
+        r = self.relaxed_thinking
+        if r is None:
+            return None
+        if isinstance(r, bool):
+            return RelaxedThinking(RELAXED_TOP_K, RELAXED_DELTA) if r else RelaxedThinking()
+        return RelaxedThinking(r.top_k, r.delta)
 
     @property
     def include_usage(self) -> bool:

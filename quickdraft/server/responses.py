@@ -45,6 +45,11 @@ class Speculative(BaseModel):
     mean_acceptance_length: float  # tokens per target forward: 1 + accepted / cycles
     cycles: int  # target forwards after prefill
     accepted_per_position: list[int]
+    # accepted drafts that strict verification would have rejected (relaxed thinking-phase
+    # acceptance, opt-in; counted within `accepted`)
+    relaxed_accepted: int = 0
+    # method "adaptive": drafter -> [cycles it drafted in, drafted, accepted]
+    drafters: dict[str, list[int]] | None = None
 
     @classmethod
     def of(cls, spec: SpecStats) -> Speculative:
@@ -56,6 +61,8 @@ class Speculative(BaseModel):
             mean_acceptance_length=round(spec.mean_acceptance_length, 4),
             cycles=spec.cycles,
             accepted_per_position=list(spec.accepted_per_position),
+            relaxed_accepted=spec.relaxed,
+            drafters={k: list(v) for k, v in spec.drafters.items()} or None,
         )
 
 

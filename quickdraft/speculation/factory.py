@@ -7,11 +7,15 @@ MTP head's (and the DFlash drafter's) is the target's scaled by one timed head (
 against one target step. Tables are only measured for the adaptive policy (forced requests
 draft k regardless of cost), and the engine then times every draft phase against them, so a
 table taken on a busy host is corrected once decoding runs.
+Method "adaptive" builds one such drafter per name in `config.drafters` (each its own
+`Speculation`, with its own cost table and pooled acceptance; one draft model load), and each
+request picks among them per step (speculation/adaptive.py).
 `QUICKDRAFT_DISABLE_SPECULATION=1` turns speculation off everywhere (bisecting).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 
@@ -24,7 +28,7 @@ from quickdraft.speculation.drafters.draft_model import DraftModelDrafter
 from quickdraft.speculation.drafters.mtp import head_step_seconds, mtp_drafter
 from quickdraft.speculation.drafters.ngram import NgramDrafter
 from quickdraft.speculation.drafters.suffix import SuffixDrafter
-from quickdraft.speculation.state import Speculation
+from quickdraft.speculation.state import AdaptiveSpeculation, AnySpeculation, Speculation
 
 CostTable = Callable[[], StepCost] | None  # measures a drafter's forwards; None: free
 
@@ -100,9 +104,19 @@ DRAFTERS: dict[str, Callable[[LoadedModel, SpeculativeConfig], tuple[Drafter, Co
 }
 
 
-def make_speculation(lm: LoadedModel, config: SpeculativeConfig) -> Speculation | None:
+def make_speculation(lm: LoadedModel, config: SpeculativeConfig) -> AnySpeculation | None:
     if not config.enabled or disabled_by_env():
         return None
+    if config.method == "adaptive":
+        members = [
+            _one(lm, dataclasses.replace(config, method=name, adaptive_drafters=()))
+            for name in config.drafters
+        ]
+        return AdaptiveSpeculation(config, tuple(members))
+    return _one(lm, config)
+
+
+def _one(lm: LoadedModel, config: SpeculativeConfig) -> Speculation:
     drafter, table = DRAFTERS[config.method](lm, config)
     cost = None
     if config.adaptive:  # only the adaptive policy needs costs (forced requests draft k always)

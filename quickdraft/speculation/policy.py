@@ -25,6 +25,8 @@ The rule (`BatchPolicy.choose`):
   token to refresh alpha, rationed so that all probes together cost at most `probe_budget` of
   the step time.
 * `adaptive=False` requests always draft their ceiling (tests, forced benchmarks).
+* Several drafters (method "adaptive"): before all this, each such request picks the drafter
+  it drafts with this step (adaptive.py `pick`, priced by the same tables); the rest sees one.
 docs/speculation.md has the measurements behind each of these choices.
 """
 
@@ -35,6 +37,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from quickdraft.speculation.adaptive import EXPLORE_K, Pricing, pick
 from quickdraft.speculation.cost import Calibration, DraftCost, StepCost, StepShape
 from quickdraft.speculation.state import Acceptance, SpecState
 
@@ -230,6 +233,7 @@ class DraftPlanner:
         `budget`: draft rows allowed in total."""
         if not any(d.spec is not None for d in decoding):
             return [0] * len(decoding)
+        explore = self._pick_drafters(decoding, base)
         drafters: dict[int, int] = {}  # id(drafter) -> index into draft_costs
         draft_costs: list[DraftCost | None] = [None]  # index 0: no drafter
         cands = []
@@ -243,11 +247,41 @@ class DraftPlanner:
                     draft_costs.append(spec.speculation.draft_cost)
             acceptance = Acceptance() if spec is None else spec.acceptance
             adaptive = spec is None or spec.config.adaptive
+            if spec is not None and id(spec) in explore:
+                adaptive, k_max = False, min(k_max, EXPLORE_K)
             catch_up = d.num_tokens - (0 if spec is None else spec.synced)
             cands.append(Candidate(acceptance, k_max, adaptive, index, catch_up, d.room))
         if any(c.adaptive for c in cands):
             return self.policy.choose(cands, draft_costs, base, budget)
         return forced_drafts(cands, budget)[0]  # forced requests only: no cost model needed
+
+    def _pick_drafters(self, decoding: Sequence[Decoding], base: StepShape) -> set[int]:
+        """Requests with several drafters pick this step's (adaptive.py); returns the ids of
+        the SpecStates that explore (draft EXPLORE_K, forced)."""
+        explore: set[int] = set()
+        several = [d for d in decoding if d.spec is not None and len(d.spec.arms) > 1]
+        if not several:
+            return explore
+        policy = self.policy
+        num_dec = len(decoding)
+        t_share = policy.seconds(num_dec, num_dec, 0) / num_dec
+        t_base = policy.seconds(base.rows, base.seqs, base.masked)
+
+        def verify_extra(k: int) -> float:
+            return max(0.0, policy.seconds(base.rows + k, base.seqs, base.masked + 1) - t_base)
+
+        def catch_up(tokens: int, left: int, alpha: float, cost: DraftCost | None) -> float:
+            cand = Candidate(Acceptance(prior_alpha=alpha), 1, catch_up=tokens, remaining=left)
+            return policy.catch_up_seconds(cand, cost, spread=base.masked == 0)
+
+        pricing = Pricing(t_share, verify_extra, catch_up)
+        for d in several:
+            spec = d.spec
+            assert spec is not None
+            k_max = max(0, min(spec.config.num_draft_tokens, d.room - 1)) if d.can_draft else 0
+            if pick(spec, pricing, k_max, d.num_tokens, d.room).explore:
+                explore.add(id(spec))
+        return explore
 
     def observe(
         self, forward: StepShape, forward_s: float, drafted: Sequence[SpecState], draft_s: float

@@ -3,13 +3,18 @@
 Stage: the records the engine holds per model and per request; the engine never reads their
 fields beyond handing them to the drafter, the verify step and the policy. A `Speculation` is
 built once per model configuration (speculation/factory.py) and shared by every request
-submitted under it; `start(prompt)` gives a request its `SpecState`: the drafter's per-request
-state, the running acceptance estimate the policy prices drafts with, how far the drafter has
-caught up, and the target hidden rows a hidden-reading drafter has not been given yet.
+submitted under it; `start(prompt)` gives a request its `SpecState`: per drafter an `Arm` (the
+drafter's per-request state, the running acceptance estimate the policy prices drafts with, how
+far the drafter has caught up, and the target hidden rows a hidden-reading drafter has not been
+given yet). One drafter: one arm. Method "adaptive" (`AdaptiveSpeculation`): one arm per
+drafter it may use, and `active` names the one the policy picked for the step
+(speculation/adaptive.py); `drafter`, `draft_state`, `acceptance` and `synced` are the active
+arm's, so the rest of the engine sees one drafter per request and step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +23,7 @@ from torch import Tensor
 from quickdraft.config import SpeculativeConfig
 from quickdraft.speculation.cost import DraftCost
 from quickdraft.speculation.drafters.base import Drafter
+from quickdraft.speculation.relaxed import ThinkScan
 
 
 @dataclass(slots=True)
@@ -31,6 +37,9 @@ class Acceptance:
     successes: float = 0.0
     failures: float = 0.0
     idle_steps: int = 0  # decode steps since it last drafted
+    # the share of the cycles it was asked to draft in where the drafter proposed >= 1 token
+    # (a lookup finds no match), exponentially weighted like the counts above; prior 1
+    hit_rate: float = 1.0
 
     @property
     def alpha(self) -> float:
@@ -43,6 +52,12 @@ class Acceptance:
             return
         self.successes = self.successes * self.forget + accepted
         self.failures = self.failures * self.forget + (1 if accepted < drafted else 0)
+
+    def asked(self, drafted: int) -> None:
+        """The drafter was asked for drafts and proposed `drafted`. The rate moves faster than
+        the counts (weight 1 - forget^4: ~0.11 per cycle for a request's estimate): whether a
+        lookup finds a match changes with the text at once."""
+        self.hit_rate += (1.0 - self.forget**4) * ((drafted > 0) - self.hit_rate)
 
 
 @dataclass(slots=True)
@@ -59,39 +74,135 @@ class Speculation:
     # next ten code prompts.
     pooled: Acceptance = field(default_factory=lambda: Acceptance(forget=0.995))
 
+    def arm(self, prompt_ids: list[int], tenant: str = "") -> Arm:
+        """A request's share of this drafter; its acceptance prior is what the drafter's
+        drafts achieved so far (`pooled`)."""
+        prior = Acceptance(prior_alpha=self.pooled.alpha, hit_rate=self.pooled.hit_rate)
+        return Arm(self, self.drafter.new_state(prompt_ids, tenant), prior)
+
     def start(self, prompt_ids: list[int], tenant: str = "") -> SpecState:
-        prior = Acceptance(prior_alpha=self.pooled.alpha)
-        return SpecState(self, self.drafter.new_state(prompt_ids, tenant), prior)
+        return SpecState(self.config, [self.arm(prompt_ids, tenant)])
+
+
+@dataclass(slots=True)
+class AdaptiveSpeculation:
+    """Method "adaptive": several drafters (each a one-drafter `Speculation` with its own cost
+    table and pooled acceptance) among which each request picks per step."""
+
+    config: SpeculativeConfig
+    members: tuple[Speculation, ...]
+
+    def start(self, prompt_ids: list[int], tenant: str = "") -> SpecState:
+        return SpecState(self.config, [m.arm(prompt_ids, tenant) for m in self.members])
+
+
+AnySpeculation = Speculation | AdaptiveSpeculation
+
+
+def shadow_score(arm: Arm, emitted: Sequence[int]) -> None:
+    """Learn from a shadow draft: its prefix that matches the emitted tokens is what verify
+    would have accepted (greedy: the emitted tokens are the target's argmaxes; seeded sampling
+    of one-hot drafts: each position's draw, verify.py `verify_one_hot`), observed as far as the
+    emitted tokens reach; a mismatch within them is a rejection."""
+    shadow, arm.shadow = arm.shadow or [], None
+    n = min(len(shadow), len(emitted))
+    matched = 0
+    while matched < n and shadow[matched] == emitted[matched]:
+        matched += 1
+    arm.acceptance.asked(len(shadow))
+    arm.acceptance.update(matched + 1 if matched < n else matched, matched)
 
 
 @dataclass(slots=True, eq=False)
-class SpecState:
-    """One request's speculation."""
+class Arm:
+    """One request's share of one drafter."""
 
     speculation: Speculation
     draft_state: Any  # the drafter's own per-request state
     acceptance: Acceptance = field(default_factory=Acceptance)
     synced: int = 0  # committed tokens the drafter has seen (its catch-up, policy.py)
     prompt_hidden: list[Tensor] = field(default_factory=list)  # prefill chunks' hidden rows
+    idle: int = 0  # decode steps since it was last picked to draft (adaptive.py explores)
+    # a free lookup that was not picked: what it would have drafted this step (adaptive.py
+    # learns its acceptance from it against the emitted tokens); None: it did not
+    shadow: list[int] | None = None
 
     @property
-    def config(self) -> SpeculativeConfig:
-        return self.speculation.config
+    def name(self) -> str:
+        return self.speculation.config.method
+
+
+@dataclass(slots=True, eq=False)
+class SpecState:
+    """One request's speculation: its arms (one per drafter) and the active one."""
+
+    config: SpeculativeConfig  # the request's: method "adaptive" for several arms
+    arms: list[Arm]
+    active: int = 0
+    think: ThinkScan | None = None  # reasoning-block tracking (relaxed acceptance), when on
+
+    @property
+    def arm(self) -> Arm:
+        return self.arms[self.active]
+
+    @property
+    def speculation(self) -> Speculation:
+        return self.arm.speculation
 
     @property
     def drafter(self) -> Drafter:
-        return self.speculation.drafter
+        return self.arm.speculation.drafter
 
-    def record(self, drafted: int, accepted: int, drafter_ran: bool, num_tokens: int) -> None:
+    @property
+    def draft_state(self) -> Any:
+        return self.arm.draft_state
+
+    @property
+    def acceptance(self) -> Acceptance:
+        return self.arm.acceptance
+
+    @property
+    def synced(self) -> int:
+        return self.arm.synced
+
+    @synced.setter
+    def synced(self, value: int) -> None:
+        self.arm.synced = value
+
+    @property
+    def prompt_hidden(self) -> list[Tensor]:
+        return self.arm.prompt_hidden
+
+    def arm_of(self, drafter: object) -> Arm:
+        """The arm of `drafter` (the prefix cache keeps one drafter's state per request)."""
+        return next(a for a in self.arms if a.speculation.drafter is drafter)
+
+    def record(
+        self,
+        drafted: int,
+        accepted: int,
+        drafter_ran: bool,
+        num_tokens: int,
+        emitted: Sequence[int] = (),
+    ) -> None:
         """A verify cycle ended with `num_tokens` committed tokens: `drafted` drafts of which
-        `accepted` were kept; `drafter_ran` when the drafter was asked this step."""
-        self.acceptance.update(drafted, accepted)
-        self.speculation.pooled.update(drafted, accepted)
+        `accepted` were kept; `drafter_ran` when the (active) drafter was asked this step;
+        `emitted`: the cycle's tokens (accepted drafts + one), which score the shadow drafts."""
+        for other in self.arms:
+            if other.shadow is not None:
+                shadow_score(other, emitted)
+        arm = self.arm
+        arm.acceptance.update(drafted, accepted)
+        arm.speculation.pooled.update(drafted, accepted)
         if drafter_ran:
+            arm.acceptance.asked(drafted)
+            arm.speculation.pooled.asked(drafted)
             # It has seen every committed token but the newest, and after an all-accepted cycle
             # not the last draft either (a draft model feeds d_1..d_{k-1}).
-            self.synced = num_tokens - (2 if 0 < drafted == accepted else 1)
+            arm.synced = num_tokens - (2 if 0 < drafted == accepted else 1)
 
     def free(self) -> None:
-        self.drafter.free(self.draft_state)
-        self.prompt_hidden.clear()
+        for arm in self.arms:
+            arm.shadow = None
+            arm.speculation.drafter.free(arm.draft_state)
+            arm.prompt_hidden.clear()

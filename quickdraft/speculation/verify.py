@@ -14,11 +14,24 @@ Glossary (vLLM's vocabulary):
   recovered  the target's token at the first rejection (replaces the rejected d_i).
   bonus      the target's extra token from row k when all k drafts were accepted.
   mean acceptance length (AL) = tokens emitted per target forward = 1 + accepted / cycles.
+  lenient    per draft position, whether the relaxed rule may keep d_i although strict
+             verification rejects it (`relaxed_ok`; relaxed thinking-phase acceptance,
+             speculation/relaxed.py decides which rows may be lenient at all).
+  relaxed    accepted drafts that only the relaxed rule kept (counted within `accepted`).
 
 `verify` is the one entry point: greedy requests take `verify_greedy` (exact matching against
 the argmax), sampled ones `verify_sampled` (lossless rejection sampling, Leviathan et al. 2023,
 arXiv 2211.17192; Chen et al. 2023), which given one-hot (greedy) `p_target` returns exactly
 what `verify_greedy` returns.
+
+Relaxed acceptance (opt-in, LOSSY): with a `lenient` mask, a draft strict verification rejects
+is kept where `lenient[i]` holds (the draft is among row i's top-k logits, within delta of its
+argmax). Greedy rows: accept if d_i is the argmax, else if lenient. Sampled rows: the strict
+test first (the rejection-sampling draw), and on its rejection the draft is still kept if
+lenient and the request's own filters (top-k/top-p/min-p, grammar) give it probability > 0;
+otherwise the recovered token comes from the usual residual. So the relaxed rule only ever turns
+a rejection into an acceptance, and `Verdict.relaxed` counts exactly those. Without a mask (or
+an all-False one) every function below is the lossless one.
 """
 
 from __future__ import annotations
@@ -38,6 +51,23 @@ class Verdict:
     accepted: int  # draft tokens kept (the extra token is not counted)
     bonus: bool  # True when all drafts were accepted, i.e. tokens[-1] came from row k
     logprobs: list[TokenLogprob] | None = None  # per token, when the request reports them
+    relaxed: int = 0  # of `accepted`, the drafts only the relaxed rule kept
+
+
+def relaxed_ok(
+    draft: list[int], target_logits: Tensor, rows: list[bool], top_k: int, delta: float
+) -> list[bool]:
+    """Per draft position i: `rows[i]` (the row may be lenient) and d_i is among row i's
+    `top_k` largest logits and within `delta` of the row's largest. `target_logits`
+    `[k + 1, vocab]` as verified (after the request's logit controls, before temperature)."""
+    k = len(draft)
+    if not any(rows):
+        return [False] * k
+    logits = target_logits[:k].float()  # [k, vocab]
+    at_draft = logits.gather(1, torch.tensor(draft, device=logits.device)[:, None])[:, 0]  # [k]
+    top = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values  # [k, top_k], descending
+    ok = (at_draft >= top[:, -1]) & (top[:, 0] - at_draft <= delta)  # [k]
+    return [r and bool(o) for r, o in zip(rows, ok.tolist(), strict=True)]
 
 
 def verify(
@@ -47,28 +77,40 @@ def verify(
     params: SamplingParams,
     rng: TokenRng,
     position: int,
+    lenient: list[bool] | None = None,
 ) -> Verdict:
     """The target's `[k + 1, vocab]` logits for inputs [last, d_1..d_k] -> accepted drafts + one
     token, by the request's sampling params; `p_draft` `[k, vocab]` or None (one-hot drafts);
-    `position`: the output index of the first token emitted."""
+    `position`: the output index of the first token emitted; `lenient`: see the module
+    docstring (None: strict)."""
     if params.greedy:
-        return verify_greedy(draft, target_logits)
-    return verify_sampled(draft, p_draft, probabilities(target_logits, params), rng, position)
+        return verify_greedy(draft, target_logits, lenient)
+    p_target = probabilities(target_logits, params)
+    return verify_sampled(draft, p_draft, p_target, rng, position, lenient)
 
 
-def verify_greedy(draft: list[int], target_logits: Tensor) -> Verdict:
-    """Accept d_i while it equals the argmax of row i-1; then emit that row's argmax."""
+def verify_greedy(
+    draft: list[int], target_logits: Tensor, lenient: list[bool] | None = None
+) -> Verdict:
+    """Accept d_i while it equals the argmax of row i-1 (or `lenient[i]`); then emit the
+    argmax of the first row that rejects, or of row k."""
     k = len(draft)
     assert target_logits.dim() == 2 and target_logits.shape[0] == k + 1, (
         f"need [k + 1, vocab] target logits for k={k}, got {tuple(target_logits.shape)}"
     )
     # One argmax over all rows and one device sync; the compare is k python ints.
     target_ids: list[int] = target_logits.argmax(-1).tolist()  # [k + 1]
-    accepted = 0
+    accepted = relaxed = 0
     while accepted < k and draft[accepted] == target_ids[accepted]:
         accepted += 1
-    # The accepted drafts equal the target's argmaxes, so the verdict is a prefix of target_ids.
-    return Verdict(target_ids[: accepted + 1], accepted, bonus=accepted == k)
+    if lenient is None or not any(lenient):
+        # The accepted drafts equal the target's argmaxes: the verdict is a prefix of target_ids.
+        return Verdict(target_ids[: accepted + 1], accepted, bonus=accepted == k)
+    while accepted < k and (draft[accepted] == target_ids[accepted] or lenient[accepted]):
+        relaxed += draft[accepted] != target_ids[accepted]
+        accepted += 1
+    tokens = [*draft[:accepted], target_ids[accepted]]
+    return Verdict(tokens, accepted, bonus=accepted == k, relaxed=relaxed)
 
 
 def verify_sampled(
@@ -77,8 +119,9 @@ def verify_sampled(
     p_target: Tensor,
     rng: TokenRng,
     position: int,
+    lenient: list[bool] | None = None,
 ) -> Verdict:
-    """Lossless rejection sampling of `draft` against the target.
+    """Rejection sampling of `draft` against the target (lossless without `lenient`).
 
     p_target `[k + 1, vocab]`: the target's filtered distributions (`sampling.probabilities`).
     p_draft `[k, vocab]` (same filtering) or None for drafters without a distribution.
@@ -89,14 +132,14 @@ def verify_sampled(
     0)); if all are accepted sample the bonus from p_target[k]. RNG use is fixed: k uniforms,
     then one draw, all from `rng.generator`, whatever the outcome, so a seeded request replays.
 
-    Without (one-hot drafts, and k = 0): see `verify_one_hot`.
+    Without (one-hot drafts, and k = 0): see `verify_one_hot`. `lenient`: the module docstring.
     """
     k = len(draft)
     assert p_target.dim() == 2 and p_target.shape[0] == k + 1, (
         f"need [k + 1, vocab] p_target for k={k}, got {tuple(p_target.shape)}"
     )
     if p_draft is None:
-        return verify_one_hot(draft, p_target, rng, position)
+        return verify_one_hot(draft, p_target, rng, position, lenient)
     vocab = p_target.shape[-1]
     assert tuple(p_draft.shape) == (k, vocab), (
         f"need [k, vocab] p_draft for k={k}, got {tuple(p_draft.shape)}"
@@ -112,7 +155,7 @@ def verify_sampled(
     generator = rng.generator
     u: list[float] = torch.rand(k, generator=generator, device=device).tolist()  # in [0, 1)
 
-    accepted = 0
+    accepted = relaxed = 0
     while accepted < k:
         pt, pd = target_at_draft[accepted], draft_at_draft[accepted]
         # p_draft[d_i] == 0: the drafter proposed a token it gave no probability, so d_i was
@@ -125,12 +168,14 @@ def verify_sampled(
         # Strict `<`: P(u < r) = min(r, 1) exactly for u in [0, 1), and a token the target
         # filtered out (ratio 0) is never accepted, even on a draw of exactly 0.0.
         if not u[accepted] < ratio:
-            break
+            if not (lenient is not None and lenient[accepted] and pt > 0.0):
+                break
+            relaxed += 1  # rejected by the draw, kept by the relaxed rule
         accepted += 1
 
     if accepted == k:
         token = int(sample(p_target[k : k + 1], generator))
-        return Verdict([*draft, token], k, bonus=True)
+        return Verdict([*draft, token], k, bonus=True, relaxed=relaxed)
 
     row = accepted  # the first rejection: d_{row+1} was judged against p_target[row]
     if draft_at_draft[row] <= 0.0:
@@ -144,10 +189,16 @@ def verify_sampled(
         residual = p_target[row]
     # multinomial normalises its weights itself: the residual need not be divided by its mass
     token = int(sample(residual[None], generator))  # residual[None]: [1, vocab]
-    return Verdict([*draft[:row], token], row, bonus=False)
+    return Verdict([*draft[:row], token], row, bonus=False, relaxed=relaxed)
 
 
-def verify_one_hot(draft: list[int], p_target: Tensor, rng: TokenRng, position: int) -> Verdict:
+def verify_one_hot(
+    draft: list[int],
+    p_target: Tensor,
+    rng: TokenRng,
+    position: int,
+    lenient: list[bool] | None = None,
+) -> Verdict:
     """Rejection sampling of one-hot drafts, coupled to plain sampling.
 
     Row i samples x_i from p_target[i] with the race of output position `position + i`; d_i is
@@ -156,13 +207,20 @@ def verify_one_hot(draft: list[int], p_target: Tensor, rng: TokenRng, position: 
     x_i is distributed as p_target[i] with d_i removed, renormalised, i.e. the residual
     normalize(max(p_target - onehot(d_i), 0)). And every emitted token is the one plain
     sampling with the same seed would emit at its position, whatever was drafted.
+    With `lenient`, a row whose x_i != d_i still keeps d_i where lenient[i] and
+    p_target[i, d_i] > 0 (relaxed: lossy, module docstring).
     """
     k = len(draft)  # p_target is [k + 1, vocab] (checked by `verify_sampled`)
     vocab = p_target.shape[-1]
     tokens: list[int] = []
+    relaxed = 0
     for i in range(k + 1):  # rows are sampled lazily: none past the first rejection
         token = int(sample_with(p_target[i : i + 1], rng.race(position + i, vocab)))
+        lenient_row = i < k and lenient is not None and lenient[i]
+        if lenient_row and token != draft[i] and float(p_target[i, draft[i]]) > 0.0:
+            token = draft[i]
+            relaxed += 1
         tokens.append(token)
         if i == k or token != draft[i]:
-            return Verdict(tokens, i, bonus=i == k)
+            return Verdict(tokens, i, bonus=i == k, relaxed=relaxed)
     raise AssertionError("unreachable: row k always returns")
