@@ -71,7 +71,8 @@ def test_benchmark_reports_sets_and_prompts(
 def test_benchmark_without_a_draft_model_runs_the_other_engines(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """A target with no packaged draft (and none given): off and n-gram only, no error."""
+    """A target with no packaged draft (and none given): off, the lookups and adaptive over
+    them only, no error."""
     report = run(
         SpecBench(
             str(tiny_model_dir),
@@ -87,7 +88,7 @@ def test_benchmark_without_a_draft_model_runs_the_other_engines(
         )
     )
     assert report["draft"] is None
-    assert set(report["results"]["code"]) == {"none", "ngram", "suffix"}
+    assert set(report["results"]["code"]) == {"none", "ngram", "suffix", "adaptive"}
     assert "no draft model" in (tmp_path / "speculative.md").read_text()
 
 
