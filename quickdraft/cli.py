@@ -566,6 +566,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         hf=False if args.no_hf else None,
         reference_per_set=args.reference_per_set,
         peers=None if args.peers is None else tuple(args.peers),
+        dflash=args.dflash,
     )
     run(SpecBench(**_prompt_bench_fields(args, spec), **extra))
     return 0
@@ -617,6 +618,9 @@ def _add_bench_args(b: argparse.ArgumentParser) -> None:
     )
     b.add_argument("--sets", nargs="*", default=None, help="code prose json repetitive agentic")
     b.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    b.add_argument(
+        "--dflash", default=None, metavar="DIR", help="also run this DFlash drafter (train-drafter)"
+    )
     peers_help = "engines run beside ours on the target's GGUF (the `peers` extra)"
     b.add_argument("--peers", nargs="*", default=None, choices=list(PEERS), help=peers_help)
     b.add_argument("--out", default=None, help="results folder (bench/results)")

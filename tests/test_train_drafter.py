@@ -20,10 +20,12 @@ import torch
 from hybrid_models import one_thread  # noqa: F401 (autouse fixture)
 from test_dflash import MASK, dense_target, generate
 
+from quickdraft.bench.speculative import SpecBench
+from quickdraft.bench.speculative import run as run_bench
 from quickdraft.cli import main as cli_main
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import stream
-from quickdraft.loading import LoadedModel
+from quickdraft.loading import LoadedModel, load
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.drafters.dflash import load_dflash
 from quickdraft.speculation.factory import make_speculation
@@ -239,3 +241,31 @@ def test_token_sequences_cut_and_join() -> None:
     assert rows.tolist() == [[97, 98, 99], [0, 100, 101]]  # the trailing eos is cut off
     with pytest.raises(ValueError, match="fewer than one sequence"):
         token_sequences(Chars(), ["a"], 8, 100, eos=0)  # type: ignore[arg-type]
+
+
+def test_bench_runs_a_trained_drafter(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`quickdraft bench --dflash DIR`: the drafter runs as engine "dflash" beside the others,
+    its greedy output identical to speculation off (fp32)."""
+    lm = load(str(tiny_model_dir), "fp32")
+    vocab = lm.model.config.vocab_size
+    model = trainer_for(lm.model, 1, (0,), 4, vocab - 1, dtype=torch.float32)
+    out = tmp_path / "dflash"
+    save_checkpoint(model, torch.optim.AdamW(model.parameters()), 0, TrainConfig(), out, "tiny")
+    report = run_bench(
+        SpecBench(
+            str(tiny_model_dir),
+            None,
+            dtype="fp32",
+            tokens=10,
+            per_set=2,
+            sets=("code",),
+            k=3,
+            hf=False,
+            out_dir=tmp_path,
+            reference_per_set=0,
+            dflash=str(out),
+        )
+    )
+    cell = report["results"]["code"]["dflash"]
+    assert cell["prompts"] == 2 and cell["identical"] == 2 and cell["speedup_vs_ngram"] > 0
+    assert "| code | dflash | 2 |" in (tmp_path / "speculative.md").read_text()

@@ -54,6 +54,7 @@ from quickdraft.config import (
 )
 from quickdraft.engine import stream
 from quickdraft.loading import LoadedModel, load
+from quickdraft.models.dflash import DFlashConfig
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.factory import make_speculation
 from quickdraft.speculation.state import AnySpeculation
@@ -99,13 +100,14 @@ ENGINES = (
     "suffix",
     "draft",
     "adaptive",
+    "dflash",
     "draft_unquantized",
     "llama.cpp",
     "hf",
     "hf_prompt_lookup",
     "hf_assisted",
 )
-OURS = ("none", "ngram", "suffix", "draft", "adaptive")
+OURS = ("none", "ngram", "suffix", "draft", "adaptive", "dflash")
 SINGLE = ("ngram", "suffix", "draft")  # the drafters adaptive picks among
 PEER_CONTEXT = 4096  # tokens of KV the peer allocates: the longest prompt + output fits
 REFERENCE_ENGINES = frozenset({"draft_unquantized", "hf", "hf_prompt_lookup", "hf_assisted"})
@@ -238,6 +240,9 @@ class SpecBench:
     reference_per_set: int = 2
     peers: tuple[str, ...] = ()  # peers.PEERS run on the target's GGUF, every prompt
     out_dir: Path = RESULTS
+    # a DFlash checkpoint dir (e.g. from `quickdraft train-drafter`): runs as engine "dflash",
+    # drafting up to its block size - 1 tokens per cycle
+    dflash: str | None = None
 
     def __post_init__(self) -> None:
         if self.reference_per_set < 0:
@@ -289,6 +294,14 @@ def run(opts: SpecBench) -> dict[str, Any]:
             adaptive_drafters=drafters,
         ),
     )
+    if opts.dflash is not None:
+        block = DFlashConfig.from_dir(opts.dflash).block_size
+        specs["dflash"] = make_speculation(
+            lm,
+            SpeculativeConfig(
+                method="dflash", draft_model=opts.dflash, num_draft_tokens=max(k, block - 1)
+            ),
+        )
     hf_models: dict[str, Any] = {}
     if hf:
         import transformers
@@ -359,7 +372,9 @@ def run(opts: SpecBench) -> dict[str, Any]:
             if name in parity:
                 row[name]["identical"] = sum(p is None for p in parity[name])
                 row[name]["divergences"] = [p for p in parity[name] if p is not None]
-        row["suffix"]["speedup_vs_ngram"] = round(cells["suffix"].ratio(cells["ngram"]), 3)
+        for name in ("suffix", "dflash"):
+            if name in cells:
+                row[name]["speedup_vs_ngram"] = round(cells[name].ratio(cells["ngram"]), 3)
         singles = [name for name in SINGLE if name in cells]
         best = max(singles, key=lambda name: tok_s(list(cells[name].runs.values())))
         row["adaptive"]["best_single"] = best

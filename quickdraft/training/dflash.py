@@ -1,4 +1,5 @@
-"""Training a DFlash block drafter against a frozen target (self-distillation).
+"""Training a DFlash block drafter against a frozen target (self-distillation; over 400 lines:
+the differentiable forward, its labels and estimate, and the loop that checkpoints it).
 
 Stage: the training half of `quickdraft train-drafter` (training/corpus.py makes its data).
 Contract:
