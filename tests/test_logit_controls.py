@@ -164,6 +164,20 @@ CONTROLS = {
 }
 
 
+def assert_same_top(
+    got: list[tuple[int, float]], want: list[tuple[int, float]], name: str, tol: float = 1e-5
+) -> None:
+    """The same top-n logprobs rank by rank within `tol`; the tokens at a rank may differ only
+    in a near-tie (fp32 weights run torch's GEMMs, whose rounding differs between a 1-row
+    decode and a k+1-row verify on some CPUs, e.g. AMX: two logprobs within tol can swap)."""
+    assert len(got) == len(want), name
+    for (tg, lg), (tw, lw) in zip(got, want, strict=True):
+        assert lg == pytest.approx(lw, abs=tol), name
+        if tg != tw:  # a swap: the other's token sits in a near-tie with this rank
+            theirs = dict(want).get(tg, dict(got)[tg])
+            assert abs(theirs - lw) <= 2 * tol, (name, tg, tw)
+
+
 @pytest.mark.parametrize("control", sorted(CONTROLS))
 def test_controls_greedy_and_logprobs_equal_with_speculation_on_and_off(
     target: LoadedModel, near_draft_dir: Path, tiny_model_dir: Path, control: str
@@ -182,7 +196,7 @@ def test_controls_greedy_and_logprobs_equal_with_speculation_on_and_off(
         assert [lp.token for lp in req.logprobs] == base.output_ids, name
         for a, b in zip(req.logprobs, base.logprobs, strict=True):
             assert a.logprob == pytest.approx(b.logprob, abs=1e-5), name
-            assert [t for t, _ in a.top] == [t for t, _ in b.top], name
+            assert_same_top(a.top, b.top, name)
     assert reqs["ngram"].spec.drafted > 0 and reqs["draft"].spec.drafted > 0
     self_spec = reqs["self"].spec
     assert self_spec.accepted == self_spec.drafted > 0  # shaped drafts: the target's own picks
