@@ -39,7 +39,9 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from quickdraft.config import ModelConfig
+from quickdraft.kernels.pointwise import reference_rope
 from quickdraft.models.base import LanguageModel
+from quickdraft.models.layers import Rope
 from quickdraft.training.corpus import TapCorpus
 
 CHECKPOINT = "model.safetensors"
@@ -78,7 +80,7 @@ class Norm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def _linear(n_in: int, n_out: int, std: float) -> nn.Linear:
@@ -125,17 +127,15 @@ class _Layer(nn.Module):
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """HF rotate-half RoPE; x [..., L, heads, d], cos / sin [..., L, 1, d]."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+    """RoPE of x [S, L, heads, d] by tables [S * L, d] (the ops' plain reference: autograd)."""
+    return reference_rope(x.flatten(0, 1), cos, sin).view_as(x)
 
 
 class DFlashTrainModel(nn.Module):
     """The DFlash drafter's forward in plain torch (module docstring); `state_dict()` holds
     exactly the public checkpoint's tensors."""
 
-    inv_freq: Tensor  # buffers, typed
-    head: Tensor
+    head: Tensor  # a buffer, typed
 
     def __init__(
         self,
@@ -165,16 +165,12 @@ class DFlashTrainModel(nn.Module):
         self.norm = Norm(h, shape.rms_norm_eps)
         self._embed = embed
         self.register_buffer("head", head, persistent=False)
-        inv = 1.0 / shape.rope_theta ** (
-            torch.arange(0, shape.head_dim, 2, dtype=torch.int64).float() / shape.head_dim
-        )
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.rope = Rope(shape.head_dim, shape.rope_theta, torch.device("cpu"))
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """positions [..., L] -> cos, sin [..., L, 1, d] fp32."""
-        ang = positions[..., None].float() * self.inv_freq
-        ang = torch.cat([ang, ang], -1)[..., None, :]
-        return ang.cos(), ang.sin()
+        """positions [S, L] -> cos, sin [S * L, d] fp32 (the serving model's tables)."""
+        cos, sin = self.rope.tables(positions.flatten(), torch.float32)
+        return cos[:, 0], sin[:, 0]
 
     def block_hidden(self, ids: Tensor, taps: Tensor, anchors: Tensor) -> Tensor:
         """ids [S, T], taps [S, T, F], anchors [S, N] -> the blocks' final hidden rows
