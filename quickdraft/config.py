@@ -55,7 +55,7 @@ def read_hf_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
 class ModelConfig:
     """What the dense decoder (models/llama.py) needs. Field names follow Hugging Face."""
 
-    model_type: str  # "llama" | "qwen2" | "qwen3" (see models/registry.py)
+    model_type: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" (see models/registry.py)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -69,6 +69,12 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    # Qwen3-MoE: routed experts in place of the MLP on the layers marked in `moe_layers`
+    moe_layers: tuple[bool, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # the raw config.json
@@ -92,11 +98,14 @@ class ModelConfig:
         rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
         eos = gen.get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        layers, experts = int(raw["num_hidden_layers"]), int(raw.get("num_experts") or 0)
+        sparse_step = int(raw.get("decoder_sparse_step") or 1)
+        mlp_only = set(raw.get("mlp_only_layers") or ())
         return cls(
             model_type=model_type,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
+            intermediate_size=int(raw.get("intermediate_size") or 0),
             num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
@@ -106,7 +115,15 @@ class ModelConfig:
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            moe_layers=tuple(
+                experts > 0 and i not in mlp_only and (i + 1) % sparse_step == 0
+                for i in range(layers)
+            ),
+            num_experts=experts,
+            num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
             eos_token_ids=eos_ids,
             bos_token_id=gen.get("bos_token_id", raw.get("bos_token_id")),
             extra=raw,

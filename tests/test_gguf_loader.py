@@ -86,12 +86,28 @@ PROMPT = "Hello world, this is a test of a tiny model."
 LOGGER = "quickdraft.models.gguf_loader"
 
 
+def add_tiny_tokenizer(w: gguf.GGUFWriter, vocab: int = VOCAB) -> None:
+    """A byte-level BPE tokenizer: the 256 byte symbols, one merge "Ġ t", <s> </s>
+    <|im_start|> <|im_end|> as control tokens, padded to `vocab`; a ChatML template."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = sorted(bytes_to_unicode().values())
+    tokens = [*alphabet, "Ġt", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    tokens += [f"<unused{i}>" for i in range(vocab - len(tokens))]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(alphabet) + 1) + [3] * (vocab - len(alphabet) - 1))
+    w.add_token_merges(["Ġ t"])
+    w.add_bos_token_id(tokens.index("<s>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_chat_template(CHATML)
+
+
 def write_tiny_gguf(path: Path, arch: str, types: dict[str, str], seed: int = 0) -> Path:
     """A GGUF model file of `arch` with a byte-level BPE tokenizer (the 256 byte symbols, one
     merge "Ġ t", <s> </s> <|im_start|> <|im_end|> as control tokens, padded to VOCAB) and a
     ChatML template; each weight of kind k in `types[k]`."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(256)
@@ -102,17 +118,7 @@ def write_tiny_gguf(path: Path, arch: str, types: dict[str, str], seed: int = 0)
     w.add_head_count_kv(KV_HEADS)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
-    alphabet = sorted(bytes_to_unicode().values())
-    tokens = [*alphabet, "Ġt", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-    tokens += [f"<unused{i}>" for i in range(VOCAB - len(tokens))]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * (len(alphabet) + 1) + [3] * (VOCAB - len(alphabet) - 1))
-    w.add_token_merges(["Ġ t"])
-    w.add_bos_token_id(tokens.index("<s>"))
-    w.add_eos_token_id(tokens.index("<|im_end|>"))
-    w.add_chat_template(CHATML)
+    add_tiny_tokenizer(w)
 
     def matrix(name: str, n: int, k: int) -> None:
         kind = name.split(".")[-2]

@@ -16,6 +16,7 @@ import re
 import shutil
 import struct
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from tqdm.auto import tqdm
 
 from quickdraft.config import GGUF_DTYPE, parse_dtype
 from quickdraft.hub.errors import HubError, UnsupportedArchitectureError
+from quickdraft.hub.gguf_qwen import HYBRID_ARCHS, QWEN_ARCHS, Planned, qwen_config, qwen_plan
 
 GGUF_LINK = "model.gguf"  # in a "gguf" model directory: a link to the GGUF file it runs
 
@@ -47,8 +49,11 @@ _ARCHS: dict[str, tuple[str, bool]] = {
     "qwen2": ("Qwen2ForCausalLM", False),
     "qwen3": ("Qwen3ForCausalLM", False),  # + per-head q/k RMSNorm (attn_q_norm, attn_k_norm)
     "gemma3": ("Gemma3ForCausalLM", False),  # text only; HF model_type "gemma3_text"
+    # Qwen3-MoE and the hybrid Qwen3-Next / Qwen3.5 family: NEOX RoPE; layouts in gguf_qwen.py
+    **{arch: (cls, False) for arch, (cls, _) in QWEN_ARCHS.items()},
 }
-_MODEL_TYPES = {"gemma3": "gemma3_text"}  # GGUF architecture -> HF model_type, where they differ
+# GGUF architecture -> HF model_type, where they differ
+_MODEL_TYPES = {"gemma3": "gemma3_text", **{a: t for a, (_, t) in QWEN_ARCHS.items()}}
 # Per-architecture renames on top of _LAYER_NAMES: Gemma 3 norms both sides of each block.
 _ARCH_LAYER_NAMES = {
     "gemma3": {
@@ -144,7 +149,7 @@ def _hf_config(reader: Any, arch: str, dtype: torch.dtype) -> tuple[dict[str, An
     )
     head_dim = int(meta("attention.key_length", hidden // heads))
     rope_dim = meta("rope.dimension_count")
-    if rope_dim is not None and int(rope_dim) != head_dim:
+    if rope_dim is not None and int(rope_dim) != head_dim and arch not in HYBRID_ARCHS:
         raise UnsupportedArchitectureError(f"partial rotary ({rope_dim}/{head_dim}) unsupported")
     rope_scale = float(meta("rope.scaling.factor", 1.0))
     if meta("rope.scaling.type", "none") not in ("none", "linear") or (
@@ -166,7 +171,12 @@ def _hf_config(reader: Any, arch: str, dtype: torch.dtype) -> tuple[dict[str, An
         "model_type": _MODEL_TYPES.get(arch, arch),
         "vocab_size": int(meta("vocab_size", len(tokens))),
         "hidden_size": hidden,
-        "intermediate_size": int(meta("feed_forward_length", required=True)),
+        # MoE files may carry no dense width (every layer routed)
+        "intermediate_size": int(
+            meta("feed_forward_length", 0)
+            if arch in QWEN_ARCHS
+            else meta("feed_forward_length", required=True)
+        ),
         "num_hidden_layers": int(meta("block_count", required=True)),
         "num_attention_heads": heads,
         "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
@@ -186,6 +196,8 @@ def _hf_config(reader: Any, arch: str, dtype: torch.dtype) -> tuple[dict[str, An
         cfg["attention_bias"] = any(t.name == "blk.0.attn_q.bias" for t in reader.tensors)
     if arch == "gemma3":
         cfg.update(_gemma3_config(meta, cfg, theta, rope_scale))
+    if arch in QWEN_ARCHS:
+        cfg.update(qwen_config(meta, arch, cfg))
     return cfg, eos_ids
 
 
@@ -218,65 +230,93 @@ def _gemma3_config(meta: Any, cfg: dict[str, Any], theta: float, scale: float) -
     }
 
 
+def tensor_plan(reader: Any, arch: str, cfg: dict[str, Any]) -> list[Planned]:
+    """Every HF tensor of the converted model and the GGUF tensors it is made from."""
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+    if arch in QWEN_ARCHS:
+        return qwen_plan(shapes, arch, cfg)
+    permute, shift = permutes_qk(arch), norm_shift(arch)
+    plan = []
+    for t in reader.tensors:
+        name = _hf_name(t.name, arch)
+        heads = 0
+        if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
+            heads = cfg["num_attention_heads"]
+        elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
+            heads = cfg["num_key_value_heads"]
+        minus = shift if name.endswith("norm.weight") else 0.0
+        plan.append(
+            Planned(
+                name, shapes[t.name], (t.name,), partial(_dense_build, heads=heads, minus=minus)
+            )
+        )
+    return plan
+
+
+def _dense_build(ts: list[torch.Tensor], heads: int, minus: float) -> torch.Tensor:
+    """llama.cpp's permuted q/k rows (`heads` > 0) and 1 + w norms (`minus`) undone."""
+    w = unpermute_rows(ts[0], heads) if heads else ts[0]
+    return w - minus if minus else w
+
+
 def _write_safetensors(
     path: Path,
     reader: Any,
-    cfg: dict[str, Any],
-    arch: str,
+    plan: list[Planned],
     dtype: torch.dtype,
     progress: bool,
     label: str,
 ) -> None:
     """Stream tensors into a safetensors file: header first (shapes are known), then one
-    dequantized tensor at a time: memory holds one fp32 tensor and its cast copy at most."""
+    tensor at a time, built from its dequantized GGUF sources: memory holds those in fp32
+    and the cast copy at most."""
+    from gguf.quants import dequantize
+
     itemsize = torch.empty((), dtype=dtype).element_size()
-    permute, shift = permutes_qk(arch), norm_shift(arch)
-    plan: list[tuple[Any, str, list[int]]] = []
+    tensors = {t.name: t for t in reader.tensors}
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for t in reader.tensors:
-        name, shape = (
-            _hf_name(t.name, arch),
-            [int(d) for d in reversed(t.shape)],
-        )  # ggml: fastest first
-        nbytes = math.prod(shape) * itemsize
-        header[name] = {
+    for item in plan:
+        nbytes = math.prod(item.shape) * itemsize
+        header[item.name] = {
             "dtype": _ST_DTYPES[dtype],
-            "shape": shape,
+            "shape": list(item.shape),
             "data_offsets": [offset, offset + nbytes],
         }
-        plan.append((t, name, shape))
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format wants the data 8-byte aligned
-    from gguf.quants import dequantize
+
+    def fp32(name: str) -> torch.Tensor:
+        t = tensors[name]
+        arr = dequantize(t.data, t.tensor_type)
+        if not arr.flags.writeable:  # unquantized tensors come back as the read-only mmap
+            arr = arr.copy()
+        return torch.from_numpy(arr).reshape(
+            [int(d) for d in reversed(t.shape)]
+        )  # ggml: fastest first
 
     with path.open("wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
-        for t, name, shape in tqdm(plan, desc=f"dequantize {label}", disable=not progress):
-            arr = dequantize(t.data, t.tensor_type)
-            if not arr.flags.writeable:  # unquantized tensors come back as the read-only mmap
-                arr = arr.copy()
-            w = torch.from_numpy(arr).reshape(shape)
-            if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
-                w = unpermute_rows(w, cfg["num_attention_heads"])
-            elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
-                w = unpermute_rows(w, cfg["num_key_value_heads"])
-            if shift and name.endswith("norm.weight"):
-                w = w - shift
+        for item in tqdm(plan, desc=f"dequantize {label}", disable=not progress):
+            w = item.build([fp32(n) for n in item.sources])
+            assert tuple(w.shape) == item.shape, (item.name, tuple(w.shape), item.shape)
             f.write(w.to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy().data)
-            del arr, w
+            del w
 
 
-def _write_tokenizer(gguf_path: Path, out: Path, chat_template: str | None) -> None:
-    from transformers import AutoTokenizer
+def _write_tokenizer(gguf_path: Path, out: Path, chat_template: str | None, arch: str) -> None:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     # An empty directory holding only a link to the GGUF, so transformers cannot pick up an
     # unrelated tokenizer_config.json that happens to sit next to the user's file.
     src = out / ".src"
     src.mkdir()
     (src / gguf_path.name).symlink_to(gguf_path.resolve())
-    tok = AutoTokenizer.from_pretrained(str(src), gguf_file=gguf_path.name)
+    # AutoTokenizer first parses the model config, and transformers' GGUF reader does not know
+    # every hybrid arch (qwen3next); the tokenizer itself comes from tokenizer.ggml.* alone
+    loader = PreTrainedTokenizerFast if arch in HYBRID_ARCHS else AutoTokenizer
+    tok = loader.from_pretrained(str(src), gguf_file=gguf_path.name)
     tok.save_pretrained(str(out))
     shutil.rmtree(src)
     # transformers 5 writes the template to chat_template.jinja; keep one copy, in the config
@@ -314,7 +354,7 @@ def convert_gguf(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     try:
-        _write_tokenizer(gguf_path, tmp, _metadata(reader, "tokenizer.chat_template"))
+        _write_tokenizer(gguf_path, tmp, _metadata(reader, "tokenizer.chat_template"), arch)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         gen = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": eos_ids}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
@@ -324,8 +364,7 @@ def convert_gguf(
             _write_safetensors(
                 tmp / "model.safetensors",
                 reader,
-                cfg,
-                arch,
+                tensor_plan(reader, arch, cfg),
                 torch_dtype,
                 progress,
                 gguf_path.name,

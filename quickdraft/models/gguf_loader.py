@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from quickdraft.config import ModelConfig
 from quickdraft.hub.convert import (
     GGUF_LINK,
     layer_names,
@@ -153,7 +154,8 @@ def load_gguf_model(
     beside it when there is one (`packed_name`), else built from the file (the GGUF's own
     packed copy first) and that copy written."""
     cfg = read_config(path)
-    native = model_class(cfg.model_type) in (CausalLM, Gemma3LM)
+    routed = isinstance(cfg, ModelConfig) and cfg.num_experts > 0  # Qwen3-MoE
+    native = model_class(cfg.model_type) in (CausalLM, Gemma3LM) and not routed
     if not native or torch.device(device).type != "cpu":
         raise GGUFTensorError(
             f"GGUF weights run natively for dense models on the CPU; {cfg.model_type!r} on "

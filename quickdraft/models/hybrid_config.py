@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quickdraft.config import read_hf_config
+from quickdraft.config import ModelConfig, read_hf_config
 
 HYBRID_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
@@ -138,10 +138,10 @@ NameMap = Callable[[str], tuple[str, tuple[int | slice, ...]] | None]
 _PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
-def checkpoint_name_map(cfg: HybridConfig) -> NameMap:
+def checkpoint_name_map(cfg: HybridConfig | ModelConfig) -> NameMap:
     """Composite Qwen3.5 checkpoints prefix the language model with `model.language_model.`
-    and carry a vision tower (skipped: text only); Qwen3-Next (and transformers' save format)
-    store one tensor per expert, which go into the fused `experts.gate_up_proj` / `down_proj`."""
+    and carry a vision tower (skipped: text only); Qwen3-Next and Qwen3-MoE checkpoints store
+    one tensor per expert, which go into the fused `experts.gate_up_proj` / `down_proj`."""
     inter = cfg.moe_intermediate_size
 
     def target(name: str) -> tuple[str, tuple[int | slice, ...]] | None:

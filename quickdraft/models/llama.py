@@ -1,4 +1,5 @@
-"""Dense decoder-only transformers: Llama / SmolLM2, Qwen2 / Qwen2.5, Qwen3.
+"""Decoder-only transformers: Llama / SmolLM2, Qwen2 / Qwen2.5, Qwen3, and Qwen3-MoE (Qwen3 with
+routed experts in place of the MLP, models/moe.py).
 
 Stage: the target (and draft) model. One `forward` runs N new tokens of one or more sequences
 packed together (prefill, decode, or a k+1-token verify): projections and MLPs run on all
@@ -38,6 +39,7 @@ from quickdraft.models.layers import (
     fused_projections,
     tapped_layers,
 )
+from quickdraft.models.moe import RoutedMoE
 
 
 class Attention(OperandModule):
@@ -139,7 +141,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.self_attn = Attention(cfg, idx, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = MLP(cfg, dtype, device)
+        self.mlp: MLP | RoutedMoE = (
+            RoutedMoE(
+                cfg.hidden_size,
+                cfg.num_experts,
+                cfg.num_experts_per_tok,
+                cfg.moe_intermediate_size,
+                cfg.norm_topk_prob,
+                dtype,
+                device,
+            )
+            if cfg.moe_layers and cfg.moe_layers[idx]
+            else MLP(cfg, dtype, device)
+        )
 
     def forward(
         self,
@@ -173,8 +187,10 @@ class DecoderLayer(nn.Module):
 
 
 def _fused_layer(layer: DecoderLayer, dtype: torch.dtype) -> Any:
-    """`layer` as the extension's C++ DenseLayer, or None where it cannot run."""
+    """`layer` as the extension's C++ DenseLayer, or None where it cannot run (MoE layers)."""
     attn, mlp = layer.self_attn, layer.mlp
+    if not isinstance(mlp, MLP):
+        return None
     return dense_layer(
         attn.layer_idx,
         attn.num_heads,

@@ -1,5 +1,6 @@
 """Feed-forward blocks of the Qwen3-Next family: the gated MLP and the sparse MoE block with a
-gated shared expert (Qwen3-Next, Qwen3.5-MoE).
+gated shared expert (Qwen3-Next, Qwen3.5-MoE); the routed experts alone (`RoutedMoE`) are
+Qwen3-MoE's block.
 
 Contract: `forward(x [N, hidden]) -> [N, hidden]` over packed tokens of any sequences (no state).
 Parameter names and layouts are transformers 5.x's: `gate.weight` [E, hidden] (router),
@@ -76,6 +77,43 @@ class Router(nn.Module):
         )
 
 
+def route(x: Tensor, router: Tensor, top_k: int, norm_topk: bool) -> tuple[Tensor, Tensor]:
+    """x [N, hidden] -> (top_weight [N, top_k] fp32, top_idx [N, top_k]): softmax over the
+    router logits, the top k, renormalized to sum 1 when `norm_topk`."""
+    router_logits = project(x, router)  # [N, E]
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    top_weight, top_idx = torch.topk(probs, top_k, dim=-1)  # [N, top_k]
+    if norm_topk:  # summed in slot order: a reduction could order it by batch shape
+        total = top_weight[:, 0]
+        for j in range(1, top_k):
+            total = total + top_weight[:, j]
+        top_weight = top_weight / total[:, None]
+    return top_weight, top_idx
+
+
+class RoutedMoE(nn.Module):
+    """Top-k softmax routing over `num_experts`, no shared expert (Qwen3-MoE)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        inter: int,
+        norm_topk: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk = top_k, norm_topk
+        self.gate = Router(num_experts, hidden, dtype, device)
+        self.experts = Experts(num_experts, hidden, inter, dtype, device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        top_weight, top_idx = route(x, self.gate.weight, self.top_k, self.norm_topk)
+        return self.experts(x, top_idx, top_weight.to(x.dtype))
+
+
 class SparseMoE(OperandModule):
     """Top-k softmax routing over `num_experts`, plus sigmoid(gate(x)) * shared_expert(x)."""
 
@@ -103,14 +141,7 @@ class SparseMoE(OperandModule):
         self.shared_gate: Weight = self.shared_expert_gate.weight.detach()  # GEMM operand
 
     def forward(self, x: Tensor) -> Tensor:
-        router_logits = project(x, self.gate.weight)  # [N, E]
-        probs = torch.softmax(router_logits.float(), dim=-1)
-        top_weight, top_idx = torch.topk(probs, self.top_k, dim=-1)  # [N, top_k]
-        if self.norm_topk:  # summed in slot order: a reduction could order it by batch shape
-            total = top_weight[:, 0]
-            for j in range(1, self.top_k):
-                total = total + top_weight[:, j]
-            top_weight = top_weight / total[:, None]
+        top_weight, top_idx = route(x, self.gate.weight, self.top_k, self.norm_topk)
         routed = self.experts(x, top_idx, top_weight.to(x.dtype))
         shared = sigmoid(project(x, self.shared_gate)) * self.shared_expert(x)
         return routed + shared

@@ -23,7 +23,7 @@ from quickdraft.models.llama import CausalLM
 from quickdraft.models.mtp import MTPParts, hybrid_mtp_parts, llama_mtp_parts
 from quickdraft.models.qwen3_next import HybridLM
 
-DENSE_TYPES = ("llama", "qwen2", "qwen3")
+DENSE_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # CausalLM (qwen3_moe: routed experts)
 
 MODELS: dict[str, type[nn.Module]] = {
     **{t: CausalLM for t in DENSE_TYPES},
@@ -38,7 +38,11 @@ CONFIGS: dict[str, Callable[[Path], Any]] = {
 }
 
 # model_type -> (config -> checkpoint name map); default: checkpoint names are ours
-NAME_MAPS: dict[str, Callable[[Any], NameMap]] = {t: checkpoint_name_map for t in HYBRID_TYPES}
+# (Qwen3-MoE checkpoints store one tensor per expert too)
+NAME_MAPS: dict[str, Callable[[Any], NameMap]] = {
+    **{t: checkpoint_name_map for t in HYBRID_TYPES},
+    "qwen3_moe": checkpoint_name_map,
+}
 
 # model_type -> (config, dtype, device -> the decoder layer / norms / RoPE of its MTP head)
 MTP_PARTS: dict[str, Callable[..., MTPParts]] = {

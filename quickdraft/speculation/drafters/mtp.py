@@ -69,7 +69,8 @@ def load_mtp_head(model: LanguageModel, path: str | Path) -> MTPHead:
     if not names:
         raise ValueError(
             f"{path} has no MTP head (no mtp.* tensors): --speculative-method mtp needs a "
-            "checkpoint that ships one (Qwen3-Next, Qwen3.5/3.6); use ngram or draft instead"
+            "checkpoint that ships one (Qwen3-Next, Qwen3.5/3.6; in a GGUF, the blk.N.nextn.* "
+            "tensors of nextn_predict_layers); use ngram or draft instead"
         )
     layers = {n.split(".")[2] for n in names if n.startswith("mtp.layers.")}
     cfg: Any = target.config
