@@ -636,7 +636,22 @@ def _add_train_args(t: argparse.ArgumentParser) -> None:
         default=None,
         help="text files / dirs (.py .md .rst .txt; default: the Python standard library)",
     )
-    t.add_argument("--max-tokens", type=int, default=None, help="corpus tokens used (400000)")
+    t.add_argument(
+        "--data",
+        choices=("auto", "chat", "text"),
+        default=None,
+        help="chat: instructions made from the corpus, answered by the model itself; text: the "
+        "corpus as it is; auto (default): chat when the model has a chat template",
+    )
+    t.add_argument("--messages", type=int, default=None, help="chat: instructions (1500)")
+    t.add_argument("--answer-tokens", type=int, default=None, help="chat: longest answer (256)")
+    t.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="token ids the drafter scores, the target's most predicted (8192; 0: all)",
+    )
+    t.add_argument("--max-tokens", type=int, default=None, help="text: corpus tokens (400000)")
     t.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (512)")
     t.add_argument("--layers", type=int, default=None, help="draft layers (2)")
     t.add_argument("--block-size", type=int, default=None, help="block rows: drafts + 1 (8)")
@@ -677,6 +692,10 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     data_cfg = DataConfig(
         **given(
             corpus=None if args.corpus is None else tuple(args.corpus),
+            data=args.data,
+            messages=args.messages,
+            answer_tokens=args.answer_tokens,
+            draft_vocab=args.draft_vocab,
             seq_len=args.seq_len,
             max_tokens=args.max_tokens,
             num_taps=args.num_taps,

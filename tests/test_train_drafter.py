@@ -29,13 +29,16 @@ from quickdraft.loading import LoadedModel, load
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.drafters.dflash import load_dflash
 from quickdraft.speculation.factory import make_speculation
+from quickdraft.training.chat_data import answer, chat_corpus, instructions
 from quickdraft.training.corpus import TapCorpus, read_texts, run_target, token_sequences
 from quickdraft.training.dflash import (
     DFlashTrainModel,
     TrainConfig,
+    draft_vocabulary,
     save_checkpoint,
     train,
     trainer_for,
+    vocab_coverage,
 )
 from quickdraft.training.run import read_log
 
@@ -60,16 +63,25 @@ def trainer(lm: LoadedModel, block: int = 4, seed: int = 0) -> DFlashTrainModel:
     return trainer_for(lm.model, 1, TAPS, block, MASK, seed=seed, dtype=torch.float32)
 
 
-def test_training_forward_equals_the_serving_forward(tmp_path: Path) -> None:
+@pytest.mark.parametrize("reduced", [False, True], ids=["whole-vocab", "draft-vocab"])
+def test_training_forward_equals_the_serving_forward(tmp_path: Path, reduced: bool) -> None:
     """Logits of a block from the training forward (many blocks per sequence, masked) equal
-    the serving DFlashModel's on the checkpoint the trainer wrote, for each of 3 anchors."""
+    the serving DFlashModel's on the checkpoint the trainer wrote, for each of 3 anchors; with
+    a reduced draft vocabulary (`d2t` in the checkpoint) on its ids, and -inf elsewhere."""
     lm = dense_target(tmp_path / "target", rigged=True)
-    model = trainer_for(lm.model, 2, TAPS, 4, MASK, seed=3, dtype=torch.float32)
+    vocab_ids = torch.arange(3, 320, 3) if reduced else None
+    model = trainer_for(
+        lm.model, 2, TAPS, 4, MASK, seed=3, dtype=torch.float32, vocab_ids=vocab_ids
+    )
     with torch.no_grad():  # away from the init, so that every tensor matters
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     save_checkpoint(model, torch.optim.AdamW(model.parameters()), 0, TrainConfig(), tmp_path, "t")
     served = load_dflash(lm.model, tmp_path)
+    scored = torch.arange(320) if vocab_ids is None else vocab_ids
+    if reduced:
+        assert json.loads((tmp_path / "config.json").read_text())["draft_vocab_size"] == 106
+        assert served.vocab_ids is not None and served.vocab_ids.tolist() == scored.tolist()
     ids = torch.tensor(lm.tokenizer.encode("def add(a, b):\n    return a + b\n\ndef add("))[:20]
     corpus = run_target(lm.model, ids[None], TAPS, progress=False)
     anchors = torch.tensor([[5, 12, 17]])
@@ -81,7 +93,75 @@ def test_training_forward_equals_the_serving_forward(tmp_path: Path) -> None:
         block = embed(torch.tensor([int(ids[a]), MASK, MASK, MASK]))
         want = served(block, [cache], [4], torch.arange(1, 4))
         got = model.logits(hidden[0, n, 1:]).detach()
-        assert (got - want).abs().max().item() < 1e-4, a
+        assert (got - want[:, scored]).abs().max().item() < 1e-4, a
+        others = torch.ones(320, dtype=torch.bool)
+        others[scored] = False
+        assert bool((want[:, others] == float("-inf")).all())
+
+
+def test_draft_vocabulary_keeps_the_targets_commonest_predictions(tmp_path: Path) -> None:
+    """draft_vocabulary counts the target's predictions where blocks run (a chat row: its
+    answer), keeps the most frequent plus the end-of-text ids; a label outside it carries no
+    loss and is never right; greedy output with such a drafter stays speculation off's."""
+    lm = dense_target(tmp_path / "target", rigged=True)
+    corpus = greedy_corpus(lm, 12, 30, seed=2)
+    corpus.lo = torch.full((12,), 10)
+    counts = torch.bincount(corpus.preds[:, 9:29].flatten(), minlength=320)
+    vocab = draft_vocabulary(corpus, 5, always=(2,))
+    top = torch.argsort(-counts, stable=True)[:5].tolist()  # ties: the lower id
+    assert vocab.tolist() == sorted({*top, 2})
+    assert 0 < vocab_coverage(corpus, vocab) < 1
+    model = trainer(lm)
+    small = trainer_for(lm.model, 1, TAPS, 4, MASK, dtype=torch.float32, vocab_ids=vocab)
+    labels, _ = small.labels(corpus.ids, corpus.preds, torch.tensor([[12] * 2] * 12))
+    full, _ = model.labels(corpus.ids, corpus.preds, torch.tensor([[12] * 2] * 12))
+    inside = torch.isin(full, vocab)
+    assert bool((labels[inside] == torch.searchsorted(vocab, full[inside])).all())
+    assert bool((labels[~inside] == -1).all())
+    out = tmp_path / "small"
+    save_checkpoint(small, torch.optim.AdamW(small.parameters()), 0, TrainConfig(), out, "t")
+    spec = make_speculation(
+        lm, SpeculativeConfig(method="dflash", draft_model=str(out), num_draft_tokens=3)
+    )
+    for prompt in ("the cat", "def add("):
+        plain = generate(lm, prompt, None, max_tokens=16)
+        assert generate(lm, prompt, spec, max_tokens=16).output_ids == plain.output_ids
+
+
+def test_chat_data_from_a_corpus(tmp_path: Path) -> None:
+    """--data chat: instructions made from Python functions (with their docstrings and
+    source), prose paragraphs and topic words; answered greedily by the target; the corpus rows
+    are prompt + answer, blocks start only inside the answer, whose tokens are the target's own
+    greedy predictions there."""
+    source = "\n\n".join(
+        f"def scale_{i}(values, factor=2):\n"
+        f'    """Multiply every number in values by factor and return the new list of them."""\n'
+        f"    return [v * factor for v in values]\n"
+        for i in range(5)
+    )
+    prose = "\n\n".join(
+        " ".join(
+            f"lighthouse keeper{i} watches ships crossing harbour waters nightly" for _ in range(6)
+        )
+        for i in range(4)
+    )
+    messages = instructions([source, prose], 30, seed=1)
+    assert len(messages) == 30 and messages == instructions([source, prose], 30, seed=1)
+    assert any("scale_" in m and "values, factor=2" in m for m in messages)  # code tasks
+    assert any("lighthouse keeper" in m and m.count("watches") >= 6 for m in messages)  # text
+    assert any(m.startswith(("Write a", "Explain what", "Give me", "Describe")) for m in messages)
+    lm = dense_target(tmp_path / "target")
+    pairs = answer(lm, messages[:6], max_answer=12, progress=False)
+    assert all(len(reply) > 0 for _, reply in pairs)
+    assert pairs[0][0] == lm.tokenizer.encode_chat([{"role": "user", "content": messages[0]}])
+    corpus = chat_corpus(lm, pairs, TAPS, seq_len=4096, progress=False)
+    lo, hi = corpus.bounds()
+    for i, (prompt, reply) in enumerate(pairs):
+        assert (int(lo[i]), int(hi[i])) == (len(prompt), len(prompt) + len(reply))
+        assert corpus.ids[i, : hi[i]].tolist() == prompt + reply
+    assert corpus.agreement() > 0.95  # the answers are the target's own greedy tokens
+    anchors = corpus.anchors(torch.arange(len(corpus)), 50)
+    assert bool(((anchors >= lo[:, None]) & (anchors < hi[:, None] - 1)).all())
 
 
 def test_labels_are_known_while_the_corpus_follows_the_target(tmp_path: Path) -> None:
@@ -214,6 +294,8 @@ def test_cli_trains_a_loadable_drafter(tmp_path: Path, capsys: pytest.CaptureFix
             "2",
             "--save-every",
             "2",
+            "--data",
+            "text",
         ]
     )
     assert code == 0, capsys.readouterr().err

@@ -71,11 +71,16 @@ def panel_rows(weight: Weight, p0: int, p1: int) -> Weight:
 
 
 def dequantized_rows(weight: Weight, ids: list[int]) -> Tensor:
-    """Rows `ids` of an operand's values, fp32 [len(ids), K], one 16-row panel dequantized at a
-    time (no copy of the whole weight)."""
-    rows = []
-    for i in ids:
-        panel = panel_rows(weight, i // PANEL, i // PANEL + 1)
+    """Rows `ids` of an operand's values, fp32 [len(ids), K]: each 16-row panel holding any of
+    them dequantized once (no copy of the whole weight)."""
+    if isinstance(weight, Tensor):
+        return weight[ids].float()
+    by_panel: dict[int, list[int]] = {}
+    for at, row in enumerate(ids):
+        by_panel.setdefault(row // PANEL, []).append(at)
+    out = torch.empty(len(ids), weight.shape[1])
+    for p, where in by_panel.items():
+        panel = panel_rows(weight, p, p + 1)
         values = panel.float() if isinstance(panel, Tensor) else panel.dequantize(torch.float32)
-        rows.append(values[i % PANEL])
-    return torch.stack(rows)
+        out[where] = values[[ids[at] % PANEL for at in where]]
+    return out

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quickdraft.config import ModelConfig, read_hf_config
-from quickdraft.kernels.gemm import Weight, project, to_panels
+from quickdraft.kernels.gemm import Weight, dequantized_rows, project, to_panels
 from quickdraft.kernels.pointwise import rope as apply_rope
 from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.layers import (
@@ -80,6 +80,7 @@ class DFlashConfig:
     causal: bool = False  # the checkpoint's `is_causal`: causal inside the block
     num_target_layers: int | None = None  # the target it was trained for, if it says
     input_embedding_scale: float = 1.0
+    draft_vocab_size: int | None = None  # a reduced draft vocabulary's size (tensor `d2t`)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> DFlashConfig:
@@ -136,6 +137,9 @@ class DFlashConfig:
             causal=bool(raw.get("is_causal", False)),
             num_target_layers=None if num_target is None else int(num_target),
             input_embedding_scale=float(value("input_embedding_scale", 1.0)),
+            draft_vocab_size=None
+            if raw.get("draft_vocab_size") is None
+            else int(raw["draft_vocab_size"]),
         )
 
 
@@ -310,7 +314,19 @@ class DFlashModel(OperandModule):
         self.lm_head_weight = (
             lm_head_weight.detach() if isinstance(lm_head_weight, Tensor) else lm_head_weight
         )
+        self.vocab_size = lm_head_weight.shape[0]
+        self.vocab_ids: Tensor | None = None  # the draft vocabulary (restrict_vocab_), if any
         self.requires_grad_(False)
+
+    def restrict_vocab_(self, ids: Tensor) -> None:
+        """Score only token ids `ids` [V_d] (a checkpoint's reduced draft vocabulary): the head
+        becomes those rows of the target's, dequantized to the model dtype (and packed when the
+        target's head runs a kernel operand); every other id's logit is -inf. Call after
+        `pack_`."""
+        head = self.lm_head_weight
+        rows = dequantized_rows(head, ids.tolist()).to(self.dtype)
+        self.lm_head_weight = rows if isinstance(head, Tensor) else to_panels(rows)
+        self.vocab_ids = ids.to(self.device)
 
     def pack_(self) -> None:
         """bf16 operands -> PanelWeight, as the target's `pack_` (a packed target head is
@@ -375,4 +391,9 @@ class DFlashModel(OperandModule):
             x = x * self.cfg.input_embedding_scale
         for layer in self.decoder_layers:
             x = layer(x, rope, caches, sizes, window)
-        return project(self.norm(x[logit_rows]), self.lm_head_weight).float()
+        logits = project(self.norm(x[logit_rows]), self.lm_head_weight).float()
+        if self.vocab_ids is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        full[:, self.vocab_ids] = logits
+        return full

@@ -90,16 +90,37 @@ def token_sequences(
 
 @dataclass(slots=True)
 class TapCorpus:
-    ids: Tensor  # [S, T] int64 token ids
+    ids: Tensor  # [S, T] int64 token ids (rows shorter than T padded past `hi`)
     taps: Tensor  # [S, T, len(layers) * H] bf16: the target's outputs at `layers` per position
     preds: Tensor  # [S, T] int64: the target's greedy next token after each position
     layers: tuple[int, ...]
+    # per row, the positions a block may start at: [lo, hi - 1) (a chat row: its answer);
+    # None: [1, T - 1)
+    lo: Tensor | None = None  # [S] int64
+    hi: Tensor | None = None  # [S] int64: the row's length
 
     def __len__(self) -> int:
         return self.ids.shape[0]
 
+    def bounds(self) -> tuple[Tensor, Tensor]:
+        """(lo, hi) per row (the defaults filled in)."""
+        s, t = self.ids.shape
+        lo = self.lo if self.lo is not None else torch.ones(s, dtype=torch.int64)
+        hi = self.hi if self.hi is not None else torch.full((s,), t, dtype=torch.int64)
+        return lo, hi
+
+    def anchors(self, rows: Tensor, n: int, gen: torch.Generator | None = None) -> Tensor:
+        """`n` random block starts per row of `rows` -> [len(rows), n], uniform in each row's
+        [lo, hi - 1)."""
+        lo, hi = (b[rows] for b in self.bounds())
+        span = (hi - 1 - lo).clamp(min=1)
+        u = torch.rand(len(rows), n, generator=gen)
+        return lo[:, None] + (u * span[:, None]).long().clamp(max=span[:, None] - 1)
+
     def subset(self, rows: Tensor) -> TapCorpus:
-        return TapCorpus(self.ids[rows], self.taps[rows], self.preds[rows], self.layers)
+        lo = None if self.lo is None else self.lo[rows]
+        hi = None if self.hi is None else self.hi[rows]
+        return TapCorpus(self.ids[rows], self.taps[rows], self.preds[rows], self.layers, lo, hi)
 
     def split(self, held_out: float, seed: int = 0) -> tuple[TapCorpus, TapCorpus]:
         """(train, held-out): a seeded random `held_out` fraction (at least one row) aside."""
@@ -108,30 +129,40 @@ class TapCorpus:
         return self.subset(order[n:]), self.subset(order[:n])
 
     def agreement(self) -> float:
-        """How often the corpus's next token is the target's greedy one."""
-        return float((self.ids[:, 1:] == self.preds[:, :-1]).float().mean())
+        """How often the corpus's next token is the target's greedy one, where blocks start."""
+        lo, hi = self.bounds()
+        pos = torch.arange(1, self.ids.shape[1])
+        where = (pos[None] >= lo[:, None]) & (pos[None] < hi[:, None])
+        same = self.ids[:, 1:] == self.preds[:, :-1]
+        return float(same[where].float().mean())
 
 
 @torch.inference_mode()
 def run_target(
-    model: LanguageModel, seqs: Tensor, layers: Sequence[int], progress: bool = True
+    model: LanguageModel,
+    seqs: Tensor,
+    layers: Sequence[int],
+    progress: bool = True,
+    lengths: Tensor | None = None,  # [S] each row's length (default: all of T)
 ) -> TapCorpus:
-    """Each row of `seqs` [S, T] through the target alone, from position 0 (module docstring)."""
-    t = seqs.shape[1]
-    taps: list[Tensor] = []
-    preds: list[Tensor] = []
-    for row in tqdm(seqs, desc="target pass", unit="seq", disable=not progress):
+    """Each row of `seqs` [S, T] (its first `lengths[i]` tokens) through the target alone, from
+    position 0 (module docstring); a row's padding gets zero taps and its own ids as preds."""
+    s, t = seqs.shape
+    taps = torch.zeros(s, t, len(layers) * model.config.hidden_size, dtype=torch.bfloat16)
+    preds = seqs.clone()
+    for i in tqdm(range(s), desc="target pass", unit="seq", disable=not progress):
+        n = t if lengths is None else int(lengths[i])
         out = model(
-            row,
-            [model.new_cache(t)],
-            [t],
-            logit_rows=torch.arange(t),
+            seqs[i, :n],
+            [model.new_cache(n)],
+            [n],
+            logit_rows=torch.arange(n),
             hidden_layers=tuple(layers),
         )
         assert out.layers is not None
-        taps.append(out.layers.flatten(1).to(torch.bfloat16))  # [T, len(layers) * H]
-        preds.append(out.logits.argmax(-1))
-    return TapCorpus(seqs, torch.stack(taps), torch.stack(preds), tuple(layers))
+        taps[i, :n] = out.layers.flatten(1).to(torch.bfloat16)  # [n, len(layers) * H]
+        preds[i, :n] = out.logits.argmax(-1)
+    return TapCorpus(seqs, taps, preds, tuple(layers), None, lengths)
 
 
 def build_corpus(
@@ -154,14 +185,29 @@ def build_corpus(
     key.update(f"{model_key}|{list(layers)}".encode())
     cached = None if cache_dir is None else cache_dir / f"corpus-{key.hexdigest()[:16]}.pt"
     if cached is not None and cached.is_file():
-        saved = torch.load(cached)
-        return TapCorpus(saved["ids"], saved["taps"], saved["preds"], tuple(saved["layers"]))
+        return load_corpus(cached)
     corpus = run_target(model, seqs, layers, progress)
     if cached is not None:
-        cache_dir.mkdir(parents=True, exist_ok=True)  # type: ignore[union-attr]
-        tmp = cached.with_suffix(".tmp")
-        torch.save(
-            {"ids": corpus.ids, "taps": corpus.taps, "preds": corpus.preds, "layers": layers}, tmp
-        )
-        tmp.replace(cached)
+        save_corpus(corpus, cached)
     return corpus
+
+
+def save_corpus(corpus: TapCorpus, path: Path) -> None:
+    """`corpus` to `path` (a temporary name first: a kill never leaves half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    fields = {"ids": corpus.ids, "taps": corpus.taps, "preds": corpus.preds, "lo": corpus.lo}
+    torch.save({**fields, "hi": corpus.hi, "layers": list(corpus.layers)}, tmp)
+    tmp.replace(path)
+
+
+def load_corpus(path: Path) -> TapCorpus:
+    saved = torch.load(path)
+    return TapCorpus(
+        saved["ids"],
+        saved["taps"],
+        saved["preds"],
+        tuple(saved["layers"]),
+        saved.get("lo"),
+        saved.get("hi"),
+    )

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -135,7 +135,8 @@ class DFlashTrainModel(nn.Module):
     """The DFlash drafter's forward in plain torch (module docstring); `state_dict()` holds
     exactly the public checkpoint's tensors."""
 
-    head: Tensor  # a buffer, typed
+    head: Tensor  # buffers, typed
+    t2d: Tensor
 
     def __init__(
         self,
@@ -147,6 +148,7 @@ class DFlashTrainModel(nn.Module):
         head: Tensor,  # [vocab, H] the target's lm_head, frozen
         num_target_layers: int,
         seed: int = 0,
+        vocab_ids: Tensor | None = None,  # [V_d] ascending: the token ids the drafter scores
     ) -> None:
         super().__init__()
         torch.manual_seed(seed)
@@ -164,7 +166,17 @@ class DFlashTrainModel(nn.Module):
         self.decoder_layers: list[_Layer] = list(self.layers)  # type: ignore[arg-type]
         self.norm = Norm(h, shape.rms_norm_eps)
         self._embed = embed
+        self.vocab_size = head.shape[0]
+        self.draft_vocab = None if vocab_ids is None else len(vocab_ids)
+        t2d = torch.arange(head.shape[0])  # target id -> the drafter's logit column (-1: none)
+        if vocab_ids is not None:
+            head = head[vocab_ids].clone()
+            t2d = torch.full((self.vocab_size,), -1, dtype=torch.int64)
+            t2d[vocab_ids] = torch.arange(len(vocab_ids))
+            # EAGLE-3's convention: column i is token i + d2t[i]; saved in the checkpoint
+            self.register_buffer("d2t", vocab_ids - torch.arange(len(vocab_ids)))
         self.register_buffer("head", head, persistent=False)
+        self.register_buffer("t2d", t2d, persistent=False)
         self.rope = Rope(shape.head_dim, shape.rope_theta, torch.device("cpu"))
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -222,13 +234,17 @@ class DFlashTrainModel(nn.Module):
         """Final hidden rows [..., H] -> logits [..., vocab] fp32 over the target's lm_head."""
         return F.linear(self.norm(hidden).to(self.head.dtype), self.head).float()
 
-    def labels(self, ids: Tensor, preds: Tensor, anchors: Tensor) -> tuple[Tensor, Tensor]:
-        """-> labels, known [S, N, B - 1] for block rows 1 .. B-1 (module docstring)."""
+    def labels(
+        self, ids: Tensor, preds: Tensor, anchors: Tensor, hi: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """-> labels (as the drafter's logit columns; -1: a token outside its vocabulary),
+        known [S, N, B - 1] for block rows 1 .. B-1 (module docstring); `hi` [S]: each row's
+        length (default T)."""
         t = ids.shape[1]
         at = anchors[:, :, None] + torch.arange(self.block_size - 1)  # a + j - 1
-        inside = at < t
+        inside = at < (t if hi is None else hi[:, None, None] - 1)
         at = at.clamp(max=t - 1)
-        labels = preds.gather(1, at.flatten(1)).view_as(at)
+        labels = self.t2d[preds.gather(1, at.flatten(1)).view_as(at)]
         agree = torch.zeros_like(ids, dtype=torch.bool)
         agree[:, :-1] = ids[:, 1:] == preds[:, :-1]
         follows = agree.gather(1, at.flatten(1)).view_as(at)
@@ -236,9 +252,16 @@ class DFlashTrainModel(nn.Module):
         return labels, chain.cumprod(-1).bool() & inside
 
     def loss(
-        self, ids: Tensor, taps: Tensor, preds: Tensor, anchors: Tensor, gamma: float
+        self,
+        ids: Tensor,
+        taps: Tensor,
+        preds: Tensor,
+        anchors: Tensor,
+        gamma: float,
+        hi: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, float]]:
-        labels, known = self.labels(ids, preds, anchors)
+        labels, known = self.labels(ids, preds, anchors, hi)
+        known &= labels >= 0  # a token outside the draft vocabulary cannot be learned
         hidden = self.block_hidden(ids, taps, anchors)[:, :, 1:]  # [S, N, B-1, H]
         logits = self.logits(hidden[known])  # [rows, vocab]: known rows only
         weights = torch.exp(-torch.arange(self.block_size - 1, dtype=torch.float32) / gamma)
@@ -257,18 +280,18 @@ class DFlashTrainModel(nn.Module):
     def acceptance_length(self, corpus: TapCorpus, blocks: int, seed: int = 1) -> float:
         """The held-out AL estimate (module docstring) over `blocks` seeded random blocks."""
         gen = torch.Generator().manual_seed(seed)
-        t = corpus.ids.shape[1]
         per = max(1, blocks // max(1, len(corpus)))
+        hi_all = corpus.bounds()[1]
         hits = torch.zeros(self.block_size - 1)
         tries = torch.zeros(self.block_size - 1)
         for start in range(0, len(corpus), 4):
             rows = torch.arange(start, min(start + 4, len(corpus)))
             ids, taps, preds = corpus.ids[rows], corpus.taps[rows], corpus.preds[rows]
-            anchors = torch.randint(1, t - 1, (len(rows), per), generator=gen)
-            labels, known = self.labels(ids, preds, anchors)
+            anchors = corpus.anchors(rows, per, gen)
+            labels, known = self.labels(ids, preds, anchors, hi_all[rows])
             hidden = self.block_hidden(ids, taps, anchors)[:, :, 1:]
             right = torch.zeros_like(known)
-            right[known] = self.logits(hidden[known]).argmax(-1) == labels[known]
+            right[known] = self.logits(hidden[known]).argmax(-1) == labels[known]  # -1: never
             prefix = torch.cat([torch.ones_like(right[..., :1]), right[..., :-1]], -1).cumprod(-1)
             asked = known & prefix.bool()  # rows whose label is known and whose prefix was right
             tries += asked.flatten(0, 1).sum(0)
@@ -292,6 +315,7 @@ class DFlashTrainModel(nn.Module):
             "rope_theta": s.rope_theta,
             "max_position_embeddings": s.max_position_embeddings,
             "vocab_size": s.vocab_size,
+            **({} if self.draft_vocab is None else {"draft_vocab_size": self.draft_vocab}),
             "attention_bias": False,
             "tie_word_embeddings": False,
             "torch_dtype": "float32",
@@ -316,6 +340,28 @@ def dense_head(weight: Any, dtype: torch.dtype) -> Tensor:
     """The target's lm_head operand (any Weight format) as a dense [vocab, H] tensor."""
     dense = weight if isinstance(weight, Tensor) else weight.dequantize(dtype)
     return dense.detach().to(dtype).clone()
+
+
+def draft_vocabulary(corpus: TapCorpus, size: int, always: Sequence[int] = ()) -> Tensor:
+    """The `size` token ids the target predicts most often where blocks start and run in
+    `corpus` (ties to the lower id), plus `always` (end-of-text ids), ascending: a drafter
+    scoring only these pays for a `size`-row head instead of the whole vocabulary (EAGLE-3's
+    reduced draft vocabulary), and drafts nothing else."""
+    lo, hi = corpus.bounds()
+    pos = torch.arange(corpus.ids.shape[1])
+    where = (pos[None] >= lo[:, None] - 1) & (pos[None] < hi[:, None] - 1)
+    counts = torch.bincount(corpus.preds[where], minlength=1)
+    top = torch.argsort(-counts, stable=True)[:size]
+    keep = set(top[counts[top] > 0].tolist()) | set(always)
+    return torch.tensor(sorted(keep), dtype=torch.int64)
+
+
+def vocab_coverage(corpus: TapCorpus, vocab_ids: Tensor) -> float:
+    """The share of the target's predictions where blocks run that `vocab_ids` holds."""
+    lo, hi = corpus.bounds()
+    pos = torch.arange(corpus.ids.shape[1])
+    where = (pos[None] >= lo[:, None] - 1) & (pos[None] < hi[:, None] - 1)
+    return float(torch.isin(corpus.preds[where], vocab_ids).float().mean())
 
 
 def default_mask_token(vocab_size: int, tokenizer_size: int, specials: dict[int, str]) -> int:
@@ -417,7 +463,7 @@ def train(
         torch.manual_seed(cfg.seed)
     out.mkdir(parents=True, exist_ok=True)
     log: list[dict[str, float]] = []
-    t_len = data.ids.shape[1]
+    hi = data.bounds()[1]
     start = time.monotonic()
     bar = tqdm(total=cfg.steps, initial=step, desc="train-drafter", disable=not progress)
 
@@ -442,10 +488,12 @@ def train(
         if cfg.minutes and time.monotonic() - start > cfg.minutes * 60:
             break
         rows = torch.randint(0, len(data), (cfg.batch,))
-        anchors = torch.randint(1, t_len - 1, (cfg.batch, cfg.anchors))
+        anchors = data.anchors(rows, cfg.anchors)
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, cfg)
-        loss, stats = model.loss(data.ids[rows], data.taps[rows], data.preds[rows], anchors, gamma)
+        loss, stats = model.loss(
+            data.ids[rows], data.taps[rows], data.preds[rows], anchors, gamma, hi[rows]
+        )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -473,6 +521,7 @@ def trainer_for(
     mask_token_id: int,
     seed: int = 0,
     dtype: torch.dtype | None = None,  # the frozen head's (default: head_dtype())
+    vocab_ids: Tensor | None = None,  # the draft vocabulary (draft_vocabulary); None: all
 ) -> DFlashTrainModel:
     """A fresh DFlash drafter to train for target `model` (its embedding and head, frozen)."""
     assert isinstance(model, nn.Module), "model classes are torch modules"
@@ -494,6 +543,7 @@ def trainer_for(
         dense_head(target.head, dtype or head_dtype()),
         shape.num_hidden_layers,
         seed,
+        vocab_ids,
     )
     # The final norm starts as the target's (its effective scale, whatever its convention): the
     # head expects rows at that scale, and a unit norm would start at logits of ~+-100.

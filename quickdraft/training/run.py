@@ -9,28 +9,53 @@ drafter), trainer.pt (optimizer state), train_log.jsonl and training_curve.png.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from quickdraft.loading import LoadedModel
 from quickdraft.models.dflash import default_target_layers
-from quickdraft.training.corpus import build_corpus, default_corpus
+from quickdraft.training.chat_data import answer, chat_corpus, instructions
+from quickdraft.training.corpus import (
+    TapCorpus,
+    build_corpus,
+    default_corpus,
+    load_corpus,
+    read_texts,
+    save_corpus,
+)
 from quickdraft.training.dflash import (
+    CHECKPOINT,
     LOG,
     TrainConfig,
     default_mask_token,
+    draft_vocabulary,
     train,
     trainer_for,
+    vocab_coverage,
 )
+
+DATA_KINDS = ("auto", "chat", "text")
 
 
 @dataclass(frozen=True, slots=True)
 class DataConfig:
     corpus: tuple[str, ...] = ()  # files / dirs (default: the Python standard library)
+    # "chat": instructions from the corpus answered by the target (training/chat_data.py);
+    # "text": the corpus itself; "auto": chat when the model has a chat template
+    data: str = "auto"
+    messages: int = 1500  # chat: instructions answered
+    answer_tokens: int = 256  # chat: the longest answer
+    draft_vocab: int = 8192  # token ids the drafter scores (0: the whole vocabulary)
     seq_len: int = 512
-    max_tokens: int = 400_000
+    max_tokens: int = 400_000  # text: corpus tokens used
     held_out: float = 0.03
     num_taps: int = 4  # target layers read, spread evenly (ignored when `taps` is given)
     taps: tuple[int, ...] = ()
@@ -72,31 +97,86 @@ def train_drafter(
                 i: t.content for i, t in tokenizer.backend.get_added_tokens_decoder().items()
             }
             mask = default_mask_token(model.config.vocab_size, tokenizer.vocab_size, specials)
-    eos = lm.eos_ids[0] if lm.eos_ids else 0
-    corpus = build_corpus(
-        model,
-        tokenizer,
-        f"{model_name}|{dtype}",
-        list(data_cfg.corpus) or default_corpus(),
-        taps,
-        data_cfg.seq_len,
-        data_cfg.max_tokens,
-        eos,
-        out / "data",
-        progress,
+    if data_cfg.data not in DATA_KINDS:
+        raise ValueError(f"--data {data_cfg.data!r}: one of {', '.join(DATA_KINDS)}")
+    chat = data_cfg.data == "chat" or (
+        data_cfg.data == "auto" and tokenizer.chat_template is not None
     )
+    paths = list(data_cfg.corpus) or default_corpus()
+    if chat:
+        corpus = chat_data(lm, f"{model_name}|{dtype}", paths, taps, data_cfg, out / "data")
+    else:
+        eos = lm.eos_ids[0] if lm.eos_ids else 0
+        corpus = build_corpus(
+            model,
+            tokenizer,
+            f"{model_name}|{dtype}",
+            paths,
+            taps,
+            data_cfg.seq_len,
+            data_cfg.max_tokens,
+            eos,
+            out / "data",
+            progress,
+        )
     data, held_out = corpus.split(data_cfg.held_out, seed=train_cfg.seed)
-    drafter = trainer_for(model, train_cfg.num_layers, taps, train_cfg.block_size, mask)
+    vocab_ids = saved_vocabulary(out)
+    if vocab_ids is None and 0 < data_cfg.draft_vocab < model.config.vocab_size:
+        vocab_ids = draft_vocabulary(data, data_cfg.draft_vocab, lm.eos_ids)
+    drafter = trainer_for(
+        model, train_cfg.num_layers, taps, train_cfg.block_size, mask, vocab_ids=vocab_ids
+    )
     log = train(drafter, data, held_out, train_cfg, out, model_name, progress)
     plot_curve(out)
     last = log[-1] if log else {}
+    lo, hi = corpus.bounds()
     return {
         "steps": float(last.get("step", 0)),
         "loss": float(last.get("loss", float("nan"))),
         "al_estimate": float(last.get("al", float("nan"))),
-        "corpus_tokens": float(corpus.ids.numel()),
+        "corpus_rows": float(len(corpus)),
+        "corpus_tokens": float((hi - lo).sum()),
         "corpus_agreement": corpus.agreement(),
+        "draft_vocab": float(model.config.vocab_size if vocab_ids is None else len(vocab_ids)),
+        "held_out_vocab_coverage": 1.0
+        if vocab_ids is None
+        else vocab_coverage(held_out, vocab_ids),
     }
+
+
+def chat_data(
+    lm: LoadedModel,
+    model_key: str,
+    paths: Sequence[str | Path],
+    taps: Sequence[int],
+    cfg: DataConfig,
+    cache_dir: Path,
+) -> TapCorpus:
+    """The `--data chat` corpus (training/chat_data.py), from `cache_dir` when a run with the
+    same instructions, target and taps made it (a resumed training skips both passes)."""
+    messages = instructions(read_texts(paths), cfg.messages)
+    key = hashlib.sha256(
+        json.dumps([messages, model_key, list(taps), cfg.seq_len, cfg.answer_tokens]).encode()
+    )
+    cached = cache_dir / f"chat-{key.hexdigest()[:16]}.pt"
+    if cached.is_file():
+        return load_corpus(cached)
+    pairs = answer(lm, messages, cfg.answer_tokens)
+    corpus = chat_corpus(lm, pairs, taps, cfg.seq_len)
+    save_corpus(corpus, cached)
+    return corpus
+
+
+def saved_vocabulary(out: Path) -> Tensor | None:
+    """The draft vocabulary of the checkpoint in `out` (a resumed run keeps it), if any."""
+    path = out / CHECKPOINT
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        if "d2t" not in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            return None
+        d2t = f.get_tensor("d2t")
+    return d2t + torch.arange(len(d2t))
 
 
 def read_log(out: Path) -> list[dict[str, float]]:

@@ -1,0 +1,220 @@
+"""Chat training data for a drafter: instructions made from a local corpus, answered by the
+frozen target itself (self-distillation on the target's own replies, the recipe DFlash and
+EAGLE-3 train on: a drafter serves chat answers, so it should learn from them).
+
+Stage: the `--data chat` half of `quickdraft train-drafter` (training/corpus.py holds the
+plain-text one). Contract:
+  instructions(texts, n, seed)       n user messages made from the corpus's texts: for code
+                                     (Python sources, parsed) "write / explain / test /
+                                     refactor this function", for prose "summarize / explain
+                                     this paragraph" and open writing tasks on topics
+                                     (words frequent in the corpus); seeded, shuffled
+  answer(lm, messages, max_answer)   each message chat-templated and answered greedily by the
+                                     target (plain decoding, batched by the engine) ->
+                                     (prompt ids, answer ids) per message
+  chat_corpus(lm, pairs, layers, T)  the conversations run through the target once: TapCorpus
+                                     rows of prompt + answer (cut to T), blocks start only
+                                     inside the answer (lo = prompt length)
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+import re
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from quickdraft.loading import LoadedModel
+from quickdraft.request import SamplingParams
+from quickdraft.training.corpus import TapCorpus, run_target
+
+MAX_SOURCE_LINES = 40  # longer functions are not quoted whole in an instruction
+CODE_TASKS = (
+    "Write a Python function `{sig}` that {doc}",
+    "Implement `{sig}` in Python. {Doc}",
+    "Explain what this Python function does:\n\n```python\n{src}\n```",
+    "Write pytest unit tests for this function:\n\n```python\n{src}\n```",
+    "Refactor this code to make it clearer, and explain your changes:\n\n```python\n{src}\n```",
+    "Add type hints and a docstring to this function:\n\n```python\n{src}\n```",
+)
+TEXT_TASKS = (
+    "Summarize the following text in a few sentences:\n\n{par}",
+    "Explain this to a beginner:\n\n{par}",
+    "Rewrite this paragraph in simpler words:\n\n{par}",
+)
+TOPIC_TASKS = (
+    "Write a short story about a {a} and a {b}.",
+    "Write a poem about {a}.",
+    "Explain what {a} means in programming, with an example.",
+    "Write a friendly email to a colleague about the {a} project.",
+    "Give me five tips about {a}.",
+    "Describe a day in the life of someone who works with {a} and {b}.",
+)
+
+
+def _first_paragraph(doc: str) -> str:
+    return re.sub(r"\s+", " ", doc.strip().split("\n\n")[0]).strip()
+
+
+def _code_items(text: str) -> list[dict[str, str]]:
+    """Public functions with a docstring in a Python source: signature, docstring, source."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    lines = text.splitlines()
+    items = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+            continue
+        doc = ast.get_docstring(node)
+        if not doc or len(doc) < 30 or node.end_lineno is None:
+            continue
+        src = "\n".join(lines[node.lineno - 1 : node.end_lineno])
+        if node.end_lineno - node.lineno >= MAX_SOURCE_LINES:
+            src = ""
+        items.append(
+            {
+                "sig": f"{node.name}({ast.unparse(node.args)})",
+                "doc": _first_paragraph(doc),
+                "src": src,
+            }
+        )
+    return items
+
+
+def _paragraphs(text: str, python: bool) -> list[str]:
+    """Prose paragraphs: a Python source's docstrings, any other file's blank-line blocks."""
+    if python:
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            return []
+        docs = [
+            ast.get_docstring(n) or ""
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef)
+        ]
+        blocks = [b for d in docs for b in d.split("\n\n")]
+    else:
+        blocks = text.split("\n\n")
+    out = []
+    for block in blocks:
+        par = re.sub(r"\s+", " ", block).strip()
+        if 200 <= len(par) <= 1200 and sum(c.isalpha() for c in par) > 0.7 * len(par):
+            out.append(par)
+    return out
+
+
+def instructions(texts: Sequence[str], n: int, seed: int = 0) -> list[str]:
+    """`n` user messages from the corpus (module docstring): about a third each code, text and
+    topic tasks, as far as the corpus has material for them; ValueError if it has none."""
+    rng = random.Random(seed)
+    code: list[dict[str, str]] = []
+    pars: list[str] = []
+    words: Counter[str] = Counter()
+    for text in texts:
+        python = "def " in text or "import " in text
+        if python:
+            code.extend(_code_items(text))
+        found = _paragraphs(text, python)
+        pars.extend(found)
+        for par in found:
+            words.update(set(re.findall(r"\b[a-z]{5,12}\b", par)))
+    topics = [w for w, c in words.most_common(600)[100:]]  # common, not the commonest
+    out: list[str] = []
+    for i in range(n):
+        kind = i % 3
+        if kind == 0 and code:
+            item = rng.choice(code)
+            tasks = [t for t in CODE_TASKS if item["src"] or "{src}" not in t]
+            doc = item["doc"].rstrip(".")
+            out.append(
+                rng.choice(tasks).format(
+                    sig=item["sig"],
+                    doc=doc[:1].lower() + doc[1:] + ".",
+                    Doc=doc + ".",
+                    src=item["src"],
+                )
+            )
+        elif kind == 1 and pars:
+            out.append(rng.choice(TEXT_TASKS).format(par=rng.choice(pars)))
+        elif len(topics) >= 2:
+            a, b = rng.sample(topics, 2)
+            out.append(rng.choice(TOPIC_TASKS).format(a=a, b=b))
+        elif code or pars:
+            out.append(
+                rng.choice(TEXT_TASKS).format(par=rng.choice(pars))
+                if pars
+                else CODE_TASKS[0].format(sig=code[0]["sig"], doc=code[0]["doc"])
+            )
+    if not out:
+        raise ValueError("the corpus has neither Python functions nor prose paragraphs")
+    rng.shuffle(out)
+    return out
+
+
+def answer(
+    lm: LoadedModel,
+    messages: Sequence[str],
+    max_answer: int,
+    batch: int = 16,
+    progress: bool = True,
+) -> list[tuple[list[int], list[int]]]:
+    """Each message as a one-turn chat answered greedily by the target (module docstring)."""
+    from quickdraft.engine.core import EngineCore
+    from quickdraft.engine.scheduler import SchedulerConfig
+    from quickdraft.engine.sequence import SeqStatus
+
+    tok = lm.tokenizer
+    if tok.chat_template is None:
+        raise ValueError("--data chat needs a model with a chat template; use --data text")
+    core = EngineCore(lm, SchedulerConfig(max_running=batch))
+    params = SamplingParams(max_tokens=max_answer)
+    seqs = [
+        core.add(lm.new_request(tok.encode_chat([{"role": "user", "content": m}]), params), None)
+        for m in messages
+    ]
+    bar = tqdm(total=len(seqs), desc="target answers", unit="msg", disable=not progress)
+    done = 0
+    while core.has_work:
+        core.step()
+        finished = sum(s.status == SeqStatus.FINISHED for s in seqs)
+        bar.update(finished - done)
+        done = finished
+    bar.close()
+    failed = [s.error for s in seqs if s.error is not None]
+    if failed:
+        raise RuntimeError(f"{len(failed)} answers failed, the first: {failed[0]}")
+    return [(list(s.request.prompt_ids), list(s.request.output_ids)) for s in seqs]
+
+
+def chat_corpus(
+    lm: LoadedModel,
+    pairs: Sequence[tuple[list[int], list[int]]],
+    layers: Sequence[int],
+    seq_len: int,
+    progress: bool = True,
+) -> TapCorpus:
+    """The conversations (prompt + answer, cut to `seq_len`; prompts longer than half of it
+    keep their tail) through the target (module docstring); rows with fewer than 4 answer
+    tokens are dropped."""
+    rows, lo, hi = [], [], []
+    for prompt, reply in pairs:
+        prompt = prompt[-(seq_len // 2) :]
+        seq = (prompt + reply)[:seq_len]
+        if len(seq) - len(prompt) < 4:
+            continue
+        rows.append(seq + [0] * (seq_len - len(seq)))
+        lo.append(len(prompt))
+        hi.append(len(seq))
+    if not rows:
+        raise ValueError("no answer of 4 tokens or more to train on")
+    lengths = torch.tensor(hi)
+    corpus = run_target(lm.model, torch.tensor(rows), layers, progress, lengths)
+    corpus.lo = torch.tensor(lo)
+    return corpus
