@@ -20,6 +20,7 @@ from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.loading import LoadedModel, load
 from quickdraft.request import Request, SamplingParams
 from quickdraft.speculation import policy as policy_module
+from quickdraft.speculation import state as state_module
 from quickdraft.speculation.adaptive import EXPLORE_MIN, Pick, Pricing, pick
 from quickdraft.speculation.cost import DraftCost, StepCost, use_cost
 from quickdraft.speculation.drafters.ngram import NgramDrafter
@@ -111,6 +112,26 @@ def test_adaptive_shadow_drafts_score_the_lookups() -> None:
     spec.arms[1].shadow = []
     spec.record(1, 0, True, 12, emitted=[4])  # it found nothing to draft
     assert lookup.hit_rate < 1.0
+
+
+def test_adaptive_start_scores_the_lookups_on_the_prompt() -> None:
+    """Before the first pick, each free lookup shadow-drafts over the prompt's last positions:
+    a prompt that repeats itself raises its acceptance above the pooled prior, one that never
+    repeats lowers it; a drafter with a cost is not run."""
+    members = (
+        Speculation(SpeculativeConfig(method="ngram"), NgramDrafter(), None),
+        Speculation(
+            SpeculativeConfig(method="draft", draft_model="m"), NgramDrafter(), costing(0.1)
+        ),
+    )
+    spec = AdaptiveSpeculation(SpeculativeConfig(method="adaptive", num_draft_tokens=4), members)
+    prior = members[0].pooled.alpha
+    repeating = spec.start(list(range(10, 30)) * 4)
+    assert repeating.arms[0].acceptance.alpha > prior + 0.3
+    assert repeating.arms[1].acceptance.successes == repeating.arms[1].acceptance.failures == 0
+    fresh = spec.start(list(range(100, 180)))
+    assert fresh.arms[0].acceptance.hit_rate < 0.1
+    assert all(a.shadow is None for a in (*repeating.arms, *fresh.arms))
 
 
 def test_adaptive_pick_with_no_room_keeps_the_arm() -> None:
@@ -242,7 +263,7 @@ def test_adaptive_sampled_lookups_equal_plain(target: LoadedModel) -> None:
 
 
 def test_adaptive_prefix_cache_keeps_the_draft_arm(
-    target: LoadedModel, near_draft_dir: Path
+    target: LoadedModel, near_draft_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the prefix cache, a second request with the first's prompt gets the draft model's
     KV of the cached blocks in its draft arm (the cache keeps that arm's state, whichever arm is
@@ -252,6 +273,7 @@ def test_adaptive_prefix_cache_keeps_the_draft_arm(
     for member in spec.members:  # the lookups start out poor: the draft model drafts first
         if member.draft_cost is None:
             member.pooled.prior_alpha, member.pooled.hit_rate = 0.05, 0.05
+    monkeypatch.setattr(state_module, "WARM_UP_POSITIONS", 0)  # (the prompt repeats itself)
     prefix = PrefixCacheConfig(block_size=4)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     prompt = target.tokenizer.encode(PROMPTS[0] + PROMPTS[1])

@@ -18,11 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from quickdraft.config import SpeculativeConfig
+from quickdraft.request import SamplingParams
 from quickdraft.speculation.cost import DraftCost
-from quickdraft.speculation.drafters.base import Drafter
+from quickdraft.speculation.drafters.base import Drafter, DraftJob
 from quickdraft.speculation.relaxed import ThinkScan
 
 
@@ -93,7 +95,32 @@ class AdaptiveSpeculation:
     members: tuple[Speculation, ...]
 
     def start(self, prompt_ids: list[int], tenant: str = "") -> SpecState:
-        return SpecState(self.config, [m.arm(prompt_ids, tenant) for m in self.members])
+        arms = [m.arm(prompt_ids, tenant) for m in self.members]
+        for arm in arms:
+            if arm.speculation.draft_cost is None:
+                warm_up(arm, prompt_ids, self.config.num_draft_tokens)
+        return SpecState(self.config, arms)
+
+
+# prompt positions a free lookup shadow-drafts at before a request's first pick (warm_up)
+WARM_UP_POSITIONS = 32
+
+
+def warm_up(arm: Arm, prompt_ids: list[int], k: int) -> None:
+    """Score a free lookup on the prompt's last WARM_UP_POSITIONS positions before the request
+    decodes: at each, what it drafts from the tokens before (its state grows with them, as it
+    would anyway) against the prompt's next tokens (`shadow_score`). The first pick then weighs
+    this request's text, not only earlier requests' pooled prior: an agent's prompt that
+    resends files makes its lookups look good at once, before a draft model is picked and
+    pays to prefill the whole prompt."""
+    if k <= 0:
+        return
+    drafter = arm.speculation.drafter
+    params, generator = SamplingParams(), torch.Generator()
+    for p in range(max(1, len(prompt_ids) - WARM_UP_POSITIONS), len(prompt_ids)):
+        job = DraftJob(arm.draft_state, prompt_ids[:p], k, params, generator)
+        arm.shadow = drafter.propose([job])[0].tokens
+        shadow_score(arm, prompt_ids[p:])
 
 
 AnySpeculation = Speculation | AdaptiveSpeculation
