@@ -8,6 +8,7 @@ biases are read as they are; the embedding table stays in the mapped file and a 
 dequantizes only the rows it reads (`GGUFEmbedding`). Unquantized 2-D tensors (F32 / F16 /
 BF16) load in the model dtype like any other. A tensor in a format without a kernel here, a
 missing tensor or a shape that does not match the config fails with an error that names it.
+Qwen3-MoE and the hybrid Qwen3-Next / Qwen3.5 files load through models/gguf_qwen_loader.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import mmap
 import os
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from quickdraft.config import ModelConfig
 from quickdraft.hub.convert import (
     GGUF_LINK,
     layer_names,
@@ -56,7 +57,7 @@ def is_gguf_dir(path: Path) -> bool:
     return (path / GGUF_LINK).is_file()
 
 
-class _File:
+class GGUFFile:
     """The GGUF's tensors by name, read for one model."""
 
     def __init__(self, path: Path, permute: bool) -> None:
@@ -79,8 +80,11 @@ class _File:
     def has(self, name: str) -> bool:
         return name in self.tensors
 
-    def rows(self, name: str, shape: tuple[int, int], heads: int = 0) -> tuple[str, np.ndarray]:
-        """(type name, rows [N, row_bytes or K]) of a 2-D tensor of `shape` [N, K]."""
+    def rows(
+        self, name: str, shape: tuple[int, int], heads: int | np.ndarray = 0
+    ) -> tuple[str, np.ndarray]:
+        """(type name, rows [N, row_bytes or K]) of a 2-D tensor of `shape` [N, K]; `heads`:
+        the heads whose rows to unpermute, or the rows to take, in that order."""
         t = self.get(name)
         got = (int(t.shape[1]), int(t.shape[0])) if len(t.shape) == 2 else None
         if got != shape:
@@ -88,6 +92,8 @@ class _File:
                 f"{self.path.name}: tensor {name!r} has shape {got}, the config says {shape}"
             )
         rows = np.asarray(t.data).reshape(shape[0], -1)
+        if isinstance(heads, np.ndarray):
+            return t.tensor_type.name, rows[heads]
         if self.permute and heads:
             rows = unpermute_rows(torch.from_numpy(np.array(rows)), heads).numpy()
         return t.tensor_type.name, rows
@@ -105,8 +111,10 @@ class _File:
             v = unpermute_rows(torch.from_numpy(np.array(v)), heads).numpy()
         return torch.from_numpy(v.reshape(size).copy())
 
-    def operand(self, parts: list[tuple[str, int, int]], k: int, dtype: torch.dtype) -> Weight:
-        """The rows of `parts` ([(name, rows, heads to unpermute or 0)]) stacked into one GEMM
+    def operand(
+        self, parts: Sequence[tuple[str, int, int | np.ndarray]], k: int, dtype: torch.dtype
+    ) -> Weight:
+        """The rows of `parts` ([(name, rows, `rows`'s heads)]) stacked into one GEMM
         operand [sum rows, k]: a GGUFWeight when every part is in a format with a kernel, a
         dtype tensor when every part is a float type."""
         loaded = [(name, *self.rows(name, (n, k), heads)) for name, n, heads in parts]
@@ -154,8 +162,7 @@ def load_gguf_model(
     beside it when there is one (`packed_name`), else built from the file (the GGUF's own
     packed copy first) and that copy written."""
     cfg = read_config(path)
-    routed = isinstance(cfg, ModelConfig) and cfg.num_experts > 0  # Qwen3-MoE
-    native = model_class(cfg.model_type) in (CausalLM, Gemma3LM) and not routed
+    native = model_class(cfg.model_type) in (CausalLM, Gemma3LM)
     if not native or torch.device(device).type != "cpu":
         raise GGUFTensorError(
             f"GGUF weights run natively for dense models on the CPU; {cfg.model_type!r} on "
@@ -178,7 +185,7 @@ def load_gguf_model(
 
 def _from_gguf(file: Path, cfg: Any, dtype: torch.dtype) -> CausalLM:
     model: CausalLM = model_class(cfg.model_type)(cfg, dtype, "cpu")  # type: ignore[assignment]
-    f = _File(file, permute=permutes_qk(cfg.model_type))
+    f = GGUFFile(file, permute=permutes_qk(cfg.model_type))
     arch = str(f.reader.fields["general.architecture"].contents())
     shift = norm_shift(arch)  # llama.cpp stored Gemma's 1 + w
     norms = {k: v for k, v in layer_names(arch).items() if k.endswith("norm")}

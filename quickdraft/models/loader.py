@@ -16,8 +16,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from quickdraft.hub.convert import GGUF_LINK
 from quickdraft.models.base import LanguageModel
-from quickdraft.models.gguf_loader import is_gguf_dir, load_gguf_model
+from quickdraft.models.gguf_loader import GGUFTensorError, is_gguf_dir, load_gguf_model
+from quickdraft.models.gguf_qwen_loader import QWEN_TYPES, load_qwen_gguf
 from quickdraft.models.hybrid_config import NameMap
 from quickdraft.models.registry import model_class, name_map, read_config, same_names
 
@@ -32,7 +34,15 @@ def load_model(
     model directory, whose quantized copy is kept on disk; the caller quantizes others."""
     path = Path(path)
     if is_gguf_dir(path):
-        return load_gguf_model(path, dtype, device, quantization)
+        cfg = read_config(path)
+        if cfg.model_type not in QWEN_TYPES:
+            return load_gguf_model(path, dtype, device, quantization)
+        if quantization != "none" or torch.device(device).type != "cpu":
+            raise GGUFTensorError(
+                f"{cfg.model_type}: GGUF weights run as they are on the CPU only (no "
+                f"{quantization} copy, not on {device}); load with --dtype bf16"
+            )
+        return load_qwen_gguf(path / GGUF_LINK, cfg, dtype)  # type: ignore[return-value]
     cfg = read_config(path)
     cls = model_class(cfg.model_type)
     model = cls(cfg, dtype, device)

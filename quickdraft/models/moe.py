@@ -55,6 +55,9 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(
             torch.empty(num, hidden, inter, dtype=dtype, device=device), requires_grad=False
         )
+        # per expert (gate_up, down) GEMM operands in place of the stacked tensors: a GGUF's
+        # experts kept in their block formats (models/gguf_qwen.py); None: the tensors above
+        self.operands: list[tuple[Weight, Weight]] | None = None
 
     def forward(self, x: Tensor, top_idx: Tensor, top_weight: Tensor) -> Tensor:
         """x [N, hidden], top_idx / top_weight [N, top_k] -> weighted sum of chosen experts."""
@@ -62,9 +65,14 @@ class Experts(nn.Module):
         # One GEMM pair per expert that any token chose (a decode step touches top_k experts).
         for e in torch.unique(top_idx).tolist():
             rows, slot = torch.where(top_idx == e)
-            gate_up = project(x[rows], self.gate_up_proj[e])  # [n_e, 2 * inter]
+            gate_up_w, down_w = (
+                (self.gate_up_proj[e], self.down_proj[e])
+                if self.operands is None
+                else self.operands[e]
+            )
+            gate_up = project(x[rows], gate_up_w)  # [n_e, 2 * inter]
             act = silu_mul(gate_up)
-            y = project(act, self.down_proj[e]) * top_weight[rows, slot, None]
+            y = project(act, down_w) * top_weight[rows, slot, None]
             out.index_add_(0, rows, y)
         return out
 

@@ -175,6 +175,9 @@ class GatedDeltaNet(OperandModule):
         )
         self.inp: Weight = self.in_weight  # GEMM operands, as in GatedAttention
         self.out: Weight = self.out_proj.weight.detach()
+        # value-head order `out`'s columns expect, when not HF's (a Qwen3.5 GGUF's quantized
+        # out_proj keeps llama.cpp's tiled head order: models/gguf_qwen.py); None: HF's
+        self.out_heads: Tensor | None = None
 
     def _split(self, proj: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """proj [N, total] -> conv input [N, q | k | v], z [N, Hv, dv], b [N, Hv], a [N, Hv]."""
@@ -213,6 +216,8 @@ class GatedDeltaNet(OperandModule):
             start += n
         # gated RMSNorm (plain w here, not 1 + w): norm(core) * w * silu(z), fp32 math, fused
         out = gated_rms_norm(core, self.norm.weight, z, self.eps)  # [N, Hv, dv]
+        if self.out_heads is not None:
+            out = out[:, self.out_heads]
         return project(out.reshape(x.shape[0], -1), self.out)
 
 

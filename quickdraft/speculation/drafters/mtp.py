@@ -35,9 +35,12 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from quickdraft.config import PREFILL_CHUNK
+from quickdraft.hub.convert import GGUF_LINK
 from quickdraft.kernels.gemm import Weight
 from quickdraft.kernels.linear_bf16 import PanelWeight
 from quickdraft.models.base import LanguageModel
+from quickdraft.models.gguf_loader import is_gguf_dir
+from quickdraft.models.gguf_qwen_loader import load_gguf_mtp_head
 from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.loader import load_weights
 from quickdraft.models.mtp import MTPHead
@@ -64,6 +67,8 @@ def load_mtp_head(model: LanguageModel, path: str | Path) -> MTPHead:
     assert isinstance(model, nn.Module), "model classes are torch modules"
     target: nn.Module = model
     path = Path(path)
+    if is_gguf_dir(path):  # a GGUF run on its own weights: the head is its nextn block
+        return load_gguf_mtp_head(target, path / GGUF_LINK)
     files = sorted(path.glob("*.safetensors"))
     names = mtp_tensor_names(path)
     if not names:

@@ -1,0 +1,246 @@
+"""Run a Qwen3-MoE or hybrid Qwen3-Next / Qwen3.5 / Qwen3.5-MoE GGUF on its own quantized
+weights (`--dtype gguf`): the GEMM operands (attention, Gated DeltaNet in/out projections,
+dense and shared-expert MLPs, every routed expert, the head, the MTP head's fc and layer) stay
+in their block formats as `GGUFWeight`s; the small tensors (norms, conv, A, dt, routers) and
+the hybrids' embedding table (the MTP head reads it as a tensor) are dequantized through the
+converter's own plan (hub/gguf_qwen.py), which also checks every tensor's presence and shape.
+
+What llama.cpp's converter did to an operand is undone without touching its blocks: row
+orders (Qwen3.5's tiled value heads in qkv / z / b / a; Qwen3-Next's [b, a] groups) reorder
+whole rows; Qwen3-Next's q/k/v and z come as llama.cpp split them, so the model is built with
+Qwen3.5's split in-projection layout; the one column reorder (Qwen3.5's out_proj, tiled value
+heads) is left in the blocks and the layer gathers its heads into that order instead
+(`GatedDeltaNet.out_heads`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from quickdraft.config import ModelConfig
+from quickdraft.hub.gguf_qwen import QWEN_ARCHS, Planned, qwen_plan
+from quickdraft.kernels.gemm import Weight
+from quickdraft.kernels.linear_gguf import GGUFWeight
+from quickdraft.models.gguf_loader import GGUFFile, GGUFTensorError
+from quickdraft.models.hybrid_config import HybridConfig
+from quickdraft.models.layers import GGUFEmbedding, release_fused_
+from quickdraft.models.llama import MLP, Attention, CausalLM, DecoderLayer
+from quickdraft.models.moe import Experts, GatedMLP, RoutedMoE, SparseMoE
+from quickdraft.models.mtp import MTPHead, hybrid_mtp_parts
+from quickdraft.models.qwen3_next import (
+    GatedAttention,
+    GatedDeltaNet,
+    HybridDecoderLayer,
+    HybridLM,
+)
+
+QWEN_TYPES = tuple(t for _, t in QWEN_ARCHS.values())  # the HF model_types these files become
+# HF tensors that become GEMM operands here, from the GGUF's blocks: q/k/v/o, in_proj_*,
+# out_proj, gate/up/down (dense, shared expert, routed experts), the heads (the plan's other
+# tensors are dequantized into parameters)
+_OPERAND = re.compile(r"_proj|^lm_head\.|^mtp\.fc\.")
+
+
+class _Loader:
+    def __init__(self, file: Path, cfg: HybridConfig | ModelConfig, dtype: torch.dtype) -> None:
+        self.f = GGUFFile(file, permute=False)
+        self.arch = str(self.f.reader.fields["general.architecture"].contents())
+        self.cfg, self.dtype = cfg, dtype
+        shapes = {n: tuple(int(d) for d in reversed(t.shape)) for n, t in self.f.tensors.items()}
+        try:
+            plan = qwen_plan(shapes, self.arch, cfg.extra)
+        except Exception as e:  # HubError: a tensor missing, misshapen or left over
+            raise GGUFTensorError(f"{file.name}: {e}") from e
+        self.plan: dict[str, Planned] = {p.name: p for p in plan}
+
+    def built(self, name: str) -> Tensor:
+        """HF tensor `name` dequantized and rebuilt by the plan, fp32."""
+        from gguf.quants import dequantize
+
+        item, parts = self.plan[name], []
+        for source in item.sources:
+            t = self.f.get(source)
+            arr = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            parts.append(torch.from_numpy(arr).reshape([int(d) for d in reversed(t.shape)]))
+        return item.build(parts)
+
+    def fill(self, module: nn.Module, prefix: str) -> None:
+        """Every non-operand HF tensor under `prefix` into `module`'s parameter of that name."""
+        with torch.no_grad():
+            for name in self.plan:
+                if prefix == "" and name.startswith("mtp."):
+                    continue  # the MTP head's, loaded with it (load_gguf_mtp_head)
+                if name.startswith(prefix) and not _OPERAND.search(name):
+                    param = module.get_parameter(name[len(prefix) :])
+                    param.copy_(self.built(name).reshape(param.shape))
+
+    def operand(self, parts: Sequence[tuple[str, int, int | np.ndarray]], k: int) -> Weight:
+        return self.f.operand(parts, k, self.dtype)
+
+    def attention(self, attn: GatedAttention | Attention, blk: str) -> None:
+        """q (with the hybrids' output gate rows) / k / v fused, and o, as stored."""
+        cfg = self.cfg
+        d, heads, kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        q_rows = (2 if isinstance(attn, GatedAttention) else 1) * heads * d
+        qkv = [(blk + "attn_q.weight", q_rows, 0), (blk + "attn_k.weight", kv * d, 0)]
+        qkv.append((blk + "attn_v.weight", kv * d, 0))
+        attn.qkv = self.operand(qkv, cfg.hidden_size)
+        attn.o = self.operand([(blk + "attn_output.weight", cfg.hidden_size, 0)], heads * d)
+
+    def gated_delta_net(self, gdn: GatedDeltaNet, blk: str) -> None:
+        cfg = self.cfg
+        assert isinstance(cfg, HybridConfig) and not gdn.interleaved
+        nk, nv, dk, dv = gdn.k_heads, gdn.v_heads, gdn.dk, gdn.dv
+        per_v, key_dim, value_dim = nv // nk, nk * dk, nv * dv
+        if self.f.has(blk + "ssm_in.weight"):
+            raise GGUFTensorError(
+                f"{self.f.path.name}: {blk}ssm_in.weight (an older Qwen3-Next layout) runs "
+                "dequantized only: load with --dtype bf16"
+            )
+        if self.arch == "qwen3next":  # value heads grouped per key head, as in HF
+            v_rows = np.arange(value_dim)
+            heads = np.arange(nv)
+            # ssm_ba holds [b (per_v), a (per_v)] per key head: take all b rows, then all a
+            group = np.arange(nk)[:, None] * 2 * per_v + np.arange(per_v)[None, :]
+            b = [(blk + "ssm_ba.weight", 2 * nv, group.reshape(-1))]  # (rows the file holds)
+            a = [(blk + "ssm_ba.weight", 2 * nv, (group + per_v).reshape(-1))]
+        else:  # llama.cpp tiled the value heads (v0 of every key head, v1 ...): regroup
+            heads = (np.arange(per_v)[None, :] * nk + np.arange(nk)[:, None]).reshape(-1)
+            v_rows = (heads[:, None] * dv + np.arange(dv)[None, :]).reshape(-1)
+            b = [(blk + "ssm_beta.weight", nv, heads)]
+            a = [(blk + "ssm_alpha.weight", nv, heads)]
+            # out_proj's columns stay tiled: the layer hands it its heads in that order
+            gdn.out_heads = torch.from_numpy(np.argsort(heads))
+        qkv_rows = np.concatenate([np.arange(2 * key_dim), 2 * key_dim + v_rows])
+        gdn.inp = self.operand(
+            [
+                (blk + "attn_qkv.weight", 2 * key_dim + value_dim, qkv_rows),
+                (blk + "attn_gate.weight", value_dim, v_rows),
+                *b,
+                *a,
+            ],
+            cfg.hidden_size,
+        )
+        gdn.out = self.operand([(blk + "ssm_out.weight", cfg.hidden_size, 0)], value_dim)
+
+    def mlp(self, mlp: nn.Module, blk: str, shared: str = "") -> None:
+        """A dense MLP (`ffn_gate{shared}` ...), routed experts, or both plus the shared gate."""
+        hidden = self.cfg.hidden_size
+        if isinstance(mlp, GatedMLP | MLP):
+            inter = mlp.inter
+            mlp.gate_up = self.operand(
+                [
+                    (f"{blk}ffn_gate{shared}.weight", inter, 0),
+                    (f"{blk}ffn_up{shared}.weight", inter, 0),
+                ],
+                hidden,
+            )
+            mlp.down = self.operand([(f"{blk}ffn_down{shared}.weight", hidden, 0)], inter)
+            return
+        assert isinstance(mlp, RoutedMoE | SparseMoE)
+        self.experts(mlp.experts, blk)
+        if isinstance(mlp, SparseMoE):
+            self.mlp(mlp.shared_expert, blk, "_shexp")
+            gate = self.built(f"{self.hf_prefix(blk)}mlp.shared_expert_gate.weight")  # [1, H]
+            mlp.shared_gate = gate.to(self.dtype)
+
+    def experts(self, experts: Experts, blk: str) -> None:
+        """Each expert's gate + up rows and down rows as its own GGUFWeights."""
+        n, inter, hidden = experts.gate_up_proj.shape[0], experts.inter, self.cfg.hidden_size
+        stacks = {}
+        for part, count in (("gate", inter), ("up", inter), ("down", hidden)):
+            t = self.f.get(f"{blk}ffn_{part}_exps.weight")
+            stacks[part] = (t.tensor_type.name, np.asarray(t.data).reshape(n, count, -1))
+        ops: list[tuple[Weight, Weight]] = []
+        for e in range(n):
+            (gate_t, gate), (up_t, up), (down_t, down) = (stacks[p] for p in ("gate", "up", "down"))
+            if {gate_t, up_t, down_t} <= {"F32", "F16", "BF16"}:  # an unquantized file
+                rows = np.concatenate([gate[e], up[e]]).astype(np.float32)
+                float_down = torch.from_numpy(down[e].astype(np.float32)).to(self.dtype)
+                ops.append((torch.from_numpy(rows).to(self.dtype), float_down))
+                continue
+            try:
+                gate_up: Weight = GGUFWeight.concat(
+                    [
+                        GGUFWeight.from_raw(gate_t, gate[e], hidden),
+                        GGUFWeight.from_raw(up_t, up[e], hidden),
+                    ]
+                )
+                ops.append((gate_up, GGUFWeight.from_raw(down_t, down[e], inter)))
+            except ValueError as err:  # a block format without a kernel
+                raise GGUFTensorError(
+                    f"{self.f.path.name}: {blk}ffn_*_exps: {err}; load with --dtype bf16"
+                ) from err
+        experts.operands = ops
+        # the stacked parameters are not read any more
+        experts.gate_up_proj = nn.Parameter(torch.empty(0), requires_grad=False)
+        experts.down_proj = nn.Parameter(torch.empty(0), requires_grad=False)
+
+    def hf_prefix(self, blk: str) -> str:
+        block = int(blk.split(".")[1])
+        layers = self.cfg.num_hidden_layers
+        return f"model.layers.{block}." if block < layers else f"mtp.layers.{block - layers}."
+
+    def layer(self, layer: nn.Module, blk: str) -> None:
+        assert isinstance(layer, HybridDecoderLayer | DecoderLayer)
+        if isinstance(layer, HybridDecoderLayer) and layer.layer_type == "linear_attention":
+            self.gated_delta_net(layer.linear_attn, blk)
+        else:
+            self.attention(layer.self_attn, blk)
+        self.mlp(layer.mlp, blk)
+
+
+def load_qwen_gguf(file: Path, cfg: Any, dtype: torch.dtype) -> nn.Module:
+    """The model of GGUF `file` (config record `cfg` of its converted config.json)."""
+    loader = _Loader(file, cfg, dtype)
+    if isinstance(cfg, HybridConfig):
+        # Qwen3-Next's in_proj_qkvz came split (attn_qkv + attn_gate): run Qwen3.5's layout
+        model: nn.Module = HybridLM(dataclasses.replace(cfg, interleaved_qkvz=False), dtype)
+    else:
+        model = CausalLM(cfg, dtype)
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):  # type: ignore[union-attr, arg-type]
+            loader.layer(layer, f"blk.{i}.")
+        loader.fill(model, "")
+        head = "output.weight" if loader.f.has("output.weight") else "token_embd.weight"
+        model.head = loader.operand([(head, cfg.vocab_size, 0)], cfg.hidden_size)  # type: ignore[assignment]
+        if isinstance(model, CausalLM):  # no MTP head to share the table with: keep its blocks
+            qtype, table = loader.f.rows("token_embd.weight", (cfg.vocab_size, cfg.hidden_size))
+            model.model.embed_tokens = GGUFEmbedding(np.array(table), qtype, cfg.hidden_size, dtype)
+    release_fused_(model)
+    return model
+
+
+def load_gguf_mtp_head(model: nn.Module, file: Path) -> MTPHead:
+    """The MTP head of a hybrid GGUF (`blk.{n_layers}`: nextn.* + a full-attention layer),
+    sharing `model`'s embedding table and head; its operands in their block formats."""
+    cfg = model.config
+    assert isinstance(cfg, HybridConfig)
+    embed = model.get_parameter("model.embed_tokens.weight")
+    dtype = embed.dtype
+    loader = _Loader(file, cfg, dtype)
+    if cfg.mtp_num_hidden_layers != 1 or "mtp.fc.weight" not in loader.plan:
+        raise ValueError(
+            f"{file.name} has no MTP head (no mtp.* tensors): a GGUF carries it as "
+            f"blk.N.nextn.* tensors with {loader.arch}.nextn_predict_layers = 1; this file "
+            f"declares {cfg.mtp_num_hidden_layers}. Use ngram or draft instead"
+        )
+    parts = hybrid_mtp_parts(cfg, dtype, embed.device)
+    head = MTPHead(parts, cfg.hidden_size, embed, model.head, dtype, embed.device)  # type: ignore[arg-type]
+    with torch.no_grad():
+        loader.layer(head.layers[0], f"blk.{cfg.num_hidden_layers}.")
+        loader.fill(head, "mtp.")
+        head.fc_weight = loader.operand(
+            [(f"blk.{cfg.num_hidden_layers}.nextn.eh_proj.weight", cfg.hidden_size, 0)],
+            2 * cfg.hidden_size,
+        )
+    release_fused_(head)
+    return head
