@@ -125,7 +125,9 @@ def instructions(texts: Sequence[str], n: int, seed: int = 0) -> list[str]:
         pars.extend(found)
         for par in found:
             words.update(set(re.findall(r"\b[a-z]{5,12}\b", par)))
-    topics = [w for w, c in words.most_common(600)[100:]]  # common, not the commonest
+    # common, not the commonest; ties by the word (set order varies with the hash seed)
+    ranked = sorted(words.items(), key=lambda wc: (-wc[1], wc[0]))
+    topics = [w for w, _ in ranked[100:600]]
     out: list[str] = []
     for i in range(n):
         kind = i % 3
