@@ -11,7 +11,10 @@ where it stopped; the CLI end to end on a corpus file.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -162,6 +165,34 @@ def test_chat_data_from_a_corpus(tmp_path: Path) -> None:
     assert corpus.agreement() > 0.95  # the answers are the target's own greedy tokens
     anchors = corpus.anchors(torch.arange(len(corpus)), 50)
     assert bool(((anchors >= lo[:, None]) & (anchors < hi[:, None] - 1)).all())
+
+
+def test_chat_instructions_do_not_depend_on_the_hash_seed(tmp_path: Path) -> None:
+    """The cached answers are keyed by the instructions: two processes with different string
+    hash seeds must make the same ones (topic words tie on counts)."""
+    corpus = tmp_path / "notes.md"
+    words = ["".join(chr(97 + (n // 26**d) % 26) for d in range(3)) + "word" for n in range(400)]
+    corpus.write_text(  # 400 words, each in 6 of the 80 paragraphs: all tie
+        "\n\n".join(" ".join(words[(30 * i + j) % 400] for j in range(30)) for i in range(80))
+    )
+    code = (
+        "import hashlib, json, sys\n"
+        "from quickdraft.training.chat_data import instructions\n"
+        "from quickdraft.training.corpus import read_texts\n"
+        "m = instructions(read_texts([sys.argv[1]]), 60)\n"
+        "print(hashlib.sha256(json.dumps(m).encode()).hexdigest())\n"
+    )
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", code, str(corpus)],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert len(digests) == 1, digests
 
 
 def test_labels_are_known_while_the_corpus_follows_the_target(tmp_path: Path) -> None:

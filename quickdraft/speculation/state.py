@@ -102,22 +102,28 @@ class AdaptiveSpeculation:
         return SpecState(self.config, arms)
 
 
-# prompt positions a free lookup shadow-drafts at before a request's first pick (warm_up)
+# prompt positions a free lookup shadow-drafts at before a request's first pick (warm_up),
+# ending WARM_UP_TAIL tokens before the prompt's end
 WARM_UP_POSITIONS = 32
+WARM_UP_TAIL = 8
 
 
 def warm_up(arm: Arm, prompt_ids: list[int], k: int) -> None:
-    """Score a free lookup on the prompt's last WARM_UP_POSITIONS positions before the request
-    decodes: at each, what it drafts from the tokens before (its state grows with them, as it
-    would anyway) against the prompt's next tokens (`shadow_score`). The first pick then weighs
-    this request's text, not only earlier requests' pooled prior: an agent's prompt that
-    resends files makes its lookups look good at once, before a draft model is picked and
-    pays to prefill the whole prompt."""
+    """Score a free lookup on WARM_UP_POSITIONS prompt positions before the request decodes:
+    at each, what it drafts from the tokens before (its state grows with them, as it would
+    anyway) against the prompt's next tokens (`shadow_score`). The first pick then weighs this
+    request's text, not only earlier requests' pooled prior: an agent's prompt that resends
+    files makes its lookups look good at once, before a draft model is picked and pays to
+    prefill the whole prompt. The last WARM_UP_TAIL positions are left out: a chat prompt ends
+    in the template's turn markers, which every earlier turn also holds, and scoring them made
+    the lookups look as good as the draft model on single-question code prompts (measured:
+    adaptive 0.72x the draft model on the code set)."""
     if k <= 0:
         return
     drafter = arm.speculation.drafter
     params, generator = SamplingParams(), torch.Generator()
-    for p in range(max(1, len(prompt_ids) - WARM_UP_POSITIONS), len(prompt_ids)):
+    end = len(prompt_ids) - WARM_UP_TAIL
+    for p in range(max(1, end - WARM_UP_POSITIONS), end):
         job = DraftJob(arm.draft_state, prompt_ids[:p], k, params, generator)
         arm.shadow = drafter.propose([job])[0].tokens
         shadow_score(arm, prompt_ids[p:])
