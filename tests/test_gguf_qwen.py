@@ -4,10 +4,12 @@
 (hub/gguf_qwen.py): a tiny random-weight transformers model of each arch is written as a GGUF
 the way llama.cpp's converter writes it (names, metadata, 1 + w norms, -exp(A_log), squeezed
 conv, split qkvz, tiled value heads, split experts, the MTP head as `blk.{n}.nextn.*`), in F32
-and with the projections in Q8_0. quickdraft loads the file and gives transformers' logits
-and 32 greedy tokens; on the hybrids MTP speculation from the GGUF's nextn tensors equals
-speculation off; bad files fail naming the tensor or arch; and on the F32 files quickdraft's
-greedy tokens equal llama.cpp's (the `peers` extra) for 64 tokens."""
+and with the projections in Q8_0. quickdraft converts the file and gives transformers' logits
+and 32 greedy tokens; with --dtype gguf it runs the Q8_0 blocks themselves, close to the
+dequantized model; on the hybrids MTP speculation from the GGUF's nextn tensors equals
+speculation off (converted and native); bad files fail naming the tensor or arch; and on the
+F32 files quickdraft's greedy tokens equal llama.cpp's (the `peers` extra) for 64 tokens, MTP
+on or off."""
 
 from __future__ import annotations
 
@@ -413,7 +415,8 @@ def llama_cpp() -> Iterator[Any]:
 
 
 def test_greedy_tokens_equal_llama_cpp_on_the_f32_file(files: Files, llama_cpp: Any) -> None:
-    """llama.cpp as an independent reading of the same F32 file: 64 greedy tokens equal."""
+    """llama.cpp as an independent reading of the same F32 file: 64 greedy tokens equal,
+    for the hybrids also with quickdraft's MTP speculation on."""
     lm = load(str(files.f32), "fp32", progress=False)
     ids = lm.tokenizer.encode(PROMPT)
     try:
@@ -422,6 +425,9 @@ def test_greedy_tokens_equal_llama_cpp_on_the_f32_file(files: Files, llama_cpp: 
         pytest.skip(f"this llama.cpp cannot load {files.arch}: {e}")
     theirs = peer.generate(ids, 64, ()).tokens
     assert generate(lm, ids, None, 64).output_ids == theirs
+    if files.arch in HYBRID:  # and with MTP speculation on (lossless: the same tokens)
+        fast = generate(lm, ids, make_speculation(lm, MTP), 64)
+        assert fast.output_ids == theirs and fast.spec.accepted > 0
 
 
 def test_gguf_weights_run_in_their_blocks(files: Files) -> None:

@@ -72,12 +72,13 @@ class _Loader:
             parts.append(torch.from_numpy(arr).reshape([int(d) for d in reversed(t.shape)]))
         return item.build(parts)
 
-    def fill(self, module: nn.Module, prefix: str) -> None:
-        """Every non-operand HF tensor under `prefix` into `module`'s parameter of that name."""
+    def fill(self, module: nn.Module, prefix: str, skip: str = "") -> None:
+        """Every non-operand HF tensor under `prefix` (but `skip`) into `module`'s parameter of
+        that name."""
         with torch.no_grad():
             for name in self.plan:
-                if prefix == "" and name.startswith("mtp."):
-                    continue  # the MTP head's, loaded with it (load_gguf_mtp_head)
+                if name == skip or (prefix == "" and name.startswith("mtp.")):
+                    continue  # mtp.*: the MTP head's, loaded with it (load_gguf_mtp_head)
                 if name.startswith(prefix) and not _OPERAND.search(name):
                     param = module.get_parameter(name[len(prefix) :])
                     param.copy_(self.built(name).reshape(param.shape))
@@ -209,12 +210,14 @@ def load_qwen_gguf(file: Path, cfg: Any, dtype: torch.dtype) -> nn.Module:
     with torch.no_grad():
         for i, layer in enumerate(model.model.layers):  # type: ignore[union-attr, arg-type]
             loader.layer(layer, f"blk.{i}.")
-        loader.fill(model, "")
         head = "output.weight" if loader.f.has("output.weight") else "token_embd.weight"
         model.head = loader.operand([(head, cfg.vocab_size, 0)], cfg.hidden_size)  # type: ignore[assignment]
         if isinstance(model, CausalLM):  # no MTP head to share the table with: keep its blocks
             qtype, table = loader.f.rows("token_embd.weight", (cfg.vocab_size, cfg.hidden_size))
             model.model.embed_tokens = GGUFEmbedding(np.array(table), qtype, cfg.hidden_size, dtype)
+            loader.fill(model, "", skip="model.embed_tokens.weight")
+        else:
+            loader.fill(model, "")
     release_fused_(model)
     return model
 
