@@ -5,6 +5,7 @@ assert timings), only that they are measured and consistent."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,11 @@ from quickdraft.bench.speculative import (
     bench_sets,
     decode_tok_s,
     fill,
+    prompt_ids,
     run,
     session_requests,
 )
+from quickdraft.loading import load
 
 
 def test_benchmark_reports_sets_and_prompts(
@@ -90,6 +93,41 @@ def test_benchmark_without_a_draft_model_runs_the_other_engines(
     assert report["draft"] is None
     assert set(report["results"]["code"]) == {"none", "ngram", "suffix", "adaptive"}
     assert "no draft model" in (tmp_path / "speculative.md").read_text()
+
+
+def test_benchmark_runs_a_model_without_a_chat_template(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A base model with no chat template (gemma3-270m): the set's prompts run as plain
+    completions, every engine on the same ids, outputs identical to speculation off."""
+    model = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, model)
+    cfg_path = model / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("chat_template")
+    cfg_path.write_text(json.dumps(cfg))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    lm = load(str(model), "fp32")
+    assert lm.tokenizer.chat_template is None
+    prompt = bench_sets()["code"][0]
+    ids = prompt_ids(lm, [{"role": "user", "content": prompt}])
+    assert ids == lm.tokenizer.encode(prompt + "\n\n")
+    report = run(
+        SpecBench(
+            str(model),
+            None,
+            dtype="fp32",
+            tokens=8,
+            per_set=1,
+            sets=("code",),
+            k=3,
+            hf=False,
+            out_dir=tmp_path / "out",
+            reference_per_set=0,
+        )
+    )
+    code = report["results"]["code"]
+    assert code["ngram"]["identical"] == code["suffix"]["identical"] == 1
 
 
 def test_benchmark_rejects_negative_reference_count(tiny_model_dir: Path) -> None:

@@ -86,6 +86,15 @@ def session_requests(prompt: Prompt) -> list[list[Message]]:
     return [prompt[:i] for i in turns]
 
 
+def prompt_ids(lm: LoadedModel, messages: list[Message]) -> list[int]:
+    """A request's prompt: the chat template's rendering, or, for a model without one (a base
+    model such as gemma3-270m), the turns' text one after another as a plain completion."""
+    tok = lm.tokenizer
+    if tok.chat_template is not None:
+        return tok.encode_chat(messages)
+    return tok.encode("\n\n".join(str(m["content"]) for m in messages) + "\n\n")
+
+
 def fill(messages: list[Message], answers: list[str]) -> list[Message]:
     """`messages` with its assistant turns of content None given `answers`, in order."""
     pending = iter(answers)
@@ -337,7 +346,7 @@ def run(opts: SpecBench) -> dict[str, Any]:
             return Run(r.tokens, r.seconds, r.ttft)
 
         engines["llama.cpp"] = llama_cpp_run
-    warm = lm.tokenizer.encode_chat([{"role": "user", "content": "Say hi."}])
+    warm = prompt_ids(lm, [{"role": "user", "content": "Say hi."}])
     for fn in engines.values():
         fn(warm)  # warm-up (JIT kernels, allocator, HF caches): excluded
     results: dict[str, Any] = {}
@@ -355,7 +364,7 @@ def run(opts: SpecBench) -> dict[str, Any]:
         answers: list[str] = []  # the baseline's answers earlier in the current session
         for i, (turns, n) in enumerate(requests):
             answers = answers[:n]  # n == 0: a new session
-            ids = lm.tokenizer.encode_chat(fill(turns, answers))
+            ids = prompt_ids(lm, fill(turns, answers))
             for name, fn in engines.items():
                 if name not in REFERENCE_ENGINES or i < reference_per_set:
                     cells[name].runs[i] = fn(ids)
