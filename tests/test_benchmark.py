@@ -110,6 +110,7 @@ def test_benchmark_runs_a_model_without_a_chat_template(
     lm = load(str(model), "fp32")
     assert lm.tokenizer.chat_template is None
     prompt = bench_sets()["code"][0]
+    assert isinstance(prompt, str)
     ids = prompt_ids(lm, [{"role": "user", "content": prompt}])
     assert ids == lm.tokenizer.encode(prompt + "\n\n")
     report = run(
