@@ -10,7 +10,9 @@ bookkeeping). Checkpoint layout (config.json + *.safetensors, the public one):
     tensors   fc.weight [H, len(taps) * H] (no bias), hidden_norm.weight, norm.weight and
               layers.{i}.{input_layernorm, post_attention_layernorm, self_attn.{q,k,v,o}_proj,
               self_attn.{q,k}_norm, mlp.{gate,up,down}_proj}.weight (an optional `model.` prefix
-              is dropped; an embed_tokens / lm_head copy is ignored: the target's are used)
+              is dropped; an embed_tokens / lm_head copy is ignored: the target's are used);
+              optional `d2t` [V_d] with `draft_vocab_size`: a reduced draft vocabulary
+              (read_draft_vocabulary; `DFlashModel.restrict_vocab_` scores only those ids)
 No embedding and no lm_head of its own: the block rows are the target's (raw) token embeddings,
 the logits the target's lm_head over this model's final norm.
 
@@ -39,6 +41,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import Tensor, nn
 
 from quickdraft.config import ModelConfig, read_hf_config
@@ -54,6 +57,7 @@ from quickdraft.models.layers import (
 )
 from quickdraft.models.llama import MLP, Attention
 
+D2T = "d2t"  # a reduced draft vocabulary: logit column i is token i + d2t[i] (EAGLE-3's)
 # architectures this module runs; DFlash2 adds per-layer convolutions and a candidate selector
 DFLASH_ARCHITECTURES = ("DFlashDraftModel",)
 
@@ -65,6 +69,24 @@ def default_target_layers(num_target_layers: int, num_draft_layers: int) -> tupl
         return (num_target_layers // 2,)
     span = num_target_layers - 4
     return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
+
+
+def read_draft_vocabulary(files: Sequence[Path], vocab_size: int) -> Tensor | None:
+    """The token ids of a checkpoint's reduced draft vocabulary (tensor `d2t`), checked; None
+    when it has none (the drafter scores the target's whole vocabulary)."""
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            if D2T in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                d2t = f.get_tensor(D2T)
+                ids = d2t.long() + torch.arange(len(d2t))
+                if d2t.dim() != 1 or not len(d2t):
+                    raise ValueError(f"{file}: d2t has shape {tuple(d2t.shape)}")
+                if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+                    raise ValueError(f"{file}: d2t names ids outside the vocabulary ({vocab_size})")
+                if not bool((ids[1:] > ids[:-1]).all()):
+                    raise ValueError(f"{file}: d2t's token ids are not ascending")
+                return ids
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,13 +128,17 @@ class TapCorpus:
         n = max(1, round(held_out * len(self))) if len(self) > 1 else 0
         return self.subset(order[n:]), self.subset(order[:n])
 
+    def predicted(self) -> Tensor:
+        """[S, T] bool: the positions whose greedy prediction a block row is labelled with
+        (q in [lo - 1, hi - 1): the prediction of token q + 1, where blocks start and run)."""
+        lo, hi = self.bounds()
+        pos = torch.arange(self.ids.shape[1])
+        return (pos[None] >= lo[:, None] - 1) & (pos[None] < hi[:, None] - 1)
+
     def agreement(self) -> float:
         """How often the corpus's next token is the target's greedy one, where blocks start."""
-        lo, hi = self.bounds()
-        pos = torch.arange(1, self.ids.shape[1])
-        where = (pos[None] >= lo[:, None]) & (pos[None] < hi[:, None])
         same = self.ids[:, 1:] == self.preds[:, :-1]
-        return float(same[where].float().mean())
+        return float(same[self.predicted()[:, :-1]].float().mean())
 
 
 @torch.inference_mode()

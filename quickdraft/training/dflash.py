@@ -347,10 +347,7 @@ def draft_vocabulary(corpus: TapCorpus, size: int, always: Sequence[int] = ()) -
     `corpus` (ties to the lower id), plus `always` (end-of-text ids), ascending: a drafter
     scoring only these pays for a `size`-row head instead of the whole vocabulary (EAGLE-3's
     reduced draft vocabulary), and drafts nothing else."""
-    lo, hi = corpus.bounds()
-    pos = torch.arange(corpus.ids.shape[1])
-    where = (pos[None] >= lo[:, None] - 1) & (pos[None] < hi[:, None] - 1)
-    counts = torch.bincount(corpus.preds[where], minlength=1)
+    counts = torch.bincount(corpus.preds[corpus.predicted()], minlength=1)
     top = torch.argsort(-counts, stable=True)[:size]
     keep = set(top[counts[top] > 0].tolist()) | set(always)
     return torch.tensor(sorted(keep), dtype=torch.int64)
@@ -358,10 +355,7 @@ def draft_vocabulary(corpus: TapCorpus, size: int, always: Sequence[int] = ()) -
 
 def vocab_coverage(corpus: TapCorpus, vocab_ids: Tensor) -> float:
     """The share of the target's predictions where blocks run that `vocab_ids` holds."""
-    lo, hi = corpus.bounds()
-    pos = torch.arange(corpus.ids.shape[1])
-    where = (pos[None] >= lo[:, None] - 1) & (pos[None] < hi[:, None] - 1)
-    return float(torch.isin(corpus.preds[where], vocab_ids).float().mean())
+    return float(torch.isin(corpus.preds[corpus.predicted()], vocab_ids).float().mean())
 
 
 def default_mask_token(vocab_size: int, tokenizer_size: int, specials: dict[int, str]) -> int:

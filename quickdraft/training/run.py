@@ -16,12 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors import safe_open
-from torch import Tensor
-
 from quickdraft.loading import LoadedModel
-from quickdraft.models.dflash import default_target_layers
+from quickdraft.models.dflash import default_target_layers, read_draft_vocabulary
 from quickdraft.training.chat_data import answer, chat_corpus, instructions
 from quickdraft.training.corpus import (
     TapCorpus,
@@ -120,7 +116,8 @@ def train_drafter(
             progress,
         )
     data, held_out = corpus.split(data_cfg.held_out, seed=train_cfg.seed)
-    vocab_ids = saved_vocabulary(out)
+    checkpoint = [out / CHECKPOINT] if (out / CHECKPOINT).is_file() else []
+    vocab_ids = read_draft_vocabulary(checkpoint, model.config.vocab_size)  # a resumed run keeps it
     if vocab_ids is None and 0 < data_cfg.draft_vocab < model.config.vocab_size:
         vocab_ids = draft_vocabulary(data, data_cfg.draft_vocab, lm.eos_ids)
     drafter = trainer_for(
@@ -165,18 +162,6 @@ def chat_data(
     corpus = chat_corpus(lm, pairs, taps, cfg.seq_len)
     save_corpus(corpus, cached)
     return corpus
-
-
-def saved_vocabulary(out: Path) -> Tensor | None:
-    """The draft vocabulary of the checkpoint in `out` (a resumed run keeps it), if any."""
-    path = out / CHECKPOINT
-    if not path.is_file():
-        return None
-    with safe_open(str(path), framework="pt") as f:
-        if "d2t" not in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-            return None
-        d2t = f.get_tensor("d2t")
-    return d2t + torch.arange(len(d2t))
 
 
 def read_log(out: Path) -> list[dict[str, float]]:

@@ -29,43 +29,29 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from safetensors import safe_open
 from torch import Tensor, nn
 
 from quickdraft.config import PREFILL_CHUNK
 from quickdraft.kernels.gemm import Weight
 from quickdraft.kernels.linear_bf16 import PanelWeight
 from quickdraft.models.base import LanguageModel
-from quickdraft.models.dflash import ContextCache, DFlashConfig, DFlashModel
+from quickdraft.models.dflash import (
+    D2T,
+    ContextCache,
+    DFlashConfig,
+    DFlashModel,
+    read_draft_vocabulary,
+)
 from quickdraft.models.loader import load_weights
 from quickdraft.speculation.cost import StepShape
 from quickdraft.speculation.drafters.base import Draft, DraftJob, draft_one
 
 _FOREIGN = ("embed_tokens.", "lm_head.")  # a checkpoint's copies of the target's: unused
-D2T = "d2t"  # a reduced draft vocabulary: logit column i is token i + d2t[i] (EAGLE-3's)
 
 
 def _checkpoint_name(name: str) -> tuple[str, tuple[int | slice, ...]] | None:
     name = name.removeprefix("model.")
     return None if name.startswith(_FOREIGN) or name == D2T else (name, ())
-
-
-def draft_vocabulary(files: list[Path], vocab_size: int) -> Tensor | None:
-    """The token ids of a checkpoint's reduced draft vocabulary (tensor `d2t`), checked; None
-    when it has none (the drafter scores the target's whole vocabulary)."""
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            if D2T in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                d2t = f.get_tensor(D2T)
-                ids = d2t.long() + torch.arange(len(d2t))
-                if d2t.dim() != 1 or not len(d2t):
-                    raise ValueError(f"{file}: d2t has shape {tuple(d2t.shape)}")
-                if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-                    raise ValueError(f"{file}: d2t names ids outside the vocabulary ({vocab_size})")
-                if not bool((ids[1:] > ids[:-1]).all()):
-                    raise ValueError(f"{file}: d2t's token ids are not ascending")
-                return ids
-    return None
 
 
 def load_dflash(model: LanguageModel, path: str | Path) -> DFlashModel:
@@ -103,7 +89,7 @@ def load_dflash(model: LanguageModel, path: str | Path) -> DFlashModel:
     load_weights(drafter, files, _checkpoint_name)
     if isinstance(lm_head, PanelWeight):  # the target runs packed: so does its drafter
         drafter.pack_()
-    vocab_ids = draft_vocabulary(files, shape.vocab_size)
+    vocab_ids = read_draft_vocabulary(files, shape.vocab_size)
     if vocab_ids is not None:
         if cfg.draft_vocab_size is not None and cfg.draft_vocab_size != len(vocab_ids):
             raise ValueError(
