@@ -1,5 +1,5 @@
-# Over 400 lines on purpose: one benchmark of one hybrid model end to end (build, parity,
-# throughput, cycle stages, report), whose parts share the model and head it builds.
+# Over 400 lines on purpose: one benchmark of one hybrid model end to end (build or GGUF
+# round trip, parity, throughput, cycle stages, report), whose parts share the model and head.
 """Hybrid (Gated DeltaNet) target + MTP self-speculation, on a random-weight model of realistic
 shape: Qwen3.5-0.8B's (hidden 1024; 24 layers = 18 GDN + 6 gated attention; 16 GDN heads of
 128; 8 query / 2 KV heads of 256; MLP 3584) with the vocabulary cut to 32k: ~0.6B params, bf16.
@@ -22,27 +22,46 @@ Measured side by side in one run, warm-up excluded:
 Writes bench/results/hybrid.json, .md (tables) and .png (tok/s, decode vs verify, accepted
 histogram); prints the tables, then the JSON as the last line.
 
+--gguf [TYPE] runs the same weights from a GGUF file instead, as a user's GGUF runs: written
+as llama.cpp lays out a qwen35 file (the MTP head as blk.24.nextn.*; hub/gguf_write.py) into a
+temporary directory, its matrices in TYPE (Q4_K_M by default, by llama.cpp's own quantizer,
+the `peers` extra; Q8_0 / Q4_0 / ... by gguf-py), loaded with --dtype gguf (its projections
+stay in their blocks) and the MTP head from the file; writes hybrid-gguf.* instead.
+
     flock /tmp/quickdraft-heavy.lock .venv/bin/python bench/hybrid.py
+    flock /tmp/quickdraft-bench.lock nice -n 19 .venv/bin/python bench/hybrid.py --gguf
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
 import statistics
+import tempfile
 import time
+from collections import Counter
+from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
 import torch
+from gguf import GGUFReader
 
+from quickdraft.bench.peers import llama_cpp_quantize
 from quickdraft.bench.report import bars, machine, peak_rss_mb, table, write
+from quickdraft.hub.convert import convert_gguf
+from quickdraft.hub.gguf_write import WRITABLE, llama_cpp_tensors, write_gguf
 from quickdraft.kernels import PanelWeight, Weight, panels_apply, project
+from quickdraft.kernels.linear_gguf import GGUFWeight
+from quickdraft.loading import load
 from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.moe import GatedMLP
 from quickdraft.models.mtp import MTPHead, hybrid_mtp_parts
 from quickdraft.models.qwen3_next import GatedAttention, GatedDeltaNet, HybridLM
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.drafters.base import DraftJob
-from quickdraft.speculation.drafters.mtp import MTPDrafter, head_step_seconds
+from quickdraft.speculation.drafters.mtp import MTPDrafter, head_step_seconds, load_mtp_head
 from quickdraft.speculation.verify import verify_greedy
 
 CONFIG: dict[str, Any] = dict(
@@ -91,16 +110,16 @@ def init_(module: torch.nn.Module, seed: int, out_scale: float) -> None:
             p.copy_(v.to(p.dtype))
 
 
-def build(out_scale: float) -> tuple[HybridLM, MTPHead, int, int]:
-    """The model and its head as `quickdraft.loading.load` would run them (bf16 operands
-    packed into panels when the CPU kernels are available, see kernels/gemm.py and
-    kernels/linear_bf16.py), and
+def build(out_scale: float, pack: bool = True) -> tuple[HybridLM, MTPHead, int, int]:
+    """The model and its head as `quickdraft.loading.load` would run them (with `pack`, bf16
+    operands packed into panels when the CPU kernels are available, see kernels/gemm.py and
+    kernels/linear_bf16.py; without, HF-named bf16 tensors), and
     their parameter counts (taken before packing releases the HF-named tensors)."""
     cfg = HybridConfig.from_dict(CONFIG)
     model = HybridLM(cfg, torch.bfloat16)
     init_(model, 0, out_scale)
     params = sum(p.numel() for p in model.parameters())
-    packed = panels_apply(model.dtype, model.device)
+    packed = pack and panels_apply(model.dtype, model.device)
     if packed:
         model.pack_()
     head = MTPHead(
@@ -122,6 +141,42 @@ def build(out_scale: float) -> tuple[HybridLM, MTPHead, int, int]:
     if packed:
         head.pack_()
     return model, head, params, head_params
+
+
+def build_gguf(
+    out_scale: float, qtype: str, directory: Path
+) -> tuple[HybridLM, MTPHead, int, int, dict[str, Any]]:
+    """The same model and head written into `directory` as a qwen35 GGUF laid out as
+    llama.cpp's converter writes one (the head as blk.24.nextn.*), its matrices in `qtype`
+    (gguf-py writes the formats in WRITABLE; any other llama.cpp file type, e.g. Q4_K_M, comes
+    from llama.cpp's own quantizer run on an F32 file), then loaded as a user's GGUF is: the
+    converter's config + tokenizer directory, `--dtype gguf` (the file's own blocks), the MTP
+    head from its nextn tensors. Also what was written: writer, file size, tensors per format."""
+    model, head, params, head_params = build(out_scale, pack=False)
+    state = model.state_dict() | {f"mtp.{k}": v for k, v in head.state_dict().items()}
+    del model, head
+    tensors = llama_cpp_tensors(state, "qwen35", CONFIG)
+    del state
+    path = directory / f"hybrid-{qtype}.gguf"
+    source = path if qtype in WRITABLE else directory / "hybrid-F32.gguf"
+    write_gguf(source, "qwen35", CONFIG, tensors, qtype if qtype in WRITABLE else "F32")
+    del tensors
+    writer = f"gguf-py {version('gguf')}"
+    if source != path:
+        peer = llama_cpp_quantize(source, path, qtype, torch.get_num_threads())
+        writer = f"llama.cpp's quantizer (llama-cpp-python {peer})"
+        source.unlink()
+    model_dir = convert_gguf(path, directory / "model", "gguf", progress=False)
+    lm = load(str(model_dir), "gguf", progress=False)
+    assert isinstance(lm.model, HybridLM)
+    formats = Counter(t.tensor_type.name for t in GGUFReader(str(path)).tensors)
+    written = {
+        "format": qtype,
+        "writer": writer,
+        "file_mb": round(path.stat().st_size / 2**20, 1),
+        "tensors_by_format": dict(formats.most_common()),
+    }
+    return lm.model, load_mtp_head(lm.model, lm.path), params, head_params, written
 
 
 def median_ms(samples: list[float]) -> float:
@@ -313,10 +368,24 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--out-scale", type=float, default=0.04)
     ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument(
+        "--gguf",
+        nargs="?",
+        const="Q4_K_M",
+        metavar="TYPE",
+        help="run the model from a qwen35 GGUF of TYPE (default Q4_K_M) on its own blocks "
+        "(--dtype gguf); writes hybrid-gguf.*",
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     t = time.perf_counter()
-    model, head, params, head_params = build(args.out_scale)
+    written: dict[str, Any] | None = None
+    if args.gguf is None:
+        model, head, params, head_params = build(args.out_scale)
+    else:  # the directory goes at exit: the model maps its file until then
+        directory = Path(tempfile.mkdtemp(prefix="quickdraft-hybrid-gguf-"))
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        model, head, params, head_params, written = build_gguf(args.out_scale, args.gguf, directory)
     build_s = time.perf_counter() - t
     drafter = MTPDrafter(head, model.get_submodule("model.norm"))
     k = args.k
@@ -363,13 +432,15 @@ def main() -> None:
     result = {
         "machine": host,
         "model": {
-            "shape": "Qwen3.5-0.8B layers/widths, vocab 32k, untied lm_head, bf16",
+            "shape": "Qwen3.5-0.8B layers/widths, vocab 32k, untied lm_head, "
+            + ("bf16" if written is None else f"GGUF {args.gguf}, bf16 activations"),
             "params_m": round(params / 1e6, 1),
             "mtp_head_params_m": round(head_params / 1e6, 1),
-            "weight_layout": "panels" if isinstance(model.head, PanelWeight) else "rows",
+            "weight_layout": layout(model),
             "layers": {"gdn": cache.shape.num_layers, "attention": model.num_attention_layers},
             "out_scale": args.out_scale,
             "build_s": round(build_s, 1),
+            **({"gguf": written} if written is not None else {}),
         },
         "k": k,
         "decode_vs_verify": speed,
@@ -408,7 +479,14 @@ def main() -> None:
             "peak_rss_mb": round(peak_rss_mb(), 1),
         },
     }
-    write("hybrid", result, markdown(result), plot(result), figsize=(13, 4))
+    name = "hybrid" if written is None else "hybrid-gguf"
+    write(name, result, markdown(result), plot(result), figsize=(13, 4))
+
+
+def layout(model: HybridLM) -> str:
+    if isinstance(model.head, GGUFWeight):
+        return "GGUF blocks"
+    return "panels" if isinstance(model.head, PanelWeight) else "rows"
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -425,6 +503,14 @@ def markdown(result: dict[str, Any]) -> str:
         f"{model['mtp_head_params_m']}M, {model['weight_layout']} layout); acceptance is "
         f"staged (out_scale {model['out_scale']}), the compute is real.\n\n"
     )
+    if "gguf" in model:
+        g = model["gguf"]
+        formats = ", ".join(f"{n} {k}" for k, n in g["tensors_by_format"].items())
+        head += (
+            f"Run from a qwen35 GGUF of those weights ({g['format']}, {g['file_mb']} MB, "
+            f"written by {g['writer']}; tensors: {formats}) on its own blocks (`--dtype "
+            "gguf`), the MTP head from its `blk.24.nextn.*` tensors.\n\n"
+        )
     figures = table(
         ["figure", "value"],
         [

@@ -26,6 +26,7 @@ from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import stream
 from quickdraft.engine.core import EngineCore
 from quickdraft.engine.scheduler import SchedulerConfig
+from quickdraft.hub.gguf_write import add_tiny_tokenizer
 from quickdraft.kernels import build
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.loading import LoadedModel, load
@@ -52,10 +53,9 @@ PROMPT = "Hello world, this is a test of a tiny model."
 
 
 def write_tiny_gemma3(path: Path, types: dict[str, str], seed: int = 0) -> Path:
-    """A `gemma3` GGUF with a byte-level BPE tokenizer (as tests/test_gguf_loader.py's) and
-    random weights; each weight of kind k in `types[k]`; the head tied to the table."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
+    """A `gemma3` GGUF with a byte-level BPE tokenizer (hub/gguf_write.py's, <bos> <eos>, no
+    chat template: a base model) and random weights; each weight of kind k in `types[k]`; the
+    head tied to the table."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "gemma3")
     w.add_context_length(256)
@@ -69,16 +69,7 @@ def write_tiny_gemma3(path: Path, types: dict[str, str], seed: int = 0) -> Path:
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(1_000_000.0)
     w.add_sliding_window(WINDOW)
-    alphabet = sorted(bytes_to_unicode().values())
-    tokens = [*alphabet, "Ġt", "<bos>", "<eos>"]
-    tokens += [f"<unused{i}>" for i in range(VOCAB - len(tokens))]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * (len(alphabet) + 1) + [3] * (VOCAB - len(alphabet) - 1))
-    w.add_token_merges(["Ġ t"])
-    w.add_bos_token_id(tokens.index("<bos>"))
-    w.add_eos_token_id(tokens.index("<eos>"))
+    add_tiny_tokenizer(w, VOCAB, ("<bos>", "<eos>"), "<bos>", "<eos>", chat_template=None)
 
     def matrix(name: str, n: int, k: int) -> None:
         qtype = types[name.split(".")[-2]]

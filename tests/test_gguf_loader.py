@@ -33,6 +33,7 @@ from torch import Tensor
 
 from quickdraft.engine import stream
 from quickdraft.hub.errors import HubError
+from quickdraft.hub.gguf_write import add_tiny_tokenizer
 from quickdraft.kernels import PanelWeight, build
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
@@ -43,10 +44,6 @@ from quickdraft.models.loader import load_model
 from quickdraft.request import SamplingParams
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS, VOCAB = 256, 4, 2, 64, 512, 2, 300
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 # tensor kind -> GGUF type; a fused q/k/v or gate/up joins formats of both block sizes
 TYPES: dict[str, dict[str, str]] = {
     "qwen2": dict(
@@ -86,24 +83,6 @@ PROMPT = "Hello world, this is a test of a tiny model."
 LOGGER = "quickdraft.models.gguf_loader"
 
 
-def add_tiny_tokenizer(w: gguf.GGUFWriter, vocab: int = VOCAB) -> None:
-    """A byte-level BPE tokenizer: the 256 byte symbols, one merge "Ġ t", <s> </s>
-    <|im_start|> <|im_end|> as control tokens, padded to `vocab`; a ChatML template."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    alphabet = sorted(bytes_to_unicode().values())
-    tokens = [*alphabet, "Ġt", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-    tokens += [f"<unused{i}>" for i in range(vocab - len(tokens))]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * (len(alphabet) + 1) + [3] * (vocab - len(alphabet) - 1))
-    w.add_token_merges(["Ġ t"])
-    w.add_bos_token_id(tokens.index("<s>"))
-    w.add_eos_token_id(tokens.index("<|im_end|>"))
-    w.add_chat_template(CHATML)
-
-
 def write_tiny_gguf(path: Path, arch: str, types: dict[str, str], seed: int = 0) -> Path:
     """A GGUF model file of `arch` with a byte-level BPE tokenizer (the 256 byte symbols, one
     merge "Ġ t", <s> </s> <|im_start|> <|im_end|> as control tokens, padded to VOCAB) and a
@@ -118,7 +97,7 @@ def write_tiny_gguf(path: Path, arch: str, types: dict[str, str], seed: int = 0)
     w.add_head_count_kv(KV_HEADS)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
-    add_tiny_tokenizer(w)
+    add_tiny_tokenizer(w, VOCAB)
 
     def matrix(name: str, n: int, k: int) -> None:
         kind = name.split(".")[-2]

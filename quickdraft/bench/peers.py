@@ -5,6 +5,8 @@ llama.cpp runs through `llama-cpp-python` (the optional extra `peers`: `pip inst
 so both engines see the same prompt; decoding is greedy (top-k 1, no repeat penalty) and stops
 at the model's EOS or after `max_tokens`. Each run starts from an empty KV cache: llama-cpp-
 python would otherwise reuse the previous prompt's common prefix, which our engines do not.
+`llama_cpp_quantize` runs llama.cpp's quantizer, for benchmark files in its K-quant mixes
+(Q4_K_M ...), which gguf-py cannot write.
 """
 
 from __future__ import annotations
@@ -67,3 +69,28 @@ class LlamaCpp:
                 break
         end = time.perf_counter()
         return PeerRun(out, end - t0, (end if first is None else first) - t0)
+
+
+def llama_cpp_quantize(src: Path, dst: Path, ftype: str, threads: int) -> str:
+    """llama.cpp's quantizer (llama-quantize) on GGUF `src` into `dst` as `ftype` (a llama.cpp
+    file type: "Q4_K_M", "Q6_K", ...): the mix of block formats it picks per tensor, as in the
+    files users download. Returns the llama-cpp-python version that wrote it."""
+    import ctypes
+
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise PeerUnavailableError(
+            "quantizing with llama.cpp needs llama-cpp-python: pip install -e '.[peers]'"
+        ) from exc
+    code = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}", None)
+    if code is None:
+        kinds = sorted(
+            n[len("LLAMA_FTYPE_MOSTLY_") :] for n in dir(llama_cpp) if "FTYPE_MOSTLY_" in n
+        )
+        raise ValueError(f"llama.cpp has no file type {ftype!r} (it has: {', '.join(kinds)})")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = code, threads
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)):
+        raise RuntimeError(f"llama.cpp could not quantize {src.name} to {ftype}")
+    return str(llama_cpp.__version__)

@@ -1,0 +1,229 @@
+"""GGUF files written as llama.cpp writes them, for random-weight models: the tests' tiny files
+and the benchmarks' (bench/hybrid.py --gguf) realistic-shape ones.
+
+Stage: the inverse of the GGUF converter (hub/convert.py, hub/gguf_qwen.py); nothing in serving
+calls it. Contract: `llama_cpp_tensors(state, arch, cfg)` lays a transformers state dict
+(+ an MTP head as `mtp.*`) of the Qwen3-MoE / Qwen3-Next / Qwen3.5 / Qwen3.5-MoE families out
+as llama.cpp's converter (convert_hf_to_gguf.py) does, every transform it applies (names,
+1 + w norms, -exp(A_log), squeezed conv, split qkvz, tiled value heads, split experts, the MTP
+head as `blk.{n}.nextn.*`); `write_gguf` writes those tensors with llama.cpp's metadata keys and
+a byte-level tokenizer (`add_tiny_tokenizer`), the matrices in one block format gguf-py can
+quantize (`WRITABLE`). K-quant files (Q4_K_M ...) come from llama.cpp's own quantizer
+(`quickdraft.bench.peers.llama_cpp_quantize`) run on an F32 file written here.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf.quants import quantize
+from torch import Tensor
+
+from quickdraft.hub.gguf_qwen import HYBRID_ARCHS
+
+# the block formats gguf-py's `quantize` writes (it reads the K-quants but cannot write them)
+WRITABLE = ("F32", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# HF module suffix -> llama.cpp tensor kind (convert_hf_to_gguf's tensor map for these archs)
+_KINDS = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "linear_attn.in_proj_qkv": "attn_qkv",
+    "linear_attn.in_proj_z": "attn_gate",
+    "linear_attn.in_proj_b": "ssm_beta",
+    "linear_attn.in_proj_a": "ssm_alpha",
+    "linear_attn.in_proj_ba": "ssm_ba",
+    "linear_attn.conv1d": "ssm_conv1d",
+    "linear_attn.norm": "ssm_norm",
+    "linear_attn.out_proj": "ssm_out",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+
+
+def add_tiny_tokenizer(
+    w: gguf.GGUFWriter,
+    vocab: int,
+    specials: tuple[str, ...] = ("<s>", "</s>", "<|im_start|>", "<|im_end|>"),
+    bos: str = "<s>",
+    eos: str = "<|im_end|>",
+    chat_template: str | None = CHATML,
+) -> None:
+    """A byte-level BPE tokenizer: the 256 byte symbols, one merge "Ġ t", `specials` as
+    control tokens, padded to `vocab`; a chat template (ChatML unless told; None: none)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = sorted(bytes_to_unicode().values())
+    tokens = [*alphabet, "Ġt", *specials]
+    tokens += [f"<unused{i}>" for i in range(vocab - len(tokens))]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(alphabet) + 1) + [3] * (vocab - len(alphabet) - 1))
+    w.add_token_merges(["Ġ t"])
+    w.add_bos_token_id(tokens.index(bos))
+    w.add_eos_token_id(tokens.index(eos))
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+
+
+def tile_v(t: Tensor, dim: int, k_heads: int, per_v: int, head: int) -> Tensor:
+    """llama.cpp's Qwen3.5 reorder: value heads grouped per key head -> tiled."""
+    shape = list(t.shape)
+    grouped = t.reshape(*shape[:dim], k_heads, per_v, head, *shape[dim + 1 :])
+    return grouped.transpose(dim, dim + 1).reshape(shape)
+
+
+def llama_cpp_tensors(
+    state: dict[str, Tensor], arch: str, cfg: dict[str, Any]
+) -> dict[str, Tensor]:
+    """A transformers state dict (+ `mtp.*`) as llama.cpp's converter writes it for `arch`
+    (fp32 tensors in torch order)."""
+    hybrid = arch in HYBRID_ARCHS
+    layers = cfg["num_hidden_layers"]
+    nk, nv = cfg.get("linear_num_key_heads", 1), cfg.get("linear_num_value_heads", 1)
+    dk, dv = cfg.get("linear_key_head_dim", 1), cfg.get("linear_value_head_dim", 1)
+    key_dim, per_v = nk * dk, nv // nk
+    tiled = arch in ("qwen35", "qwen35moe")
+    out: dict[str, Tensor] = {}
+    for name, t in state.items():
+        t = t.detach().float().clone()
+        if name.startswith("mtp."):  # the head goes in as one more block
+            rest = name[len("mtp.") :]
+            if rest.startswith("layers.0."):
+                name = f"model.layers.{layers}.{rest[len('layers.0.') :]}"
+            else:
+                nextn = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm"}
+                nextn |= {"pre_fc_norm_hidden": "hnorm", "norm": "shared_head_norm"}
+                part, suffix = rest.split(".", 1)
+                shift = 1 if hybrid and part != "fc" else 0  # the norms, not eh_proj
+                out[f"blk.{layers}.nextn.{nextn[part]}.{suffix}"] = t + shift
+                continue
+        if name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+            kind = {"model.embed_tokens.weight": "token_embd.weight"}
+            kind |= {"lm_head.weight": "output.weight", "model.norm.weight": "output_norm.weight"}
+            out[kind[name]] = t + 1 if hybrid and name == "model.norm.weight" else t
+            continue
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+?)(\.weight|\.bias)?", name)
+        assert m is not None, name
+        blk, module = f"blk.{m[1]}.", m[2]
+        if hybrid and module.endswith("norm") and module != "linear_attn.norm":
+            t = t + 1  # zero-centred norm weights stored as 1 + w
+        if tiled and module.startswith("linear_attn."):
+            if module == "linear_attn.in_proj_qkv" or module == "linear_attn.conv1d":
+                t = torch.cat([t[: 2 * key_dim], tile_v(t[2 * key_dim :], 0, nk, per_v, dv)])
+            elif module == "linear_attn.in_proj_z":
+                t = tile_v(t, 0, nk, per_v, dv)
+            elif module.rpartition(".")[2] in ("in_proj_b", "in_proj_a", "A_log", "dt_bias"):
+                t = tile_v(t, 0, nk, per_v, 1)
+            elif module == "linear_attn.out_proj":
+                t = tile_v(t, 1, nk, per_v, dv)
+        if module == "post_attention_layernorm":
+            out[blk + ("post_attention_norm" if hybrid else "ffn_norm") + ".weight"] = t
+        elif module == "linear_attn.A_log":
+            out[blk + "ssm_a"] = -torch.exp(t)
+        elif module == "linear_attn.dt_bias":
+            out[blk + "ssm_dt.bias"] = t
+        elif module == "linear_attn.conv1d":
+            out[blk + "ssm_conv1d.weight"] = t.squeeze(1)
+        elif module == "linear_attn.in_proj_qkvz":  # per key head [q k v z] -> qkv | z
+            grouped = t.view(nk, 2 * dk + 2 * per_v * dv, -1)
+            q, k, v, z = torch.split(grouped, [dk, dk, per_v * dv, per_v * dv], dim=1)
+            out[blk + "attn_qkv.weight"] = torch.cat(
+                [q.reshape(key_dim, -1), k.reshape(key_dim, -1), v.reshape(nv * dv, -1)]
+            )
+            out[blk + "attn_gate.weight"] = z.reshape(nv * dv, -1)
+        elif module == "mlp.experts.gate_up_proj":
+            inter = t.shape[1] // 2
+            out[blk + "ffn_gate_exps.weight"] = t[:, :inter]
+            out[blk + "ffn_up_exps.weight"] = t[:, inter:]
+        elif module == "mlp.experts.down_proj":
+            out[blk + "ffn_down_exps.weight"] = t
+        elif module == "mlp.shared_expert_gate":
+            out[blk + "ffn_gate_inp_shexp.weight"] = t.reshape(-1)
+        else:
+            out[f"{blk}{_KINDS[module]}{m[3]}"] = t
+    return out
+
+
+def rope_sections(rotary_dim: int) -> list[int]:
+    """Qwen3.5's M-RoPE sections as llama.cpp writes them: rotary_dim / 2 frequency pairs split
+    over (time, height, width) as evenly as the first ones allow, e.g. 32 -> 11 11 10, + 0."""
+    half = rotary_dim // 2
+    return [half // 3 + (i < half % 3) for i in range(3)] + [0]
+
+
+def write_gguf(
+    path: Path, arch: str, cfg: dict[str, Any], tensors: dict[str, Tensor], qtype: str = "F32"
+) -> Path:
+    """The GGUF file of `tensors` (llama_cpp_tensors' output): llama.cpp's metadata keys for
+    `arch` from the transformers config `cfg`, a tiny tokenizer of cfg's vocabulary; every
+    matrix whose rows are whole blocks of `qtype` (one of WRITABLE) in it, the rest (norms,
+    conv, A, dt) F32 as llama.cpp keeps them."""
+    if qtype not in WRITABLE:
+        raise ValueError(f"gguf-py cannot write {qtype!r}: choose one of {WRITABLE}")
+    w = gguf.GGUFWriter(str(path), arch)
+    nextn = 1 if any(".nextn." in n for n in tensors) else 0
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"] + nextn)
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    if "intermediate_size" in cfg:
+        w.add_feed_forward_length(cfg["intermediate_size"])
+    if "num_experts" in cfg:
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if "shared_expert_intermediate_size" in cfg:
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    if arch in HYBRID_ARCHS:
+        rotary_dim = int(cfg["head_dim"] * cfg["rope_parameters"]["partial_rotary_factor"])
+        w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+        w.add_ssm_state_size(cfg["linear_key_head_dim"])
+        w.add_ssm_group_count(cfg["linear_num_key_heads"])
+        w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+        w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+        w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
+        w.add_rope_dimension_count(rotary_dim)
+        if nextn:
+            w.add_nextn_predict_layers(nextn)
+        if arch in ("qwen35", "qwen35moe"):
+            w.add_rope_dimension_sections(rope_sections(rotary_dim))
+    add_tiny_tokenizer(w, cfg["vocab_size"])
+    qt = gguf.GGMLQuantizationType[qtype]
+    block = gguf.GGML_QUANT_SIZES[qt][0]
+    for name, t in tensors.items():
+        values = np.ascontiguousarray(t.numpy(), dtype=np.float32)
+        if qtype != "F32" and values.ndim >= 2 and values.shape[-1] % block == 0:
+            w.add_tensor(name, quantize(values, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(name, values)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
