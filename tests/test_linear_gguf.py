@@ -246,6 +246,18 @@ def test_concat_dequantizes_to_the_files_rows(names: tuple[str, ...]) -> None:
     assert torch.equal(w.dequantize(torch.float32), deq)
 
 
+@pytest.mark.parametrize("names", [("Q4_K", "Q6_K"), ("Q8_0", "Q5_0", "Q4_1")], ids="+".join)
+def test_rows_are_the_dequantized_rows(names: tuple[str, ...]) -> None:
+    """Any row range, across part boundaries and off the 16-row panels, as the whole weight
+    dequantized gives it (what Int4Weight / Int8Weight.quantize read a block at a time)."""
+    w, _ = mixed(names)
+    whole = w.dequantize(torch.bfloat16)
+    n = w.out_features
+    for start, stop in [(0, n), (0, 1), (5, 37), (n // 2 - 3, n // 2 + 19), (n - 7, n + 40)]:
+        assert torch.equal(w.rows(start, stop), whole[start:stop]), (start, stop)
+    assert w.rows(n, n + 4).shape == (0, w.in_features)
+
+
 # --- the kernel ------------------------------------------------------------------------------
 
 BIASES = {"nobias": None, "bias32": torch.float32, "bias16": torch.bfloat16}

@@ -362,18 +362,31 @@ class GGUFWeight:
         return sum(p.packed.numel() for p in self.parts)
 
     def dequantize(self, dtype: torch.dtype) -> Tensor:
-        """The weight [N, K] in `dtype`, made ~4M weights at a time (the float64 parts of a
+        """The weight [N, K] in `dtype`, made ~1M weights at a time (the float64 parts of a
         whole 150k-row output matrix would take GBs)."""
         out = torch.empty(self.out_features, self.in_features, dtype=dtype)
-        step = max(1, (1 << 22) // self.in_features // PANEL)  # panels per slice
-        row = 0
-        for part in self.parts:
-            for p0 in range(0, part.packed.shape[0], step):
-                n = min(part.n, (p0 + step) * PANEL) - p0 * PANEL
-                parts = unpack(part.fmt, part.packed[p0 : p0 + step], n)
-                out[row : row + n] = dequantize_parts(part.fmt, parts)
-                row += n
+        step = max(PANEL, (1 << 20) // self.in_features // PANEL * PANEL)
+        for r0 in range(0, self.out_features, step):
+            out[r0 : r0 + step] = self.rows(r0, r0 + step, dtype)
         return out
+
+    def rows(self, start: int, stop: int, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+        """Rows [start, stop) dequantized to `dtype` (exactly, then rounded once): what
+        Int4Weight / Int8Weight.quantize read a block at a time, so that converting a GGUF
+        operand never holds the whole of it dequantized."""
+        stop = min(stop, self.out_features)
+        pieces, at = [], 0
+        for part in self.parts:
+            lo, hi = max(start - at, 0), min(stop - at, part.n)
+            if lo < hi:
+                p0, p1 = lo // PANEL, (hi + PANEL - 1) // PANEL
+                n = min(part.n, p1 * PANEL) - p0 * PANEL
+                w = dequantize_parts(part.fmt, unpack(part.fmt, part.packed[p0:p1], n))
+                pieces.append(w[lo - p0 * PANEL : hi - p0 * PANEL].to(dtype))
+            at += part.n
+        if not pieces:
+            return torch.empty(0, self.in_features, dtype=dtype)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def reference_linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """What the kernel computes (module docstring), in plain torch: integer sums in

@@ -19,7 +19,7 @@ import logging
 import mmap
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +38,11 @@ from quickdraft.kernels.gemm import Weight
 from quickdraft.kernels.linear_bf16 import streamed_empty
 from quickdraft.kernels.linear_gguf import FORMATS, GGUFPart, GGUFWeight
 from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
+from quickdraft.memory import trim_heap
 from quickdraft.models.base import LanguageModel
 from quickdraft.models.gemma3 import Gemma3LM
 from quickdraft.models.layers import GGUFEmbedding, OperandModule, release_fused_
-from quickdraft.models.llama import CausalLM
+from quickdraft.models.llama import CausalLM, operand_converter
 from quickdraft.models.registry import model_class, read_config
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,11 @@ def is_gguf_dir(path: Path) -> bool:
 class GGUFFile:
     """The GGUF's tensors by name, read for one model."""
 
-    def __init__(self, path: Path, permute: bool) -> None:
+    def __init__(
+        self, path: Path, permute: bool, convert: Callable[[Weight], Weight] | None = None
+    ) -> None:
+        """`convert`: applied to every operand as it is read (quantize_'s conversion), so the
+        model is never whole in the file's formats."""
         from gguf import GGUFReader
 
         try:
@@ -70,6 +75,13 @@ class GGUFFile:
         self.path = path
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.permute = permute
+        self.convert = convert
+        # The reader parses the vocabulary into an object per token (~0.5 GB for 151k tokens);
+        # the tokenizer was written beside the model when it was converted, and no weight needs
+        # it: drop it now, or it stays resident through the whole repack.
+        for key in [k for k in self.reader.fields if k.startswith("tokenizer.")]:
+            del self.reader.fields[key]
+        trim_heap()
 
     def get(self, name: str) -> Any:
         t = self.tensors.get(name)
@@ -121,7 +133,8 @@ class GGUFFile:
         types = {t for _, t, _ in loaded}
         if types <= set(_FLOAT_TYPES):
             rows = [torch.from_numpy(np.array(r, dtype=np.float32)) for _, _, r in loaded]
-            return torch.cat(rows).to(dtype)
+            dense = torch.cat(rows).to(dtype)
+            return self.convert(dense) if self.convert else dense
         if types & set(_FLOAT_TYPES):
             raise GGUFTensorError(
                 f"{self.path.name}: {[n for n, _, _ in loaded]} mix float and quantized types; "
@@ -137,7 +150,7 @@ class GGUFFile:
         weight = GGUFWeight.concat([GGUFWeight.from_raw(t, r, k) for _, t, r in loaded])
         for name, _, _ in loaded:
             self.release(name)
-        return weight
+        return self.convert(weight) if self.convert else weight
 
     def release(self, name: str) -> None:
         """Drop the mapped pages of tensor `name` from this process once it is repacked: they
@@ -174,18 +187,19 @@ def load_gguf_model(
             return _load_packed(cache, cfg, dtype)  # type: ignore[return-value]
         except Exception as e:  # a stale or damaged copy: repack from the GGUF
             log.warning("ignoring %s (%s: %s); repacking from the GGUF", cache, type(e).__name__, e)
-    if quantization == "none":
-        model = _from_gguf(path / GGUF_LINK, cfg, dtype)
-    else:
-        model = load_gguf_model(path, dtype, device)  # type: ignore[assignment]
-        model.quantize_(quantization)
+    # int8 / int4: each operand converted as it is read (the whole model in the GGUF's formats
+    # and its quantized copy were both resident at the peak)
+    model = _from_gguf(path / GGUF_LINK, cfg, dtype, quantization)
+    trim_heap()
     _save_packed(model, cache)
     return model  # type: ignore[return-value]  # CausalLM implements LanguageModel
 
 
-def _from_gguf(file: Path, cfg: Any, dtype: torch.dtype) -> CausalLM:
+def _from_gguf(file: Path, cfg: Any, dtype: torch.dtype, quantization: str = "none") -> CausalLM:
+    """The model of the GGUF `file` with its own weights, or each operand converted to
+    `quantization` ("int8" / "int4", from its exact values) as soon as it is read."""
     model: CausalLM = model_class(cfg.model_type)(cfg, dtype, "cpu")  # type: ignore[assignment]
-    f = GGUFFile(file, permute=permutes_qk(cfg.model_type))
+    f = GGUFFile(file, permute=permutes_qk(cfg.model_type), convert=operand_converter(quantization))
     arch = str(f.reader.fields["general.architecture"].contents())
     shift = norm_shift(arch)  # llama.cpp stored Gemma's 1 + w
     norms = {k: v for k, v in layer_names(arch).items() if k.endswith("norm")}

@@ -352,8 +352,8 @@ def _quantizer(kind: type[Int8Weight] | type[Int4Weight]) -> Callable[[Weight], 
     def quantize(weight: Weight) -> Weight:
         if isinstance(weight, kind):
             return weight  # already in this format: quantize_ twice is a no-op
-        if isinstance(weight, GGUFWeight):  # a GGUF model's own: from its exact values
-            return kind.quantize(weight.dequantize(torch.bfloat16))
+        if isinstance(weight, GGUFWeight):  # a GGUF model's own: from its bf16-rounded values,
+            return kind.quantize(weight)  # dequantized a block of rows at a time
         if not isinstance(weight, Tensor):
             raise ValueError(f"weights already converted to {type(weight).__name__}")
         return kind.quantize(weight)
@@ -362,3 +362,12 @@ def _quantizer(kind: type[Int8Weight] | type[Int4Weight]) -> Callable[[Weight], 
 
 
 _QUANTIZERS = {"int8": _quantizer(Int8Weight), "int4": _quantizer(Int4Weight)}
+
+
+def operand_converter(fmt: str) -> Callable[[Weight], Weight] | None:
+    """The conversion `quantize_(fmt)` applies to each operand; None for "none"."""
+    if fmt == "none":
+        return None
+    if fmt not in _QUANTIZERS:
+        raise ValueError(f"unknown weight format {fmt!r}; supported: {', '.join(_QUANTIZERS)}")
+    return _QUANTIZERS[fmt]
