@@ -91,7 +91,8 @@ def _add_spec_args(p: argparse.ArgumentParser, paired_default: bool) -> None:
     p.add_argument(
         "--draft-model",
         default=None,
-        help="draft model (same tokenizer as target); for dflash the DFlash checkpoint dir",
+        help="draft model (same tokenizer as target); for dflash the DFlash checkpoint dir; "
+        "for mtp a head trained apart (train-drafter --kind mtp; default: the model's own)",
     )
     p.add_argument(
         "--draft-quantization",
@@ -320,7 +321,8 @@ def spec_config(args: argparse.Namespace) -> SpeculativeConfig:
         else relaxed_thinking(args.relaxed_thinking),
     )
     fields.update(flags)
-    if args.paired_default:
+    # mtp and dflash read --draft-model as a checkpoint of their own kind: never the pair
+    if args.paired_default and fields.get("method") not in ("mtp", "dflash"):
         draft = fields.get("draft_model") or DEFAULT_DRAFTS.get(args.model)
         if draft is not None:
             fields["draft_model"] = draft
@@ -567,6 +569,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         reference_per_set=args.reference_per_set,
         peers=None if args.peers is None else tuple(args.peers),
         dflash=args.dflash,
+        mtp=args.mtp,
     )
     run(SpecBench(**_prompt_bench_fields(args, spec), **extra))
     return 0
@@ -621,15 +624,34 @@ def _add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--dflash", default=None, metavar="DIR", help="also run this DFlash drafter (train-drafter)"
     )
+    b.add_argument(
+        "--mtp",
+        default=None,
+        metavar="DIR",
+        help="also run this MTP head (train-drafter --kind mtp) as engine mtp",
+    )
     peers_help = "engines run beside ours on the target's GGUF (the `peers` extra)"
     b.add_argument("--peers", nargs="*", default=None, choices=list(PEERS), help=peers_help)
     b.add_argument("--out", default=None, help="results folder (bench/results)")
     b.set_defaults(func=cmd_bench)
 
 
+# train-drafter --kind -> the flags it refuses (they shape the other kind of drafter)
+_KIND_FLAGS = {
+    "dflash": ("mtp_steps",),
+    "mtp": ("layers", "block_size", "taps", "num_taps", "mask_token_id", "draft_vocab"),
+}
+
+
 def _add_train_args(t: argparse.ArgumentParser) -> None:
     _add_model_args(t, positional=True)
-    t.add_argument("--out", default=None, help="checkpoint dir (default: drafters/MODEL-dflash)")
+    t.add_argument(
+        "--kind",
+        choices=list(_KIND_FLAGS),
+        default="dflash",
+        help="dflash (default): a DFlash block drafter; mtp: an MTP head for a dense model",
+    )
+    t.add_argument("--out", default=None, help="checkpoint dir (default: drafters/MODEL-KIND)")
     t.add_argument(
         "--corpus",
         nargs="+",
@@ -658,6 +680,9 @@ def _add_train_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--taps", type=str, default=None, help="target layers read, e.g. 1,10,19,27")
     t.add_argument("--num-taps", type=int, default=None, help="taps spread evenly (4)")
     t.add_argument("--mask-token-id", type=int, default=None)
+    t.add_argument(
+        "--mtp-steps", type=int, default=None, help="mtp: chained head steps trained (3)"
+    )
     t.add_argument("--steps", type=int, default=None, help="total optimizer steps (2000)")
     t.add_argument("--minutes", type=float, default=None, help="stop after this long too")
     t.add_argument("--batch", type=int, default=None, help="sequences per step (4)")
@@ -670,15 +695,21 @@ def _add_train_args(t: argparse.ArgumentParser) -> None:
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
-    """Train (or resume: the same command again continues) a DFlash drafter for a model."""
-    from quickdraft.training.dflash import TrainConfig
+    """Train (or resume: the same command again continues) a drafter for a model."""
+    from quickdraft.training.loop import TrainConfig
     from quickdraft.training.run import DataConfig, train_drafter
 
+    other = [
+        f"--{f.replace('_', '-')}" for f in _KIND_FLAGS[args.kind] if getattr(args, f) is not None
+    ]
+    if other:
+        raise ValueError(f"{', '.join(other)}: not for --kind {args.kind}")
     taps = None if args.taps is None else tuple(int(t) for t in args.taps.split(",") if t)
     train_cfg = TrainConfig(
         **given(
             block_size=args.block_size,
             num_layers=args.layers,
+            mtp_steps=args.mtp_steps,
             steps=args.steps,
             minutes=args.minutes,
             batch=args.batch,
@@ -703,16 +734,14 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
             mask_token_id=args.mask_token_id,
         )
     )
-    out = (
-        Path(args.out) if args.out else cache_dir() / "drafters" / f"{Path(args.model).name}-dflash"
-    )
-    summary = train_drafter(args.model, out, train_cfg, data_cfg, args.dtype)
+    name = f"{Path(args.model).name}-{args.kind}"
+    out = Path(args.out) if args.out else cache_dir() / "drafters" / name
+    summary = train_drafter(args.model, out, train_cfg, data_cfg, args.dtype, kind=args.kind)
     print(f"drafter: {out}")
     for key, value in summary.items():
         print(f"  {key}: {value:.4g}")
-    print(
-        f"serve it: quickdraft serve {args.model} --speculative-method dflash --draft-model {out}"
-    )
+    method = f"--speculative-method {args.kind}"
+    print(f"serve it: quickdraft serve {args.model} {method} --draft-model {out}")
     return 0
 
 
@@ -737,7 +766,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_pull)
 
     _add_bench_args(sub.add_parser("bench", help="speculation A/B benchmark (JSON + md + PNG)"))
-    _add_train_args(sub.add_parser("train-drafter", help="train a DFlash drafter for a model"))
+    _add_train_args(
+        sub.add_parser("train-drafter", help="train a DFlash drafter or an MTP head for a model")
+    )
 
     m = sub.add_parser("models", help="list the packaged-model catalog")
     m.set_defaults(func=cmd_models)

@@ -212,7 +212,8 @@ class SpeculativeConfig:
     # "none" | "ngram" | "suffix" | "draft" | "mtp" (the target's own head) | "dflash"
     method: str = "none"
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
-    # catalog name / path, for method "draft"; the DFlash checkpoint dir for "dflash"
+    # catalog name / path, for method "draft"; the DFlash checkpoint dir for "dflash"; for
+    # "mtp" a standalone head dir (train-drafter --kind mtp; None: the target's own head)
     draft_model: str | None = None
     # the draft model's weights (DRAFT_QUANTIZATION_HELP); "none" keeps the target's dtype
     draft_quantization: str = DEFAULT_DRAFT_QUANTIZATION

@@ -1,11 +1,13 @@
-"""`quickdraft train-drafter` (training/corpus.py, training/dflash.py, training/run.py) on the
-tiny rigged dense target of test_dflash.py (no real drafter can be trained in a test's time).
+"""`quickdraft train-drafter` (training/corpus.py, training/loop.py, training/dflash.py,
+training/mtp.py, training/run.py) on the tiny rigged dense target of test_dflash.py (no real
+drafter can be trained in a test's time).
 
 Structure: the training forward equals the serving forward (models/dflash.py) on the checkpoint
 it writes; which block rows carry a label (the corpus following the target's greedy chain);
-a short training run lowers the loss and raises acceptance in the real engine above the
-untrained drafter's, with greedy output still identical to speculation off; a run resumes
-where it stopped; the CLI end to end on a corpus file.
+for each kind (a DFlash drafter, an MTP head) a short training run lowers the loss and raises
+acceptance in the real engine above the untrained drafter's, with greedy output still identical
+to speculation off; a run resumes where it stopped; the bench runs a trained drafter; the CLI
+end to end on a corpus file. tests/test_train_mtp.py: what is the MTP head's own.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from hybrid_models import one_thread  # noqa: F401 (autouse fixture)
+from safetensors.torch import load_file
 from test_dflash import MASK, dense_target, generate
 
 from quickdraft.bench.speculative import SpecBench
@@ -36,19 +39,26 @@ from quickdraft.training.chat_data import answer, chat_corpus, instructions
 from quickdraft.training.corpus import TapCorpus, read_texts, run_target, token_sequences
 from quickdraft.training.dflash import (
     DFlashTrainModel,
-    TrainConfig,
     draft_vocabulary,
-    save_checkpoint,
-    train,
     trainer_for,
     vocab_coverage,
 )
+from quickdraft.training.loop import DraftTrainModel, TrainConfig, save_checkpoint, train
+from quickdraft.training.mtp import mtp_trainer_for
 from quickdraft.training.run import read_log
 
 TAPS = (0, 1)
+KINDS = ("dflash", "mtp")
 
 
-def greedy_corpus(lm: LoadedModel, rows: int, length: int, seed: int) -> TapCorpus:
+def taps_of(lm: LoadedModel, kind: str) -> tuple[int, ...]:
+    """The target layers a drafter of `kind` reads: an MTP head, the last (post-norm)."""
+    return TAPS if kind == "dflash" else (lm.model.config.num_hidden_layers - 1,)
+
+
+def greedy_corpus(
+    lm: LoadedModel, rows: int, length: int, seed: int, taps: tuple[int, ...] = TAPS
+) -> TapCorpus:
     """`rows` sequences of a few random tokens, each continued greedily by the target: the
     target's own text, so every label past the prompt is known (self-distillation data)."""
     gen = torch.Generator().manual_seed(seed)
@@ -59,11 +69,18 @@ def greedy_corpus(lm: LoadedModel, rows: int, length: int, seed: int) -> TapCorp
         for _ in stream(lm, req, None):
             pass
         seqs.append(prompt + req.output_ids)
-    return run_target(lm.model, torch.tensor(seqs), TAPS, progress=False)
+    return run_target(lm.model, torch.tensor(seqs), taps, progress=False)
 
 
 def trainer(lm: LoadedModel, block: int = 4, seed: int = 0) -> DFlashTrainModel:
     return trainer_for(lm.model, 1, TAPS, block, MASK, seed=seed, dtype=torch.float32)
+
+
+def trainer_of(kind: str, lm: LoadedModel, seed: int = 0) -> DraftTrainModel:
+    """A fresh drafter of `kind` drafting 3 tokens: a 4-row DFlash block, or 3 MTP steps."""
+    if kind == "mtp":
+        return mtp_trainer_for(lm.model, 3, seed=seed, dtype=torch.float32)
+    return trainer(lm, seed=seed)
 
 
 @pytest.mark.parametrize("reduced", [False, True], ids=["whole-vocab", "draft-vocab"])
@@ -208,9 +225,11 @@ def test_labels_are_known_while_the_corpus_follows_the_target(tmp_path: Path) ->
     assert known[0, 2].tolist() == [True, True, True, False]  # anchor 5: row 4 past the end
 
 
-def acceptance(lm: LoadedModel, directory: Path, prompts: list[list[int]]) -> tuple[float, list]:
+def acceptance(
+    lm: LoadedModel, directory: Path, prompts: list[list[int]], method: str = "dflash"
+) -> tuple[float, list]:
     cfg = SpeculativeConfig(
-        method="dflash", draft_model=str(directory), num_draft_tokens=3, adaptive=False
+        method=method, draft_model=str(directory), num_draft_tokens=3, adaptive=False
     )
     spec = make_speculation(lm, cfg)
     accepted = drafted = 0
@@ -224,13 +243,14 @@ def acceptance(lm: LoadedModel, directory: Path, prompts: list[list[int]]) -> tu
     return accepted / drafted, outputs
 
 
-def test_training_lowers_loss_and_raises_acceptance(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_training_lowers_loss_and_raises_acceptance(tmp_path: Path, kind: str) -> None:
     """300 steps on the target's own greedy text: the loss falls, the held-out AL estimate and
     the real engine's acceptance rise above the untrained drafter's, and greedy output with the
     trained drafter is still exactly speculation off's."""
     lm = dense_target(tmp_path / "target", rigged=True)
-    data, held_out = greedy_corpus(lm, 160, 40, seed=0).split(0.1)
-    model = trainer(lm)
+    data, held_out = greedy_corpus(lm, 160, 40, seed=0, taps=taps_of(lm, kind)).split(0.1)
+    model = trainer_of(kind, lm)
     untrained = tmp_path / "untrained"
     save_checkpoint(model, torch.optim.AdamW(model.parameters()), 0, TrainConfig(), untrained, "t")
     cfg = TrainConfig(
@@ -251,8 +271,8 @@ def test_training_lowers_loss_and_raises_acceptance(tmp_path: Path) -> None:
     assert log[-1]["al"] > log[0]["al"] + 0.3, log
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 280, (4,), generator=gen).tolist() for _ in range(6)]
-    before, _ = acceptance(lm, untrained, prompts)
-    after, outputs = acceptance(lm, tmp_path / "trained", prompts)
+    before, _ = acceptance(lm, untrained, prompts, kind)
+    after, outputs = acceptance(lm, tmp_path / "trained", prompts, kind)
     assert after > before + 0.15, (before, after)
     for prompt, out in zip(prompts, outputs, strict=True):
         req = lm.new_request(prompt, SamplingParams(max_tokens=24, ignore_eos=True))
@@ -261,9 +281,10 @@ def test_training_lowers_loss_and_raises_acceptance(tmp_path: Path) -> None:
         assert out == req.output_ids
 
 
-def test_training_resumes_where_it_stopped(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_training_resumes_where_it_stopped(tmp_path: Path, kind: str) -> None:
     lm = dense_target(tmp_path / "target", rigged=True)
-    data, held_out = greedy_corpus(lm, 8, 32, seed=1).split(0.25)
+    data, held_out = greedy_corpus(lm, 8, 32, seed=1, taps=taps_of(lm, kind)).split(0.25)
     out = tmp_path / "run"
     cfg = TrainConfig(
         block_size=4,
@@ -275,15 +296,33 @@ def test_training_resumes_where_it_stopped(tmp_path: Path) -> None:
         save_every=3,
         eval_blocks=16,
     )
-    train(trainer(lm), data, held_out, cfg, out, "tiny", progress=False)
+    train(trainer_of(kind, lm), data, held_out, cfg, out, "tiny", progress=False)
     stopped = json.loads((out / "config.json").read_text())["quickdraft"]["steps"]
     assert stopped == 6
+    saved = load_file(str(out / "model.safetensors"))
     longer = replace(cfg, steps=9)
-    resumed = trainer(lm, seed=99)  # other init: the checkpoint must replace it
+    resumed = trainer_of(kind, lm, seed=99)  # other init: the checkpoint must replace it
     log = train(resumed, data, held_out, longer, out, "tiny", progress=False)
     assert [r["step"] for r in log] == [9]  # no step 0 again: it went on from 6
     assert [r["step"] for r in read_log(out)] == [0, 3, 6, 9]
     assert json.loads((out / "config.json").read_text())["quickdraft"]["steps"] == 9
+    # it went on from step 6's weights (a seed-99 start would be far from them after 3 steps)
+    again = trainer_of(kind, lm, seed=99)
+    again.load_state_dict(saved)
+    moved = max(
+        (a - b).abs().max()
+        for a, b in zip(resumed.state_dict().values(), again.state_dict().values(), strict=True)
+    )
+    assert 0 < float(moved) < 0.05, moved
+
+
+def short_run(corpus: Path, out: Path) -> list[str]:
+    """train-drafter flags for a 4-step run on `corpus` as plain text into `out`."""
+    return [
+        *("--dtype", "fp32", "--out", str(out), "--corpus", str(corpus), "--data", "text"),
+        *("--seq-len", "32", "--steps", "4", "--batch", "2", "--anchors", "4"),
+        *("--eval-every", "2", "--save-every", "2"),
+    ]
 
 
 def test_cli_trains_a_loadable_drafter(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -295,40 +334,8 @@ def test_cli_trains_a_loadable_drafter(tmp_path: Path, capsys: pytest.CaptureFix
     (text / "skip.bin").write_bytes(b"\x00" * 10)
     assert len(read_texts([text])) == 2
     out = tmp_path / "drafter"
-    code = cli_main(
-        [
-            "train-drafter",
-            str(lm.path),
-            "--dtype",
-            "fp32",
-            "--out",
-            str(out),
-            "--corpus",
-            str(text),
-            "--seq-len",
-            "32",
-            "--layers",
-            "1",
-            "--block-size",
-            "4",
-            "--taps",
-            "0,1",
-            "--mask-token-id",
-            str(MASK),
-            "--steps",
-            "4",
-            "--batch",
-            "2",
-            "--anchors",
-            "4",
-            "--eval-every",
-            "2",
-            "--save-every",
-            "2",
-            "--data",
-            "text",
-        ]
-    )
+    dflash = ["--layers", "1", "--block-size", "4", "--taps", "0,1", "--mask-token-id", str(MASK)]
+    code = cli_main(["train-drafter", str(lm.path), *short_run(text, out), *dflash])
     assert code == 0, capsys.readouterr().err
     assert "--speculative-method dflash" in capsys.readouterr().out
     assert (out / "training_curve.png").is_file() and (out / "trainer.pt").is_file()
@@ -356,13 +363,19 @@ def test_token_sequences_cut_and_join() -> None:
         token_sequences(Chars(), ["a"], 8, 100, eos=0)  # type: ignore[arg-type]
 
 
-def test_bench_runs_a_trained_drafter(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """`quickdraft bench --dflash DIR`: the drafter runs as engine "dflash" beside the others,
-    its greedy output identical to speculation off (fp32)."""
+@pytest.mark.parametrize("kind", KINDS)
+def test_bench_runs_a_trained_drafter(tiny_model_dir: Path, tmp_path: Path, kind: str) -> None:
+    """`quickdraft bench --dflash DIR` / `--mtp DIR`: the drafter runs as engine "dflash" /
+    "mtp" beside the others, its greedy output identical to speculation off (fp32; the tiny
+    Qwen2 target: q/k/v biases in the MTP head's layer)."""
     lm = load(str(tiny_model_dir), "fp32")
     vocab = lm.model.config.vocab_size
-    model = trainer_for(lm.model, 1, (0,), 4, vocab - 1, dtype=torch.float32)
-    out = tmp_path / "dflash"
+    model: DraftTrainModel = (
+        mtp_trainer_for(lm.model, 2, dtype=torch.float32)
+        if kind == "mtp"
+        else trainer_for(lm.model, 1, (0,), 4, vocab - 1, dtype=torch.float32)
+    )
+    out = tmp_path / kind
     save_checkpoint(model, torch.optim.AdamW(model.parameters()), 0, TrainConfig(), out, "tiny")
     report = run_bench(
         SpecBench(
@@ -376,9 +389,9 @@ def test_bench_runs_a_trained_drafter(tiny_model_dir: Path, tmp_path: Path) -> N
             hf=False,
             out_dir=tmp_path,
             reference_per_set=0,
-            dflash=str(out),
+            **{kind: str(out)},
         )
     )
-    cell = report["results"]["code"]["dflash"]
+    cell = report["results"]["code"][kind]
     assert cell["prompts"] == 2 and cell["identical"] == 2 and cell["speedup_vs_ngram"] > 0
-    assert "| code | dflash | 2 |" in (tmp_path / "speculative.md").read_text()
+    assert f"| code | {kind} | 2 |" in (tmp_path / "speculative.md").read_text()

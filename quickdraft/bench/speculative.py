@@ -19,11 +19,12 @@ agent's edit/test loop: sessions whose every request resends the whole conversat
 baseline engine's own earlier answers in it (`session_requests`); a set's "prompts" are its
 requests. The drafters' shared indexes learn every output of the run, in order.
 
-Our engines (none, ngram, suffix, draft, adaptive) run every prompt of a set by default; the
-reference engines (the unquantized draft model and the three transformers baselines, 2-4x
-slower) run the first `reference_per_set` prompts, and every ratio between two engines is taken
-over the prompts both ran (`Cell.summary`), so a comparison never mixes prompt subsets. Adaptive
-is also compared with the set's best single drafter, and every engine over all sets together.
+Our engines (none, ngram, suffix, draft, adaptive; dflash and mtp when given a trained
+checkpoint) run every prompt of a set by default; the reference engines (the unquantized draft
+model and the three transformers baselines, 2-4x slower) run the first `reference_per_set`
+prompts, and every ratio between two engines is taken over the prompts both ran
+(`Cell.summary`), so a comparison never mixes prompt subsets. Adaptive is also compared with the
+set's best single drafter, and every engine over all sets together.
 """
 
 from __future__ import annotations
@@ -110,13 +111,14 @@ ENGINES = (
     "draft",
     "adaptive",
     "dflash",
+    "mtp",
     "draft_unquantized",
     "llama.cpp",
     "hf",
     "hf_prompt_lookup",
     "hf_assisted",
 )
-OURS = ("none", "ngram", "suffix", "draft", "adaptive", "dflash")
+OURS = ("none", "ngram", "suffix", "draft", "adaptive", "dflash", "mtp")
 SINGLE = ("ngram", "suffix", "draft")  # the drafters adaptive picks among
 PEER_CONTEXT = 4096  # tokens of KV the peer allocates: the longest prompt + output fits
 REFERENCE_ENGINES = frozenset({"draft_unquantized", "hf", "hf_prompt_lookup", "hf_assisted"})
@@ -252,6 +254,9 @@ class SpecBench:
     # a DFlash checkpoint dir (e.g. from `quickdraft train-drafter`): runs as engine "dflash",
     # drafting up to its block size - 1 tokens per cycle
     dflash: str | None = None
+    # a standalone MTP head dir for the target (`quickdraft train-drafter --kind mtp`): runs as
+    # engine "mtp", drafting up to k tokens per cycle
+    mtp: str | None = None
 
     def __post_init__(self) -> None:
         if self.reference_per_set < 0:
@@ -310,6 +315,10 @@ def run(opts: SpecBench) -> dict[str, Any]:
             SpeculativeConfig(
                 method="dflash", draft_model=opts.dflash, num_draft_tokens=max(k, block - 1)
             ),
+        )
+    if opts.mtp is not None:
+        specs["mtp"] = make_speculation(
+            lm, SpeculativeConfig(method="mtp", draft_model=opts.mtp, num_draft_tokens=k)
         )
     hf_models: dict[str, Any] = {}
     if hf:
@@ -381,7 +390,7 @@ def run(opts: SpecBench) -> dict[str, Any]:
             if name in parity:
                 row[name]["identical"] = sum(p is None for p in parity[name])
                 row[name]["divergences"] = [p for p in parity[name] if p is not None]
-        for name in ("suffix", "dflash"):
+        for name in ("suffix", "dflash", "mtp"):
             if name in cells:
                 row[name]["speedup_vs_ngram"] = round(cells[name].ratio(cells["ngram"]), 3)
         singles = [name for name in SINGLE if name in cells]

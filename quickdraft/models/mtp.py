@@ -10,6 +10,11 @@ Layout (names after the `mtp.` prefix, as the checkpoints store them):
     norm                                        final RMSNorm
 Embedding and lm_head are the target's (shared storage, not parameters of the head).
 
+A head trained apart from its target (`quickdraft train-drafter --kind mtp`, for a dense target
+that ships none) is a directory of its own: model.safetensors holding the `mtp.*` tensors, and
+a config.json whose `architectures` is [STANDALONE_ARCHITECTURE], with the target's
+`model_type`, `hidden_size` and `vocab_size` and the head's `num_nextn_predict_layers`.
+
 Contract: `forward(token_ids [N], hidden [N, H], caches, num_new, logit_rows)` runs the rows
 x_i = fc([norm_e(embed(t_{i+1})) ; norm_h(h_i)]) of several requests packed, row i of a request
 at its position cache.length + i (ids shifted by one, positions not), through the layer
@@ -20,9 +25,11 @@ model here), and returns the logits of `logit_rows` plus the layer output before
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +42,18 @@ from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.layers import LinearView, OperandModule, RMSNorm, Rope, convert_operands_
 from quickdraft.models.llama import DecoderLayer
 from quickdraft.models.qwen3_next import HybridDecoderLayer, OffsetRMSNorm
+
+STANDALONE_ARCHITECTURE = "MTPHead"
+
+
+def standalone_head_config(path: str | Path) -> dict[str, Any] | None:
+    """The config.json of a standalone head directory (module docstring); None for any other
+    directory (a model's own checkpoint, whose head is described by the model's config)."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        return None
+    raw: dict[str, Any] = json.loads(file.read_text())
+    return raw if raw.get("architectures") == [STANDALONE_ARCHITECTURE] else None
 
 
 @dataclass(frozen=True, slots=True)

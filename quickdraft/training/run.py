@@ -1,10 +1,13 @@
-"""`quickdraft train-drafter`: one command from a model name and a corpus to a DFlash drafter
-checkpoint that `--speculative-method dflash --draft-model DIR` loads.
+"""`quickdraft train-drafter`: one command from a model name and a corpus to a drafter checkpoint:
+a DFlash block drafter (`--kind dflash`, the default; `--speculative-method dflash
+--draft-model DIR` loads it) or an MTP head for a dense target (`--kind mtp`;
+`--speculative-method mtp --draft-model DIR`).
 
-Stage: orchestration of training/corpus.py (the target pass, cached in the output folder) and
-training/dflash.py (the loop, resumable: running the same command again continues from the
-last checkpoint, to `steps` in all). Writes into `out`: config.json + model.safetensors (the
-drafter), trainer.pt (optimizer state), train_log.jsonl and training_curve.png.
+Stage: orchestration of training/corpus.py (the target pass, cached in the output folder),
+training/dflash.py or training/mtp.py (the drafter) and training/loop.py (the loop they share,
+resumable: running the same command again continues from the last checkpoint, to `steps` in
+all). Writes into `out`: config.json + model.safetensors (the drafter), trainer.pt (optimizer
+state), train_log.jsonl and training_curve.png.
 """
 
 from __future__ import annotations
@@ -14,10 +17,13 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
+from torch import Tensor
 
 from quickdraft.loading import LoadedModel
 from quickdraft.models.dflash import default_target_layers, read_draft_vocabulary
+from quickdraft.models.mtp import STANDALONE_ARCHITECTURE
 from quickdraft.training.chat_data import answer, chat_corpus, instructions
 from quickdraft.training.corpus import (
     TapCorpus,
@@ -28,16 +34,15 @@ from quickdraft.training.corpus import (
     save_corpus,
 )
 from quickdraft.training.dflash import (
-    CHECKPOINT,
-    LOG,
-    TrainConfig,
     default_mask_token,
     draft_vocabulary,
-    train,
     trainer_for,
     vocab_coverage,
 )
+from quickdraft.training.loop import CHECKPOINT, LOG, DraftTrainModel, TrainConfig, train
+from quickdraft.training.mtp import mtp_trainer_for
 
+KINDS = ("dflash", "mtp")
 DATA_KINDS = ("auto", "chat", "text")
 
 
@@ -65,36 +70,33 @@ def train_drafter(
     data_cfg: DataConfig,
     dtype: str,
     progress: bool = True,
+    kind: str = "dflash",
 ) -> dict[str, float]:
-    """Train (or resume) a DFlash drafter for `model_name` into `out`; -> a summary."""
+    """Train (or resume) a drafter of `kind` for `model_name` into `out`; -> a summary."""
     from quickdraft.loading import load
 
-    lm = load(model_name, dtype, progress=progress)
-    model, tokenizer = lm.model, lm.tokenizer
-    shape: Any = model.config
-    layers = shape.num_hidden_layers
-    saved = out / "config.json"
-    if saved.is_file():  # a resumed run keeps the layout it started with
-        raw = json.loads(saved.read_text())
-        taps = tuple(raw["dflash_config"]["target_layer_ids"])
-        mask = int(raw["dflash_config"]["mask_token_id"])
-        if raw["block_size"] != train_cfg.block_size or raw["num_hidden_layers"] != (
-            train_cfg.num_layers
-        ):
-            raise ValueError(
-                f"{out} holds a drafter with block {raw['block_size']} and "
-                f"{raw['num_hidden_layers']} layers; resume with those or pick another --out"
-            )
-    else:
-        taps = data_cfg.taps or default_target_layers(layers, data_cfg.num_taps)
-        mask = data_cfg.mask_token_id
-        if mask < 0:
-            specials = {
-                i: t.content for i, t in tokenizer.backend.get_added_tokens_decoder().items()
-            }
-            mask = default_mask_token(model.config.vocab_size, tokenizer.vocab_size, specials)
+    if kind not in KINDS:
+        raise ValueError(f"--kind {kind!r}: one of {', '.join(KINDS)}")
     if data_cfg.data not in DATA_KINDS:
         raise ValueError(f"--data {data_cfg.data!r}: one of {', '.join(DATA_KINDS)}")
+    lm = load(model_name, dtype, progress=progress)
+    model, tokenizer = lm.model, lm.tokenizer
+    saved = saved_config(out, kind)  # a resumed run keeps the layout it started with
+    if kind == "mtp":
+        # the one tap: the last layer's output after the final norm, the hidden the MTP
+        # drafter is fed (its post_norm feed)
+        shape: Any = model.config
+        taps: tuple[int, ...] = (shape.num_hidden_layers - 1,)
+        if saved is not None and saved["quickdraft"]["chained_steps_trained"] != (
+            train_cfg.mtp_steps
+        ):
+            raise ValueError(
+                f"{out} holds an MTP head trained on "
+                f"{saved['quickdraft']['chained_steps_trained']} chained steps; resume with "
+                "those (--mtp-steps) or pick another --out"
+            )
+    else:
+        taps, mask = dflash_layout(lm, saved, train_cfg, data_cfg)
     chat = data_cfg.data == "chat" or (
         data_cfg.data == "auto" and tokenizer.chat_template is not None
     )
@@ -116,13 +118,17 @@ def train_drafter(
             progress,
         )
     data, held_out = corpus.split(data_cfg.held_out, seed=train_cfg.seed)
-    checkpoint = [out / CHECKPOINT] if (out / CHECKPOINT).is_file() else []
-    vocab_ids = read_draft_vocabulary(checkpoint, model.config.vocab_size)  # a resumed run keeps it
-    if vocab_ids is None and 0 < data_cfg.draft_vocab < model.config.vocab_size:
-        vocab_ids = draft_vocabulary(data, data_cfg.draft_vocab, lm.eos_ids)
-    drafter = trainer_for(
-        model, train_cfg.num_layers, taps, train_cfg.block_size, mask, vocab_ids=vocab_ids
-    )
+    vocab_ids: Tensor | None = None  # an MTP head scores the whole vocabulary (the target's head)
+    if kind == "mtp":
+        drafter: DraftTrainModel = mtp_trainer_for(model, train_cfg.mtp_steps)
+    else:
+        checkpoint = [out / CHECKPOINT] if (out / CHECKPOINT).is_file() else []
+        vocab_ids = read_draft_vocabulary(checkpoint, model.config.vocab_size)  # kept on resume
+        if vocab_ids is None and 0 < data_cfg.draft_vocab < model.config.vocab_size:
+            vocab_ids = draft_vocabulary(data, data_cfg.draft_vocab, lm.eos_ids)
+        drafter = trainer_for(
+            model, train_cfg.num_layers, taps, train_cfg.block_size, mask, vocab_ids=vocab_ids
+        )
     log = train(drafter, data, held_out, train_cfg, out, model_name, progress)
     plot_curve(out)
     last = log[-1] if log else {}
@@ -139,6 +145,45 @@ def train_drafter(
         if vocab_ids is None
         else vocab_coverage(held_out, vocab_ids),
     }
+
+
+def saved_config(out: Path, kind: str) -> dict[str, Any] | None:
+    """The config.json of the drafter `out` already holds (None: a fresh run); an error when
+    it is of another kind."""
+    path = out / "config.json"
+    if not path.is_file():
+        return None
+    raw: dict[str, Any] = json.loads(path.read_text())
+    held = "mtp" if raw.get("architectures") == [STANDALONE_ARCHITECTURE] else "dflash"
+    if held != kind:
+        raise ValueError(f"{out} holds a {held} drafter, not {kind}: pick another --out")
+    return raw
+
+
+def dflash_layout(
+    lm: LoadedModel, saved: dict[str, Any] | None, train_cfg: TrainConfig, data_cfg: DataConfig
+) -> tuple[tuple[int, ...], int]:
+    """(taps, mask token) of a DFlash drafter: the saved checkpoint's when resuming, else
+    from `data_cfg` and the defaults."""
+    model, shape = lm.model, cast(Any, lm.model.config)
+    if saved is not None:
+        taps = tuple(saved["dflash_config"]["target_layer_ids"])
+        if saved["block_size"] != train_cfg.block_size or saved["num_hidden_layers"] != (
+            train_cfg.num_layers
+        ):
+            raise ValueError(
+                f"drafter with block {saved['block_size']} and {saved['num_hidden_layers']} "
+                "layers already there; resume with those or pick another --out"
+            )
+        return taps, int(saved["dflash_config"]["mask_token_id"])
+    taps = data_cfg.taps or default_target_layers(shape.num_hidden_layers, data_cfg.num_taps)
+    mask = data_cfg.mask_token_id
+    if mask < 0:
+        specials = {
+            i: t.content for i, t in lm.tokenizer.backend.get_added_tokens_decoder().items()
+        }
+        mask = default_mask_token(model.config.vocab_size, lm.tokenizer.vocab_size, specials)
+    return taps, mask
 
 
 def chat_data(

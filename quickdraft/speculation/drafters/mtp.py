@@ -16,6 +16,9 @@ hidden and the head's post-`norm` output; vLLM's choice) or "pre_norm" (the resi
 before those norms; the target's is recovered exactly, up to the head's RMSNorm eps, as
 post_norm / final-norm scale, because the head normalises it again with pre_fc_norm_hidden).
 Real checkpoints settle it by acceptance (bench/hybrid.py reports it).
+Where the head comes from: the target's own checkpoint (`mtp.*`), or a standalone head
+directory (models/mtp.py; `quickdraft train-drafter --kind mtp` trains one for a dense target,
+with the post_norm feed) given as `--draft-model`.
 Prefix cache (`PrefixDrafter`): a block of tokens [a, b) keeps the head's KV rows whose inputs
 lie in it, positions [a - 1, b - 1) (row i reads t_{i+1}), and the target hidden row h_{b-1}
 (kept from `commit` once the block size is known): a hit of n tokens restores rows [0, n - 1)
@@ -43,7 +46,7 @@ from quickdraft.models.gguf_loader import is_gguf_dir
 from quickdraft.models.gguf_qwen_loader import load_gguf_mtp_head
 from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.loader import load_weights
-from quickdraft.models.mtp import MTPHead
+from quickdraft.models.mtp import MTPHead, standalone_head_config
 from quickdraft.models.registry import mtp_parts, name_map
 from quickdraft.speculation.cost import StepShape
 from quickdraft.speculation.drafters.base import Draft, DraftBlock, DraftJob, draft_one
@@ -75,11 +78,17 @@ def load_mtp_head(model: LanguageModel, path: str | Path) -> MTPHead:
         raise ValueError(
             f"{path} has no MTP head (no mtp.* tensors): --speculative-method mtp needs a "
             "checkpoint that ships one (Qwen3-Next, Qwen3.5/3.6; in a GGUF, the blk.N.nextn.* "
-            "tensors of nextn_predict_layers); use ngram or draft instead"
+            "tensors of nextn_predict_layers), or for a dense model a head trained with "
+            "`quickdraft train-drafter MODEL --kind mtp`, given as --draft-model DIR; "
+            "use ngram or draft instead"
         )
     layers = {n.split(".")[2] for n in names if n.startswith("mtp.layers.")}
     cfg: Any = target.config
-    extra = cfg.extra  # the raw (text) config.json of either config class
+    own = standalone_head_config(path)  # a head trained apart from the target
+    if own is not None:
+        _check_fits(own, cfg, path)
+    # the raw (text) config.json of either config class, or the standalone head's
+    extra = cfg.extra if own is None else own
     declared = extra.get("mtp_num_hidden_layers", extra.get("num_nextn_predict_layers"))
     declared = len(layers) if declared is None else int(declared)
     if layers != {"0"} or declared != 1:
@@ -98,6 +107,17 @@ def load_mtp_head(model: LanguageModel, path: str | Path) -> MTPHead:
     if isinstance(lm_head, PanelWeight):  # the target runs packed: so does its head
         head.pack_()
     return head
+
+
+def _check_fits(head: dict[str, Any], cfg: Any, path: Path) -> None:
+    """A clear error when a standalone head was trained for another kind of target."""
+    trained_for = head.get("quickdraft", {}).get("trained_for")
+    for key in ("model_type", "hidden_size", "vocab_size"):
+        if head.get(key) != getattr(cfg, key):
+            raise ValueError(
+                f"{path}: MTP head for {key} {head.get(key)!r} (trained for {trained_for}), "
+                f"the target has {getattr(cfg, key)!r}"
+            )
 
 
 @dataclass(slots=True)

@@ -1,0 +1,112 @@
+"""`quickdraft train-drafter --kind mtp` (training/mtp.py) and the standalone MTP head it writes,
+on the tiny dense Qwen3 target of test_dflash.py. test_train_drafter.py trains it (loss, held-out
+AL and the engine's acceptance rise; resume; the bench) beside the DFlash drafter.
+
+Structure: the training forward of every chained step equals the serving MTPHead's on the
+checkpoint the trainer wrote (catch-up rows with the target's hidden, then chained rows fed the
+head's own post-norm output); the CLI end to end, with greedy output through `--speculative-method
+mtp --draft-model DIR` identical to speculation off; the clear errors: a dense model with no
+head and no --draft-model, a head trained for another target, DFlash-only flags, an --out that
+holds the other kind of drafter.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hybrid_models import one_thread  # noqa: F401 (autouse fixture)
+from safetensors.torch import load_file
+from test_dflash import dense_target, generate
+from test_train_drafter import short_run
+
+from quickdraft.cli import main as cli_main
+from quickdraft.config import SpeculativeConfig
+from quickdraft.loading import load
+from quickdraft.speculation.drafters.mtp import load_mtp_head
+from quickdraft.speculation.factory import make_speculation
+from quickdraft.training.corpus import run_target
+from quickdraft.training.loop import TrainConfig, save_checkpoint
+from quickdraft.training.mtp import mtp_trainer_for
+
+
+def test_mtp_training_forward_equals_the_serving_head(tmp_path: Path) -> None:
+    """Logits of 3 chained steps at 3 anchors from the training forward (one causal pass, then
+    chained rows per anchor) equal the serving MTPHead's, loaded from the checkpoint the trainer
+    wrote: rows 0 .. a-1 run with the target's post-norm hidden and committed, then each chained
+    row fed the previous step's post-norm output and the target's token."""
+    lm = dense_target(tmp_path / "target")
+    model = mtp_trainer_for(lm.model, 3, seed=3, dtype=torch.float32)
+    with torch.no_grad():  # away from the init, so that every tensor matters
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    save_checkpoint(model, torch.optim.AdamW(model.parameters()), 0, TrainConfig(), tmp_path, "t")
+    names = set(load_file(str(tmp_path / "model.safetensors")))  # the head's tensors only
+    assert all(n.startswith("mtp.") for n in names), names
+    assert "mtp.layers.0.self_attn.q_norm.weight" in names  # the Qwen3 target's layer
+    head = load_mtp_head(lm.model, tmp_path)
+    ids = torch.tensor(lm.tokenizer.encode("def add(a, b):\n    return a + b\n\ndef add("))[:24]
+    last = lm.model.config.num_hidden_layers - 1
+    corpus = run_target(lm.model, ids[None], (last,), progress=False)
+    anchors = torch.tensor([[5, 12, 17]])
+    got = model.logits(model.rows_hidden(corpus.ids, corpus.taps, corpus.preds, anchors))
+    preds = corpus.preds[0]
+    for n, a in enumerate(anchors[0].tolist()):
+        cache = head.new_cache(32)
+        logits, _, post = head(
+            ids[1 : a + 1], corpus.taps[0, :a].float(), [cache], [a], torch.tensor([a - 1])
+        )
+        cache.commit(a)
+        for step in range(3):
+            assert (got[0, n, step].detach() - logits[0]).abs().max().item() < 1e-4, (a, step)
+            token, hidden = preds[a + step : a + step + 1], post[-1:]
+            logits, _, post = head(token, hidden, [cache], [1], torch.tensor([0]))
+            cache.commit(cache.length + 1)
+
+
+def train_cli(target: Path, out: Path, corpus: Path, *extra: str) -> int:
+    mtp = ["--kind", "mtp", "--mtp-steps", "2"]
+    return cli_main(["train-drafter", str(target), *short_run(corpus, out), *mtp, *extra])
+
+
+def test_cli_trains_a_loadable_mtp_head(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lm = dense_target(tmp_path / "target", rigged=True)
+    corpus = tmp_path / "corpus.md"
+    corpus.write_text("the cat sat on the mat. def add(a, b): return a + b\n" * 60)
+    out = tmp_path / "head"
+    assert train_cli(lm.path, out, corpus) == 0, capsys.readouterr().err
+    assert "--speculative-method mtp --draft-model" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["MTPHead"] and config["quickdraft"]["steps"] == 4
+    assert (out / "training_curve.png").is_file() and (out / "trainer.pt").is_file()
+    # the same command again with more steps resumes
+    assert train_cli(lm.path, out, corpus, "--steps", "6") == 0, capsys.readouterr().err
+    assert json.loads((out / "config.json").read_text())["quickdraft"]["steps"] == 6
+    spec = make_speculation(
+        lm, SpeculativeConfig(method="mtp", draft_model=str(out), num_draft_tokens=3)
+    )
+    for prompt in ("the cat", "def add("):
+        plain = generate(lm, prompt, None, max_tokens=16)
+        assert generate(lm, prompt, spec, max_tokens=16).output_ids == plain.output_ids
+    # DFlash-only flags, and an --out that holds another kind, are clear errors (exit 2)
+    assert train_cli(lm.path, out, corpus, "--block-size", "4") == 2
+    assert "--block-size: not for --kind mtp" in capsys.readouterr().err
+    dflash = ["train-drafter", str(lm.path), "--out", str(out), "--corpus", str(corpus)]
+    assert cli_main(dflash) == 2
+    assert "holds a mtp drafter, not dflash" in capsys.readouterr().err
+
+
+def test_mtp_head_errors(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A dense model with no head of its own and no --draft-model says how to get one; a head
+    trained for another target names what differs."""
+    lm = dense_target(tmp_path / "target")
+    with pytest.raises(ValueError, match="train-drafter MODEL --kind mtp"):
+        make_speculation(lm, SpeculativeConfig(method="mtp"))
+    other = load(str(tiny_model_dir), "fp32")  # a Qwen2 target
+    model = mtp_trainer_for(other.model, 1, dtype=torch.float32)
+    head = tmp_path / "head"
+    save_checkpoint(model, torch.optim.AdamW(model.parameters()), 0, TrainConfig(), head, "x")
+    with pytest.raises(ValueError, match="MTP head for model_type 'qwen2'"):
+        load_mtp_head(lm.model, head)
