@@ -5,8 +5,9 @@ nn.Linear layout, or with --layout Q4_K etc. in a GGUF block format as `--dtype 
 random blocks; --isa picks that kernel's tile) and token count M: milliseconds per call and
 weight-read bandwidth (weight bytes / time) for both, and ours' time(M) / time(M=1), the number
 that decides whether a speculative verify pass over M tokens is nearly free. Each timing
-rotates over enough weight copies (>= 320 MB, 10x the L3) that every call streams its weight
-from DRAM as in a real decode step; warm-up calls are excluded and the best repetition over
+rotates over enough weight copies (>= 320 MB and >= 3x this CPU's L3, which is 32 MB on the
+EPYC hosts but 480 MB on some Xeon VMs) that every call streams its weight from DRAM as in a
+real decode step; warm-up calls are excluded and the best repetition over
 --rounds passes is reported. On a shared machine each measurement first waits (up to
 --wait-idle seconds) for an idle CPU.
 Prints a table, then one JSON object as the last line (--save also writes
@@ -26,15 +27,18 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from quickdraft.bench.report import machine, read_bandwidth_gbs, table, write
+from quickdraft.bench.report import RESULTS, machine, read_bandwidth_gbs, table, write
 from quickdraft.kernels import PanelWeight
 from quickdraft.kernels.build import extension
+from quickdraft.kernels.linear_bf16 import streamed_empty
 from quickdraft.kernels.linear_gguf import FORMATS, GGUFWeight, random_blocks
 
 # Qwen2.5-1.5B: q+k+v, o, gate+up, down, lm_head; SmolLM2-135M: q+k+v, lm_head, o...; and
@@ -51,6 +55,24 @@ SHAPES: list[tuple[int, int]] = [
     (576, 1536),
 ]
 ROTATE_BYTES = 320 << 20
+
+
+def huge_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy on huge pages, as a loaded model's weights are (`streamed_empty`)."""
+    return streamed_empty(tuple(t.shape), t.dtype).copy_(t)
+
+
+def rotate_bytes() -> int:
+    """Bytes of weight copies to rotate over: 320 MB, or 3x the L3 where that is larger (a
+    Xeon VM here reports 480 MB of L3: a 320 MB rotation measured its L3, ~2x DRAM's rate)."""
+    try:
+        size = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        l3 = int(size.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(size[-1], 0)
+    except (OSError, ValueError):
+        l3 = 0
+    return max(ROTATE_BYTES, 3 * l3)
+
+
 ISAS = {"best": -1, "avx2": 0, "avx512": 1}  # --isa -> the extension's gguf_isa level
 
 
@@ -128,6 +150,9 @@ def main() -> None:
         help="max seconds to wait for an idle machine before each measurement",
     )
     ap.add_argument("--save", action="store_true", help="also write bench/results/kernels.json")
+    ap.add_argument(
+        "--out", type=Path, default=RESULTS, help="where --save writes (default bench/results)"
+    )
     args = ap.parse_args()
 
     if args.threads:
@@ -164,18 +189,19 @@ def main() -> None:
     for spec in args.shapes:
         n, k = (int(v) for v in spec.split("x"))
         w0 = (torch.randn(n, k) * 0.05).bfloat16()
-        copies = 1 if args.hot else max(1, -(-ROTATE_BYTES // w0.nbytes))
+        copies = 1 if args.hot else max(1, -(-rotate_bytes() // w0.nbytes))
         weights = [w0] + [w0.clone() for _ in range(copies - 1)]
         operands: list[Any] = weights
         nbytes = w0.nbytes
         if args.layout == "panels":
             operands = [PanelWeight.pack(w) for w in weights]
         elif gguf is not None:
-            operands = [
-                GGUFWeight.from_raw(gguf.name, random_blocks(gguf, n, k, seed=i), k)
-                for i in range(max(1, -(-ROTATE_BYTES // (n * k))) if not args.hot else 1)
+            first = GGUFWeight.from_raw(gguf.name, random_blocks(gguf, n, k, seed=0), k)
+            nbytes = first.nbytes
+            operands = [first] + [
+                GGUFWeight(tuple(replace(p, packed=huge_copy(p.packed)) for p in first.parts), k)
+                for _ in range(0 if args.hot else -(-rotate_bytes() // nbytes) - 1)
             ]
-            nbytes = operands[0].nbytes
         xs = {m: torch.randn(m, k).bfloat16() for m in args.ms}
         best_ours: dict[int, float] = {}
         best_torch: dict[int, float] = {}
@@ -219,12 +245,13 @@ def main() -> None:
         "bench": "kernels",
         "machine": host,
         "read_bandwidth_gbs": round(bw, 2),
+        "rotate_bytes": 0 if args.hot else rotate_bytes(),
         "layout": args.layout,
         "gguf_tile": ("avx512" if isa else "avx2") if gguf else None,
         "rows": rows,
     }
     if args.save:
-        write("kernels", result, markdown(result), plot(result), figsize=(12, 4))
+        write("kernels", result, markdown(result), plot(result), args.out, figsize=(12, 4))
     else:
         print(json.dumps(result))
 
