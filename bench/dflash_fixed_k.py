@@ -1,5 +1,6 @@
-"""Fixed-k acceptance and tok/s of none, n-gram and a DFlash checkpoint on SmolLM2 (code and prose
-bench prompts, greedy, cost model off): `python bench/dflash_fixed_k.py DRAFTER_DIR`."""
+"""Fixed-k acceptance and tok/s of none, n-gram and a trained drafter on SmolLM2 (code and prose
+bench prompts, greedy, cost model off): `python bench/dflash_fixed_k.py DRAFTER_DIR [METHOD K]`,
+METHOD dflash (default, k 7) or mtp (a `train-drafter --kind mtp` head)."""
 
 import sys
 import time
@@ -14,15 +15,17 @@ from quickdraft.request import SamplingParams
 from quickdraft.speculation.factory import make_speculation
 
 torch.set_num_threads(2)
+method = sys.argv[2] if len(sys.argv) > 2 else "dflash"
+k = int(sys.argv[3]) if len(sys.argv) > 3 else 7
 lm = load("smollm2-135m", "gguf", progress=False)
 sets = bench_sets()
 for name, cfg in [
     ("none", None),
-    ("ngram", SpeculativeConfig(method="ngram", num_draft_tokens=7, adaptive=False)),
+    ("ngram", SpeculativeConfig(method="ngram", num_draft_tokens=k, adaptive=False)),
     (
-        "dflash",
+        method,
         SpeculativeConfig(
-            method="dflash", draft_model=sys.argv[1], num_draft_tokens=7, adaptive=False
+            method=method, draft_model=sys.argv[1], num_draft_tokens=k, adaptive=False
         ),
     ),
 ]:

@@ -125,7 +125,7 @@ def build(out_scale: float, pack: bool = True) -> tuple[HybridLM, MTPHead, int, 
     head = MTPHead(
         hybrid_mtp_parts(cfg, torch.bfloat16, torch.device("cpu")),
         cfg.hidden_size,
-        model.get_parameter("model.embed_tokens.weight"),
+        model.get_submodule("model.embed_tokens"),
         model.head,
         torch.bfloat16,
         torch.device("cpu"),

@@ -140,7 +140,7 @@ def mtp_head_for(model: nn.Module, seed: int, out_scale: float = 1.0) -> MTPHead
     head = MTPHead(
         parts,
         cfg.hidden_size,
-        model.get_parameter("model.embed_tokens.weight"),
+        model.get_submodule("model.embed_tokens"),
         model.get_parameter("lm_head.weight"),
         dtype,
         device,

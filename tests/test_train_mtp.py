@@ -5,9 +5,10 @@ AL and the engine's acceptance rise; resume; the bench) beside the DFlash drafte
 Structure: the training forward of every chained step equals the serving MTPHead's on the
 checkpoint the trainer wrote (catch-up rows with the target's hidden, then chained rows fed the
 head's own post-norm output); the CLI end to end, with greedy output through `--speculative-method
-mtp --draft-model DIR` identical to speculation off; the clear errors: a dense model with no
-head and no --draft-model, a head trained for another target, DFlash-only flags, an --out that
-holds the other kind of drafter.
+mtp --draft-model DIR` identical to speculation off; a head for a target run on its GGUF's
+own blocks (a quantized embedding table that is also the head); the clear errors: a dense model
+with no head and no --draft-model, a head trained for another target, DFlash-only flags, an
+--out that holds the other kind of drafter.
 """
 
 from __future__ import annotations
@@ -20,15 +21,24 @@ import torch
 from hybrid_models import one_thread  # noqa: F401 (autouse fixture)
 from safetensors.torch import load_file
 from test_dflash import dense_target, generate
-from test_train_drafter import short_run
+from test_gguf_loader import (
+    LAYERS,
+    TYPES,
+    home,  # noqa: F401 (fixture: a throw-away QUICKDRAFT_HOME)
+    write_tiny_gguf,
+)
+from test_train_drafter import greedy_corpus, short_run
 
 from quickdraft.cli import main as cli_main
 from quickdraft.config import SpeculativeConfig
+from quickdraft.engine import stream
 from quickdraft.loading import load
+from quickdraft.models.layers import GGUFEmbedding
+from quickdraft.request import SamplingParams
 from quickdraft.speculation.drafters.mtp import load_mtp_head
 from quickdraft.speculation.factory import make_speculation
 from quickdraft.training.corpus import run_target
-from quickdraft.training.loop import TrainConfig, save_checkpoint
+from quickdraft.training.loop import TrainConfig, save_checkpoint, train
 from quickdraft.training.mtp import mtp_trainer_for
 
 
@@ -110,3 +120,32 @@ def test_mtp_head_errors(tmp_path: Path, tiny_model_dir: Path) -> None:
     save_checkpoint(model, torch.optim.AdamW(model.parameters()), 0, TrainConfig(), head, "x")
     with pytest.raises(ValueError, match="MTP head for model_type 'qwen2'"):
         load_mtp_head(lm.model, head)
+
+
+def test_mtp_head_for_a_gguf_target(home: Path, tmp_path: Path) -> None:  # noqa: F811
+    """A dense Llama run on its GGUF's own blocks (`--dtype gguf`: bf16 activations, the
+    embedding table left quantized and tied to the head): a head trained for it drafts through
+    the target's embedding lookup and quantized head, and greedy output with it equals
+    speculation off. This random target's text has no pattern to learn, so the head learns
+    its training texts by heart (loss ~0.1): from their first tokens, drafts are accepted."""
+    lm = load(str(write_tiny_gguf(tmp_path / "tiny.gguf", "llama", TYPES["llama"])), "gguf")
+    assert isinstance(lm.model.get_submodule("model.embed_tokens"), GGUFEmbedding)
+    data, held_out = greedy_corpus(lm, 24, 28, seed=0, taps=(LAYERS - 1,)).split(0.1)
+    cfg = TrainConfig(steps=250, batch=4, anchors=8, lr=3e-3, warmup=5, eval_blocks=64)
+    out = tmp_path / "head"
+    train(mtp_trainer_for(lm.model, 2), data, held_out, cfg, out, "tiny", progress=False)
+    spec = make_speculation(
+        lm,
+        SpeculativeConfig(method="mtp", draft_model=str(out), num_draft_tokens=3, adaptive=False),
+    )
+    accepted = 0
+    for prompt in data.ids[:3, :4].tolist():
+        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        plain, fast = lm.new_request(prompt, params), lm.new_request(prompt, params)
+        for _ in stream(lm, plain, None):
+            pass
+        for _ in stream(lm, fast, spec):
+            pass
+        assert fast.output_ids == plain.output_ids, prompt
+        accepted += fast.spec.accepted
+    assert accepted > 20, accepted  # of 72 output tokens

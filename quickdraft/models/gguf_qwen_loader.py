@@ -237,7 +237,8 @@ def load_gguf_mtp_head(model: nn.Module, file: Path) -> MTPHead:
             f"declares {cfg.mtp_num_hidden_layers}. Use ngram or draft instead"
         )
     parts = hybrid_mtp_parts(cfg, dtype, embed.device)
-    head = MTPHead(parts, cfg.hidden_size, embed, model.head, dtype, embed.device)  # type: ignore[arg-type]
+    embed_tokens = model.get_submodule("model.embed_tokens")
+    head = MTPHead(parts, cfg.hidden_size, embed_tokens, model.head, dtype, embed.device)  # type: ignore[arg-type]
     with torch.no_grad():
         loader.layer(head.layers[0], f"blk.{cfg.num_hidden_layers}.")
         loader.fill(head, "mtp.")

@@ -8,7 +8,7 @@ Layout (names after the `mtp.` prefix, as the checkpoints store them):
     layers.0                                    one full-attention decoder layer of the target's
                                                 type (MoE where the target is), own KV cache
     norm                                        final RMSNorm
-Embedding and lm_head are the target's (shared storage, not parameters of the head).
+Embedding and lm_head are the target's (shared, not parameters of the head).
 
 A head trained apart from its target (`quickdraft train-drafter --kind mtp`, for a dense target
 that ships none) is a directory of its own: model.safetensors holding the `mtp.*` tensors, and
@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quickdraft.config import ModelConfig
@@ -96,7 +95,9 @@ class MTPHead(OperandModule):
         self,
         parts: MTPParts,
         hidden_size: int,
-        embed_weight: Tensor,  # [vocab, H] the target's
+        # the target's embedding lookup, ids [N] -> [N, H] (a GGUF target's dequantizes the
+        # rows it reads): called, never a submodule of the head
+        embed_tokens: Callable[[Tensor], Tensor],
         lm_head_weight: Weight,  # [vocab, H] the target's GEMM operand
         dtype: torch.dtype,
         device: torch.device,
@@ -114,7 +115,7 @@ class MTPHead(OperandModule):
         self.rope = parts.rope
         self.num_kv_heads, self.head_dim = parts.num_kv_heads, parts.head_dim
         # Sharing the target's storage: not parameters of the head.
-        self.embed_weight = embed_weight.detach()
+        self.embed = lambda ids: embed_tokens(ids)
         self.lm_head_weight = (
             lm_head_weight.detach() if isinstance(lm_head_weight, Tensor) else lm_head_weight
         )
@@ -146,7 +147,7 @@ class MTPHead(OperandModule):
                 for c, n in zip(caches, num_new, strict=True)
             ]
         )
-        emb = self.pre_fc_norm_embedding(F.embedding(token_ids, self.embed_weight))
+        emb = self.pre_fc_norm_embedding(self.embed(token_ids))
         x = project(
             torch.cat([emb, self.pre_fc_norm_hidden(hidden.to(self.dtype))], -1), self.fc_weight
         )

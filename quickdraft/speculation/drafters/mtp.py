@@ -39,8 +39,7 @@ from torch import Tensor, nn
 
 from quickdraft.config import PREFILL_CHUNK
 from quickdraft.hub.convert import GGUF_LINK
-from quickdraft.kernels.gemm import Weight
-from quickdraft.kernels.linear_bf16 import PanelWeight
+from quickdraft.kernels.gemm import Weight, panels_apply
 from quickdraft.models.base import LanguageModel
 from quickdraft.models.gguf_loader import is_gguf_dir
 from quickdraft.models.gguf_qwen_loader import load_gguf_mtp_head
@@ -96,15 +95,15 @@ def load_mtp_head(model: LanguageModel, path: str | Path) -> MTPHead:
             f"{path}: MTP head with layers {sorted(layers)} (config: {declared}); only "
             "single-layer heads (mtp.layers.0) are supported"
         )
-    embed = target.get_parameter("model.embed_tokens.weight")
-    dtype, device = embed.dtype, embed.device
+    dtype, device = model.dtype, model.device
     parts = mtp_parts(cfg.model_type)(cfg, dtype, device)
-    # the target's lm_head GEMM operand (packed or not): shared, not copied
+    # the target's embedding and lm_head GEMM operand (packed, quantized or not): shared
     lm_head = cast(Weight, target.head)
+    embed = target.get_submodule("model.embed_tokens")
     head = MTPHead(parts, cfg.hidden_size, embed, lm_head, dtype, device)
     family = name_map(cfg)
     load_weights(head, files, lambda n: family(n[4:]) if n.startswith("mtp.") else None)
-    if isinstance(lm_head, PanelWeight):  # the target runs packed: so does its head
+    if panels_apply(dtype, device):  # as `loading.load` packs the target (a GGUF one too)
         head.pack_()
     return head
 
@@ -268,7 +267,7 @@ def head_step_seconds(head: MTPHead, context: int = 16, reps: int = 3) -> float:
     """Seconds of one single-row head forward after `context` rows (best of reps)."""
     cache = head.new_cache(context + 2)
     size = head.hidden_size
-    vocab = head.embed_weight.shape[0]
+    vocab = head.lm_head_weight.shape[0]
     ids = torch.randint(0, vocab, (context + 1,), device=head.device)
     hidden = torch.randn(context + 1, size, dtype=head.dtype, device=head.device)
     head(ids[:context], hidden[:context], [cache], [context], torch.tensor([context - 1]))
