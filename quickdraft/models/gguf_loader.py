@@ -1,5 +1,7 @@
-"""Load a model whose weights are a GGUF file's own quantized tensors (a "gguf" model directory:
-config.json, the tokenizer and `model.gguf`, a link to the file; hub/convert.py writes it).
+"""Load a model whose weights are a GGUF file's own quantized tensors (over 400 lines: the file's
+reader, the repack and the packed copy's writer and reader are one loading path). A "gguf"
+model directory holds config.json, the tokenizer and `model.gguf`, a link to the file
+(hub/convert.py writes it).
 
 Each projection becomes a `GGUFWeight` (kernels/linear_gguf.py): the file's blocks repacked once
 into the kernel's panel layout, the same weight values its reference dequantization gives;
