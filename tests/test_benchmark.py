@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,23 +25,35 @@ from quickdraft.bench.speculative import (
 from quickdraft.loading import load
 
 
+def tiny_run(model: Path, out_dir: Path, **fields: Any) -> dict[str, Any]:
+    """`run` of a few fp32 tokens of the tiny model, no draft model unless given, no
+    transformers reference and no references from the target (every test's common setting)."""
+    settings: dict[str, Any] = {
+        "draft": None,
+        "dtype": "fp32",
+        "tokens": 8,
+        "per_set": 1,
+        "sets": ("code",),
+        "k": 3,
+        "hf": False,
+        "reference_per_set": 0,
+    }
+    settings.update(fields)
+    draft = settings.pop("draft")
+    return run(SpecBench(str(model), draft, out_dir=out_dir, **settings))
+
+
 def test_benchmark_reports_sets_and_prompts(
     tiny_model_dir: Path, near_draft_dir: Path, tmp_path: Path
 ) -> None:
-    report = run(
-        SpecBench(
-            str(tiny_model_dir),
-            str(near_draft_dir),
-            dtype="fp32",
-            tokens=12,
-            per_set=2,
-            sets=("code", "json"),
-            k=3,
-            hf=False,
-            out_dir=tmp_path,
-            draft_quantization="none",
-            reference_per_set=0,
-        )
+    report = tiny_run(
+        tiny_model_dir,
+        tmp_path,
+        draft=str(near_draft_dir),
+        tokens=12,
+        per_set=2,
+        sets=("code", "json"),
+        draft_quantization="none",
     )
     assert list(report["results"]) == ["code", "json"]
     for row in report["results"].values():
@@ -76,20 +89,7 @@ def test_benchmark_without_a_draft_model_runs_the_other_engines(
 ) -> None:
     """A target with no packaged draft (and none given): off, the lookups and adaptive over
     them only, no error."""
-    report = run(
-        SpecBench(
-            str(tiny_model_dir),
-            None,
-            dtype="fp32",
-            tokens=8,
-            per_set=1,
-            sets=("code",),
-            k=3,
-            hf=False,
-            out_dir=tmp_path,
-            reference_per_set=0,
-        )
-    )
+    report = tiny_run(tiny_model_dir, tmp_path)
     assert report["draft"] is None
     assert set(report["results"]["code"]) == {"none", "ngram", "suffix", "adaptive"}
     assert "no draft model" in (tmp_path / "speculative.md").read_text()
@@ -113,20 +113,7 @@ def test_benchmark_runs_a_model_without_a_chat_template(
     assert isinstance(prompt, str)
     ids = prompt_ids(lm, [{"role": "user", "content": prompt}])
     assert ids == lm.tokenizer.encode(prompt + "\n\n")
-    report = run(
-        SpecBench(
-            str(model),
-            None,
-            dtype="fp32",
-            tokens=8,
-            per_set=1,
-            sets=("code",),
-            k=3,
-            hf=False,
-            out_dir=tmp_path / "out",
-            reference_per_set=0,
-        )
-    )
+    report = tiny_run(model, tmp_path / "out")
     code = report["results"]["code"]
     assert code["ngram"]["identical"] == code["suffix"]["identical"] == 1
 
@@ -178,20 +165,7 @@ def test_benchmark_runs_agentic_sessions(
         {"role": "assistant", "content": None},
     ]
     monkeypatch.setattr(speculative, "bench_sets", lambda: {"agentic": [session, session]})
-    report = run(
-        SpecBench(
-            str(tiny_model_dir),
-            None,
-            dtype="fp32",
-            tokens=8,
-            per_set=3,
-            sets=("agentic",),
-            k=3,
-            hf=False,
-            out_dir=tmp_path,
-            reference_per_set=0,
-        )
-    )
+    report = tiny_run(tiny_model_dir, tmp_path, per_set=3, sets=("agentic",))
     row = report["results"]["agentic"]
     assert row["none"]["prompts"] == 3 and row["suffix"]["identical"] == 3
     assert "| agentic | suffix | 3 |" in (tmp_path / "speculative.md").read_text()
