@@ -32,6 +32,7 @@ from quickdraft.hub.gguf_qwen import HYBRID_ARCHS
 from quickdraft.hub.gguf_write import add_tiny_tokenizer, llama_cpp_tensors, write_gguf
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.loading import LoadedModel, load
+from quickdraft.models.layers import GGUFEmbedding
 from quickdraft.models.qwen3_next import HybridLM
 from quickdraft.request import Request, SamplingParams
 from quickdraft.speculation.drafters.mtp import load_mtp_head
@@ -319,12 +320,14 @@ def test_llama_cpp_quantized_file_runs_in_its_blocks(
 
 def test_gguf_weights_run_in_their_blocks(files: Files) -> None:
     """--dtype gguf: every projection (attention, Gated DeltaNet in/out, experts, shared
-    expert, head) stays a Q8_0 GGUFWeight, their rows reordered as llama.cpp's converter
-    requires; the logits agree with the dequantized model's (the kernel rounds activations to
-    int8 per block, so not bit for bit; a wrong row order would give cosines far below 0.9)."""
+    expert, head) stays a Q8_0 GGUFWeight and the embedding table a GGUFEmbedding, their rows
+    reordered as llama.cpp's converter requires; the logits agree with the dequantized model's
+    (the kernel rounds activations to int8 per block, so not bit for bit; a wrong row order
+    would give cosines far below 0.9)."""
     native = load(str(files.q8), "gguf", progress=False)
     net: Any = native.model
     assert isinstance(net.head, GGUFWeight)
+    assert isinstance(net.model.embed_tokens, GGUFEmbedding)  # the table in its blocks too
     for layer in net.model.layers:
         mixer = (
             layer.linear_attn if getattr(layer, "layer_type", "") == "linear_attention" else None

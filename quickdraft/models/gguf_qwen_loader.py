@@ -1,9 +1,10 @@
 """Run a Qwen3-MoE or hybrid Qwen3-Next / Qwen3.5 / Qwen3.5-MoE GGUF on its own quantized
 weights (`--dtype gguf`): the GEMM operands (attention, Gated DeltaNet in/out projections,
 dense and shared-expert MLPs, every routed expert, the head, the MTP head's fc and layer) stay
-in their block formats as `GGUFWeight`s; the small tensors (norms, conv, A, dt, routers) and
-the hybrids' embedding table (the MTP head reads it as a tensor) are dequantized through the
-converter's own plan (hub/gguf_qwen.py), which also checks every tensor's presence and shape.
+in their block formats as `GGUFWeight`s, and the embedding table in its own (`GGUFEmbedding`,
+which the MTP head embeds through too); the small tensors (norms, conv, A, dt, routers) are
+dequantized through the converter's own plan (hub/gguf_qwen.py), which also checks every
+tensor's presence and shape.
 
 What llama.cpp's converter did to an operand is undone without touching its blocks: row
 orders (Qwen3.5's tiled value heads in qkv / z / b / a; Qwen3-Next's [b, a] groups) reorder
@@ -212,12 +213,10 @@ def load_qwen_gguf(file: Path, cfg: Any, dtype: torch.dtype) -> nn.Module:
             loader.layer(layer, f"blk.{i}.")
         head = "output.weight" if loader.f.has("output.weight") else "token_embd.weight"
         model.head = loader.operand([(head, cfg.vocab_size, 0)], cfg.hidden_size)  # type: ignore[assignment]
-        if isinstance(model, CausalLM):  # no MTP head to share the table with: keep its blocks
-            qtype, table = loader.f.rows("token_embd.weight", (cfg.vocab_size, cfg.hidden_size))
-            model.model.embed_tokens = GGUFEmbedding(np.array(table), qtype, cfg.hidden_size, dtype)
-            loader.fill(model, "", skip="model.embed_tokens.weight")
-        else:
-            loader.fill(model, "")
+        # the table stays in its blocks (an MTP head embeds through this lookup too)
+        qtype, table = loader.f.rows("token_embd.weight", (cfg.vocab_size, cfg.hidden_size))
+        model.model.embed_tokens = GGUFEmbedding(np.array(table), qtype, cfg.hidden_size, dtype)  # type: ignore[union-attr]
+        loader.fill(model, "", skip="model.embed_tokens.weight")
     release_fused_(model)
     return model
 
@@ -227,8 +226,8 @@ def load_gguf_mtp_head(model: nn.Module, file: Path) -> MTPHead:
     sharing `model`'s embedding table and head; its operands in their block formats."""
     cfg = model.config
     assert isinstance(cfg, HybridConfig)
-    embed = model.get_parameter("model.embed_tokens.weight")
-    dtype = embed.dtype
+    dtype, device = model.dtype, model.device
+    assert isinstance(dtype, torch.dtype) and isinstance(device, torch.device)
     loader = _Loader(file, cfg, dtype)
     if cfg.mtp_num_hidden_layers != 1 or "mtp.fc.weight" not in loader.plan:
         raise ValueError(
@@ -236,9 +235,9 @@ def load_gguf_mtp_head(model: nn.Module, file: Path) -> MTPHead:
             f"blk.N.nextn.* tensors with {loader.arch}.nextn_predict_layers = 1; this file "
             f"declares {cfg.mtp_num_hidden_layers}. Use ngram or draft instead"
         )
-    parts = hybrid_mtp_parts(cfg, dtype, embed.device)
+    parts = hybrid_mtp_parts(cfg, dtype, device)
     embed_tokens = model.get_submodule("model.embed_tokens")
-    head = MTPHead(parts, cfg.hidden_size, embed_tokens, model.head, dtype, embed.device)  # type: ignore[arg-type]
+    head = MTPHead(parts, cfg.hidden_size, embed_tokens, model.head, dtype, device)
     with torch.no_grad():
         loader.layer(head.layers[0], f"blk.{cfg.num_hidden_layers}.")
         loader.fill(head, "mtp.")
