@@ -174,8 +174,8 @@ def load_gguf_model(
 ) -> LanguageModel:
     """The model in `path` (a "gguf" directory) with the GGUF's own weights, or with
     `quantization` ("int8" / "int4") weights made from their exact values: from the packed copy
-    beside it when there is one (`packed_name`), else built from the file (the GGUF's own
-    packed copy first) and that copy written."""
+    beside it when there is one (`packed_name`), else built from the file (each operand
+    converted as it is read) and that copy written."""
     cfg = read_config(path)
     native = model_class(cfg.model_type) in (CausalLM, Gemma3LM)
     if not native or torch.device(device).type != "cpu":

@@ -352,10 +352,9 @@ def _quantizer(kind: type[Int8Weight] | type[Int4Weight]) -> Callable[[Weight], 
     def quantize(weight: Weight) -> Weight:
         if isinstance(weight, kind):
             return weight  # already in this format: quantize_ twice is a no-op
-        if isinstance(weight, GGUFWeight):  # a GGUF model's own: from its bf16-rounded values,
-            return kind.quantize(weight)  # dequantized a block of rows at a time
-        if not isinstance(weight, Tensor):
+        if not isinstance(weight, (Tensor, GGUFWeight)):
             raise ValueError(f"weights already converted to {type(weight).__name__}")
+        # a GGUF model's own: from its bf16-rounded values, dequantized a block of rows at a time
         return kind.quantize(weight)
 
     return quantize
