@@ -30,12 +30,19 @@ def plain_distribution(lm: LoadedModel, params: SamplingParams) -> Distribution:
     return dist
 
 
-def second_token_marginal(dist: Distribution, prompt: list[int]) -> Tensor:
-    """Exact distribution `[vocab]` of the second emitted token."""
-    p1 = dist(prompt, [])
-    marginal = torch.zeros_like(p1)
-    for t1 in p1.nonzero().flatten().tolist():
-        marginal += p1[t1] * dist([*prompt, t1], [t1])
+def second_token_marginal(dist: Distribution, prompt: list[int], at: int = 1) -> Tensor:
+    """Exact distribution `[vocab]` of the second emitted token (or of the one at index
+    `at`: every path before it is enumerated, so keep the support small, e.g. top_k)."""
+    return _marginal(dist, prompt, [], at)
+
+
+def _marginal(dist: Distribution, prompt: list[int], out: list[int], at: int) -> Tensor:
+    p = dist([*prompt, *out], out)
+    if len(out) == at:
+        return p
+    marginal = torch.zeros_like(p)
+    for t in p.nonzero().flatten().tolist():
+        marginal += p[t] * _marginal(dist, prompt, [*out, t], at)
     return marginal
 
 
@@ -46,16 +53,18 @@ def assert_second_token_follows(
     params: Callable[[int], SamplingParams],
     marginal: Tensor,
     n: int,
+    at: int = 1,
 ) -> list[Request]:
     """Run `n` requests (`params(i)` each, e.g. seed i) and chi-square their second tokens
-    against `marginal`; returns the requests (for acceptance checks)."""
+    (or those at index `at`) against `marginal`; returns the requests (for acceptance
+    checks)."""
     counts = torch.zeros_like(marginal)
     reqs = []
     for i in range(n):
         req = lm.new_request(prompt, params(i))
         for _ in stream(lm, req, spec):
             pass
-        counts[req.output_ids[1]] += 1
+        counts[req.output_ids[at]] += 1
         reqs.append(req)
     support = marginal > 0
     assert counts[~support].sum() == 0, "a token outside the target's support was emitted"

@@ -144,3 +144,44 @@ def test_restricted_vocab_draft_keeps_greedy_output_and_its_own_cost_table(
             accepted += req.spec.accepted
         assert outs[0] == outs[1], text
     assert accepted > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_draft_model_stops_where_its_chain_probability_falls_below_min_prob(
+    tiny_model_dir: Path, temperature: float
+) -> None:
+    """With `min_prob`, a draft ends at the first token whose chain probability (the draft
+    model's, of the draft so far) is below it: the same tokens as drafting all k, cut there,
+    and no forward run past the cut."""
+    lm = load(str(tiny_model_dir), "fp32", progress=False)
+    drafter = DraftModelDrafter(lm.model, lm.model.config.vocab_size)
+    params = SamplingParams(temperature=temperature, top_k=8)
+    k = 6
+    cuts = set()
+    for text in ("hello world", "abc", "the cat sat on the mat", "zq"):
+        seq = lm.tokenizer.encode(text)
+        full = drafter.propose(
+            [DraftJob(drafter.new_state(seq), seq, k, params, torch.Generator().manual_seed(1))]
+        )[0]
+        # the chain probabilities of the full draft, from the model itself
+        ids = torch.tensor(seq + full.tokens)
+        logits = lm.model(
+            ids, [lm.model.new_cache(len(ids))], [len(ids)], logit_rows=torch.arange(len(ids))
+        )
+        rows = logits.logits[len(seq) - 1 : len(seq) - 1 + k]
+        if temperature == 0.0:
+            probs = torch.softmax(rows, -1)
+        else:
+            assert full.p_draft is not None
+            probs = full.p_draft
+        chain = torch.cumprod(probs[torch.arange(k), full.tokens], 0).tolist()
+        low, high = sorted(chain)[k // 2 - 1 : k // 2 + 1]
+        min_prob = (low + high) / 2  # a floor inside this draft's range, off its values
+        want = next((j + 1 for j, c in enumerate(chain) if c < min_prob), k)
+        cuts.add(want)
+        job = DraftJob(drafter.new_state(seq), seq, k, params, torch.Generator().manual_seed(1))
+        job.min_prob = min_prob
+        cut = drafter.propose([job])[0]
+        assert cut.tokens == full.tokens[:want], (text, chain, min_prob)
+        assert len(drafter.forwards) == want  # the catch-up rides on the first position's
+    assert cuts != {k}, cuts  # some drafts were cut

@@ -280,3 +280,35 @@ def test_new_requests_start_from_what_earlier_drafts_achieved() -> None:
     for _ in range(40):
         state.record(5, 0, True, 10)
     assert poor.start([4, 5]).acceptance.alpha < 0.1
+
+
+def test_drafts_stop_where_one_more_token_costs_more_than_plain_decoding_earns() -> None:
+    """`min_probs`: a request drafting with a model stops below the chain probability that
+    pays one more draft token at plain decoding's rate, (its drafter forward + a verify row)
+    x tokens per second of plain decoding; a dearer drafter stops sooner, a free lookup and a
+    forced request never stop early, and drafters shared by a batch split their forward."""
+    cost = StepCost((1, 17), (1.0, 1.4))  # a verify row adds 0.025 of a step
+    policy = BatchPolicy(cost)
+    cheap, dear = scaled(cost, 0.05), scaled(cost, 0.15)
+    cands = [Candidate(acceptance(0.95), 8, drafter=1), Candidate(acceptance(0.95), 8, drafter=2)]
+    ks = policy.choose(cands, [None, cheap, dear], StepShape(2, 2), 64)
+    assert all(k > 0 for k in ks), ks
+    floors = policy.min_probs(cands, ks, [None, cheap, dear], StepShape(2, 2))
+    plain = cost(2, 2, 0) / 2  # seconds per token of plain decoding, two requests
+    rows = 2 + sum(ks)
+    verify_row = (cost(rows, 2, 2) - cost(2, 2, 0)) / sum(ks)
+    for floor, dc in zip(floors, (cheap, dear), strict=True):
+        assert dc is not None
+        assert floor == pytest.approx((dc(StepShape(1, 1)) + verify_row) / plain)
+    assert 0 < floors[0] < floors[1] < 1
+    # two requests on one drafter: each is charged half of their packed forward
+    shared = [Candidate(acceptance(0.95), 8, drafter=1) for _ in range(2)]
+    ks = policy.choose(shared, [None, cheap], StepShape(2, 2), 64)
+    halves = policy.min_probs(shared, ks, [None, cheap], StepShape(2, 2))
+    assert cheap is not None and halves[0] == pytest.approx(
+        (cheap(StepShape(2, 2)) / 2 + (cost(2 + sum(ks), 2, 2) - cost(2, 2, 0)) / sum(ks)) / plain
+    )
+    lookup = [Candidate(acceptance(0.9), 8, drafter=0)]
+    assert policy.min_probs(lookup, [8], [None], StepShape(1, 1)) == [0.0]
+    forced = [Candidate(acceptance(0.9), 8, adaptive=False, drafter=1)]
+    assert policy.min_probs(forced, [8], [None, cheap], StepShape(1, 1)) == [0.0]

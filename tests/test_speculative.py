@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import pytest
 from kernel_checks import needs_kernel
@@ -20,6 +21,7 @@ from quickdraft.loading import LoadedModel, load
 from quickdraft.models.llama import CausalLM
 from quickdraft.request import Request, SamplingParams
 from quickdraft.speculation.cost import DraftCost, StepCost, known_cost, use_cost
+from quickdraft.speculation.drafters.base import Draft, Drafter, DraftJob
 from quickdraft.speculation.drafters.draft_model import DraftModelDrafter
 from quickdraft.speculation.drafters.ngram import NgramDrafter
 from quickdraft.speculation.factory import make_speculation
@@ -305,3 +307,44 @@ def test_speculative_bf16_greedy_equals_plain(
         assert spec.output_ids == plain.output_ids, prompt
         accepted += spec.spec.accepted
     assert accepted > 0
+
+
+class FlooredDrafter:
+    """A drafter whose every job stops below the chain probability `min_prob`, as the adaptive
+    policy's jobs do (policy.py `Plan`); records the draft lengths."""
+
+    def __init__(self, inner: DraftModelDrafter, min_prob: float) -> None:
+        self.inner, self.min_prob = inner, min_prob
+        self.lengths: list[int] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def propose(self, jobs: list[DraftJob]) -> list[Draft]:
+        drafts = self.inner.propose([replace(j, min_prob=self.min_prob) for j in jobs])
+        self.lengths.extend(len(d.tokens) for d in drafts)
+        return drafts
+
+
+def test_speculative_sampled_stays_exact_when_drafts_stop_on_their_probability(
+    target: LoadedModel, near_draft_dir: Path
+) -> None:
+    """Third emitted token under sampled drafts of up to 3 that stop where the draft model's
+    chain probability falls below a floor, vs its exact marginal: a stop that reads only the
+    drafter's own guesses leaves the target's distribution intact."""
+    cfg = SpeculativeConfig(
+        method="draft", num_draft_tokens=3, draft_model=str(near_draft_dir), adaptive=False
+    )
+    spec = make_speculation(target, cfg)
+    assert isinstance(spec, Speculation) and isinstance(spec.drafter, DraftModelDrafter)
+    floored = FlooredDrafter(spec.drafter, 0.4)
+    spec = Speculation(spec.config, cast(Drafter, floored), None)
+    prompt = target.tokenizer.encode("ab")
+    params = SamplingParams(max_tokens=5, temperature=1.0, top_k=4, ignore_eos=True)
+    marginal = second_token_marginal(plain_distribution(target, params), prompt, at=2)
+    reqs = assert_second_token_follows(
+        target, spec, prompt, lambda seed: replace(params, seed=seed), marginal, 3000, at=2
+    )
+    assert {1, 2} <= set(floored.lengths), set(floored.lengths)  # cut short, and not always
+    drafted, accepted = sum(r.spec.drafted for r in reqs), sum(r.spec.accepted for r in reqs)
+    assert 0 < accepted < drafted

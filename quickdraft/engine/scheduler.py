@@ -65,6 +65,7 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # committed tokens fed this step (prefill chunk or the 1 decode token)
     k: int = 0  # drafts wanted (the drafter may return fewer)
+    min_prob: float = 0.0  # stop drafting below this chain probability (policy.py `Plan`)
     samples: bool = field(init=False)  # feeds the last pending token: produces the next one
 
     def __post_init__(self) -> None:
@@ -186,8 +187,8 @@ class Scheduler:
             views.append(Decoding(seq.spec, seq.decoding, room, seq.num_tokens))
         masked = sum(i.num_tokens > 1 for i in plan.items)  # prefill chunks
         base = StepShape(plan.num_rows, len(plan.items), masked)
-        for item, k in zip(decoding, self.planner.choose(views, base, budget), strict=True):
-            item.k = k
+        for item, chosen in zip(decoding, self.planner.choose(views, base, budget), strict=True):
+            item.k, item.min_prob = chosen.k, chosen.min_prob
 
     def postprocess(
         self,

@@ -81,7 +81,9 @@ class SpecCycle:
                 params = seq.request.params
                 assert seq.spec is not None
                 state, gen = seq.spec.draft_state, seq.rng.generator
-                jobs.append(DraftJob(state, tokens, item.k, params, gen, seq.controls))
+                jobs.append(
+                    DraftJob(state, tokens, item.k, params, gen, seq.controls, item.min_prob)
+                )
             for idx, draft in zip(idxs, drafter.propose(jobs), strict=True):
                 drafts[idx] = _constrain(draft, plan.items[idx])
         self._shadow(plan)

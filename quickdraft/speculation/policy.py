@@ -25,6 +25,15 @@ The rule (`BatchPolicy.choose`):
   token to refresh alpha, rationed so that all probes together cost at most `probe_budget` of
   the step time.
 * `adaptive=False` requests always draft their ceiling (tests, forced benchmarks).
+* Stopping early. k is a ceiling chosen from a running alpha; a drafter that runs a model
+  also knows how sure it is of each guess. Each of its drafts adds about its chain probability
+  (the drafter's probability of the whole draft so far) to the expected tokens and costs one
+  drafter forward plus one verify row, so the request stops drafting where that chain falls
+  below what one more draft token costs in plain-decode tokens (its seconds x plain decoding's
+  tokens per second: `Plan.min_prob`; llama.cpp's `--draft-p-min` is a fixed per-token floor).
+  Plain decoding's rate, not the allocation's expected one: a floor that grew with the
+  acceptance it selects would feed on itself. A stop that reads only the drafter's own guesses
+  leaves sampled output exact.
 * Several drafters (method "adaptive"): before all this, each such request picks the drafter
   it drafts with this step (adaptive.py `pick`, priced by the same tables); the rest sees one.
 docs/speculation.md has the measurements behind each of these choices.
@@ -54,6 +63,15 @@ class Candidate:
     drafter: int = 0  # index into the step's `draft_costs` (requests sharing a drafter pack)
     catch_up: int = 1  # tokens the drafter must feed before its first draft (idle phases)
     remaining: int = CATCH_UP_HORIZON  # tokens the request may still emit (max_tokens, context)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One request's drafting this step: at most `k` tokens, stopping after a draft whose chain
+    probability (the drafter's, of the draft so far) is below `min_prob` (module docstring)."""
+
+    k: int
+    min_prob: float = 0.0
 
 
 def forced_drafts(cands: Sequence[Candidate], budget: int) -> tuple[list[int], int]:
@@ -170,6 +188,41 @@ class BatchPolicy:
         left = avail - (sum(best) - sum(forced))
         return self._probe(cands, best, draft_costs, base, left)
 
+    def min_probs(
+        self,
+        cands: Sequence[Candidate],
+        ks: Sequence[int],
+        draft_costs: Sequence[DraftCost | None],
+        base: StepShape,
+    ) -> list[float]:
+        """Per request drafting `ks` (as `choose` returned them): the chain probability below
+        which it stops (module docstring): the seconds of one more draft token (its share of a
+        drafter forward and one more verify row) x the tokens per second of plain decoding.
+        0 where nothing prices a stop: a forced request, a free lookup drafter."""
+        drafts = sum(ks)
+        if drafts == 0:
+            return [0.0] * len(cands)
+        masked = base.masked + sum(k > 0 for k in ks)
+        step = self.seconds(base.rows + drafts, base.seqs, masked)
+        # what a draft row adds to the verify, on average over the allocation: the table's
+        # steps between row counts must not make the last row look dear or free
+        verify_row = max(0.0, step - self.seconds(base.rows, base.seqs, base.masked)) / drafts
+        rate = len(cands) / self.seconds(len(cands), len(cands), 0)  # plain decoding
+        sharing: dict[int, int] = {}  # drafter -> requests drafting with it (one packed forward)
+        for c, k in zip(cands, ks, strict=True):
+            if k > 0:
+                sharing[c.drafter] = sharing.get(c.drafter, 0) + 1
+        floors = []
+        for c, k in zip(cands, ks, strict=True):
+            cost = draft_costs[c.drafter]
+            if k == 0 or not c.adaptive or cost is None:
+                floors.append(0.0)
+                continue
+            n = sharing[c.drafter]
+            forward = cost(StepShape(n, n)) / n
+            floors.append(min(1.0, (forward + verify_row) * rate))
+        return floors
+
     def _probe(
         self,
         cands: Sequence[Candidate],
@@ -228,11 +281,11 @@ class DraftPlanner:
             self._policy = BatchPolicy(self.target_cost())
         return self._policy
 
-    def choose(self, decoding: Sequence[Decoding], base: StepShape, budget: int) -> list[int]:
-        """k per request of `decoding` (in order). `base`: the step's forward before drafting;
-        `budget`: draft rows allowed in total."""
+    def choose(self, decoding: Sequence[Decoding], base: StepShape, budget: int) -> list[Plan]:
+        """A Plan per request of `decoding` (in order). `base`: the step's forward before
+        drafting; `budget`: draft rows allowed in total."""
         if not any(d.spec is not None for d in decoding):
-            return [0] * len(decoding)
+            return [Plan(0)] * len(decoding)
         explore = self._pick_drafters(decoding, base)
         drafters: dict[int, int] = {}  # id(drafter) -> index into draft_costs
         draft_costs: list[DraftCost | None] = [None]  # index 0: no drafter
@@ -252,8 +305,12 @@ class DraftPlanner:
             catch_up = d.num_tokens - (0 if spec is None else spec.synced)
             cands.append(Candidate(acceptance, k_max, adaptive, index, catch_up, d.room))
         if any(c.adaptive for c in cands):
-            return self.policy.choose(cands, draft_costs, base, budget)
-        return forced_drafts(cands, budget)[0]  # forced requests only: no cost model needed
+            policy = self.policy
+            ks = policy.choose(cands, draft_costs, base, budget)
+            floors = policy.min_probs(cands, ks, draft_costs, base)
+            return [Plan(k, p) for k, p in zip(ks, floors, strict=True)]
+        # forced requests only: no cost model needed
+        return [Plan(k) for k in forced_drafts(cands, budget)[0]]
 
     def _pick_drafters(self, decoding: Sequence[Decoding], base: StepShape) -> set[int]:
         """Requests with several drafters pick this step's (adaptive.py); returns the ids of

@@ -58,6 +58,9 @@ class DraftJob:
     params: SamplingParams
     generator: torch.Generator
     controls: LogitControls | None = None  # the request's bias / penalties / grammar
+    # stop after a draft whose chain probability (the drafter's, of the draft so far) is below
+    # this (policy.py `Plan`; 0: draft all k); drafters that run a model per position read it
+    min_prob: float = 0.0
 
 
 @dataclass(slots=True)
@@ -66,20 +69,49 @@ class Draft:
     p_draft: Tensor | None = None  # [len(tokens), vocab] draft distributions; None = one-hot
 
 
-def draft_one(logits: Tensor, job: DraftJob, draft: tuple[list[int], list[Tensor]]) -> None:
+def draft_one(logits: Tensor, job: DraftJob, draft: tuple[list[int], list[Tensor]]) -> float:
     """Pick one draft token from a drafter's `logits` `[vocab]` row for `job` and append it to
     `draft` = (tokens, draft distributions): the argmax when greedy, else a sample from the
     job's sampling distribution (kept: rejection sampling needs p_draft). The request's logit
-    controls shape the row first, as they will shape the target's."""
+    controls shape the row first, as they will shape the target's. Returns the drafter's
+    probability of the token when the job stops on it (`min_prob` > 0: the softmax of the
+    shaped row when greedy, the sampling distribution's otherwise), else 1."""
     tokens, dists = draft
     if job.controls is not None:  # draft what the target may accept: the same shaping
         logits = job.controls.shape_next(logits[None], tokens)[0]
     if job.params.greedy:
-        tokens.append(int(logits.argmax()))
-        return
+        token = int(logits.argmax())
+        tokens.append(token)
+        if job.min_prob <= 0.0:
+            return 1.0
+        row = logits.float()
+        return float(torch.exp(row[token] - torch.logsumexp(row, 0)))
     p_draft = probabilities(logits[None], job.params)  # [1, vocab]
-    tokens.append(int(sample(p_draft, job.generator)[0]))
+    token = int(sample(p_draft, job.generator)[0])
+    tokens.append(token)
     dists.append(p_draft[0])
+    return float(p_draft[0, token])
+
+
+def draft_position(
+    logits: Tensor,
+    jobs: Sequence[DraftJob],
+    active: Sequence[int],
+    drafts: list[tuple[list[int], list[Tensor]]],
+    chains: list[float],
+) -> list[int]:
+    """One draft position of a drafter that runs a forward per position: each job in `active`
+    (indices into `jobs`; row r of `logits` is active[r]'s) drafts a token (`draft_one`) and
+    multiplies its chain probability `chains[j]` by the token's. Returns the rows whose job
+    drafts on: it wants more tokens and its chain is still >= its `min_prob`. The stop reads
+    only the drafter's own guesses, so the target's verdicts keep their distribution."""
+    still = []
+    for row, j in enumerate(active):
+        job, draft = jobs[j], drafts[j]
+        chains[j] *= draft_one(logits[row], job, draft)
+        if len(draft[0]) < job.k and chains[j] >= job.min_prob:
+            still.append(row)
+    return still
 
 
 class Drafter(Protocol):

@@ -19,7 +19,7 @@ import torch
 from quickdraft.config import PREFILL_CHUNK
 from quickdraft.models.base import LanguageModel, SequenceCache
 from quickdraft.speculation.cost import StepShape
-from quickdraft.speculation.drafters.base import Draft, DraftBlock, DraftJob, draft_one
+from quickdraft.speculation.drafters.base import Draft, DraftBlock, DraftJob, draft_position
 
 
 @dataclass(slots=True)
@@ -91,11 +91,10 @@ class DraftModelDrafter:
                 del r[:PREFILL_CHUNK]
         logits = self._feed(states, rows)  # [B, vocab]
         drafts: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in jobs]
+        chains = [1.0] * len(jobs)  # each draft's probability so far, by the draft model
         active = list(range(len(jobs)))  # jobs (indices) whose logits row is in `logits`
-        for step in range(max(job.k for job in jobs)):
-            for row, j in enumerate(active):
-                draft_one(logits[row], jobs[j], drafts[j])
-            active = [j for j in active if jobs[j].k > step + 1]
+        while True:
+            active = [active[r] for r in draft_position(logits, jobs, active, drafts, chains)]
             if not active:
                 break
             logits = self._feed([states[j] for j in active], [[drafts[j][0][-1]] for j in active])

@@ -48,7 +48,7 @@ from quickdraft.models.loader import load_weights
 from quickdraft.models.mtp import MTPHead, standalone_head_config
 from quickdraft.models.registry import mtp_parts, name_map
 from quickdraft.speculation.cost import StepShape
-from quickdraft.speculation.drafters.base import Draft, DraftBlock, DraftJob, draft_one
+from quickdraft.speculation.drafters.base import Draft, DraftBlock, DraftJob, draft_position
 
 HiddenFeed = Literal["post_norm", "pre_norm"]
 
@@ -209,11 +209,10 @@ class MTPDrafter:
         logits, back = self._run(states, ids, hidden)
         committed = [s.cache.length for s in states]
         drafts: list[tuple[list[int], list[Tensor]]] = [([], []) for _ in jobs]
+        chains = [1.0] * len(jobs)  # each draft's probability so far, by the head
         active = list(range(len(jobs)))  # jobs whose row is in `logits` / `back`
-        for step in range(max(job.k for job in jobs)):
-            for row, j in enumerate(active):
-                draft_one(logits[row], jobs[j], drafts[j])
-            still = [r for r, j in enumerate(active) if jobs[j].k > step + 1]
+        while True:
+            still = draft_position(logits, jobs, active, drafts, chains)
             if not still:
                 break
             active = [active[r] for r in still]
