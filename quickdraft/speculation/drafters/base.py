@@ -90,7 +90,7 @@ def draft_one(logits: Tensor, job: DraftJob, draft: tuple[list[int], list[Tensor
     token = int(sample(p_draft, job.generator)[0])
     tokens.append(token)
     dists.append(p_draft[0])
-    return float(p_draft[0, token])
+    return float(p_draft[0, token]) if job.min_prob > 0.0 else 1.0
 
 
 def draft_position(
