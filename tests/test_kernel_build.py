@@ -16,7 +16,16 @@ import torch
 import torch.nn.functional as F
 from kernel_checks import make, needs_kernel
 
-from quickdraft.kernels import build, kernel_calls, kernels_available, linear
+from quickdraft.kernels import (
+    Int4Weight,
+    Int8Weight,
+    build,
+    kernel_calls,
+    kernels_available,
+    linear,
+    linear_int4,
+    linear_int8,
+)
 from quickdraft.kernels.linear_bf16 import path_for
 
 pytestmark = pytest.mark.usefixtures("kernels_enabled")
@@ -105,3 +114,62 @@ def test_build_lock_clears_a_killed_builds_torch_lock(tmp_path: Path) -> None:
     (directory / "lock").touch()
     with _build_lock(directory):
         assert not (directory / "lock").exists()
+
+
+@needs_kernel
+def test_prefetch_distance_never_changes_a_result() -> None:
+    """Every panel kernel (int8, int4, GGUF on each tile) gives the same bits with software
+    prefetch off, at the default distance and far past the end of the weight (a prefetch
+    never faults), and the setting is restored."""
+    from test_linear_gguf import random_blocks
+
+    from quickdraft.kernels.linear_gguf import GGUFWeight, linear_gguf
+
+    ext = build.extension()
+    torch.manual_seed(0)
+    k = 512
+    w = torch.randn(40, k) * 0.05
+    ops = [
+        (linear_int8, Int8Weight.quantize(w)),
+        (linear_int4, Int4Weight.quantize(w)),
+        *(
+            (linear_gguf, GGUFWeight.from_raw(f, random_blocks(f, 40, k, 0), k))
+            for f in ("Q4_K", "Q4_0")
+        ),
+    ]
+    tiles = (
+        [0, 1] if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= build.cpu_flags() else [0]
+    )
+    default = build.prefetch_bytes()
+    try:
+        for m in (1, 6):
+            x = torch.randn(m, k).bfloat16()
+            for tile in tiles:
+                ext.gguf_isa(tile)
+                for fn, q in ops:
+                    outs = []
+                    for distance in (0, 64, default, 65536):
+                        assert ext.set_prefetch_bytes(distance) == distance
+                        outs.append(fn(x, q))
+                    assert all(torch.equal(outs[0], o) for o in outs[1:]), (fn.__name__, m, tile)
+    finally:
+        ext.gguf_isa(-1)
+        ext.set_prefetch_bytes(default)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        ext.set_prefetch_bytes(100)
+
+
+def test_prefetch_distance_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """QUICKDRAFT_PREFETCH_BYTES overrides the vendor's distance; a bad value is a clear error
+    naming the variable, raised before any build."""
+    monkeypatch.setattr(build, "_prefetch_setting", None)
+    vendor = build.cpu_vendor()
+    assert build.prefetch_bytes() == build.PREFETCH_BYTES.get(vendor, build.DEFAULT_PREFETCH_BYTES)
+    monkeypatch.setattr(build, "_prefetch_setting", "0")
+    assert build.prefetch_bytes() == 0
+    monkeypatch.setattr(build, "_prefetch_setting", "8192")
+    assert build.prefetch_bytes() == 8192
+    for bad in ("100", "-64", "1e3", "131072", ""):
+        monkeypatch.setattr(build, "_prefetch_setting", bad)
+        with pytest.raises(ValueError, match=build.PREFETCH_ENV):
+            build.prefetch_bytes()

@@ -33,6 +33,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("eligible_gguf", &qd_linear_gguf_eligible, "whether `linear_gguf` accepts these inputs",
         py::arg("x"), py::arg("packed"), py::arg("fmts"), py::arg("ns"), py::arg("bias"));
+  m.def("set_prefetch_bytes", &qd_set_prefetch_bytes,
+        "how far ahead the panel kernels (int8, int4, GGUF) prefetch their weight stream, in "
+        "bytes (0: no software prefetch); returns it",
+        py::arg("bytes"));
   m.def("gguf_isa", &qd_gguf_isa,
         "the GGUF kernel's tile: -1 the best this CPU runs, 0 AVX2, 1 AVX-512 VNNI; returns the "
         "one in use",

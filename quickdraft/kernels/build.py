@@ -40,6 +40,15 @@ log = logging.getLogger(__name__)
 
 DISABLE_ENV = "QUICKDRAFT_NO_KERNELS"
 disabled = os.environ.get(DISABLE_ENV) == "1"
+# How far ahead the panel kernels prefetch their weight stream (panel_driver.h), in bytes; read
+# once, like DISABLE_ENV. Unset: `PREFETCH_BYTES` by CPU vendor.
+PREFETCH_ENV = "QUICKDRAFT_PREFETCH_BYTES"
+_prefetch_setting = os.environ.get(PREFETCH_ENV)
+# Measured per vendor (docs/benchmarks.md, "Prefetch distance on the AMX Xeon"): on an Intel
+# Xeon (AMX) VM 4 KiB streamed the 4-bit panels at 18-23 GB/s with 2 threads and 1.5 KiB at
+# 25-28; 4 KiB is what the AMD EPYC hosts were tuned with, and stays theirs until measured.
+PREFETCH_BYTES = {"GenuineIntel": 1536}
+DEFAULT_PREFETCH_BYTES = 4096
 
 EXT_NAME = "quickdraft_cpu"
 _HERE = Path(__file__).resolve().parent
@@ -88,16 +97,43 @@ _ext: Any = None  # the compiled module once loaded; None if unsupported or the 
 
 
 @functools.cache
+def _cpuinfo(field: str) -> str:
+    """The first CPU's `field` in /proc/cpuinfo; empty where it cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == field:
+                return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as Linux names them (avx2, avx512f, avx512_vnni, amx_int8...);
     empty where /proc/cpuinfo cannot be read."""
+    return frozenset(_cpuinfo("flags").split())
+
+
+def cpu_vendor() -> str:
+    """GenuineIntel, AuthenticAMD...; empty where /proc/cpuinfo cannot be read."""
+    return _cpuinfo("vendor_id")
+
+
+def prefetch_bytes() -> int:
+    """The panel kernels' prefetch distance: `QUICKDRAFT_PREFETCH_BYTES` when set (a multiple
+    of 64 in [0, 65536]; 0 turns software prefetch off), else this CPU vendor's measured best."""
+    if _prefetch_setting is None:
+        return PREFETCH_BYTES.get(cpu_vendor(), DEFAULT_PREFETCH_BYTES)
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return frozenset()
+        value = int(_prefetch_setting)
+    except ValueError:
+        value = -1
+    if not (0 <= value <= 65536 and value % 64 == 0):
+        raise ValueError(
+            f"{PREFETCH_ENV}={_prefetch_setting!r}: expected a multiple of 64 from 0 to 65536"
+        )
+    return value
 
 
 def isa() -> list[str]:
@@ -178,6 +214,7 @@ def _load() -> Any:
         if _loaded:
             return _ext
         ext = None
+        distance = prefetch_bytes()  # a bad setting is the caller's error, not a failed build
         if cpu_supported():
             try:
                 from torch.utils import cpp_extension
@@ -195,6 +232,7 @@ def _load() -> Any:
                         build_directory=str(directory),
                         verbose=False,
                     )
+                ext.set_prefetch_bytes(distance)
             except Exception as e:  # a missing compiler must never take the engine down
                 warnings.warn(
                     f"quickdraft: building the CPU kernels failed ({type(e).__name__}: {e}); "

@@ -40,6 +40,7 @@ bool qd_linear_q4_eligible(const at::Tensor& x, const at::Tensor& packed, int64_
                            const c10::optional<at::Tensor>& bias);
 at::Tensor qd_linear_q4(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                         const c10::optional<at::Tensor>& bias);
+int64_t qd_set_prefetch_bytes(int64_t bytes);  // panel_driver.h's distance, all panel kernels
 // linear_gguf.cpp
 bool qd_linear_gguf_eligible(const at::Tensor& x, const std::vector<at::Tensor>& packed,
                              const std::vector<int64_t>& fmts, const std::vector<int64_t>& ns,

@@ -6,7 +6,7 @@
 // reads one sequential weight stream. Tokens go in balanced chunks of at most kTmax; with one
 // chunk a panel is read in one pass, with several it is read in blocks of kBlockGroups groups
 // (~5-8 KiB) that the later chunks re-read from L1. The first chunk over a block prefetches
-// kPrefetchBytes ahead on the stream. A row's sums run over the groups in order whatever M is
+// `prefetch_bytes` ahead on the stream (0: none; build.py sets it per CPU at load). A row's sums run over the groups in order whatever M is
 // and however the panels are split, so its result does not depend on the other rows.
 #pragma once
 
@@ -25,7 +25,10 @@ namespace qd_panel {
 constexpr int kPanel = 16;                // weight rows per panel
 constexpr int kTmax = 4;                  // tokens per tile pass
 constexpr int64_t kBlockGroups = 16;      // groups per block when tokens need several passes
-constexpr int64_t kPrefetchBytes = 4096;  // distance ahead on the weight stream
+// Distance ahead on the weight stream; 0: no software prefetch. build.py sets it once at load
+// (`set_prefetch_bytes`), before any kernel runs. Too far ahead costs more than none: on a
+// 2-core Xeon (AMX) VM, 4 KiB streamed a 4-bit panel at 18-23 GB/s and 1.5 KiB at 25-28.
+inline int64_t prefetch_bytes = 4096;
 
 // Where the results go: y[m * ldy + n] = acc * row_scale[n] (when given) + bias[n] (when
 // given).
@@ -81,7 +84,9 @@ void run(const uint8_t* packed, int64_t M, int64_t N, int64_t G, int64_t group_b
         for (int64_t c = 0; c < nch; ++c) {
           const int T = static_cast<int>(M / nch + (c < M % nch ? 1 : 0));
           // the first pass over a block streams it from DRAM: prefetch ahead on the stream
-          const char* pf = c == 0 ? reinterpret_cast<const char*>(wg) + kPrefetchBytes : nullptr;
+          const char* pf = c == 0 && prefetch_bytes > 0
+                               ? reinterpret_cast<const char*>(wg) + prefetch_bytes
+                               : nullptr;
           tile(T, wg, g0, glen, m0, acc + m0 * kPanel, g0 == 0, pf);
           m0 += T;
         }

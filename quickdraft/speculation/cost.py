@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from quickdraft.config import cache_dir
-from quickdraft.kernels.build import extension, isa, source_digest
+from quickdraft.kernels.build import extension, isa, prefetch_bytes, source_digest
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.models.base import LanguageModel
 from quickdraft.models.layers import OperandModule
@@ -256,7 +256,11 @@ def cost_key(model: LanguageModel) -> dict[str, Any]:
         "isa": isa(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "kernels": source_digest() if extension() is not None else "none",
+        **(
+            {"kernels": source_digest(), "prefetch": prefetch_bytes()}
+            if extension() is not None
+            else {"kernels": "none"}
+        ),
     }
 
 
