@@ -127,7 +127,7 @@ def test_adaptive_start_scores_the_lookups_on_the_prompt() -> None:
     spec = AdaptiveSpeculation(SpeculativeConfig(method="adaptive", num_draft_tokens=4), members)
     prior = members[0].pooled.alpha
     repeating = spec.start(list(range(10, 30)) * 4)
-    assert repeating.arms[0].acceptance.alpha > prior + 0.3
+    assert repeating.arms[0].acceptance.alpha > prior + (1 - prior) / 2  # most of the way to 1
     assert repeating.arms[1].acceptance.successes == repeating.arms[1].acceptance.failures == 0
     fresh = spec.start(list(range(100, 180)))
     assert fresh.arms[0].acceptance.hit_rate < 0.1

@@ -27,6 +27,8 @@ from quickdraft.speculation.cost import DraftCost
 from quickdraft.speculation.drafters.base import Drafter, DraftJob
 from quickdraft.speculation.relaxed import ThinkScan
 
+FIRST_ALPHA = 0.8  # a drafter's acceptance record before its first draft (`Speculation.pooled`)
+
 
 @dataclass(slots=True)
 class Acceptance:
@@ -73,8 +75,15 @@ class Speculation:
     # prior of 0.5 a draft model costing a third of the target's step priced its first draft
     # at break-even, drafted nothing, and never caught up to probe (the whole prompt to feed
     # first): after one request, the 1.5B + 0.5B pair on GGUF weights drafted in none of the
-    # next ten code prompts.
-    pooled: Acceptance = field(default_factory=lambda: Acceptance(forget=0.995))
+    # next ten code prompts. The same held for a drafter's very first request while its record
+    # was still the neutral 0.5 (a fresh process: AL 1.46 on code where a warm record gave
+    # 4.4), so a drafter's record starts optimistic, FIRST_ALPHA: its first drafted cycles pull
+    # it to what the drafter achieves (the prior weighs as 4 drafts), and a drafter that
+    # guesses poorly stops within a few cycles (its drafts also stop on their own chain
+    # probability, policy.py).
+    pooled: Acceptance = field(
+        default_factory=lambda: Acceptance(prior_alpha=FIRST_ALPHA, forget=0.995)
+    )
 
     def arm(self, prompt_ids: list[int], tenant: str = "") -> Arm:
         """A request's share of this drafter; its acceptance prior is what the drafter's
