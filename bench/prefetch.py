@@ -11,7 +11,7 @@ best call of a rotation can land where the previous pass left lines in the L3. T
 burst of load from other users shifts them all alike.
 
     python bench/prefetch.py                        # all operands, M 1 and 6
-    python bench/prefetch.py --distances 0 1536 4096 --ms 1 --save
+    python bench/prefetch.py --distances 0 1536 4096 --ms 1 --isa avx2 --save --out DIR
 
 Writes (--save) bench/results/prefetch.{json,md,png}: GB/s per operand and M against the
 distance, the distance this CPU uses by default marked.
@@ -85,6 +85,12 @@ def main() -> None:
     ap.add_argument("--ms", nargs="*", type=int, default=[1, 6])
     ap.add_argument("--formats", nargs="*", help="only these formats (int4, Q4_K, ...)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--isa",
+        choices=["best", "avx2", "avx512"],
+        default="best",
+        help="the GGUF kernel's tile (int4 has one AVX2 kernel)",
+    )
     ap.add_argument("--save", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
@@ -92,6 +98,7 @@ def main() -> None:
     if ext is None:
         raise SystemExit("the CPU kernels are not available here (see the build warning)")
     default = prefetch_bytes()
+    tile = ext.gguf_isa({"best": -1, "avx2": 0, "avx512": 1}[args.isa])
     torch.manual_seed(0)
     rows: list[dict[str, Any]] = []
     print(f"{'operand':>18} {'M':>2} " + " ".join(f"{d:>6}" for d in args.distances))
@@ -117,10 +124,12 @@ def main() -> None:
             del ws
     finally:
         ext.set_prefetch_bytes(default)
+        ext.gguf_isa(-1)
     result = {
         "bench": "prefetch",
         "machine": host,
         "default_bytes": default,
+        "gguf_tile": "avx512" if tile else "avx2",
         "rotate_bytes": rotate_bytes(),
         "rounds": args.rounds,
         "rows": rows,
@@ -134,8 +143,8 @@ def markdown(result: dict[str, Any]) -> str:
     head = (
         "Sustained weight-read GB/s of the panel kernels per prefetch distance (bytes ahead on "
         f"the stream; 0: none), best of {result['rounds']} passes over "
-        f"{result['rotate_bytes'] >> 20} MiB of weight copies; this CPU's default distance is "
-        f"{result['default_bytes']}.\n\n"
+        f"{result['rotate_bytes'] >> 20} MiB of weight copies, GGUF operands on the "
+        f"{result['gguf_tile']} tile; this CPU's default distance is {result['default_bytes']}.\n\n"
     )
     body = [[r["operand"], r["M"], *(r["gbs"][d] for d in distances)] for r in result["rows"]]
     return head + table(["operand", "M", *distances], body)
