@@ -52,9 +52,10 @@ constexpr int64_t block_bytes(int f) {
 constexpr int block_size(int f) { return f >= kQ4_K ? 256 : 32; }
 
 // The share of a panel block's cache lines that group g prefetches (at `pf`, the block's
-// address panel_driver.h's prefetch_bytes ahead on the stream): spread over the groups, a block's lines go out
-// a few at a time. Issued all at once per block they were slower: Qwen2.5-Coder-1.5B's Q6_K
-// lm_head streamed at 18 GB/s that way and at 35 GB/s spread (this AVX-512 EPYC, 2 threads).
+// address panel_driver.h's prefetch_bytes ahead on the stream): spread over the groups, a
+// block's lines go out a few at a time. Issued all at once per block they were slower:
+// Qwen2.5-Coder-1.5B's Q6_K lm_head streamed at 18 GB/s that way and at 35 GB/s spread (this
+// AVX-512 EPYC, 2 threads).
 template <int F>
 static inline void prefetch_group(const char* pf, int g) {  // static: no ODR sharing
   constexpr int64_t lines = (Traits<F>::kBytes + 63) / 64;

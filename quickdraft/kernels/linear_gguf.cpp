@@ -320,6 +320,13 @@ int64_t qd_gguf_isa(int64_t level) {
   return use_avx512() ? 1 : 0;
 }
 
+int64_t qd_set_prefetch_bytes(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0 && bytes <= (int64_t{1} << 16) && bytes % 64 == 0,
+              "quickdraft set_prefetch_bytes: a multiple of 64 in [0, 65536], got ", bytes);
+  qd_panel::prefetch_bytes = bytes;
+  return qd_panel::prefetch_bytes;
+}
+
 bool qd_linear_gguf_eligible(const at::Tensor& x, const std::vector<at::Tensor>& packed,
                              const std::vector<int64_t>& fmts, const std::vector<int64_t>& ns,
                              const c10::optional<at::Tensor>& bias) {

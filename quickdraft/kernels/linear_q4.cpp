@@ -132,13 +132,6 @@ bool qd_linear_q4_eligible(const at::Tensor& x, const at::Tensor& packed, int64_
   return !(at::GradMode::is_enabled() && x.requires_grad());
 }
 
-int64_t qd_set_prefetch_bytes(int64_t bytes) {
-  TORCH_CHECK(bytes >= 0 && bytes <= (int64_t{1} << 16) && bytes % 64 == 0,
-              "quickdraft set_prefetch_bytes: a multiple of 64 in [0, 65536], got ", bytes);
-  qd_panel::prefetch_bytes = bytes;
-  return qd_panel::prefetch_bytes;
-}
-
 at::Tensor qd_linear_q4(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                         const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(qd_linear_q4_eligible(x, packed, N, bias),

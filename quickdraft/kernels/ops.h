@@ -40,7 +40,6 @@ bool qd_linear_q4_eligible(const at::Tensor& x, const at::Tensor& packed, int64_
                            const c10::optional<at::Tensor>& bias);
 at::Tensor qd_linear_q4(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                         const c10::optional<at::Tensor>& bias);
-int64_t qd_set_prefetch_bytes(int64_t bytes);  // panel_driver.h's distance, all panel kernels
 // linear_gguf.cpp
 bool qd_linear_gguf_eligible(const at::Tensor& x, const std::vector<at::Tensor>& packed,
                              const std::vector<int64_t>& fmts, const std::vector<int64_t>& ns,
@@ -49,6 +48,7 @@ at::Tensor qd_linear_gguf(const at::Tensor& x, const std::vector<at::Tensor>& pa
                           const std::vector<int64_t>& fmts, const std::vector<int64_t>& ns,
                           const c10::optional<at::Tensor>& bias);
 int64_t qd_gguf_isa(int64_t level);
+int64_t qd_set_prefetch_bytes(int64_t bytes);  // panel_driver.h's, for every panel kernel
 // linear_panel.cpp
 bool qd_linear_panel_eligible(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                               const c10::optional<at::Tensor>& bias);

@@ -6,8 +6,9 @@
 // reads one sequential weight stream. Tokens go in balanced chunks of at most kTmax; with one
 // chunk a panel is read in one pass, with several it is read in blocks of kBlockGroups groups
 // (~5-8 KiB) that the later chunks re-read from L1. The first chunk over a block prefetches
-// `prefetch_bytes` ahead on the stream (0: none; build.py sets it per CPU at load). A row's sums run over the groups in order whatever M is
-// and however the panels are split, so its result does not depend on the other rows.
+// `prefetch_bytes` ahead on the stream (0: none; build.py sets it per CPU at load). A row's
+// sums run over the groups in order whatever M is and however the panels are split, so its
+// result does not depend on the other rows.
 #pragma once
 
 #include <ATen/Parallel.h>
