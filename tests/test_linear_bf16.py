@@ -261,15 +261,25 @@ def _smaps_entry(addr: int) -> str:
 @pytest.mark.parametrize("kind", ["panel", "int8", "int4"])
 def test_big_packed_weights_sit_on_huge_page_eligible_aligned_memory(kind: str) -> None:
     """Each format's packed weight, from 2 MiB on, is on its own 2 MiB-aligned mapping that
-    the kernel reports as THP-eligible; smaller ones stay ordinary tensors. Values survive."""
+    the kernel reports as THP-eligible; smaller ones share such a mapping (`_Arena`), each
+    aligned. Values survive."""
     w = torch.randn(4000, 896, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     make = {"panel": PanelWeight.pack, "int8": Int8Weight.quantize, "int4": Int4Weight.quantize}
-    big, small = make[kind](w), make[kind](w[:48])
+    big, small, other = make[kind](w), make[kind](w[:48]), make[kind](w[48:96])
     assert big.packed.numel() * big.packed.element_size() >= linear_bf16.HUGE_PAGE
     assert big.packed.data_ptr() % linear_bf16.HUGE_PAGE == 0
     smaps = _smaps_entry(big.packed.data_ptr())
     assert re.search(r"THPeligible:\s+1", smaps) and re.search(r"VmFlags:.* hg", smaps), smaps
-    assert small.packed.data_ptr() % linear_bf16.HUGE_PAGE != 0 or small.packed.numel() == 0
+    assert _smaps_entry(big.packed.data_ptr() + big.packed.nbytes - 1) == smaps  # its own
+    for t in (small.packed, other.packed):
+        assert t.nbytes < linear_bf16.HUGE_PAGE and t.data_ptr() % 256 == 0
+        shared = _smaps_entry(t.data_ptr())
+        assert re.search(r"VmFlags:.* hg", shared) and shared != smaps, shared
+    if small.packed.untyped_storage().data_ptr() == other.packed.untyped_storage().data_ptr():
+        assert _smaps_entry(small.packed.data_ptr()) == _smaps_entry(other.packed.data_ptr())
+    torch.testing.assert_close(
+        other.dequantize(torch.float32), make[kind](w[48:96]).dequantize(torch.float32)
+    )
     torch.testing.assert_close(big.dequantize(torch.float32)[:48], small.dequantize(torch.float32))
     torch.testing.assert_close(
         big.dequantize(torch.float32), w.float(), rtol=0, atol=float(w.abs().max()) / 6
