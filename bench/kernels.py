@@ -39,7 +39,7 @@ from quickdraft.bench.report import RESULTS, machine, read_bandwidth_gbs, table,
 from quickdraft.kernels import PanelWeight
 from quickdraft.kernels.build import extension
 from quickdraft.kernels.linear_bf16 import streamed_empty
-from quickdraft.kernels.linear_gguf import FORMATS, GGUFWeight, random_blocks
+from quickdraft.kernels.linear_gguf import FORMATS, TILES, GGUFWeight, random_blocks
 
 # Qwen2.5-1.5B: q+k+v, o, gate+up, down, lm_head; SmolLM2-135M: q+k+v, lm_head, o...; and
 # a [576, 1536] block (K > N, short output).
@@ -73,7 +73,7 @@ def rotate_bytes() -> int:
     return max(ROTATE_BYTES, 3 * l3)
 
 
-ISAS = {"best": -1, "avx2": 0, "avx512": 1}  # --isa -> the extension's gguf_isa level
+ISAS = {"best": -1, **TILES}  # --isa -> the extension's gguf_isa level
 
 
 def busy_fraction(window_s: float = 0.05) -> float:
@@ -139,7 +139,7 @@ def main() -> None:
         "--isa",
         choices=list(ISAS),
         default="best",
-        help="the GGUF kernel's tile: the best this CPU runs, AVX2, or AVX-512 VNNI",
+        help="the GGUF kernel's tile: the best this CPU runs, AVX2 or AVX-512 VNNI",
     )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     ap.add_argument("--hot", action="store_true", help="no weight rotation: cache-resident")
@@ -247,7 +247,7 @@ def main() -> None:
         "read_bandwidth_gbs": round(bw, 2),
         "rotate_bytes": 0 if args.hot else rotate_bytes(),
         "layout": args.layout,
-        "gguf_tile": ("avx512" if isa else "avx2") if gguf else None,
+        "gguf_tile": {v: k for k, v in TILES.items()}[isa] if gguf else None,
         "rows": rows,
     }
     if args.save:

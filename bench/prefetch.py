@@ -32,7 +32,7 @@ from kernels import huge_copy, rotate_bytes
 from quickdraft.bench.report import RESULTS, machine, table, write
 from quickdraft.kernels import Int4Weight, linear_int4
 from quickdraft.kernels.build import extension, prefetch_bytes
-from quickdraft.kernels.linear_gguf import FORMATS, GGUFWeight, linear_gguf, random_blocks
+from quickdraft.kernels.linear_gguf import FORMATS, TILES, GGUFWeight, linear_gguf, random_blocks
 
 # (format, N, K): the 0.5B int4 draft's gate/up, down and head; the 1.5B GGUF's gate/up (Q4_K),
 # down and head (Q6_K); a Q4_0 and a Q8_0 panel for the other block formats.
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument(
         "--isa",
-        choices=["best", "avx2", "avx512"],
+        choices=["best", *TILES],
         default="best",
         help="the GGUF kernel's tile (int4 has one AVX2 kernel)",
     )
@@ -98,7 +98,7 @@ def main() -> None:
     if ext is None:
         raise SystemExit("the CPU kernels are not available here (see the build warning)")
     default = prefetch_bytes()
-    tile = ext.gguf_isa({"best": -1, "avx2": 0, "avx512": 1}[args.isa])
+    tile = ext.gguf_isa({"best": -1, **TILES}[args.isa])
     torch.manual_seed(0)
     rows: list[dict[str, Any]] = []
     print(f"{'operand':>18} {'M':>2} " + " ".join(f"{d:>6}" for d in args.distances))
@@ -129,7 +129,7 @@ def main() -> None:
         "bench": "prefetch",
         "machine": host,
         "default_bytes": default,
-        "gguf_tile": "avx512" if tile else "avx2",
+        "gguf_tile": {v: k for k, v in TILES.items()}[tile],
         "rotate_bytes": rotate_bytes(),
         "rounds": args.rounds,
         "rows": rows,

@@ -16,12 +16,10 @@ from typing import Any
 
 from quickdraft.bench.report import RESULTS, machine, table, write
 from quickdraft.config import DEFAULT_MODEL
-from quickdraft.kernels.build import cpu_flags, extension
+from quickdraft.kernels.build import extension
+from quickdraft.kernels.linear_gguf import TILES, cpu_tiles
 from quickdraft.loading import load
 from quickdraft.speculation.cost import measure_step_cost
-
-TILES = {"avx2": 0, "avx512": 1}  # the extension's gguf_isa levels
-NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}}
 
 
 def main() -> None:
@@ -37,7 +35,7 @@ def main() -> None:
     ext = extension()
     if ext is None:
         raise SystemExit("the C++ kernels are not available here")
-    tiles = [t for t in args.tiles if NEEDS.get(t, set()) <= cpu_flags()]
+    tiles = [t for t in args.tiles if t in cpu_tiles()]
     report["tiles"] = {}
     try:
         for tile in tiles:

@@ -27,6 +27,7 @@ from quickdraft.kernels import (
     linear_int8,
 )
 from quickdraft.kernels.linear_bf16 import path_for
+from quickdraft.kernels.linear_gguf import TILES, cpu_tiles
 
 pytestmark = pytest.mark.usefixtures("kernels_enabled")
 
@@ -137,9 +138,7 @@ def test_prefetch_distance_never_changes_a_result() -> None:
             for f in ("Q4_K", "Q4_0")
         ),
     ]
-    tiles = (
-        [0, 1] if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= build.cpu_flags() else [0]
-    )
+    tiles = [TILES[t] for t in cpu_tiles()]
     default = build.prefetch_bytes()
     try:
         for m in (1, 6):

@@ -25,7 +25,10 @@ from quickdraft.kernels import build, kernel_calls
 from quickdraft.kernels.build import extension
 from quickdraft.kernels.linear_gguf import (
     FORMATS,
+    TILE_FLAGS,
+    TILES,
     GGUFWeight,
+    cpu_tiles,
     decode,
     dequantize_parts,
     linear_gguf,
@@ -263,18 +266,13 @@ def test_rows_are_the_dequantized_rows(names: tuple[str, ...]) -> None:
 BIASES = {"nobias": None, "bias32": torch.float32, "bias16": torch.bfloat16}
 
 
-TILES = {"avx2": 0, "avx512": 1}  # the extension's gguf_isa levels
-
-
 @pytest.fixture(params=list(TILES))
 def tile(request: pytest.FixtureRequest) -> Iterator[str]:
     """Runs the test on each kernel tile this CPU has (AVX-512 VNNI skips where absent)."""
     needs_extension()
     ext = build.extension()
-    if request.param == "avx512" and not {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= (
-        build.cpu_flags()
-    ):
-        pytest.skip("this CPU lacks AVX512F/BW/VL + AVX512_VNNI: only the AVX2 tile runs here")
+    if request.param not in cpu_tiles():
+        pytest.skip(f"this CPU lacks {sorted(TILE_FLAGS[request.param])}: no {request.param} tile")
     ext.gguf_isa(TILES[request.param])
     yield request.param
     ext.gguf_isa(-1)
@@ -342,25 +340,28 @@ def test_kernel_rows_are_batch_invariant(name: str, dtype: torch.dtype, tile: st
 
 @needs_kernel
 @pytest.mark.parametrize("name", [*NAMES, "Q4_K+Q6_K+Q8_0"])
-def test_avx512_tile_equals_avx2_tile(name: str) -> None:
-    """The AVX-512 VNNI tile gives the AVX2 tile's bits (same integer sums, same fp32 ops)."""
+@pytest.mark.parametrize("wide", [t for t in TILES if t != "avx2"])
+def test_wide_tiles_equal_avx2_tile(name: str, wide: str) -> None:
+    """The AVX-512 VNNI tile gives the AVX2 tile's bits (the same integer sums, the same fp32
+    ops), at every token count a pass or several passes take."""
     needs_extension()
     ext = build.extension()
-    if not {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= build.cpu_flags():
+    if wide not in cpu_tiles():
         with pytest.raises(RuntimeError, match="lacks"):
-            ext.gguf_isa(1)
-        pytest.skip("this CPU lacks AVX512F/BW/VL + AVX512_VNNI: only the AVX2 tile runs here")
+            ext.gguf_isa(TILES[wide])
+        pytest.skip(f"this CPU lacks {sorted(TILE_FLAGS[wide])}: only narrower tiles run here")
     w = mixed(tuple(name.split("+")))[0] if "+" in name else weight(name)[1]
-    x = inputs(17, K, torch.float32, seed=3)
+    x = inputs(40, K, torch.float32, seed=3)
+    ms = (1, 2, 4, 6, 8, 9, 16, 17, 40)
     try:
         outs = []
-        for level in (0, 1):
+        for level in (0, TILES[wide]):
             assert ext.gguf_isa(level) == level
-            outs.append([linear_gguf(x[:m], w) for m in (1, 4, 6, 8, 9, 17)])
+            outs.append([linear_gguf(x[:m], w) for m in ms])
     finally:
         ext.gguf_isa(-1)
-    for a, b in zip(*outs, strict=True):
-        assert torch.equal(a, b)
+    for m, a, b in zip(ms, *outs, strict=True):
+        assert torch.equal(a, b), f"M={m}"
 
 
 @needs_kernel

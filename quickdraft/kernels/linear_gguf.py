@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from quickdraft.kernels.build import extension
+from quickdraft.kernels.build import cpu_flags, extension
 from quickdraft.kernels.linear_bf16 import PANEL, streamed_empty
 from quickdraft.kernels.linear_int import quantize_activations
 
@@ -92,6 +92,19 @@ FORMATS: dict[str, Format] = {
     )
 }
 BY_CODE = {f.code: f for f in FORMATS.values()}
+
+# The kernel's tiles by the extension's `gguf_isa` level, and the CPU flags each needs.
+TILES = {"avx2": 0, "avx512": 1}
+TILE_FLAGS = {
+    "avx2": frozenset(),
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
+}
+
+
+def cpu_tiles() -> list[str]:
+    """The tiles this CPU's flags allow, slowest first."""
+    flags = cpu_flags()
+    return [t for t in TILES if TILE_FLAGS[t] <= flags]
 
 
 @dataclass(frozen=True, slots=True)
