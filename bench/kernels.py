@@ -39,7 +39,7 @@ from quickdraft.bench.report import RESULTS, machine, read_bandwidth_gbs, table,
 from quickdraft.kernels import PanelWeight
 from quickdraft.kernels.build import extension
 from quickdraft.kernels.linear_bf16 import streamed_empty
-from quickdraft.kernels.linear_gguf import FORMATS, TILES, GGUFWeight, random_blocks
+from quickdraft.kernels.linear_gguf import FORMATS, TILES, GGUFWeight, random_blocks, tile_name
 
 # Qwen2.5-1.5B: q+k+v, o, gate+up, down, lm_head; SmolLM2-135M: q+k+v, lm_head, o...; and
 # a [576, 1536] block (K > N, short output).
@@ -247,7 +247,7 @@ def main() -> None:
         "read_bandwidth_gbs": round(bw, 2),
         "rotate_bytes": 0 if args.hot else rotate_bytes(),
         "layout": args.layout,
-        "gguf_tile": {v: k for k, v in TILES.items()}[isa] if gguf else None,
+        "gguf_tile": tile_name(isa) if gguf else None,
         "rows": rows,
     }
     if args.save:

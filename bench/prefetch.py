@@ -32,7 +32,14 @@ from kernels import huge_copy, rotate_bytes
 from quickdraft.bench.report import RESULTS, machine, table, write
 from quickdraft.kernels import Int4Weight, linear_int4
 from quickdraft.kernels.build import extension, prefetch_bytes
-from quickdraft.kernels.linear_gguf import FORMATS, TILES, GGUFWeight, linear_gguf, random_blocks
+from quickdraft.kernels.linear_gguf import (
+    FORMATS,
+    TILES,
+    GGUFWeight,
+    linear_gguf,
+    random_blocks,
+    tile_name,
+)
 
 # (format, N, K): the 0.5B int4 draft's gate/up, down and head; the 1.5B GGUF's gate/up (Q4_K),
 # down and head (Q6_K); a Q4_0 and a Q8_0 panel for the other block formats.
@@ -129,7 +136,7 @@ def main() -> None:
         "bench": "prefetch",
         "machine": host,
         "default_bytes": default,
-        "gguf_tile": {v: k for k, v in TILES.items()}[tile],
+        "gguf_tile": tile_name(tile),
         "rotate_bytes": rotate_bytes(),
         "rounds": args.rounds,
         "rows": rows,

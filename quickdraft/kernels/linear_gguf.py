@@ -107,6 +107,11 @@ def cpu_tiles() -> list[str]:
     return [t for t in TILES if TILE_FLAGS[t] <= flags]
 
 
+def tile_name(level: int) -> str:
+    """The tile of a `gguf_isa` level (what the extension says is in use)."""
+    return next(name for name, lv in TILES.items() if lv == level)
+
+
 @dataclass(frozen=True, slots=True)
 class Parts:
     """A weight [N, K] as w = d * sc * u - dm * m (module docstring), numpy arrays."""
