@@ -1,13 +1,16 @@
 """Decode / verify attention (kernels/attention.py `attend`) against the SDPA
-reference: values, causal limits, row independence, and which path runs."""
+reference: values, causal limits, row independence, and which path runs, on every tile this
+CPU has."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from quickdraft.kernels import build
-from quickdraft.kernels.attention import attend, reference_attend
+from quickdraft.kernels.attention import TILE_FLAGS, TILES, attend, cpu_tiles, reference_attend
 
 needs_kernel = pytest.mark.skipif(
     not build.cpu_supported(), reason="CPU lacks AVX2/FMA/F16C: the kernel cannot run here"
@@ -33,6 +36,19 @@ def ext() -> object:
     return e
 
 
+@pytest.fixture(params=list(TILES))
+def tile(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Runs the test on each tile of the kernel this CPU has (AVX-512 skips where absent)."""
+    if not build.cpu_supported():
+        pytest.skip("CPU lacks AVX2/FMA/F16C: the kernel cannot run here")
+    if request.param not in cpu_tiles():
+        pytest.skip(f"this CPU lacks {sorted(TILE_FLAGS[request.param])}: no {request.param} tile")
+    e = ext()
+    assert e.attend_isa(TILES[request.param]) == TILES[request.param]  # type: ignore[attr-defined]
+    yield request.param
+    e.attend_isa(-1)  # type: ignore[attr-defined]
+
+
 SHAPES = [  # n, heads, kv_heads, head_dim, start
     (1, 12, 2, 128, 300),  # Qwen2.5-1.5B decode
     (5, 12, 2, 128, 300),  # ... verify of k = 4
@@ -48,7 +64,7 @@ SHAPES = [  # n, heads, kv_heads, head_dim, start
 @needs_kernel
 @DTYPES
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_kernel_matches_reference(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+def test_kernel_matches_reference(shape: tuple[int, ...], dtype: torch.dtype, tile: str) -> None:
     n, heads, kv_heads, d, start = shape
     q, k, v = inputs(n, heads, kv_heads, d, start, dtype)
     assert ext().attend_eligible(q, k, v, start)  # type: ignore[attr-defined]
@@ -62,7 +78,7 @@ def test_kernel_matches_reference(shape: tuple[int, ...], dtype: torch.dtype) ->
 
 @needs_kernel
 @DTYPES
-def test_verify_rows_equal_decode_rows_bit_for_bit(dtype: torch.dtype) -> None:
+def test_verify_rows_equal_decode_rows_bit_for_bit(dtype: torch.dtype, tile: str) -> None:
     """Row i of an n-query call == the 1-query call of query i over keys 0..start+i: a verify
     computes what the decode steps would have."""
     n, heads, kv_heads, d, start = 7, 14, 2, 64, 30
@@ -76,7 +92,9 @@ def test_verify_rows_equal_decode_rows_bit_for_bit(dtype: torch.dtype) -> None:
 
 @needs_kernel
 @DTYPES
-def test_prompt_in_one_call_equals_prompt_in_chunks_bit_for_bit(dtype: torch.dtype) -> None:
+def test_prompt_in_one_call_equals_prompt_in_chunks_bit_for_bit(
+    dtype: torch.dtype, tile: str
+) -> None:
     """A prompt attended in one call gives every row the bits it gets when the prompt goes in
     chunks (the scheduler chunks a prompt around other requests' rows) or row by row."""
     n, heads, kv_heads, d = 45, 12, 2, 128
@@ -94,7 +112,7 @@ def test_prompt_in_one_call_equals_prompt_in_chunks_bit_for_bit(dtype: torch.dty
 
 @needs_kernel
 @DTYPES
-def test_causal_limit_and_first_position(dtype: torch.dtype) -> None:
+def test_causal_limit_and_first_position(dtype: torch.dtype, tile: str) -> None:
     n, heads, kv_heads, d = 4, 4, 2, 32
     q, k, v = inputs(n, heads, kv_heads, d, 0, dtype, seed=2)
     out = attend(q, k, v, 0, d**-0.5)
@@ -136,7 +154,7 @@ def test_disable_switch_runs_the_reference(monkeypatch: pytest.MonkeyPatch) -> N
 @DTYPES
 @pytest.mark.parametrize("window", [1, 5, 8, 13, 33])
 def test_sliding_window_matches_reference_and_rows_are_independent(
-    window: int, dtype: torch.dtype
+    window: int, dtype: torch.dtype, tile: str
 ) -> None:
     """A sliding-window call (a Gemma 3 local layer): each row sees its last `window` keys, as
     the masked reference computes, and row i of an n-query call equals the one-query call at
@@ -167,3 +185,25 @@ def test_sliding_window_matches_reference_and_rows_are_independent(
         )
         at += size
     assert torch.equal(torch.cat(chunks), out)
+
+
+@needs_kernel
+def test_tiles_agree_and_a_missing_tile_is_refused() -> None:
+    """Every tile this CPU runs gives the AVX2 tile's result within fp32 rounding (the sums run
+    in another order); asking for a tile the CPU lacks is an error, not a crash."""
+    e = ext()
+    q, k, v = inputs(9, 12, 2, 128, 250, torch.float32, seed=5)
+    try:
+        outs = {}
+        for name in cpu_tiles():
+            e.attend_isa(TILES[name])  # type: ignore[attr-defined]
+            outs[name] = attend(q, k, v, 250, 128**-0.5)
+        for name, out in outs.items():
+            torch.testing.assert_close(out, outs["avx2"], atol=2e-6, rtol=1e-5, msg=name)
+        if "avx512" not in cpu_tiles():
+            with pytest.raises(RuntimeError, match="lacks AVX512F"):
+                e.attend_isa(1)  # type: ignore[attr-defined]
+        with pytest.raises(RuntimeError, match="attend_isa"):
+            e.attend_isa(2)  # type: ignore[attr-defined]
+    finally:
+        e.attend_isa(-1)  # type: ignore[attr-defined]

@@ -34,6 +34,17 @@
 #include <cstdint>
 #include <limits>
 
+namespace qd_attn512 {  // attention_avx512.cpp
+void scores_bf16(const uint16_t* const* q, int nr, int64_t d, const uint16_t* k, int64_t ks,
+                 int64_t nkeys, float scale, float* sc, int64_t ldsc);
+void scores_f32(const float* qp, int nr, int64_t d, const float* k, int64_t ks, int64_t nkeys,
+                float* sc, int64_t ldsc);
+void values_bf16(const float* p, int64_t ldp, int nr, const int64_t* nkeys, const uint16_t* v,
+                 int64_t vs, int64_t d, float* o);
+void values_f32(const float* p, int64_t ldp, int nr, const int64_t* nkeys, const float* v,
+                int64_t vs, int64_t d, float* o);
+}  // namespace qd_attn512
+
 namespace {
 
 using u16 = uint16_t;
@@ -172,6 +183,35 @@ void weighted_values(const float* p, int64_t ldp, const T* v, int64_t vs, int64_
   }
 }
 
+bool cpu_has_avx512_bf16() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("avx512bf16");
+  return ok;
+}
+
+int g_isa = -1;  // the tiles in use: -1 the best this CPU runs, 0 AVX2, 1 AVX-512 (+ BF16)
+
+bool use_avx512() { return g_isa < 0 ? cpu_has_avx512_bf16() : g_isa == 1; }
+
+// The AVX-512 halves of a task (attention_avx512.cpp), by element type.
+void scores512(const u16* const* qrow, const float*, int nr, int64_t d, const u16* k, int64_t ks,
+               int64_t nkeys, float scale, float* sc, int64_t ldsc) {
+  qd_attn512::scores_bf16(qrow, nr, d, k, ks, nkeys, scale, sc, ldsc);
+}
+void scores512(const float* const*, const float* qp, int nr, int64_t d, const float* k, int64_t ks,
+               int64_t nkeys, float, float* sc, int64_t ldsc) {
+  qd_attn512::scores_f32(qp, nr, d, k, ks, nkeys, sc, ldsc);
+}
+void values512(const float* p, int64_t ldp, int nr, const int64_t* nkeys, const u16* v, int64_t vs,
+               int64_t d, float* o) {
+  qd_attn512::values_bf16(p, ldp, nr, nkeys, v, vs, d, o);
+}
+void values512(const float* p, int64_t ldp, int nr, const int64_t* nkeys, const float* v,
+               int64_t vs, int64_t d, float* o) {
+  qd_attn512::values_f32(p, ldp, nr, nkeys, v, vs, d, o);
+}
+
 template <class T>
 void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
                  float scale, int64_t window, at::Tensor& out) {
@@ -188,6 +228,7 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
   const int64_t max_keys = start + n;
   const int64_t ldsc = (max_keys + 7) / 8 * 8;
+  const bool wide = use_avx512();
   at::parallel_for(0, Hkv * blocks, 1, [&](int64_t t0, int64_t t1) {
     float* const qp = scratch(static_cast<size_t>(kRowsPerTask * (2 * d + ldsc)));
     float* const o = qp + kRowsPerTask * d;
@@ -209,36 +250,48 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
         qrow[r] = qb + i * qs0 + head * qs1;
         orow[r] = ob + i * (H * d) + head * d;
       }
-      // q * scale in fp32, per 16 elements in Row16<T>'s order
-      for (int r = 0; r < nr; ++r)
-        for (int64_t j = 0; j < d; j += 16)
-          for (int e = 0; e < 16; ++e) {
-            const int src = R::kEvenOdd ? (e < 8 ? 2 * e : 2 * (e - 8) + 1) : e;
-            qp[r * d + j + e] = qd_simd::load1(qrow[r] + j + src) * scale;
-          }
+      // q * scale in fp32, per 16 elements in Row16<T>'s order (AVX-512 bf16 reads q as is)
+      const bool even_odd = R::kEvenOdd && !wide;
+      if (!(wide && R::kEvenOdd))
+        for (int r = 0; r < nr; ++r)
+          for (int64_t j = 0; j < d; j += 16)
+            for (int e = 0; e < 16; ++e) {
+              const int src = even_odd ? (e < 8 ? 2 * e : 2 * (e - 8) + 1) : e;
+              qp[r * d + j + e] = qd_simd::load1(qrow[r] + j + src) * scale;
+            }
       first = first / 8 * 8;  // keys below it are outside every row's window
       const T* kh = kb + h * ks0 + first * ks1;
       const T* vh = vb + h * vs0 + first * vs1;
       float* const sf = sc + first;
       const int64_t span = keys - first;
       int r = 0;
-      for (; r + 4 <= nr; r += 4) score_rows<T, 4>(qp + r * d, d, kh, ks1, span, sf + r * ldsc, ldsc);
-      for (; r < nr; ++r) score_rows<T, 1>(qp + r * d, d, kh, ks1, span, sf + r * ldsc, ldsc);
+      if (wide) {
+        scores512(qrow, qp, nr, d, kh, ks1, span, scale, sf, ldsc);
+      } else {
+        for (; r + 4 <= nr; r += 4) score_rows<T, 4>(qp + r * d, d, kh, ks1, span, sf + r * ldsc, ldsc);
+        for (; r < nr; ++r) score_rows<T, 1>(qp + r * d, d, kh, ks1, span, sf + r * ldsc, ldsc);
+      }
       float inv[kRowsPerTask];
       for (r = 0; r < nr; ++r)
         inv[r] = 1.0f / softmax_numerators(sc + r * ldsc, first, lo[r], limit[r], ldsc);
-      for (r = 0; r + 2 <= nr; r += 2)
-        weighted_values<T, 2>(sf + r * ldsc, ldsc, vh, vs1,
-                              std::max(limit[r], limit[r + 1]) - first, d, o + r * d);
-      if (r < nr)
-        weighted_values<T, 1>(sf + r * ldsc, ldsc, vh, vs1, limit[r] - first, d, o + r * d);
+      if (wide) {
+        int64_t nkeys[kRowsPerTask];
+        for (r = 0; r < nr; ++r) nkeys[r] = limit[r] - first;
+        values512(sf, ldsc, nr, nkeys, vh, vs1, d, o);
+      } else {
+        for (r = 0; r + 2 <= nr; r += 2)
+          weighted_values<T, 2>(sf + r * ldsc, ldsc, vh, vs1,
+                                std::max(limit[r], limit[r + 1]) - first, d, o + r * d);
+        if (r < nr)
+          weighted_values<T, 1>(sf + r * ldsc, ldsc, vh, vs1, limit[r] - first, d, o + r * d);
+      }
       for (r = 0; r < nr; ++r) {
         const float* src = o + r * d;
         const __m256 scl = _mm256_set1_ps(inv[r]);
         for (int64_t j = 0; j < d; j += 16) {
           __m256 a = _mm256_mul_ps(_mm256_load_ps(src + j), scl);
           __m256 b = _mm256_mul_ps(_mm256_load_ps(src + j + 8), scl);
-          if (R::kEvenOdd) {  // (even 8 | odd 8) -> natural order
+          if (even_odd) {  // (even 8 | odd 8) -> natural order
             const __m256 lo = _mm256_unpacklo_ps(a, b), hi = _mm256_unpackhi_ps(a, b);
             a = _mm256_permute2f128_ps(lo, hi, 0x20);
             b = _mm256_permute2f128_ps(lo, hi, 0x31);
@@ -267,6 +320,14 @@ bool qd_attend_eligible(const at::Tensor& q, const at::Tensor& k, const at::Tens
   if (q.stride(2) != 1 || k.stride(2) != 1 || v.stride(2) != 1) return false;
   return !(at::GradMode::is_enabled() &&
            (q.requires_grad() || k.requires_grad() || v.requires_grad()));
+}
+
+int64_t qd_attend_isa(int64_t level) {
+  TORCH_CHECK(level >= -1 && level <= 1, "quickdraft attend_isa: -1 (best), 0 (AVX2), 1 (AVX-512)");
+  TORCH_CHECK(level != 1 || cpu_has_avx512_bf16(),
+              "quickdraft attend_isa: this CPU lacks AVX512F/BW/VL + AVX512_BF16");
+  g_isa = static_cast<int>(level);
+  return use_avx512() ? 1 : 0;
 }
 
 at::Tensor qd_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,

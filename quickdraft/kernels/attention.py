@@ -8,7 +8,11 @@ Every call the C++ kernel accepts runs it (attention.cpp: fp32 math, and a row's
 result depends only on its own query and keys, not on n or start's split: a row of a verify,
 of a prompt chunk or of a whole prompt equals the same row of a decode step bit for bit); the
 rest (head sizes not a multiple of 32, mixed dtypes, no extension) run `reference_attend`
-(SDPA), which is not batch-invariant.
+(SDPA), which is not batch-invariant. The kernel has two tiles (`TILES`, the extension's
+`attend_isa` level): AVX2 everywhere, and AVX-512 where the CPU has AVX512_BF16 (bf16 scores
+by vdpbf16ps, 16-lane fp32 elsewhere; attention_avx512.cpp), picked at run time. Each holds
+the contract on its own; the two differ from each other by fp32 rounding, as any two
+summation orders do, so one machine's outputs are reproducible on the same tile only.
 """
 
 from __future__ import annotations
@@ -17,7 +21,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from quickdraft.kernels.build import extension
+from quickdraft.kernels.build import extension, runnable
+
+# The kernel's tiles by the extension's `attend_isa` level, and the CPU flags each needs.
+TILES = {"avx2": 0, "avx512": 1}
+TILE_FLAGS = {
+    "avx2": frozenset(),
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
+}
+
+
+def cpu_tiles() -> list[str]:
+    """The tiles this CPU's flags allow, slowest first."""
+    return runnable(TILE_FLAGS)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float, window: int = 0) -> Tensor:

@@ -66,6 +66,7 @@ SOURCES = [
         "gdn_ops.cpp",
         "gdn_delta.cpp",
         "attention.cpp",
+        "attention_avx512.cpp",
         "dense_layer.cpp",
     )
 ]
@@ -140,6 +141,13 @@ def isa() -> list[str]:
     """This CPU's ISA_FLAGS, in that order."""
     flags = cpu_flags()
     return [f for f in ISA_FLAGS if f in flags]
+
+
+def runnable(tile_flags: dict[str, frozenset[str]]) -> list[str]:
+    """Of a kernel's tiles (name -> the CPU flags it needs, slowest first), those this CPU
+    runs, in that order."""
+    flags = cpu_flags()
+    return [t for t, needs in tile_flags.items() if needs <= flags]
 
 
 @functools.cache

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from quickdraft.kernels.build import cpu_flags, extension
+from quickdraft.kernels.build import extension, runnable
 from quickdraft.kernels.linear_bf16 import PANEL, streamed_empty
 from quickdraft.kernels.linear_int import quantize_activations
 
@@ -103,8 +103,7 @@ TILE_FLAGS = {
 
 def cpu_tiles() -> list[str]:
     """The tiles this CPU's flags allow, slowest first."""
-    flags = cpu_flags()
-    return [t for t in TILES if TILE_FLAGS[t] <= flags]
+    return runnable(TILE_FLAGS)
 
 
 def tile_name(level: int) -> str:

@@ -62,6 +62,7 @@ at::Tensor qd_linear_i8(const at::Tensor& x, const at::Tensor& packed, const at:
 // attention.cpp
 bool qd_attend_eligible(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         int64_t start);
+int64_t qd_attend_isa(int64_t level);
 at::Tensor qd_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
                      double scale, int64_t window = 0);
 // dense_layer.cpp
