@@ -566,6 +566,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     extra = given(
         hf=False if args.no_hf else None,
+        prefix_cache=False if args.no_prefix_cache else None,
         reference_per_set=args.reference_per_set,
         peers=None if args.peers is None else tuple(args.peers),
         dflash=args.dflash,
@@ -621,6 +622,12 @@ def _add_bench_args(b: argparse.ArgumentParser) -> None:
     )
     b.add_argument("--sets", nargs="*", default=None, help="code prose json repetitive agentic")
     b.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    b.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="agentic set: every request prefills its whole prompt (default: each engine keeps "
+        "a prefix cache across the set's requests, as serve does)",
+    )
     b.add_argument(
         "--dflash", default=None, metavar="DIR", help="also run this DFlash drafter (train-drafter)"
     )

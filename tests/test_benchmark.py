@@ -169,3 +169,20 @@ def test_benchmark_runs_agentic_sessions(
     row = report["results"]["agentic"]
     assert row["none"]["prompts"] == 3 and row["suffix"]["identical"] == 3
     assert "| agentic | suffix | 3 |" in (tmp_path / "speculative.md").read_text()
+    # each engine's prefix cache served the resent conversation: the second request of a
+    # session starts with the first's prompt and answer, the third with the second's
+    assert report["agentic_prefix_cache"] is True
+    for name in ("none", "ngram", "suffix", "adaptive"):
+        cache = row[name]["prefix_cache"]
+        assert 0 < cache["hits"] < cache["queries"], name
+    off = tiny_run(
+        tiny_model_dir, tmp_path / "off", per_set=3, sets=("agentic",), prefix_cache=False
+    )
+    assert (
+        off["agentic_prefix_cache"] is False
+        and "prefix_cache" not in off["results"]["agentic"]["none"]
+    )
+    for name in ("none", "ngram", "suffix"):  # the same greedy tokens with the cache and without
+        assert [p["tokens"] for p in off["results"]["agentic"][name]["per_prompt"]] == [
+            p["tokens"] for p in row[name]["per_prompt"]
+        ]

@@ -17,7 +17,10 @@ and is left out). Warm-up runs are excluded. Writes JSON, a markdown table and a
 The agentic set (prompts/agentic.json, built by bench/agentic_prompts.py) replays a coding
 agent's edit/test loop: sessions whose every request resends the whole conversation, with the
 baseline engine's own earlier answers in it (`session_requests`); a set's "prompts" are its
-requests. The drafters' shared indexes learn every output of the run, in order.
+requests. The drafters' shared indexes learn every output of the run, in order. Each of our
+engines runs the set on a prefix cache of its own, kept across the set's requests, as `serve`
+keeps one by default (`prefix_cache=False`: every request prefills its whole prompt, as in the
+other sets, whose requests share nothing but the chat template's first tokens).
 
 Our engines (none, ngram, suffix, draft, adaptive; dflash and mtp when given a trained
 checkpoint) run every prompt of a set by default; the reference engines (the unquantized draft
@@ -50,10 +53,12 @@ from quickdraft.config import (
     DEFAULT_DTYPE,
     DEFAULT_MODEL,
     DEFAULT_NUM_DRAFT_TOKENS,
+    PREFILL_CHUNK,
+    PrefixCacheConfig,
     SpeculativeConfig,
     parse_dtype,
 )
-from quickdraft.engine import stream
+from quickdraft.engine import EngineCore, SchedulerConfig, stream
 from quickdraft.loading import LoadedModel, load
 from quickdraft.models.dflash import DFlashConfig
 from quickdraft.request import SamplingParams
@@ -187,10 +192,13 @@ class Cell:
         return row
 
 
-def ours(lm: LoadedModel, ids: list[int], n: int, spec: AnySpeculation | None) -> Run:
+def ours(
+    lm: LoadedModel, ids: list[int], n: int, spec: AnySpeculation | None, core: EngineCore | None
+) -> Run:
+    """One request on `core` (None: a core of its own, no prefix cache)."""
     req = lm.new_request(ids, SamplingParams(max_tokens=n))
     t = time.perf_counter()
-    for _ in stream(lm, req, spec):
+    for _ in stream(lm, req, spec, core):
         pass
     seconds = time.perf_counter() - t
     s = req.spec
@@ -257,6 +265,8 @@ class SpecBench:
     # a standalone MTP head dir for the target (`quickdraft train-drafter --kind mtp`): runs as
     # engine "mtp", drafting up to k tokens per cycle
     mtp: str | None = None
+    # the agentic set on a prefix cache per engine (module docstring)
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.reference_per_set < 0:
@@ -332,8 +342,10 @@ def run(opts: SpecBench) -> dict[str, Any]:
             hf_models["assistant"] = transformers.AutoModelForCausalLM.from_pretrained(
                 str(hub.resolve(draft, dtype)), dtype=torch_dtype
             ).eval()
+    cores: dict[str, EngineCore] = {}  # the current set's engine cores with a prefix cache
     engines: dict[str, Any] = {
-        name: (lambda ids, s=s: ours(lm, ids, tokens, s)) for name, s in specs.items()
+        name: (lambda ids, name=name, s=s: ours(lm, ids, tokens, s, cores.get(name)))
+        for name, s in specs.items()
     }
     if hf:
         tgt, asst = hf_models["target"], hf_models.get("assistant")
@@ -361,6 +373,11 @@ def run(opts: SpecBench) -> dict[str, Any]:
     results: dict[str, Any] = {}
     every: dict[str, list[Run]] = {name: [] for name in OURS if name in engines}  # all sets
     for set_name in chosen:
+        cores.clear()
+        if set_name == "agentic" and opts.prefix_cache:
+            for name in specs:
+                config = SchedulerConfig(max_running=1, max_step_tokens=PREFILL_CHUNK)
+                cores[name] = EngineCore(lm, config, PrefixCacheConfig())
         cells = {name: Cell() for name in engines}
         parity: dict[str, list[Any]] = {
             name: [] for name in engines if name != "none" and name not in PEERS
@@ -387,6 +404,12 @@ def run(opts: SpecBench) -> dict[str, Any]:
         row: dict[str, Any] = {}
         for name, cell in cells.items():
             row[name] = cell.summary(None if name == "none" else base)
+            cache = cores[name].prefix if name in cores else None
+            if cache is not None:  # prompt tokens looked up / served from the cache
+                row[name]["prefix_cache"] = {
+                    "queries": cache.stats.queries,
+                    "hits": cache.stats.hits,
+                }
             if name in parity:
                 row[name]["identical"] = sum(p is None for p in parity[name])
                 row[name]["divergences"] = [p for p in parity[name] if p is not None]
@@ -434,6 +457,7 @@ def run(opts: SpecBench) -> dict[str, Any]:
         "prompts_per_set": per_set,
         "reference_prompts_per_set": reference_per_set,
         "k_max": k,
+        "agentic_prefix_cache": opts.prefix_cache,  # peers run without one
         "peers": peer_versions,
         "machine": host,
         "results": results,

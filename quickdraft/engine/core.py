@@ -229,12 +229,18 @@ class EngineCore:
 
 
 def stream(
-    lm: LoadedModel, req: Request, speculation: AnySpeculation | None = None
+    lm: LoadedModel,
+    req: Request,
+    speculation: AnySpeculation | None = None,
+    core: EngineCore | None = None,
 ) -> Generator[str, None, None]:
-    """Generate for `req`, yielding text deltas (stop-string safe) until it finishes.
+    """Generate for `req`, yielding text deltas (stop-string safe) until it finishes; on
+    `core` when given (its prefix cache then serves and keeps the request's blocks), else on
+    a core of its own.
 
     Closing the generator early aborts the request and frees its caches and drafter state."""
-    core = EngineCore(lm, SchedulerConfig(max_running=1, max_step_tokens=PREFILL_CHUNK))
+    if core is None:
+        core = EngineCore(lm, SchedulerConfig(max_running=1, max_step_tokens=PREFILL_CHUNK))
     seq = core.add(req, speculation)
     try:
         while not req.finished:
