@@ -365,6 +365,37 @@ def test_wide_tiles_equal_avx2_tile(name: str, wide: str) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("wide", [t for t in TILES if t != "avx2"])
+def test_wide_tile_q4_k_at_its_largest_sums_keeps_the_bits(wide: str) -> None:
+    """Q4_K on the AVX-512 tile sums its scaled runs in fp32, exact only while every half
+    block stays below 2^24: at the format's largest values (q 15, scales and mins 63, every
+    activation +-127 after quantization) it still gives the AVX2 tile's bits and the
+    reference's values."""
+    needs_extension()
+    ext = build.extension()
+    if wide not in cpu_tiles():
+        pytest.skip(f"this CPU lacks {sorted(TILE_FLAGS[wide])}: only narrower tiles run here")
+    n, k = 32, 1024
+    raw = np.zeros((n, k // 256, 144), np.uint8)
+    raw[..., 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)  # d
+    raw[..., 2:4] = np.frombuffer(np.float16(0.02).tobytes(), np.uint8)  # dmin
+    raw[..., 4:] = 0xFF  # every 6-bit scale and min 63, every nibble 15
+    w = GGUFWeight.from_raw("Q4_K", raw.reshape(n, -1), k)
+    for sign in (1.0, -1.0):
+        x = sign * torch.linspace(0.995, 1.0, k).repeat(16, 1)  # quantizes to +-127
+        try:
+            outs = []
+            for level in (0, TILES[wide]):
+                ext.gguf_isa(level)
+                outs.append([linear_gguf(x[:m], w) for m in (1, 6, 16)])
+        finally:
+            ext.gguf_isa(-1)
+        for a, b in zip(*outs, strict=True):
+            assert torch.equal(a, b)
+            torch.testing.assert_close(a, w.reference_linear(x[: a.shape[0]]), rtol=1e-5, atol=0)
+
+
+@needs_kernel
 def test_kernel_takes_any_leading_shape_and_empty_batches() -> None:
     needs_extension()
     _, w = weight("Q5_K")
