@@ -134,6 +134,24 @@ def test_adaptive_start_scores_the_lookups_on_the_prompt() -> None:
     assert all(a.shadow is None for a in (*repeating.arms, *fresh.arms))
 
 
+def test_adaptive_prompt_score_is_a_prior_the_request_moves_at_once() -> None:
+    """The prompt's score sets where a lookup's estimate starts and weighs as the prior's few
+    drafts: a prompt that never repeats starts it low, and two cycles whose drafts were all
+    accepted (an answer that copies its context) already take it most of the way up."""
+    members = (Speculation(SpeculativeConfig(method="ngram"), NgramDrafter(), None),)
+    spec = AdaptiveSpeculation(SpeculativeConfig(method="adaptive", num_draft_tokens=8), members)
+    # "7 8" went on with 9 thirty times; at the end it goes on otherwise every time
+    tail = [t for i in range(14) for t in (7, 8, 50 + i)]
+    state = spec.start([7, 8, 9] * 30 + tail + list(range(200, 208)))
+    acc = state.arms[0].acceptance
+    start = acc.alpha
+    assert acc.successes == acc.failures == 0 and acc.prior_alpha == start
+    assert start < 0.5  # the lookup guessed 9 there and was wrong
+    for _ in range(2):
+        acc.update(8, 8)
+    assert acc.alpha > 0.8
+
+
 def test_adaptive_pick_with_no_room_keeps_the_arm() -> None:
     spec = adaptive(("ngram", None), ("suffix", None)).start([1, 2, 3])
     spec.active = 1

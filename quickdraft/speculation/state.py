@@ -126,7 +126,14 @@ def warm_up(arm: Arm, prompt_ids: list[int], k: int) -> None:
     prefill the whole prompt. The last WARM_UP_TAIL positions are left out: a chat prompt ends
     in the template's turn markers, which every earlier turn also holds, and scoring them made
     the lookups look as good as the draft model on single-question code prompts (measured:
-    adaptive 0.72x the draft model on the code set)."""
+    adaptive 0.72x the draft model on the code set).
+
+    The score becomes the request's prior, weighing as `prior_weight` drafts: it sets where the
+    estimate starts, and the request's own cycles then move it at once. Kept as counts, the 24
+    positions outweighed the first decode cycles: on the agentic replay a prompt tail of new
+    instructions started both lookups near alpha 0.4 while the answer copied a file, and the
+    policy drafted 2-6 tokens for most of a 128-token answer that the suffix drafter alone
+    drafted 15 at a time (adaptive 0.94x suffix, bench/results/agentic-k16-prefix-cache)."""
     if k <= 0:
         return
     drafter = arm.speculation.drafter
@@ -136,6 +143,8 @@ def warm_up(arm: Arm, prompt_ids: list[int], k: int) -> None:
         job = DraftJob(arm.draft_state, prompt_ids[:p], k, params, generator)
         arm.shadow = drafter.propose([job])[0].tokens
         shadow_score(arm, prompt_ids[p:])
+    acc = arm.acceptance
+    acc.prior_alpha, acc.successes, acc.failures = acc.alpha, 0.0, 0.0
 
 
 AnySpeculation = Speculation | AdaptiveSpeculation
