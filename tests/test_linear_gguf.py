@@ -1,4 +1,4 @@
-# ~450 lines on purpose: every GGUF format through decode, layout, kernel tiles and fallback,
+# ~500 lines on purpose: every GGUF format through decode, layout, kernel tiles and fallback,
 # one file so a format added to FORMATS is covered by every check at once.
 """A GGUF file's own block formats as GEMM operands (kernels/linear_gguf.py): decoding against
 the gguf package's dequantization, the panel layout and its round trip, and the AVX2 kernel
