@@ -29,6 +29,7 @@ namespace {
 using u16 = uint16_t;
 
 #define QD_INLINE inline __attribute__((always_inline))
+#define QD_LAMBDA __attribute__((always_inline))
 
 // Lane sums of 16 accumulators a[4 * r + j] (row r, key j) -> lane 4 * r + j.
 QD_INLINE __m512 reduce16(const __m512* a) {
@@ -61,8 +62,8 @@ QD_INLINE void store_tile(__m512 t, int nr, int nk, float* sc, int64_t ldsc) {
 }
 
 template <int NR>
-QD_INLINE void score_tile_bf16(const u16* const* q, int64_t d, const u16* const* k, float scale, int nk,
-                     float* sc, int64_t ldsc) {
+QD_INLINE void score_tile_bf16(const u16* const* q, int64_t d, const u16* const* k, float scale,
+                               int nk, float* sc, int64_t ldsc) {
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t j = 0; j < d; j += 32) {
@@ -100,93 +101,98 @@ inline void key_rows(const T* k, int64_t ks, int64_t s, int64_t nkeys, const T**
   for (int c = 0; c < 4; ++c) out[c] = k + (s + c < nkeys ? s + c : nkeys - 1) * ks;
 }
 
-// o[r][c .. c + W) += sum_s p[r][s] v_s for NR rows, W = 64 or 32 dims, natural order.
-template <int NR, int W>
-void values_bf16(const float* p, int64_t ldp, const u16* v, int64_t vs, int64_t nkeys, int64_t c,
+// One key's W dims of v as fp32: bf16 as (even dims 16 | odd dims 16) per 32 dims, fp32 as is.
+template <int V>
+QD_INLINE void load_values(const u16* row, __m512* x) {
+  const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int h = 0; h < V / 2; ++h) {
+    const __m512i raw = _mm512_loadu_si512(static_cast<const void*>(row + 32 * h));
+    x[2 * h] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+    x[2 * h + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, hi16));
+  }
+}
+template <int V>
+QD_INLINE void load_values(const float* row, __m512* x) {
+  for (int i = 0; i < V; ++i) x[i] = _mm512_loadu_ps(row + 16 * i);
+}
+
+// A row's W sums in natural order (bf16's even | odd order interleaved back).
+template <int V>
+QD_INLINE void store_values(const u16*, const __m512* acc, float* out) {
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi =
+      _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int h = 0; h < V / 2; ++h) {
+    _mm512_storeu_ps(out + 32 * h, _mm512_permutex2var_ps(acc[2 * h], lo, acc[2 * h + 1]));
+    _mm512_storeu_ps(out + 32 * h + 16, _mm512_permutex2var_ps(acc[2 * h], hi, acc[2 * h + 1]));
+  }
+}
+template <int V>
+QD_INLINE void store_values(const float*, const __m512* acc, float* out) {
+  for (int i = 0; i < V; ++i) _mm512_storeu_ps(out + 16 * i, acc[i]);
+}
+
+// o[r][c .. c + W) = sum_s p[r][s] v_s for NR rows, W = 64 or 32 dims, natural order.
+template <int NR, int W, class T>
+void values_tile(const float* p, int64_t ldp, const T* v, int64_t vs, int64_t nkeys, int64_t c,
                  float* o, int64_t d) {
   constexpr int V = W / 16;  // zmm per row
   __m512 acc[NR][V];
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < V; ++i) acc[r][i] = _mm512_setzero_ps();
-  const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t s = 0; s < nkeys; ++s) {
-    const u16* row = v + s * vs + c;
-    __m512 x[V];  // (even dims 16 | odd dims 16) per 32 dims
-    for (int h = 0; h < V / 2; ++h) {
-      const __m512i raw = _mm512_loadu_si512(static_cast<const void*>(row + 32 * h));
-      x[2 * h] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-      x[2 * h + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, hi16));
-    }
-    for (int r = 0; r < NR; ++r) {
-      const __m512 w = _mm512_set1_ps(p[r * ldp + s]);
-      for (int i = 0; i < V; ++i) acc[r][i] = _mm512_fmadd_ps(x[i], w, acc[r][i]);
-    }
-  }
-  // (even | odd) -> natural order
-  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-  for (int r = 0; r < NR; ++r)
-    for (int h = 0; h < V / 2; ++h) {
-      float* out = o + r * d + c + 32 * h;
-      _mm512_storeu_ps(out, _mm512_permutex2var_ps(acc[r][2 * h], lo, acc[r][2 * h + 1]));
-      _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(acc[r][2 * h], hi, acc[r][2 * h + 1]));
-    }
-}
-
-template <int NR, int W>
-void values_f32(const float* p, int64_t ldp, const float* v, int64_t vs, int64_t nkeys, int64_t c,
-                float* o, int64_t d) {
-  constexpr int V = W / 16;
-  __m512 acc[NR][V];
-  for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < V; ++i) acc[r][i] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < nkeys; ++s) {
-    const float* row = v + s * vs + c;
     __m512 x[V];
-    for (int i = 0; i < V; ++i) x[i] = _mm512_loadu_ps(row + 16 * i);
+    load_values<V>(v + s * vs + c, x);
     for (int r = 0; r < NR; ++r) {
       const __m512 w = _mm512_set1_ps(p[r * ldp + s]);
       for (int i = 0; i < V; ++i) acc[r][i] = _mm512_fmadd_ps(x[i], w, acc[r][i]);
     }
   }
-  for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < V; ++i) _mm512_storeu_ps(o + r * d + c + 16 * i, acc[r][i]);
+  for (int r = 0; r < NR; ++r) store_values<V>(v, acc[r], o + r * d + c);
 }
 
-template <int NR, class T, class Fn>
+template <int NR, class T>
 void values_rows(const float* p, int64_t ldp, const T* v, int64_t vs, int64_t nkeys, int64_t d,
-                 float* o, Fn) {
+                 float* o) {
   int64_t c = 0;
-  for (; c + 64 <= d; c += 64) Fn::template run<NR, 64>(p, ldp, v, vs, nkeys, c, o, d);
-  if (c < d) Fn::template run<NR, 32>(p, ldp, v, vs, nkeys, c, o, d);
+  for (; c + 64 <= d; c += 64) values_tile<NR, 64>(p, ldp, v, vs, nkeys, c, o, d);
+  if (c < d) values_tile<NR, 32>(p, ldp, v, vs, nkeys, c, o, d);
 }
 
-struct ValuesBf16 {
-  template <int NR, int W>
-  static void run(const float* p, int64_t ldp, const u16* v, int64_t vs, int64_t nkeys, int64_t c,
-                  float* o, int64_t d) {
-    values_bf16<NR, W>(p, ldp, v, vs, nkeys, c, o, d);
-  }
-};
-
-struct ValuesF32 {
-  template <int NR, int W>
-  static void run(const float* p, int64_t ldp, const float* v, int64_t vs, int64_t nkeys,
-                  int64_t c, float* o, int64_t d) {
-    values_f32<NR, W>(p, ldp, v, vs, nkeys, c, o, d);
-  }
-};
-
-template <class T, class Fn>
+template <class T>
 void values_all(const float* p, int64_t ldp, int nr, const int64_t* nkeys, const T* v, int64_t vs,
-                int64_t d, float* o, Fn fn) {
+                int64_t d, float* o) {
   int r = 0;
   for (; r + 4 <= nr; r += 4) {
     int64_t n = nkeys[r];
     for (int i = 1; i < 4; ++i) n = n > nkeys[r + i] ? n : nkeys[r + i];
-    values_rows<4>(p + r * ldp, ldp, v, vs, n, d, o + r * d, fn);
+    values_rows<4>(p + r * ldp, ldp, v, vs, n, d, o + r * d);
   }
-  for (; r < nr; ++r) values_rows<1>(p + r * ldp, ldp, v, vs, nkeys[r], d, o + r * d, fn);
+  for (; r < nr; ++r) values_rows<1>(p + r * ldp, ldp, v, vs, nkeys[r], d, o + r * d);
+}
+
+template <int N>
+struct Rows {
+  static constexpr int value = N;
+};
+
+// Every 4-key tile over rows [0, nr): `tile(Rows<NR>, r, keys, nk, out)` for its rows r..r+NR.
+template <class T, class Tile>
+QD_INLINE void scores_all(int nr, const T* k, int64_t ks, int64_t nkeys, float* sc, int64_t ldsc,
+                          Tile tile) {
+  for (int64_t s = 0; s < nkeys; s += 4) {
+    const T* kr[4];
+    key_rows(k, ks, s, nkeys, kr);
+    const int nk = nkeys - s < 4 ? static_cast<int>(nkeys - s) : 4;
+    int r = 0;
+    for (; r + 4 <= nr; r += 4) tile(Rows<4>{}, r, kr, nk, sc + r * ldsc + s);
+    switch (nr - r) {
+      case 3: tile(Rows<3>{}, r, kr, nk, sc + r * ldsc + s); break;
+      case 2: tile(Rows<2>{}, r, kr, nk, sc + r * ldsc + s); break;
+      case 1: tile(Rows<1>{}, r, kr, nk, sc + r * ldsc + s); break;
+      default: break;
+    }
+  }
 }
 
 }  // namespace
@@ -195,52 +201,35 @@ void values_all(const float* p, int64_t ldp, int nr, const int64_t* nkeys, const
 // scores: sc[r * ldsc + s] = scale * q_r . k_s for r < nr, s < nkeys (q rows raw bf16).
 void scores_bf16(const u16* const* q, int nr, int64_t d, const u16* k, int64_t ks, int64_t nkeys,
                  float scale, float* sc, int64_t ldsc) {
-  for (int64_t s = 0; s < nkeys; s += 4) {
-    const u16* kr[4];
-    key_rows(k, ks, s, nkeys, kr);
-    const int nk = nkeys - s < 4 ? static_cast<int>(nkeys - s) : 4;
-    int r = 0;
-    for (; r + 4 <= nr; r += 4) score_tile_bf16<4>(q + r, d, kr, scale, nk, sc + r * ldsc + s, ldsc);
-    switch (nr - r) {
-      case 3: score_tile_bf16<3>(q + r, d, kr, scale, nk, sc + r * ldsc + s, ldsc); break;
-      case 2: score_tile_bf16<2>(q + r, d, kr, scale, nk, sc + r * ldsc + s, ldsc); break;
-      case 1: score_tile_bf16<1>(q + r, d, kr, scale, nk, sc + r * ldsc + s, ldsc); break;
-      default: break;
-    }
-  }
+  auto tile = [&](auto rows, int r, const u16** kr, int nk, float* out) QD_LAMBDA {
+    score_tile_bf16<decltype(rows)::value>(q + r, d, kr, scale, nk, out, ldsc);
+  };
+  scores_all(nr, k, ks, nkeys, sc, ldsc, tile);
 }
 
 // the same with fp32 keys and rows of qp [nr][d] already scaled
 void scores_f32(const float* qp, int nr, int64_t d, const float* k, int64_t ks, int64_t nkeys,
                 float* sc, int64_t ldsc) {
-  for (int64_t s = 0; s < nkeys; s += 4) {
-    const float* kr[4];
-    key_rows(k, ks, s, nkeys, kr);
-    const int nk = nkeys - s < 4 ? static_cast<int>(nkeys - s) : 4;
-    int r = 0;
-    for (; r + 4 <= nr; r += 4) score_tile_f32<4>(qp + r * d, d, kr, nk, sc + r * ldsc + s, ldsc);
-    switch (nr - r) {
-      case 3: score_tile_f32<3>(qp + r * d, d, kr, nk, sc + r * ldsc + s, ldsc); break;
-      case 2: score_tile_f32<2>(qp + r * d, d, kr, nk, sc + r * ldsc + s, ldsc); break;
-      case 1: score_tile_f32<1>(qp + r * d, d, kr, nk, sc + r * ldsc + s, ldsc); break;
-      default: break;
-    }
-  }
+  auto tile = [&](auto rows, int r, const float** kr, int nk, float* out) QD_LAMBDA {
+    score_tile_f32<decltype(rows)::value>(qp + r * d, d, kr, nk, out, ldsc);
+  };
+  scores_all(nr, k, ks, nkeys, sc, ldsc, tile);
 }
 
 // values: o[r][0, d) = sum over s < nkeys[r] of p[r][s] v_s, natural order (d % 32 == 0).
 void values_bf16(const float* p, int64_t ldp, int nr, const int64_t* nkeys, const u16* v,
                  int64_t vs, int64_t d, float* o) {
-  values_all(p, ldp, nr, nkeys, v, vs, d, o, ValuesBf16{});
+  values_all(p, ldp, nr, nkeys, v, vs, d, o);
 }
 
 void values_f32(const float* p, int64_t ldp, int nr, const int64_t* nkeys, const float* v,
                 int64_t vs, int64_t d, float* o) {
-  values_all(p, ldp, nr, nkeys, v, vs, d, o, ValuesF32{});
+  values_all(p, ldp, nr, nkeys, v, vs, d, o);
 }
 
 }  // namespace qd_attn512
 
 #undef QD_INLINE
+#undef QD_LAMBDA
 
 #pragma GCC pop_options

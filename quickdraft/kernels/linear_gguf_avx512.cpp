@@ -126,11 +126,12 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
         scale[1] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + s1 * kPanel)));
         if constexpr (F == kQ4_K) fscale = _mm512_cvtepi32_ps(scale[0]);
       }
-      if (F == kQ4_K && g == Tr::kGroups / 2)
-        static_for<T>([&](auto t) {
-          half[t] = part[t];
-          part[t] = _mm512_setzero_ps();
-        });
+      if constexpr (F == kQ4_K)
+        if (g == Tr::kGroups / 2)
+          static_for<T>([&](auto t) {
+            half[t] = part[t];
+            part[t] = _mm512_setzero_ps();
+          });
       static_for<8>([&](auto c) {
         constexpr int C = decltype(c)::value;
         const __m512i u = unpack_quad<F, C>(wb, g);
