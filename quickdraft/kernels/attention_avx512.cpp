@@ -80,7 +80,7 @@ QD_INLINE void score_tile_bf16(const u16* const* q, int64_t d, const u16* const*
 
 template <int NR>
 QD_INLINE void score_tile_f32(const float* qp, int64_t d, const float* const* k, int nk, float* sc,
-                    int64_t ldsc) {
+                              int64_t ldsc) {
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t j = 0; j < d; j += 16) {
