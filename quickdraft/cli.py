@@ -62,6 +62,12 @@ def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
         p.add_argument("--model", default=DEFAULT_MODEL, help=help_)
     p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPE_CHOICES, help=DTYPE_HELP)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (default: the GPU when torch sees one, else the CPU), cpu, cuda or cuda:N. "
+        "On a GPU the model runs in bf16 (a GGUF is dequantized at load) with CUDA graphs",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -245,7 +251,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     t0 = time.perf_counter()
     cfg = spec_config(args)
-    lm = load(args.model, args.dtype)
+    lm = load(args.model, args.dtype, args.device)
     spec = make_speculation(lm, cfg)
     load_s = time.perf_counter() - t0
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
@@ -351,6 +357,7 @@ def serve_options(args: argparse.Namespace) -> tuple[ServeOptions, ServerConfig]
         **given(
             model=args.model,
             dtype=args.dtype,
+            device=args.device,
             spec=spec_config(args),
             host=args.host,
             port=args.port,
@@ -383,6 +390,9 @@ def cluster_options(args: argparse.Namespace) -> ClusterOptions:
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas is not None or args.ray_address is not None:  # the Ray cluster server
         from quickdraft.cluster.deploy import serve_cluster
+
+        if args.device not in ("auto", "cpu"):
+            raise ValueError("--replicas: the Ray replicas run on the CPU; give --device cpu")
 
         serve_cluster(*serve_options(args), cluster_options(args))
         return 0
@@ -491,6 +501,7 @@ def _prompt_bench_fields(args: argparse.Namespace, spec: SpeculativeConfig) -> d
         target=args.model,
         draft=spec.draft_model,
         dtype=args.dtype,
+        device=args.device,
         tokens=args.max_tokens,
         per_set=args.per_set,
         sets=None if args.sets is None else tuple(args.sets),
@@ -517,6 +528,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 **given(
                     model=args.model,
                     dtype=args.dtype,
+                    device=args.device,
                     spec=spec,
                     requests=args.requests,
                     concurrency=None if args.concurrency is None else args.concurrency[0],
@@ -552,6 +564,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 **given(
                     model=args.model,
                     dtype=args.dtype,
+                    device=args.device,
                     spec=spec,
                     concurrency=None if args.concurrency is None else tuple(args.concurrency),
                     requests=args.requests,
@@ -743,7 +756,9 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     )
     name = f"{Path(args.model).name}-{args.kind}"
     out = Path(args.out) if args.out else cache_dir() / "drafters" / name
-    summary = train_drafter(args.model, out, train_cfg, data_cfg, args.dtype, kind=args.kind)
+    summary = train_drafter(
+        args.model, out, train_cfg, data_cfg, args.dtype, kind=args.kind, device=args.device
+    )
     print(f"drafter: {out}")
     for key, value in summary.items():
         print(f"  {key}: {value:.4g}")

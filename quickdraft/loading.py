@@ -9,15 +9,19 @@ than inside a first request. Nothing here runs a step: the engine (quickdraft/en
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from quickdraft import hub
 from quickdraft.config import DEFAULT_DTYPE, GGUF_DTYPE, QUANTIZATIONS, parse_dtype
 from quickdraft.grammar import Grammar, GrammarCompiler, Matcher
 from quickdraft.kernels import kernels_available, panels_apply
 from quickdraft.models.base import LanguageModel
+from quickdraft.models.graphs import for_device
 from quickdraft.models.loader import load_model
 from quickdraft.request import Request, SamplingError, SamplingParams
 from quickdraft.tokenizer import Tokenizer
@@ -81,6 +85,10 @@ class LoadedModel:
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
+    @property
+    def device(self) -> str:
+        return device_name(self.model.device)
+
     def room(self, prompt_tokens: int, max_tokens: int | None = None) -> int:
         return context_room(self.context_length, prompt_tokens, max_tokens)
 
@@ -100,6 +108,36 @@ class LoadedModel:
         return Request(prompt_ids, params, self.tokenizer, self.eos_ids, request_id, tenant)
 
 
+DEVICES = ("auto", "cpu", "cuda")  # what --device takes ("cuda:N" too)
+
+
+def resolve_device(name: str) -> torch.device:
+    """--device -> the torch device: "auto" is the first CUDA GPU when torch sees one, else the
+    CPU; "cuda" (or "cuda:N") without a GPU is an error that says why."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name != "cpu" and not re.fullmatch(r"cuda(:\d+)?", name):
+        raise ValueError(f"device {name!r}: choose one of {', '.join(DEVICES)} (or cuda:N)")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            built = torch.version.cuda or "no CUDA"
+            raise ValueError(
+                f"device {name!r}: torch {torch.__version__} ({built}) sees no CUDA GPU; "
+                "use --device cpu"
+            )
+        if (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: torch sees {torch.cuda.device_count()} GPU(s)")
+    return device
+
+
+def device_name(device: torch.device) -> str:
+    """What /health, the admin page and the benchmarks call the device a model runs on."""
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return "cpu"
+
+
 def load(
     model: str,
     dtype: str = DEFAULT_DTYPE,
@@ -110,13 +148,25 @@ def load(
     """`quantization="gguf"`: the GGUF's own quantized weights (dtype "gguf"), for a model
     that is a GGUF; `"int8"` / `"int4"`: projection weights in 8 / 4 bits (half / 0.31x the
     bytes of bf16, so a memory-bound step runs up to 2-3x faster); dense models only, meant for
-    draft models, whose precision only moves the acceptance rate."""
+    draft models, whose precision only moves the acceptance rate. `device` ("auto", "cpu",
+    "cuda"; see `resolve_device`): on a GPU the weights are bf16 (a GGUF's own formats are
+    dequantized at load: their kernels are the CPU's) and a dense model runs behind
+    models/graphs.py's GraphModel (CUDA graphs, static KV slots)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r}: choose one of {QUANTIZATIONS}")
+    where = resolve_device(device)
+    if where.type != "cpu":
+        if quantization not in ("none", "gguf"):
+            raise ValueError(
+                f"{quantization} weights run on the CPU kernels only; on {where} drop the "
+                "quantization (the model runs in bf16 there)"
+            )
+        if quantization == "gguf" or dtype == GGUF_DTYPE:
+            dtype, quantization = "bf16", "none"
     if quantization == "gguf":  # the GGUF's own formats, whatever the caller's dtype
         dtype, quantization = GGUF_DTYPE, "none"
     path = hub.resolve(model, dtype, progress=progress)
-    net = load_model(path, parse_dtype(dtype), device, quantization)
+    net = for_device(load_model(path, parse_dtype(dtype), where, quantization))
     if net.device.type == "cpu":
         # Build the C++ kernels (once per install, ~2 min on 2 cores) now, not inside the first
         # forward: there a server's first request waited for it, past its client's timeout.

@@ -44,6 +44,31 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def gpu() -> dict[str, Any] | None:
+    """The GPU torch sees (name, memory, driver, CUDA), or None."""
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    driver = None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        driver = out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, IndexError):
+        pass
+    return {
+        "name": props.name,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "multiprocessors": props.multi_processor_count,
+        "driver": driver,
+        "cuda": torch.version.cuda,
+    }
+
+
 def machine() -> dict[str, Any]:
     """The host and code a figure comes from."""
     changed = _git("status", "--porcelain", "--untracked-files=all", "quickdraft")
@@ -53,6 +78,7 @@ def machine() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "gpu": gpu(),
         "commit": _git("rev-parse", "--short", "HEAD") or "unknown",
         # package files that differ from that commit: the measured code is not the committed one
         "uncommitted": changed.splitlines(),
@@ -125,6 +151,11 @@ def write(
     (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     m = report["machine"]
     host = f"\n{m['cpu']} ({' '.join(m['isa']) or 'no listed ISA flags'}), commit {m['commit']}\n"
+    if m.get("gpu"):
+        g = m["gpu"]
+        host += (
+            f"GPU: {g['name']} ({g['memory_gib']} GiB), driver {g['driver']}, CUDA {g['cuda']}\n"
+        )
     (out_dir / f"{name}.md").write_text(markdown + host)
     fig = plt.figure(figsize=figsize)
     plot(fig)

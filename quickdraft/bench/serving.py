@@ -49,6 +49,7 @@ class LoadTest:
     threads: int | None = None  # the server's torch threads (None: torch's default)
     start_timeout_s: float = 3600.0  # first use of a model may download + convert it
     out_dir: Path = RESULTS
+    device: str = "auto"  # the server's --device
 
 
 @dataclass(slots=True)
@@ -75,6 +76,7 @@ def _free_port() -> int:
 
 def _server_cmd(t: LoadTest, port: int, token: str, settings: Path) -> list[str]:
     cmd = [sys.executable, "-m", "quickdraft", "serve", t.model, "--dtype", t.dtype]
+    cmd += ["--device", t.device]
     cmd += ["--port", str(port), "--admin-token", token, "--settings", str(settings)]
     cmd += [
         "--speculative-method",

@@ -48,6 +48,7 @@ class SoakTest:
     threads: int | None = None
     start_timeout_s: float = 3600.0
     out_dir: Path = RESULTS
+    device: str = "auto"  # the server's --device
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +205,7 @@ def settle(url: str, limit_s: float = 60.0) -> dict[str, int]:
 
 def server_cmd(t: SoakTest, port: int, token: str, settings: Path) -> list[str]:
     cmd = [sys.executable, "-m", "quickdraft", "serve", t.model, "--dtype", t.dtype]
+    cmd += ["--device", t.device]
     cmd += ["--port", str(port), "--admin-token", token, "--settings", str(settings)]
     cmd += ["--speculative-method", t.spec.method]
     cmd += ["--num-draft-tokens", str(t.spec.num_draft_tokens)]

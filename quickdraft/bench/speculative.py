@@ -267,6 +267,7 @@ class SpecBench:
     mtp: str | None = None
     # the agentic set on a prefix cache per engine (module docstring)
     prefix_cache: bool = True
+    device: str = "auto"  # where our engines run (loading.resolve_device)
 
     def __post_init__(self) -> None:
         if self.reference_per_set < 0:
@@ -291,7 +292,7 @@ def run(opts: SpecBench) -> dict[str, Any]:
     hf = opts.hf and reference_per_set > 0
     all_sets = bench_sets()
     chosen = list(opts.sets or all_sets)
-    lm = load(target, dtype)
+    lm = load(target, dtype, opts.device)
     specs: dict[str, AnySpeculation | None] = {
         "none": None,
         "ngram": make_speculation(lm, SpeculativeConfig(method="ngram", num_draft_tokens=k)),

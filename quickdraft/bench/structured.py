@@ -63,6 +63,7 @@ class StructuredBench:
     k: int = DEFAULT_NUM_DRAFT_TOKENS
     draft_quantization: str = DEFAULT_DRAFT_QUANTIZATION
     out_dir: Path = RESULTS
+    device: str = "auto"  # loading.resolve_device
 
 
 @dataclass(slots=True)
@@ -149,7 +150,7 @@ def mask_ms_per_token(lm: LoadedModel, grammar: Grammar, tokens: list[int]) -> f
 
 def run(bench: StructuredBench) -> dict[str, Any]:
     report: dict[str, Any] = {"machine": machine()}  # recorded first: the code that ran
-    lm = load(bench.target, bench.dtype)
+    lm = load(bench.target, bench.dtype, bench.device)
     draft = bench.draft or DEFAULT_DRAFTS.get(bench.target)
     configs: dict[str, SpeculativeConfig] = {
         "none": SpeculativeConfig(),

@@ -63,3 +63,4 @@ class ModelInfo:
     context_length: int
     eos_ids: tuple[int, ...]
     spec: SpeculativeConfig
+    device: str = "cpu"  # loading.device_name of where the replica runs it

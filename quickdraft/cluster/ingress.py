@@ -75,6 +75,10 @@ class RemoteModel:
     def vocab_size(self) -> int:
         return self.info.vocab_size
 
+    @property
+    def device(self) -> str:
+        return self.info.device
+
     def room(self, prompt_tokens: int, max_tokens: int | None = None) -> int:
         return context_room(self.context_length, prompt_tokens, max_tokens)
 

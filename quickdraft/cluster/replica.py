@@ -59,6 +59,7 @@ class EngineReplica:
                 s.lm.context_length,
                 s.lm.eos_ids,
                 s.spec_config,
+                s.lm.device,
             )
             for name, s in self.engine.models.items()
         ]

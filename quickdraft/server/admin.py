@@ -112,6 +112,7 @@ def snapshot(state: ServerState) -> dict[str, Any]:
             {
                 "name": name,
                 "context_length": served.lm.context_length,
+                "device": served.lm.device,
                 "settings": state.settings[name].model_dump(),
                 "active": {
                     "method": cfg.method,

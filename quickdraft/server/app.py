@@ -90,8 +90,14 @@ def create_app(
             why = " (it failed: see the server log)" if eng.error is not None else ""
             err = APIError(503, f"the engine thread is not running{why}", code="engine_dead")
             return error_response(err)
+        devices = {name: served.lm.device for name, served in eng.models.items()}
         return JSONResponse(
-            {"status": "ok", "running": eng.num_running, "waiting": eng.num_waiting}
+            {
+                "status": "ok",
+                "running": eng.num_running,
+                "waiting": eng.num_waiting,
+                "devices": devices,
+            }
         )
 
     @app.get("/metrics")

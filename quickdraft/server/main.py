@@ -48,6 +48,7 @@ class ServeOptions:
     access_log: bool = False
     shutdown_timeout_s: float = 30.0  # open requests run on this long after SIGTERM, then abort
     prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
+    device: str = "auto"  # loading.resolve_device
 
     def __post_init__(self) -> None:
         if not self.shutdown_timeout_s >= 0:
@@ -61,8 +62,10 @@ def serve(opts: ServeOptions, config: ServerConfig) -> None:
     _setup_logging(opts.log_level)
     name = opts.served_name or opts.model
     config, spec, saved = start_settings(opts, config)
-    log.info("loading %s (%s), speculation %s", opts.model, opts.dtype, spec)
-    lm = load(opts.model, opts.dtype)
+    log.info(
+        "loading %s (%s, device %s), speculation %s", opts.model, opts.dtype, opts.device, spec
+    )
+    lm = load(opts.model, opts.dtype, opts.device)
     engine = Engine(
         {name: ServedModel(lm, spec)},
         max_waiting=config.max_concurrency,

@@ -89,6 +89,13 @@ class StepCost:
 COST_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 32, 64)  # dense where the curve bends
 
 
+def settle(device: torch.device) -> None:
+    """Wait for the work queued on `device` (a GPU runs it asynchronously): a timing that ends
+    without it measures the launches, not the step."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def measure_step_cost(
     model: LanguageModel, rows: Sequence[int] = COST_ROWS, context: int = 8, seqs: int = 8
 ) -> StepCost:
@@ -116,10 +123,11 @@ def measure_step_cost(
         for _ in range(3 if n <= 16 else 1):
             t = time.perf_counter()
             model(new, caches[:num_seqs], [per] * num_seqs, logit_rows=logit_rows)
+            settle(device)
             best = min(best, time.perf_counter() - t)
         return best
 
-    timed(16, 1)  # warm-up: allocator, kernel build
+    timed(min(16, max(rows)), 1)  # warm-up: allocator, kernel build, graph capture
     seconds: list[float] = []
     for n in rows:
         best = timed(n, 1)

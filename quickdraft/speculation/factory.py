@@ -57,8 +57,11 @@ def _suffix(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTa
 
 def _draft_model(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable]:
     assert config.draft_model is not None
+    device = lm.model.device
+    # int8 / int4 are CPU kernels: on a GPU the draft runs in the target's dtype (bf16)
+    quantization = config.draft_quantization if device.type == "cpu" else "none"
     draft = load(
-        config.draft_model, lm.dtype_name, progress=True, quantization=config.draft_quantization
+        config.draft_model, lm.dtype_name, str(device), progress=True, quantization=quantization
     )
     if draft.tokenizer.fingerprint() != lm.tokenizer.fingerprint():
         raise ValueError(

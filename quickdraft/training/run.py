@@ -71,6 +71,7 @@ def train_drafter(
     dtype: str,
     progress: bool = True,
     kind: str = "dflash",
+    device: str = "cpu",
 ) -> dict[str, float]:
     """Train (or resume) a drafter of `kind` for `model_name` into `out`; -> a summary."""
     from quickdraft.loading import load
@@ -79,7 +80,7 @@ def train_drafter(
         raise ValueError(f"--kind {kind!r}: one of {', '.join(KINDS)}")
     if data_cfg.data not in DATA_KINDS:
         raise ValueError(f"--data {data_cfg.data!r}: one of {', '.join(DATA_KINDS)}")
-    lm = load(model_name, dtype, progress=progress)
+    lm = load(model_name, dtype, device, progress=progress)
     model, tokenizer = lm.model, lm.tokenizer
     saved = saved_config(out, kind)  # a resumed run keeps the layout it started with
     if kind == "mtp":

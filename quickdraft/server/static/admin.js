@@ -120,6 +120,7 @@ function build(state) {
     const sec = tpl.content.firstElementChild.cloneNode(true);
     sec.dataset.model = model.name;
     sec.querySelector(".name").textContent = model.name;
+    sec.querySelector(".device").textContent = `runs on ${model.device}`;
     fillForm(sec, model, state.methods);
     sec.querySelector("form").addEventListener("submit", (ev) => {
       ev.preventDefault();

@@ -43,7 +43,7 @@ from quickdraft.models.dflash import (
     read_draft_vocabulary,
 )
 from quickdraft.models.loader import load_weights
-from quickdraft.speculation.cost import StepShape
+from quickdraft.speculation.cost import StepShape, settle
 from quickdraft.speculation.drafters.base import Draft, DraftJob, draft_one
 
 _FOREIGN = ("embed_tokens.", "lm_head.")  # a checkpoint's copies of the target's: unused
@@ -241,5 +241,6 @@ def block_step_seconds(drafter: DFlashDrafter, context: int = 16, reps: int = 3)
     for _ in range(reps + 1):
         t = time.perf_counter()
         model(drafter.embed(ids), [cache], [drafter.block_size], rows, drafter.window)
+        settle(model.device)
         best = min(best, time.perf_counter() - t)
     return best

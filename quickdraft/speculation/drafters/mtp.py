@@ -47,7 +47,7 @@ from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.loader import load_weights
 from quickdraft.models.mtp import MTPHead, standalone_head_config
 from quickdraft.models.registry import mtp_parts, name_map
-from quickdraft.speculation.cost import StepShape
+from quickdraft.speculation.cost import StepShape, settle
 from quickdraft.speculation.drafters.base import Draft, DraftBlock, DraftJob, draft_position
 
 HiddenFeed = Literal["post_norm", "pre_norm"]
@@ -275,5 +275,6 @@ def head_step_seconds(head: MTPHead, context: int = 16, reps: int = 3) -> float:
     for _ in range(reps + 1):
         t = time.perf_counter()
         head(ids[context:], hidden[context:], [cache], [1], torch.tensor([0]))
+        settle(head.device)
         best = min(best, time.perf_counter() - t)
     return best

@@ -1,0 +1,457 @@
+"""A dense model on a GPU: every sequence's KV in one slot of a static pool, and the forwards of
+decode, verify and draft steps replayed as CUDA graphs.
+
+At batch 1 a small model on a GPU is launch-bound: a 1.5B forward is ~400 kernels, and eager
+PyTorch spends more time issuing them than the GPU spends running them. A CUDA graph issues
+them all at once, but it replays fixed addresses and shapes. So `GraphModel` keeps the KV of
+every sequence in one pool `[layers, slots + 1, kv_heads, capacity, head_dim]` (the last slot
+is scratch), and one forward takes its varying parts as tensors: the new tokens, each row's
+slot and position, each sequence's slot. A call is padded to a captured shape (`graph_key`):
+sequences to a power of two, each sequence's rows to the next entry of `ROW_BUCKETS`, the
+keys it attends to to a power of two; padded rows write their KV into the scratch slot. Each
+shape is captured the first time it runs. Shapes past the buckets (prompt chunks) run the same
+forward eagerly, unpadded. Off CUDA the forward always runs eagerly (`graphs=False`): that is
+what the CPU tests check against the model's own forward.
+
+A slot's cache is a `SlotCache` (the SequenceCache contract: `commit` is the O(1) rollback);
+its slot goes back to the pool when the cache is garbage. The pool grows (more slots, longer
+slots) by reallocation; captured graphs hold the old addresses, so growth drops them and the
+shapes are captured again.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from quickdraft.kernels.gemm import project
+from quickdraft.models.base import ForwardOutput, KVBlock, StateSnapshot
+from quickdraft.models.layers import tapped_layers
+from quickdraft.models.llama import Attention, CausalLM, DecoderLayer
+
+# rows per sequence a captured forward takes (a call is padded up to the next one): decode 1,
+# a verify of k drafts k + 1, a draft model's catch-up 2-3
+ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 17, 20, 24, 32)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+MIN_KEYS = 256  # the smallest key-count bucket
+FIRST_SLOTS = 4
+FIRST_CAPACITY = 4096
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int | None:
+    return next((b for b in buckets if b >= n), None)
+
+
+def key_bucket(need: int, capacity: int) -> int:
+    """Keys a captured forward attends to: the power of two >= `need` (>= MIN_KEYS), at most
+    the slot capacity."""
+    size = MIN_KEYS
+    while size < need:
+        size *= 2
+    return min(size, capacity)
+
+
+class SlotPool:
+    """The KV of every sequence of one model: k, v `[layers, slots + 1, kv_heads, capacity,
+    head_dim]`, zero-filled (masked keys must not be NaN: softmax weight 0 times NaN is NaN).
+    The last slot is scratch: padded rows write there."""
+
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        slots: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.dims = (layers, kv_heads, head_dim)
+        self.dtype, self.device = dtype, device
+        self.k, self.v = self._alloc(slots, capacity)
+        self.free = list(range(slots - 1, -1, -1))
+        self.generation = 0  # bumped by every reallocation (captured graphs hold the old one)
+
+    def _alloc(self, slots: int, capacity: int) -> tuple[Tensor, Tensor]:
+        layers, kv_heads, head_dim = self.dims
+        shape = (layers, slots + 1, kv_heads, capacity, head_dim)
+        z = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return z, torch.zeros_like(z)
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[1] - 1
+
+    @property
+    def scratch(self) -> int:
+        return self.slots
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def slot_bytes(self) -> int:
+        return 2 * self.k[:, 0].nbytes
+
+    def take(self) -> int:
+        if not self.free:
+            gc.collect()  # caches of finished sequences nobody holds any more
+        if not self.free:
+            self._grow(2 * self.slots, self.capacity)
+        return self.free.pop()
+
+    def give(self, slot: int) -> None:
+        self.free.append(slot)
+
+    def fit(self, tokens: int, limit: int) -> None:
+        """Make every slot hold `tokens` (doubling, at most `limit`)."""
+        if tokens > self.capacity:
+            self._grow(self.slots, min(max(tokens, 2 * self.capacity), limit))
+
+    def _grow(self, slots: int, capacity: int) -> None:
+        old_k, old_v = self.k, self.v
+        old_slots, old_cap = old_k.shape[1] - 1, old_k.shape[3]
+        self.k, self.v = self._alloc(slots, capacity)
+        for new, old in ((self.k, old_k), (self.v, old_v)):
+            new[:, :old_slots, :, :old_cap] = old[:, :old_slots]
+        self.free = list(range(slots - 1, old_slots - 1, -1)) + self.free
+        self.generation += 1
+
+
+class SlotCache:
+    """One sequence's KV: a slot of a SlotPool and the committed length (base.SequenceCache)."""
+
+    recurrent = False
+
+    def __init__(self, pool: SlotPool, limit: int) -> None:
+        self.pool, self.limit = pool, limit
+        self.slot = pool.take()
+        self.length = 0
+        weakref.finalize(self, pool.give, self.slot)
+
+    def reserve(self, num_new: int) -> None:
+        self.pool.fit(self.length + num_new, self.limit)
+
+    def commit(self, length: int) -> None:
+        assert 0 <= length <= self.pool.capacity, (length, self.pool.capacity)
+        self.length = length
+
+    trim = commit
+
+    def nbytes(self) -> int:
+        return self.pool.slot_bytes()
+
+    def export_kv(self, start: int, end: int) -> KVBlock:
+        assert 0 <= start <= end <= self.length, (start, end, self.length)
+        k, v = self.pool.k[:, self.slot, :, start:end], self.pool.v[:, self.slot, :, start:end]
+        return KVBlock(k.clone(), v.clone())
+
+    def import_kv(self, blocks: Sequence[KVBlock], state: StateSnapshot | None = None) -> None:
+        assert self.length == 0 and state is None, "import into an empty attention cache"
+        self.reserve(sum(b.num_tokens for b in blocks))
+        for block in blocks:
+            end = self.length + block.num_tokens
+            self.pool.k[:, self.slot, :, self.length : end] = block.k
+            self.pool.v[:, self.slot, :, self.length : end] = block.v
+            self.length = end
+
+    def state_at(self, position: int) -> StateSnapshot | None:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A forward's padded shape: `batch` sequences of `rows` rows each, attending to the first
+    `keys` positions of their slots."""
+
+    batch: int
+    rows: int
+    keys: int
+
+
+@dataclass(slots=True)
+class _Captured:
+    graph: Any  # torch.cuda.CUDAGraph
+    ids: Tensor  # [batch * rows] static inputs ...
+    meta: Tensor  # [2 * batch * rows + batch]: row slots, row positions, sequence slots
+    logits: Tensor  # ... and the static output [batch * rows, vocab]
+
+
+def graph_key(num_new: Sequence[int], need: int, capacity: int) -> Layout | None:
+    """The captured shape a call of `num_new` rows per sequence, attending to `need` keys at
+    most, is padded to; None where none fits (it then runs eagerly)."""
+    batch = _bucket(len(num_new), BATCH_BUCKETS)
+    rows = _bucket(max(num_new), ROW_BUCKETS)
+    if batch is None or rows is None:
+        return None
+    return Layout(batch, rows, key_bucket(need, capacity))
+
+
+class GraphModel:
+    """A CausalLM behind the LanguageModel contract with its KV in a SlotPool and its fixed
+    shapes replayed as CUDA graphs (module docstring). Everything else (config, dtype, the
+    drafters' extras) is the wrapped model's."""
+
+    def __init__(self, model: CausalLM, graphs: bool = True) -> None:
+        self.inner = model
+        self.config, self.dtype, self.device = model.config, model.dtype, model.device
+        # graphs only on CUDA; elsewhere (the CPU tests), or with QUICKDRAFT_NO_GRAPHS=1 (to
+        # bisect), the same forward runs eagerly
+        off = os.environ.get("QUICKDRAFT_NO_GRAPHS", "") not in ("", "0")
+        self.graphs = graphs and self.device.type == "cuda" and not off
+        cfg = model.config
+        self.limit = cfg.max_position_embeddings
+        self.pool = SlotPool(
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            FIRST_SLOTS,
+            min(FIRST_CAPACITY, self.limit),
+            self.dtype,
+            self.device,
+        )
+        self._captured: dict[Layout, _Captured] = {}
+        self._generation = -1
+        self._mempool: Any = None
+        self.replays = 0  # graph replays so far (tests, telemetry)
+        self._tables(self.pool.capacity)
+
+    def __getattr__(self, name: str) -> Any:
+        # only for names this class does not define: the wrapped model's
+        return getattr(self.__dict__["inner"], name)
+
+    def _tables(self, capacity: int) -> None:
+        positions = torch.arange(capacity, device=self.device)
+        cos, sin = self.inner.rope.tables(positions, self.dtype)
+        self.cos, self.sin = cos[:, 0], sin[:, 0]  # [capacity, head_dim] fp32
+        self.key_positions = positions
+
+    # -- the LanguageModel contract ----------------------------------------------------------
+
+    def new_cache(self, capacity: int) -> SlotCache:
+        cache = SlotCache(self.pool, self.limit)
+        cache.reserve(capacity)
+        return cache
+
+    def pack_(self) -> None:
+        self.inner.pack_()
+        self._drop()
+
+    def quantize_(self, fmt: str) -> None:
+        self.inner.quantize_(fmt)
+        self._drop()
+
+    def restrict_vocab_(self, keep: int, extra: Sequence[int] = ()) -> None:
+        self.inner.restrict_vocab_(keep, extra)
+        self._drop()
+
+    @property
+    def vocab_kept(self) -> int | None:
+        return self.inner.vocab_kept
+
+    def _drop(self) -> None:
+        """Forget every captured graph, and their memory pool with them: once no graph holds
+        it, the allocator frees the pool, and capturing into its stale handle fails."""
+        self._captured.clear()
+        self._mempool = None
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        input_ids: Tensor,
+        caches: Sequence[Any],
+        num_new: Sequence[int],
+        logit_rows: Tensor | None = None,
+        return_hidden: bool = False,
+        hidden_layers: Sequence[int] = (),
+    ) -> ForwardOutput:
+        assert input_ids.dim() == 1 and sum(num_new) == input_ids.shape[0]
+        assert all(isinstance(c, SlotCache) and c.pool is self.pool for c in caches), (
+            "caches of this model's new_cache"
+        )
+        for cache, n in zip(caches, num_new, strict=True):
+            if cache.length + n > self.limit:
+                raise ValueError(
+                    f"sequence of {cache.length + n} tokens exceeds the model context "
+                    f"({self.limit})"
+                )
+            cache.reserve(n)
+        if self.pool.generation != self._generation:  # the pool moved: new tables, new graphs
+            self._generation = self.pool.generation
+            self._drop()
+            self._tables(self.pool.capacity)
+        need = max(c.length + n for c, n in zip(caches, num_new, strict=True))
+        graphed = None
+        if self.graphs and not return_hidden and not hidden_layers:
+            graphed = graph_key(num_new, need, self.pool.capacity)
+        layout = graphed or Layout(len(caches), max(num_new), need)
+        ids, meta, dest = self._inputs(input_ids, caches, num_new, layout)
+        if logit_rows is None:
+            logit_rows = torch.tensor(list(num_new), device=self.device).cumsum(0) - 1
+        rows = dest[logit_rows.to(self.device)]  # the padded rows to score
+        if graphed is not None:
+            return ForwardOutput(self._replay(graphed, ids, meta).index_select(0, rows))
+        hidden, taps = self._forward(ids, meta, layout, set(hidden_layers))
+        layers = tapped_layers(
+            {i: t.index_select(0, dest) for i, t in taps.items()},
+            hidden_layers,
+            len(self.inner.decoder_layers),
+            self.inner.model.norm,
+        )
+        logits = self.inner._logits(hidden.index_select(0, rows))
+        return ForwardOutput(
+            logits, hidden.index_select(0, dest) if return_hidden else None, layers
+        )
+
+    # -- the static forward --------------------------------------------------------------------
+
+    def _inputs(
+        self, input_ids: Tensor, caches: Sequence[SlotCache], num_new: Sequence[int], at: Layout
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The padded inputs of a call: ids `[batch * rows]`, meta (row slots, row positions,
+        sequence slots) and, for each packed row, its padded row."""
+        scratch = self.pool.scratch
+        padded = at.batch * at.rows
+        row_slot = [scratch] * padded
+        row_pos = [0] * padded
+        seq_slot = [scratch] * at.batch
+        dest: list[int] = []
+        for b, (cache, n) in enumerate(zip(caches, num_new, strict=True)):
+            seq_slot[b] = cache.slot
+            for i in range(n):
+                r = b * at.rows + i
+                row_slot[r], row_pos[r] = cache.slot, cache.length + i
+                dest.append(r)
+        host = torch.tensor(row_slot + row_pos + seq_slot + dest, dtype=torch.long)
+        packed = host.to(self.device, non_blocking=True)
+        meta, dest_t = packed[: 2 * padded + at.batch], packed[2 * padded + at.batch :]
+        ids = torch.zeros(padded, dtype=torch.long, device=self.device)
+        ids.index_copy_(0, dest_t, input_ids.to(self.device))
+        return ids, meta, dest_t
+
+    def _forward(
+        self, ids: Tensor, meta: Tensor, at: Layout, wanted: set[int]
+    ) -> tuple[Tensor, dict[int, Tensor]]:
+        """The padded forward -> (post-final-norm hidden `[batch * rows, hidden]`, the outputs
+        of the `wanted` layers). Only tensor ops on tensors whose shapes `at` fixes: capturable."""
+        padded = at.batch * at.rows
+        row_slot, row_pos = meta[:padded], meta[padded : 2 * padded]
+        seq_slot = meta[2 * padded :]
+        cos, sin = self.cos.index_select(0, row_pos), self.sin.index_select(0, row_pos)
+        rope = (cos[:, None], sin[:, None])
+        groups = self.config.num_attention_heads // self.config.num_key_value_heads
+        # row (b, g, i) of a sequence's folded queries sees its keys 0 .. its position
+        qpos = row_pos.view(at.batch, 1, at.rows).expand(at.batch, groups, at.rows)
+        mask = self.key_positions[: at.keys] <= qpos.reshape(at.batch, 1, -1, 1)
+        model = self.inner
+        h = model.model.embed_tokens(ids)
+        residual: Tensor | None = None
+        taps: dict[int, Tensor] = {}
+        for i, layer in enumerate(model.decoder_layers):
+            h, residual = self._layer(
+                layer, h, residual, rope, (row_slot, row_pos, seq_slot), mask, at
+            )
+            if i in wanted:
+                taps[i] = residual + h
+        assert residual is not None
+        return model.model.norm.add_forward(residual, h)[1], taps
+
+    def _layer(
+        self,
+        layer: DecoderLayer,
+        h: Tensor,
+        residual: Tensor | None,
+        rope: tuple[Tensor, Tensor],
+        where: tuple[Tensor, Tensor, Tensor],
+        mask: Tensor,
+        at: Layout,
+    ) -> tuple[Tensor, Tensor]:
+        """DecoderLayer.forward_residual with attention over the pool."""
+        if residual is None:
+            residual, x = h, layer.input_layernorm(h)
+        else:
+            residual, x = layer.input_layernorm.add_forward(residual, h)
+        attn = self._attention(layer.self_attn, x, rope, where, mask, at)
+        residual, x = layer.post_attention_layernorm.add_forward(residual, attn)
+        return layer.mlp(x), residual
+
+    def _attention(
+        self,
+        attn: Attention,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor],
+        where: tuple[Tensor, Tensor, Tensor],
+        mask: Tensor,
+        at: Layout,
+    ) -> Tensor:
+        row_slot, row_pos, seq_slot = where
+        q, k, v = attn.rotated_qkv(x, rope)  # [B * n, H, d], [B * n, Hkv, d]
+        pool_k, pool_v = self.pool.k[attn.layer_idx], self.pool.v[attn.layer_idx]
+        pool_k[row_slot, :, row_pos] = k
+        pool_v[row_slot, :, row_pos] = v
+        keys = pool_k[:, :, : at.keys].index_select(0, seq_slot)  # [B, Hkv, keys, d]
+        values = pool_v[:, :, : at.keys].index_select(0, seq_slot)
+        heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        groups = heads // kv_heads
+        # the query heads sharing a kv head folded into the row dimension (as reference_attend)
+        qg = q.view(at.batch, at.rows, kv_heads, groups, d).permute(0, 2, 3, 1, 4)
+        qg = qg.reshape(at.batch, kv_heads, groups * at.rows, d)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=attn.scale)
+        out = out.view(at.batch, kv_heads, groups, at.rows, d).permute(0, 3, 1, 2, 4)
+        return project(out.reshape(at.batch * at.rows, heads * d), attn.o)
+
+    # -- CUDA graphs ---------------------------------------------------------------------------
+
+    def _replay(self, at: Layout, ids: Tensor, meta: Tensor) -> Tensor:
+        captured = self._captured.get(at)
+        if captured is None:
+            captured = self._capture(at)
+            self._captured[at] = captured
+        captured.ids.copy_(ids)
+        captured.meta.copy_(meta)
+        captured.graph.replay()
+        self.replays += 1
+        return captured.logits
+
+    def _capture(self, at: Layout) -> _Captured:
+        padded = at.batch * at.rows
+        scratch = self.pool.scratch
+        ids = torch.zeros(padded, dtype=torch.long, device=self.device)
+        # every row and sequence on the scratch slot: the warm-up runs write nothing real
+        meta = torch.full((2 * padded + at.batch,), scratch, dtype=torch.long, device=self.device)
+        meta[padded : 2 * padded] = 0
+
+        def step() -> Tensor:
+            hidden, _ = self._forward(ids, meta, at, set())
+            return self.inner._logits(hidden)
+
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up: cuBLAS handles, workspaces, lazy inits
+                step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool):
+            logits = step()
+        return _Captured(graph, ids, meta, logits)
+
+
+def for_device(model: Any) -> Any:
+    """`model` as it should run on its device: a dense CausalLM on a GPU behind GraphModel;
+    anything else (CPU, hybrid and MoE models, Gemma 3) as it is."""
+    if model.device.type != "cuda" or type(model) is not CausalLM:
+        return model
+    if model.config.moe_layers and any(model.config.moe_layers):
+        return model  # routed experts pick their rows on the host: not capturable
+    return GraphModel(model)

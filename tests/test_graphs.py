@@ -1,0 +1,193 @@
+"""The device-agnostic half of the GPU path (models/graphs.py, loading.resolve_device), on the
+CPU: the static-slot forward gives the model's own logits for prefill, packed decode, verify
+and rollback; the pool's slots and growth keep every sequence's KV; the graph shapes pad as
+documented; `--device` resolves or says why not. What needs a GPU is in test_cuda.py."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from quickdraft.config import SpeculativeConfig
+from quickdraft.engine import stream
+from quickdraft.loading import LoadedModel, load, resolve_device
+from quickdraft.models import graphs
+from quickdraft.models.graphs import GraphModel, Layout, SlotCache, for_device, graph_key
+from quickdraft.models.kv_cache import KVCache
+from quickdraft.models.llama import CausalLM
+from quickdraft.models.loader import load_model
+from quickdraft.request import SamplingParams
+from quickdraft.speculation.factory import make_speculation
+
+
+def model_of(directory: Path) -> CausalLM:
+    model = load_model(directory, torch.float32)
+    assert isinstance(model, CausalLM)
+    return model
+
+
+def run_both(
+    plain: CausalLM,
+    static: GraphModel,
+    caches: tuple[list[KVCache], list[Any]],
+    ids: list[list[int]],
+    keep: list[int] | None = None,
+    all_rows: bool = False,
+) -> None:
+    """One packed forward of `ids` (rows per sequence) through both; logits must agree; then
+    each cache commits `keep` of its rows (all by default)."""
+    flat = torch.tensor([t for r in ids for t in r])
+    num_new = [len(r) for r in ids]
+    rows = torch.arange(len(flat)) if all_rows else None
+    a = plain(flat, caches[0], num_new, logit_rows=rows)
+    b = static(flat, caches[1], num_new, logit_rows=rows)
+    torch.testing.assert_close(b.logits, a.logits, atol=1e-4, rtol=1e-4)
+    for i, n in enumerate(num_new):
+        kept = n if keep is None else keep[i]
+        for group in caches:
+            group[i].commit(group[i].length + kept)
+
+
+def test_static_forward_equals_the_model_through_prefill_decode_verify_rollback(
+    tiny_hf: tuple[str, Path, Any],
+) -> None:
+    _, directory, _ = tiny_hf
+    plain = model_of(directory)
+    static = GraphModel(plain)
+    assert not static.graphs  # graphs run on CUDA only: here the same forward runs eagerly
+    gen = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, plain.config.vocab_size, (n,), generator=gen).tolist()
+
+    caches: tuple[list[KVCache], list[Any]] = (
+        [plain.new_cache(8) for _ in range(3)],
+        [static.new_cache(8) for _ in range(3)],
+    )
+    run_both(plain, static, caches, [tokens(7), tokens(3), tokens(12)])  # packed prefill
+    for _ in range(3):  # packed decode
+        run_both(plain, static, caches, [tokens(1), tokens(1), tokens(1)])
+    # verify of 5, 1 and 3 rows, keeping 2, 1 and 0 of them: the rest is rolled back
+    run_both(plain, static, caches, [tokens(5), tokens(1), tokens(3)], [2, 1, 0], all_rows=True)
+    run_both(plain, static, caches, [tokens(4), tokens(2), tokens(1)], all_rows=True)
+    # one sequence alone, then the hidden states a drafter reads
+    run_both(plain, static, ([caches[0][1]], [caches[1][1]]), [tokens(6)])
+    flat = torch.tensor(tokens(3))
+    a = plain(flat, [caches[0][0]], [3], return_hidden=True, hidden_layers=(0, 2))
+    b = static(flat, [caches[1][0]], [3], return_hidden=True, hidden_layers=(0, 2))
+    assert a.hidden is not None and b.hidden is not None
+    assert a.layers is not None and b.layers is not None
+    torch.testing.assert_close(b.hidden, a.hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(b.layers, a.layers, atol=1e-5, rtol=1e-5)
+    for x, y in zip(caches[0], caches[1], strict=True):
+        assert x.length == y.length
+        torch.testing.assert_close(y.export_kv(0, y.length).k, x.export_kv(0, x.length).k)
+
+
+def test_pool_grows_in_slots_and_length_keeping_every_sequence(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(graphs, "FIRST_CAPACITY", 64)
+    plain = model_of(tiny_model_dir)
+    static = GraphModel(plain)
+    pool = static.pool
+    caches = [static.new_cache(4) for _ in range(graphs.FIRST_SLOTS)]
+    for i, cache in enumerate(caches):
+        static(torch.tensor([i + 1] * 5), [cache], [5])
+        cache.commit(5)
+    before = [c.export_kv(0, 5) for c in caches]
+    generation = pool.generation
+    extra = static.new_cache(4)  # past FIRST_SLOTS: the pool doubles its slots
+    assert pool.slots == 2 * graphs.FIRST_SLOTS and pool.generation == generation + 1
+    longer = pool.capacity + 1
+    static(torch.tensor([7] * longer), [extra], [longer])  # past the slot length: it grows
+    extra.commit(longer)
+    assert pool.capacity >= longer and pool.generation == generation + 2
+    for cache, kv in zip(caches, before, strict=True):
+        torch.testing.assert_close(cache.export_kv(0, 5).k, kv.k)
+        torch.testing.assert_close(cache.export_kv(0, 5).v, kv.v)
+    # a cache nobody holds gives its slot back; the next one takes it
+    slot = caches[0].slot
+    del caches[0], before
+    gc.collect()
+    assert slot in pool.free
+    assert static.new_cache(4).slot == slot
+
+
+def test_slot_cache_exports_and_imports_blocks(tiny_model_dir: Path) -> None:
+    plain = model_of(tiny_model_dir)
+    static = GraphModel(plain)
+    a = static.new_cache(16)
+    ids = torch.arange(10, 22)
+    static(ids, [a], [12])
+    a.commit(12)
+    b = static.new_cache(16)
+    b.import_kv([a.export_kv(0, 5), a.export_kv(5, 12)])
+    assert b.length == 12 and b.state_at(3) is None and not b.recurrent
+    nxt = torch.tensor([3])
+    torch.testing.assert_close(static(nxt, [b], [1]).logits, static(nxt, [a], [1]).logits)
+
+
+def test_a_sequence_past_the_context_is_refused(tiny_model_dir: Path) -> None:
+    static = GraphModel(model_of(tiny_model_dir))
+    cache = static.new_cache(8)
+    limit = static.config.max_position_embeddings
+    with pytest.raises(ValueError, match="exceeds the model context"):
+        static(torch.zeros(limit + 1, dtype=torch.long), [cache], [limit + 1])
+    assert cache.length == 0
+
+
+def test_graph_shapes_pad_rows_batch_and_keys() -> None:
+    assert graph_key([1], 10, 4096) == Layout(1, 1, graphs.MIN_KEYS)
+    assert graph_key([6, 1, 3], 300, 4096) == Layout(4, 6, 512)
+    assert graph_key([9], 5000, 4096) == Layout(1, 10, 4096)  # keys: at most the capacity
+    assert graph_key([graphs.ROW_BUCKETS[-1] + 1], 10, 4096) is None  # a prompt chunk: eager
+    assert graph_key([1] * (graphs.BATCH_BUCKETS[-1] + 1), 10, 4096) is None
+
+
+def test_speculation_on_the_static_forward_equals_plain(
+    tiny_model_dir: Path, near_draft_dir: Path
+) -> None:
+    """The engine and a draft model on slot caches: greedy output is speculation off's."""
+    lm = load(str(tiny_model_dir), "fp32", progress=False)
+    lm = LoadedModel(
+        lm.name, lm.path, lm.dtype_name, GraphModel(lm.model), lm.tokenizer, lm.eos_ids
+    )
+    cfg = SpeculativeConfig(
+        method="draft", num_draft_tokens=4, draft_model=str(near_draft_dir), adaptive=False
+    )
+    spec = make_speculation(lm, cfg)
+    assert spec is not None
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    drafted = 0
+    for prompt in ["def add(a, b):\n    return a + b\n\ndef add(", "abcabcabcabc"]:
+        outs = []
+        for s in (None, spec):
+            req = lm.new_request(lm.tokenizer.encode(prompt), params)
+            for _ in stream(lm, req, s):
+                pass
+            outs.append(req.output_ids)
+            drafted += req.spec.drafted
+        assert outs[0] == outs[1], prompt
+    assert drafted > 0
+
+
+def test_cpu_models_run_as_they_are(tiny_model_dir: Path) -> None:
+    lm = load(str(tiny_model_dir), "fp32", device="cpu", progress=False)
+    assert isinstance(lm.model, CausalLM) and for_device(lm.model) is lm.model
+    assert isinstance(lm.model.new_cache(4), KVCache)
+    assert not isinstance(lm.model.new_cache(4), SlotCache)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answers of a host without GPU")
+def test_device_resolves_or_says_why() -> None:
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="sees no CUDA GPU"):
+        resolve_device("cuda")
+    with pytest.raises(ValueError, match="choose one of auto, cpu, cuda"):
+        resolve_device("tpu")
