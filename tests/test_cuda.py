@@ -16,6 +16,7 @@ from second_token import assert_second_token_follows, plain_distribution, second
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import stream
+from quickdraft.kernels import pointwise
 from quickdraft.loading import LoadedModel, load
 from quickdraft.models.graphs import GraphModel, graph_key
 from quickdraft.request import Request, SamplingParams
@@ -178,3 +179,26 @@ def test_rejection_sampler_keeps_the_distribution_on_the_gpu(
     )
     drafted, accepted = sum(r.spec.drafted for r in reqs), sum(r.spec.accepted for r in reqs)
     assert 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_pointwise_ops_are_the_references(dtype: torch.dtype) -> None:
+    """The GPU's one-launch norms and four-op RoPE (kernels/pointwise.py) against the plain
+    references, one output rounding apart."""
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 8e-3}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(5, 1536, device="cuda", generator=g).to(dtype)
+    delta = torch.randn(5, 1536, device="cuda", generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(1536, device="cuda", generator=g)).to(dtype)
+    torch.testing.assert_close(
+        pointwise.rms_norm(x, w, 1e-6), pointwise.reference_rms_norm(x, w, 1e-6), **tol
+    )
+    s, y = pointwise.add_rms_norm(x, delta, w, 1e-6)
+    s_ref, y_ref = pointwise.reference_add_rms_norm(x, delta, w, 1e-6)
+    assert torch.equal(s, s_ref)
+    torch.testing.assert_close(y, y_ref, **tol)
+    qk = torch.randn(5, 14, 128, device="cuda", generator=g).to(dtype)
+    angles = torch.rand(5, 64, device="cuda", generator=g) * 6
+    cos, sin = torch.cat((angles.cos(),) * 2, -1), torch.cat((angles.sin(),) * 2, -1)
+    out = pointwise.rope_rows(qk, cos, pointwise.signed_sin(sin))
+    torch.testing.assert_close(out, pointwise.reference_rope(qk, cos, sin), **tol)

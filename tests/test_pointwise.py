@@ -140,3 +140,21 @@ def test_sigmoid_matches_torch(shape: tuple[int, ...], dtype: torch.dtype) -> No
     out = pointwise.sigmoid(x)
     assert out.dtype == dtype and out.shape == x.shape
     torch.testing.assert_close(out, torch.sigmoid(x), **fused_tol(dtype))
+
+
+@DTYPES
+def test_rope_rows_is_the_reference_in_four_ops(dtype: torch.dtype) -> None:
+    """The GPU's RoPE (roll by half a head times the signed sin) is the reference's function,
+    on a strided view of a fused projection as the GPU forward passes it."""
+    g = torch.Generator().manual_seed(2)
+    n, heads, d = 4, 5, 64
+    qkv = torch.randn(n, 7 * d, generator=g).to(dtype)
+    qk = qkv[:, : heads * d].view(n, heads, d)
+    angles = torch.rand(n, d // 2, generator=g) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1)
+    sin = torch.cat((angles.sin(), angles.sin()), -1)
+    signed = pointwise.signed_sin(sin)
+    torch.testing.assert_close(pointwise.signed_sin(signed), sin, atol=0, rtol=0)
+    out = pointwise.rope_rows(qk, cos, signed)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, pointwise.reference_rope(qk, cos, sin), **tol(dtype))

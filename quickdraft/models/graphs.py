@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from quickdraft.kernels.gemm import project
+from quickdraft.kernels.pointwise import rope_rows, signed_sin
 from quickdraft.models.base import ForwardOutput, KVBlock, StateSnapshot
 from quickdraft.models.layers import tapped_layers
 from quickdraft.models.llama import Attention, CausalLM, DecoderLayer
@@ -229,10 +230,9 @@ class GraphModel:
         return getattr(self.__dict__["inner"], name)
 
     def _tables(self, capacity: int) -> None:
-        positions = torch.arange(capacity, device=self.device)
-        cos, sin = self.inner.rope.tables(positions, self.dtype)
-        self.cos, self.sin = cos[:, 0], sin[:, 0]  # [capacity, head_dim] fp32
-        self.key_positions = positions
+        self.cos, sin = self.inner.rope.full(capacity, self.dtype)  # [capacity, d] fp32
+        self.sin = signed_sin(sin)
+        self.key_positions = torch.arange(capacity, device=self.device)
 
     # -- the LanguageModel contract ----------------------------------------------------------
 
@@ -346,11 +346,15 @@ class GraphModel:
         row_slot, row_pos = meta[:padded], meta[padded : 2 * padded]
         seq_slot = meta[2 * padded :]
         cos, sin = self.cos.index_select(0, row_pos), self.sin.index_select(0, row_pos)
-        rope = (cos[:, None], sin[:, None])
+        rope = (cos, sin)  # [N, d] fp32: cos and signed_sin
         groups = self.config.num_attention_heads // self.config.num_key_value_heads
         # row (b, g, i) of a sequence's folded queries sees its keys 0 .. its position
         qpos = row_pos.view(at.batch, 1, at.rows).expand(at.batch, groups, at.rows)
-        mask = self.key_positions[: at.keys] <= qpos.reshape(at.batch, 1, -1, 1)
+        seen = self.key_positions[: at.keys] <= qpos.reshape(at.batch, 1, -1, 1)
+        # an additive mask in the model dtype, made once: SDPA would turn a boolean one into
+        # this in every layer (two launches each)
+        mask = torch.zeros(seen.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~seen, float("-inf"))
         model = self.inner
         h = model.model.embed_tokens(ids)
         residual: Tensor | None = None
@@ -383,6 +387,23 @@ class GraphModel:
         residual, x = layer.post_attention_layernorm.add_forward(residual, attn)
         return layer.mlp(x), residual
 
+    @staticmethod
+    def _rotated_qkv(
+        attn: Attention, x: Tensor, rope: tuple[Tensor, Tensor]
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Attention.rotated_qkv with q and k rotated in one `rope_rows` (Qwen3's q/k norms
+        come between: there, the model's own)."""
+        cos, sin = rope  # sin: signed_sin(sin), which is its own inverse
+        if attn.q_norm is not None:
+            return attn.rotated_qkv(x, (cos[:, None], signed_sin(sin)[:, None]))
+        n, d = x.shape[0], attn.head_dim
+        heads, kv_heads = attn.num_heads, attn.num_kv_heads
+        qkv = project(x, attn.qkv, attn.qkv_bias)  # [N, (H + 2 Hkv) * d]
+        qk = qkv[:, : (heads + kv_heads) * d].view(n, heads + kv_heads, d)
+        qk = rope_rows(qk, cos, sin)
+        v = qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
+        return qk[:, :heads], qk[:, heads:], v
+
     def _attention(
         self,
         attn: Attention,
@@ -393,7 +414,7 @@ class GraphModel:
         at: Layout,
     ) -> Tensor:
         row_slot, row_pos, seq_slot = where
-        q, k, v = attn.rotated_qkv(x, rope)  # [B * n, H, d], [B * n, Hkv, d]
+        q, k, v = self._rotated_qkv(attn, x, rope)  # [B * n, H, d], [B * n, Hkv, d]
         pool_k, pool_v = self.pool.k[attn.layer_idx], self.pool.v[attn.layer_idx]
         pool_k[row_slot, :, row_pos] = k
         pool_v[row_slot, :, row_pos] = v

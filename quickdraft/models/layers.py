@@ -118,14 +118,24 @@ class Rope:
         """cos, sin `[num_tokens, 1, head_dim]` fp32 for `positions` `[num_tokens]`."""
         need = int(positions.max()) + 1
         if need > self.cos.shape[0]:
-            size = max(need, 2 * self.cos.shape[0], 256)
-            t = torch.arange(size, device=self.inv_freq.device, dtype=torch.float32)
-            freqs = torch.outer(t, self.inv_freq)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self.cos, self.sin = emb.cos(), emb.sin()
+            self.cos, self.sin = self._angles(max(need, 2 * self.cos.shape[0], 256))
+        return self._rounded(self.cos[positions, None], self.sin[positions, None], dtype)
+
+    def full(self, size: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin `[size, head_dim]` fp32 of positions 0 .. size - 1, as `tables` gives them
+        (without reading the positions on the host: models/graphs.py builds them once)."""
+        return self._rounded(*self._angles(size), dtype)
+
+    def _angles(self, size: int) -> tuple[Tensor, Tensor]:
+        t = torch.arange(size, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(t, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    @staticmethod
+    def _rounded(cos: Tensor, sin: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         # Rounded to the model dtype as HF does, then held in fp32: the fused rope op computes
         # in fp32 and would otherwise convert the tables again in every layer.
-        cos, sin = self.cos[positions, None], self.sin[positions, None]
         if dtype != torch.float32:
             cos, sin = cos.to(dtype).float(), sin.to(dtype).float()
         return cos, sin
