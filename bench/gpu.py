@@ -153,6 +153,14 @@ def step_costs(lm: LoadedModel) -> dict[str, Any]:
             1: round(eager.seconds[0] * 1e3, 3),
             6: round(eager.seconds[1] * 1e3, 3),
         }
+    if isinstance(model, GraphModel) and model.fused:  # the same graphs on torch's ops
+        model.use_kernels(False)
+        torch_ops = measure_step_cost(model, (1, 6), context=256, seqs=1)
+        model.use_kernels(True)
+        out["torch_ops_rows_ms"] = {
+            1: round(torch_ops.seconds[0] * 1e3, 3),
+            6: round(torch_ops.seconds[1] * 1e3, 3),
+        }
     return out
 
 
@@ -216,6 +224,12 @@ def bench_pair(args: argparse.Namespace, work: Path, device: torch.device) -> di
             "ours_eager", lambda: ours(lm, SpeculativeConfig(), everything[:1], n), errors
         )
         lm.model.graphs = True
+    if isinstance(lm.model, GraphModel) and lm.model.fused:
+        lm.model.use_kernels(False)
+        single["ours_torch_ops"] = guarded(
+            "ours_torch_ops", lambda: ours(lm, SpeculativeConfig(), everything[:2], n), errors
+        )
+        lm.model.use_kernels(True)
     forced = SpeculativeConfig(
         method="draft", num_draft_tokens=k, draft_model=str(draft_dir), adaptive=False
     )
@@ -316,7 +330,8 @@ def markdown(report: dict[str, Any]) -> str:
         step = part.get("target", part).get("step", {})
         if step:
             lines.append(
-                f"step cost by rows (ms): {step['rows_ms']}; eager: {step.get('eager_rows_ms')}\n"
+                f"step cost by rows (ms): {step['rows_ms']}; eager: {step.get('eager_rows_ms')}; "
+                f"torch ops instead of the Triton kernels: {step.get('torch_ops_rows_ms')}\n"
             )
         if "draft" in part:
             lines.append(f"draft step cost by rows (ms): {part['draft']['step']['rows_ms']}\n")

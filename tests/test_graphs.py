@@ -6,6 +6,7 @@ documented; `--device` resolves or says why not. What needs a GPU is in test_cud
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -197,7 +198,7 @@ def test_the_gpu_forward_launches_about_twenty_ops_per_layer(tiny_model_dir: Pat
     """At batch 1 a GPU step costs about a launch per op, whatever the op does: the static
     forward, traced on the "meta" device (the GPU's code path, no data), must keep its fused
     ops (one rms_norm, one four-op RoPE for q and k, a mask made once). The reference path
-    counted 39 per layer; this one 21."""
+    counted 37 per layer (reshapes aside); this one 19. (The Triton kernels take fewer.)"""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     views = {"view", "_unsafe_view", "permute", "expand", "slice", "select", "t", "transpose"}
@@ -211,12 +212,15 @@ def test_the_gpu_forward_launches_about_twenty_ops_per_layer(tiny_model_dir: Pat
                 Count.ops += 1
             return func(*args, **(kwargs or {}))
 
-    cfg = model_of(tiny_model_dir).config
-    static = GraphModel(CausalLM(cfg, torch.bfloat16, "meta"))
-    at = Layout(1, 1, graphs.MIN_KEYS)
-    ids = torch.zeros(1, dtype=torch.long, device="meta")
-    meta = torch.zeros(3, dtype=torch.long, device="meta")
-    with torch.inference_mode(), Count():
-        static._forward(ids, meta, at, set())
-    per_layer = Count.ops / cfg.num_hidden_layers
-    assert per_layer <= 22, per_layer
+    def ops(layers: int) -> int:
+        cfg = replace(model_of(tiny_model_dir).config, num_hidden_layers=layers, moe_layers=())
+        static = GraphModel(CausalLM(cfg, torch.bfloat16, "meta"), fused=False)
+        ids = torch.zeros(1, dtype=torch.long, device="meta")
+        meta = torch.zeros(3, dtype=torch.long, device="meta")
+        Count.ops = 0
+        with torch.inference_mode(), Count():
+            static._forward(ids, meta, Layout(1, 1, graphs.MIN_KEYS), set())
+        return Count.ops
+
+    per_layer = (ops(6) - ops(3)) / 3  # the forward's own ops (mask, tables) cancel
+    assert per_layer <= 19, per_layer

@@ -32,11 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from quickdraft.kernels import triton_ops
 from quickdraft.kernels.gemm import project
 from quickdraft.kernels.pointwise import rope_rows, signed_sin
 from quickdraft.models.base import ForwardOutput, KVBlock, StateSnapshot
-from quickdraft.models.layers import tapped_layers
-from quickdraft.models.llama import Attention, CausalLM, DecoderLayer
+from quickdraft.models.layers import RMSNorm, tapped_layers
+from quickdraft.models.llama import MLP, Attention, CausalLM, DecoderLayer
 
 # rows per sequence a captured forward takes (a call is padded up to the next one): decode 1,
 # a verify of k drafts k + 1, a draft model's catch-up 2-3
@@ -201,13 +202,17 @@ class GraphModel:
     shapes replayed as CUDA graphs (module docstring). Everything else (config, dtype, the
     drafters' extras) is the wrapped model's."""
 
-    def __init__(self, model: CausalLM, graphs: bool = True) -> None:
+    def __init__(self, model: CausalLM, graphs: bool = True, fused: bool | None = None) -> None:
         self.inner = model
         self.config, self.dtype, self.device = model.config, model.dtype, model.device
         # graphs only on CUDA; elsewhere (the CPU tests), or with QUICKDRAFT_NO_GRAPHS=1 (to
         # bisect), the same forward runs eagerly
         off = os.environ.get("QUICKDRAFT_NO_GRAPHS", "") not in ("", "0")
         self.graphs = graphs and self.device.type == "cuda" and not off
+        # the Triton kernels (kernels/triton_ops.py) where they run; `fused` forces the choice
+        # (tests run them in Triton's interpreter on the CPU)
+        probe = torch.empty(0, device=self.device)
+        self.fused = triton_ops.available(probe) if fused is None else fused
         cfg = model.config
         self.limit = cfg.max_position_embeddings
         self.pool = SlotPool(
@@ -230,8 +235,7 @@ class GraphModel:
         return getattr(self.__dict__["inner"], name)
 
     def _tables(self, capacity: int) -> None:
-        self.cos, sin = self.inner.rope.full(capacity, self.dtype)  # [capacity, d] fp32
-        self.sin = signed_sin(sin)
+        self.cos, self.sin = self.inner.rope.full(capacity, self.dtype)  # [capacity, d] fp32
         self.key_positions = torch.arange(capacity, device=self.device)
 
     # -- the LanguageModel contract ----------------------------------------------------------
@@ -256,6 +260,13 @@ class GraphModel:
     @property
     def vocab_kept(self) -> int | None:
         return self.inner.vocab_kept
+
+    def use_kernels(self, fused: bool) -> None:
+        """Run the Triton kernels (True) or torch's ops (False) from now on; the graphs captured
+        with the other choice are dropped (benchmarks A/B the two in one process)."""
+        if fused != self.fused:
+            self.fused = fused
+            self._drop()
 
     def _drop(self) -> None:
         """Forget every captured graph, and their memory pool with them: once no graph holds
@@ -346,7 +357,8 @@ class GraphModel:
         row_slot, row_pos = meta[:padded], meta[padded : 2 * padded]
         seq_slot = meta[2 * padded :]
         cos, sin = self.cos.index_select(0, row_pos), self.sin.index_select(0, row_pos)
-        rope = (cos, sin)  # [N, d] fp32: cos and signed_sin
+        # [N, d] fp32; the torch path's RoPE takes the sin with its first half negated
+        rope = (cos, sin) if self.fused else (cos, signed_sin(sin))
         groups = self.config.num_attention_heads // self.config.num_key_value_heads
         # row (b, g, i) of a sequence's folded queries sees its keys 0 .. its position
         qpos = row_pos.view(at.batch, 1, at.rows).expand(at.batch, groups, at.rows)
@@ -366,7 +378,19 @@ class GraphModel:
             if i in wanted:
                 taps[i] = residual + h
         assert residual is not None
-        return model.model.norm.add_forward(residual, h)[1], taps
+        return self._add_norm(model.model.norm, residual, h)[1], taps
+
+    def _add_norm(self, norm: RMSNorm, residual: Tensor | None, h: Tensor) -> tuple[Tensor, Tensor]:
+        """(residual + h, norm of it); layer 0 (no residual yet): (h, norm(h))."""
+        if residual is None:
+            return (
+                triton_ops.add_rms_norm(h, None, norm.weight, norm.eps)
+                if self.fused
+                else (h, norm(h))
+            )
+        if self.fused:
+            return triton_ops.add_rms_norm(residual, h, norm.weight, norm.eps)
+        return norm.add_forward(residual, h)
 
     def _layer(
         self,
@@ -379,26 +403,38 @@ class GraphModel:
         at: Layout,
     ) -> tuple[Tensor, Tensor]:
         """DecoderLayer.forward_residual with attention over the pool."""
-        if residual is None:
-            residual, x = h, layer.input_layernorm(h)
-        else:
-            residual, x = layer.input_layernorm.add_forward(residual, h)
+        residual, x = self._add_norm(layer.input_layernorm, residual, h)
         attn = self._attention(layer.self_attn, x, rope, where, mask, at)
-        residual, x = layer.post_attention_layernorm.add_forward(residual, attn)
-        return layer.mlp(x), residual
+        residual, x = self._add_norm(layer.post_attention_layernorm, residual, attn)
+        mlp = layer.mlp
+        if not self.fused or not isinstance(mlp, MLP):
+            return mlp(x), residual
+        return project(triton_ops.silu_mul(project(x, mlp.gate_up)), mlp.down), residual
 
-    @staticmethod
     def _rotated_qkv(
-        attn: Attention, x: Tensor, rope: tuple[Tensor, Tensor]
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Attention.rotated_qkv with q and k rotated in one `rope_rows` (Qwen3's q/k norms
-        come between: there, the model's own)."""
-        cos, sin = rope  # sin: signed_sin(sin), which is its own inverse
-        if attn.q_norm is not None:
-            return attn.rotated_qkv(x, (cos[:, None], signed_sin(sin)[:, None]))
+        self,
+        attn: Attention,
+        x: Tensor,
+        rope: tuple[Tensor, Tensor],
+        where: tuple[Tensor, Tensor, Tensor],
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """q `[N, H, d]` and k, v `[N, Hkv, d]` rotated (Attention.rotated_qkv), q and k in one
+        `rope_rows`; with the Triton kernels, q alone: k and v are already in the pool."""
+        cos, sin = rope  # torch path: sin is signed_sin(sin), which is its own inverse
+        if attn.q_norm is not None:  # Qwen3's q/k norms come between: the model's own
+            plain = sin if self.fused else signed_sin(sin)
+            return attn.rotated_qkv(x, (cos[:, None], plain[:, None]))
         n, d = x.shape[0], attn.head_dim
         heads, kv_heads = attn.num_heads, attn.num_kv_heads
         qkv = project(x, attn.qkv, attn.qkv_bias)  # [N, (H + 2 Hkv) * d]
+        if self.fused:
+            row_slot, row_pos, _ = where
+            layer = attn.layer_idx
+            pool_k, pool_v = self.pool.k[layer], self.pool.v[layer]
+            q = triton_ops.rope_store(
+                qkv, cos, sin, heads, kv_heads, pool_k, pool_v, row_slot, row_pos
+            )
+            return q, None, None
         qk = qkv[:, : (heads + kv_heads) * d].view(n, heads + kv_heads, d)
         qk = rope_rows(qk, cos, sin)
         v = qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
@@ -414,10 +450,11 @@ class GraphModel:
         at: Layout,
     ) -> Tensor:
         row_slot, row_pos, seq_slot = where
-        q, k, v = self._rotated_qkv(attn, x, rope)  # [B * n, H, d], [B * n, Hkv, d]
+        q, k, v = self._rotated_qkv(attn, x, rope, where)  # [B * n, H, d], [B * n, Hkv, d]
         pool_k, pool_v = self.pool.k[attn.layer_idx], self.pool.v[attn.layer_idx]
-        pool_k[row_slot, :, row_pos] = k
-        pool_v[row_slot, :, row_pos] = v
+        if k is not None and v is not None:  # not yet in the pool
+            pool_k[row_slot, :, row_pos] = k
+            pool_v[row_slot, :, row_pos] = v
         keys = pool_k[:, :, : at.keys].index_select(0, seq_slot)  # [B, Hkv, keys, d]
         values = pool_v[:, :, : at.keys].index_select(0, seq_slot)
         heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim

@@ -1,0 +1,110 @@
+"""The Triton kernels of the GPU forward (kernels/triton_ops.py) against the torch references
+they replace, and the static forward on them against the model's own. Where torch sees no GPU
+they run in Triton's interpreter on CPU tensors (which rounds fp32 -> bf16 toward zero, so
+there bf16 results are checked to bf16 tolerance only); where triton is not installed (CPU-only torch
+wheels do not ship it) the module is skipped with that reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from quickdraft.kernels import pointwise, triton_ops
+from quickdraft.models.graphs import GraphModel
+from quickdraft.models.llama import CausalLM
+from quickdraft.models.loader import load_model
+
+pytestmark = pytest.mark.skipif(
+    not triton_ops.installed(), reason="needs triton (CUDA torch wheels ship it)"
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+@pytest.fixture(autouse=True)
+def interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU: Triton's interpreter, and kernels built under it (the cache is cleared)."""
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        triton_ops._kernels.cache_clear()
+
+
+def tol(dtype: torch.dtype) -> dict[str, float]:
+    if dtype == torch.float32:
+        return {"atol": 1e-5, "rtol": 1e-5}
+    # one bf16 rounding apart; two under the interpreter (it truncates the inputs it rounds too)
+    return {"atol": 1e-2, "rtol": 8e-3} if DEVICE == "cuda" else {"atol": 4e-2, "rtol": 1.6e-2}
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
+
+
+@DTYPES
+@pytest.mark.parametrize("hidden", [64, 1536, 96])
+def test_add_rms_norm_is_the_reference(dtype: torch.dtype, hidden: int) -> None:
+    x, delta = randn(3, hidden, dtype=dtype), randn(3, hidden, dtype=dtype, seed=1)
+    w = (1 + 0.1 * randn(hidden, seed=2)).to(dtype)
+    s, y = triton_ops.add_rms_norm(x, delta, w, 1e-6)
+    s_ref, y_ref = pointwise.reference_add_rms_norm(x, delta, w, 1e-6)
+    if DEVICE == "cuda" or dtype == torch.float32:
+        assert torch.equal(s, s_ref)  # the residual stream rounded exactly as torch's add
+    else:  # the interpreter rounds fp32 -> bf16 toward zero (numpy has no bf16)
+        torch.testing.assert_close(s, s_ref, **tol(dtype))
+    torch.testing.assert_close(y, y_ref, **tol(dtype))
+    same, alone = triton_ops.add_rms_norm(x, None, w, 1e-6)
+    assert same is x
+    torch.testing.assert_close(alone, pointwise.reference_rms_norm(x, w, 1e-6), **tol(dtype))
+
+
+@DTYPES
+def test_silu_mul_is_the_reference(dtype: torch.dtype) -> None:
+    gate_up = randn(4, 2 * 1500, dtype=dtype)  # not a multiple of the block: masked tail
+    out = triton_ops.silu_mul(gate_up)
+    torch.testing.assert_close(out, pointwise.reference_silu_mul(gate_up), **tol(dtype))
+
+
+@DTYPES
+def test_rope_store_rotates_q_and_writes_k_v_into_their_slots(dtype: torch.dtype) -> None:
+    n, heads, kv_heads, d = 3, 4, 2, 32
+    qkv = randn(n, (heads + 2 * kv_heads) * d, dtype=dtype)
+    angles = torch.rand(n, d // 2, generator=torch.Generator().manual_seed(3)) * 6
+    cos = torch.cat((angles.cos(),) * 2, -1).to(DEVICE)
+    sin = torch.cat((angles.sin(),) * 2, -1).to(DEVICE)
+    pool_k = torch.zeros(5, kv_heads, 16, d, dtype=dtype, device=DEVICE)
+    pool_v = torch.zeros_like(pool_k)
+    slots = torch.tensor([1, 4, 1], device=DEVICE)
+    positions = torch.tensor([7, 0, 8], device=DEVICE)
+    q = triton_ops.rope_store(qkv, cos, sin, heads, kv_heads, pool_k, pool_v, slots, positions)
+    q_ref = pointwise.reference_rope(qkv[:, : heads * d].view(n, heads, d), cos, sin)
+    k_ref = pointwise.reference_rope(
+        qkv[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d), cos, sin
+    )
+    v = qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d)
+    torch.testing.assert_close(q, q_ref, **tol(dtype))
+    for row, (slot, pos) in enumerate(zip(slots.tolist(), positions.tolist(), strict=True)):
+        torch.testing.assert_close(pool_k[slot, :, pos], k_ref[row], **tol(dtype))
+        assert torch.equal(pool_v[slot, :, pos], v[row])  # a copy: exact
+    written = pool_k.abs().sum(-1) > 0  # [slot, head, pos]: only the three rows' places
+    assert int(written.sum()) == n * kv_heads
+
+
+def test_static_forward_on_the_kernels_equals_the_model(tiny_model_dir: Path) -> None:
+    """Prefill of two sequences, then a packed verify of 4 and 3 rows: the forward on the
+    Triton kernels gives the torch ops' logits (fp32)."""
+    model = load_model(tiny_model_dir, torch.float32, DEVICE)
+    assert isinstance(model, CausalLM)
+    ids = torch.arange(3, 40, device=DEVICE)
+    rows = torch.arange(7, device=DEVICE)
+    logits = []
+    for fused in (True, False):
+        static = GraphModel(model, graphs=False, fused=fused)
+        caches = [static.new_cache(64), static.new_cache(64)]
+        static(ids[:30], caches, [20, 10])
+        for cache, n in zip(caches, (20, 10), strict=True):
+            cache.commit(n)
+        logits.append(static(ids[30:], caches, [4, 3], rows).logits)
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
