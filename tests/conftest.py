@@ -3,6 +3,7 @@ real packaged models (pulled and converted once into QUICKDRAFT_HOME)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,11 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
+# Without a GPU the Triton kernels (kernels/triton_ops.py) run in Triton's interpreter; it is
+# chosen when triton is imported, and something may import it before tests/test_triton_ops.py
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(
