@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from quickdraft.kernels import pointwise, triton_ops
+from quickdraft.kernels.attention import reference_attend
 from quickdraft.models.graphs import GraphModel
 from quickdraft.models.llama import CausalLM
 from quickdraft.models.loader import load_model
@@ -82,6 +83,27 @@ def test_rope_store_rotates_q_and_writes_k_v_into_their_slots(dtype: torch.dtype
         assert torch.equal(pool_v[slot, :, pos], v[row])  # a copy: exact
     written = pool_k.abs().sum(-1) > 0  # [slot, head, pos]: only the three rows' places
     assert int(written.sum()) == n * kv_heads
+
+
+@DTYPES
+@pytest.mark.parametrize("groups", [6, 1, 3], ids=lambda g: f"groups{g}")
+def test_slot_attention_is_the_reference_per_sequence(dtype: torch.dtype, groups: int) -> None:
+    """Two sequences of 3 padded rows in slots 2 and 0 (the second with 2 real rows, its
+    third padded at position 0), 130 and 9 keys: each real row equals `reference_attend` over
+    its own sequence's keys 0 .. its position."""
+    kv_heads, d, rows = 2, 32, 3
+    heads = kv_heads * groups
+    pool_k = randn(4, kv_heads, 256, d, dtype=dtype, seed=4)
+    pool_v = randn(4, kv_heads, 256, d, dtype=dtype, seed=5)
+    q = randn(2 * rows, heads, d, dtype=dtype, seed=6)
+    seq_slot = torch.tensor([2, 0], device=DEVICE)
+    row_pos = torch.tensor([127, 128, 129, 7, 8, 0], device=DEVICE)
+    out = triton_ops.slot_attention(q, pool_k, pool_v, seq_slot, row_pos, rows, d**-0.5)
+    for b, slot, start, n in ((0, 2, 127, 3), (1, 0, 7, 2)):
+        keys, values = pool_k[slot, :, : start + n], pool_v[slot, :, : start + n]
+        mine = q[b * rows : b * rows + n]
+        ref = reference_attend(mine, keys, values, start, d**-0.5)
+        torch.testing.assert_close(out[b * rows : b * rows + n], ref, **tol(dtype))
 
 
 def test_static_forward_on_the_kernels_equals_the_model(tiny_model_dir: Path) -> None:

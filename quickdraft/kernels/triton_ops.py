@@ -12,6 +12,9 @@ Contract (outputs in the input's dtype, fp32 math inside, one rounding per outpu
         qkv [N, (heads + 2 kv_heads) * d] is the fused projection. cos and sin [N, d] are
         fp32, rotate-half; d is a power of two. Each pool is one layer's
         [slots, kv_heads, capacity, d].
+    slot_attention(q [B * rows, heads, d], pool_k, pool_v, seq_slot, row_pos, rows, scale)
+        -> [B * rows, heads * d]: causal GQA of each row over its sequence's slot, read in
+        place; one launch (torch: a gather of keys and of values, then SDPA, 3).
 `available(x)` says whether they run: a CUDA tensor, triton importable, and
 QUICKDRAFT_NO_TRITON unset. Triton is imported, and the kernels are built, on first use, so a
 machine without triton (a CPU host) never loads it. tests/test_triton_ops.py runs them in
@@ -110,7 +113,47 @@ def _kernels() -> dict[str, Any]:
             tl.store(out + cols, x1)
             tl.store(out + HALF + cols, x2)
 
+    @triton.jit
+    def slot_attention_kernel(
+        q_ptr, k_ptr, v_ptr, o_ptr, seq_slot_ptr, pos_ptr, scale,
+        s_q_row, s_q_head, pk0, pk1, pk2, pv0, pv1, pv2, s_o_row, s_o_head, rows, groups,
+        D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        kv = tl.program_id(1)
+        slot = tl.load(seq_slot_ptr + row // rows)
+        last = tl.load(pos_ptr + row)  # keys 0 .. last are visible to this row
+        g = tl.arange(0, G)
+        dims = tl.arange(0, D)
+        g_ok = g < groups
+        heads = kv * groups + g  # the query heads sharing kv head `kv`
+        q_at = q_ptr + row * s_q_row + heads[:, None] * s_q_head + dims[None, :]
+        q = tl.load(q_at, mask=g_ok[:, None], other=0.0).to(tl.float32) * scale
+        best = tl.full((G,), float("-inf"), tl.float32)
+        total = tl.zeros((G,), tl.float32)
+        acc = tl.zeros((G, D), tl.float32)
+        keys = tl.arange(0, BLOCK_N)
+        for start in range(0, last + 1, BLOCK_N):
+            n = start + keys
+            seen = n <= last
+            k_at = k_ptr + slot * pk0 + kv * pk1 + n[:, None] * pk2 + dims[None, :]
+            k = tl.load(k_at, mask=seen[:, None], other=0.0).to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")  # [G, BLOCK_N]
+            scores = tl.where(seen[None, :], scores, float("-inf"))
+            new_best = tl.maximum(best, tl.max(scores, axis=1))
+            p = tl.exp(scores - new_best[:, None])
+            fade = tl.exp(best - new_best)
+            v_at = v_ptr + slot * pv0 + kv * pv1 + n[:, None] * pv2 + dims[None, :]
+            v = tl.load(v_at, mask=seen[:, None], other=0.0).to(tl.float32)
+            acc = acc * fade[:, None] + tl.dot(p, v, input_precision="ieee")
+            total = total * fade + tl.sum(p, axis=1)
+            best = new_best
+        out = acc / total[:, None]
+        o_at = o_ptr + row * s_o_row + heads[:, None] * s_o_head + dims[None, :]
+        tl.store(o_at, out.to(o_ptr.dtype.element_ty), mask=g_ok[:, None])
+
     return {
+        "slot_attention": slot_attention_kernel,
         "add_rms_norm": add_rms_norm_kernel,
         "silu_mul": silu_mul_kernel,
         "rope_store": rope_store_kernel,
@@ -176,3 +219,37 @@ def rope_store(
         heads, kv_heads, HALF=d // 2,
     )  # fmt: skip
     return q
+
+
+ATTENTION_BLOCK = 64  # keys per step of the online softmax
+
+
+def slot_attention(
+    q: Tensor,
+    pool_k: Tensor,
+    pool_v: Tensor,
+    seq_slot: Tensor,
+    row_pos: Tensor,
+    rows: int,
+    scale: float,
+) -> Tensor:
+    """Causal grouped-query attention of padded query rows over their slots: q `[B * rows,
+    heads, d]`, row r of sequence r // rows at position `row_pos[r]` sees that sequence's slot
+    keys 0 .. row_pos[r] in `pool_k` / `pool_v` (one layer's `[slots, kv_heads, capacity, d]`)
+    -> `[B * rows, heads * d]`. One program per (row, kv head) runs an online softmax over
+    blocks of keys, reading the slot in place: no gather, no mask, and the number of keys is
+    read on the device, so one captured graph serves every length."""
+    k = _kernels()
+    n, heads, d = q.shape
+    kv_heads = pool_k.shape[1]
+    groups = heads // kv_heads
+    assert d & (d - 1) == 0 and q.stride(2) == 1 and pool_k.stride(-1) == 1
+    out = q.new_empty(n, heads, d)
+    g = max(16, k["next_power_of_2"](groups))  # tl.dot wants >= 16 rows
+    k["slot_attention"][(n, kv_heads)](
+        q, pool_k, pool_v, out, seq_slot, row_pos, scale,
+        q.stride(0), q.stride(1), pool_k.stride(0), pool_k.stride(1), pool_k.stride(2),
+        pool_v.stride(0), pool_v.stride(1), pool_v.stride(2), out.stride(0), out.stride(1),
+        rows, groups, D=d, G=g, BLOCK_N=ATTENTION_BLOCK,
+    )  # fmt: skip
+    return out.view(n, heads * d)

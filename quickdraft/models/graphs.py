@@ -1,17 +1,20 @@
 """A dense model on a GPU: every sequence's KV in one slot of a static pool, and the forwards of
 decode, verify and draft steps replayed as CUDA graphs.
 
-At batch 1 a small model on a GPU is launch-bound: a 1.5B forward is ~400 kernels, and eager
-PyTorch spends more time issuing them than the GPU spends running them. A CUDA graph issues
-them all at once, but it replays fixed addresses and shapes. So `GraphModel` keeps the KV of
-every sequence in one pool `[layers, slots + 1, kv_heads, capacity, head_dim]` (the last slot
-is scratch), and one forward takes its varying parts as tensors: the new tokens, each row's
-slot and position, each sequence's slot. A call is padded to a captured shape (`graph_key`):
-sequences to a power of two, each sequence's rows to the next entry of `ROW_BUCKETS`, the
-keys it attends to to a power of two; padded rows write their KV into the scratch slot. Each
-shape is captured the first time it runs. Shapes past the buckets (prompt chunks) run the same
-forward eagerly, unpadded. Off CUDA the forward always runs eagerly (`graphs=False`): that is
-what the CPU tests check against the model's own forward.
+At batch 1 a small model on a GPU is launch-bound: a 1.5B forward is hundreds of kernels, and
+eager PyTorch spends more time issuing them than the GPU spends running them. A CUDA graph
+issues them all at once, but replays fixed addresses and shapes. So `GraphModel` keeps the KV
+of every sequence in one pool `[layers, slots + 1, kv_heads, capacity, head_dim]` (the last
+slot is scratch), and a forward takes its varying parts as tensors: the new tokens, each row's
+slot and position, each sequence's slot.
+
+A call is padded to a captured shape (`graph_key`): sequences to a power of two, rows per
+sequence to the next entry of `ROW_BUCKETS`, keys to a power of two (not with the Triton
+kernels, whose attention reads each row's key count on the device). Padded rows write their
+KV into the scratch slot. Each shape is captured the first time it runs. Prompt chunks and
+hidden-state reads run the same forward eagerly, unpadded; off CUDA it always runs eagerly,
+which is what the CPU tests check against the model's own forward. Where triton runs
+(kernels/triton_ops.py) a layer is ~10 launches; with torch's ops, 19.
 
 A slot's cache is a `SlotCache` (the SequenceCache contract: `commit` is the O(1) rollback);
 its slot goes back to the pool when the cache is garbage. The pool grows (more slots, longer
@@ -302,7 +305,9 @@ class GraphModel:
         need = max(c.length + n for c, n in zip(caches, num_new, strict=True))
         graphed = None
         if self.graphs and not return_hidden and not hidden_layers:
-            graphed = graph_key(num_new, need, self.pool.capacity)
+            # the Triton attention reads each row's key count on the device: one graph per
+            # (batch, rows) serves every length
+            graphed = graph_key(num_new, 1 if self.fused else need, self.pool.capacity)
         layout = graphed or Layout(len(caches), max(num_new), need)
         ids, meta, dest = self._inputs(input_ids, caches, num_new, layout)
         if logit_rows is None:
@@ -359,14 +364,7 @@ class GraphModel:
         cos, sin = self.cos.index_select(0, row_pos), self.sin.index_select(0, row_pos)
         # [N, d] fp32; the torch path's RoPE takes the sin with its first half negated
         rope = (cos, sin) if self.fused else (cos, signed_sin(sin))
-        groups = self.config.num_attention_heads // self.config.num_key_value_heads
-        # row (b, g, i) of a sequence's folded queries sees its keys 0 .. its position
-        qpos = row_pos.view(at.batch, 1, at.rows).expand(at.batch, groups, at.rows)
-        seen = self.key_positions[: at.keys] <= qpos.reshape(at.batch, 1, -1, 1)
-        # an additive mask in the model dtype, made once: SDPA would turn a boolean one into
-        # this in every layer (two launches each)
-        mask = torch.zeros(seen.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~seen, float("-inf"))
+        mask = None if self.fused else self._mask(row_pos, at)
         model = self.inner
         h = model.model.embed_tokens(ids)
         residual: Tensor | None = None
@@ -379,6 +377,16 @@ class GraphModel:
                 taps[i] = residual + h
         assert residual is not None
         return self._add_norm(model.model.norm, residual, h)[1], taps
+
+    def _mask(self, row_pos: Tensor, at: Layout) -> Tensor:
+        """SDPA's mask over the gathered keys `[batch, 1, groups * rows, keys]`: row (b, g, i)
+        of a sequence's folded queries sees its keys 0 .. its position. Additive, in the model
+        dtype, made once: SDPA would turn a boolean one into this in every layer."""
+        groups = self.config.num_attention_heads // self.config.num_key_value_heads
+        qpos = row_pos.view(at.batch, 1, at.rows).expand(at.batch, groups, at.rows)
+        seen = self.key_positions[: at.keys] <= qpos.reshape(at.batch, 1, -1, 1)
+        mask = torch.zeros(seen.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~seen, float("-inf"))
 
     def _add_norm(self, norm: RMSNorm, residual: Tensor | None, h: Tensor) -> tuple[Tensor, Tensor]:
         """(residual + h, norm of it); layer 0 (no residual yet): (h, norm(h))."""
@@ -399,7 +407,7 @@ class GraphModel:
         residual: Tensor | None,
         rope: tuple[Tensor, Tensor],
         where: tuple[Tensor, Tensor, Tensor],
-        mask: Tensor,
+        mask: Tensor | None,
         at: Layout,
     ) -> tuple[Tensor, Tensor]:
         """DecoderLayer.forward_residual with attention over the pool."""
@@ -446,7 +454,7 @@ class GraphModel:
         x: Tensor,
         rope: tuple[Tensor, Tensor],
         where: tuple[Tensor, Tensor, Tensor],
-        mask: Tensor,
+        mask: Tensor | None,
         at: Layout,
     ) -> Tensor:
         row_slot, row_pos, seq_slot = where
@@ -455,6 +463,11 @@ class GraphModel:
         if k is not None and v is not None:  # not yet in the pool
             pool_k[row_slot, :, row_pos] = k
             pool_v[row_slot, :, row_pos] = v
+        if mask is None:  # the Triton kernel reads the slots in place
+            out = triton_ops.slot_attention(
+                q, pool_k, pool_v, seq_slot, row_pos, at.rows, attn.scale
+            )
+            return project(out, attn.o)
         keys = pool_k[:, :, : at.keys].index_select(0, seq_slot)  # [B, Hkv, keys, d]
         values = pool_v[:, :, : at.keys].index_select(0, seq_slot)
         heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
