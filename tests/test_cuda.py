@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 from hybrid_models import copying_head, random_hybrid, randomize, save_hybrid_dir
+from parity import forced_draft, generate, greedy_parity
 from second_token import assert_second_token_follows, plain_distribution, second_token_marginal
 
 from quickdraft.config import SpeculativeConfig
-from quickdraft.engine import stream
 from quickdraft.kernels import pointwise
 from quickdraft.loading import LoadedModel, load
 from quickdraft.models.graphs import GraphModel, graph_key
-from quickdraft.request import Request, SamplingParams
+from quickdraft.request import SamplingParams
 from quickdraft.speculation.factory import make_speculation
 
 pytestmark = [
@@ -35,16 +35,6 @@ PROMPTS = [
     "1, 2, 3, 4, 5, 6, 7,",
     "for i in range(10):\n    print(i)\nfor j in range(",
 ]
-
-
-def generate(
-    lm: LoadedModel, prompt: str, params: SamplingParams, spec_cfg: SpeculativeConfig
-) -> Request:
-    spec = make_speculation(lm, spec_cfg)
-    req = lm.new_request(lm.tokenizer.encode(prompt), params)
-    for _ in stream(lm, req, spec):
-        pass
-    return req
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +86,7 @@ def test_fp32_greedy_equals_plain_on_the_gpu(
         adaptive=False,
     )
     params = SamplingParams(max_tokens=48, ignore_eos=True)
-    drafted = accepted = 0
-    for prompt in PROMPTS:
-        plain = generate(target, prompt, params, SpeculativeConfig())
-        spec = generate(target, prompt, params, cfg)
-        assert spec.output_ids == plain.output_ids, prompt
-        drafted += spec.spec.drafted
-        accepted += spec.spec.accepted
+    drafted, accepted = greedy_parity(target, PROMPTS, params, cfg)
     assert drafted > 0 and accepted > 0
     if method == "draft-self":
         assert accepted / drafted >= 0.98
@@ -116,13 +100,7 @@ def test_hybrid_target_with_mtp_greedy_equals_plain_on_the_gpu(tmp_path: Path) -
     assert lm.model.device.type == "cuda"
     cfg = SpeculativeConfig(method="mtp", num_draft_tokens=3, adaptive=False)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    accepted = 0
-    for prompt in PROMPTS[:4]:
-        plain = generate(lm, prompt, params, SpeculativeConfig())
-        spec = generate(lm, prompt, params, cfg)
-        assert spec.output_ids == plain.output_ids, prompt
-        accepted += spec.spec.accepted
-    assert accepted > 0
+    assert greedy_parity(lm, PROMPTS[:4], params, cfg)[1] > 0
 
 
 def test_bf16_diverges_only_at_near_ties(bf16_pair: tuple[Path, Path]) -> None:
@@ -131,13 +109,7 @@ def test_bf16_diverges_only_at_near_ties(bf16_pair: tuple[Path, Path]) -> None:
     logits were nearly tied. Prints each divergence's gap."""
     target_dir, draft_dir = bf16_pair
     lm = load(str(target_dir), "bf16", device="cuda", progress=False)
-    cfg = SpeculativeConfig(
-        method="draft",
-        num_draft_tokens=4,
-        draft_model=str(draft_dir),
-        draft_quantization="none",
-        adaptive=False,
-    )
+    cfg = forced_draft(draft_dir, 4)
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     model = lm.model
     gaps = []
@@ -163,14 +135,7 @@ def test_bf16_diverges_only_at_near_ties(bf16_pair: tuple[Path, Path]) -> None:
 def test_rejection_sampler_keeps_the_distribution_on_the_gpu(
     target: LoadedModel, near_draft_dir: Path
 ) -> None:
-    cfg = SpeculativeConfig(
-        method="draft",
-        num_draft_tokens=2,
-        draft_model=str(near_draft_dir),
-        draft_quantization="none",
-        adaptive=False,
-    )
-    spec = make_speculation(target, cfg)
+    spec = make_speculation(target, forced_draft(near_draft_dir, 2))
     prompt = target.tokenizer.encode("ab")
     params = SamplingParams(max_tokens=4, temperature=1.0, top_k=6, ignore_eos=True)
     marginal = second_token_marginal(plain_distribution(target, params), prompt)

@@ -12,6 +12,7 @@ from typing import cast
 
 import pytest
 from kernel_checks import needs_kernel
+from parity import generate, greedy_parity
 from second_token import assert_second_token_follows, plain_distribution, second_token_marginal
 
 from quickdraft.config import SpeculativeConfig
@@ -19,7 +20,7 @@ from quickdraft.engine import stream
 from quickdraft.kernels import Int8Weight
 from quickdraft.loading import LoadedModel, load
 from quickdraft.models.llama import CausalLM
-from quickdraft.request import Request, SamplingParams
+from quickdraft.request import SamplingParams
 from quickdraft.speculation.cost import DraftCost, StepCost, known_cost, use_cost
 from quickdraft.speculation.drafters.base import Draft, Drafter, DraftJob
 from quickdraft.speculation.drafters.draft_model import DraftModelDrafter
@@ -44,16 +45,6 @@ def target(tiny_model_dir: Path) -> LoadedModel:
     return load(str(tiny_model_dir), "fp32", progress=False)
 
 
-def generate(
-    lm: LoadedModel, prompt: str, params: SamplingParams, cfg: SpeculativeConfig
-) -> Request:
-    spec = make_speculation(lm, cfg)
-    req = lm.new_request(lm.tokenizer.encode(prompt), params)
-    for _ in stream(lm, req, spec):
-        pass
-    return req
-
-
 @pytest.mark.parametrize(
     "method", ["ngram", "draft-near", "draft-near-int8", "draft-near-int4", "draft-self"]
 )
@@ -76,13 +67,7 @@ def test_speculative_greedy_equals_plain(
         adaptive=False,  # always draft, so every prompt exercises verify + rollback
     )
     params = SamplingParams(max_tokens=64, ignore_eos=True)
-    drafted = accepted = 0
-    for prompt in PROMPTS:
-        plain = generate(target, prompt, params, SpeculativeConfig())
-        spec = generate(target, prompt, params, cfg)
-        assert spec.output_ids == plain.output_ids, prompt
-        drafted += spec.spec.drafted
-        accepted += spec.spec.accepted
+    drafted, accepted = greedy_parity(target, PROMPTS, params, cfg)
     assert drafted > 0 and accepted > 0
     if method == "draft-self":
         assert accepted / drafted >= 0.98

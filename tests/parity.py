@@ -1,0 +1,49 @@
+"""Greedy parity, the check every speculation test builds on: a request's output with
+speculation equals its output with speculation off, token for token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from quickdraft.config import SpeculativeConfig
+from quickdraft.engine import stream
+from quickdraft.loading import LoadedModel
+from quickdraft.request import Request, SamplingParams
+from quickdraft.speculation.factory import make_speculation
+
+
+def generate(
+    lm: LoadedModel, prompt: str, params: SamplingParams, cfg: SpeculativeConfig
+) -> Request:
+    spec = make_speculation(lm, cfg)
+    req = lm.new_request(lm.tokenizer.encode(prompt), params)
+    for _ in stream(lm, req, spec):
+        pass
+    return req
+
+
+def greedy_parity(
+    lm: LoadedModel, prompts: list[str], params: SamplingParams, cfg: SpeculativeConfig
+) -> tuple[int, int]:
+    """Every prompt's output with `cfg` equals speculation off's; -> (drafted, accepted)."""
+    drafted = accepted = 0
+    for prompt in prompts:
+        plain = generate(lm, prompt, params, SpeculativeConfig())
+        spec = generate(lm, prompt, params, cfg)
+        assert spec.output_ids == plain.output_ids, prompt
+        drafted += spec.spec.drafted
+        accepted += spec.spec.accepted
+    return drafted, accepted
+
+
+def forced_draft(draft_dir: Path, k: int, **fields: Any) -> SpeculativeConfig:
+    """A draft model of full precision drafting k tokens every cycle (no adaptive policy)."""
+    return SpeculativeConfig(
+        method="draft",
+        num_draft_tokens=k,
+        draft_model=str(draft_dir),
+        draft_quantization="none",
+        adaptive=False,
+        **fields,
+    )
