@@ -33,6 +33,8 @@ never writes it (a rejected draft must cost nothing):
   long_forward(y, g, beta, state, final, k_heads) -> out; final <- the state after the last
       token: a prompt chunk of any length, through recurrent_updates + advance_state per
       CHUNK_SIZE tokens (the same bits as decode steps), else the chunk form.
+On a GPU where triton runs, `recurrent_updates` and `advance_state` are kernels/triton_ops.py's
+gdn_delta and gdn_advance (token by token too, so long_forward takes the same chunk loop).
 Unlike transformers, every multi-token path starts from the given state (a verify continues
 the committed state). tests/test_gdn.py checks outputs and states of every path against the
 naive form.
@@ -47,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from quickdraft.kernels import triton_ops
 from quickdraft.kernels.build import extension
 
 CHUNK_SIZE = 64
@@ -273,6 +276,9 @@ def advance_state(state: Tensor, k: Tensor, d: Tensor, g: Tensor) -> None:
     if ext is not None:
         ext.gdn_advance(state, k, d, g)
         return
+    if _on_triton(state):
+        triton_ops.gdn_advance(state, k, d, g)
+        return
     for j in range(g.shape[1]):
         state.mul_(g[:, j].exp()[:, None, None]).add_(k[:, j, :, None] * d[:, j, None, :])
 
@@ -296,6 +302,10 @@ def recurrent_updates(
         and not (torch.is_grad_enabled() and y.requires_grad)
     )
     ext = extension() if fast else None
+    if ext is None and _on_triton(state) and y.stride(1) == 1:
+        g, beta = g.float().contiguous(), beta.float().contiguous()
+        out, k, d = triton_ops.gdn_delta(y.float(), g, beta, state, k_heads)
+        return out, DeltaUpdates(k, d, g.transpose(0, 1).contiguous())
     if ext is None:
         return reference_recurrent_updates(y, g, beta, state, k_heads)
     out, k, d, cum = ext.gdn_delta(y, g, beta, state, k_heads)
@@ -317,7 +327,8 @@ def long_forward(
     in one forward, in several or token by token leaves the same bits (batch invariance: the
     scheduler chunks a prompt around other requests' rows). Without them: the chunk form."""
     t_len, (heads, dk, dv) = y.shape[0], state.shape
-    if extension() is None or not (dk % 8 == 0 and dv % 8 == 0 and y.is_cpu):
+    cpu_kernels = extension() is not None and dk % 8 == 0 and dv % 8 == 0 and y.is_cpu
+    if not cpu_kernels and not _on_triton(state):
         kd = k_heads * dk
         q, k = prepare_qk(
             y[:, :kd].view(t_len, k_heads, dk), y[:, kd : 2 * kd].view(t_len, k_heads, dk), heads
@@ -334,6 +345,19 @@ def long_forward(
         )
         advance_state(final, updates.k, updates.d, updates.g)
     return out
+
+
+def _on_triton(state: Tensor) -> bool:
+    """The Triton kernels take this state: a GPU's, fp32, contiguous, dk a power of two and
+    dv a multiple of their block."""
+    _, dk, dv = state.shape
+    return (
+        triton_ops.available(state)
+        and state.dtype == torch.float32
+        and state.is_contiguous()
+        and dk & (dk - 1) == 0
+        and dv % triton_ops.GDN_BLOCK == 0
+    )
 
 
 def reference_recurrent_updates(

@@ -15,6 +15,9 @@ Contract (outputs in the input's dtype, fp32 math inside, one rounding per outpu
     slot_attention(q [B * rows, heads, d], pool_k, pool_v, seq_slot, row_pos, rows, scale)
         -> [B * rows, heads * d]: causal GQA of each row over its sequence's slot, read in
         place; one launch (torch: a gather of keys and of values, then SDPA, 3).
+    gdn_delta(y, g, beta, state, k_heads) -> out, k, d and gdn_advance(state, k, d, g): the
+        Gated DeltaNet recurrence of kernels/gdn.py (`recurrent_updates`, `advance_state`),
+        token by token, one launch each (torch: ~10 ops a decode step, 2 per token to advance).
 `available(x)` says whether they run: a CUDA tensor, triton importable, and
 QUICKDRAFT_NO_TRITON unset. Triton is imported, and the kernels are built, on first use, so a
 machine without triton (a CPU host) never loads it. tests/test_triton_ops.py runs them in
@@ -152,7 +155,53 @@ def _kernels() -> dict[str, Any]:
         o_at = o_ptr + row * s_o_row + heads[:, None] * s_o_head + dims[None, :]
         tl.store(o_at, out.to(o_ptr.dtype.element_ty), mask=g_ok[:, None])
 
+    @triton.jit
+    def gdn_delta_kernel(
+        y_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, k_out_ptr, d_ptr, T, sy, sg, s_out, group,
+        KD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+    ):  # fmt: skip
+        h = tl.program_id(0)  # value head
+        blk = tl.program_id(1)  # block of BV value dims
+        kh = h // group  # the key head it reads (repeat_interleave)
+        dk = tl.arange(0, DK)
+        dv = blk * BV + tl.arange(0, BV)
+        s = tl.load(state_ptr + h * DK * DV + dk[:, None] * DV + dv[None, :])  # [DK, BV] fp32
+        for t in range(0, T):
+            row = y_ptr + t * sy
+            q = tl.load(row + kh * DK + dk).to(tl.float32)
+            k = tl.load(row + KD + kh * DK + dk).to(tl.float32)
+            v = tl.load(row + 2 * KD + h * DV + dv).to(tl.float32)
+            q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) / tl.sqrt(DK * 1.0)
+            k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+            g = tl.load(g_ptr + t * sg + h).to(tl.float32)
+            beta = tl.load(beta_ptr + t * sg + h).to(tl.float32)
+            s = s * tl.exp(g)
+            d = beta * (v - tl.sum(s * k[:, None], axis=0))  # [BV]
+            s = s + k[:, None] * d[None, :]
+            tl.store(out_ptr + t * s_out + h * DV + dv, tl.sum(s * q[:, None], axis=0))
+            tl.store(d_ptr + (h * T + t) * DV + dv, d)
+            if blk == 0:
+                tl.store(k_out_ptr + (h * T + t) * DK + dk, k)
+
+    @triton.jit
+    def gdn_advance_kernel(
+        state_ptr, k_ptr, d_ptr, g_ptr, m, T, DK: tl.constexpr, DV: tl.constexpr,
+        BV: tl.constexpr,
+    ):  # fmt: skip
+        h = tl.program_id(0)
+        dk = tl.arange(0, DK)
+        dv = tl.program_id(1) * BV + tl.arange(0, BV)
+        at = state_ptr + h * DK * DV + dk[:, None] * DV + dv[None, :]
+        s = tl.load(at)
+        for j in range(0, m):
+            k = tl.load(k_ptr + (h * T + j) * DK + dk)
+            d = tl.load(d_ptr + (h * T + j) * DV + dv)
+            s = s * tl.exp(tl.load(g_ptr + h * T + j)) + k[:, None] * d[None, :]
+        tl.store(at, s)
+
     return {
+        "gdn_delta": gdn_delta_kernel,
+        "gdn_advance": gdn_advance_kernel,
         "slot_attention": slot_attention_kernel,
         "add_rms_norm": add_rms_norm_kernel,
         "silu_mul": silu_mul_kernel,
@@ -253,3 +302,41 @@ def slot_attention(
         rows, groups, D=d, G=g, BLOCK_N=ATTENTION_BLOCK,
     )  # fmt: skip
     return out.view(n, heads * d)
+
+
+GDN_BLOCK = 16  # value dims per program of the delta-rule kernels (the state's dv % 16 == 0)
+
+
+def gdn_delta(
+    y: Tensor, g: Tensor, beta: Tensor, state: Tensor, k_heads: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """gdn.recurrent_updates of one chunk (T tokens): y [T, C] fp32 conv output (q, k of
+    `k_heads` heads, then v), g and beta [T, H], state [H, dk, dv] fp32 (read only) -> out
+    [T, H, dv] fp32 and the updates: k [H, T, dk] (L2-normalised), d [H, T, dv]. The recurrence
+    runs token by token (one program per value head and block of value dims), so a verify's
+    rows equal decode steps' (batch invariance)."""
+    k = _kernels()
+    t_len = y.shape[0]
+    heads, dk, dv = state.shape
+    assert dk & (dk - 1) == 0 and dv % GDN_BLOCK == 0 and y.stride(1) == 1
+    assert state.is_contiguous() and g.stride() == beta.stride() and g.stride(1) == 1
+    out = y.new_empty(t_len, heads, dv)
+    k_out = y.new_empty(heads, t_len, dk)
+    d = y.new_empty(heads, t_len, dv)
+    k["gdn_delta"][(heads, dv // GDN_BLOCK)](
+        y, g, beta, state, out, k_out, d, t_len, y.stride(0), g.stride(0), out.stride(0),
+        heads // k_heads, KD=k_heads * dk, DK=dk, DV=dv, BV=GDN_BLOCK,
+    )  # fmt: skip
+    return out, k_out, d
+
+
+def gdn_advance(state: Tensor, k_upd: Tensor, d: Tensor, g: Tensor) -> None:
+    """gdn.advance_state in one launch: `state` [H, dk, dv] fp32 becomes the state after the
+    first m = g.shape[1] updates (k [H, T, dk], d [H, T, dv], g [H, T], T >= m)."""
+    k = _kernels()
+    heads, dk, dv = state.shape
+    m = g.shape[1]
+    k_upd, d, g = k_upd[:, :m].contiguous(), d[:, :m].contiguous(), g.contiguous()
+    k["gdn_advance"][(heads, dv // GDN_BLOCK)](
+        state, k_upd, d, g, m, m, DK=dk, DV=dv, BV=GDN_BLOCK
+    )  # fmt: skip
