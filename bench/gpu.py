@@ -1,3 +1,5 @@
+# ~450 lines on purpose: one run measures ours and every peer on the same GPU, and device time
+# is too scarce to spread a comparison over several scripts and calls.
 """quickdraft on an NVIDIA GPU against transformers on the same GPU, in one run.
 
 Per model (a directory with config.json and the tokenizer; `--models` lists them, the first

@@ -17,10 +17,11 @@ from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import stream
 from quickdraft.loading import LoadedModel, load, resolve_device
 from quickdraft.models import graphs
-from quickdraft.models.graphs import GraphModel, Layout, SlotCache, for_device, graph_key
+from quickdraft.models.graphs import GraphModel, Layout, for_device, graph_key
 from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.llama import CausalLM
 from quickdraft.models.loader import load_model
+from quickdraft.models.slot_cache import SlotCache
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.factory import make_speculation
 

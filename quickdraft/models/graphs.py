@@ -1,3 +1,5 @@
+# ~420 lines on purpose: the padded forward, its two op paths and the graphs that replay it
+# share one layout contract; split apart, each part would restate the others' shapes.
 """A dense model on a GPU: every sequence's KV in one slot of a static pool, and the forwards of
 decode, verify and draft steps replayed as CUDA graphs.
 
@@ -16,17 +18,13 @@ hidden-state reads run the same forward eagerly, unpadded; off CUDA it always ru
 which is what the CPU tests check against the model's own forward. Where triton runs
 (kernels/triton_ops.py) a layer is ~10 launches; with torch's ops, 19.
 
-A slot's cache is a `SlotCache` (the SequenceCache contract: `commit` is the O(1) rollback);
-its slot goes back to the pool when the cache is garbage. The pool grows (more slots, longer
-slots) by reallocation; captured graphs hold the old addresses, so growth drops them and the
-shapes are captured again.
+The pool (models/slot_cache.py) grows by reallocation; captured graphs hold its old
+addresses, so growth drops them and the shapes are captured again.
 """
 
 from __future__ import annotations
 
-import gc
 import os
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,16 +36,17 @@ from torch import Tensor
 from quickdraft.kernels import triton_ops
 from quickdraft.kernels.gemm import project
 from quickdraft.kernels.pointwise import rope_rows, signed_sin
-from quickdraft.models.base import ForwardOutput, KVBlock, StateSnapshot
+from quickdraft.models.base import ForwardOutput
 from quickdraft.models.layers import RMSNorm, tapped_layers
 from quickdraft.models.llama import MLP, Attention, CausalLM, DecoderLayer
+from quickdraft.models.slot_cache import SlotCache, SlotPool
 
 # rows per sequence a captured forward takes (a call is padded up to the next one): decode 1,
 # a verify of k drafts k + 1, a draft model's catch-up 2-3
 ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 17, 20, 24, 32)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 MIN_KEYS = 256  # the smallest key-count bucket
-FIRST_SLOTS = 4
+FIRST_SLOTS = 4  # the pool's first size (it doubles as sequences arrive)
 FIRST_CAPACITY = 4096
 
 
@@ -62,114 +61,6 @@ def key_bucket(need: int, capacity: int) -> int:
     while size < need:
         size *= 2
     return min(size, capacity)
-
-
-class SlotPool:
-    """The KV of every sequence of one model: k, v `[layers, slots + 1, kv_heads, capacity,
-    head_dim]`, zero-filled (masked keys must not be NaN: softmax weight 0 times NaN is NaN).
-    The last slot is scratch: padded rows write there."""
-
-    def __init__(
-        self,
-        layers: int,
-        kv_heads: int,
-        head_dim: int,
-        slots: int,
-        capacity: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        self.dims = (layers, kv_heads, head_dim)
-        self.dtype, self.device = dtype, device
-        self.k, self.v = self._alloc(slots, capacity)
-        self.free = list(range(slots - 1, -1, -1))
-        self.generation = 0  # bumped by every reallocation (captured graphs hold the old one)
-
-    def _alloc(self, slots: int, capacity: int) -> tuple[Tensor, Tensor]:
-        layers, kv_heads, head_dim = self.dims
-        shape = (layers, slots + 1, kv_heads, capacity, head_dim)
-        z = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        return z, torch.zeros_like(z)
-
-    @property
-    def slots(self) -> int:
-        return self.k.shape[1] - 1
-
-    @property
-    def scratch(self) -> int:
-        return self.slots
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[3]
-
-    def slot_bytes(self) -> int:
-        return 2 * self.k[:, 0].nbytes
-
-    def take(self) -> int:
-        if not self.free:
-            gc.collect()  # caches of finished sequences nobody holds any more
-        if not self.free:
-            self._grow(2 * self.slots, self.capacity)
-        return self.free.pop()
-
-    def give(self, slot: int) -> None:
-        self.free.append(slot)
-
-    def fit(self, tokens: int, limit: int) -> None:
-        """Make every slot hold `tokens` (doubling, at most `limit`)."""
-        if tokens > self.capacity:
-            self._grow(self.slots, min(max(tokens, 2 * self.capacity), limit))
-
-    def _grow(self, slots: int, capacity: int) -> None:
-        old_k, old_v = self.k, self.v
-        old_slots, old_cap = old_k.shape[1] - 1, old_k.shape[3]
-        self.k, self.v = self._alloc(slots, capacity)
-        for new, old in ((self.k, old_k), (self.v, old_v)):
-            new[:, :old_slots, :, :old_cap] = old[:, :old_slots]
-        self.free = list(range(slots - 1, old_slots - 1, -1)) + self.free
-        self.generation += 1
-
-
-class SlotCache:
-    """One sequence's KV: a slot of a SlotPool and the committed length (base.SequenceCache)."""
-
-    recurrent = False
-
-    def __init__(self, pool: SlotPool, limit: int) -> None:
-        self.pool, self.limit = pool, limit
-        self.slot = pool.take()
-        self.length = 0
-        weakref.finalize(self, pool.give, self.slot)
-
-    def reserve(self, num_new: int) -> None:
-        self.pool.fit(self.length + num_new, self.limit)
-
-    def commit(self, length: int) -> None:
-        assert 0 <= length <= self.pool.capacity, (length, self.pool.capacity)
-        self.length = length
-
-    trim = commit
-
-    def nbytes(self) -> int:
-        return self.pool.slot_bytes()
-
-    def export_kv(self, start: int, end: int) -> KVBlock:
-        assert 0 <= start <= end <= self.length, (start, end, self.length)
-        k, v = self.pool.k[:, self.slot, :, start:end], self.pool.v[:, self.slot, :, start:end]
-        return KVBlock(k.clone(), v.clone())
-
-    def import_kv(self, blocks: Sequence[KVBlock], state: StateSnapshot | None = None) -> None:
-        assert self.length == 0 and state is None, "import into an empty attention cache"
-        self.reserve(sum(b.num_tokens for b in blocks))
-        for block in blocks:
-            end = self.length + block.num_tokens
-            self.pool.k[:, self.slot, :, self.length : end] = block.k
-            self.pool.v[:, self.slot, :, self.length : end] = block.v
-            self.length = end
-
-    def state_at(self, position: int) -> StateSnapshot | None:
-        return None
 
 
 @dataclass(frozen=True, slots=True)
