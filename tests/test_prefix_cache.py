@@ -33,6 +33,7 @@ from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.engine.sequence import Sequence
 from quickdraft.loading import LoadedModel, load
 from quickdraft.models.base import SequenceCache
+from quickdraft.models.graphs import GraphModel
 from quickdraft.models.llama import CausalLM
 from quickdraft.models.state_cache import HybridCache
 from quickdraft.request import FinishReason, SamplingParams
@@ -53,6 +54,14 @@ Check = Callable[[EngineCore], None]
 @pytest.fixture(scope="module")
 def dense(tiny_model_dir: Path) -> LoadedModel:
     return load(str(tiny_model_dir), "fp32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def static(dense: LoadedModel) -> LoadedModel:
+    """The dense target as it runs on a GPU: KV in the slots of models/graphs.py's GraphModel
+    (here, off CUDA, its forward runs eagerly)."""
+    model = GraphModel(load(str(dense.path), "fp32", progress=False).model)
+    return LoadedModel(dense.name, dense.path, "fp32", model, dense.tokenizer, dense.eos_ids)
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +193,8 @@ PARITY = [
     ("hybrid", "ngram"),
     ("hybrid", "draft"),
     ("hybrid", "mtp"),
+    ("static", "off"),
+    ("static", "draft"),
 ]
 
 
@@ -193,11 +204,12 @@ def test_prefix_cache_greedy_equals_cache_off(
     method: str,
     dense: LoadedModel,
     hybrid: LoadedModel,
+    static: LoadedModel,
     near_draft_dir: Path,
     hybrid_draft_dir: Path,
 ) -> None:
-    lm = dense if target == "dense" else hybrid
-    draft_dir = near_draft_dir if target == "dense" else hybrid_draft_dir
+    lm = {"dense": dense, "hybrid": hybrid, "static": static}[target]
+    draft_dir = hybrid_draft_dir if target == "hybrid" else near_draft_dir
     expected, cold, _ = conversation(lm, speculation(lm, method, draft_dir), OFF)
     got, seqs, core = conversation(lm, speculation(lm, method, draft_dir), CACHE, invariants)
     assert got == expected
@@ -206,7 +218,7 @@ def test_prefix_cache_greedy_equals_cache_off(
     assert drafts == [(s.request.spec.drafted, s.request.spec.accepted) for s in cold]
     turn2, split, repeat, short = seqs[2:]
     assert turn2.cached_tokens >= (len(seqs[0].request.prompt_ids) // 16) * 16 > 0
-    if target == "dense":  # block-granular: the split prompt reuses its 5 whole blocks
+    if target != "hybrid":  # block-granular: the split prompt reuses its 5 whole blocks
         assert split.cached_tokens == 5 * CACHE.block_size
         assert repeat.cached_tokens == (len(repeat.request.prompt_ids) - 1) // 8 * 8
     else:  # from the deepest snapshot (every 16 tokens) at or before the match
