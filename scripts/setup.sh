@@ -36,5 +36,8 @@ if [ -n "$extra" ]; then install_browser; fi
 .venv/bin/python -m pip install -q -e ".${extra}" "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
 # Build the C++ kernels now (~2-3 min on 2 cores, once per install) rather than in the first
 # `serve`; a machine without a compiler still runs, on the torch reference ops.
+# On a machine with an NVIDIA GPU, PyPI's torch 2.13.0 is its CUDA build: --device auto takes the
+# GPU (docs/gpu.md).
 .venv/bin/python -c "from quickdraft.kernels import kernels_available; import torch; \
-print('quickdraft ready: torch', torch.__version__, '| CPU kernels', kernels_available())"
+gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'; \
+print('quickdraft ready: torch', torch.__version__, '| CPU kernels', kernels_available(), '| GPU', gpu)"
