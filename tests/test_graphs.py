@@ -225,3 +225,39 @@ def test_the_gpu_forward_launches_about_twenty_ops_per_layer(tiny_model_dir: Pat
 
     per_layer = (ops(6) - ops(3)) / 3  # the forward's own ops (mask, tables) cancel
     assert per_layer <= 19, per_layer
+
+
+@pytest.mark.parametrize("method", ["mtp", "dflash"])
+def test_hidden_state_drafters_on_the_static_forward_equal_plain(
+    method: str, tmp_path: Path
+) -> None:
+    """MTP and DFlash read the target's hidden rows (post-norm, or tapped layers), which the
+    static forward returns on its eager path: greedy output with either equals speculation
+    off, with drafts accepted, on a dense target behind GraphModel."""
+    from hybrid_models import copying_head, randomize, save_hybrid_dir
+    from parity import greedy_parity
+    from test_dflash import target_and_drafter
+    from test_mtp import DENSE_CONFIG
+
+    from quickdraft.config import ModelConfig
+
+    if method == "mtp":
+        model = CausalLM(ModelConfig.from_dict(DENSE_CONFIG), torch.float32)
+        randomize(model, seed=3, out_scale=0.03, offset=False)
+        head = copying_head(model)
+        directory = save_hybrid_dir(model, "dense", tmp_path, head, config=DENSE_CONFIG)
+        lm = load(str(directory), "fp32", progress=False)
+        cfg = SpeculativeConfig(method="mtp", num_draft_tokens=3, adaptive=False)
+    else:
+        lm, checkpoint = target_and_drafter("dense", tmp_path, rigged=True)
+        cfg = SpeculativeConfig(
+            method="dflash", draft_model=str(checkpoint), num_draft_tokens=3, adaptive=False
+        )
+    assert isinstance(lm.model, CausalLM)
+    static = LoadedModel(
+        lm.name, lm.path, lm.dtype_name, GraphModel(lm.model), lm.tokenizer, lm.eos_ids
+    )
+    prompts = ["def add(a, b):\n    return a + b\n\ndef add(", "abcabcabcabc", "1, 2, 3, 4,"]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    drafted, accepted = greedy_parity(static, prompts, params, cfg)
+    assert drafted > 0 and accepted > 0

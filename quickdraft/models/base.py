@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 @dataclass(slots=True)
@@ -115,6 +115,14 @@ def packed_positions(
             for c, n in zip(caches, num_new, strict=True)
         ]
     )
+
+
+def module_of(model: Any) -> nn.Module:
+    """The torch module holding a model's parameters: the model itself, or the one a device
+    wrapper runs (models/graphs.py's GraphModel keeps it as `inner`)."""
+    inner = getattr(model, "inner", model)
+    assert isinstance(inner, nn.Module), "model classes are torch modules"
+    return inner
 
 
 class ModelShape(Protocol):

@@ -250,8 +250,9 @@ def cost_key(model: LanguageModel) -> dict[str, Any]:
     """What a step's cost depends on: the model's architecture, dtype and weight formats, and
     the host (ISA, threads, torch, the kernels' sources). Not the weights' values."""
     formats: Counter[str] = Counter()
-    if isinstance(model, nn.Module):
-        for module in model.modules():
+    inner = getattr(model, "inner", model)  # a device wrapper's model (models/graphs.py)
+    if isinstance(inner, nn.Module):
+        for module in inner.modules():
             if isinstance(module, OperandModule):
                 formats.update(_operand_format(getattr(module, name)) for name in module.OPERANDS)
     return {
@@ -262,6 +263,9 @@ def cost_key(model: LanguageModel) -> dict[str, Any]:
         "operands": [[name, count] for name, count in sorted(formats.items())],  # as in JSON
         **({} if model.vocab_kept is None else {"vocab_kept": model.vocab_kept}),
         "isa": isa(),
+        **(
+            {"gpu": torch.cuda.get_device_name(model.device)} if model.device.type == "cuda" else {}
+        ),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         **(

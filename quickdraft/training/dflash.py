@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quickdraft.config import ModelConfig
-from quickdraft.models.base import LanguageModel
+from quickdraft.models.base import LanguageModel, module_of
 from quickdraft.models.layers import Rope
 from quickdraft.training.corpus import TapCorpus
 from quickdraft.training.layers import Layer, Norm, frozen_target, init_stds, linear, rope_tables
@@ -205,8 +205,7 @@ def trainer_for(
     vocab_ids: Tensor | None = None,  # the draft vocabulary (draft_vocabulary); None: all
 ) -> DFlashTrainModel:
     """A fresh DFlash drafter to train for target `model` (its embedding and head, frozen)."""
-    assert isinstance(model, nn.Module), "model classes are torch modules"
-    target: Any = model
+    target: Any = module_of(model)
     shape: ModelConfig = target.config
     if not all(0 <= t < shape.num_hidden_layers for t in taps):
         raise ValueError(f"taps {list(taps)} outside the target's {shape.num_hidden_layers} layers")

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quickdraft.config import ModelConfig
-from quickdraft.models.base import LanguageModel
+from quickdraft.models.base import LanguageModel, module_of
 from quickdraft.models.layers import Rope
 from quickdraft.models.mtp import STANDALONE_ARCHITECTURE
 from quickdraft.models.registry import DENSE_TYPES
@@ -155,8 +155,7 @@ def mtp_trainer_for(
     dtype: torch.dtype | None = None,  # the frozen head's (default: layers.head_dtype())
 ) -> MTPTrainModel:
     """A fresh MTP head to train for dense target `model` (its embedding and head, frozen)."""
-    assert isinstance(model, nn.Module), "model classes are torch modules"
-    target: Any = model
+    target: Any = module_of(model)
     shape = target.config
     if not isinstance(shape, ModelConfig) or shape.model_type not in DENSE_TYPES:
         raise ValueError(

@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from quickdraft.config import PREFILL_CHUNK
 from quickdraft.kernels.gemm import Weight
 from quickdraft.kernels.linear_bf16 import PanelWeight
-from quickdraft.models.base import LanguageModel
+from quickdraft.models.base import LanguageModel, module_of
 from quickdraft.models.dflash import (
     D2T,
     ContextCache,
@@ -57,8 +57,7 @@ def _checkpoint_name(name: str) -> tuple[str, tuple[int | slice, ...]] | None:
 def load_dflash(model: LanguageModel, path: str | Path) -> DFlashModel:
     """The DFlash drafter in checkpoint dir `path` for target `model` (sharing its lm_head),
     checked against the target: a clear error for a checkpoint it cannot run."""
-    assert isinstance(model, nn.Module), "model classes are torch modules"
-    target: nn.Module = model
+    target = module_of(model)
     path = Path(path)
     cfg = DFlashConfig.from_dir(path)
     shape: Any = target.config
@@ -224,8 +223,8 @@ def dflash_drafter(
 ) -> DFlashDrafter:
     """The drafter for target `model` from the DFlash checkpoint dir `path`."""
     drafter = load_dflash(model, path)
-    assert isinstance(model, nn.Module)
-    return DFlashDrafter(drafter, model.get_submodule("model.embed_tokens"), block_size, window)
+    embed = module_of(model).get_submodule("model.embed_tokens")
+    return DFlashDrafter(drafter, embed, block_size, window)
 
 
 def block_step_seconds(drafter: DFlashDrafter, context: int = 16, reps: int = 3) -> float:

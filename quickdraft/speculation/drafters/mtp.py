@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from quickdraft.config import PREFILL_CHUNK
 from quickdraft.hub.convert import GGUF_LINK
 from quickdraft.kernels.gemm import Weight, panels_apply
-from quickdraft.models.base import LanguageModel
+from quickdraft.models.base import LanguageModel, module_of
 from quickdraft.models.gguf_loader import is_gguf_dir
 from quickdraft.models.gguf_qwen_loader import load_gguf_mtp_head
 from quickdraft.models.kv_cache import KVCache
@@ -66,8 +66,7 @@ def mtp_tensor_names(path: str | Path) -> list[str]:
 def load_mtp_head(model: LanguageModel, path: str | Path) -> MTPHead:
     """The `mtp.*` tensors of checkpoint dir `path` as a head sharing the target's embedding
     and lm_head. A clear error if the checkpoint has no head (or a layout we cannot run)."""
-    assert isinstance(model, nn.Module), "model classes are torch modules"
-    target: nn.Module = model
+    target = module_of(model)
     path = Path(path)
     if is_gguf_dir(path):  # a GGUF run on its own weights: the head is its nextn block
         return load_gguf_mtp_head(target, path / GGUF_LINK)
@@ -258,8 +257,7 @@ def mtp_drafter(
 ) -> MTPDrafter:
     """The drafter for target `model` loaded from checkpoint dir `path` (its `mtp.*` head)."""
     head = load_mtp_head(model, path)
-    assert isinstance(model, nn.Module)
-    return MTPDrafter(head, model.get_submodule("model.norm"), feed)
+    return MTPDrafter(head, module_of(model).get_submodule("model.norm"), feed)
 
 
 def head_step_seconds(head: MTPHead, context: int = 16, reps: int = 3) -> float:
