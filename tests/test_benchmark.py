@@ -186,3 +186,13 @@ def test_benchmark_runs_agentic_sessions(
         assert [p["tokens"] for p in off["results"]["agentic"][name]["per_prompt"]] == [
             p["tokens"] for p in row[name]["per_prompt"]
         ]
+
+
+def test_benchmark_runs_the_transformers_references_on_our_device(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The transformers baselines load the same weights on the device our engines run on (the
+    CPU here) and, greedy in fp32, emit what speculation off emits."""
+    code = tiny_run(tiny_model_dir, tmp_path, hf=True, reference_per_set=1)["results"]["code"]
+    for name in ("hf", "hf_prompt_lookup"):
+        assert code[name]["identical"] == 1 and code[name]["tok_s"] > 0

@@ -208,7 +208,7 @@ def ours(
 
 
 def hf_run(model: Any, ids: list[int], n: int, eos: tuple[int, ...], **kw: Any) -> Run:
-    x = torch.tensor([ids])
+    x = torch.tensor([ids], device=model.device)
     t = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
@@ -219,8 +219,8 @@ def hf_run(model: Any, ids: list[int], n: int, eos: tuple[int, ...], **kw: Any) 
             eos_token_id=list(eos),
             **kw,
         )
+    new = out[0, len(ids) :].tolist()  # on a GPU: waits for the last token
     seconds = time.perf_counter() - t
-    new = out[0, len(ids) :].tolist()
     return Run(new, seconds, float("nan"))
 
 
@@ -336,13 +336,17 @@ def run(opts: SpecBench) -> dict[str, Any]:
         import transformers
 
         torch_dtype = parse_dtype(dtype)
-        hf_models["target"] = transformers.AutoModelForCausalLM.from_pretrained(
+        # on the device our engines run on, so that each comparison is on one machine part
+        device = lm.model.device
+        reference: Any = transformers.AutoModelForCausalLM.from_pretrained(
             str(lm.path), dtype=torch_dtype
-        ).eval()
+        )
+        hf_models["target"] = reference.to(device).eval()
         if draft is not None:
-            hf_models["assistant"] = transformers.AutoModelForCausalLM.from_pretrained(
+            assistant: Any = transformers.AutoModelForCausalLM.from_pretrained(
                 str(hub.resolve(draft, dtype)), dtype=torch_dtype
-            ).eval()
+            )
+            hf_models["assistant"] = assistant.to(device).eval()
     cores: dict[str, EngineCore] = {}  # the current set's engine cores with a prefix cache
     engines: dict[str, Any] = {
         name: (lambda ids, name=name, s=s: ours(lm, ids, tokens, s, cores.get(name)))
