@@ -106,7 +106,9 @@ class GraphModel:
         # the Triton kernels (kernels/triton_ops.py) where they run; `fused` forces the choice
         # (tests run them in Triton's interpreter on the CPU)
         probe = torch.empty(0, device=self.device)
-        self.fused = triton_ops.available(probe) if fused is None else fused
+        d = model.config.head_dim
+        runs = triton_ops.available(probe) and d & (d - 1) == 0  # power-of-two heads only
+        self.fused = runs if fused is None else fused
         cfg = model.config
         self.limit = cfg.max_position_embeddings
         self.pool = SlotPool(
