@@ -4,9 +4,12 @@ meaning on every subcommand (no model is loaded here)."""
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from quickdraft.cli import build_parser, sampling_params, serve_options, spec_config
+import pytest
+import torch
+
+from quickdraft.cli import build_parser, main, sampling_params, serve_options, spec_config
 from quickdraft.config import SpeculativeConfig
 from quickdraft.request import SamplingParams
 from quickdraft.server import ServerConfig
@@ -162,3 +165,20 @@ def test_cli_serve_ngram_shared_scope_and_several_api_keys() -> None:
     argv = ["serve", "--ngram-shared-scope", "global", "--api-key", "k1, k2"]
     _, config = serve_options(build_parser().parse_args(argv))
     assert config.ngram_shared_scope == "global" and config.api_keys == ("k1", "k2")
+
+
+def test_cli_device_reaches_every_loader_and_errs_clearly(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--device is on every command that loads a model (auto by default: the GPU when torch
+    sees one); on a host without a GPU, cuda fails before loading anything, saying why."""
+    parser = build_parser()
+    opts, _ = serve_options(parser.parse_args(["serve", "--device", "cpu"]))
+    assert opts.device == "cpu" and serve_options(parser.parse_args(["serve"]))[0].device == "auto"
+    for command in (["generate"], ["bench"], ["train-drafter"]):
+        assert parser.parse_args([*command, "--device", "cuda"]).device == "cuda"
+    if torch.cuda.is_available():
+        return  # the error below is a GPU-less host's
+    argv = ["generate", "--model", str(tiny_model_dir), "--dtype", "fp32", "--device", "cuda", "x"]
+    assert main(argv) == 2
+    assert "sees no CUDA GPU; use --device cpu" in capsys.readouterr().err
