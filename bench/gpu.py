@@ -17,7 +17,9 @@ Measured, each alone in one process:
     (`--compile`), transformers assisted generation with the same draft model;
   * the target's and the draft's step cost by rows (1 row = decode, 1 + k = a verify);
   * concurrency 1 / 4 / 8 through the engine (speculation off, draft forced, draft adaptive)
-    and transformers eager `generate` on a batch of the same size.
+    and transformers eager `generate` on a batch of the same size;
+  * `--hybrid full`: a random Gated-DeltaNet target of Qwen3.5-0.8B-like dimensions, its
+    decode and 6-row verify cost with the Triton delta-rule kernels and with torch's ops.
 Writes <out>/gpu.{json,md,png}.
 
     python bench/gpu.py --models DIR/qwen2.5-coder-1.5b DIR/qwen2.5-coder-0.5b \\
@@ -315,6 +317,89 @@ def bench_single(args: argparse.Namespace, work: Path, device: torch.device) -> 
     }
 
 
+# A hybrid (Gated DeltaNet) target of Qwen3.5-0.8B-like dimensions, random weights: not that
+# model's exact config, a shape to time the GDN layers at (`--hybrid full`); `tiny` for a dry run
+HYBRID_TEXT: dict[str, dict[str, Any]] = {
+    "full": dict(
+        hidden_size=1024,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        intermediate_size=3584,
+        vocab_size=151936,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        intermediate_size=96,
+        vocab_size=320,
+    ),
+}
+
+
+def bench_hybrid(size: str, device: torch.device) -> dict[str, Any]:
+    """Decode-step and 6-row verify cost of a random hybrid target, eager (hybrid models run
+    without graphs), with the Triton delta-rule kernels and with torch's ops."""
+    import os
+
+    from quickdraft.models.hybrid_config import HybridConfig
+    from quickdraft.models.qwen3_next import HybridLM
+
+    dims = HYBRID_TEXT[size]
+    layers = dims["num_hidden_layers"]
+    text = dict(
+        model_type="qwen3_5_text",
+        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)],
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        **dims,
+    )
+    raw = dict(model_type="qwen3_5", text_config=text, vision_config=dict(depth=1))
+    torch.manual_seed(0)
+    model = HybridLM(HybridConfig.from_dict(raw), torch.bfloat16, device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    ids = torch.randint(0, dims["vocab_size"], (300,), device=device)
+
+    def step_ms(rows: int) -> float:
+        cache = model.new_cache(512)
+        model(ids[:256], [cache], [256])
+        cache.commit(256)
+        best = float("inf")
+        for i in range(5):
+            settle(device)
+            t = time.perf_counter()
+            model(ids[256 + i : 256 + i + rows], [cache], [rows], logit_rows=torch.arange(rows))
+            settle(device)
+            best = min(best, time.perf_counter() - t)
+            cache.commit(cache.length + 1)
+        return round(best * 1e3, 3)
+
+    out: dict[str, Any] = {"dims": dims}
+    for name, off in (("triton", ""), ("torch", "1")):
+        os.environ["QUICKDRAFT_NO_TRITON"] = off
+        out[f"{name}_decode_ms"], out[f"{name}_verify6_ms"] = step_ms(1), step_ms(6)
+    os.environ.pop("QUICKDRAFT_NO_TRITON")
+    return out
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"# quickdraft on {report['device']} vs transformers (random weights, real shapes)\n"]
     for key in ("pair", "single"):
@@ -373,13 +458,22 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(table(["set", "tokens/cycle", "projected tok/s", "x plain"], prow))
         if part.get("errors"):
             lines.append(f"failed: {part['errors']}\n")
+    if report.get("hybrid"):
+        lines.append(f"## hybrid (random weights, eager): step costs\n\n{report['hybrid']}\n")
     return "\n".join(lines)
 
 
 def plot(report: dict[str, Any]) -> Callable[[Any], None]:
     def draw(fig: Any) -> None:
         parts = [k for k in ("pair", "single") if report.get(k)]
-        axes = fig.subplots(1, len(parts), squeeze=False)[0]
+        hybrid = report.get("hybrid")
+        if not parts and hybrid:  # a hybrid-only run: its step costs
+            costs = {k: v for k, v in hybrid.items() if k.endswith("_ms")}
+            bars(
+                fig.subplots(), "hybrid step cost", "ms", list(costs), {"ms": list(costs.values())}
+            )
+            return
+        axes = fig.subplots(1, max(1, len(parts)), squeeze=False)[0]
         for ax, key in zip(axes, parts, strict=True):
             s = {n: v["decode_tok_s"] for n, v in report[key]["single_stream"].items() if v}
             bars(ax, f"{key}: single stream", "decode tok/s", list(s), {"tok/s": list(s.values())})
@@ -393,6 +487,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="*", type=Path, default=[], help="target [draft] config dirs")
     ap.add_argument("--single", type=Path, default=None, help="a model run plain only")
+    ap.add_argument("--hybrid", choices=sorted(HYBRID_TEXT), default=None, help="GDN step costs")
     ap.add_argument("--acceptance", type=Path, default=None, help="a real-weight speculative.json")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tokens", type=int, default=128)
@@ -432,6 +527,11 @@ def main() -> None:
             partial()
         if args.single:
             report["single"] = bench_single(args, work, device)
+            partial()
+        if args.hybrid:
+            errors: dict[str, str] = {}
+            report["hybrid"] = guarded("hybrid", lambda: bench_hybrid(args.hybrid, device), errors)
+            report["hybrid_errors"] = errors
             partial()
         # last: the slowest peer (minutes of compiling), so a cut-short run loses only it
         for key, directory in (("pair", work / "pair" / "target"), ("single", work / "single")):

@@ -31,7 +31,7 @@ fi
 echo "tests done at $(( $(date +%s) - T0 )) s"
 C=.gpu/configs
 timeout ${BENCH_TIMEOUT:-420} python3 bench/gpu.py --models $C/qwen2.5-coder-1.5b \
-  $C/qwen2.5-coder-0.5b --single $C/smollm2-135m --out $OUT/gpu ${BENCH_ARGS:-} \
+  $C/qwen2.5-coder-0.5b --single $C/smollm2-135m --hybrid full --out $OUT/gpu ${BENCH_ARGS:-} \
   --acceptance bench/results/gguf-vs-llamacpp-xeon-amx-3/speculative.json > $OUT/bench.txt 2>&1
 echo "bench rc=$? at $(( $(date +%s) - T0 )) s"
 grep -v "Writing model\|Loading weights\|deprecated" $OUT/bench.txt | tail -60
