@@ -12,6 +12,18 @@ from quickdraft.loading import LoadedModel
 from quickdraft.request import Request, SamplingParams
 from quickdraft.speculation.factory import make_speculation
 
+# code, prose, JSON, repeats, counting: prompts whose continuations drafts often guess
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef add(",
+    "the cat sat on the mat. the cat sat on the",
+    '{"name": "x", "id": 1}, {"name": "y", "id": 2}, {"name": ',
+    "abcabcabcabc",
+    "Hello, world! Hello, world! Hello",
+    "1, 2, 3, 4, 5, 6, 7,",
+    "for i in range(10):\n    print(i)\nfor j in range(",
+    "zzz yyy xxx zzz yyy",
+]
+
 
 def generate(
     lm: LoadedModel, prompt: str, params: SamplingParams, cfg: SpeculativeConfig

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from hybrid_models import copying_head, random_hybrid, randomize, save_hybrid_dir
+from parity import PROMPTS as ALL_PROMPTS
 from parity import forced_draft, generate, greedy_parity
 from second_token import assert_second_token_follows, plain_distribution, second_token_marginal
 
@@ -27,14 +28,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (torch.cuda)"),
 ]
 
-PROMPTS = [
-    "def add(a, b):\n    return a + b\n\ndef add(",
-    "the cat sat on the mat. the cat sat on the",
-    '{"name": "x", "id": 1}, {"name": "y", "id": 2}, {"name": ',
-    "abcabcabcabc",
-    "1, 2, 3, 4, 5, 6, 7,",
-    "for i in range(10):\n    print(i)\nfor j in range(",
-]
+PROMPTS = ALL_PROMPTS[:6]
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
+from parity import forced_draft, greedy_parity
 
 from quickdraft.config import SpeculativeConfig
-from quickdraft.engine import stream
 from quickdraft.loading import LoadedModel, load, resolve_device
 from quickdraft.models import graphs
 from quickdraft.models.graphs import GraphModel, Layout, for_device, graph_key
@@ -23,7 +23,6 @@ from quickdraft.models.llama import CausalLM
 from quickdraft.models.loader import load_model
 from quickdraft.models.slot_cache import SlotCache
 from quickdraft.request import SamplingParams
-from quickdraft.speculation.factory import make_speculation
 
 
 def model_of(directory: Path) -> CausalLM:
@@ -159,22 +158,9 @@ def test_speculation_on_the_static_forward_equals_plain(
     lm = LoadedModel(
         lm.name, lm.path, lm.dtype_name, GraphModel(lm.model), lm.tokenizer, lm.eos_ids
     )
-    cfg = SpeculativeConfig(
-        method="draft", num_draft_tokens=4, draft_model=str(near_draft_dir), adaptive=False
-    )
-    spec = make_speculation(lm, cfg)
-    assert spec is not None
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    drafted = 0
-    for prompt in ["def add(a, b):\n    return a + b\n\ndef add(", "abcabcabcabc"]:
-        outs = []
-        for s in (None, spec):
-            req = lm.new_request(lm.tokenizer.encode(prompt), params)
-            for _ in stream(lm, req, s):
-                pass
-            outs.append(req.output_ids)
-            drafted += req.spec.drafted
-        assert outs[0] == outs[1], prompt
+    prompts = ["def add(a, b):\n    return a + b\n\ndef add(", "abcabcabcabc"]
+    drafted, _ = greedy_parity(lm, prompts, params, forced_draft(near_draft_dir, 4))
     assert drafted > 0
 
 

@@ -12,7 +12,7 @@ from typing import cast
 
 import pytest
 from kernel_checks import needs_kernel
-from parity import generate, greedy_parity
+from parity import PROMPTS, generate, greedy_parity
 from second_token import assert_second_token_follows, plain_distribution, second_token_marginal
 
 from quickdraft.config import SpeculativeConfig
@@ -27,17 +27,6 @@ from quickdraft.speculation.drafters.draft_model import DraftModelDrafter
 from quickdraft.speculation.drafters.ngram import NgramDrafter
 from quickdraft.speculation.factory import make_speculation
 from quickdraft.speculation.state import Speculation
-
-PROMPTS = [
-    "def add(a, b):\n    return a + b\n\ndef add(",
-    "the cat sat on the mat. the cat sat on the",
-    '{"name": "x", "id": 1}, {"name": "y", "id": 2}, {"name": ',
-    "abcabcabcabc",
-    "Hello, world! Hello, world! Hello",
-    "1, 2, 3, 4, 5, 6, 7,",
-    "for i in range(10):\n    print(i)\nfor j in range(",
-    "zzz yyy xxx zzz yyy",
-]
 
 
 @pytest.fixture(scope="module")
