@@ -184,3 +184,23 @@ def test_hybrid_forward_on_the_gdn_kernels_equals_the_torch_path(
         if on:  # the kernels ran: every GDN layer, every forward, and the commits
             assert calls["gdn_delta"] > 0 and calls["gdn_advance"] > 0, calls
     torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+
+
+def test_a_rows_bits_do_not_depend_on_the_other_rows() -> None:
+    """Batch invariance: each kernel gives row 2 of a 5-row call the bits it gives that row
+    alone (every program reads its own row; the GEMMs between them are cuBLAS's, which are
+    not invariant: docs/gpu.md)."""
+    dtype = torch.bfloat16
+    x, delta = randn(5, 96, dtype=dtype), randn(5, 96, dtype=dtype, seed=1)
+    w = randn(96, dtype=dtype, seed=2)
+    both = triton_ops.add_rms_norm(x, delta, w, 1e-6)
+    alone = triton_ops.add_rms_norm(x[2:3], delta[2:3], w, 1e-6)
+    assert all(torch.equal(b[2:3], a) for b, a in zip(both, alone, strict=True))
+    gate_up = randn(5, 2 * 80, dtype=dtype, seed=3)
+    assert torch.equal(triton_ops.silu_mul(gate_up)[2:3], triton_ops.silu_mul(gate_up[2:3]))
+    pool_k, pool_v = randn(3, 2, 64, 32, dtype=dtype, seed=4), randn(3, 2, 64, 32, dtype=dtype)
+    q = randn(5, 4, 32, dtype=dtype, seed=5)
+    slots, pos = torch.tensor([1], device=DEVICE), torch.tensor([40, 41, 42, 43, 44], device=DEVICE)
+    rows = triton_ops.slot_attention(q, pool_k, pool_v, slots, pos, 5, 0.2)
+    row = triton_ops.slot_attention(q[2:3], pool_k, pool_v, slots, pos[2:3], 1, 0.2)
+    assert torch.equal(rows[2:3], row)
