@@ -78,6 +78,7 @@ def test_admin_page_is_served_and_api_needs_the_admin_token(srv: BackgroundServe
         assert put.status_code == 401
     state = admin(srv, "GET", "/admin/api/state").json()
     assert state["models"][0]["name"] == "tiny"
+    assert state["models"][0]["device"] == "cpu"
     assert state["models"][0]["active"]["method"] == "none"
 
 

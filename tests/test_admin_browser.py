@@ -122,6 +122,7 @@ def test_admin_browser_change_setting_applies_to_next_request(
     model = 'section.model[data-model="tiny"]'
     wait(d, lambda d: d.find_element(By.CSS_SELECTOR, model).is_displayed(), "model card")
     assert text(d, f"{model} .active") == "speculation off"
+    assert text(d, f"{model} .device") == "runs on cpu"
     assert not d.find_element(By.CSS_SELECTOR, f"{model} .enabled").is_selected()
 
     assert next_request_spec(srv)["method"] == "none"

@@ -156,6 +156,7 @@ def test_server_models_and_health(served: tuple[BackgroundServer, Engine]) -> No
     assert models["data"][0]["max_model_len"] == 512
     health = httpx.get(srv.url + "/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert health.json()["devices"] == {"tiny": "cpu"}  # where each model runs
 
 
 async def _concurrent(served: tuple[BackgroundServer, Engine], prompts: list[str]) -> list[str]:
