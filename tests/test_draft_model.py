@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from parity import PROMPTS, forced_draft
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.loading import load
@@ -185,3 +186,51 @@ def test_draft_model_stops_where_its_chain_probability_falls_below_min_prob(
         assert cut.tokens == full.tokens[:want], (text, chain, min_prob)
         assert len(drafter.forwards) == want  # the catch-up rides on the first position's
     assert cuts != {k}, cuts  # some drafts were cut
+
+
+def test_device_chain_drafts_what_the_token_by_token_loop_drafts(
+    tiny_model_dir: Path, near_draft_dir: Path
+) -> None:
+    """The GPU's draft chain (argmax kept on the device, tokens read back once per propose)
+    gives greedy jobs of different k the drafts, forwards, fed tokens and cache lengths of the
+    per-token loop, across proposes with commits between; and speculation on it stays
+    lossless end to end."""
+    lm = load(str(tiny_model_dir), "fp32", progress=False)
+    runs = []
+    for chain in (True, False):
+        drafter = DraftModelDrafter(lm.model, lm.model.config.vocab_size)
+        drafter.device_chain = chain
+        seqs = [lm.tokenizer.encode(t) for t in ("hello world", "abcabc", "the cat sat")]
+        states = [drafter.new_state(s) for s in seqs]
+        seen = []
+        for round_ in range(3):
+            jobs = [
+                DraftJob(st, seq, k, SamplingParams(), torch.Generator())
+                for st, seq, k in zip(states, seqs, (1 + round_, 4, 2), strict=True)
+            ]
+            drafts = drafter.propose(jobs)
+            seen.append(([d.tokens for d in drafts], list(drafter.forwards)))
+            for st, seq, d in zip(states, seqs, drafts, strict=True):
+                seq.extend([*d.tokens[:1], 7])  # the target kept one draft, then its own token
+                drafter.commit(st, seq)
+        seen.append([(st.fed, st.cache.length) for st in states])
+        runs.append(seen)
+    assert runs[0] == runs[1]
+    from quickdraft.engine import stream
+    from quickdraft.speculation.factory import make_speculation
+
+    spec = make_speculation(lm, forced_draft(near_draft_dir, 4))
+    assert spec is not None and isinstance(spec.drafter, DraftModelDrafter)
+    spec.drafter.device_chain = True
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    accepted = 0
+    for prompt in PROMPTS[:4]:
+        outs = []
+        for s in (None, spec):
+            req = lm.new_request(lm.tokenizer.encode(prompt), params)
+            for _ in stream(lm, req, s):
+                pass
+            outs.append(req.output_ids)
+            accepted += req.spec.accepted
+        assert outs[0] == outs[1], prompt
+    assert accepted > 0

@@ -11,6 +11,7 @@ requests streams the draft weights k times, not B x k times. No re-prefill, ever
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -51,6 +52,9 @@ class DraftModelDrafter:
             )
         self.model = model
         self.forwards: list[StepShape] = []  # the forwards of the last propose (drafters/base.py)
+        # greedy chains of a fixed length run on the device without reading a token back until
+        # their end (`_device_chain`): on a GPU, where each read is a sync
+        self.device_chain = model.device.type == "cuda"
 
     def new_state(self, prompt_ids: list[int], tenant: str = "") -> DraftState:
         # nothing crosses requests: the tenant does not matter
@@ -90,6 +94,10 @@ class DraftModelDrafter:
                 self._feed([state], [r[:PREFILL_CHUNK]])
                 del r[:PREFILL_CHUNK]
         logits = self._feed(states, rows)  # [B, vocab]
+        if self.device_chain and all(
+            job.params.greedy and job.controls is None and job.min_prob <= 0.0 for job in jobs
+        ):
+            return self._device_chain(jobs, states, logits)
         drafts: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in jobs]
         chains = [1.0] * len(jobs)  # each draft's probability so far, by the draft model
         active = list(range(len(jobs)))  # jobs (indices) whose logits row is in `logits`
@@ -99,6 +107,35 @@ class DraftModelDrafter:
                 break
             logits = self._feed([states[j] for j in active], [[drafts[j][0][-1]] for j in active])
         return [Draft(d, torch.stack(p) if p else None) for d, p in drafts]
+
+    def _device_chain(
+        self, jobs: Sequence[DraftJob], states: list[DraftState], logits: torch.Tensor
+    ) -> list[Draft]:
+        """`propose`'s draft positions for greedy jobs that draft exactly k tokens with no logit
+        controls: each position's argmax stays on the device and is the next forward's input,
+        and the tokens are read back once, at the end (one sync per propose, not one per
+        token). The forwards are the ones the per-token loop runs, so are the drafts."""
+        ks = [job.k for job in jobs]
+        picks = [logits.argmax(-1)]  # per position: the argmax of the jobs drafting there
+        at = [list(range(len(jobs)))]  # per position: those jobs, in `picks` order
+        for step in range(1, max(ks)):
+            active = [j for j in at[-1] if ks[j] > step]
+            where = torch.tensor([at[-1].index(j) for j in active], device=logits.device)
+            ids = picks[-1].index_select(0, where)
+            out = self.model(ids, [states[j].cache for j in active], [1] * len(active))
+            self.forwards.append(StepShape(len(active), len(active)))
+            for j in active:
+                states[j].cache.commit(states[j].cache.length + 1)
+            picks.append(out.logits.argmax(-1))
+            at.append(active)
+        values = torch.cat(picks).tolist()  # the one read back
+        tokens: list[list[int]] = [[] for _ in jobs]
+        for jobs_at, start in zip(at, itertools.accumulate([0, *map(len, at)]), strict=False):
+            for offset, j in enumerate(jobs_at):
+                tokens[j].append(values[start + offset])
+        for state, drafted in zip(states, tokens, strict=True):
+            state.fed.extend(drafted[:-1])  # every draft but the last was fed
+        return [Draft(t) for t in tokens]
 
     def commit(
         self, state: DraftState, tokens: list[int], hidden: torch.Tensor | None = None
