@@ -533,8 +533,9 @@ def main() -> None:
             report["hybrid"] = guarded("hybrid", lambda: bench_hybrid(args.hybrid, device), errors)
             report["hybrid_errors"] = errors
             partial()
-        # last: the slowest peer (minutes of compiling), so a cut-short run loses only it
-        for key, directory in (("pair", work / "pair" / "target"), ("single", work / "single")):
+        # last: the slowest peer (minutes of compiling), so a cut-short run loses only it; the
+        # small model first (on the H100 the 1.5B's compile outlasted the device time)
+        for key, directory in (("single", work / "single"), ("pair", work / "pair" / "target")):
             if args.compile and key in report:
                 part = report[key]
                 code = prompt_sets()["code"][0]
