@@ -11,6 +11,7 @@ from quickdraft.engine import stream
 from quickdraft.loading import LoadedModel
 from quickdraft.request import Request, SamplingParams
 from quickdraft.speculation.factory import make_speculation
+from quickdraft.speculation.state import AnySpeculation
 
 # code, prose, JSON, repeats, counting: prompts whose continuations drafts often guess
 PROMPTS = [
@@ -26,9 +27,14 @@ PROMPTS = [
 
 
 def generate(
-    lm: LoadedModel, prompt: str, params: SamplingParams, cfg: SpeculativeConfig
+    lm: LoadedModel,
+    prompt: str,
+    params: SamplingParams,
+    cfg: SpeculativeConfig | AnySpeculation | None,
 ) -> Request:
-    spec = make_speculation(lm, cfg)
+    """One request with speculation `cfg`: a config (built fresh for it) or a Speculation
+    built beforehand (shared across calls, e.g. one whose drafter a test adjusted)."""
+    spec = make_speculation(lm, cfg) if isinstance(cfg, SpeculativeConfig) else cfg
     req = lm.new_request(lm.tokenizer.encode(prompt), params)
     for _ in stream(lm, req, spec):
         pass
@@ -36,7 +42,10 @@ def generate(
 
 
 def greedy_parity(
-    lm: LoadedModel, prompts: list[str], params: SamplingParams, cfg: SpeculativeConfig
+    lm: LoadedModel,
+    prompts: list[str],
+    params: SamplingParams,
+    cfg: SpeculativeConfig | AnySpeculation,
 ) -> tuple[int, int]:
     """Every prompt's output with `cfg` equals speculation off's; -> (drafted, accepted)."""
     drafted = accepted = 0
