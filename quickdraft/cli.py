@@ -659,7 +659,7 @@ def _add_bench_args(b: argparse.ArgumentParser) -> None:
 # train-drafter --kind -> the flags it refuses (they shape the other kind of drafter)
 _KIND_FLAGS = {
     "dflash": ("mtp_steps",),
-    "mtp": ("layers", "block_size", "taps", "num_taps", "mask_token_id", "draft_vocab"),
+    "mtp": ("layers", "block_size", "taps", "num_taps", "mask_token_id"),
 }
 
 

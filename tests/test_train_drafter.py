@@ -101,7 +101,7 @@ def test_training_forward_equals_the_serving_forward(tmp_path: Path, reduced: bo
     scored = torch.arange(320) if vocab_ids is None else vocab_ids
     if reduced:
         assert json.loads((tmp_path / "config.json").read_text())["draft_vocab_size"] == 106
-        assert served.vocab_ids is not None and served.vocab_ids.tolist() == scored.tolist()
+        assert served.vocab is not None and served.vocab.ids.tolist() == scored.tolist()
     ids = torch.tensor(lm.tokenizer.encode("def add(a, b):\n    return a + b\n\ndef add("))[:20]
     corpus = run_target(lm.model, ids[None], TAPS, progress=False)
     anchors = torch.tensor([[5, 12, 17]])

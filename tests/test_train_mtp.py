@@ -42,21 +42,31 @@ from quickdraft.training.loop import TrainConfig, save_checkpoint, train
 from quickdraft.training.mtp import mtp_trainer_for
 
 
-def test_mtp_training_forward_equals_the_serving_head(tmp_path: Path) -> None:
+@pytest.mark.parametrize("reduced", [False, True], ids=["whole-vocab", "draft-vocab"])
+def test_mtp_training_forward_equals_the_serving_head(tmp_path: Path, reduced: bool) -> None:
     """Logits of 3 chained steps at 3 anchors from the training forward (one causal pass, then
     chained rows per anchor) equal the serving MTPHead's, loaded from the checkpoint the trainer
     wrote: rows 0 .. a-1 run with the target's post-norm hidden and committed, then each chained
-    row fed the previous step's post-norm output and the target's token."""
+    row fed the previous step's post-norm output and the target's token. With a reduced draft
+    vocabulary (`d2t`) on its ids, and -inf elsewhere."""
     lm = dense_target(tmp_path / "target")
-    model = mtp_trainer_for(lm.model, 3, seed=3, dtype=torch.float32)
+    vocab_ids = torch.arange(2, 320, 3) if reduced else None
+    model = mtp_trainer_for(lm.model, 3, seed=3, dtype=torch.float32, vocab_ids=vocab_ids)
     with torch.no_grad():  # away from the init, so that every tensor matters
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     save_checkpoint(model, torch.optim.AdamW(model.parameters()), 0, TrainConfig(), tmp_path, "t")
     names = set(load_file(str(tmp_path / "model.safetensors")))  # the head's tensors only
-    assert all(n.startswith("mtp.") for n in names), names
+    assert all(n.startswith("mtp.") for n in names - {"d2t"}), names
+    assert ("d2t" in names) == reduced
     assert "mtp.layers.0.self_attn.q_norm.weight" in names  # the Qwen3 target's layer
     head = load_mtp_head(lm.model, tmp_path)
+    scored = torch.arange(320) if vocab_ids is None else vocab_ids
+    others = torch.ones(320, dtype=torch.bool)
+    others[scored] = False
+    if reduced:
+        assert json.loads((tmp_path / "config.json").read_text())["draft_vocab_size"] == 106
+        assert head.vocab is not None and head.vocab.ids.tolist() == scored.tolist()
     ids = torch.tensor(lm.tokenizer.encode("def add(a, b):\n    return a + b\n\ndef add("))[:24]
     last = lm.model.config.num_hidden_layers - 1
     corpus = run_target(lm.model, ids[None], (last,), progress=False)
@@ -70,10 +80,17 @@ def test_mtp_training_forward_equals_the_serving_head(tmp_path: Path) -> None:
         )
         cache.commit(a)
         for step in range(3):
-            assert (got[0, n, step].detach() - logits[0]).abs().max().item() < 1e-4, (a, step)
+            want = logits[0, scored]
+            assert (got[0, n, step].detach() - want).abs().max().item() < 1e-4, (a, step)
+            assert bool((logits[0, others] == float("-inf")).all())
             token, hidden = preds[a + step : a + step + 1], post[-1:]
             logits, _, post = head(token, hidden, [cache], [1], torch.tensor([0]))
             cache.commit(cache.length + 1)
+    spec = make_speculation(
+        lm, SpeculativeConfig(method="mtp", draft_model=str(tmp_path), num_draft_tokens=3)
+    )
+    plain = generate(lm, "def add(", None, max_tokens=16)
+    assert generate(lm, "def add(", spec, max_tokens=16).output_ids == plain.output_ids
 
 
 def train_cli(target: Path, out: Path, corpus: Path, *extra: str) -> int:

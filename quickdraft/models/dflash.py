@@ -12,7 +12,7 @@ bookkeeping). Checkpoint layout (config.json + *.safetensors, the public one):
               self_attn.{q,k}_norm, mlp.{gate,up,down}_proj}.weight (an optional `model.` prefix
               is dropped; an embed_tokens / lm_head copy is ignored: the target's are used);
               optional `d2t` [V_d] with `draft_vocab_size`: a reduced draft vocabulary
-              (read_draft_vocabulary; `DFlashModel.restrict_vocab_` scores only those ids)
+              (models/draft_vocab.py; `DFlashModel.restrict_vocab_` scores only those ids)
 No embedding and no lm_head of its own: the block rows are the target's (raw) token embeddings,
 the logits the target's lm_head over this model's final norm.
 
@@ -41,12 +41,12 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import Tensor, nn
 
 from quickdraft.config import ModelConfig, read_hf_config
-from quickdraft.kernels.gemm import Weight, dequantized_rows, project, to_panels
+from quickdraft.kernels.gemm import Weight, project, to_panels
 from quickdraft.kernels.pointwise import rope as apply_rope
+from quickdraft.models.draft_vocab import DraftVocab
 from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.layers import (
     LinearView,
@@ -57,7 +57,6 @@ from quickdraft.models.layers import (
 )
 from quickdraft.models.llama import MLP, Attention
 
-D2T = "d2t"  # a reduced draft vocabulary: logit column i is token i + d2t[i] (EAGLE-3's)
 # architectures this module runs; DFlash2 adds per-layer convolutions and a candidate selector
 DFLASH_ARCHITECTURES = ("DFlashDraftModel",)
 
@@ -69,24 +68,6 @@ def default_target_layers(num_target_layers: int, num_draft_layers: int) -> tupl
         return (num_target_layers // 2,)
     span = num_target_layers - 4
     return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
-
-
-def read_draft_vocabulary(files: Sequence[Path], vocab_size: int) -> Tensor | None:
-    """The token ids of a checkpoint's reduced draft vocabulary (tensor `d2t`), checked; None
-    when it has none (the drafter scores the target's whole vocabulary)."""
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            if D2T in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                d2t = f.get_tensor(D2T)
-                ids = d2t.long() + torch.arange(len(d2t))
-                if d2t.dim() != 1 or not len(d2t):
-                    raise ValueError(f"{file}: d2t has shape {tuple(d2t.shape)}")
-                if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-                    raise ValueError(f"{file}: d2t names ids outside the vocabulary ({vocab_size})")
-                if not bool((ids[1:] > ids[:-1]).all()):
-                    raise ValueError(f"{file}: d2t's token ids are not ascending")
-                return ids
-    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,7 +318,7 @@ class DFlashModel(OperandModule):
             lm_head_weight.detach() if isinstance(lm_head_weight, Tensor) else lm_head_weight
         )
         self.vocab_size = lm_head_weight.shape[0]
-        self.vocab_ids: Tensor | None = None  # the draft vocabulary (restrict_vocab_), if any
+        self.vocab: DraftVocab | None = None  # the draft vocabulary (restrict_vocab_), if any
         self.requires_grad_(False)
 
     def restrict_vocab_(self, ids: Tensor) -> None:
@@ -345,10 +326,8 @@ class DFlashModel(OperandModule):
         becomes those rows of the target's, dequantized to the model dtype (and packed when the
         target's head runs a kernel operand); every other id's logit is -inf. Call after
         `pack_`."""
-        head = self.lm_head_weight
-        rows = dequantized_rows(head, ids.tolist()).to(self.dtype)
-        self.lm_head_weight = rows if isinstance(head, Tensor) else to_panels(rows)
-        self.vocab_ids = ids.to(self.device)
+        self.vocab = DraftVocab(self.lm_head_weight, ids, self.dtype)
+        self.lm_head_weight = self.vocab.weight
 
     def pack_(self) -> None:
         """bf16 operands -> PanelWeight, as the target's `pack_` (a packed target head is
@@ -414,8 +393,4 @@ class DFlashModel(OperandModule):
         for layer in self.decoder_layers:
             x = layer(x, rope, caches, sizes, window)
         logits = project(self.norm(x[logit_rows]), self.lm_head_weight).float()
-        if self.vocab_ids is None:
-            return logits
-        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-        full[:, self.vocab_ids] = logits
-        return full
+        return logits if self.vocab is None else self.vocab.full(logits)

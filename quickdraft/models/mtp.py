@@ -13,7 +13,8 @@ Embedding and lm_head are the target's (shared, not parameters of the head).
 A head trained apart from its target (`quickdraft train-drafter --kind mtp`, for a dense target
 that ships none) is a directory of its own: model.safetensors holding the `mtp.*` tensors, and
 a config.json whose `architectures` is [STANDALONE_ARCHITECTURE], with the target's
-`model_type`, `hidden_size` and `vocab_size` and the head's `num_nextn_predict_layers`.
+`model_type`, `hidden_size` and `vocab_size` and the head's `num_nextn_predict_layers`; with
+`d2t` and `draft_vocab_size` it scores a reduced draft vocabulary (models/draft_vocab.py).
 
 Contract: `forward(token_ids [N], hidden [N, H], caches, num_new, logit_rows)` runs the rows
 x_i = fc([norm_e(embed(t_{i+1})) ; norm_h(h_i)]) of several requests packed, row i of a request
@@ -36,6 +37,7 @@ from torch import Tensor, nn
 
 from quickdraft.config import ModelConfig
 from quickdraft.kernels.gemm import Weight, project, to_panels
+from quickdraft.models.draft_vocab import DraftVocab
 from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.layers import LinearView, OperandModule, RMSNorm, Rope, convert_operands_
@@ -119,7 +121,16 @@ class MTPHead(OperandModule):
         self.lm_head_weight = (
             lm_head_weight.detach() if isinstance(lm_head_weight, Tensor) else lm_head_weight
         )
+        self.vocab_size = lm_head_weight.shape[0]
+        self.vocab: DraftVocab | None = None  # a reduced draft vocabulary (restrict_vocab_)
         self.requires_grad_(False)
+
+    def restrict_vocab_(self, ids: Tensor) -> None:
+        """Score only token ids `ids` (a trained head's `d2t`, models/draft_vocab.py): the head
+        becomes those rows of the target's; every other id's logit is -inf. Call after
+        `pack_`."""
+        self.vocab = DraftVocab(self.lm_head_weight, ids, self.dtype)
+        self.lm_head_weight = self.vocab.weight
 
     def pack_(self) -> None:
         """bf16 operands -> PanelWeight, as the target's `pack_` (a target head that is already
@@ -154,4 +165,4 @@ class MTPHead(OperandModule):
         x = self.layers[0](x, self.rope.tables(positions, self.dtype), caches, num_new)
         out = self.norm(x)  # [N, H]
         logits = project(out[logit_rows], self.lm_head_weight).float()
-        return logits, x, out
+        return logits if self.vocab is None else self.vocab.full(logits), x, out

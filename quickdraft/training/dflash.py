@@ -38,8 +38,7 @@ class DFlashTrainModel(DraftTrainModel):
     """The DFlash drafter's forward in plain torch (module docstring); `state_dict()` holds
     exactly the public checkpoint's tensors."""
 
-    head: Tensor  # buffers, typed
-    t2d: Tensor
+    head: Tensor  # a buffer, typed
 
     def __init__(
         self,
@@ -70,16 +69,7 @@ class DFlashTrainModel(DraftTrainModel):
         self.norm = Norm(h, shape.rms_norm_eps)
         self._embed = embed
         self.vocab_size = head.shape[0]
-        self.draft_vocab = None if vocab_ids is None else len(vocab_ids)
-        t2d = torch.arange(head.shape[0])  # target id -> the drafter's logit column (-1: none)
-        if vocab_ids is not None:
-            head = head[vocab_ids].clone()
-            t2d = torch.full((self.vocab_size,), -1, dtype=torch.int64)
-            t2d[vocab_ids] = torch.arange(len(vocab_ids))
-            # EAGLE-3's convention: column i is token i + d2t[i]; saved in the checkpoint
-            self.register_buffer("d2t", vocab_ids - torch.arange(len(vocab_ids)))
-        self.register_buffer("head", head, persistent=False)
-        self.register_buffer("t2d", t2d, persistent=False)
+        self.register_buffer("head", self.scored_head(head, vocab_ids), persistent=False)
         self.rope = Rope(shape.head_dim, shape.rope_theta, torch.device("cpu"))
 
     def block_hidden(self, ids: Tensor, taps: Tensor, anchors: Tensor) -> Tensor:
@@ -135,7 +125,7 @@ class DFlashTrainModel(DraftTrainModel):
             "rope_theta": s.rope_theta,
             "max_position_embeddings": s.max_position_embeddings,
             "vocab_size": s.vocab_size,
-            **({} if self.draft_vocab is None else {"draft_vocab_size": self.draft_vocab}),
+            **self.vocab_json(),
             "attention_bias": False,
             "tie_word_embeddings": False,
             "torch_dtype": "float32",

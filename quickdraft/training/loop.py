@@ -69,11 +69,33 @@ class TrainConfig:
 
 
 class DraftTrainModel(nn.Module, ABC):
-    """A drafter under training (module docstring); subclasses set `rows` and register the
-    `t2d` buffer (target id -> the drafter's logit column, -1 for an id it cannot score)."""
+    """A drafter under training (module docstring); subclasses set `rows` and register their
+    head through `scored_head` (which registers `t2d`: target id -> the drafter's logit column,
+    -1 for an id it cannot score)."""
 
     rows: int
     t2d: Tensor
+    draft_vocab: int | None = None  # the reduced draft vocabulary's size (None: the whole one)
+
+    def scored_head(self, head: Tensor, vocab_ids: Tensor | None) -> Tensor:
+        """The frozen head [vocab, H] cut to the draft vocabulary `vocab_ids` [V_d] (ascending;
+        None: all ids), registering `t2d` and, for a reduced vocabulary, the checkpoint's `d2t`
+        (models/draft_vocab.py)."""
+        vocab = head.shape[0]
+        t2d = torch.arange(vocab)  # target id -> the drafter's logit column (-1: none)
+        if vocab_ids is not None:
+            self.draft_vocab = len(vocab_ids)
+            head = head[vocab_ids].clone()
+            t2d = torch.full((vocab,), -1, dtype=torch.int64)
+            t2d[vocab_ids] = torch.arange(len(vocab_ids))
+            # EAGLE-3's convention: column i is token i + d2t[i]; saved in the checkpoint
+            self.register_buffer("d2t", vocab_ids - torch.arange(len(vocab_ids)))
+        self.register_buffer("t2d", t2d, persistent=False)
+        return head
+
+    def vocab_json(self) -> dict[str, int]:
+        """config.json's `draft_vocab_size` entry, if the vocabulary is reduced."""
+        return {} if self.draft_vocab is None else {"draft_vocab_size": self.draft_vocab}
 
     @abstractmethod
     def rows_hidden(self, ids: Tensor, taps: Tensor, preds: Tensor, anchors: Tensor) -> Tensor:

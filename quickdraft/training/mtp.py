@@ -3,11 +3,12 @@
 Stage: the MTP half of `quickdraft train-drafter --kind mtp` (training/corpus.py makes its data,
 training/loop.py holds the labels, loss, AL estimate and loop it shares with training/dflash.py).
 Contract:
-  MTPTrainModel(shape, steps, embed, head)
+  MTPTrainModel(shape, steps, embed, head, seed, vocab_ids)
         the MTP head's forward (models/mtp.py: x_i = fc([norm_e(embed(t_{i+1})); norm_h(h_i)]),
-        one decoder layer of the target's family, final norm, the target's lm_head) in plain
-        differentiable torch; `state_dict()` is the standalone head checkpoint (`mtp.*`
-        tensors) that `--speculative-method mtp --draft-model DIR` loads.
+        one decoder layer of the target's family, final norm, the target's lm_head, or its rows
+        of a reduced draft vocabulary) in plain differentiable torch; `state_dict()` is the
+        standalone head checkpoint (`mtp.*` tensors, and `d2t` for a reduced vocabulary) that
+        `--speculative-method mtp --draft-model DIR` loads.
   .rows_hidden(ids, taps, preds, anchors)   for an anchor a (the last token given), `steps`
         drafted rows, as the drafter runs them when serving (drafters/mtp.py):
         step 1   row a - 1 of one causal pass over every position i < T - 1, row i reading the
@@ -66,8 +67,7 @@ class _Head(nn.Module):
 class MTPTrainModel(DraftTrainModel):
     """The MTP head's forward in plain torch (module docstring)."""
 
-    head: Tensor  # buffers, typed
-    t2d: Tensor
+    head: Tensor  # a buffer, typed
 
     def __init__(
         self,
@@ -76,14 +76,14 @@ class MTPTrainModel(DraftTrainModel):
         embed: Callable[[Tensor], Tensor],  # token ids -> the target's raw embeddings [.., H]
         head: Tensor,  # [vocab, H] the target's lm_head, frozen
         seed: int = 0,
+        vocab_ids: Tensor | None = None,  # [V_d] ascending: the token ids the head scores
     ) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.shape, self.rows = shape, steps
         self.mtp = _Head(shape)
         self._embed = embed
-        self.register_buffer("head", head, persistent=False)
-        self.register_buffer("t2d", torch.arange(head.shape[0]), persistent=False)
+        self.register_buffer("head", self.scored_head(head, vocab_ids), persistent=False)
         self.rope = Rope(shape.head_dim, shape.rope_theta, torch.device("cpu"))
 
     def _inputs(self, tokens: Tensor, hidden: Tensor) -> Tensor:
@@ -137,6 +137,7 @@ class MTPTrainModel(DraftTrainModel):
             "model_type": s.model_type,
             "hidden_size": s.hidden_size,
             "vocab_size": s.vocab_size,
+            **self.vocab_json(),
             "num_nextn_predict_layers": 1,
             "torch_dtype": "float32",
             "quickdraft": {
@@ -153,6 +154,7 @@ def mtp_trainer_for(
     steps: int,
     seed: int = 0,
     dtype: torch.dtype | None = None,  # the frozen head's (default: layers.head_dtype())
+    vocab_ids: Tensor | None = None,  # the draft vocabulary (draft_vocabulary); None: all
 ) -> MTPTrainModel:
     """A fresh MTP head to train for dense target `model` (its embedding and head, frozen)."""
     target: Any = module_of(model)
@@ -167,7 +169,7 @@ def mtp_trainer_for(
     if steps < 1:
         raise ValueError(f"MTP steps must be >= 1, got {steps}")
     frozen = frozen_target(target, dtype)
-    head = MTPTrainModel(shape, steps, frozen.embed, frozen.head, seed)
+    head = MTPTrainModel(shape, steps, frozen.embed, frozen.head, seed, vocab_ids)
     with torch.no_grad():
         head.mtp.norm.weight.copy_(frozen.norm_scale)
     return head

@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from torch import Tensor
-
 from quickdraft.loading import LoadedModel
-from quickdraft.models.dflash import default_target_layers, read_draft_vocabulary
+from quickdraft.models.dflash import default_target_layers
+from quickdraft.models.draft_vocab import read_draft_vocabulary
 from quickdraft.models.mtp import STANDALONE_ARCHITECTURE
 from quickdraft.training.chat_data import answer, chat_corpus, instructions
 from quickdraft.training.corpus import (
@@ -119,14 +118,14 @@ def train_drafter(
             progress,
         )
     data, held_out = corpus.split(data_cfg.held_out, seed=train_cfg.seed)
-    vocab_ids: Tensor | None = None  # an MTP head scores the whole vocabulary (the target's head)
+    checkpoint = [out / CHECKPOINT] if (out / CHECKPOINT).is_file() else []
+    # a resumed run keeps its vocabulary (none in the checkpoint: the whole one)
+    vocab_ids = read_draft_vocabulary(checkpoint, model.config.vocab_size)
+    if not checkpoint and 0 < data_cfg.draft_vocab < model.config.vocab_size:
+        vocab_ids = draft_vocabulary(data, data_cfg.draft_vocab, lm.eos_ids)
     if kind == "mtp":
-        drafter: DraftTrainModel = mtp_trainer_for(model, train_cfg.mtp_steps)
+        drafter: DraftTrainModel = mtp_trainer_for(model, train_cfg.mtp_steps, vocab_ids=vocab_ids)
     else:
-        checkpoint = [out / CHECKPOINT] if (out / CHECKPOINT).is_file() else []
-        vocab_ids = read_draft_vocabulary(checkpoint, model.config.vocab_size)  # kept on resume
-        if vocab_ids is None and 0 < data_cfg.draft_vocab < model.config.vocab_size:
-            vocab_ids = draft_vocabulary(data, data_cfg.draft_vocab, lm.eos_ids)
         drafter = trainer_for(
             model, train_cfg.num_layers, taps, train_cfg.block_size, mask, vocab_ids=vocab_ids
         )

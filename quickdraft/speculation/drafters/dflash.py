@@ -35,13 +35,8 @@ from quickdraft.config import PREFILL_CHUNK
 from quickdraft.kernels.gemm import Weight
 from quickdraft.kernels.linear_bf16 import PanelWeight
 from quickdraft.models.base import LanguageModel, module_of
-from quickdraft.models.dflash import (
-    D2T,
-    ContextCache,
-    DFlashConfig,
-    DFlashModel,
-    read_draft_vocabulary,
-)
+from quickdraft.models.dflash import ContextCache, DFlashConfig, DFlashModel
+from quickdraft.models.draft_vocab import D2T, check_declared, read_draft_vocabulary
 from quickdraft.models.loader import load_weights
 from quickdraft.speculation.cost import StepShape, settle
 from quickdraft.speculation.drafters.base import Draft, DraftJob, draft_one
@@ -90,10 +85,7 @@ def load_dflash(model: LanguageModel, path: str | Path) -> DFlashModel:
         drafter.pack_()
     vocab_ids = read_draft_vocabulary(files, shape.vocab_size)
     if vocab_ids is not None:
-        if cfg.draft_vocab_size is not None and cfg.draft_vocab_size != len(vocab_ids):
-            raise ValueError(
-                f"{path}: draft_vocab_size {cfg.draft_vocab_size} but d2t has {len(vocab_ids)}"
-            )
+        check_declared(path, cfg.draft_vocab_size, vocab_ids)
         drafter.restrict_vocab_(vocab_ids)
     return drafter
 

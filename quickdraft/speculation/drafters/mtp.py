@@ -41,6 +41,7 @@ from quickdraft.config import PREFILL_CHUNK
 from quickdraft.hub.convert import GGUF_LINK
 from quickdraft.kernels.gemm import Weight, panels_apply
 from quickdraft.models.base import LanguageModel, module_of
+from quickdraft.models.draft_vocab import check_declared, read_draft_vocabulary
 from quickdraft.models.gguf_loader import is_gguf_dir
 from quickdraft.models.gguf_qwen_loader import load_gguf_mtp_head
 from quickdraft.models.kv_cache import KVCache
@@ -104,6 +105,11 @@ def load_mtp_head(model: LanguageModel, path: str | Path) -> MTPHead:
     load_weights(head, files, lambda n: family(n[4:]) if n.startswith("mtp.") else None)
     if panels_apply(dtype, device):  # as `loading.load` packs the target (a GGUF one too)
         head.pack_()
+    vocab_ids = None if own is None else read_draft_vocabulary(files, cfg.vocab_size)
+    if vocab_ids is not None:
+        assert own is not None
+        check_declared(path, own.get("draft_vocab_size"), vocab_ids)
+        head.restrict_vocab_(vocab_ids)
     return head
 
 
@@ -264,7 +270,7 @@ def head_step_seconds(head: MTPHead, context: int = 16, reps: int = 3) -> float:
     """Seconds of one single-row head forward after `context` rows (best of reps)."""
     cache = head.new_cache(context + 2)
     size = head.hidden_size
-    vocab = head.lm_head_weight.shape[0]
+    vocab = head.vocab_size
     ids = torch.randint(0, vocab, (context + 1,), device=head.device)
     hidden = torch.randn(context + 1, size, dtype=head.dtype, device=head.device)
     head(ids[:context], hidden[:context], [cache], [context], torch.tensor([context - 1]))

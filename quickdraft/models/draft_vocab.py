@@ -1,0 +1,68 @@
+"""A drafter's reduced draft vocabulary (EAGLE-3's `d2t`): the drafter scores only some of the
+target's token ids with those rows of the target's lm_head, and every other id gets -inf.
+
+Stage: shared by the drafters that score over the target's head (models/dflash.py,
+models/mtp.py); training/loop.py writes it. Checkpoint layout: a tensor `d2t` [V_d] (logit
+column i is token i + d2t[i], the ids ascending) and `draft_vocab_size` = V_d in config.json.
+Contract:
+  read_draft_vocabulary(files, vocab_size)   the ids [V_d] of a checkpoint's `d2t`, checked;
+                                             None when it has none (the whole vocabulary)
+  DraftVocab(head, ids, dtype)               the head's rows `ids` dequantized once into a GEMM
+                                             operand packed like the head; `.full(logits)`
+                                             widens [N, V_d] logits to [N, vocab] with -inf
+Verification is untouched: a drafter that cannot propose a token only loses that acceptance,
+and a restricted draft distribution is still a valid proposal for rejection sampling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from quickdraft.kernels.gemm import Weight, dequantized_rows, to_panels
+
+D2T = "d2t"  # a reduced draft vocabulary: logit column i is token i + d2t[i] (EAGLE-3's)
+
+
+def read_draft_vocabulary(files: Sequence[Path], vocab_size: int) -> Tensor | None:
+    """The token ids of a checkpoint's reduced draft vocabulary (tensor `d2t`), checked; None
+    when it has none (the drafter scores the target's whole vocabulary)."""
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            if D2T in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                d2t = f.get_tensor(D2T)
+                ids = d2t.long() + torch.arange(len(d2t))
+                if d2t.dim() != 1 or not len(d2t):
+                    raise ValueError(f"{file}: d2t has shape {tuple(d2t.shape)}")
+                if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+                    raise ValueError(f"{file}: d2t names ids outside the vocabulary ({vocab_size})")
+                if not bool((ids[1:] > ids[:-1]).all()):
+                    raise ValueError(f"{file}: d2t's token ids are not ascending")
+                return ids
+    return None
+
+
+def check_declared(path: Path, declared: int | None, ids: Tensor) -> None:
+    """A clear error when config.json's `draft_vocab_size` disagrees with the `d2t` tensor."""
+    if declared is not None and declared != len(ids):
+        raise ValueError(f"{path}: draft_vocab_size {declared} but d2t has {len(ids)}")
+
+
+class DraftVocab:
+    """The rows `ids` of the target's head, as a GEMM operand (module docstring)."""
+
+    def __init__(self, head: Weight, ids: Tensor, dtype: torch.dtype) -> None:
+        rows = dequantized_rows(head, ids.tolist()).to(dtype)
+        self.weight: Weight = rows if isinstance(head, Tensor) else to_panels(rows)
+        self.vocab_size = head.shape[0]
+        self.ids = ids.to(rows.device)
+
+    def full(self, logits: Tensor) -> Tensor:
+        """[N, V_d] logits over the draft vocabulary -> [N, vocab], -inf on every other id."""
+        out = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        out[:, self.ids] = logits
+        return out
