@@ -106,8 +106,7 @@ def load_mtp_head(model: LanguageModel, path: str | Path) -> MTPHead:
     if panels_apply(dtype, device):  # as `loading.load` packs the target (a GGUF one too)
         head.pack_()
     vocab_ids = None if own is None else read_draft_vocabulary(files, cfg.vocab_size)
-    if vocab_ids is not None:
-        assert own is not None
+    if own is not None and vocab_ids is not None:  # a trained head's reduced vocabulary
         check_declared(path, own.get("draft_vocab_size"), vocab_ids)
         head.restrict_vocab_(vocab_ids)
     return head
