@@ -686,6 +686,13 @@ def _add_train_args(t: argparse.ArgumentParser) -> None:
         "corpus as it is; auto (default): chat when the model has a chat template",
     )
     t.add_argument("--messages", type=int, default=None, help="chat: instructions (1500)")
+    t.add_argument(
+        "--instructions",
+        choices=["corpus", "self", "mixed"],
+        default=None,
+        help="chat: instructions made from the corpus (default), written by the model itself "
+        "(sampled completions of its user turn), or half each",
+    )
     t.add_argument("--answer-tokens", type=int, default=None, help="chat: longest answer (256)")
     t.add_argument(
         "--draft-vocab",
@@ -745,6 +752,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
             corpus=None if args.corpus is None else tuple(args.corpus),
             data=args.data,
             messages=args.messages,
+            instructions=args.instructions,
             answer_tokens=args.answer_tokens,
             draft_vocab=args.draft_vocab,
             seq_len=args.seq_len,

@@ -35,6 +35,8 @@ from quickdraft.loading import LoadedModel, load
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.drafters.dflash import load_dflash
 from quickdraft.speculation.factory import make_speculation
+from quickdraft.training import chat_data
+from quickdraft.training import run as run_module
 from quickdraft.training.chat_data import answer, chat_corpus, instructions
 from quickdraft.training.corpus import TapCorpus, read_texts, run_target, token_sequences
 from quickdraft.training.dflash import (
@@ -45,7 +47,7 @@ from quickdraft.training.dflash import (
 )
 from quickdraft.training.loop import DraftTrainModel, TrainConfig, save_checkpoint, train
 from quickdraft.training.mtp import mtp_trainer_for
-from quickdraft.training.run import read_log
+from quickdraft.training.run import DataConfig, chat_messages, read_log
 
 TAPS = (0, 1)
 KINDS = ("dflash", "mtp")
@@ -182,6 +184,44 @@ def test_chat_data_from_a_corpus(tmp_path: Path) -> None:
     assert corpus.agreement() > 0.95  # the answers are the target's own greedy tokens
     anchors = corpus.anchors(torch.arange(len(corpus)), 50)
     assert bool(((anchors >= lo[:, None]) & (anchors < hi[:, None] - 1)).all())
+
+
+def test_instructions_written_by_the_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--instructions self: the chat template's user turn, opened with an OPENERS entry and
+    completed by sampling with a seed per message (the same seed, the same messages); distinct,
+    each saying more than its opener. --instructions mixed interleaves them with the corpus's,
+    and the written ones are kept in the data folder, so a resumed run samples nothing."""
+    lm = dense_target(tmp_path / "target")
+    prefix = chat_data._user_turn_prefix(lm)
+    chat = lm.tokenizer.encode_chat([{"role": "user", "content": "hello there"}])
+    assert chat[: len(prefix)] == prefix and len(prefix) < len(chat)
+    written = chat_data.self_instructions(lm, 10, seed=3, max_tokens=6, progress=False)
+    assert 0 < len(written) <= 10 and len(set(written)) == len(written)
+    assert all(m.startswith(chat_data.OPENERS) for m in written)
+    assert all(any(m != o and m.startswith(o) for o in chat_data.OPENERS) for m in written)
+    assert written == chat_data.self_instructions(lm, 10, seed=3, max_tokens=6, progress=False)
+    corpus = tmp_path / "corpus.md"
+    corpus.write_text(
+        ("the cat sat on the mat and watched the ships in the harbour. " * 5 + "\n\n") * 9
+    )
+    cfg = DataConfig(messages=8, instructions="mixed")
+    calls: list[int] = []
+
+    def sample(lm: LoadedModel, n: int) -> list[str]:
+        calls.append(n)
+        return [f"Write a poem about ship {i}" for i in range(n)]
+
+    monkeypatch.setattr(run_module, "self_instructions", sample)
+    messages = chat_messages(lm, "t", [corpus], cfg, tmp_path / "data")
+    assert calls == [4] and len(messages) == 8
+    assert messages[0::2] == [f"Write a poem about ship {i}" for i in range(4)]
+    assert messages[1::2] == instructions(read_texts([corpus]), 4)
+    assert chat_messages(lm, "t", [corpus], cfg, tmp_path / "data") == messages
+    assert calls == [4]  # the second run read them back
+    with pytest.raises(ValueError, match="--instructions 'nope'"):
+        chat_messages(lm, "t", [corpus], replace(cfg, instructions="nope"), tmp_path / "data")
 
 
 def test_chat_instructions_do_not_depend_on_the_hash_seed(tmp_path: Path) -> None:

@@ -9,6 +9,10 @@ plain-text one). Contract:
                                      refactor this function", for prose "summarize / explain
                                      this paragraph" and open writing tasks on topics
                                      (words frequent in the corpus); seeded, shuffled
+  self_instructions(lm, n, seed)     n user messages written by the target itself (Magpie's
+                                     recipe): its chat template's user turn opened with a
+                                     common opener ("Write a Python function that", "Explain",
+                                     ...) and completed by sampling; deduplicated
   answer(lm, messages, max_answer)   each message chat-templated and answered greedily by the
                                      target (plain decoding, batched by the engine) ->
                                      (prompt ids, answer ids) per message
@@ -53,6 +57,30 @@ TOPIC_TASKS = (
     "Write a friendly email to a colleague about the {a} project.",
     "Give me five tips about {a}.",
     "Describe a day in the life of someone who works with {a} and {b}.",
+)
+
+
+# How a user message may start; the target writes the rest (self_instructions). Code and
+# general requests in about equal shares.
+OPENERS = (
+    "Write a Python function that",
+    "Write a Python program that",
+    "Write a Python class that",
+    "How do I",
+    "How can I",
+    "Implement",
+    "Explain how",
+    "What is the difference between",
+    "Fix this",
+    "Write a short story about",
+    "Write a poem about",
+    "Explain",
+    "Describe",
+    "Give me",
+    "What are",
+    "Write an email",
+    "Summarize",
+    "Why",
 )
 
 
@@ -160,28 +188,66 @@ def instructions(texts: Sequence[str], n: int, seed: int = 0) -> list[str]:
     return out
 
 
-def answer(
+def _user_turn_prefix(lm: LoadedModel) -> list[int]:
+    """The chat template's ids up to where a user message's text starts (the common prefix of
+    two one-message chats that differ only in that text)."""
+    tok = lm.tokenizer
+    if tok.chat_template is None:
+        raise ValueError("--data chat needs a model with a chat template; use --data text")
+    a = tok.encode_chat([{"role": "user", "content": "a"}])
+    b = tok.encode_chat([{"role": "user", "content": "b"}])
+    n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return a[:n]
+
+
+def self_instructions(
     lm: LoadedModel,
-    messages: Sequence[str],
-    max_answer: int,
+    n: int,
+    seed: int = 0,
+    max_tokens: int = 64,
     batch: int = 16,
     progress: bool = True,
-) -> list[tuple[list[int], list[int]]]:
-    """Each message as a one-turn chat answered greedily by the target (module docstring)."""
+) -> list[str]:
+    """Up to `n` user messages written by the target (module docstring): each an opener from
+    OPENERS completed by sampling (temperature 1, top-p 0.95, its own seed), at most
+    `max_tokens` more tokens; the distinct ones that say more than the opener, in order."""
+    tok = lm.tokenizer
+    prefix = _user_turn_prefix(lm)
+    rng = random.Random(seed)
+    openers = [rng.choice(OPENERS) for _ in range(n)]
+    prompts = [prefix + tok.encode(o, add_special_tokens=False) for o in openers]
+    params = [
+        SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.95, seed=seed * n + i)
+        for i in range(n)
+    ]
+    outputs = _generate(lm, prompts, params, batch, "target instructions", progress)
+    seen: set[str] = set()
+    out: list[str] = []
+    for opener, ids in zip(openers, outputs, strict=True):
+        rest = tok.decode([t for t in ids if t not in lm.eos_ids]).rstrip()
+        text = (opener + rest).strip()
+        if rest.strip() and text not in seen:
+            seen.add(text)
+            out.append(text)
+    return out
+
+
+def _generate(
+    lm: LoadedModel,
+    prompts: Sequence[list[int]],
+    params: Sequence[SamplingParams],
+    batch: int,
+    desc: str,
+    progress: bool,
+) -> list[list[int]]:
+    """Each prompt's output ids, the engine running `batch` at a time."""
     from quickdraft.engine.core import EngineCore
     from quickdraft.engine.scheduler import SchedulerConfig
     from quickdraft.engine.sequence import SeqStatus
 
-    tok = lm.tokenizer
-    if tok.chat_template is None:
-        raise ValueError("--data chat needs a model with a chat template; use --data text")
     core = EngineCore(lm, SchedulerConfig(max_running=batch))
-    params = SamplingParams(max_tokens=max_answer)
-    seqs = [
-        core.add(lm.new_request(tok.encode_chat([{"role": "user", "content": m}]), params), None)
-        for m in messages
-    ]
-    bar = tqdm(total=len(seqs), desc="target answers", unit="msg", disable=not progress)
+    seqs = [core.add(lm.new_request(p, sp), None) for p, sp in zip(prompts, params, strict=True)]
+    bar = tqdm(total=len(seqs), desc=desc, unit="msg", disable=not progress)
     done = 0
     while core.has_work:
         core.step()
@@ -191,8 +257,24 @@ def answer(
     bar.close()
     failed = [s.error for s in seqs if s.error is not None]
     if failed:
-        raise RuntimeError(f"{len(failed)} answers failed, the first: {failed[0]}")
-    return [(list(s.request.prompt_ids), list(s.request.output_ids)) for s in seqs]
+        raise RuntimeError(f"{len(failed)} of {len(seqs)} failed ({desc}), the first: {failed[0]}")
+    return [list(s.request.output_ids) for s in seqs]
+
+
+def answer(
+    lm: LoadedModel,
+    messages: Sequence[str],
+    max_answer: int,
+    batch: int = 16,
+    progress: bool = True,
+) -> list[tuple[list[int], list[int]]]:
+    """Each message as a one-turn chat answered greedily by the target (module docstring)."""
+    tok = lm.tokenizer
+    _user_turn_prefix(lm)  # the clear error for a model without a chat template
+    prompts = [tok.encode_chat([{"role": "user", "content": m}]) for m in messages]
+    params = [SamplingParams(max_tokens=max_answer)] * len(prompts)
+    outputs = _generate(lm, prompts, params, batch, "target answers", progress)
+    return list(zip(prompts, outputs, strict=True))
 
 
 def chat_corpus(

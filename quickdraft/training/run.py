@@ -23,7 +23,7 @@ from quickdraft.loading import LoadedModel
 from quickdraft.models.dflash import default_target_layers
 from quickdraft.models.draft_vocab import read_draft_vocabulary
 from quickdraft.models.mtp import STANDALONE_ARCHITECTURE
-from quickdraft.training.chat_data import answer, chat_corpus, instructions
+from quickdraft.training.chat_data import answer, chat_corpus, instructions, self_instructions
 from quickdraft.training.corpus import (
     TapCorpus,
     build_corpus,
@@ -43,6 +43,7 @@ from quickdraft.training.mtp import mtp_trainer_for
 
 KINDS = ("dflash", "mtp")
 DATA_KINDS = ("auto", "chat", "text")
+INSTRUCTION_KINDS = ("corpus", "self", "mixed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,9 @@ class DataConfig:
     # "text": the corpus itself; "auto": chat when the model has a chat template
     data: str = "auto"
     messages: int = 1500  # chat: instructions answered
+    # chat: where instructions come from: "corpus" (made from the corpus's texts), "self"
+    # (written by the target, chat_data.self_instructions) or "mixed" (half each)
+    instructions: str = "corpus"
     answer_tokens: int = 256  # chat: the longest answer
     draft_vocab: int = 8192  # token ids the drafter scores (0: the whole vocabulary)
     seq_len: int = 512
@@ -196,7 +200,7 @@ def chat_data(
 ) -> TapCorpus:
     """The `--data chat` corpus (training/chat_data.py), from `cache_dir` when a run with the
     same instructions, target and taps made it (a resumed training skips both passes)."""
-    messages = instructions(read_texts(paths), cfg.messages)
+    messages = chat_messages(lm, model_key, paths, cfg, cache_dir)
     key = hashlib.sha256(
         json.dumps([messages, model_key, list(taps), cfg.seq_len, cfg.answer_tokens]).encode()
     )
@@ -207,6 +211,37 @@ def chat_data(
     corpus = chat_corpus(lm, pairs, taps, cfg.seq_len)
     save_corpus(corpus, cached)
     return corpus
+
+
+def chat_messages(
+    lm: LoadedModel,
+    model_key: str,
+    paths: Sequence[str | Path],
+    cfg: DataConfig,
+    cache_dir: Path,
+) -> list[str]:
+    """`cfg.messages` instructions of kind `cfg.instructions` (DataConfig); the target's own
+    are sampled once and kept in `cache_dir`, so a resumed run answers the same ones."""
+    if cfg.instructions not in INSTRUCTION_KINDS:
+        raise ValueError(
+            f"--instructions {cfg.instructions!r}: one of {', '.join(INSTRUCTION_KINDS)}"
+        )
+    own = {"corpus": 0, "self": cfg.messages, "mixed": cfg.messages // 2}[cfg.instructions]
+    messages = instructions(read_texts(paths), cfg.messages - own) if own < cfg.messages else []
+    if own:
+        key = hashlib.sha256(json.dumps([model_key, own]).encode()).hexdigest()[:16]
+        cached = cache_dir / f"instructions-{key}.json"
+        if cached.is_file():
+            written: list[str] = json.loads(cached.read_text())
+        else:
+            written = self_instructions(lm, own)
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            cached.write_text(json.dumps(written))
+        # interleaved, so that a cut run still sees both kinds
+        mixed = [m for pair in zip(written, messages, strict=False) for m in pair]
+        n = min(len(written), len(messages))
+        messages = mixed + written[n:] + messages[n:]
+    return messages
 
 
 def read_log(out: Path) -> list[dict[str, float]]:
