@@ -188,12 +188,16 @@ def instructions(texts: Sequence[str], n: int, seed: int = 0) -> list[str]:
     return out
 
 
+def _require_chat_template(lm: LoadedModel) -> None:
+    if lm.tokenizer.chat_template is None:
+        raise ValueError("--data chat needs a model with a chat template; use --data text")
+
+
 def _user_turn_prefix(lm: LoadedModel) -> list[int]:
     """The chat template's ids up to where a user message's text starts (the common prefix of
     two one-message chats that differ only in that text)."""
+    _require_chat_template(lm)
     tok = lm.tokenizer
-    if tok.chat_template is None:
-        raise ValueError("--data chat needs a model with a chat template; use --data text")
     a = tok.encode_chat([{"role": "user", "content": "a"}])
     b = tok.encode_chat([{"role": "user", "content": "b"}])
     n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
@@ -270,7 +274,7 @@ def answer(
 ) -> list[tuple[list[int], list[int]]]:
     """Each message as a one-turn chat answered greedily by the target (module docstring)."""
     tok = lm.tokenizer
-    _user_turn_prefix(lm)  # the clear error for a model without a chat template
+    _require_chat_template(lm)
     prompts = [tok.encode_chat([{"role": "user", "content": m}]) for m in messages]
     params = [SamplingParams(max_tokens=max_answer)] * len(prompts)
     outputs = _generate(lm, prompts, params, batch, "target answers", progress)
