@@ -688,10 +688,11 @@ def _add_train_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--messages", type=int, default=None, help="chat: instructions (1500)")
     t.add_argument(
         "--instructions",
-        choices=["corpus", "self", "mixed"],
+        choices=["auto", "self", "corpus", "mixed"],
         default=None,
-        help="chat: instructions made from the corpus (default), written by the model itself "
-        "(sampled completions of its user turn), or half each",
+        help="chat: instructions written by the model itself (sampled completions of its user "
+        "turn), made from the corpus, or half each; auto (default): corpus when --corpus is "
+        "given, else self",
     )
     t.add_argument("--answer-tokens", type=int, default=None, help="chat: longest answer (256)")
     t.add_argument(

@@ -192,7 +192,8 @@ def test_instructions_written_by_the_target(
     """--instructions self: the chat template's user turn, opened with an OPENERS entry and
     completed by sampling with a seed per message (the same seed, the same messages); distinct,
     each saying more than its opener. --instructions mixed interleaves them with the corpus's,
-    and the written ones are kept in the data folder, so a resumed run samples nothing."""
+    and the written ones are kept in the data folder, so a resumed run samples nothing; auto
+    picks the corpus's when one is named."""
     lm = dense_target(tmp_path / "target")
     prefix = chat_data._user_turn_prefix(lm)
     chat = lm.tokenizer.encode_chat([{"role": "user", "content": "hello there"}])
@@ -217,9 +218,16 @@ def test_instructions_written_by_the_target(
     messages = chat_messages(lm, "t", [corpus], cfg, tmp_path / "data")
     assert calls == [4] and len(messages) == 8
     assert messages[0::2] == [f"Write a poem about ship {i}" for i in range(4)]
-    assert messages[1::2] == instructions(read_texts([corpus]), 4)
+    texts = read_texts([corpus])
+    assert messages[1::2] == instructions(texts, 4)
     assert chat_messages(lm, "t", [corpus], cfg, tmp_path / "data") == messages
     assert calls == [4]  # the second run read them back
+    # auto (the default): the corpus's when --corpus names one, else the target's own
+    named = DataConfig(messages=3, corpus=(str(corpus),))
+    assert chat_messages(lm, "t", [corpus], named, tmp_path / "data") == instructions(texts, 3)
+    assert chat_messages(lm, "t", [corpus], DataConfig(messages=3), tmp_path / "data2") == [
+        f"Write a poem about ship {i}" for i in range(3)
+    ]
     with pytest.raises(ValueError, match="--instructions 'nope'"):
         chat_messages(lm, "t", [corpus], replace(cfg, instructions="nope"), tmp_path / "data")
 

@@ -43,7 +43,7 @@ from quickdraft.training.mtp import mtp_trainer_for
 
 KINDS = ("dflash", "mtp")
 DATA_KINDS = ("auto", "chat", "text")
-INSTRUCTION_KINDS = ("corpus", "self", "mixed")
+INSTRUCTION_KINDS = ("auto", "self", "corpus", "mixed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,9 +53,11 @@ class DataConfig:
     # "text": the corpus itself; "auto": chat when the model has a chat template
     data: str = "auto"
     messages: int = 1500  # chat: instructions answered
-    # chat: where instructions come from: "corpus" (made from the corpus's texts), "self"
-    # (written by the target, chat_data.self_instructions) or "mixed" (half each)
-    instructions: str = "corpus"
+    # chat: where instructions come from: "self" (written by the target,
+    # chat_data.self_instructions; its drafters fit the bench's prompts better:
+    # bench/results/mtp-trained-3), "corpus" (made from the corpus's texts), "mixed" (half
+    # each) or "auto": corpus when `corpus` names one, else self
+    instructions: str = "auto"
     answer_tokens: int = 256  # chat: the longest answer
     draft_vocab: int = 8192  # token ids the drafter scores (0: the whole vocabulary)
     seq_len: int = 512
@@ -222,11 +224,12 @@ def chat_messages(
 ) -> list[str]:
     """`cfg.messages` instructions of kind `cfg.instructions` (DataConfig); the target's own
     are sampled once and kept in `cache_dir`, so a resumed run answers the same ones."""
-    if cfg.instructions not in INSTRUCTION_KINDS:
-        raise ValueError(
-            f"--instructions {cfg.instructions!r}: one of {', '.join(INSTRUCTION_KINDS)}"
-        )
-    own = {"corpus": 0, "self": cfg.messages, "mixed": cfg.messages // 2}[cfg.instructions]
+    kind = cfg.instructions
+    if kind not in INSTRUCTION_KINDS:
+        raise ValueError(f"--instructions {kind!r}: one of {', '.join(INSTRUCTION_KINDS)}")
+    if kind == "auto":
+        kind = "corpus" if cfg.corpus else "self"
+    own = {"corpus": 0, "self": cfg.messages, "mixed": cfg.messages // 2}[kind]
     messages = instructions(read_texts(paths), cfg.messages - own) if own < cfg.messages else []
     if own:
         key = hashlib.sha256(json.dumps([model_key, own]).encode()).hexdigest()[:16]
