@@ -23,32 +23,11 @@ from quickdraft.loading import load
 from quickdraft.models.dflash import DFlashConfig
 from quickdraft.models.draft_vocab import read_draft_vocabulary
 from quickdraft.training.chat_data import answer, chat_corpus
-from quickdraft.training.corpus import TapCorpus, load_corpus
+from quickdraft.training.corpus import load_corpus
 from quickdraft.training.dflash import trainer_for
 from quickdraft.training.loop import DraftTrainModel
 from quickdraft.training.mtp import mtp_trainer_for
 from quickdraft.training.run import saved_config
-
-
-def rates(model: DraftTrainModel, corpus: TapCorpus, anchors: int) -> list[float]:
-    """c_j over `anchors` seeded random anchors per row (the trainer's estimate, unrolled)."""
-    gen = torch.Generator().manual_seed(1)
-    hi = corpus.bounds()[1]
-    hits, tries = torch.zeros(model.rows), torch.zeros(model.rows)
-    with torch.no_grad():
-        for start in range(0, len(corpus), 4):
-            rows = torch.arange(start, min(start + 4, len(corpus)))
-            ids, taps, preds = corpus.ids[rows], corpus.taps[rows], corpus.preds[rows]
-            at = corpus.anchors(rows, anchors, gen)
-            labels, known = model.labels(ids, preds, at, hi[rows])
-            right = torch.zeros_like(known)
-            hidden = model.rows_hidden(ids, taps, preds, at)
-            right[known] = model.logits(hidden[known]).argmax(-1) == labels[known]
-            prefix = torch.cat([torch.ones_like(right[..., :1]), right[..., :-1]], -1).cumprod(-1)
-            asked = known & prefix.bool()
-            tries += asked.flatten(0, 1).sum(0)
-            hits += (asked & right).flatten(0, 1).sum(0)
-    return (hits / tries.clamp(min=1)).tolist()
 
 
 def main() -> None:
@@ -85,7 +64,7 @@ def main() -> None:
         pairs = answer(lm, prompt_sets()[name], 128, progress=False)
         corpora[f"bench {name}"] = chat_corpus(lm, pairs, data.layers, 512, progress=False)
     for name, corpus in corpora.items():
-        c = torch.tensor(rates(model, corpus, args.anchors))
+        c = model.step_rates(corpus, args.anchors)
         al = 1 + float(c.cumprod(0).sum())
         print(f"{name:12s} c_j {[round(float(x), 3) for x in c]}  AL estimate {al:.3f}")
 

@@ -153,15 +153,20 @@ class DraftTrainModel(nn.Module, ABC):
     @torch.no_grad()
     def acceptance_length(self, corpus: TapCorpus, anchors: int, seed: int = 1) -> float:
         """The held-out AL estimate (module docstring) over `anchors` seeded random anchors."""
-        gen = torch.Generator().manual_seed(seed)
         per = max(1, anchors // max(1, len(corpus)))
+        return 1.0 + float(self.step_rates(corpus, per, seed).cumprod(0).sum())
+
+    @torch.no_grad()
+    def step_rates(self, corpus: TapCorpus, per_row: int, seed: int = 1) -> Tensor:
+        """c_j [rows] (module docstring) over `per_row` seeded random anchors in each row."""
+        gen = torch.Generator().manual_seed(seed)
         hi_all = corpus.bounds()[1]
         hits = torch.zeros(self.rows)
         tries = torch.zeros(self.rows)
         for start in range(0, len(corpus), 4):
             rows = torch.arange(start, min(start + 4, len(corpus)))
             ids, taps, preds = corpus.ids[rows], corpus.taps[rows], corpus.preds[rows]
-            at = corpus.anchors(rows, per, gen)
+            at = corpus.anchors(rows, per_row, gen)
             labels, known = self.labels(ids, preds, at, hi_all[rows])
             hidden = self.rows_hidden(ids, taps, preds, at)
             right = torch.zeros_like(known)
@@ -170,8 +175,7 @@ class DraftTrainModel(nn.Module, ABC):
             asked = known & prefix.bool()  # rows whose label is known and whose prefix was right
             tries += asked.flatten(0, 1).sum(0)
             hits += (asked & right).flatten(0, 1).sum(0)
-        rates = torch.where(tries > 0, hits / tries.clamp(min=1), torch.zeros_like(hits))
-        return 1.0 + float(rates.cumprod(0).sum())
+        return torch.where(tries > 0, hits / tries.clamp(min=1), torch.zeros_like(hits))
 
 
 def _lr(step: int, cfg: TrainConfig) -> float:
