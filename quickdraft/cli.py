@@ -719,6 +719,13 @@ def _add_train_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--eval-every", type=int, default=None, help="steps between AL estimates")
     t.add_argument("--save-every", type=int, default=None, help="steps between checkpoints")
     t.add_argument("--seed", type=int, default=None)
+    t.add_argument(
+        "--precision",
+        choices=("auto", "fp32", "bf16"),
+        default=None,
+        help="the loss's matmuls: bf16 autocast or fp32; auto (default): bf16 on a GPU or a CPU "
+        "with AVX512-BF16 / AMX",
+    )
     t.set_defaults(func=cmd_train_drafter)
 
 
@@ -746,6 +753,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
             eval_every=args.eval_every,
             save_every=args.save_every,
             seed=args.seed,
+            precision=args.precision,
         )
     )
     data_cfg = DataConfig(

@@ -37,6 +37,9 @@ from quickdraft.request import SamplingParams
 from quickdraft.training.corpus import TapCorpus, run_target
 
 MAX_SOURCE_LINES = 40  # longer functions are not quoted whole in an instruction
+# sequences the engine decodes at once: SmolLM2-135M answered 439 tok/s at 48 against 386 at 16
+# (2-core AMX Xeon; 445 at 96). Greedy answers do not depend on it (batch-invariant kernels).
+ANSWER_BATCH = 48
 CODE_TASKS = (
     "Write a Python function `{sig}` that {doc}",
     "Implement `{sig}` in Python. {Doc}",
@@ -209,7 +212,7 @@ def self_instructions(
     n: int,
     seed: int = 0,
     max_tokens: int = 64,
-    batch: int = 16,
+    batch: int = ANSWER_BATCH,
     progress: bool = True,
 ) -> list[str]:
     """Up to `n` user messages written by the target (module docstring): each an opener from
@@ -269,7 +272,7 @@ def answer(
     lm: LoadedModel,
     messages: Sequence[str],
     max_answer: int,
-    batch: int = 16,
+    batch: int = ANSWER_BATCH,
     progress: bool = True,
 ) -> list[tuple[list[int], list[int]]]:
     """Each message as a one-turn chat answered greedily by the target (module docstring)."""

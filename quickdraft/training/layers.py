@@ -32,7 +32,8 @@ class Norm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # in the weight's dtype: under bf16 autocast x arrives in bf16 from a matmul
+        return F.rms_norm(x.to(self.weight.dtype), (x.shape[-1],), self.weight, self.eps)
 
 
 def linear(n_in: int, n_out: int, std: float, bias: bool = False) -> nn.Linear:
