@@ -19,6 +19,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -297,6 +298,21 @@ def acceptance(
     return accepted / drafted, outputs
 
 
+def short_run_config(**changes: Any) -> TrainConfig:
+    """300 steps of small batches at a high rate, estimates every 100: a test's training run."""
+    cfg = TrainConfig(
+        steps=300,
+        batch=4,
+        anchors=8,
+        lr=3e-3,
+        warmup=5,
+        eval_every=100,
+        save_every=300,
+        eval_blocks=64,
+    )
+    return replace(cfg, **changes)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_training_lowers_loss_and_raises_acceptance(tmp_path: Path, kind: str) -> None:
     """300 steps on the target's own greedy text: the loss falls, the held-out AL estimate and
@@ -307,18 +323,7 @@ def test_training_lowers_loss_and_raises_acceptance(tmp_path: Path, kind: str) -
     model = trainer_of(kind, lm)
     untrained = tmp_path / "untrained"
     save_checkpoint(model, torch.optim.AdamW(model.parameters()), 0, TrainConfig(), untrained, "t")
-    cfg = TrainConfig(
-        block_size=4,
-        num_layers=1,
-        steps=300,
-        batch=4,
-        anchors=8,
-        lr=3e-3,
-        warmup=5,
-        eval_every=100,
-        save_every=300,
-        eval_blocks=64,
-    )
+    cfg = short_run_config(block_size=4, num_layers=1)
     log = train(model, data, held_out, cfg, tmp_path / "trained", "tiny", progress=False)
     assert [r["step"] for r in log] == [0, 100, 200, 300]
     assert log[-1]["loss"] < 0.7 * log[1]["loss"], log
@@ -343,17 +348,7 @@ def test_bf16_autocast_trains_as_fp32_does(tmp_path: Path) -> None:
     logs = {}
     for precision in ("fp32", "bf16"):
         model = trainer_of("mtp", lm)
-        cfg = TrainConfig(
-            steps=150,
-            batch=4,
-            anchors=8,
-            lr=3e-3,
-            warmup=5,
-            eval_every=50,
-            save_every=150,
-            eval_blocks=64,
-            precision=precision,
-        )
+        cfg = short_run_config(steps=150, eval_every=50, save_every=150, precision=precision)
         log = train(model, data, held_out, cfg, tmp_path / precision, "t", progress=False)
         assert all(p.dtype == torch.float32 for p in model.parameters())
         logs[precision] = log
