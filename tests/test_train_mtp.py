@@ -32,14 +32,26 @@ from test_train_drafter import greedy_corpus, short_run
 from quickdraft.cli import main as cli_main
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import stream
-from quickdraft.loading import load
-from quickdraft.models.layers import GGUFEmbedding
+from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
+from quickdraft.loading import LoadedModel, load
+from quickdraft.models.layers import GGUFEmbedding, OperandModule
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.drafters.mtp import load_mtp_head
 from quickdraft.speculation.factory import make_speculation
 from quickdraft.training.corpus import run_target
 from quickdraft.training.loop import TrainConfig, save_checkpoint, train
-from quickdraft.training.mtp import mtp_trainer_for
+from quickdraft.training.mtp import MTPTrainModel, mtp_trainer_for
+
+
+def saved_head(lm: LoadedModel, out: Path, vocab_ids: torch.Tensor | None) -> MTPTrainModel:
+    """A 3-step MTP head for `lm`, its weights moved away from the init (so that every tensor
+    matters), saved to `out` as train-drafter saves one."""
+    model = mtp_trainer_for(lm.model, 3, seed=3, dtype=torch.float32, vocab_ids=vocab_ids)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    save_checkpoint(model, torch.optim.AdamW(model.parameters()), 0, TrainConfig(), out, "t")
+    return model
 
 
 @pytest.mark.parametrize("reduced", [False, True], ids=["whole-vocab", "draft-vocab"])
@@ -51,11 +63,7 @@ def test_mtp_training_forward_equals_the_serving_head(tmp_path: Path, reduced: b
     vocabulary (`d2t`) on its ids, and -inf elsewhere."""
     lm = dense_target(tmp_path / "target")
     vocab_ids = torch.arange(2, 320, 3) if reduced else None
-    model = mtp_trainer_for(lm.model, 3, seed=3, dtype=torch.float32, vocab_ids=vocab_ids)
-    with torch.no_grad():  # away from the init, so that every tensor matters
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    save_checkpoint(model, torch.optim.AdamW(model.parameters()), 0, TrainConfig(), tmp_path, "t")
+    model = saved_head(lm, tmp_path, vocab_ids)
     names = set(load_file(str(tmp_path / "model.safetensors")))  # the head's tensors only
     assert all(n.startswith("mtp.") for n in names - {"d2t"}), names
     assert ("d2t" in names) == reduced
@@ -89,6 +97,48 @@ def test_mtp_training_forward_equals_the_serving_head(tmp_path: Path, reduced: b
     spec = make_speculation(
         lm, SpeculativeConfig(method="mtp", draft_model=str(tmp_path), num_draft_tokens=3)
     )
+    plain = generate(lm, "def add(", None, max_tokens=16)
+    assert generate(lm, "def add(", spec, max_tokens=16).output_ids == plain.output_ids
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("reduced", [False, True], ids=["whole-vocab", "draft-vocab"])
+def test_trained_head_quantized(tmp_path: Path, fmt: str, reduced: bool) -> None:
+    """--draft-quantization int8 / int4 on a trained head: its own operands (fc, the layer's
+    projections) and its draft vocabulary's rows in that format, the target's shared lm_head
+    untouched; logits near the full-precision head's; greedy output still speculation off's."""
+    lm = dense_target(tmp_path / "target")
+    vocab_ids = torch.arange(2, 320, 3) if reduced else None
+    saved_head(lm, tmp_path, vocab_ids)
+    kind = Int8Weight if fmt == "int8" else Int4Weight
+    full, head = load_mtp_head(lm.model, tmp_path), load_mtp_head(lm.model, tmp_path, fmt)
+    assert head.quantized == fmt and isinstance(head.fc_weight, kind)
+    layer_ops = [
+        getattr(m, n)
+        for m in head.layers.modules()
+        if isinstance(m, OperandModule)
+        for n in m.OPERANDS
+    ]
+    assert layer_ops and all(isinstance(w, kind) for w in layer_ops)
+    if reduced:
+        assert isinstance(head.lm_head_weight, kind)
+    else:
+        assert head.lm_head_weight.data_ptr() == lm.model.head.data_ptr()  # shared, as it was
+    ids = torch.tensor(lm.tokenizer.encode("def add(a, b):\n    return a + b\n"))[:12]
+    hidden = torch.randn(
+        len(ids), lm.model.config.hidden_size, generator=torch.Generator().manual_seed(0)
+    )
+    got, want = (
+        h(ids, hidden, [h.new_cache(16)], [len(ids)], torch.arange(len(ids)))[0]
+        for h in (head, full)
+    )
+    scored = torch.arange(320) if vocab_ids is None else vocab_ids
+    cos = torch.nn.functional.cosine_similarity(got[:, scored], want[:, scored], dim=-1)
+    assert float(cos.min()) > (0.99 if fmt == "int8" else 0.9), cos
+    config = SpeculativeConfig(
+        method="mtp", draft_model=str(tmp_path), num_draft_tokens=3, draft_quantization=fmt
+    )
+    spec = make_speculation(lm, config)
     plain = generate(lm, "def add(", None, max_tokens=16)
     assert generate(lm, "def add(", spec, max_tokens=16).output_ids == plain.output_ids
 

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from quickdraft.kernels.gemm import Weight, dequantized_rows, to_panels
+from quickdraft.models.llama import operand_converter
 
 D2T = "d2t"  # a reduced draft vocabulary: logit column i is token i + d2t[i] (EAGLE-3's)
 
@@ -55,9 +56,18 @@ def check_declared(path: Path, declared: int | None, ids: Tensor) -> None:
 class DraftVocab:
     """The rows `ids` of the target's head, as a GEMM operand (module docstring)."""
 
-    def __init__(self, head: Weight, ids: Tensor, dtype: torch.dtype) -> None:
+    def __init__(
+        self, head: Weight, ids: Tensor, dtype: torch.dtype, fmt: str | None = None
+    ) -> None:
+        """`fmt` "int8" / "int4": the rows in that format (llama.operand_converter), else as
+        the head is held (bf16 panels for a packed or GGUF head)."""
         rows = dequantized_rows(head, ids.tolist()).to(dtype)
-        self.weight: Weight = rows if isinstance(head, Tensor) else to_panels(rows)
+        if fmt is not None:
+            convert = operand_converter(fmt)
+            assert convert is not None, fmt
+            self.weight: Weight = convert(rows)
+        else:
+            self.weight = rows if isinstance(head, Tensor) else to_panels(rows)
         self.vocab_size = head.shape[0]
         self.ids = ids.to(rows.device)
 

@@ -41,7 +41,7 @@ from quickdraft.models.draft_vocab import DraftVocab
 from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.layers import LinearView, OperandModule, RMSNorm, Rope, convert_operands_
-from quickdraft.models.llama import DecoderLayer
+from quickdraft.models.llama import DecoderLayer, operand_converter
 from quickdraft.models.qwen3_next import HybridDecoderLayer, OffsetRMSNorm
 
 STANDALONE_ARCHITECTURE = "MTPHead"
@@ -123,14 +123,27 @@ class MTPHead(OperandModule):
         )
         self.vocab_size = lm_head_weight.shape[0]
         self.vocab: DraftVocab | None = None  # a reduced draft vocabulary (restrict_vocab_)
+        self.quantized: str | None = None  # "int8" / "int4" after quantize_
         self.requires_grad_(False)
 
     def restrict_vocab_(self, ids: Tensor) -> None:
         """Score only token ids `ids` (a trained head's `d2t`, models/draft_vocab.py): the head
-        becomes those rows of the target's; every other id's logit is -inf. Call after
-        `pack_`."""
-        self.vocab = DraftVocab(self.lm_head_weight, ids, self.dtype)
+        becomes those rows of the target's, in the format of the head's own operands (after
+        `quantize_`: int8 / int4); every other id's logit is -inf. Call after `pack_` or
+        `quantize_`."""
+        self.vocab = DraftVocab(self.lm_head_weight, ids, self.dtype, self.quantized)
         self.lm_head_weight = self.vocab.weight
+
+    def quantize_(self, fmt: str) -> None:
+        """The head's own operands (fc, its layer's projections) -> "int8" / "int4" in place
+        (llama.operand_converter), instead of `pack_`: a head step reads its weights once, so
+        it costs less with fewer bytes. The target's lm_head, shared, stays as it is."""
+        convert = operand_converter(fmt)
+        if convert is None:
+            return
+        shared = self.lm_head_weight
+        convert_operands_(self, lambda w: w if w is shared else convert(w))
+        self.quantized = fmt
 
     def pack_(self) -> None:
         """bf16 operands -> PanelWeight, as the target's `pack_` (a target head that is already

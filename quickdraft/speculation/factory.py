@@ -79,7 +79,10 @@ def _draft_model(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, C
 
 def _mtp(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable]:
     # the target's own head, or a standalone one trained for it (train-drafter --kind mtp)
-    drafter = mtp_drafter(lm.model, config.draft_model or lm.path)
+    # --draft-quantization int8 / int4 applies to a trained head's own weights
+    drafter = mtp_drafter(
+        lm.model, config.draft_model or lm.path, quantization=config.draft_quantization
+    )
 
     def table() -> StepCost:
         target = model_cost(lm.model)  # its 1-row step is the one the head step is compared with

@@ -64,9 +64,12 @@ def mtp_tensor_names(path: str | Path) -> list[str]:
     return names
 
 
-def load_mtp_head(model: LanguageModel, path: str | Path) -> MTPHead:
+def load_mtp_head(model: LanguageModel, path: str | Path, quantization: str = "none") -> MTPHead:
     """The `mtp.*` tensors of checkpoint dir `path` as a head sharing the target's embedding
-    and lm_head. A clear error if the checkpoint has no head (or a layout we cannot run)."""
+    and lm_head. A clear error if the checkpoint has no head (or a layout we cannot run).
+    `quantization` "int8" / "int4": a head trained apart from the target (train-drafter) runs
+    its own operands, and its draft vocabulary's rows, in that format on the CPU (MTPHead
+    `quantize_`); a head that ships with the target stays in the target's own form."""
     target = module_of(model)
     path = Path(path)
     if is_gguf_dir(path):  # a GGUF run on its own weights: the head is its nextn block
@@ -103,7 +106,9 @@ def load_mtp_head(model: LanguageModel, path: str | Path) -> MTPHead:
     head = MTPHead(parts, cfg.hidden_size, embed, lm_head, dtype, device)
     family = name_map(cfg)
     load_weights(head, files, lambda n: family(n[4:]) if n.startswith("mtp.") else None)
-    if panels_apply(dtype, device):  # as `loading.load` packs the target (a GGUF one too)
+    if own is not None and quantization in ("int8", "int4") and device.type == "cpu":
+        head.quantize_(quantization)
+    elif panels_apply(dtype, device):  # as `loading.load` packs the target (a GGUF one too)
         head.pack_()
     vocab_ids = None if own is None else read_draft_vocabulary(files, cfg.vocab_size)
     if own is not None and vocab_ids is not None:  # a trained head's reduced vocabulary
@@ -258,10 +263,14 @@ class MTPDrafter:
 
 
 def mtp_drafter(
-    model: LanguageModel, path: str | Path, feed: HiddenFeed = "post_norm"
+    model: LanguageModel,
+    path: str | Path,
+    feed: HiddenFeed = "post_norm",
+    quantization: str = "none",
 ) -> MTPDrafter:
-    """The drafter for target `model` loaded from checkpoint dir `path` (its `mtp.*` head)."""
-    head = load_mtp_head(model, path)
+    """The drafter for target `model` loaded from checkpoint dir `path` (its `mtp.*` head;
+    `quantization` as in load_mtp_head)."""
+    head = load_mtp_head(model, path, quantization)
     return MTPDrafter(head, module_of(model).get_submodule("model.norm"), feed)
 
 
