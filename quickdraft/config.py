@@ -184,7 +184,7 @@ DRAFT_QUANTIZATION_HELP = (
     f"of bf16), int8 (0.5x) or none (the target's dtype); default {DEFAULT_DRAFT_QUANTIZATION}. "
     "A draft model's precision only moves the acceptance rate, never the output. On a GPU "
     "the draft model runs in the target's dtype (these formats are CPU kernels). int8 / int4 "
-    "also quantize an MTP head trained by train-drafter (default: bf16)"
+    "also quantize an MTP head trained by train-drafter (gguf / none: bf16)"
 )
 
 
