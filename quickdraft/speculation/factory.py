@@ -55,13 +55,21 @@ def _suffix(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTa
     return drafter, None  # a tree walk: free
 
 
+def _draft_format(lm: LoadedModel, config: SpeculativeConfig) -> str:
+    """--draft-quantization where the drafter runs: int8 / int4 are CPU kernels, so on a GPU
+    a draft model or trained MTP head runs in the target's dtype (bf16)."""
+    return config.draft_quantization if lm.model.device.type == "cpu" else "none"
+
+
 def _draft_model(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable]:
     assert config.draft_model is not None
     device = lm.model.device
-    # int8 / int4 are CPU kernels: on a GPU the draft runs in the target's dtype (bf16)
-    quantization = config.draft_quantization if device.type == "cpu" else "none"
     draft = load(
-        config.draft_model, lm.dtype_name, str(device), progress=True, quantization=quantization
+        config.draft_model,
+        lm.dtype_name,
+        str(device),
+        progress=True,
+        quantization=_draft_format(lm, config),
     )
     if draft.tokenizer.fingerprint() != lm.tokenizer.fingerprint():
         raise ValueError(
@@ -81,7 +89,7 @@ def _mtp(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable
     # the target's own head, or a standalone one trained for it (train-drafter --kind mtp)
     # --draft-quantization int8 / int4 applies to a trained head's own weights
     drafter = mtp_drafter(
-        lm.model, config.draft_model or lm.path, quantization=config.draft_quantization
+        lm.model, config.draft_model or lm.path, quantization=_draft_format(lm, config)
     )
 
     def table() -> StepCost:

@@ -67,9 +67,9 @@ def mtp_tensor_names(path: str | Path) -> list[str]:
 def load_mtp_head(model: LanguageModel, path: str | Path, quantization: str = "none") -> MTPHead:
     """The `mtp.*` tensors of checkpoint dir `path` as a head sharing the target's embedding
     and lm_head. A clear error if the checkpoint has no head (or a layout we cannot run).
-    `quantization` "int8" / "int4": a head trained apart from the target (train-drafter) runs
-    its own operands, and its draft vocabulary's rows, in that format on the CPU (MTPHead
-    `quantize_`); a head that ships with the target stays in the target's own form."""
+    `quantization` "int8" / "int4" (CPU kernels): a head trained apart from the target
+    (train-drafter) runs its own operands, and its draft vocabulary's rows, in that format
+    (MTPHead `quantize_`); a head that ships with the target stays in the target's own form."""
     target = module_of(model)
     path = Path(path)
     if is_gguf_dir(path):  # a GGUF run on its own weights: the head is its nextn block
@@ -106,7 +106,7 @@ def load_mtp_head(model: LanguageModel, path: str | Path, quantization: str = "n
     head = MTPHead(parts, cfg.hidden_size, embed, lm_head, dtype, device)
     family = name_map(cfg)
     load_weights(head, files, lambda n: family(n[4:]) if n.startswith("mtp.") else None)
-    if own is not None and quantization in ("int8", "int4") and device.type == "cpu":
+    if own is not None and quantization in ("int8", "int4"):
         head.quantize_(quantization)
     elif panels_apply(dtype, device):  # as `loading.load` packs the target (a GGUF one too)
         head.pack_()
