@@ -7,7 +7,15 @@ warm-up excluded:
   ttft       a prompt of a --prefix-tokens prefix (the package's own source, so real text) and
              a short question: median TTFT over --repeats questions on a core without the
              cache (cold) vs on a core whose cache already holds the prefix (one earlier request
-             with another question put it there), cold and cached runs interleaved
+             with another question put it there), the matched blocks read in place (the
+             default) and copied into the sequence's cache (models/kv_cache.py `IN_PLACE`
+             False, as before 2026-11-27); cold and cached runs interleaved
+  step       a decode step (1 row) and a verify (17 rows) after the --prefix-tokens prefix
+             taken from the cache, blocks in place vs copied in: best of 5 forwards each, the
+             per-step price of reading keys through the page table
+  held       --concurrent requests with the cached prefix and different questions, admitted
+             together: the KV bytes their sequences' caches hold once each has its first
+             token, blocks in place vs copied in (the prefix cache's own blocks not counted)
   multiturn  an --turns turn conversation replayed as a chat client does: each turn's prompt is
              the whole conversation so far (system prompt of --system-tokens of source, the
              questions, the model's own answers of --turn-tokens) plus the new question; total
@@ -39,6 +47,7 @@ from quickdraft.engine.core import EngineCore
 from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.kernels import panels_apply
 from quickdraft.loading import LoadedModel, load
+from quickdraft.models import kv_cache
 from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.qwen3_next import HybridLM
 from quickdraft.request import SamplingParams
@@ -92,6 +101,11 @@ def first_token(core: EngineCore, lm: LoadedModel, ids: list[int]) -> tuple[floa
     return seconds, seq.cached_tokens
 
 
+def copied_in(on: bool) -> None:
+    """Matched blocks copied into each sequence's cache (True) or read in place (False)."""
+    kv_cache.IN_PLACE = not on
+
+
 def ttft(
     lm: LoadedModel, prefix: list[int], questions: list[list[int]], cache: PrefixCacheConfig
 ) -> dict[str, Any]:
@@ -99,22 +113,88 @@ def ttft(
     warm_core = EngineCore(lm, SchedulerConfig(), cache)
     first_token(cold_core, lm, prefix + questions[0])  # warm-up: kernels, allocator
     first_token(warm_core, lm, prefix + questions[0])  # ...and the cache now holds the prefix
-    cold, cached, served = [], [], []
-    for q in questions[1:]:
-        cold.append(first_token(cold_core, lm, prefix + q)[0])
-        seconds, tokens = first_token(warm_core, lm, prefix + q)
-        cached.append(seconds)
-        served.append(tokens)
+    cold, cached, copied, served = [], [], [], []
+    try:
+        for q in questions[1:]:
+            cold.append(first_token(cold_core, lm, prefix + q)[0])
+            seconds, tokens = first_token(warm_core, lm, prefix + q)
+            cached.append(seconds)
+            served.append(tokens)
+            copied_in(True)
+            copied.append(first_token(warm_core, lm, prefix + q)[0])
+            copied_in(False)
+    finally:
+        copied_in(False)
     cold_s, cached_s = statistics.median(cold), statistics.median(cached)
+    copied_s = statistics.median(copied)
     return {
         "prompt_tokens": len(prefix) + len(questions[1]),
         "cached_tokens": served,
         "cold_s": [round(s, 4) for s in cold],
         "cached_s": [round(s, 4) for s in cached],
+        "copied_s": [round(s, 4) for s in copied],
         "median_cold_s": round(cold_s, 4),
         "median_cached_s": round(cached_s, 4),
+        "median_copied_s": round(copied_s, 4),
         "speedup": round(cold_s / cached_s, 2),
+        "in_place_vs_copied": round(copied_s / cached_s, 2),
     }
+
+
+def step(lm: LoadedModel, prefix: list[int], block: int) -> dict[str, Any]:
+    """Forward times of 1 and 17 new rows after `prefix`, imported in place vs copied in."""
+    model = lm.model
+    whole = len(prefix) // block * block
+    source = model.new_cache(whole)
+    model(torch.tensor(prefix[:whole]), [source], [whole])
+    source.commit(whole)
+    blocks = [source.export_kv(i, i + block) for i in range(0, whole, block)]
+    state = source.state_at(whole)  # a hybrid's recurrent state after the prefix, else None
+    out: dict[str, Any] = {"context": whole}
+    for mode in ("in_place", "copied"):
+        copied_in(mode == "copied")
+        try:
+            cache = model.new_cache(whole + 32)
+            cache.import_kv(blocks, state)
+        finally:
+            copied_in(False)
+        for rows in (1, 17):
+            ids = torch.tensor(prefix[:rows])
+            best = float("inf")
+            for _ in range(5):
+                t = time.perf_counter()
+                model(ids, [cache], [rows], logit_rows=torch.arange(rows))
+                best = min(best, time.perf_counter() - t)
+            out[f"{mode}_{rows}_ms"] = round(1000 * best, 2)
+    return out
+
+
+def held(
+    lm: LoadedModel, prefix: list[int], questions: list[list[int]], cache: PrefixCacheConfig
+) -> dict[str, Any]:
+    """KV bytes of `len(questions) - 1` sequences sharing a cached prefix, at first token."""
+    out: dict[str, Any] = {"requests": len(questions) - 1}
+    for mode in ("in_place", "copied"):
+        core = EngineCore(lm, SchedulerConfig(max_running=len(questions)), cache)
+        first_token(core, lm, prefix + questions[0])  # the cache now holds the prefix
+        copied_in(mode == "copied")
+        try:
+            params = SamplingParams(max_tokens=64, ignore_eos=True)  # none ends before all start
+            reqs = [lm.new_request(prefix + q, params) for q in questions[1:]]
+            seqs = [core.add(r, None) for r in reqs]
+            while not all(r.output_ids for r in reqs):
+                core.step()
+            out[f"{mode}_bytes"] = sum(s.cache.nbytes() for s in seqs if s.cache is not None)
+            assert all(s.cache is not None for s in seqs), "a request ended before all started"
+            for seq in seqs:
+                core.abort(seq)
+            while core.has_work:
+                core.step()
+        finally:
+            copied_in(False)
+        out[f"{mode}_cached_tokens"] = [s.cached_tokens for s in seqs]
+    out["ratio"] = round(out["copied_bytes"] / max(out["in_place_bytes"], 1), 2)
+    return out
 
 
 def replay(
@@ -186,9 +266,20 @@ def run_model(lm: LoadedModel, args: argparse.Namespace, text: str) -> dict[str,
     )
     print(f"[{lm.name}] ttft ({args.prefix_tokens}-token prefix) ...", flush=True)
     first = ttft(lm, ids[: args.prefix_tokens], qs[: args.repeats + 1], cache)
+    print(f"[{lm.name}] steps over the cached prefix ...", flush=True)
+    steps = step(lm, ids[: args.prefix_tokens], cache.block_size)
+    print(f"[{lm.name}] {args.concurrent} requests sharing the prefix ...", flush=True)
+    memory = held(lm, ids[: args.prefix_tokens], qs[: args.concurrent + 1], cache)
     print(f"[{lm.name}] {args.turns}-turn replay ...", flush=True)
     chat = multiturn(lm, ids[: args.system_tokens], turns, args.turn_tokens, cache)
-    return {"model": lm.name, "dtype": lm.dtype_name, "ttft": first, "multiturn": chat}
+    return {
+        "model": lm.name,
+        "dtype": lm.dtype_name,
+        "ttft": first,
+        "held": memory,
+        "step": steps,
+        "multiturn": chat,
+    }
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -202,6 +293,7 @@ def markdown(report: dict[str, Any]) -> str:
                 t["cached_tokens"][0],
                 f"{t['median_cold_s']:.3f}",
                 f"{t['median_cached_s']:.3f}",
+                f"{t['median_copied_s']:.3f}",
                 f"{t['speedup']}x",
                 m["turns"],
                 f"{m['off']['seconds']:.2f}",
@@ -216,6 +308,7 @@ def markdown(report: dict[str, Any]) -> str:
         "cached",
         "TTFT cold s",
         "TTFT cached s",
+        "TTFT copied in s",
         "TTFT gain",
         "turns",
         "replay off s",
@@ -230,6 +323,32 @@ def markdown(report: dict[str, Any]) -> str:
         out += f"\n{r['model']}: prompt tokens per turn {on['prompt_tokens']}, cached "
         out += f"{on['cached_tokens']}, prefill rows {r['multiturn']['off']['prefill_rows']} -> "
         out += f"{on['prefill_rows']}\n"
+    out += "\n### KV held by requests sharing the cached prefix, at first token\n\n"
+    rows = [
+        [
+            r["model"],
+            r["held"]["requests"],
+            f"{r['held']['in_place_bytes'] / 2**20:.1f}",
+            f"{r['held']['copied_bytes'] / 2**20:.1f}",
+            f"{r['held']['ratio']}x",
+        ]
+        for r in report["models"]
+    ]
+    out += table(["model", "requests", "in place MiB", "copied in MiB", "copied / in place"], rows)
+    out += "\n### Forward after the cached prefix, blocks in place vs copied in (best of 5)\n\n"
+    rows = [
+        [
+            r["model"],
+            r["step"]["context"],
+            r["step"]["in_place_1_ms"],
+            r["step"]["copied_1_ms"],
+            r["step"]["in_place_17_ms"],
+            r["step"]["copied_17_ms"],
+        ]
+        for r in report["models"]
+    ]
+    header = ["model", "context", "1 row in place ms", "copied", "17 rows in place ms", "copied"]
+    out += table(header, rows)
     return out
 
 
@@ -254,6 +373,7 @@ def main() -> None:
     ap.add_argument("--dtype", default=DEFAULT_DTYPE)
     ap.add_argument("--prefix-tokens", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=3, help="timed questions per TTFT figure")
+    ap.add_argument("--concurrent", type=int, default=4, help="requests sharing the prefix")
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--turn-tokens", type=int, default=64, help="answer tokens per turn")
     ap.add_argument("--system-tokens", type=int, default=1000, help="replay system prompt")

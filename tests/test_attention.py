@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from quickdraft.kernels import build
-from quickdraft.kernels.attention import TILE_FLAGS, TILES, attend, cpu_tiles, reference_attend
+from quickdraft.kernels.attention import (
+    TILE_FLAGS,
+    TILES,
+    Paged,
+    attend,
+    cpu_tiles,
+    reference_attend,
+)
 
 needs_kernel = pytest.mark.skipif(
     not build.cpu_supported(), reason="CPU lacks AVX2/FMA/F16C: the kernel cannot run here"
@@ -185,6 +192,77 @@ def test_sliding_window_matches_reference_and_rows_are_independent(
         )
         at += size
     assert torch.equal(torch.cat(chunks), out)
+
+
+def paged(
+    cache: torch.Tensor, shared: int, block: int, layer: int, end: int
+) -> tuple[list[torch.Tensor], Paged]:
+    """Keys 0 .. end of `cache [layers, kv_heads, S, d]` at `layer` as the prefix cache hands
+    them over: its first `shared` tokens copied into separate contiguous blocks, the rest a
+    view of a sequence's own rows (with spare room past `end`)."""
+    blocks = [cache[:, :, i : i + block].clone() for i in range(0, shared, block)]
+    own = cache[:, :, shared:].clone()[layer, :, : end - shared]
+    addresses = torch.tensor([b.data_ptr() for b in blocks], dtype=torch.int64)
+    return blocks, Paged(blocks, addresses, block, layer, own)
+
+
+@needs_kernel
+@DTYPES
+@pytest.mark.parametrize(
+    ("n", "heads", "kv_heads", "d", "block", "pages", "extra", "window"),
+    [
+        (1, 12, 2, 128, 16, 5, 7, 0),  # decode after 5 shared blocks and 7 own tokens
+        (5, 12, 2, 128, 16, 3, 0, 0),  # a verify right after the shared prefix
+        (9, 4, 1, 32, 8, 4, 3, 0),  # more rows than a task's block of 8
+        (4, 4, 2, 256, 16, 6, 10, 20),  # a sliding window that starts inside the blocks
+        (3, 6, 2, 64, 4, 1, 0, 0),  # one block of 4
+    ],
+)
+def test_paged_keys_equal_one_tensor_bit_for_bit(
+    n: int,
+    heads: int,
+    kv_heads: int,
+    d: int,
+    block: int,
+    pages: int,
+    extra: int,
+    window: int,
+    dtype: torch.dtype,
+    tile: str,
+) -> None:
+    """Keys read in place from shared blocks give the bits of the same keys in one tensor, at
+    every layer of the blocks, and the reference gathers them to the same result."""
+    g = torch.Generator().manual_seed(n + d)
+    shared = pages * block
+    start = shared + extra
+    layers = 3
+    k = torch.randn(layers, kv_heads, start + n + 4, d, generator=g).to(dtype)
+    v = torch.randn(layers, kv_heads, start + n + 4, d, generator=g).to(dtype)
+    q = torch.randn(n, heads, d, generator=g).to(dtype)
+    for layer in range(layers):
+        want = attend(q, k[layer, :, : start + n], v[layer, :, : start + n], start, 0.1, window)
+        _, pk = paged(k, shared, block, layer, start + n)
+        _, pv = paged(v, shared, block, layer, start + n)
+        assert torch.equal(pk.dense(), k[layer, :, : start + n])
+        assert torch.equal(attend(q, pk, pv, start, 0.1, window), want)
+        ref = reference_attend(q, pk.dense(), pv.dense(), start, 0.1, window)
+        torch.testing.assert_close(want.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel
+def test_paged_inputs_the_kernel_refuses_are_errors() -> None:
+    """Pages that do not fit the keys are refused with a message, never read out of bounds."""
+    e = ext()
+    q, k, v = inputs(2, 4, 2, 32, 30, torch.float32)
+    _, pk = paged(torch.stack([k, k]), 16, 8, 0, 32)
+    _, pv = paged(torch.stack([v, v]), 16, 8, 0, 32)
+    with pytest.raises(RuntimeError, match="start \\+ n - shared"):  # own rows do not add up
+        e.attend_paged(q, k, v, pk.addresses, pv.addresses, 8, 0, 30, 0.1)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="k_pages, v_pages"):  # one page table short
+        e.attend_paged(  # type: ignore[attr-defined]
+            q, pk.own, pv.own, pk.addresses, pv.addresses[:1], 8, 0, 30, 0.1
+        )
+    assert not e.attend_eligible(q, pk.own, pv.own, 30, 31)  # type: ignore[attr-defined]
 
 
 @needs_kernel

@@ -34,6 +34,7 @@ from quickdraft.engine.sequence import Sequence
 from quickdraft.loading import LoadedModel, load
 from quickdraft.models.base import SequenceCache
 from quickdraft.models.graphs import GraphModel
+from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.llama import CausalLM
 from quickdraft.models.state_cache import HybridCache
 from quickdraft.request import FinishReason, SamplingParams
@@ -494,6 +495,42 @@ def test_kv_export_import_round_trip(dense: LoadedModel) -> None:
     cache.commit(40)
     assert not torch.equal(cache.export_kv(16, 32).k, before)
     assert torch.equal(blocks[1].k, before)
+
+
+@needs_kernel
+def test_kv_import_reads_shared_blocks_in_place(
+    bf16_pair: tuple[Path, Path], kernels_enabled: None
+) -> None:
+    """Where the attention kernel reads blocks in place (head_dim 32, on the CPU), an import
+    keeps the blocks themselves: no copy, the sequence's own rows start after them, a forward
+    over them (the C++ layers included) gives a cold cache's bits, a rollback and a rewrite
+    leave them as they were, and exporting a shared block hands back the block."""
+    model = load(str(bf16_pair[0]), "bf16", progress=False).model
+    ids = torch.arange(3, 60)
+    cold = model.new_cache(80)
+    model(ids[:32], [cold], [32])
+    cold.commit(32)
+    blocks = [cold.export_kv(0, 16), cold.export_kv(16, 32)]
+    fresh = model.new_cache(80)
+    fresh.import_kv(blocks)
+    assert isinstance(fresh, KVCache) and fresh.length == fresh.base == 32
+    assert all(a is b for a, b in zip(fresh.shared, blocks, strict=True))
+    assert fresh.export_kv(16, 32) is blocks[1]
+    assert fresh.nbytes() < cold.nbytes()  # its own rows only
+    before = [b.k.clone() for b in blocks]
+    rows = torch.arange(len(ids) - 32)
+    for cache in (cold, fresh):  # the rest as one chunk: every row's logits
+        cache.reserve(len(rows))
+    want = model(ids[32:], [cold], [len(rows)], logit_rows=rows).logits
+    got = model(ids[32:], [fresh], [len(rows)], logit_rows=rows).logits
+    assert torch.equal(got, want)
+    for cache in (cold, fresh):  # keep 3 of them, then a different verify over the rest
+        cache.commit(35)
+        model(torch.arange(200, 206), [cache], [6])
+        cache.commit(41)
+    assert torch.equal(fresh.export_kv(0, 41).k, cold.export_kv(0, 41).k)
+    assert torch.equal(fresh.export_kv(8, 40).v, cold.export_kv(8, 40).v)
+    assert all(torch.equal(b.k, k) for b, k in zip(blocks, before, strict=True))
 
 
 def test_hybrid_snapshot_equals_a_cold_prefill(hybrid: LoadedModel) -> None:

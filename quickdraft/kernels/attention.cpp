@@ -35,14 +35,14 @@
 #include <limits>
 
 namespace qd_attn512 {  // attention_avx512.cpp
-void scores_bf16(const uint16_t* const* q, int nr, int64_t d, const uint16_t* k, int64_t ks,
+void scores_bf16(const uint16_t* const* q, int nr, int64_t d, const uint16_t* const* k,
                  int64_t nkeys, float scale, float* sc, int64_t ldsc);
-void scores_f32(const float* qp, int nr, int64_t d, const float* k, int64_t ks, int64_t nkeys,
+void scores_f32(const float* qp, int nr, int64_t d, const float* const* k, int64_t nkeys,
                 float* sc, int64_t ldsc);
-void values_bf16(const float* p, int64_t ldp, int nr, const int64_t* nkeys, const uint16_t* v,
-                 int64_t vs, int64_t d, float* o);
-void values_f32(const float* p, int64_t ldp, int nr, const int64_t* nkeys, const float* v,
-                int64_t vs, int64_t d, float* o);
+void values_bf16(const float* p, int64_t ldp, int nr, const int64_t* nkeys,
+                 const uint16_t* const* v, int64_t d, float* o);
+void values_f32(const float* p, int64_t ldp, int nr, const int64_t* nkeys, const float* const* v,
+                int64_t d, float* o);
 }  // namespace qd_attn512
 
 namespace {
@@ -80,15 +80,29 @@ struct Row16<float> {
 
 constexpr int kRowsPerTask = 8;
 
-// sc[r][s] = q_r . k_s for NR rows (packed, [NR][d]) and keys s in [0, nkeys).
+// Rows are fetched this many keys ahead (a row pointer per key: the rows of a task may lie in
+// separate blocks, where the hardware prefetcher loses the stream at every block edge).
+constexpr int64_t kAhead = 16;
+
+inline void prefetch_row(const void* row, int64_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+// sc[r][s] = q_r . k_s for NR rows (packed, [NR][d]) and keys s in [0, nkeys); k[s]: key s's row.
 template <class T, int NR>
-void score_rows(const float* qp, int64_t d, const T* k, int64_t ks, int64_t nkeys, float* sc,
+void score_rows(const float* qp, int64_t d, const T* const* k, int64_t nkeys, float* sc,
                 int64_t ldsc) {
   using R = Row16<T>;
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
   int64_t s = 0;
   for (; s + 2 <= nkeys; s += 2) {
-    const T* k0 = k + s * ks;
-    const T* k1 = k0 + ks;
+    if (s + kAhead + 2 <= nkeys) {
+      prefetch_row(k[s + kAhead], row_bytes);
+      prefetch_row(k[s + kAhead + 1], row_bytes);
+    }
+    const T* k0 = k[s];
+    const T* k1 = k[s + 1];
     __m256 acc[NR][2];
     for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t j = 0; j < d; j += 16) {
@@ -113,7 +127,7 @@ void score_rows(const float* qp, int64_t d, const T* k, int64_t ks, int64_t nkey
     }
   }
   if (s < nkeys) {  // the same per-(row, key) sequence of FMAs as above
-    const T* k0 = k + s * ks;
+    const T* k0 = k[s];
     __m256 acc[NR];
     for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t j = 0; j < d; j += 16) {
@@ -159,15 +173,16 @@ float softmax_numerators(float* sc, int64_t first, int64_t lo, int64_t limit, in
 
 // o[r][0, d) = sum_s p[r][s] v_s over s in [0, nkeys) for NR <= 2 rows, in Row16<T>'s order.
 template <class T, int NR>
-void weighted_values(const float* p, int64_t ldp, const T* v, int64_t vs, int64_t nkeys,
-                     int64_t d, float* o) {
+void weighted_values(const float* p, int64_t ldp, const T* const* v, int64_t nkeys, int64_t d,
+                     float* o) {
   using R = Row16<T>;
   for (int64_t c = 0; c < d; c += 32) {
     __m256 acc[NR][4];
     for (int r = 0; r < NR; ++r)
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
     for (int64_t s = 0; s < nkeys; ++s) {
-      const T* row = v + s * vs + c;
+      if (s + kAhead < nkeys) prefetch_row(v[s + kAhead] + c, 32 * static_cast<int64_t>(sizeof(T)));
+      const T* row = v[s] + c;
       const __m256 v0 = R::lo(row), v1 = R::hi(row), v2 = R::lo(row + 16), v3 = R::hi(row + 16);
 #pragma GCC unroll 2
       for (int r = 0; r < NR; ++r) {
@@ -195,26 +210,53 @@ int g_isa = -1;  // the tiles in use: -1 the best this CPU runs, 0 AVX2, 1 AVX-5
 bool use_avx512() { return g_isa < 0 ? cpu_has_avx512_bf16() : g_isa == 1; }
 
 // The AVX-512 halves of a task (attention_avx512.cpp), by element type.
-void scores512(const u16* const* qrow, const float*, int nr, int64_t d, const u16* k, int64_t ks,
+void scores512(const u16* const* qrow, const float*, int nr, int64_t d, const u16* const* k,
                int64_t nkeys, float scale, float* sc, int64_t ldsc) {
-  qd_attn512::scores_bf16(qrow, nr, d, k, ks, nkeys, scale, sc, ldsc);
+  qd_attn512::scores_bf16(qrow, nr, d, k, nkeys, scale, sc, ldsc);
 }
-void scores512(const float* const*, const float* qp, int nr, int64_t d, const float* k, int64_t ks,
+void scores512(const float* const*, const float* qp, int nr, int64_t d, const float* const* k,
                int64_t nkeys, float, float* sc, int64_t ldsc) {
-  qd_attn512::scores_f32(qp, nr, d, k, ks, nkeys, sc, ldsc);
+  qd_attn512::scores_f32(qp, nr, d, k, nkeys, sc, ldsc);
 }
-void values512(const float* p, int64_t ldp, int nr, const int64_t* nkeys, const u16* v, int64_t vs,
+void values512(const float* p, int64_t ldp, int nr, const int64_t* nkeys, const u16* const* v,
                int64_t d, float* o) {
-  qd_attn512::values_bf16(p, ldp, nr, nkeys, v, vs, d, o);
+  qd_attn512::values_bf16(p, ldp, nr, nkeys, v, d, o);
 }
-void values512(const float* p, int64_t ldp, int nr, const int64_t* nkeys, const float* v,
-               int64_t vs, int64_t d, float* o) {
-  qd_attn512::values_f32(p, ldp, nr, nkeys, v, vs, d, o);
+void values512(const float* p, int64_t ldp, int nr, const int64_t* nkeys, const float* const* v,
+               int64_t d, float* o) {
+  qd_attn512::values_f32(p, ldp, nr, nkeys, v, d, o);
+}
+
+// Where a sequence's keys and values live: its first `shared` keys in blocks of `block` tokens
+// that the prefix cache shares (page i: a contiguous [layers, kv heads, block, d] tensor at
+// address pk[i] / pv[i], read at `layer`), the rest in its own rows (k, v [kv heads, S, d],
+// any strides with a contiguous last dim). No blocks: every key is its own.
+struct Pages {
+  const int64_t* pk = nullptr;
+  const int64_t* pv = nullptr;
+  int64_t shared = 0, block = 1, layer = 0;
+};
+
+// Row pointers of keys [first, keys) of kv head h (key s at rows[s - first]).
+template <class T>
+void key_pointers(const T* own, int64_t s0, int64_t s1, const int64_t* pages, const Pages& pg,
+                  int64_t h, int64_t Hkv, int64_t d, int64_t first, int64_t keys,
+                  const T** rows) {
+  const int64_t end = std::min(keys, pg.shared);
+  const int64_t at = (pg.layer * Hkv + h) * pg.block * d;  // the head's rows in a block
+  for (int64_t i = first / pg.block * pg.block; i < end; i += pg.block) {  // block by block
+    const T* rows_i = reinterpret_cast<const T*>(pages[i / pg.block]) + at;
+    for (int64_t t = std::max<int64_t>(first - i, 0); t < std::min(pg.block, end - i); ++t)
+      rows[i + t - first] = rows_i + t * d;
+  }
+  const T* base = own + h * s0;
+  for (int64_t s = std::max(first, pg.shared); s < keys; ++s)
+    rows[s - first] = base + (s - pg.shared) * s1;
 }
 
 template <class T>
-void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
-                 float scale, int64_t window, at::Tensor& out) {
+void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Pages& pg,
+                 int64_t start, float scale, int64_t window, at::Tensor& out) {
   using R = Row16<T>;
   const int64_t n = q.size(0), H = q.size(1), d = q.size(2);
   const int64_t Hkv = k.size(0), group = H / Hkv;
@@ -230,9 +272,12 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   const int64_t ldsc = (max_keys + 7) / 8 * 8;
   const bool wide = use_avx512();
   at::parallel_for(0, Hkv * blocks, 1, [&](int64_t t0, int64_t t1) {
-    float* const qp = scratch(static_cast<size_t>(kRowsPerTask * (2 * d + ldsc)));
+    // the floats, then the key and value row pointers (2 floats each, 8-byte aligned)
+    float* const qp = scratch(static_cast<size_t>(kRowsPerTask * (2 * d + ldsc) + 4 * ldsc));
     float* const o = qp + kRowsPerTask * d;
     float* const sc = o + kRowsPerTask * d;
+    const T** const krows = reinterpret_cast<const T**>(sc + kRowsPerTask * ldsc);
+    const T** const vrows = krows + ldsc;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t h = t / blocks, r0 = (t % blocks) * kRowsPerTask;
       const int nr = static_cast<int>(std::min<int64_t>(kRowsPerTask, rows - r0));
@@ -260,16 +305,16 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
               qp[r * d + j + e] = qd_simd::load1(qrow[r] + j + src) * scale;
             }
       first = first / 8 * 8;  // keys below it are outside every row's window
-      const T* kh = kb + h * ks0 + first * ks1;
-      const T* vh = vb + h * vs0 + first * vs1;
+      key_pointers(kb, ks0, ks1, pg.pk, pg, h, Hkv, d, first, keys, krows);
+      key_pointers(vb, vs0, vs1, pg.pv, pg, h, Hkv, d, first, keys, vrows);
       float* const sf = sc + first;
       const int64_t span = keys - first;
       int r = 0;
       if (wide) {
-        scores512(qrow, qp, nr, d, kh, ks1, span, scale, sf, ldsc);
+        scores512(qrow, qp, nr, d, krows, span, scale, sf, ldsc);
       } else {
-        for (; r + 4 <= nr; r += 4) score_rows<T, 4>(qp + r * d, d, kh, ks1, span, sf + r * ldsc, ldsc);
-        for (; r < nr; ++r) score_rows<T, 1>(qp + r * d, d, kh, ks1, span, sf + r * ldsc, ldsc);
+        for (; r + 4 <= nr; r += 4) score_rows<T, 4>(qp + r * d, d, krows, span, sf + r * ldsc, ldsc);
+        for (; r < nr; ++r) score_rows<T, 1>(qp + r * d, d, krows, span, sf + r * ldsc, ldsc);
       }
       float inv[kRowsPerTask];
       for (r = 0; r < nr; ++r)
@@ -277,13 +322,13 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       if (wide) {
         int64_t nkeys[kRowsPerTask];
         for (r = 0; r < nr; ++r) nkeys[r] = limit[r] - first;
-        values512(sf, ldsc, nr, nkeys, vh, vs1, d, o);
+        values512(sf, ldsc, nr, nkeys, vrows, d, o);
       } else {
         for (r = 0; r + 2 <= nr; r += 2)
-          weighted_values<T, 2>(sf + r * ldsc, ldsc, vh, vs1,
-                                std::max(limit[r], limit[r + 1]) - first, d, o + r * d);
+          weighted_values<T, 2>(sf + r * ldsc, ldsc, vrows, std::max(limit[r], limit[r + 1]) - first,
+                                d, o + r * d);
         if (r < nr)
-          weighted_values<T, 1>(sf + r * ldsc, ldsc, vh, vs1, limit[r] - first, d, o + r * d);
+          weighted_values<T, 1>(sf + r * ldsc, ldsc, vrows, limit[r] - first, d, o + r * d);
       }
       for (r = 0; r < nr; ++r) {
         const float* src = o + r * d;
@@ -307,7 +352,7 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 }  // namespace
 
 bool qd_attend_eligible(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        int64_t start) {
+                        int64_t start, int64_t shared) {
   if (!q.defined() || !k.defined() || !v.defined()) return false;
   if (!q.device().is_cpu() || !k.device().is_cpu() || !v.device().is_cpu()) return false;
   const auto dt = q.scalar_type();
@@ -316,7 +361,9 @@ bool qd_attend_eligible(const at::Tensor& q, const at::Tensor& k, const at::Tens
   if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3) return false;
   const int64_t n = q.size(0), H = q.size(1), d = q.size(2), Hkv = k.size(0);
   if (n < 1 || d % 32 != 0 || Hkv < 1 || H % Hkv != 0) return false;
-  if (k.size(2) != d || v.sizes() != k.sizes() || start < 0 || k.size(1) != start + n) return false;
+  if (shared < 0 || shared > start) return false;
+  if (k.size(2) != d || v.sizes() != k.sizes() || start < 0 || k.size(1) != start + n - shared)
+    return false;
   if (q.stride(2) != 1 || k.stride(2) != 1 || v.stride(2) != 1) return false;
   return !(at::GradMode::is_enabled() &&
            (q.requires_grad() || k.requires_grad() || v.requires_grad()));
@@ -330,16 +377,37 @@ int64_t qd_attend_isa(int64_t level) {
   return use_avx512() ? 1 : 0;
 }
 
-at::Tensor qd_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
-                     double scale, int64_t window) {
+at::Tensor qd_attend_paged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const c10::optional<at::Tensor>& k_pages,
+                           const c10::optional<at::Tensor>& v_pages, int64_t block, int64_t layer,
+                           int64_t start, double scale, int64_t window) {
   TORCH_CHECK(window >= 0, "quickdraft attend: window must be >= 0 (0: none)");
-  TORCH_CHECK(qd_attend_eligible(q, k, v, start),
-              "quickdraft attend: q [n, H, d], k and v [Hkv, start + n, d] of one float "
+  Pages pg;
+  const bool paged = k_pages.has_value() && k_pages->defined() && k_pages->numel() > 0;
+  if (paged) {
+    TORCH_CHECK(v_pages.has_value() && v_pages->defined() && v_pages->sizes() == k_pages->sizes() &&
+                    k_pages->scalar_type() == at::kLong && v_pages->scalar_type() == at::kLong &&
+                    k_pages->dim() == 1 && k_pages->is_contiguous() && v_pages->is_contiguous(),
+                "quickdraft attend: k_pages, v_pages: int64 [pages] block addresses alike");
+    TORCH_CHECK(block >= 1 && layer >= 0, "quickdraft attend: block >= 1, layer >= 0");
+    pg.pk = k_pages->data_ptr<int64_t>();
+    pg.pv = v_pages->data_ptr<int64_t>();
+    pg.shared = k_pages->numel() * block;
+    pg.block = block;
+    pg.layer = layer;
+  }
+  TORCH_CHECK(qd_attend_eligible(q, k, v, start, pg.shared),
+              "quickdraft attend: q [n, H, d], k and v [Hkv, start + n - shared, d] of one float "
               "dtype (bf16/fp32) on the CPU, d % 32 == 0, H % Hkv == 0, contiguous last dims");
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   if (q.scalar_type() == at::kFloat)
-    attend_impl<float>(q, k, v, start, static_cast<float>(scale), window, out);
+    attend_impl<float>(q, k, v, pg, start, static_cast<float>(scale), window, out);
   else
-    attend_impl<u16>(q, k, v, start, static_cast<float>(scale), window, out);
+    attend_impl<u16>(q, k, v, pg, start, static_cast<float>(scale), window, out);
   return out;
+}
+
+at::Tensor qd_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
+                     double scale, int64_t window) {
+  return qd_attend_paged(q, k, v, c10::nullopt, c10::nullopt, 1, 0, start, scale, window);
 }

@@ -8,7 +8,10 @@ Every call the C++ kernel accepts runs it (attention.cpp: fp32 math, and a row's
 result depends only on its own query and keys, not on n or start's split: a row of a verify,
 of a prompt chunk or of a whole prompt equals the same row of a decode step bit for bit); the
 rest (head sizes not a multiple of 32, mixed dtypes, no extension) run `reference_attend`
-(SDPA), which is not batch-invariant. The kernel has two tiles (`TILES`, the extension's
+(SDPA), which is not batch-invariant. k and v may also be `Paged`: a sequence whose first keys
+are blocks the prefix cache shares, read where they lie (`attend_paged`: the kernel takes a row
+pointer per key, so a row's arithmetic, and its bits, are those of the same keys in one tensor).
+The kernel has two tiles (`TILES`, the extension's
 `attend_isa` level): AVX2 everywhere, and AVX-512 where the CPU has AVX512_BF16 (bf16 scores
 by vdpbf16ps, 16-lane fp32 elsewhere; attention_avx512.cpp), picked at run time. Each holds
 the contract on its own; the two differ from each other by fp32 rounding, as any two
@@ -16,6 +19,9 @@ summation orders do, so one machine's outputs are reproducible on the same tile 
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +42,41 @@ def cpu_tiles() -> list[str]:
     return runnable(TILE_FLAGS)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float, window: int = 0) -> Tensor:
+@dataclass(frozen=True)
+class Paged:
+    """One layer's keys (or values) of a sequence: its first `len(blocks) x block` in shared
+    blocks, then its own rows. `blocks`: contiguous `[layers, kv_heads, block, head_dim]`
+    tensors, read at `layer`, never written; `addresses`: their data pointers (int64, the
+    kernel's page table; the tensors stay alive through `blocks`); `own`: `[kv_heads, S, d]`."""
+
+    blocks: Sequence[Tensor]
+    addresses: Tensor
+    block: int
+    layer: int
+    own: Tensor
+
+    @property
+    def shared(self) -> int:
+        return len(self.blocks) * self.block
+
+    def dense(self) -> Tensor:
+        """The same keys as one `[kv_heads, shared + S, d]` tensor (a copy)."""
+        return torch.cat([b[self.layer] for b in self.blocks] + [self.own], dim=1)
+
+
+def paged_kernel(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `attend` reads `Paged` keys of this shape in place (else it gathers them)."""
+    return (
+        device.type == "cpu"
+        and dtype in (torch.bfloat16, torch.float32)
+        and head_dim % 32 == 0
+        and extension() is not None
+    )
+
+
+def attend(
+    q: Tensor, k: Tensor | Paged, v: Tensor | Paged, start: int, scale: float, window: int = 0
+) -> Tensor:
     """Causal grouped-query attention of n new queries at positions [start, start + n).
 
     q `[n, heads, head_dim]`; k, v `[kv_heads, start + n, head_dim]` -> `[n, heads * head_dim]`:
@@ -46,6 +86,15 @@ def attend(q: Tensor, k: Tensor, v: Tensor, start: int, scale: float, window: in
     batch-invariant and, measured with bench-sized shapes (12 heads over 2 kv heads, d 128,
     bf16, this 2-core host), 2x faster than SDPA at 64-1024 causal queries.
     """
+    if isinstance(k, Paged) or isinstance(v, Paged):
+        assert isinstance(k, Paged) and isinstance(v, Paged), "keys and values alike"
+        ext = extension() if q.is_cpu else None
+        if ext is not None and ext.attend_eligible(q, k.own, v.own, start, k.shared):
+            paged: Tensor = ext.attend_paged(
+                q, k.own, v.own, k.addresses, v.addresses, k.block, k.layer, start, scale, window
+            )
+            return paged
+        return reference_attend(q, k.dense(), v.dense(), start, scale, window)
     ext = extension() if q.is_cpu else None
     if ext is not None and ext.attend_eligible(q, k, v, start):
         out: Tensor = ext.attend(q, k, v, start, scale, window)

@@ -94,11 +94,20 @@ QD_INLINE void score_tile_f32(const float* qp, int64_t d, const float* const* k,
   store_tile(reduce16(acc), NR, nk, sc, ldsc);
 }
 
-// Keys [s, s + 4) of a cache with row stride ks; past nkeys, the last key again (a tile's
-// missing keys are computed and not stored).
+// Rows are fetched this many keys ahead (a row pointer per key: the rows of a task may lie in
+// separate blocks, where the hardware prefetcher loses the stream at every block edge).
+constexpr int64_t kAhead = 16;
+
+QD_INLINE void prefetch_row(const void* row, int64_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+// Keys [s, s + 4) of the task's key rows; past nkeys, the last key again (a tile's missing
+// keys are computed and not stored).
 template <class T>
-inline void key_rows(const T* k, int64_t ks, int64_t s, int64_t nkeys, const T** out) {
-  for (int c = 0; c < 4; ++c) out[c] = k + (s + c < nkeys ? s + c : nkeys - 1) * ks;
+inline void key_rows(const T* const* k, int64_t s, int64_t nkeys, const T** out) {
+  for (int c = 0; c < 4; ++c) out[c] = k[s + c < nkeys ? s + c : nkeys - 1];
 }
 
 // One key's W dims of v as fp32: bf16 as (even dims 16 | odd dims 16) per 32 dims, fp32 as is.
@@ -134,41 +143,42 @@ QD_INLINE void store_values(const float*, const __m512* acc, float* out) {
 
 // o[r][c .. c + W) = sum_s p[r][s] v_s for NR rows, W = 64 or 32 dims, natural order.
 template <int NR, int W, class T>
-void values_tile(const float* p, int64_t ldp, const T* v, int64_t vs, int64_t nkeys, int64_t c,
+void values_tile(const float* p, int64_t ldp, const T* const* v, int64_t nkeys, int64_t c,
                  float* o, int64_t d) {
   constexpr int V = W / 16;  // zmm per row
   __m512 acc[NR][V];
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < V; ++i) acc[r][i] = _mm512_setzero_ps();
   for (int64_t s = 0; s < nkeys; ++s) {
+    if (s + kAhead < nkeys) prefetch_row(v[s + kAhead] + c, W * static_cast<int64_t>(sizeof(T)));
     __m512 x[V];
-    load_values<V>(v + s * vs + c, x);
+    load_values<V>(v[s] + c, x);
     for (int r = 0; r < NR; ++r) {
       const __m512 w = _mm512_set1_ps(p[r * ldp + s]);
       for (int i = 0; i < V; ++i) acc[r][i] = _mm512_fmadd_ps(x[i], w, acc[r][i]);
     }
   }
-  for (int r = 0; r < NR; ++r) store_values<V>(v, acc[r], o + r * d + c);
+  for (int r = 0; r < NR; ++r) store_values<V>(v[0], acc[r], o + r * d + c);
 }
 
 template <int NR, class T>
-void values_rows(const float* p, int64_t ldp, const T* v, int64_t vs, int64_t nkeys, int64_t d,
+void values_rows(const float* p, int64_t ldp, const T* const* v, int64_t nkeys, int64_t d,
                  float* o) {
   int64_t c = 0;
-  for (; c + 64 <= d; c += 64) values_tile<NR, 64>(p, ldp, v, vs, nkeys, c, o, d);
-  if (c < d) values_tile<NR, 32>(p, ldp, v, vs, nkeys, c, o, d);
+  for (; c + 64 <= d; c += 64) values_tile<NR, 64>(p, ldp, v, nkeys, c, o, d);
+  if (c < d) values_tile<NR, 32>(p, ldp, v, nkeys, c, o, d);
 }
 
 template <class T>
-void values_all(const float* p, int64_t ldp, int nr, const int64_t* nkeys, const T* v, int64_t vs,
+void values_all(const float* p, int64_t ldp, int nr, const int64_t* nkeys, const T* const* v,
                 int64_t d, float* o) {
   int r = 0;
   for (; r + 4 <= nr; r += 4) {
     int64_t n = nkeys[r];
     for (int i = 1; i < 4; ++i) n = n > nkeys[r + i] ? n : nkeys[r + i];
-    values_rows<4>(p + r * ldp, ldp, v, vs, n, d, o + r * d);
+    values_rows<4>(p + r * ldp, ldp, v, n, d, o + r * d);
   }
-  for (; r < nr; ++r) values_rows<1>(p + r * ldp, ldp, v, vs, nkeys[r], d, o + r * d);
+  for (; r < nr; ++r) values_rows<1>(p + r * ldp, ldp, v, nkeys[r], d, o + r * d);
 }
 
 template <int N>
@@ -178,11 +188,14 @@ struct Rows {
 
 // Every 4-key tile over rows [0, nr): `tile(Rows<NR>, r, keys, nk, out)` for its rows r..r+NR.
 template <class T, class Tile>
-QD_INLINE void scores_all(int nr, const T* k, int64_t ks, int64_t nkeys, float* sc, int64_t ldsc,
-                          Tile tile) {
+QD_INLINE void scores_all(int nr, int64_t d, const T* const* k, int64_t nkeys, float* sc,
+                          int64_t ldsc, Tile tile) {
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
   for (int64_t s = 0; s < nkeys; s += 4) {
+    if (s + kAhead + 4 <= nkeys)  // key rows need not be adjacent: fetch them ahead
+      for (int c = 0; c < 4; ++c) prefetch_row(k[s + kAhead + c], row_bytes);
     const T* kr[4];
-    key_rows(k, ks, s, nkeys, kr);
+    key_rows(k, s, nkeys, kr);
     const int nk = nkeys - s < 4 ? static_cast<int>(nkeys - s) : 4;
     int r = 0;
     for (; r + 4 <= nr; r += 4) tile(Rows<4>{}, r, kr, nk, sc + r * ldsc + s);
@@ -198,33 +211,35 @@ QD_INLINE void scores_all(int nr, const T* k, int64_t ks, int64_t nkeys, float* 
 }  // namespace
 
 // The two halves of a task of attention.cpp's on AVX-512 (its contract; this file's header).
+// k[s], v[s]: key s's row of the task's kv head (attention.cpp's key rows: a cache row or a
+// shared block's).
 // scores: sc[r * ldsc + s] = scale * q_r . k_s for r < nr, s < nkeys (q rows raw bf16).
-void scores_bf16(const u16* const* q, int nr, int64_t d, const u16* k, int64_t ks, int64_t nkeys,
+void scores_bf16(const u16* const* q, int nr, int64_t d, const u16* const* k, int64_t nkeys,
                  float scale, float* sc, int64_t ldsc) {
   auto tile = [&](auto rows, int r, const u16** kr, int nk, float* out) QD_LAMBDA {
     score_tile_bf16<decltype(rows)::value>(q + r, d, kr, scale, nk, out, ldsc);
   };
-  scores_all(nr, k, ks, nkeys, sc, ldsc, tile);
+  scores_all(nr, d, k, nkeys, sc, ldsc, tile);
 }
 
 // the same with fp32 keys and rows of qp [nr][d] already scaled
-void scores_f32(const float* qp, int nr, int64_t d, const float* k, int64_t ks, int64_t nkeys,
+void scores_f32(const float* qp, int nr, int64_t d, const float* const* k, int64_t nkeys,
                 float* sc, int64_t ldsc) {
   auto tile = [&](auto rows, int r, const float** kr, int nk, float* out) QD_LAMBDA {
     score_tile_f32<decltype(rows)::value>(qp + r * d, d, kr, nk, out, ldsc);
   };
-  scores_all(nr, k, ks, nkeys, sc, ldsc, tile);
+  scores_all(nr, d, k, nkeys, sc, ldsc, tile);
 }
 
 // values: o[r][0, d) = sum over s < nkeys[r] of p[r][s] v_s, natural order (d % 32 == 0).
-void values_bf16(const float* p, int64_t ldp, int nr, const int64_t* nkeys, const u16* v,
-                 int64_t vs, int64_t d, float* o) {
-  values_all(p, ldp, nr, nkeys, v, vs, d, o);
+void values_bf16(const float* p, int64_t ldp, int nr, const int64_t* nkeys, const u16* const* v,
+                 int64_t d, float* o) {
+  values_all(p, ldp, nr, nkeys, v, d, o);
 }
 
-void values_f32(const float* p, int64_t ldp, int nr, const int64_t* nkeys, const float* v,
-                int64_t vs, int64_t d, float* o) {
-  values_all(p, ldp, nr, nkeys, v, vs, d, o);
+void values_f32(const float* p, int64_t ldp, int nr, const int64_t* nkeys, const float* const* v,
+                int64_t d, float* o) {
+  values_all(p, ldp, nr, nkeys, v, d, o);
 }
 
 }  // namespace qd_attn512

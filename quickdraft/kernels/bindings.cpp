@@ -75,12 +75,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &qd_attend, "causal GQA of n new queries over a KV cache (decode / verify)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("start"), py::arg("scale"),
         py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
+  m.def("attend_paged", &qd_attend_paged,
+        "`attend` over a sequence whose first keys lie in shared blocks (k_pages, v_pages: int64 "
+        "addresses of [layers, kv_heads, block, d] tensors, read at `layer`) and the rest in k, v",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_pages"), py::arg("v_pages"),
+        py::arg("block"), py::arg("layer"), py::arg("start"), py::arg("scale"),
+        py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("attend_isa", &qd_attend_isa,
         "the attention kernel's tiles: -1 the best this CPU runs, 0 AVX2, 1 AVX-512 (+ BF16); "
         "returns the one in use",
         py::arg("level"));
   m.def("attend_eligible", &qd_attend_eligible, "whether `attend` accepts these inputs",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("start"));
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("start"), py::arg("shared") = 0);
   m.def("kernel_calls", &qd_kernel_calls,
         "how many calls ran the kernel (tests check the fast path was taken)");
 }

@@ -83,13 +83,17 @@ class QdDenseLayer {
 
   // h [n, hidden]: the previous layer's MLP output (the embedding for layer 0); residual: the
   // residual stream before adding h (None for layer 0); cos, sin [n, head_dim] fp32; k_cache,
-  // v_cache [layers, kv_heads, capacity, head_dim]; start: the sequence's committed length.
+  // v_cache [layers, kv_heads, capacity, head_dim]: the sequence's own rows, from key `shared`
+  // on (k_pages, v_pages: the shared blocks of the keys before it, attention.cpp's
+  // `attend_paged`; none: shared = 0); start: the sequence's committed length.
   // Writes the rows' keys/values at [start, start + n) and returns (mlp output, residual).
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& h,
                                              const c10::optional<at::Tensor>& residual,
                                              const at::Tensor& cos, const at::Tensor& sin,
                                              const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                             int64_t start) const {
+                                             int64_t start, const c10::optional<at::Tensor>& k_pages,
+                                             const c10::optional<at::Tensor>& v_pages,
+                                             int64_t block) const {
     at::Tensor res, x;
     if (residual.has_value() && residual->defined()) {
       std::tie(res, x) = qd_add_rms_norm(*residual, h, input_norm_, eps_, 0.0);
@@ -108,12 +112,16 @@ class QdDenseLayer {
     }
     q = qd_rope(q, cos, sin);
     k = qd_rope(k, cos, sin);
+    const int64_t shared =
+        k_pages.has_value() && k_pages->defined() ? k_pages->numel() * block : 0;
+    const int64_t own = start - shared;  // the first new row's index in the own rows
     const at::Tensor kc = k_cache.select(0, layer_), vc = v_cache.select(0, layer_);
-    TORCH_CHECK(start + n <= kc.size(1), "quickdraft DenseLayer: reserve() before the forward");
-    kc.narrow(1, start, n).copy_(k.transpose(0, 1));
-    vc.narrow(1, start, n).copy_(v.transpose(0, 1));
-    const at::Tensor attn =
-        qd_attend(q, kc.narrow(1, 0, start + n), vc.narrow(1, 0, start + n), start, scale_);
+    TORCH_CHECK(own >= 0 && own + n <= kc.size(1),
+                "quickdraft DenseLayer: reserve() before the forward");
+    kc.narrow(1, own, n).copy_(k.transpose(0, 1));
+    vc.narrow(1, own, n).copy_(v.transpose(0, 1));
+    const at::Tensor attn = qd_attend_paged(q, kc.narrow(1, 0, own + n), vc.narrow(1, 0, own + n),
+                                            k_pages, v_pages, block, layer_, start, scale_);
     std::tie(res, x) = qd_add_rms_norm(res, ops_[1](attn), post_norm_, eps_, 0.0);
     return {ops_[3](qd_silu_mul(ops_[2](x))), res};
   }
@@ -139,5 +147,6 @@ void qd_register_dense_layer(py::module_& m) {
            py::arg("scales"), py::arg("ns"), py::arg("fmts"), py::arg("qkv_bias"))
       .def("forward", &QdDenseLayer::forward, py::arg("h"), py::arg("residual"), py::arg("cos"),
            py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("start"),
-           py::call_guard<py::gil_scoped_release>());
+           py::arg("k_pages") = py::none(), py::arg("v_pages") = py::none(),
+           py::arg("block") = 1, py::call_guard<py::gil_scoped_release>());
 }

@@ -7,10 +7,11 @@ entries past `cache.length` WITHOUT moving it; the caller then `commit`s the len
 Committing fewer tokens than the forward wrote is the rollback, O(1) for every cache kind
 (attention KV: a length; recurrent state: a checkpoint slot).
 
-For the prefix cache (engine/prefix_cache.py) a cache also copies the KV of committed tokens out
+For the prefix cache (engine/prefix_cache.py) a cache also hands the KV of committed tokens out
 (`export_kv`, an immutable `KVBlock`) and a fresh cache takes such blocks as its first tokens
-(`import_kv`); a recurrent cache cannot be cut back, so it also hands out the state after a
-recent position (`state_at`, a `StateSnapshot`) and resumes from one.
+(`import_kv`: by reference where its attention reads blocks in place, models/kv_cache.py); a
+recurrent cache cannot be cut back, so it also hands out the state after a recent position
+(`state_at`, a `StateSnapshot`) and resumes from one.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class ForwardOutput:
 @dataclass(frozen=True, slots=True)
 class KVBlock:
     """Attention KV of a run of committed tokens, copied out of a sequence's cache and never
-    written again: k, v `[num_layers, num_kv_heads, tokens, head_dim]`."""
+    written again (sequences that import it may read it in place): k, v `[num_layers,
+    num_kv_heads, tokens, head_dim]`, contiguous."""
 
     k: Tensor
     v: Tensor
@@ -84,7 +86,8 @@ class SequenceCache(Protocol):
     def nbytes(self) -> int: ...
 
     def export_kv(self, start: int, end: int) -> KVBlock:
-        """A copy of the KV of committed tokens [start, end)."""
+        """The KV of committed tokens [start, end), never written again (a copy, or a block
+        the cache itself imported)."""
         ...
 
     def import_kv(self, blocks: Sequence[KVBlock], state: StateSnapshot | None = None) -> None:

@@ -245,6 +245,7 @@ class DFlashAttention(Attention):
             keys, values = cache.write(
                 self.layer_idx, k[seg].transpose(0, 1), v[seg].transpose(0, 1)
             )  # the whole context + this block, uncommitted
+            assert isinstance(keys, Tensor) and isinstance(values, Tensor)  # never imports blocks
             lo = max(0, cache.length - window) if window else 0
             outs.append(
                 block_attention(

@@ -327,10 +327,11 @@ class CausalLM(HeadLogits, OperandModule):
         if fused is not None:
             cache = caches[0]
             cos, sin = rope[0][:, 0], rope[1][:, 0]
+            k_pages, v_pages, block = cache.pages
         for i, layer in enumerate(self.decoder_layers):
             if fused is not None:
                 h, residual = fused[i].forward(
-                    h, residual, cos, sin, cache.k, cache.v, cache.length
+                    h, residual, cos, sin, cache.k, cache.v, cache.length, k_pages, v_pages, block
                 )
             else:
                 h, residual = layer.forward_residual(h, residual, rope, caches, num_new)

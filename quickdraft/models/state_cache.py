@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from quickdraft.kernels.attention import Paged
 from quickdraft.kernels.gdn import DeltaUpdates, advance_state, conv_window
 from quickdraft.models.base import KVBlock, StateSnapshot
 from quickdraft.models.kv_cache import KVCache
@@ -133,7 +134,7 @@ class HybridCache:
         """The running forward keeps every token's update (else only its final state)."""
         return not self._long
 
-    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor | Paged, Tensor | Paged]:
         """Attention KV of full-attention layer `layer` (see KVCache.write)."""
         return self.kv.write(layer, k, v)
 
