@@ -1,4 +1,6 @@
-"""Prefix cache (engine/prefix_cache.py): time to first token with a cached prefix vs cold, and
+"""Prefix cache benchmark (over 400 lines: four measures in one run, report and chart).
+
+engine/prefix_cache.py: time to first token with a cached prefix vs cold, and
 a multi-turn chat replay with the cache vs without, for a dense packaged model and a hybrid
 (Gated DeltaNet) random-weight model of Qwen3.5-0.8B's shape (bench/hybrid.py's config).
 

@@ -4,6 +4,7 @@ CPU has."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +17,7 @@ from quickdraft.kernels.attention import (
     Paged,
     attend,
     cpu_tiles,
+    page_table,
     reference_attend,
 )
 
@@ -195,15 +197,18 @@ def test_sliding_window_matches_reference_and_rows_are_independent(
 
 
 def paged(
-    cache: torch.Tensor, shared: int, block: int, layer: int, end: int
+    cache: torch.Tensor, shared: int, block: int, layer: int, end: int, runs: int = 1
 ) -> tuple[list[torch.Tensor], Paged]:
     """Keys 0 .. end of `cache [layers, kv_heads, S, d]` at `layer` as the prefix cache hands
-    them over: its first `shared` tokens copied into separate contiguous blocks, the rest a
-    view of a sequence's own rows (with spare room past `end`)."""
-    blocks = [cache[:, :, i : i + block].clone() for i in range(0, shared, block)]
+    them over: its first `shared` tokens copied out in pieces of `runs` blocks (each block a
+    token range of its piece: other strides than a lone block's), the rest a view of a
+    sequence's own rows (with spare room past `end`)."""
+    blocks = []
+    for i in range(0, shared, runs * block):
+        piece = cache[:, :, i : min(i + runs * block, shared)].clone()
+        blocks += [piece[:, :, j : j + block] for j in range(0, piece.shape[2], block)]
     own = cache[:, :, shared:].clone()[layer, :, : end - shared]
-    addresses = torch.tensor([b.data_ptr() for b in blocks], dtype=torch.int64)
-    return blocks, Paged(blocks, addresses, block, layer, own)
+    return blocks, Paged(blocks, page_table(blocks), block, layer, own)
 
 
 @needs_kernel
@@ -230,8 +235,9 @@ def test_paged_keys_equal_one_tensor_bit_for_bit(
     dtype: torch.dtype,
     tile: str,
 ) -> None:
-    """Keys read in place from shared blocks give the bits of the same keys in one tensor, at
-    every layer of the blocks, and the reference gathers them to the same result."""
+    """Keys read in place from shared blocks (lone ones, and token ranges of larger pieces) give
+    the bits of the same keys in one tensor, at every layer of the blocks, and the reference
+    gathers them to the same result."""
     g = torch.Generator().manual_seed(n + d)
     shared = pages * block
     start = shared + extra
@@ -239,10 +245,10 @@ def test_paged_keys_equal_one_tensor_bit_for_bit(
     k = torch.randn(layers, kv_heads, start + n + 4, d, generator=g).to(dtype)
     v = torch.randn(layers, kv_heads, start + n + 4, d, generator=g).to(dtype)
     q = torch.randn(n, heads, d, generator=g).to(dtype)
-    for layer in range(layers):
+    for layer, runs in itertools.product(range(layers), (1, 3)):
         want = attend(q, k[layer, :, : start + n], v[layer, :, : start + n], start, 0.1, window)
-        _, pk = paged(k, shared, block, layer, start + n)
-        _, pv = paged(v, shared, block, layer, start + n)
+        _, pk = paged(k, shared, block, layer, start + n, runs)
+        _, pv = paged(v, shared, block, layer, start + n, runs)
         assert torch.equal(pk.dense(), k[layer, :, : start + n])
         assert torch.equal(attend(q, pk, pv, start, 0.1, window), want)
         ref = reference_attend(q, pk.dense(), pv.dense(), start, 0.1, window)

@@ -165,13 +165,30 @@ def nodes(cache: PrefixCache) -> list[Block]:
     return out
 
 
+def held_bytes(tree: list[Block]) -> int:
+    """The memory the tree's blocks hold: every tensor storage they reference, each once (the
+    blocks of one piece share one)."""
+    storages: dict[int, int] = {}
+    for n in tree:
+        tensors = [n.kv.k, n.kv.v]
+        if n.state is not None:
+            tensors += [n.state.conv, n.state.ssm]
+        for part in n.drafts.values():
+            tensors += [part.kv.k, part.kv.v] + ([] if part.hidden is None else [part.hidden])
+        for t in tensors:
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def invariants(core: EngineCore) -> None:
-    """The tree's accounting, the budget, and the paths of running sequences: every block a
-    running sequence holds is still in the tree, and the locks are exactly those paths' ends."""
+    """The tree's accounting (its bytes are the memory its blocks hold), the budget, and the
+    paths of running sequences: every block a running sequence holds is still in the tree, and
+    the locks are exactly those paths' ends."""
     cache = core.prefix
     assert cache is not None
     tree = nodes(cache)
-    assert cache.stats.bytes == sum(n.nbytes for n in tree) <= cache.stats.budget_bytes
+    assert cache.stats.bytes == held_bytes(tree) <= cache.stats.budget_bytes
     assert cache.stats.blocks == len(tree)
     assert all(n.live for n in tree)
     paths = [s.prefix.path for s in core.scheduler.running if s.prefix is not None]
@@ -381,9 +398,10 @@ def test_prefix_cache_eviction_under_a_tiny_budget(
 
 
 def test_prefix_cache_never_evicts_a_block_in_use(dense: LoadedModel) -> None:
-    """Budget: 3 blocks. A leaves 3 blocks; B hits all 3 and holds them while it prefills;
-    C's inserts find nothing unlocked to evict and are refused (B's path intact); once B has
-    left, C's inserts evict the least recently used blocks instead."""
+    """Budget: 3 blocks. A leaves 3 blocks (one piece: one commit made them whole); B hits all
+    3 and holds them while it prefills; C's inserts find nothing unlocked to evict and are
+    refused (B's path intact); once B has left, D's inserts evict the least recently used
+    blocks instead: all 3 of A's, leaf first, as the piece's memory goes with its last block."""
     model = dense.model
     block = model.new_cache(8)
     model(torch.arange(8), [block], [8])
@@ -411,9 +429,9 @@ def test_prefix_cache_never_evicts_a_block_in_use(dense: LoadedModel) -> None:
     cache.leave(cur_b, None, failed=False)
     cache.leave(cur_c, None, failed=False)
     cur_d, _ = prefill(list(range(100, 116)))
-    assert len(cur_d.path) == 2 and cache.stats.evicted == 2  # B's leaf, then its parent
-    assert sorted(n.tokens[0] for n in nodes(cache)) == [10, 100, 108]
-    assert cache.stats.bytes == 3 * size
+    assert len(cur_d.path) == 2 and cache.stats.evicted == 3
+    assert sorted(n.tokens[0] for n in nodes(cache)) == [100, 108]
+    assert cache.stats.bytes == 2 * size == held_bytes(nodes(cache))
 
 
 def test_prefix_cache_evicting_a_tenants_last_block(dense: LoadedModel) -> None:

@@ -1,6 +1,8 @@
-"""Prefix cache: the KV (and recurrent state) of token blocks that earlier requests computed,
-shared by every request of one target model; a request whose prompt starts with cached blocks
-skips their prefill.
+"""Prefix cache (over 400 lines: one tree's matching, inserts, locks, pieces and budget).
+
+The KV (and recurrent state) of token blocks that earlier requests computed, shared by every
+request of one target model; a request whose prompt starts with cached blocks skips their
+prefill.
 
 Stage: beside the scheduler. The scheduler calls `admit` when a sequence gets its caches,
 `chunk` when it sizes a prompt chunk and `leave` when the sequence leaves; the core calls
@@ -14,11 +16,14 @@ its token ids, and holds immutable copies of
           snapshot in the match (SGLang's extra state buffer, vLLM's "align" mode)
   drafts  per drafter that keeps per-position state (a draft model's KV, an MTP head's KV and
           hidden rows; drafters/base.py `PrefixDrafter`): its share of the block
-The caches of running sequences stay one contiguous tensor each (the batch-invariant attention
-kernels read them unchanged): a hit copies the matched blocks into the new sequence's cache (a
-memcpy, ~1000x cheaper than the prefill it replaces) and a sequence's committed blocks enter the
-tree as copies. Nothing ever writes into a cached block, so a rollback after a rejected draft (a
-shorter commit, in the sequence's own cache) cannot reach one: copy-on-write is implicit.
+A hit hands the matched blocks to the new sequence's cache, which reads them in place where
+the attention kernel can (models/kv_cache.py: no copy; the kernel's page table gives each key's
+row, with the bits of one tensor) and copies them in elsewhere (a GPU). A sequence's committed
+blocks enter the tree as copies of its rows, the blocks of one commit in one `Piece` (a tensor
+each block is a token range of, so that a layer's rows of consecutive blocks lie together when
+read in place); a piece's memory counts until its last block leaves. Nothing ever writes into a
+cached block, so a rollback after a rejected draft (a shorter commit, never below the shared
+part, in the sequence's own rows) cannot reach one: copy-on-write is implicit.
 Because every kernel is batch-invariant, a block's KV does not depend on how its prompt was
 chunked or batched, and an output with the cache equals the output without it bit for bit.
 
@@ -27,7 +32,7 @@ chunked or batched, and an output with the cache equals the output without it bi
         token to run (its logits give the first output token); recurrent targets: up to the
         deepest snapshot in it; a drafter that reads the target's hidden states (MTP): only
         blocks that carry its part too (it cannot catch up on positions the target skipped).
-        Copies them into `cache` and the drafter state, and locks them.
+        Gives them to `cache` and the drafter state, and locks them.
   extend(cursor, tokens, cache, spec)
         after a commit: the sequence's newly whole blocks join the tree (nodes other requests
         inserted are reused), with the snapshots and drafter parts the sequence can give
@@ -42,7 +47,8 @@ index: a hit is visible (`cached_tokens`, the time to first token), so a shared 
 one client whether another had sent a prompt.
 Reference counts: a running sequence locks the deepest node of its path, so that node and its
 ancestors stay; only unlocked leaves are evicted, least recently used first, when an insert
-would pass the memory budget. When the locked blocks hold the whole budget, nothing new is
+would pass the memory budget (a piece frees its memory with its last block, so eviction goes on
+until one does). When the locked blocks hold the whole budget, nothing new is
 cached (`stats.refused`): caching never fails a request and never exceeds its budget.
 """
 
@@ -97,11 +103,23 @@ class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up (vLLM: prefix_cache_queries)
     hits: int = 0  # of those, served from the cache (vLLM: prefix_cache_hits)
     blocks: int = 0  # nodes in the tree
-    bytes: int = 0  # what they hold (KV, snapshots, drafter parts)
+    bytes: int = 0  # the memory they hold (KV, snapshots, drafter parts; `Piece`s whole)
     budget_bytes: int = 0
     inserted: int = 0  # blocks inserted
     evicted: int = 0  # blocks evicted
     refused: int = 0  # inserts given up: the budget was held by blocks in use
+
+
+class Piece:
+    """One tensor pair that several blocks are token ranges of (the new blocks of one commit,
+    a drafter's parts made together): its memory lives, and its bytes count, until its last
+    block leaves the tree."""
+
+    __slots__ = ("blocks", "nbytes")
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.blocks = 0  # blocks in the tree that are ranges of it
 
 
 class Block:
@@ -116,6 +134,7 @@ class Block:
         "live",
         "nbytes",
         "parent",
+        "pieces",
         "refs",
         "state",
         "tenant",
@@ -135,8 +154,14 @@ class Block:
         self.children: dict[tuple[int, ...], Block] = {}
         self.refs = 0  # running sequences whose path ends here
         self.last_used = 0
-        self.nbytes = kv.nbytes
+        self.nbytes = kv.nbytes  # what it holds alone; a range of a piece counts with the piece
+        self.pieces: list[Piece] = []
         self.live = True  # False once evicted
+
+    def join(self, piece: Piece) -> None:
+        """Its KV or a drafter part is a range of `piece`, whose bytes count there."""
+        self.pieces.append(piece)
+        piece.blocks += 1
 
 
 @dataclass(slots=True, eq=False)
@@ -231,6 +256,9 @@ class PrefixCache:
         cache holds at least) not yet on the sequence's path joins the tree (or is found there),
         with its snapshot and drafter part if due."""
         size, every = self.size, self.config.snapshot_every
+        whole = cache.length // size * size  # the committed tokens in whole blocks
+        run: tuple[int, KVBlock, Piece] | None = None  # the new blocks' KV, in one piece
+        tried = False
         while (len(cur.path) + 1) * size <= cache.length:
             depth = len(cur.path) + 1
             start, end = (depth - 1) * size, depth * size
@@ -238,10 +266,27 @@ class PrefixCache:
             ids = tuple(tokens[start:end])
             node = self._children(cur.tenant, parent).get(ids)
             if node is None:
-                kv = cache.export_kv(start, end)
-                if not self._reserve(kv.nbytes):  # may evict: look the siblings up after it
-                    break
+                # every later block is new too (its parent is): one copy for all of them, so
+                # that a layer's rows of consecutive blocks lie together when a sequence reads
+                # them in place (models/kv_cache.py); each block is a token range of it. Where
+                # the budget has no room for all of them, block by block as far as it goes
+                if not tried and whole - start > size:
+                    tried = True
+                    kv = cache.export_kv(start, whole)
+                    if self._reserve(kv.nbytes, 0):  # may evict: look the siblings up after
+                        run = (start, kv, Piece(kv.nbytes))
+                        self.stats.bytes += kv.nbytes
+                if run is not None:
+                    at, kv = start - run[0], run[1]
+                    kv = KVBlock(kv.k[:, :, at : at + size], kv.v[:, :, at : at + size])
+                else:
+                    kv = cache.export_kv(start, end)
+                    if not self._reserve(kv.nbytes):
+                        break
                 node = Block(cur.tenant, ids, parent, kv, depth)
+                if run is not None:
+                    node.nbytes = 0
+                    node.join(run[2])
                 if parent is None:
                     self.roots.setdefault(cur.tenant, {})[ids] = node
                 else:
@@ -284,6 +329,7 @@ class PrefixCache:
         """The drafter's parts of the path's blocks, as far as its state holds them."""
         if cur.drafter is None or spec is None:
             return
+        new: list[Block] = []
         while cur.drafted < len(cur.path):
             node = cur.path[cur.drafted]
             if cur.key not in node.drafts:
@@ -291,10 +337,30 @@ class PrefixCache:
                 state = spec.arm_of(cur.drafter).draft_state
                 part = cur.drafter.export_block(state, start, node.tokens)
                 if part is None or not self._reserve(part.nbytes):
-                    return
+                    break
                 node.drafts[cur.key] = part
                 self._grow(node, part.nbytes)
+                new.append(node)
             cur.drafted += 1
+        self._gather([node.drafts[cur.key] for node in new], new, cur.key)
+
+    def _gather(self, parts: list[DraftBlock], nodes: list[Block], key: int) -> None:
+        """Drafter parts made at once (of consecutive blocks, as a rule) move into one tensor,
+        each a token range of it, as the target's blocks of one commit are (`extend`): a
+        drafter that reads them in place then finds a layer's rows of those blocks together."""
+        if len(parts) < 2:
+            return
+        k = torch.cat([p.kv.k for p in parts], dim=2)
+        v = torch.cat([p.kv.v for p in parts], dim=2)
+        piece = Piece(k.nbytes + v.nbytes)  # the parts' KV bytes, now counted once there
+        at = 0
+        for node, part in zip(nodes, parts, strict=True):
+            n = part.kv.num_tokens
+            kv = KVBlock(k[:, :, at : at + n], v[:, :, at : at + n])
+            node.drafts[key] = DraftBlock(kv, part.hidden)
+            node.nbytes -= part.kv.nbytes
+            node.join(piece)
+            at += n
 
     def _drafter(self, spec: SpecState | None) -> PrefixDrafter | None:
         """The request's drafter whose state the cache keeps (of several: the first such)."""
@@ -313,17 +379,18 @@ class PrefixCache:
         node.nbytes += nbytes
         self.stats.bytes += nbytes
 
-    def _reserve(self, nbytes: int) -> bool:
+    def _reserve(self, nbytes: int, blocks: int = 1) -> bool:
         """Evict unlocked leaves, least recently used first, until `nbytes` more fit the
-        budget; False if they cannot (the rest is locked by running sequences)."""
+        budget; False if they cannot (the rest is locked by running sequences), counted as
+        `blocks` refused (0: a try whose refusal gives nothing up)."""
         budget = self.stats.budget_bytes
         if nbytes > budget:
-            self.stats.refused += 1
+            self.stats.refused += blocks
             return False
         while self.stats.bytes + nbytes > budget:
             victim = self._pop_lru()
             if victim is None:
-                self.stats.refused += 1
+                self.stats.refused += blocks
                 return False
             self._evict(victim)
         return True
@@ -339,6 +406,10 @@ class PrefixCache:
         self.stats.blocks -= 1
         self.stats.evicted += 1
         self.stats.bytes -= node.nbytes
+        for piece in node.pieces:  # a piece's memory goes with its last block
+            piece.blocks -= 1
+            if piece.blocks == 0:
+                self.stats.bytes -= piece.nbytes
         if parent is not None:
             self._push_if_evictable(parent)
 

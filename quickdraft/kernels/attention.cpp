@@ -1,3 +1,4 @@
+// (over 400 lines: one kernel, its AVX2 tile, the paged key rows and the entry points)
 // Causal grouped-query attention of a few new queries over a KV cache (a decode step or a
 // speculative verify), for AVX2 + FMA CPUs (bound in bindings.cpp); the Python-facing contract
 // and the torch reference are kernels/attention.py's (`attend`, `reference_attend`).
@@ -228,9 +229,10 @@ void values512(const float* p, int64_t ldp, int nr, const int64_t* nkeys, const 
 }
 
 // Where a sequence's keys and values live: its first `shared` keys in blocks of `block` tokens
-// that the prefix cache shares (page i: a contiguous [layers, kv heads, block, d] tensor at
-// address pk[i] / pv[i], read at `layer`), the rest in its own rows (k, v [kv heads, S, d],
-// any strides with a contiguous last dim). No blocks: every key is its own.
+// that the prefix cache shares, the rest in its own rows (k, v [kv heads, S, d], any strides
+// with a contiguous last dim). Page i of pk / pv is (address, layer stride, head stride) in
+// elements: block i's row t of kv head h at `layer` is at address + layer * ls + h * hs + t * d
+// (a block may be a token range of a larger tensor). No blocks: every key is its own.
 struct Pages {
   const int64_t* pk = nullptr;
   const int64_t* pv = nullptr;
@@ -240,12 +242,11 @@ struct Pages {
 // Row pointers of keys [first, keys) of kv head h (key s at rows[s - first]).
 template <class T>
 void key_pointers(const T* own, int64_t s0, int64_t s1, const int64_t* pages, const Pages& pg,
-                  int64_t h, int64_t Hkv, int64_t d, int64_t first, int64_t keys,
-                  const T** rows) {
+                  int64_t h, int64_t d, int64_t first, int64_t keys, const T** rows) {
   const int64_t end = std::min(keys, pg.shared);
-  const int64_t at = (pg.layer * Hkv + h) * pg.block * d;  // the head's rows in a block
   for (int64_t i = first / pg.block * pg.block; i < end; i += pg.block) {  // block by block
-    const T* rows_i = reinterpret_cast<const T*>(pages[i / pg.block]) + at;
+    const int64_t* page = pages + 3 * (i / pg.block);
+    const T* rows_i = reinterpret_cast<const T*>(page[0]) + pg.layer * page[1] + h * page[2];
     for (int64_t t = std::max<int64_t>(first - i, 0); t < std::min(pg.block, end - i); ++t)
       rows[i + t - first] = rows_i + t * d;
   }
@@ -305,8 +306,8 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
               qp[r * d + j + e] = qd_simd::load1(qrow[r] + j + src) * scale;
             }
       first = first / 8 * 8;  // keys below it are outside every row's window
-      key_pointers(kb, ks0, ks1, pg.pk, pg, h, Hkv, d, first, keys, krows);
-      key_pointers(vb, vs0, vs1, pg.pv, pg, h, Hkv, d, first, keys, vrows);
+      key_pointers(kb, ks0, ks1, pg.pk, pg, h, d, first, keys, krows);
+      key_pointers(vb, vs0, vs1, pg.pv, pg, h, d, first, keys, vrows);
       float* const sf = sc + first;
       const int64_t span = keys - first;
       int r = 0;
@@ -387,12 +388,14 @@ at::Tensor qd_attend_paged(const at::Tensor& q, const at::Tensor& k, const at::T
   if (paged) {
     TORCH_CHECK(v_pages.has_value() && v_pages->defined() && v_pages->sizes() == k_pages->sizes() &&
                     k_pages->scalar_type() == at::kLong && v_pages->scalar_type() == at::kLong &&
-                    k_pages->dim() == 1 && k_pages->is_contiguous() && v_pages->is_contiguous(),
-                "quickdraft attend: k_pages, v_pages: int64 [pages] block addresses alike");
+                    k_pages->dim() == 2 && k_pages->size(1) == 3 && k_pages->is_contiguous() &&
+                    v_pages->is_contiguous(),
+                "quickdraft attend: k_pages, v_pages: int64 [pages, 3] (address, layer stride, "
+                "head stride) alike");
     TORCH_CHECK(block >= 1 && layer >= 0, "quickdraft attend: block >= 1, layer >= 0");
     pg.pk = k_pages->data_ptr<int64_t>();
     pg.pv = v_pages->data_ptr<int64_t>();
-    pg.shared = k_pages->numel() * block;
+    pg.shared = k_pages->size(0) * block;
     pg.block = block;
     pg.layer = layer;
   }

@@ -45,9 +45,10 @@ def cpu_tiles() -> list[str]:
 @dataclass(frozen=True)
 class Paged:
     """One layer's keys (or values) of a sequence: its first `len(blocks) x block` in shared
-    blocks, then its own rows. `blocks`: contiguous `[layers, kv_heads, block, head_dim]`
-    tensors, read at `layer`, never written; `addresses`: their data pointers (int64, the
-    kernel's page table; the tensors stay alive through `blocks`); `own`: `[kv_heads, S, d]`."""
+    blocks, then its own rows. `blocks`: `[layers, kv_heads, block, head_dim]` tensors (rows
+    contiguous, any layer and head strides: a block may be a token range of a larger tensor),
+    read at `layer`, never written; `addresses`: their `page_table` (the tensors stay alive
+    through `blocks`); `own`: `[kv_heads, S, d]`."""
 
     blocks: Sequence[Tensor]
     addresses: Tensor
@@ -62,6 +63,20 @@ class Paged:
     def dense(self) -> Tensor:
         """The same keys as one `[kv_heads, shared + S, d]` tensor (a copy)."""
         return torch.cat([b[self.layer] for b in self.blocks] + [self.own], dim=1)
+
+
+def page_table(blocks: Sequence[Tensor]) -> Tensor:
+    """The kernel's page table of `blocks`: int64 `[P, 3]`, per block its data address and its
+    layer and head strides in elements."""
+    return torch.tensor(
+        [[b.data_ptr(), b.stride(0), b.stride(1)] for b in blocks], dtype=torch.int64
+    ).view(len(blocks), 3)
+
+
+def pageable(block: Tensor, head_dim: int) -> bool:
+    """A block `[layers, kv_heads, tokens, head_dim]` the kernel reads in place: its rows of
+    one layer and head lie `head_dim` elements apart."""
+    return block.stride(3) == 1 and block.stride(2) == head_dim
 
 
 def paged_kernel(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:

@@ -77,7 +77,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("attend_paged", &qd_attend_paged,
         "`attend` over a sequence whose first keys lie in shared blocks (k_pages, v_pages: int64 "
-        "addresses of [layers, kv_heads, block, d] tensors, read at `layer`) and the rest in k, v",
+        "[pages, 3]: a block's address, layer and head strides; read at `layer`) and the rest in "
+        "k, v",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_pages"), py::arg("v_pages"),
         py::arg("block"), py::arg("layer"), py::arg("start"), py::arg("scale"),
         py::arg("window") = 0, py::call_guard<py::gil_scoped_release>());

@@ -113,7 +113,8 @@ class QdDenseLayer {
     q = qd_rope(q, cos, sin);
     k = qd_rope(k, cos, sin);
     const int64_t shared =
-        k_pages.has_value() && k_pages->defined() ? k_pages->numel() * block : 0;
+        k_pages.has_value() && k_pages->defined() && k_pages->numel() > 0 ? k_pages->size(0) * block
+                                                                           : 0;
     const int64_t own = start - shared;  // the first new row's index in the own rows
     const at::Tensor kc = k_cache.select(0, layer_), vc = v_cache.select(0, layer_);
     TORCH_CHECK(own >= 0 && own + n <= kc.size(1),

@@ -38,7 +38,8 @@ class ForwardOutput:
 class KVBlock:
     """Attention KV of a run of committed tokens, copied out of a sequence's cache and never
     written again (sequences that import it may read it in place): k, v `[num_layers,
-    num_kv_heads, tokens, head_dim]`, contiguous."""
+    num_kv_heads, tokens, head_dim]`, rows contiguous; possibly token ranges of one larger
+    tensor (the blocks one commit made whole: engine/prefix_cache.py)."""
 
     k: Tensor
     v: Tensor

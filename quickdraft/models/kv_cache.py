@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from quickdraft.kernels.attention import Paged, paged_kernel
+from quickdraft.kernels.attention import Paged, page_table, pageable, paged_kernel
 from quickdraft.models.base import KVBlock, StateSnapshot
 
 IN_PLACE = True  # False: `import_kv` copies blocks in everywhere (the copy-in A/B)
@@ -137,8 +137,8 @@ class KVCache:
             and paged_kernel(dim, self.k.dtype, self.k.device)
             and all(
                 b.num_tokens == size
-                and b.k.is_contiguous()
-                and b.v.is_contiguous()
+                and pageable(b.k, dim)
+                and pageable(b.v, dim)
                 and b.k.dtype == self.k.dtype
                 and b.k.shape == (self.k.shape[0], heads, size, dim)
                 for b in blocks
@@ -155,10 +155,7 @@ class KVCache:
         self.shared, self.block = tuple(blocks), size
         self.base = self.length = size * len(blocks)
         self._blocks = ([b.k for b in blocks], [b.v for b in blocks])
-        self._pages = (
-            torch.tensor([b.k.data_ptr() for b in blocks], dtype=torch.int64),
-            torch.tensor([b.v.data_ptr() for b in blocks], dtype=torch.int64),
-        )
+        self._pages = (page_table(self._blocks[0]), page_table(self._blocks[1]))
         # the own rows: what is left of the room asked for at creation
         own = max(self.capacity - self.base, 1)
         self.k = self.k.new_empty((self.k.shape[0], heads, own, dim))
