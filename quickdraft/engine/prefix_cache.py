@@ -273,7 +273,7 @@ class PrefixCache:
                 if not tried and whole - start > size:
                     tried = True
                     kv = cache.export_kv(start, whole)
-                    if self._reserve(kv.nbytes, 0):  # may evict: look the siblings up after
+                    if self._reserve(kv.nbytes, 0):  # may evict (a failed try refuses nothing)
                         run = (start, kv, Piece(kv.nbytes))
                         self.stats.bytes += kv.nbytes
                 if run is not None:
