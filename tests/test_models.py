@@ -248,6 +248,64 @@ def test_cpp_layers_equal_python_layers_bitwise(
     assert torch.equal(caches[0].v[:, :, :end], caches[1].v[:, :, :end])
 
 
+@pytest.mark.skipif(not kernels_available(), reason="no CPU kernels: no C++ layers")
+@pytest.mark.parametrize(("fmt", "dtype"), [("panels", torch.bfloat16), ("int4", torch.float32)])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_cpp_layers_equal_python_layers_for_several_sequences(
+    tmp_path: Path, arch: str, fmt: str, dtype: torch.dtype
+) -> None:
+    """A batched step (several sequences' rows packed in one forward: a decode row, verify
+    rows, a prompt chunk, one sequence reading prefix-cache blocks in place) through the C++
+    layers' `forward_many` gives the bitwise-same logits, hidden states and KV caches as the
+    Python layers' loop over the sequences."""
+    from conftest import make_tiny_hf_model
+
+    make_tiny_hf_model(arch, tmp_path, seed=6, hidden_size=128, head_dim=32)
+    models = [load_model(tmp_path, dtype) for _ in range(2)]
+    for m in models:
+        m.pack_() if fmt == "panels" else m.quantize_(fmt)
+    fused, plain = models
+    plain._fused = False
+    assert fused._fused_layers() is not None
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 320, (n,), generator=gen) for n in (9, 23, 16, 0)]
+    new = [1, 5, 1, 7]  # rows per sequence in the batched step
+    steps = [torch.randint(0, 320, (n,), generator=gen) for n in new]
+    all_caches = []
+    for m in models:
+        caches = [m.new_cache(64) for _ in prompts]
+        for cache, ids in zip(caches[:3], prompts[:3], strict=True):
+            m(ids, [cache], [len(ids)])
+            cache.commit(len(ids))
+        # the third sequence's first 16 tokens as two shared blocks, read in place
+        blocks = [caches[2].export_kv(0, 8), caches[2].export_kv(8, 16)]
+        caches[2] = m.new_cache(64)
+        caches[2].import_kv(blocks)
+        caches[2].commit(16)
+        for cache, n in zip(caches, new, strict=True):
+            cache.reserve(n)
+        all_caches.append(caches)
+    assert all_caches[0][2].pages[0] is not None, "the blocks are read in place"
+
+    def python_layer_ran(*args: Any) -> Any:
+        raise AssertionError("the fused model ran a Python layer")
+
+    for layer in fused.decoder_layers:
+        layer.forward_residual = python_layer_ran  # type: ignore[method-assign]
+    ids = torch.cat(steps)
+    rows = torch.arange(len(ids))
+    outs = [
+        m(ids, caches, new, logit_rows=rows, return_hidden=True)
+        for m, caches in zip(models, all_caches, strict=True)
+    ]
+    assert torch.equal(outs[0].logits, outs[1].logits)
+    assert torch.equal(outs[0].hidden, outs[1].hidden)
+    for a, b, n in zip(*all_caches, new, strict=True):
+        end = a.length + n - a.base
+        assert torch.equal(a.k[:, :, :end], b.k[:, :, :end])
+        assert torch.equal(a.v[:, :, :end], b.v[:, :, :end])
+
+
 @pytest.mark.skipif(not kernels_available(), reason="needs the C++ kernels (AVX2/FMA/F16C)")
 @pytest.mark.parametrize("fused", [True, False], ids=["cpp-layers", "python-layers"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -1,16 +1,18 @@
-// One dense decoder layer (Llama / Qwen2 / Qwen3) for decode and verify rows of one sequence,
-// as a sequence of this extension's kernels called from C++ (kernels/dense_layer.py owns the
-// contract and when it runs).
+// One dense decoder layer (Llama / Qwen2 / Qwen3) for the decode, verify and prompt rows of one
+// sequence (`forward`) or of several packed in one step (`forward_many`), as a sequence of this
+// extension's kernels called from C++ (kernels/dense_layer.py owns the contract and when it
+// runs).
 //
 // Contract: DenseLayer(...).forward(h, residual, cos, sin, k_cache, v_cache, start) returns
 // exactly what `DecoderLayer.forward_residual` returns for the same inputs when every op there
 // takes its kernel: the same kernels run in the same order on the same operands, so the
 // outputs are bitwise equal (tests/test_models.py checks it). The caller guarantees that path:
-// the new rows of one sequence, a head size the attention kernel takes, projection operands in
+// the new rows of KV-cache sequences, a head size the attention kernel takes, projection operands in
 // panels or int8 / int4 / GGUF blocks (kind 1 / 2 / 3 / 4 below), norm weights in h's dtype.
 //
 // Why: a 0.5B draft step ran ~5.5 ms of Python and torch dispatch around ~13 ms of GEMMs
-// (24 layers x ~13 ops, ~230 us per layer); a C++ layer makes that one call per layer.
+// (24 layers x ~13 ops, ~230 us per layer); a C++ layer makes that one call per layer. A batched
+// step paid that again per sequence (a cache write and an attention call per sequence per layer).
 #include <torch/extension.h>
 
 #include <tuple>
@@ -94,6 +96,52 @@ class QdDenseLayer {
                                              int64_t start, const c10::optional<at::Tensor>& k_pages,
                                              const c10::optional<at::Tensor>& v_pages,
                                              int64_t block) const {
+    at::Tensor res, q, k, v;
+    std::tie(res, q, k, v) = rotated_qkv(h, residual, cos, sin);
+    const at::Tensor attn = attend_one(q, k, v, k_cache, v_cache, start, k_pages, v_pages, block);
+    return mlp(res, attn);
+  }
+
+  // The rows of several sequences packed in order (a continuous-batching step): counts[i] rows
+  // of sequence i, with its own caches, committed length, shared blocks (an empty k_pages /
+  // v_pages tensor: none) and block size. The same kernels in the same order as the Python
+  // layer's loop over the sequences, so the same bits.
+  std::tuple<at::Tensor, at::Tensor> forward_many(
+      const at::Tensor& h, const c10::optional<at::Tensor>& residual, const at::Tensor& cos,
+      const at::Tensor& sin, const std::vector<at::Tensor>& k_caches,
+      const std::vector<at::Tensor>& v_caches, const std::vector<int64_t>& starts,
+      const std::vector<int64_t>& counts, const std::vector<at::Tensor>& k_pages,
+      const std::vector<at::Tensor>& v_pages, const std::vector<int64_t>& blocks) const {
+    const size_t m = counts.size();
+    TORCH_CHECK(k_caches.size() == m && v_caches.size() == m && starts.size() == m &&
+                    k_pages.size() == m && v_pages.size() == m && blocks.size() == m,
+                "quickdraft DenseLayer.forward_many: one cache, start, page table and block per "
+                "sequence");
+    at::Tensor res, q, k, v;
+    std::tie(res, q, k, v) = rotated_qkv(h, residual, cos, sin);
+    std::vector<at::Tensor> outs;
+    outs.reserve(m);
+    int64_t row = 0;
+    for (size_t i = 0; i < m; ++i) {
+      const int64_t n = counts[i];
+      TORCH_CHECK(n >= 1 && row + n <= q.size(0),
+                  "quickdraft DenseLayer.forward_many: counts must be >= 1 and sum to the rows");
+      outs.push_back(attend_one(q.narrow(0, row, n), k.narrow(0, row, n), v.narrow(0, row, n),
+                                k_caches[i], v_caches[i], starts[i], k_pages[i], v_pages[i],
+                                blocks[i]));
+      row += n;
+    }
+    TORCH_CHECK(row == q.size(0),
+                "quickdraft DenseLayer.forward_many: counts must sum to the rows");
+    return mlp(res, m == 1 ? outs[0] : at::cat(outs));
+  }
+
+ private:
+  // (residual, q [n, H, d], k, v [n, Hkv, d]): the input norm, the qkv projection, the q / k
+  // norms (Qwen3) and rope
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rotated_qkv(
+      const at::Tensor& h, const c10::optional<at::Tensor>& residual, const at::Tensor& cos,
+      const at::Tensor& sin) const {
     at::Tensor res, x;
     if (residual.has_value() && residual->defined()) {
       std::tie(res, x) = qd_add_rms_norm(*residual, h, input_norm_, eps_, 0.0);
@@ -110,8 +158,15 @@ class QdDenseLayer {
       q = qd_rms_norm(q, *q_norm_, eps_, 0.0);
       k = qd_rms_norm(k, *k_norm_, eps_, 0.0);
     }
-    q = qd_rope(q, cos, sin);
-    k = qd_rope(k, cos, sin);
+    return {res, qd_rope(q, cos, sin), qd_rope(k, cos, sin), v};
+  }
+
+  // One sequence's rows: their keys / values written at [start, start + n), then attended.
+  at::Tensor attend_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t start,
+                        const c10::optional<at::Tensor>& k_pages,
+                        const c10::optional<at::Tensor>& v_pages, int64_t block) const {
+    const int64_t n = q.size(0);
     const int64_t shared =
         k_pages.has_value() && k_pages->defined() && k_pages->numel() > 0 ? k_pages->size(0) * block
                                                                            : 0;
@@ -121,13 +176,17 @@ class QdDenseLayer {
                 "quickdraft DenseLayer: reserve() before the forward");
     kc.narrow(1, own, n).copy_(k.transpose(0, 1));
     vc.narrow(1, own, n).copy_(v.transpose(0, 1));
-    const at::Tensor attn = qd_attend_paged(q, kc.narrow(1, 0, own + n), vc.narrow(1, 0, own + n),
-                                            k_pages, v_pages, block, layer_, start, scale_);
-    std::tie(res, x) = qd_add_rms_norm(res, ops_[1](attn), post_norm_, eps_, 0.0);
-    return {ops_[3](qd_silu_mul(ops_[2](x))), res};
+    return qd_attend_paged(q, kc.narrow(1, 0, own + n), vc.narrow(1, 0, own + n), k_pages,
+                           v_pages, block, layer_, start, scale_);
   }
 
- private:
+  // (mlp output, residual) after the attention: o projection, post norm, MLP
+  std::tuple<at::Tensor, at::Tensor> mlp(const at::Tensor& res, const at::Tensor& attn) const {
+    at::Tensor r, x;
+    std::tie(r, x) = qd_add_rms_norm(res, ops_[1](attn), post_norm_, eps_, 0.0);
+    return {ops_[3](qd_silu_mul(ops_[2](x))), r};
+  }
+
   int64_t layer_, heads_, kv_heads_, d_;
   double eps_, scale_;
   at::Tensor input_norm_, post_norm_;
@@ -149,5 +208,9 @@ void qd_register_dense_layer(py::module_& m) {
       .def("forward", &QdDenseLayer::forward, py::arg("h"), py::arg("residual"), py::arg("cos"),
            py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("start"),
            py::arg("k_pages") = py::none(), py::arg("v_pages") = py::none(),
-           py::arg("block") = 1, py::call_guard<py::gil_scoped_release>());
+           py::arg("block") = 1, py::call_guard<py::gil_scoped_release>())
+      .def("forward_many", &QdDenseLayer::forward_many, py::arg("h"), py::arg("residual"),
+           py::arg("cos"), py::arg("sin"), py::arg("k_caches"), py::arg("v_caches"),
+           py::arg("starts"), py::arg("counts"), py::arg("k_pages"), py::arg("v_pages"),
+           py::arg("blocks"), py::call_guard<py::gil_scoped_release>());
 }

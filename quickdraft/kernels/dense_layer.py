@@ -1,5 +1,5 @@
-"""One dense decoder layer (Llama / Qwen2 / Qwen3) as a single C++ call, for the decode and
-verify rows of one sequence.
+"""One dense decoder layer (Llama / Qwen2 / Qwen3) as a single C++ call, for the decode,
+verify and prompt rows of one sequence or of several packed in one batched step.
 
 Contract: `dense_layer(...)` returns the extension's `DenseLayer` (dense_layer.cpp) for a
 layer's norms and operands, or None where it cannot run them: no extension, an operand format
@@ -8,10 +8,13 @@ kernel does not take (% 32), or a shape or dtype some kernel refuses. Its
 `forward(h, residual, cos, sin, k_cache, v_cache, start)` returns exactly what the Python
 layer (models/llama.py `DecoderLayer.forward_residual`) returns when every op there takes its
 kernel: the same kernels in the same order on the same operands, so the outputs are bitwise
-equal. The caller keeps to that path: the rows of one sequence.
+equal. `forward_many(h, residual, cos, sin, k_caches, v_caches, starts, counts, k_pages,
+v_pages, blocks)` does the same for several sequences' rows packed in order, as the Python
+layer's loop over them does. The caller keeps to that path: KV-cache sequences.
 
 Why: a 0.5B int4 draft step spent ~5.5 ms of its ~18 ms in Python and torch dispatch around
-its GEMMs (24 layers x ~13 ops); one call per layer removes most of it.
+its GEMMs (24 layers x ~13 ops); one call per layer removes most of it. In a batched step the
+Python layer also wrote each sequence's cache and called attention once per sequence per layer.
 """
 
 from __future__ import annotations

@@ -320,19 +320,25 @@ class CausalLM(HeadLogits, OperandModule):
         residual: Tensor | None = None
         wanted = set(hidden_layers)
         taps: dict[int, Tensor] = {}  # layer -> its output [N, hidden]
-        # the rows of one sequence (decode, verify, a prompt chunk): the C++ layers (the same
-        # kernels in the same order as the Python layers, so the same bits)
-        one = len(caches) == 1 and isinstance(caches[0], KVCache)
-        fused = self._fused_layers() if one else None
+        # the rows of one sequence (decode, verify, a prompt chunk) or of several (a batched
+        # step): the C++ layers (the same kernels in the same order as the Python layers, so
+        # the same bits)
+        kv = all(isinstance(c, KVCache) for c in caches)
+        fused = self._fused_layers() if kv else None
         if fused is not None:
-            cache = caches[0]
             cos, sin = rope[0][:, 0], rope[1][:, 0]
-            k_pages, v_pages, block = cache.pages
+            if len(caches) == 1:
+                cache = caches[0]
+                k_pages, v_pages, block = cache.pages
+            else:
+                many = _many_args(caches, num_new)
         for i, layer in enumerate(self.decoder_layers):
-            if fused is not None:
+            if fused is not None and len(caches) == 1:
                 h, residual = fused[i].forward(
                     h, residual, cos, sin, cache.k, cache.v, cache.length, k_pages, v_pages, block
                 )
+            elif fused is not None:
+                h, residual = fused[i].forward_many(h, residual, cos, sin, *many)
             else:
                 h, residual = layer.forward_residual(h, residual, rope, caches, num_new)
             if i in wanted:  # the layer's output: the sum the next norm forms
@@ -347,6 +353,23 @@ class CausalLM(HeadLogits, OperandModule):
             return ForwardOutput(self._logits(hidden[logit_rows]), hidden, layers)
         last = self.model.norm.add_forward(residual[logit_rows], h[logit_rows])[1]
         return ForwardOutput(self._logits(last), None, layers)
+
+
+def _many_args(caches: Sequence[Any], num_new: Sequence[int]) -> tuple[Any, ...]:
+    """`DenseLayer.forward_many`'s per-sequence arguments after (h, residual, cos, sin): the
+    caches' k and v, committed lengths, row counts, shared blocks' page tables (an empty
+    tensor: none) and block sizes."""
+    none = torch.empty(0, dtype=torch.int64)
+    pages = [c.pages for c in caches]
+    return (
+        [c.k for c in caches],
+        [c.v for c in caches],
+        [c.length for c in caches],
+        list(num_new),
+        [none if p[0] is None else p[0] for p in pages],
+        [none if p[1] is None else p[1] for p in pages],
+        [p[2] for p in pages],
+    )
 
 
 def _quantizer(kind: type[Int8Weight] | type[Int4Weight]) -> Callable[[Weight], Weight]:
