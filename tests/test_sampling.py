@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from quickdraft.request import SamplingParams
-from quickdraft.speculation.sampling import TokenRng, probabilities, sample
+from quickdraft.speculation.sampling import (
+    TokenRng,
+    probabilities,
+    reference_top_p_drop,
+    sample,
+    top_p_drop,
+)
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
 
@@ -34,6 +40,20 @@ def test_probabilities_top_p_keeps_smallest_prefix_reaching_p() -> None:
     kept = (probs[0] > 0).nonzero().flatten().tolist()
     assert kept == [0, 1]  # 0.61 < 0.7, 0.61 + 0.22 >= 0.7
     assert torch.allclose(probs[0, :2], full[:2] / full[:2].sum())
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 0.3, 0.9, 0.95, 0.999])
+@pytest.mark.parametrize("spread", [0.3, 1.0, 4.0])  # flat rows (the fall-back) to peaked
+def test_top_p_among_candidates_drops_what_the_full_sort_drops(top_p: float, spread: float) -> None:
+    """top_p_drop ranks only the TOP_P_CANDIDATES likeliest tokens of a row when they hold the
+    mass, else sorts the row: either way the same tokens as the full sort
+    (reference_top_p_drop), on SmolLM2-sized rows, ties and mixed batches included."""
+    gen = torch.Generator().manual_seed(int(spread * 10) + int(top_p * 1000))
+    logits = torch.randn(16, 49152, generator=gen) * spread
+    logits[3, :40] = logits[3, 0]  # a run of tied likeliest tokens
+    logits[5] = torch.randn(49152, generator=gen) * 0.3  # a flat row among peaked ones
+    probs = torch.softmax(logits, -1)
+    assert torch.equal(top_p_drop(probs, top_p), reference_top_p_drop(probs, top_p))
 
 
 def test_probabilities_min_p_drops_below_fraction_of_max() -> None:
