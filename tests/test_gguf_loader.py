@@ -240,6 +240,14 @@ def test_operands_hold_the_files_values(built: Built) -> None:
     emb = net.model.embed_tokens
     assert isinstance(emb, GGUFEmbedding)
     assert torch.equal(emb(built.ids), table[built.ids].to(net.dtype))
+    # the dequantized rows kept between lookups: the same values, one token at a time, after
+    # rows were evicted, and for a chunk longer than the cache
+    emb.CACHED_ROWS = 3
+    for i in [*built.ids.tolist(), *built.ids.tolist()]:
+        one = torch.tensor([i])
+        assert torch.equal(emb(one), table[one].to(net.dtype))
+    assert len(emb._rows) <= 3
+    assert torch.equal(emb(built.ids), table[built.ids].to(net.dtype))
     norm = net.decoder_layers[0].input_layernorm.weight
     assert torch.equal(norm, file_rows(f, "blk.0.attn_norm.weight").to(norm.dtype))
     if built.arch == "qwen2":
