@@ -193,6 +193,39 @@ def test_chat_data_from_a_corpus(tmp_path: Path) -> None:
     assert bool(((anchors >= lo[:, None]) & (anchors < hi[:, None] - 1)).all())
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_answered_corpus_equals_answers_then_a_target_pass(tmp_path: Path, dtype: str) -> None:
+    """answered_corpus (the target answers, its taps and predictions kept as it goes, a few
+    sequences per forward, slots refilled as answers end) gives the rows that answering first
+    and then running each conversation through the target alone gives: the same ids and
+    bounds, and in bf16 (packed panels, batch-invariant kernels) the same tap bits; prompts
+    longer than half the row keep their tail."""
+    directory = dense_target(tmp_path / "target").path
+    lm = load(str(directory), dtype)
+    long = " ".join(f"word{i}" for i in range(60))
+    messages = ["def add(a, b):", "the cat sat", long, "hello there", "x = 1", "why"]
+    max_answer, seq_len = 12, 80
+    got = chat_data.answered_corpus(
+        lm, messages, max_answer, TAPS, seq_len, batch=3, progress=False
+    )
+    pairs = answer(lm, messages, max_answer, progress=False)
+    want = chat_corpus(lm, pairs, TAPS, seq_len, progress=False)
+    assert torch.equal(got.bounds()[0], want.bounds()[0])
+    assert torch.equal(got.bounds()[1], want.bounds()[1])
+    # the long prompt: its tail only (answer() saw all of it, so the answers may differ)
+    cut = [i for i, (p, _) in enumerate(pairs) if len(p) > seq_len // 2]
+    assert cut == [2]
+    keep = torch.tensor([i for i in range(len(messages)) if i not in cut])
+    assert torch.equal(got.ids[keep], want.ids[keep])
+    assert torch.equal(got.preds[keep], want.preds[keep])
+    if dtype == "bf16":
+        assert torch.equal(got.taps[keep], want.taps[keep])
+    else:  # torch's fp32 GEMMs may sum a row differently at another row count
+        torch.testing.assert_close(got.taps[keep], want.taps[keep], rtol=1e-2, atol=1e-2)
+    lo, hi = got.bounds()
+    assert int(lo[2]) == seq_len // 2 and got.ids[2, : lo[2]].tolist() == pairs[2][0][-40:]
+
+
 def test_instructions_written_by_the_target(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

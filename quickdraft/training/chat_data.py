@@ -19,6 +19,11 @@ plain-text one). Contract:
   chat_corpus(lm, pairs, layers, T)  the conversations run through the target once: TapCorpus
                                      rows of prompt + answer (cut to T), blocks start only
                                      inside the answer (lo = prompt length)
+  answered_corpus(lm, messages, max_answer, layers, T)
+                                     the two above in one pass: the target answers greedily,
+                                     `batch` sequences per forward, and its taps and predictions
+                                     are kept as it goes; the same rows, bit for bit (the
+                                     kernels are batch-invariant), without the second pass
 """
 
 from __future__ import annotations
@@ -30,9 +35,11 @@ from collections import Counter
 from collections.abc import Sequence
 
 import torch
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from quickdraft.loading import LoadedModel
+from quickdraft.models.base import SequenceCache
 from quickdraft.request import SamplingParams
 from quickdraft.training.corpus import TapCorpus, run_target
 
@@ -309,3 +316,113 @@ def chat_corpus(
     corpus = run_target(lm.model, torch.tensor(rows), layers, progress, lengths)
     corpus.lo = torch.tensor(lo)
     return corpus
+
+
+class _Answering:
+    """One conversation being answered by `answered_corpus`: its cache and, per position so
+    far, the id, the taps and the target's greedy prediction."""
+
+    def __init__(self, index: int, prompt: list[int], limit: int, cache: SequenceCache) -> None:
+        self.index, self.lo, self.limit = index, len(prompt), limit
+        self.cache: SequenceCache | None = cache
+        self.ids = list(prompt)
+        self.taps: list[Tensor] = []
+        self.preds: list[Tensor] = []
+
+    def take(self, taps: Tensor, preds: Tensor, eos: Sequence[int]) -> bool:
+        """Record the rows just run; True while the answer goes on (its next id appended).
+        An answer that ends frees its cache and keeps its rows compact (bf16 taps): 2,500
+        SmolLM2 answers' caches alone would hold ~17 GB."""
+        assert self.cache is not None
+        self.cache.commit(self.cache.length + taps.shape[0])
+        self.taps.append(taps.to(torch.bfloat16))
+        self.preds.append(preds)
+        nxt = int(preds[-1])
+        if nxt not in eos and len(self.ids) - self.lo < self.limit:
+            self.ids.append(nxt)
+            return True
+        self.cache = None
+        self.taps, self.preds = [torch.cat(self.taps)], [torch.cat(self.preds)]
+        return False
+
+
+@torch.inference_mode()
+def answered_corpus(
+    lm: LoadedModel,
+    messages: Sequence[str],
+    max_answer: int,
+    layers: Sequence[int],
+    seq_len: int,
+    batch: int = ANSWER_BATCH,
+    progress: bool = True,
+) -> TapCorpus:
+    """`chat_corpus(lm, answer(lm, messages, max_answer), layers, seq_len)` in one pass (module
+    docstring): each message chat-templated (prompts longer than half of `seq_len` keep their
+    tail) and answered greedily, to EOS (not kept) or `max_answer` tokens or `seq_len` in all;
+    each prompt runs alone, then the answers' rows run `batch` sequences to a forward, every
+    answer token fed once (the last too, for its taps). Rows with fewer than 4 answer tokens
+    are dropped."""
+    _require_chat_template(lm)
+    model, tok = lm.model, lm.tokenizer
+    chats = [tok.encode_chat([{"role": "user", "content": m}]) for m in messages]
+    prompts = [p[-(seq_len // 2) :] for p in chats]
+    hidden = tuple(layers)
+    done: list[_Answering] = []
+    active: list[_Answering] = []
+    waiting = list(enumerate(prompts))[::-1]
+    bar = tqdm(total=len(prompts), desc="target answers", unit="msg", disable=not progress)
+    while waiting or active:
+        while waiting and len(active) < batch:  # admit: the prompt alone, every row scored
+            i, prompt = waiting.pop()
+            limit = min(max_answer, seq_len - len(prompt))
+            cache = model.new_cache(len(prompt) + limit)
+            seq = _Answering(i, prompt, limit, cache)
+            out = model(
+                torch.tensor(prompt),
+                [cache],
+                [len(prompt)],
+                logit_rows=torch.arange(len(prompt)),
+                hidden_layers=hidden,
+            )
+            assert out.layers is not None
+            if seq.take(out.layers.flatten(1), out.logits.argmax(-1), lm.eos_ids):
+                active.append(seq)
+            else:
+                done.append(seq)
+                bar.update(1)
+        if not active:
+            continue
+        out = model(
+            torch.tensor([s.ids[-1] for s in active]),
+            [s.cache for s in active if s.cache is not None],
+            [1] * len(active),
+            hidden_layers=hidden,
+        )
+        assert out.layers is not None
+        taps, preds = out.layers.flatten(1), out.logits.argmax(-1)
+        going = []
+        for j, s in enumerate(active):
+            if s.take(taps[j : j + 1], preds[j : j + 1], lm.eos_ids):
+                going.append(s)
+            else:
+                done.append(s)
+                bar.update(1)
+        active = going
+    bar.close()
+    done = sorted((s for s in done if len(s.ids) - s.lo >= 4), key=lambda s: s.index)
+    if not done:
+        raise ValueError("no answer of 4 tokens or more to train on")
+    width = len(layers) * model.config.hidden_size
+    ids = torch.zeros(len(done), seq_len, dtype=torch.int64)
+    taps_all = torch.zeros(len(done), seq_len, width, dtype=torch.bfloat16)
+    for r, s in enumerate(done):
+        n = len(s.ids)
+        ids[r, :n] = torch.tensor(s.ids)
+        taps_all[r, :n] = s.taps[0][:n]
+    preds_all = ids.clone()  # padding: its own ids, as run_target leaves it
+    for r, s in enumerate(done):
+        n = len(s.ids)
+        preds_all[r, :n] = s.preds[0][:n]
+    lo = torch.tensor([s.lo for s in done])
+    hi = torch.tensor([len(s.ids) for s in done])
+    return TapCorpus(ids, taps_all, preds_all, hidden, lo, hi)

@@ -23,7 +23,7 @@ from quickdraft.loading import LoadedModel
 from quickdraft.models.dflash import default_target_layers
 from quickdraft.models.draft_vocab import read_draft_vocabulary
 from quickdraft.models.mtp import STANDALONE_ARCHITECTURE
-from quickdraft.training.chat_data import answer, chat_corpus, instructions, self_instructions
+from quickdraft.training.chat_data import answered_corpus, instructions, self_instructions
 from quickdraft.training.corpus import (
     TapCorpus,
     build_corpus,
@@ -203,14 +203,16 @@ def chat_data(
     """The `--data chat` corpus (training/chat_data.py), from `cache_dir` when a run with the
     same instructions, target and taps made it (a resumed training skips both passes)."""
     messages = chat_messages(lm, model_key, paths, cfg, cache_dir)
+    # "tail": long prompts are cut before they are answered (answered_corpus)
     key = hashlib.sha256(
-        json.dumps([messages, model_key, list(taps), cfg.seq_len, cfg.answer_tokens]).encode()
+        json.dumps(
+            [messages, model_key, list(taps), cfg.seq_len, cfg.answer_tokens, "tail"]
+        ).encode()
     )
     cached = cache_dir / f"chat-{key.hexdigest()[:16]}.pt"
     if cached.is_file():
         return load_corpus(cached)
-    pairs = answer(lm, messages, cfg.answer_tokens)
-    corpus = chat_corpus(lm, pairs, taps, cfg.seq_len)
+    corpus = answered_corpus(lm, messages, cfg.answer_tokens, taps, cfg.seq_len)
     save_corpus(corpus, cached)
     return corpus
 
