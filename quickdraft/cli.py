@@ -584,6 +584,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         peers=None if args.peers is None else tuple(args.peers),
         dflash=args.dflash,
         mtp=args.mtp,
+        adaptive=None if spec.adaptive else False,
     )
     run(SpecBench(**_prompt_bench_fields(args, spec), **extra))
     return 0

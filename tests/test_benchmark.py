@@ -95,6 +95,24 @@ def test_benchmark_without_a_draft_model_runs_the_other_engines(
     assert "no draft model" in (tmp_path / "speculative.md").read_text()
 
 
+def test_benchmark_no_adaptive_reaches_every_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`quickdraft bench --no-adaptive`: the engines draft k every cycle (the cost model off,
+    said in the report and the table) and the adaptive engine, which needs the cost model to
+    price its drafters, is left out; it used to be dropped silently, every engine adaptive."""
+    from quickdraft.cli import main as cli_main
+
+    argv = ["bench", "--model", str(tiny_model_dir), "--dtype", "fp32", "--max-tokens", "8"]
+    argv += ["--per-set", "1", "--sets", "code", "--num-draft-tokens", "3", "--no-hf"]
+    argv += ["--reference-per-set", "0", "--no-adaptive", "--out", str(tmp_path)]
+    assert cli_main(argv) == 0
+    saved = json.loads((tmp_path / "speculative.json").read_text())
+    assert saved["cost_model"] is False
+    assert set(saved["results"]["code"]) == {"none", "ngram", "suffix"}
+    assert "k = 3 every cycle (no cost model)" in (tmp_path / "speculative.md").read_text()
+    report = tiny_run(tiny_model_dir, tmp_path / "on")
+    assert report["cost_model"] is True and "adaptive" in report["results"]["code"]
+
+
 def test_benchmark_runs_a_model_without_a_chat_template(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -268,6 +268,9 @@ class SpecBench:
     # the agentic set on a prefix cache per engine (module docstring)
     prefix_cache: bool = True
     device: str = "auto"  # where our engines run (loading.resolve_device)
+    # False (`--no-adaptive`): every engine drafts k tokens each cycle, no cost model; the
+    # adaptive engine (which prices its drafters with the cost model) is left out
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.reference_per_set < 0:
@@ -293,10 +296,15 @@ def run(opts: SpecBench) -> dict[str, Any]:
     all_sets = bench_sets()
     chosen = list(opts.sets or all_sets)
     lm = load(target, dtype, opts.device)
+    cost_model = opts.adaptive  # False: k drafts every cycle
     specs: dict[str, AnySpeculation | None] = {
         "none": None,
-        "ngram": make_speculation(lm, SpeculativeConfig(method="ngram", num_draft_tokens=k)),
-        "suffix": make_speculation(lm, SpeculativeConfig(method="suffix", num_draft_tokens=k)),
+        "ngram": make_speculation(
+            lm, SpeculativeConfig(method="ngram", num_draft_tokens=k, adaptive=cost_model)
+        ),
+        "suffix": make_speculation(
+            lm, SpeculativeConfig(method="suffix", num_draft_tokens=k, adaptive=cost_model)
+        ),
     }
     quants = {} if draft is None else {"draft": draft_quantization}
     if draft is not None and draft_quantization != "none" and reference_per_set > 0:
@@ -305,31 +313,42 @@ def run(opts: SpecBench) -> dict[str, Any]:
         specs[name] = make_speculation(
             lm,
             SpeculativeConfig(
-                method="draft", num_draft_tokens=k, draft_model=draft, draft_quantization=quant
+                method="draft",
+                num_draft_tokens=k,
+                draft_model=draft,
+                draft_quantization=quant,
+                adaptive=cost_model,
             ),
         )
     drafters = ("ngram", "suffix", "draft") if draft is not None else ("ngram", "suffix")
-    specs["adaptive"] = make_speculation(
-        lm,
-        SpeculativeConfig(
-            method="adaptive",
-            num_draft_tokens=k,
-            draft_model=draft,
-            draft_quantization=draft_quantization,
-            adaptive_drafters=drafters,
-        ),
-    )
+    if opts.adaptive:
+        specs["adaptive"] = make_speculation(
+            lm,
+            SpeculativeConfig(
+                method="adaptive",
+                num_draft_tokens=k,
+                draft_model=draft,
+                draft_quantization=draft_quantization,
+                adaptive_drafters=drafters,
+            ),
+        )
     if opts.dflash is not None:
         block = DFlashConfig.from_dir(opts.dflash).block_size
         specs["dflash"] = make_speculation(
             lm,
             SpeculativeConfig(
-                method="dflash", draft_model=opts.dflash, num_draft_tokens=max(k, block - 1)
+                method="dflash",
+                draft_model=opts.dflash,
+                num_draft_tokens=max(k, block - 1),
+                adaptive=cost_model,
             ),
         )
     if opts.mtp is not None:
         specs["mtp"] = make_speculation(
-            lm, SpeculativeConfig(method="mtp", draft_model=opts.mtp, num_draft_tokens=k)
+            lm,
+            SpeculativeConfig(
+                method="mtp", draft_model=opts.mtp, num_draft_tokens=k, adaptive=cost_model
+            ),
         )
     hf_models: dict[str, Any] = {}
     if hf:
@@ -421,18 +440,20 @@ def run(opts: SpecBench) -> dict[str, Any]:
         for name in ("suffix", "dflash", "mtp"):
             if name in cells:
                 row[name]["speedup_vs_ngram"] = round(cells[name].ratio(cells["ngram"]), 3)
-        singles = [name for name in SINGLE if name in cells]
-        best = max(singles, key=lambda name: tok_s(list(cells[name].runs.values())))
-        row["adaptive"]["best_single"] = best
-        row["adaptive"]["speedup_vs_best_single"] = round(cells["adaptive"].ratio(cells[best]), 3)
-        # drafter -> [cycles it drafted in, drafted, accepted], over the set's prompts
-        picks: dict[str, list[int]] = {}
-        for r in cells["adaptive"].runs.values():
-            for name, counts in r.drafters.items():
-                total = picks.setdefault(name, [0, 0, 0])
-                for j, n in enumerate(counts):
-                    total[j] += n
-        row["adaptive"]["drafters"] = picks
+        if "adaptive" in cells:
+            singles = [name for name in SINGLE if name in cells]
+            best = max(singles, key=lambda name: tok_s(list(cells[name].runs.values())))
+            row["adaptive"]["best_single"] = best
+            ratio = cells["adaptive"].ratio(cells[best])
+            row["adaptive"]["speedup_vs_best_single"] = round(ratio, 3)
+            # drafter -> [cycles it drafted in, drafted, accepted], over the set's prompts
+            picks: dict[str, list[int]] = {}
+            for r in cells["adaptive"].runs.values():
+                for name, counts in r.drafters.items():
+                    total = picks.setdefault(name, [0, 0, 0])
+                    for j, n in enumerate(counts):
+                        total[j] += n
+            row["adaptive"]["drafters"] = picks
         for name in ("hf_prompt_lookup", "hf_assisted"):
             if name in row:
                 row[name]["speedup_vs_hf"] = round(cells[name].ratio(cells["hf"]), 3)
@@ -462,6 +483,7 @@ def run(opts: SpecBench) -> dict[str, Any]:
         "prompts_per_set": per_set,
         "reference_prompts_per_set": reference_per_set,
         "k_max": k,
+        "cost_model": opts.adaptive,  # False: k drafts every cycle
         "agentic_prefix_cache": opts.prefix_cache,  # peers run without one
         "peers": peer_versions,
         "machine": host,
@@ -495,8 +517,13 @@ def markdown(report: dict[str, Any]) -> str:
     )
     lines = [
         f"target {report['target']}, {draft}, {report['dtype']}, "
-        f"{report['tokens']} tokens, k <= {report['k_max']}; speedups are over the prompts both "
-        "engines ran",
+        f"{report['tokens']} tokens, "
+        + (
+            f"k <= {report['k_max']}"
+            if report.get("cost_model", True)
+            else f"k = {report['k_max']} every cycle (no cost model)"
+        )
+        + "; speedups are over the prompts both engines ran",
         "",
         "| set | engine | prompts | tok/s | decode tok/s | speedup vs none | vs ngram "
         "| vs llama.cpp | vs best single | AL | accept rate | TTFT s | identical |",
