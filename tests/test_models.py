@@ -255,7 +255,8 @@ def test_cpp_layers_equal_python_layers_for_several_sequences(
     tmp_path: Path, arch: str, fmt: str, dtype: torch.dtype
 ) -> None:
     """A batched step (several sequences' rows packed in one forward: a decode row, verify
-    rows, a prompt chunk, one sequence reading prefix-cache blocks in place) through the C++
+    rows, a prompt chunk, a sequence with no new rows, one sequence reading prefix-cache
+    blocks in place) through the C++
     layers' `forward_many` gives the bitwise-same logits, hidden states and KV caches as the
     Python layers' loop over the sequences."""
     from conftest import make_tiny_hf_model
@@ -268,15 +269,16 @@ def test_cpp_layers_equal_python_layers_for_several_sequences(
     plain._fused = False
     assert fused._fused_layers() is not None
     gen = torch.Generator().manual_seed(8)
-    prompts = [torch.randint(0, 320, (n,), generator=gen) for n in (9, 23, 16, 0)]
-    new = [1, 5, 1, 7]  # rows per sequence in the batched step
+    prompts = [torch.randint(0, 320, (n,), generator=gen) for n in (9, 23, 16, 0, 12)]
+    new = [1, 5, 1, 7, 0]  # rows per sequence in the batched step (the last: none)
     steps = [torch.randint(0, 320, (n,), generator=gen) for n in new]
     all_caches = []
     for m in models:
         caches = [m.new_cache(64) for _ in prompts]
-        for cache, ids in zip(caches[:3], prompts[:3], strict=True):
-            m(ids, [cache], [len(ids)])
-            cache.commit(len(ids))
+        for cache, ids in zip(caches, prompts, strict=True):
+            if len(ids):
+                m(ids, [cache], [len(ids)])
+                cache.commit(len(ids))
         # the third sequence's first 16 tokens as two shared blocks, read in place
         blocks = [caches[2].export_kv(0, 8), caches[2].export_kv(8, 16)]
         caches[2] = m.new_cache(64)

@@ -124,8 +124,9 @@ class QdDenseLayer {
     int64_t row = 0;
     for (size_t i = 0; i < m; ++i) {
       const int64_t n = counts[i];
-      TORCH_CHECK(n >= 1 && row + n <= q.size(0),
-                  "quickdraft DenseLayer.forward_many: counts must be >= 1 and sum to the rows");
+      TORCH_CHECK(n >= 0 && row + n <= q.size(0),
+                  "quickdraft DenseLayer.forward_many: counts must be >= 0 and sum to the rows");
+      if (n == 0) continue;  // a sequence with no new rows: nothing to write or attend
       outs.push_back(attend_one(q.narrow(0, row, n), k.narrow(0, row, n), v.narrow(0, row, n),
                                 k_caches[i], v_caches[i], starts[i], k_pages[i], v_pages[i],
                                 blocks[i]));
@@ -133,7 +134,7 @@ class QdDenseLayer {
     }
     TORCH_CHECK(row == q.size(0),
                 "quickdraft DenseLayer.forward_many: counts must sum to the rows");
-    return mlp(res, m == 1 ? outs[0] : at::cat(outs));
+    return mlp(res, outs.size() == 1 ? outs[0] : at::cat(outs));
   }
 
  private:
