@@ -414,15 +414,13 @@ def answered_corpus(
         raise ValueError("no answer of 4 tokens or more to train on")
     width = len(layers) * model.config.hidden_size
     ids = torch.zeros(len(done), seq_len, dtype=torch.int64)
+    preds_all = torch.zeros_like(ids)  # padding: id 0 predicts 0, as run_target leaves it
     taps_all = torch.zeros(len(done), seq_len, width, dtype=torch.bfloat16)
-    for r, s in enumerate(done):
+    for r, s in enumerate(done):  # every id was fed once: one taps / preds row each
         n = len(s.ids)
         ids[r, :n] = torch.tensor(s.ids)
-        taps_all[r, :n] = s.taps[0][:n]
-    preds_all = ids.clone()  # padding: its own ids, as run_target leaves it
-    for r, s in enumerate(done):
-        n = len(s.ids)
-        preds_all[r, :n] = s.preds[0][:n]
+        preds_all[r, :n] = s.preds[0]
+        taps_all[r, :n] = s.taps[0]
     lo = torch.tensor([s.lo for s in done])
     hi = torch.tensor([len(s.ids) for s in done])
     return TapCorpus(ids, taps_all, preds_all, hidden, lo, hi)
