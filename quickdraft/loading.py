@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,10 +20,20 @@ import torch
 from quickdraft import hub
 from quickdraft.config import DEFAULT_DTYPE, GGUF_DTYPE, QUANTIZATIONS, parse_dtype
 from quickdraft.grammar import Grammar, GrammarCompiler, Matcher
+from quickdraft.images import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    ImageError,
+    ImageInput,
+    ImageLayout,
+    ImageProcessing,
+    load_image,
+)
 from quickdraft.kernels import kernels_available, panels_apply
 from quickdraft.models.base import LanguageModel
+from quickdraft.models.gguf_loader import is_gguf_dir
 from quickdraft.models.graphs import for_device
-from quickdraft.models.loader import load_model
+from quickdraft.models.loader import load_model, load_vision
+from quickdraft.models.vision import VisionTower
 from quickdraft.request import Request, SamplingError, SamplingParams
 from quickdraft.tokenizer import Tokenizer
 
@@ -62,6 +73,8 @@ class LoadedModel:
     model: LanguageModel
     tokenizer: Tokenizer
     eos_ids: tuple[int, ...]
+    vision: VisionTower | None = None  # a vision-language target's image encoder
+    image_processing: ImageProcessing | None = None  # its preprocessing (with `vision`)
     _grammars: GrammarCompiler | None = field(default=None, repr=False)
     _grammars_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -89,6 +102,20 @@ class LoadedModel:
     def device(self) -> str:
         return device_name(self.model.device)
 
+    @property
+    def image_token_ids(self) -> frozenset[int]:
+        """Placeholder ids whose rows are image embeddings (lookup drafters never draft them)."""
+        return (
+            frozenset() if self.vision is None else frozenset({self.vision.config.image_token_id})
+        )
+
+    def load_image(self, data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ImageInput:
+        """Image bytes -> this model's preprocessed input; ImageError for a text-only model,
+        bytes that are no image, or an image over `max_pixels`."""
+        if self.vision is None or self.image_processing is None:
+            raise ImageError(f"model {self.name!r} takes no image input (text only)")
+        return load_image(data, self.image_processing, max_pixels)
+
     def room(self, prompt_tokens: int, max_tokens: int | None = None) -> int:
         return context_room(self.context_length, prompt_tokens, max_tokens)
 
@@ -98,14 +125,27 @@ class LoadedModel:
         params: SamplingParams,
         request_id: str = "",
         tenant: str = "",
+        images: Sequence[ImageInput] = (),
     ) -> Request:
+        """`images`: one per image placeholder id in `prompt_ids`, in order (each placeholder
+        is expanded to its image's token count here)."""
+        layout = None
+        if images:
+            if self.vision is None or self.image_processing is None:
+                raise ImageError(f"model {self.name!r} takes no image input (text only)")
+            prompt_ids, layout = ImageLayout.build(
+                prompt_ids,
+                images,
+                self.vision.config.image_token_id,
+                self.vision.config.spatial_merge_size,
+            )
         self.room(len(prompt_ids), params.max_tokens)
         vocab = self.model.config.vocab_size
         if any(t >= vocab for t, _ in params.logit_bias):
             raise SamplingError(f"logit_bias token ids must be < {vocab}", "logit_bias")
         if params.grammar is not None:
             self.grammar_compiler().compile(params.grammar)  # GrammarError: refused here
-        return Request(prompt_ids, params, self.tokenizer, self.eos_ids, request_id, tenant)
+        return Request(prompt_ids, params, self.tokenizer, self.eos_ids, request_id, tenant, layout)
 
 
 DEVICES = ("auto", "cpu", "cuda")  # what --device takes ("cuda:N" too)
@@ -179,4 +219,8 @@ def load(
     eos = set(net.config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
-    return LoadedModel(model, path, dtype, net, tokenizer, tuple(sorted(eos)))
+    # the vision tower runs in fp32 with an fp32 target, else in bf16 (no GGUF kernels there)
+    tower_dtype = torch.float32 if net.dtype == torch.float32 else torch.bfloat16
+    vision = None if is_gguf_dir(path) else load_vision(path, tower_dtype, where)
+    processing = None if vision is None else ImageProcessing.from_dir(path)
+    return LoadedModel(model, path, dtype, net, tokenizer, tuple(sorted(eos)), vision, processing)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from quickdraft.grammar import Grammar
+from quickdraft.images import ImageLayout
 from quickdraft.tokenizer import IncrementalDetokenizer, Tokenizer
 
 MAX_STOP_STRINGS = 4
@@ -243,9 +244,15 @@ class Request:
         eos_ids: tuple[int, ...],
         request_id: str = "",
         tenant: str = "",
+        images: ImageLayout | None = None,
     ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        # the prompt's images (their placeholder rows are `prompt_ids`' image tokens), if any
+        self.images = images
+        # the prompt as the prefix cache keys its blocks: an image's placeholder rows carry its
+        # content digest (`ImageLayout.keys`), so another image behind the same ids never matches
+        self.prompt_keys = prompt_ids if images is None else images.keys(prompt_ids)
         self.id = request_id
         self.tenant = tenant  # who sent it: drafters share what they learn only within one
         self.prompt_ids = prompt_ids
@@ -268,6 +275,11 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def key_ids(self) -> list[int]:
+        """`all_ids` as the prefix cache keys blocks (`prompt_keys`, then the output)."""
+        return self.prompt_keys + self.output_ids
 
     def append(self, ids: list[int], logprobs: list[TokenLogprob] | None = None) -> int:
         """Consume generated ids in order (with their logprobs, if reported); return how many

@@ -27,6 +27,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 
 from quickdraft.config import PREFILL_CHUNK, PrefixCacheConfig
+from quickdraft.engine.encoder import ImageEncoder
 from quickdraft.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from quickdraft.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, StepPlan
 from quickdraft.engine.sequence import Sequence
@@ -84,7 +85,8 @@ class EngineCore:
             lm.context_length,
             self.prefix,
         )
-        self.cycle = SpecCycle(model, think_tokens(lm.tokenizer))
+        self.encoder = None if lm.vision is None else ImageEncoder(lm.vision)
+        self.cycle = SpecCycle(model, think_tokens(lm.tokenizer), self.encoder)
         self.stats = StepStats(prefix_cache=None if self.prefix is None else self.prefix.stats)
 
     def add(self, request: Request, speculation: AnySpeculation | None) -> Sequence:
@@ -174,7 +176,7 @@ class EngineCore:
                 self.cycle.commit(item, verdict, out, out.row_start[idx])
                 if seq.prefix is not None:  # the cache now also holds the accepted drafts
                     assert self.prefix is not None and seq.cache is not None
-                    tokens = seq.request.all_ids + (verdict.tokens if verdict else [])
+                    tokens = seq.request.key_ids + (verdict.tokens if verdict else [])
                     self.prefix.extend(seq.prefix, tokens, seq.cache, seq.spec)
                 if verdict is None:  # a prefill chunk: nothing to emit yet
                     self.stats.prefill_rows += item.num_tokens

@@ -192,14 +192,21 @@ class PrefixCache:
     # ------------------------------------------------------------------ the scheduler's side
 
     def admit(
-        self, prompt: list[int], cache: SequenceCache, spec: SpecState | None, tenant: str = ""
+        self,
+        prompt: list[int],
+        cache: SequenceCache,
+        spec: SpecState | None,
+        tenant: str = "",
+        keys: list[int] | None = None,
     ) -> PrefixCursor:
-        """Match `prompt`, copy the usable blocks into the empty `cache` (and the drafter's
-        state) and lock them; the sequence then prefills only the rest."""
+        """Match `prompt` (by `keys`, its block keys, where they differ from its ids: image
+        rows keyed by content), copy the usable blocks into the empty `cache` (and the
+        drafter's state) and lock them; the sequence then prefills only the rest."""
         size = self.size
         drafter = self._drafter(spec)
         key = 0 if drafter is None else self._key(drafter)
-        path = self._match(self._children(tenant, None), prompt, (len(prompt) - 1) // size)
+        keys = prompt if keys is None else keys
+        path = self._match(self._children(tenant, None), keys, (len(prompt) - 1) // size)
         drafted = 0
         if drafter is not None:
             while drafted < len(path) and key in path[drafted].drafts:
@@ -252,9 +259,9 @@ class PrefixCache:
     def extend(
         self, cur: PrefixCursor, tokens: list[int], cache: SequenceCache, spec: SpecState | None
     ) -> None:
-        """After a commit: each committed block of `tokens` (the committed tokens, those the
-        cache holds at least) not yet on the sequence's path joins the tree (or is found there),
-        with its snapshot and drafter part if due."""
+        """After a commit: each committed block of `tokens` (the committed tokens' block keys,
+        those the cache holds at least: `Request.key_ids`) not yet on the sequence's path
+        joins the tree (or is found there), with its snapshot and drafter part if due."""
         size, every = self.size, self.config.snapshot_every
         whole = cache.length // size * size  # the committed tokens in whole blocks
         run: tuple[int, KVBlock, Piece] | None = None  # the new blocks' KV, in one piece

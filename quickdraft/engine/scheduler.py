@@ -145,12 +145,12 @@ class Scheduler:
         req, size = seq.request, self.prefix.size
         if len(req.prompt_ids) <= size:
             return False
-        head = req.prompt_ids[:size]
+        head = req.prompt_keys[:size]
         return any(
             s.pending > 1
             and not s.request.output_ids
             and s.request.tenant == req.tenant
-            and s.request.prompt_ids[:size] == head
+            and s.request.prompt_keys[:size] == head
             for s in self.running
         )
 
@@ -162,7 +162,9 @@ class Scheduler:
             seq.spec = speculation.start(req.prompt_ids, req.tenant)
             req.spec.method = speculation.config.method
         if self.prefix is not None:  # the cached blocks of the prompt: prefill skips them
-            seq.prefix = self.prefix.admit(req.prompt_ids, seq.cache, seq.spec, req.tenant)
+            seq.prefix = self.prefix.admit(
+                req.prompt_ids, seq.cache, seq.spec, req.tenant, req.prompt_keys
+            )
             seq.cached_tokens = seq.prefix.cached_tokens
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)

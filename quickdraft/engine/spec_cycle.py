@@ -27,8 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from quickdraft.engine.encoder import ImageEncoder, image_rows
 from quickdraft.engine.scheduler import ScheduledSeq, StepPlan
-from quickdraft.models.base import LanguageModel, SequenceCache
+from quickdraft.models.base import ImageRows, LanguageModel, SequenceCache
 from quickdraft.speculation.drafters.base import Draft, Drafter, DraftJob
 from quickdraft.speculation.logits import token_logprobs
 from quickdraft.speculation.relaxed import ThinkScan, ThinkTokens, lenient_rows
@@ -58,10 +59,17 @@ class StepOutput:
 
 
 class SpecCycle:
-    def __init__(self, model: LanguageModel, think: ThinkTokens | None = None) -> None:
-        """`think`: the model's reasoning-block markers (None: nothing is ever relaxed)."""
+    def __init__(
+        self,
+        model: LanguageModel,
+        think: ThinkTokens | None = None,
+        encoder: ImageEncoder | None = None,
+    ) -> None:
+        """`think`: the model's reasoning-block markers (None: nothing is ever relaxed);
+        `encoder`: a vision-language target's image encoder (None: text only)."""
         self.model = model
         self.think = think
+        self.encoder = encoder
 
     def propose(self, plan: StepPlan) -> list[Draft]:
         """Drafts per plan item (NO_DRAFT where k = 0); one propose call per drafter."""
@@ -149,8 +157,23 @@ class SpecCycle:
             logit_rows=rows,
             return_hidden=want_hidden,
             hidden_layers=layer_ids,
+            images=self._images(plan, num_new),
         )
         return StepOutput(out.logits, out.hidden, row_start, logit_start, out.layers, layer_ids)
+
+    def _images(self, plan: StepPlan, num_new: list[int]) -> ImageRows | None:
+        """The forward's image rows and M-RoPE positions (None: no sequence has images); the
+        images of a prompt whose rows run now are encoded first (or found by digest)."""
+        layouts = [item.seq.request.images for item in plan.items]
+        if all(layout is None for layout in layouts):
+            return None
+        assert self.encoder is not None, "a request with images needs a vision-language target"
+        starts = [item.seq.num_computed for item in plan.items]
+        for layout, start in zip(layouts, starts, strict=True):
+            if layout is not None and start < layout.positions.shape[1]:
+                self.encoder.fill(layout)
+        hidden = self.model.config.hidden_size
+        return image_rows(layouts, starts, num_new, hidden, self.model.device)
 
     def verify(self, plan: StepPlan, drafts: list[Draft], out: StepOutput) -> list[Verdict | None]:
         verdicts: list[Verdict | None] = []

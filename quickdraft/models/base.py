@@ -35,6 +35,24 @@ class ForwardOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class ImageRows:
+    """The image input of one packed forward (a vision-language target): the packed rows that
+    are image placeholders take the vision tower's embeddings instead of the token embedding,
+    and every row of the forward has a multimodal RoPE position (t, h, w), equal streams for
+    text. Built by the engine from each sequence's images (images.py `ImageLayout`)."""
+
+    rows: Tensor  # [M] rows of the packed batch, long
+    embeds: Tensor  # [M, hidden]
+    positions: Tensor  # [3, num_tokens] long: every packed row's (t, h, w) position
+
+
+def refuse_images(model: Any, images: ImageRows | None) -> None:
+    """A model without a vision path: image input is an error, never silently dropped."""
+    if images is not None:
+        raise ValueError(f"{type(model).__name__} takes no image input")
+
+
+@dataclass(frozen=True, slots=True)
 class KVBlock:
     """Attention KV of a run of committed tokens, copied out of a sequence's cache and never
     written again (sequences that import it may read it in place): k, v `[num_layers,
@@ -179,4 +197,5 @@ class LanguageModel(Protocol):
         logit_rows: Tensor | None = None,  # rows of N to score; default: last row of each seq
         return_hidden: bool = False,
         hidden_layers: Sequence[int] = (),  # decoder layers whose outputs to return (`layers`)
+        images: ImageRows | None = None,  # image rows and M-RoPE positions (VLM targets only)
     ) -> ForwardOutput: ...

@@ -31,7 +31,7 @@ from quickdraft.kernels.attention import attend
 from quickdraft.kernels.gemm import Weight, project, to_panels
 from quickdraft.kernels.pointwise import add_rms_norm, rms_norm
 from quickdraft.kernels.pointwise import rope as apply_rope
-from quickdraft.models.base import ForwardOutput, packed_positions
+from quickdraft.models.base import ForwardOutput, ImageRows, packed_positions, refuse_images
 from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.layers import (
     GGUFEmbedding,
@@ -301,8 +301,10 @@ class Gemma3LM(HeadLogits, OperandModule):
         logit_rows: Tensor | None = None,  # rows of N to score; default: last row of each seq
         return_hidden: bool = False,
         hidden_layers: Sequence[int] = (),  # layers whose outputs to return (ForwardOutput)
+        images: ImageRows | None = None,  # refused: no vision path
     ) -> ForwardOutput:
         assert input_ids.dim() == 1 and sum(num_new) == input_ids.shape[0]
+        refuse_images(self, images)
         positions = packed_positions(
             caches, num_new, self.config.max_position_embeddings, self.device
         )

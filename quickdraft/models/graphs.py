@@ -36,7 +36,7 @@ from torch import Tensor
 from quickdraft.kernels import triton_ops
 from quickdraft.kernels.gemm import project
 from quickdraft.kernels.pointwise import rope_rows, signed_sin
-from quickdraft.models.base import ForwardOutput
+from quickdraft.models.base import ForwardOutput, ImageRows, refuse_images
 from quickdraft.models.layers import RMSNorm, tapped_layers
 from quickdraft.models.llama import MLP, Attention, CausalLM, DecoderLayer
 from quickdraft.models.slot_cache import SlotCache, SlotPool
@@ -179,8 +179,10 @@ class GraphModel:
         logit_rows: Tensor | None = None,
         return_hidden: bool = False,
         hidden_layers: Sequence[int] = (),
+        images: ImageRows | None = None,  # refused: no vision path
     ) -> ForwardOutput:
         assert input_ids.dim() == 1 and sum(num_new) == input_ids.shape[0]
+        refuse_images(self, images)
         assert all(isinstance(c, SlotCache) and c.pool is self.pool for c in caches), (
             "caches of this model's new_cache"
         )

@@ -52,6 +52,8 @@ class HybridConfig:
     shared_expert_intermediate_size: int
     norm_topk_prob: bool
     mtp_num_hidden_layers: int  # `mtp_num_hidden_layers` / `num_nextn_predict_layers`, else 0
+    # Qwen3.5's interleaved M-RoPE: rotary frequencies per (t, h, w) stream; () for Qwen3-Next
+    mrope_section: tuple[int, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # the text config
@@ -126,6 +128,9 @@ class HybridConfig:
             shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size") or 0),
             norm_topk_prob=bool(text.get("norm_topk_prob", True)),
             mtp_num_hidden_layers=int(mtp or 0),
+            mrope_section=tuple(rope.get("mrope_section") or (11, 11, 10))
+            if model_type.startswith("qwen3_5")
+            else (),
             eos_token_ids=eos_ids,
             bos_token_id=gen.get("bos_token_id", text.get("bos_token_id")),
             extra=text,

@@ -25,7 +25,7 @@ from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
 from quickdraft.kernels.pointwise import rope as apply_rope
 from quickdraft.kernels.pointwise import silu_mul
-from quickdraft.models.base import ForwardOutput, packed_positions
+from quickdraft.models.base import ForwardOutput, ImageRows, packed_positions, refuse_images
 from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.layers import (
     GGUFEmbedding,
@@ -310,8 +310,10 @@ class CausalLM(HeadLogits, OperandModule):
         logit_rows: Tensor | None = None,  # rows of N to score; default: last row of each seq
         return_hidden: bool = False,
         hidden_layers: Sequence[int] = (),  # layers whose outputs to return (ForwardOutput)
+        images: ImageRows | None = None,  # refused: no vision path
     ) -> ForwardOutput:
         assert input_ids.dim() == 1 and sum(num_new) == input_ids.shape[0]
+        refuse_images(self, images)
         positions = packed_positions(
             caches, num_new, self.config.max_position_embeddings, self.device
         )

@@ -10,6 +10,7 @@ Only safetensors are read: no pickle, no torch.load.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from quickdraft.models.gguf_loader import GGUFTensorError, is_gguf_dir, load_ggu
 from quickdraft.models.gguf_qwen_loader import QWEN_TYPES, load_qwen_gguf
 from quickdraft.models.hybrid_config import NameMap
 from quickdraft.models.registry import model_class, name_map, read_config, same_names
+from quickdraft.models.vision import VisionConfig, VisionTower
 
 
 def load_model(
@@ -53,6 +55,32 @@ def load_model(
         lambda name: None if name.startswith("mtp.") else names(name),
     )
     return model  # type: ignore[return-value]  # every MODELS class implements LanguageModel
+
+
+def load_vision(
+    path: str | Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
+) -> VisionTower | None:
+    """The vision tower of the vision-language checkpoint in `path` (`model.visual.*`), or None
+    when its config.json has none or its files hold no vision tensors (a text-only export of a
+    vision-language model: its language model runs as text)."""
+    path = Path(path)
+    cfg = VisionConfig.from_dict(json.loads((path / "config.json").read_text()))
+    prefix = "model.visual."
+    files = sorted(path.glob("*.safetensors"))
+    if cfg is None or not any(_has_prefix(file, prefix) for file in files):
+        return None
+    tower = VisionTower(cfg, dtype, device)
+
+    def names(name: str) -> tuple[str, tuple[int | slice, ...]] | None:
+        return (name[len(prefix) :], ()) if name.startswith(prefix) else None
+
+    load_weights(tower, files, names)
+    return tower
+
+
+def _has_prefix(file: Path, prefix: str) -> bool:
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        return any(name.startswith(prefix) for name in f.keys())  # noqa: SIM118
 
 
 def load_weights(model: nn.Module, files: list[Path], names: NameMap = same_names) -> None:

@@ -7,8 +7,9 @@ conv1d, gated delta rule, gated RMSNorm, out-projection; math in kernels/gdn.py)
 layer is attention with a sigmoid output gate, q/k RMSNorm and RoPE on the first
 `partial_rotary_factor` of each head. Every RMSNorm except the GDN output norm scales by
 (1 + w) (zero-centred weights). The MLP is dense or a sparse MoE with a gated shared expert
-(models/moe.py). Qwen3.5's multimodal RoPE (mrope) reduces to plain RoPE for text: all three
-position streams are the token index.
+(models/moe.py). Qwen3.5's multimodal RoPE (M-RoPE) reduces to plain RoPE for text, all three
+position streams being the token index; with images the caller passes every row's (t, h, w)
+positions and the image rows' embeddings (`ImageRows`; models/vision.py encodes them).
 
 Contract: as every `LanguageModel` (models/base.py): one forward over the packed new tokens of
 several sequences, attention per sequence against its KV, conv + delta rule per sequence from
@@ -38,7 +39,7 @@ from quickdraft.kernels.gdn import (
 from quickdraft.kernels.gemm import Weight, project, to_panels
 from quickdraft.kernels.pointwise import add_rms_norm, gated_rms_norm, rms_norm, sigmoid
 from quickdraft.kernels.pointwise import rope as apply_rope
-from quickdraft.models.base import ForwardOutput, packed_positions
+from quickdraft.models.base import ForwardOutput, ImageRows, packed_positions
 from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.layers import (
     HeadLogits,
@@ -350,13 +351,21 @@ class HybridLM(HeadLogits, OperandModule):
         logit_rows: Tensor | None = None,  # rows of N to score; default: last row of each seq
         return_hidden: bool = False,
         hidden_layers: Sequence[int] = (),  # layers whose outputs to return (ForwardOutput)
+        images: ImageRows | None = None,  # image rows and M-RoPE positions (Qwen3.5 only)
     ) -> ForwardOutput:
         assert input_ids.dim() == 1 and sum(num_new) == input_ids.shape[0]
         positions = packed_positions(
             caches, num_new, self.config.max_position_embeddings, self.device
         )
-        rope = self.rope.tables(positions, self.dtype)
         x = self.model.embed_tokens(input_ids)  # [N, hidden]
+        if images is None:
+            rope = self.rope.tables(positions, self.dtype)
+        else:
+            if not self.config.mrope_section:
+                raise ValueError(f"{self.config.model_type} takes no image input")
+            assert images.positions.shape == (3, input_ids.shape[0])
+            rope = self.rope.mrope_tables(images.positions, self.config.mrope_section, self.dtype)
+            x = x.index_copy(0, images.rows, images.embeds.to(x.dtype))
         wanted = set(hidden_layers)
         taps: dict[int, Tensor] = {}  # layer -> its output [N, hidden]
         for i, layer in enumerate(self.model.layers):

@@ -40,7 +40,10 @@ def disabled_by_env() -> bool:
 
 def _ngram(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable]:
     drafter = NgramDrafter(
-        config.ngram_min, config.ngram_max, shared_tokens=config.ngram_shared_tokens
+        config.ngram_min,
+        config.ngram_max,
+        shared_tokens=config.ngram_shared_tokens,
+        barrier=lm.image_token_ids,
     )
     return drafter, None  # a dict lookup: free
 
@@ -51,6 +54,7 @@ def _suffix(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTa
         config.suffix_max_spec_factor,
         config.suffix_min_token_prob,
         config.suffix_shared_tokens,
+        barrier=lm.image_token_ids,
     )
     return drafter, None  # a tree walk: free
 

@@ -50,6 +50,13 @@ class DraftModelDrafter:
                 f"draft model vocabulary ({model.config.vocab_size}) differs from the target's "
                 f"({target_vocab_size}): a draft model must share the target's tokenizer"
             )
+        if model.new_cache(1).recurrent:
+            # each draft step commits its token, and a recurrent state rolls back only within
+            # the last forward: a rejected draft could not be taken back
+            raise ValueError(
+                "a draft model with recurrent (Gated DeltaNet) layers is not supported; use a "
+                "dense draft model, or the target's MTP head (--speculative-method mtp)"
+            )
         self.model = model
         self.forwards: list[StepShape] = []  # the forwards of the last propose (drafters/base.py)
         # greedy chains of a fixed length run on the device without reading a token back until

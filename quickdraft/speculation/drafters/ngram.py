@@ -83,14 +83,29 @@ class NgramState:
     tokens: list[int] = field(default_factory=list)  # the committed sequence (`commit`)
 
 
-def index_tokens(index: list[NgramIndex], min_n: int, tokens: Sequence[int], begin: int) -> None:
+def index_tokens(
+    index: list[NgramIndex],
+    min_n: int,
+    tokens: Sequence[int],
+    begin: int,
+    barrier: frozenset[int] = frozenset(),
+) -> None:
     """Add to `index` (index[n - min_n] for n in [min_n, min_n + len(index))) every n-gram of
     `tokens` that ends at a position in [begin, len(tokens)), with the token there as its
-    follower. Each end position is counted once over successive calls with growing `begin`."""
+    follower. Each end position is counted once over successive calls with growing `begin`.
+    An n-gram holding a `barrier` token (an image placeholder: equal ids, different pictures),
+    or followed by one, is never indexed, so nothing matches or drafts inside an image."""
     max_n = min_n + len(index) - 1
+    fence = -1  # the last barrier position before `end` (only the last max_n matter)
+    for i in range(max(begin - max_n, 0), begin) if barrier else ():
+        if tokens[i] in barrier:
+            fence = i
     for end in range(begin, len(tokens)):
         follower = tokens[end]
-        for n in range(min_n, min(max_n, end) + 1):
+        if follower in barrier:
+            fence = end
+            continue
+        for n in range(min_n, min(max_n, end - fence - 1) + 1):
             table = index[n - min_n]
             gram = tuple(tokens[end - n : end])
             followers = table.get(gram)
@@ -119,6 +134,7 @@ class NgramDrafter:
         max_n: int = NGRAM_MAX,
         min_share: float = 0.5,
         shared_tokens: int = NGRAM_SHARED_TOKENS,
+        barrier: frozenset[int] = frozenset(),  # token ids never matched nor drafted (images)
     ) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
@@ -128,6 +144,7 @@ class NgramDrafter:
             raise ValueError(f"shared_tokens must be >= 0, got {shared_tokens}")
         self.min_n = min_n
         self.max_n = max_n
+        self.barrier = barrier
         self.forwards: list[StepShape] = []  # a lookup runs no model
         self.min_share = min_share
         # the shared index (module docstring), one per tenant; off at 0 tokens
@@ -203,7 +220,7 @@ class NgramDrafter:
         self.learned.append(tenant)
         self.shared_size += len(output)
         if self.shared_size <= self.shared_tokens:
-            index_tokens(mine.index, self.min_n, output, self.min_n)
+            index_tokens(mine.index, self.min_n, output, self.min_n, self.barrier)
             return
         # over budget: keep the newest outputs that fit in half of it (a rebuild then happens
         # at most once per shared_tokens / 2 tokens learned: amortised O(1) per token)
@@ -223,7 +240,7 @@ class NgramDrafter:
             for table in scope.index:
                 table.clear()
             for kept in scope.outputs:
-                index_tokens(scope.index, self.min_n, kept, self.min_n)
+                index_tokens(scope.index, self.min_n, kept, self.min_n, self.barrier)
 
     def _clear(self, state: NgramState) -> None:
         for table in state.index:
@@ -237,7 +254,7 @@ class NgramDrafter:
             return
         # Each end position e < len(tokens) is counted once: the n-grams tokens[e-n:e] gain the
         # follower tokens[e].
-        index_tokens(state.index, self.min_n, tokens, state.indexed)
+        index_tokens(state.index, self.min_n, tokens, state.indexed, self.barrier)
         state.indexed = len(tokens)
 
     def _rebuild(self, state: NgramState, tokens: list[int]) -> None:

@@ -34,6 +34,7 @@ outputs, whoever's, are removed from their trees (incrementally: no rebuild, no 
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -238,6 +239,8 @@ class SuffixTree:
                     break
                 node, used = best, 1
                 token = best.seq[best.start]
+            if token < 0:  # a fence (an image row, `SuffixDrafter.barrier`): never drafted
+                break
             tokens.append(token)
             score += prob
         return tokens, score
@@ -281,6 +284,7 @@ class SuffixDrafter:
         max_spec_factor: float = SUFFIX_MAX_SPEC_FACTOR,
         min_token_prob: float = SUFFIX_MIN_TOKEN_PROB,
         shared_tokens: int = SUFFIX_SHARED_TOKENS,
+        barrier: frozenset[int] = frozenset(),  # token ids never matched nor drafted (images)
     ) -> None:
         if max_depth < 2:
             raise ValueError(f"max_depth must be >= 2, got {max_depth}")
@@ -291,6 +295,11 @@ class SuffixDrafter:
         if shared_tokens < 0:
             raise ValueError(f"shared_tokens must be >= 0, got {shared_tokens}")
         self.max_depth = max_depth
+        # a barrier token (an image placeholder: equal ids, different pictures) enters the
+        # trees as a negative id of its own, a "fence" no other position shares: no match runs
+        # through it and `walk` stops at it
+        self.barrier = barrier
+        self._fences = itertools.count(-(1 << 40), -1)  # for learned outputs
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
         self.forwards: list[StepShape] = []  # a lookup runs no model
@@ -316,7 +325,8 @@ class SuffixDrafter:
         draft, score = self._best(state.tree, self._own_matches(state), k)
         shared = self.shared.get(state.tenant)
         if shared is not None:
-            other, other_score = self._best(shared.tree, self._matches(shared.tree, tokens), k)
+            tail = self._fenced(tokens[-self.max_depth :], max(len(tokens) - self.max_depth, 0))
+            other, other_score = self._best(shared.tree, self._matches(shared.tree, tail), k)
             if other_score > score:
                 draft = other
         return Draft(draft)
@@ -366,6 +376,8 @@ class SuffixDrafter:
         if not self.shared_tokens or len(output) < 2:
             return
         kept = list(output[-self.shared_tokens :])
+        if self.barrier:
+            kept = [next(self._fences) if t in self.barrier else t for t in kept]
         while self.learned and self.shared_size + len(kept) > self.shared_tokens:
             self._forget_oldest()
         mine = self.shared.get(tenant)
@@ -391,8 +403,15 @@ class SuffixDrafter:
             self._rebuild(state, tokens)
             return
         own = state.cursor.seq
-        own.extend(tokens[len(own) :])
+        own.extend(self._fenced(tokens[len(own) :], len(own)))
         state.tree.extend(state.cursor)
+
+    def _fenced(self, tokens: list[int], start: int) -> list[int]:
+        """`tokens` (the sequence's from position `start` on) with each barrier token replaced
+        by -1 - its position: a fence that matches nothing else in the request."""
+        if not self.barrier:
+            return tokens
+        return [-1 - (start + i) if t in self.barrier else t for i, t in enumerate(tokens)]
 
     def _rebuild(self, state: SuffixState, tokens: list[int]) -> None:
         state.tree = SuffixTree(self.max_depth)

@@ -1,0 +1,250 @@
+"""Image input, from bytes to what the target's forward reads: decoding (Pillow, bounded),
+the Qwen2-VL / Qwen3.5 preprocessing (smart resize, rescale, normalize, patches in merge-block
+order), and a prompt's image layout (which token rows are an image's placeholders, and every
+prompt row's multimodal RoPE position).
+
+Stage: the input stage of a vision-language request, beside the tokenizer: the server decodes
+and preprocesses (`load_image`), the prompt is tokenized with one placeholder per image and
+`ImageLayout.build` expands each to the image's token count; the engine encodes each image once
+(by content digest) and hands the forward `ImageRows` (models/base.py). The rules are
+transformers' `Qwen2VLImageProcessorPil` and `Qwen3_5Model.get_rope_index` (tests compare).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096  # decoded size refused above this (--max-image-pixels)
+MAX_ASPECT_RATIO = 200  # transformers' smart_resize refuses longer images
+
+
+class ImageError(ValueError):
+    """An image that cannot be used; `param` names the request field (the HTTP edge's 400)."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class ImageProcessing:
+    """A checkpoint's preprocessing (preprocessor_config.json; Qwen3.5's values by default)."""
+
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_pixels: int = 65536  # size.shortest_edge
+    max_pixels: int = 16777216  # size.longest_edge
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+
+    @classmethod
+    def from_dir(cls, path: Path) -> ImageProcessing:
+        file = path / "preprocessor_config.json"
+        return cls.from_config(json.loads(file.read_text())) if file.is_file() else cls()
+
+    @classmethod
+    def from_config(cls, raw: dict[str, Any]) -> ImageProcessing:
+        size = raw.get("size") or {}
+        base = cls()
+        return cls(
+            patch_size=int(raw.get("patch_size", base.patch_size)),
+            temporal_patch_size=int(raw.get("temporal_patch_size", base.temporal_patch_size)),
+            merge_size=int(raw.get("merge_size", base.merge_size)),
+            min_pixels=int(size.get("shortest_edge", raw.get("min_pixels", base.min_pixels))),
+            max_pixels=int(size.get("longest_edge", raw.get("max_pixels", base.max_pixels))),
+            image_mean=_three(raw.get("image_mean", base.image_mean)),
+            image_std=_three(raw.get("image_std", base.image_std)),
+        )
+
+    def resized(self, height: int, width: int) -> tuple[int, int]:
+        """transformers' `smart_resize`: both sides multiples of patch x merge, the area within
+        [min_pixels, max_pixels], the aspect ratio kept as closely as that allows."""
+        factor = self.patch_size * self.merge_size
+        if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+            raise ImageError(
+                f"image aspect ratio {max(height, width) / min(height, width):.0f} is over "
+                f"{MAX_ASPECT_RATIO}"
+            )
+        h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+        if h_bar * w_bar > self.max_pixels:
+            beta = math.sqrt(height * width / self.max_pixels)
+            h_bar = max(factor, math.floor(height / beta / factor) * factor)
+            w_bar = max(factor, math.floor(width / beta / factor) * factor)
+        elif h_bar * w_bar < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (height * width))
+            h_bar = math.ceil(height * beta / factor) * factor
+            w_bar = math.ceil(width * beta / factor) * factor
+        return h_bar, w_bar
+
+
+def _three(values: Sequence[float]) -> tuple[float, float, float]:
+    r, g, b = (float(v) for v in values)
+    return r, g, b
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ImageInput:
+    """One preprocessed image: its patches, patch grid and content digest."""
+
+    pixels: Tensor  # [t h w, channels * temporal * patch * patch] fp32, merge-block order
+    grid: tuple[int, int, int]  # (t, h, w) in patches
+    digest: str  # sha256 of the resized RGB pixels and their size: equal digest, equal pixels
+
+    def num_tokens(self, merge_size: int) -> int:
+        t, h, w = self.grid
+        return t * h * w // merge_size**2
+
+
+def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
+    """Bytes -> an RGB Pillow image; ImageError for bytes that are no image, or an image over
+    `max_pixels` (checked from the header, before the pixels are decoded: a decompression bomb
+    costs nothing)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            width, height = image.size
+            if width * height > max_pixels:
+                raise ImageError(
+                    f"image of {width} x {height} pixels is over the limit of {max_pixels} "
+                    "(--max-image-pixels)"
+                )
+            image.load()
+            return image.convert("RGB")
+    except ImageError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageError(f"image refused as a decompression bomb: {e}") from None
+    except (OSError, ValueError, SyntaxError) as e:  # PIL's ways of saying "not an image"
+        raise ImageError(f"the image data is not a readable image ({e})") from None
+
+
+def preprocess(image: Image.Image, proc: ImageProcessing) -> ImageInput:
+    """Resize (bicubic, as the PIL processor), rescale to [0, 1], normalize, and cut into
+    patches `[h w, C * temporal * p * p]` (a still image repeated over the temporal patch)."""
+    height, width = proc.resized(image.height, image.width)
+    rgb = image.convert("RGB").resize((width, height), Image.Resampling.BICUBIC)
+    raw = np.asarray(rgb, dtype=np.uint8)  # [H, W, C]
+    digest = hashlib.sha256(raw.tobytes() + f"{height}x{width}".encode()).hexdigest()
+    x = raw.astype(np.float32) * np.float32(1 / 255)
+    mean = np.asarray(proc.image_mean, dtype=np.float32)
+    std = np.asarray(proc.image_std, dtype=np.float32)
+    x = ((x - mean) / std).transpose(2, 0, 1)  # [C, H, W]
+    p, m, tp = proc.patch_size, proc.merge_size, proc.temporal_patch_size
+    gh, gw = height // p, width // p
+    x = x.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+    x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], tp, p, p))
+    pixels = torch.from_numpy(np.ascontiguousarray(x).reshape(gh * gw, 3 * tp * p * p))
+    return ImageInput(pixels, (1, gh, gw), digest)
+
+
+def load_image(
+    data: bytes, proc: ImageProcessing, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+) -> ImageInput:
+    return preprocess(decode_image(data, max_pixels), proc)
+
+
+@dataclass(frozen=True, slots=True)
+class ImageSpan:
+    """One image's placeholder rows in a prompt: tokens [start, start + length)."""
+
+    start: int
+    length: int
+    image: ImageInput
+
+
+@dataclass(slots=True, eq=False)
+class ImageLayout:
+    """A prompt's images: their placeholder spans, every prompt row's M-RoPE position, and the
+    offset of the rows after the prompt (position = index + delta, all three streams). The
+    encoder output of each span is filled in by the engine (`embeds`, by span)."""
+
+    spans: list[ImageSpan]
+    positions: Tensor  # [3, prompt tokens] long
+    delta: int  # max(position) + 1 - prompt tokens
+    embeds: list[Tensor | None] = field(default_factory=list)  # per span [length, hidden]
+
+    @classmethod
+    def build(
+        cls,
+        prompt_ids: list[int],
+        images: Sequence[ImageInput],
+        image_token_id: int,
+        merge_size: int,
+    ) -> tuple[list[int], ImageLayout]:
+        """Expand each single `image_token_id` of `prompt_ids` (one per image, in order) into
+        that image's placeholder count; returns the expanded ids and their layout."""
+        slots = [i for i, t in enumerate(prompt_ids) if t == image_token_id]
+        if len(slots) != len(images):
+            raise ImageError(
+                f"the prompt has {len(slots)} image placeholders for {len(images)} images"
+            )
+        ids: list[int] = []
+        spans: list[ImageSpan] = []
+        streams: list[Tensor] = []
+        pos, last = 0, 0
+        for slot, image in zip(slots, images, strict=True):
+            text = slot - last
+            ids.extend(prompt_ids[last:slot])
+            streams.append(torch.arange(pos, pos + text).expand(3, text))
+            pos += text
+            count = image.num_tokens(merge_size)
+            spans.append(ImageSpan(len(ids), count, image))
+            ids.extend([image_token_id] * count)
+            t, h, w = image.grid
+            gh, gw = h // merge_size, w // merge_size
+            tt, hh, ww = torch.meshgrid(
+                torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij"
+            )
+            streams.append(torch.stack([tt, hh, ww]).reshape(3, -1) + pos)
+            pos += max(gh, gw)
+            last = slot + 1
+        tail = len(prompt_ids) - last
+        ids.extend(prompt_ids[last:])
+        streams.append(torch.arange(pos, pos + tail).expand(3, tail))
+        positions = torch.cat(streams, dim=1)
+        delta = int(positions.max()) + 1 - len(ids) if len(ids) else 0
+        return ids, cls(spans, positions, delta, [None] * len(spans))
+
+    def rows(self, start: int, count: int) -> Tensor:
+        """M-RoPE positions `[3, count]` of the sequence's rows [start, start + count): the
+        prompt's table, then index + delta past the prompt (decode steps, drafts)."""
+        prompt = self.positions.shape[1]
+        inside = self.positions[:, start : min(start + count, prompt)]
+        after = torch.arange(max(start, prompt), max(start + count, prompt)) + self.delta
+        return torch.cat([inside, after.expand(3, -1)], dim=1)
+
+    def image_rows(self, start: int, count: int) -> list[tuple[int, Tensor]]:
+        """(offset within [start, start + count), embeddings) of every image row in that range,
+        one entry per span it touches."""
+        out = []
+        for span, embeds in zip(self.spans, self.embeds, strict=True):
+            lo, hi = max(start, span.start), min(start + count, span.start + span.length)
+            if lo < hi:
+                assert embeds is not None, "the engine encodes every image before its rows run"
+                out.append((lo - start, embeds[lo - span.start : hi - span.start]))
+        return out
+
+    def keys(self, prompt_ids: list[int]) -> list[int]:
+        """`prompt_ids` with each image row replaced by a negative id derived from its image's
+        digest and its place in the image: the prefix cache's block keys."""
+        keys = list(prompt_ids)
+        for span in self.spans:
+            base = int(span.image.digest[:16], 16) << 24  # 64 bits of digest, 24 of row
+            for j in range(span.length):
+                keys[span.start + j] = -1 - (base + j)
+        return keys

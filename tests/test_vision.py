@@ -1,0 +1,309 @@
+"""Vision-language targets (models/vision.py, images.py, the engine's image rows) against
+transformers 5.x in fp32 on a tiny random-weight Qwen3.5 checkpoint: preprocessing, the vision
+tower, M-RoPE positions, logits over image + text prompts and the decode steps after them, greedy
+generation; then speculation on image turns (lossless with every drafter), the image-keyed
+prefix cache and the encoder cache."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hybrid_models import one_thread  # noqa: F401 (autouse fixture)
+from PIL import Image
+from vision_models import IMAGE_PAD, PREPROCESSOR, make_bigram_draft, make_vlm_dir, png
+
+from quickdraft.config import PrefixCacheConfig, SpeculativeConfig
+from quickdraft.engine import EngineCore, stream
+from quickdraft.images import (
+    ImageError,
+    ImageInput,
+    ImageLayout,
+    ImageProcessing,
+    decode_image,
+    preprocess,
+)
+from quickdraft.loading import LoadedModel, load
+from quickdraft.models.base import ImageRows
+from quickdraft.request import Request, SamplingParams
+from quickdraft.speculation.drafters.ngram import NgramDrafter
+from quickdraft.speculation.drafters.suffix import SuffixDrafter
+from quickdraft.speculation.factory import make_speculation
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, LoadedModel]:
+    """(transformers' model, ours loaded from its checkpoint in fp32)."""
+    hf, directory = make_vlm_dir(tmp_path_factory.mktemp("vlm"), out_scale=0.1)
+    return hf, load(str(directory), dtype="fp32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(vlm: tuple[Any, LoadedModel], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_bigram_draft(vlm[0], tmp_path_factory.mktemp("vlm-draft"))
+
+
+def hf_processor() -> Any:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    return Qwen2VLImageProcessorPil(**PREPROCESSOR)
+
+
+def chat_ids(lm: LoadedModel, text: str, images: int = 1) -> list[int]:
+    parts = [{"type": "image"}] * images + [{"type": "text", "text": text}]
+    return lm.tokenizer.encode_chat([{"role": "user", "content": parts}])
+
+
+def run(
+    lm: LoadedModel,
+    ids: list[int],
+    images: list[ImageInput],
+    cfg: SpeculativeConfig | None = None,
+    max_tokens: int = 48,
+) -> Request:
+    spec = make_speculation(lm, cfg or SpeculativeConfig())
+    req = lm.new_request(list(ids), SamplingParams(max_tokens=max_tokens), images=images)
+    for _ in stream(lm, req, spec):
+        pass
+    return req
+
+
+@pytest.mark.parametrize("size", [(32, 32), (27, 45), (7, 90), (200, 120)], ids=str)
+def test_vision_preprocess_matches_transformers(size: tuple[int, int]) -> None:
+    """Resize (both smart_resize bounds), rescale, normalize and patch order as transformers'
+    PIL processor."""
+    height, width = size
+    image = decode_image(png(3, width, height))
+    ours = preprocess(image, ImageProcessing.from_config(PREPROCESSOR))
+    ref = hf_processor()(images=[image], return_tensors="pt")
+    assert list(ours.grid) == ref["image_grid_thw"][0].tolist()
+    assert (ours.pixels - ref["pixel_values"]).abs().max().item() < 1e-6
+
+
+def test_vision_tower_matches_transformers(vlm: tuple[Any, LoadedModel]) -> None:
+    hf, lm = vlm
+    assert lm.vision is not None
+    for seed, (w, h) in enumerate([(32, 32), (48, 24), (20, 40)]):
+        image = lm.load_image(png(seed, w, h))
+        with torch.no_grad():
+            ref = hf.model.get_image_features(
+                image.pixels, torch.tensor([image.grid]), return_dict=True
+            ).pooler_output[0]
+        ours = lm.vision.encode(image.pixels, image.grid)
+        assert ours.shape == ref.shape
+        assert (ours - ref).abs().max().item() < 1e-5
+
+
+def test_vision_positions_match_transformers(vlm: tuple[Any, LoadedModel]) -> None:
+    """M-RoPE positions of text, two images of different grids and text again, and the
+    offset of the rows after the prompt."""
+    hf, lm = vlm
+    images = [lm.load_image(png(1, 32, 32)), lm.load_image(png(2, 48, 24))]
+    ids, layout = ImageLayout.build(chat_ids(lm, "two pictures", images=2), images, IMAGE_PAD, 2)
+    ids_t = torch.tensor([ids])
+    grids = torch.tensor([im.grid for im in images])
+    expected, delta = hf.model.get_rope_index(ids_t, (ids_t == IMAGE_PAD).int(), grids)
+    assert torch.equal(layout.positions, expected[:, 0])
+    assert layout.delta == int(delta)
+    assert [s.length for s in layout.spans] == [16, 18]  # 8 x 8 and 6 x 12 patches
+    after = layout.rows(len(ids) - 2, 5)  # two prompt rows, then three past the prompt
+    assert torch.equal(after[:, :2], expected[:, 0, -2:])
+    assert after[:, 2:].tolist() == [[len(ids) + i + layout.delta for i in range(3)]] * 3
+
+
+def test_vision_logits_and_decode_match_transformers(vlm: tuple[Any, LoadedModel]) -> None:
+    """Every prompt row's logits over image + text, then 8 cached decode steps."""
+    hf, lm = vlm
+    assert lm.vision is not None
+    image = lm.load_image(png(5))
+    ids, layout = ImageLayout.build(chat_ids(lm, "describe it"), [image], IMAGE_PAD, 2)
+    embeds = lm.vision.encode(image.pixels, image.grid)
+    span = layout.spans[0]
+    rows = torch.arange(span.start, span.start + span.length)
+    model = lm.model
+    cache = model.new_cache(len(ids) + 16)
+    out = model(
+        torch.tensor(ids),
+        [cache],
+        [len(ids)],
+        logit_rows=torch.arange(len(ids)),
+        images=ImageRows(rows, embeds, layout.rows(0, len(ids))),
+    )
+    cache.commit(len(ids))
+    ids_t = torch.tensor([ids])
+    with torch.no_grad():
+        ref = hf(
+            input_ids=ids_t,
+            pixel_values=image.pixels,
+            image_grid_thw=torch.tensor([image.grid]),
+            mm_token_type_ids=(ids_t == IMAGE_PAD).int(),
+            use_cache=True,
+        )
+    assert (out.logits - ref.logits[0]).abs().max().item() < 1e-4
+    past = ref.past_key_values
+    no_rows = torch.zeros(0, dtype=torch.long)
+    for _ in range(8):
+        token = int(ref.logits[0, -1].argmax())
+        with torch.no_grad():
+            ref = hf(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
+        past = ref.past_key_values
+        n = cache.length
+        step = model(
+            torch.tensor([token]),
+            [cache],
+            [1],
+            images=ImageRows(no_rows, embeds[:0], layout.rows(n, 1)),
+        )
+        cache.commit(n + 1)
+        assert (step.logits[0] - ref.logits[0, -1]).abs().max().item() < 1e-4
+
+
+def test_vision_greedy_generation_matches_transformers(vlm: tuple[Any, LoadedModel]) -> None:
+    hf, lm = vlm
+    image = lm.load_image(png(6))
+    req = run(lm, chat_ids(lm, "what is in the picture?"), [image], max_tokens=32)
+    ids_t = torch.tensor([req.prompt_ids])
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=ids_t,
+            pixel_values=image.pixels,
+            image_grid_thw=torch.tensor([image.grid]),
+            mm_token_type_ids=(ids_t == IMAGE_PAD).int(),
+            max_new_tokens=32,
+            min_new_tokens=32,
+            do_sample=False,
+        )
+    assert req.output_ids == out[0, ids_t.shape[1] :].tolist()
+
+
+def test_vision_output_depends_on_the_image(vlm: tuple[Any, LoadedModel]) -> None:
+    _, lm = vlm
+    ids = chat_ids(lm, "what is in the picture?")
+    first = run(lm, ids, [lm.load_image(png(1))])
+    second = run(lm, ids, [lm.load_image(png(2))])
+    assert first.output_ids != second.output_ids
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
+def test_vision_speculation_greedy_equals_plain(
+    vlm: tuple[Any, LoadedModel], draft_dir: Path, method: str
+) -> None:
+    """Image turns (one image, then two) with each drafter: the output equals speculation
+    off's, and drafts were accepted. The draft model is a text-only one that sees the image
+    rows as their placeholder ids."""
+    _, lm = vlm
+    cfg = SpeculativeConfig(
+        method=method,
+        num_draft_tokens=4,
+        adaptive=False,
+        draft_model=str(draft_dir) if method == "draft" else None,
+        draft_quantization="none",
+    )
+    accepted = 0
+    for seed, count in [(1, 1), (2, 2), (3, 1)]:
+        images = [lm.load_image(png(seed + i)) for i in range(count)]
+        ids = chat_ids(lm, "the cat sat on the mat. the cat sat on the", images=count)
+        plain = run(lm, ids, images, max_tokens=64)
+        spec = run(lm, ids, images, cfg, max_tokens=64)
+        assert spec.output_ids == plain.output_ids
+        accepted += spec.spec.accepted
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("cls", [NgramDrafter, SuffixDrafter])
+def test_lookup_drafters_never_match_or_draft_inside_an_image(cls: type) -> None:
+    """Two images behind the same placeholder ids. Without the barrier the second image's
+    rows match the first's (and what followed it is drafted), and text that an image followed
+    before drafts placeholders; with it neither happens, and text after text still drafts."""
+    pad = IMAGE_PAD
+    image = [pad] * 4
+    tokens = [1, 2, *image, 7, 8, 9, 3, 4, *image]
+    before = [*tokens, 5, 1, 2]  # "1 2" was followed by an image
+    text = [*tokens, 5, 7, 8]  # "7 8" was followed by text
+    plain = cls()
+    assert plain.lookup(plain.new_state(tokens), tokens, 4).tokens[:1] == [7]
+    assert plain.lookup(plain.new_state(before), before, 4).tokens[:1] == [pad]
+    fenced = cls(barrier=frozenset({pad}))
+    assert fenced.lookup(fenced.new_state(tokens), tokens, 4).tokens == []
+    assert pad not in fenced.lookup(fenced.new_state(before), before, 4).tokens
+    assert fenced.lookup(fenced.new_state(text), text, 4).tokens[:2] == [9, 3]
+
+
+def test_vision_prefix_cache_keys_blocks_by_image(vlm: tuple[Any, LoadedModel]) -> None:
+    """The same text behind another image never hits the first image's blocks; the same image
+    again hits; outputs with the cache equal outputs without it."""
+    _, lm = vlm
+    ids = chat_ids(lm, "a long question about the picture, " * 3)
+    first, other = lm.load_image(png(11)), lm.load_image(png(12))
+    expected = {d: run(lm, ids, [im]).output_ids for d, im in [("a", first), ("b", other)]}
+    prefix = PrefixCacheConfig(enabled=True, block_size=8, snapshot_every=1)
+    core = EngineCore(lm, prefix_cache=prefix)
+
+    def serve(image: ImageInput) -> tuple[list[int], int]:
+        req = lm.new_request(list(ids), SamplingParams(max_tokens=48), images=[image])
+        seq = core.add(req, None)
+        while not req.finished:
+            core.step()
+        return req.output_ids, seq.cached_tokens
+
+    out, cached = serve(first)
+    assert out == expected["a"] and cached == 0
+    out, cached = serve(other)  # same ids, other pixels: only the text before the image hits
+    image_start = ids.index(IMAGE_PAD)
+    assert out == expected["b"] and cached <= image_start
+    out, cached = serve(first)  # the same image again: past its rows
+    assert out == expected["a"] and cached > image_start + 16
+    assert core.encoder is not None and core.encoder.stats.encoded == 2
+
+
+def test_vision_encoder_caches_by_content(vlm: tuple[Any, LoadedModel]) -> None:
+    """One image sent twice (as PNG and as BMP: the same pixels) is encoded once."""
+    _, lm = vlm
+    core = EngineCore(lm)
+    assert core.encoder is not None
+    bmp = io.BytesIO()
+    Image.open(io.BytesIO(png(21))).save(bmp, format="BMP")
+    outputs = []
+    for data in (png(21), bmp.getvalue()):
+        image = lm.load_image(data)
+        req = lm.new_request(chat_ids(lm, "hi"), SamplingParams(max_tokens=8), images=[image])
+        core.add(req, None)
+        while not req.finished:
+            core.step()
+        outputs.append(req.output_ids)
+    assert outputs[0] == outputs[1]
+    assert (core.encoder.stats.images, core.encoder.stats.encoded) == (2, 1)
+
+
+def test_text_model_refuses_images(tiny_model_dir: Path) -> None:
+    lm = load(str(tiny_model_dir), dtype="fp32", progress=False)
+    with pytest.raises(ImageError, match="takes no image input"):
+        lm.load_image(png(1))
+
+
+def test_image_placeholders_must_match_the_images(vlm: tuple[Any, LoadedModel]) -> None:
+    _, lm = vlm
+    image = lm.load_image(png(1))
+    with pytest.raises(ImageError, match="2 image placeholders for 1 images"):
+        lm.new_request(chat_ids(lm, "x", images=2), SamplingParams(), images=[image])
+
+
+def test_decode_image_refuses_bad_input() -> None:
+    with pytest.raises(ImageError, match="not a readable image"):
+        decode_image(b"definitely not an image")
+    with pytest.raises(ImageError, match="over the limit"):
+        decode_image(png(1, 64, 64), max_pixels=64 * 63)
+    # a decompression bomb: a tiny PNG that claims 20000 x 20000 pixels
+    bomb = io.BytesIO()
+    Image.new("1", (20000, 20000)).save(bomb, format="PNG")
+    assert len(bomb.getvalue()) < 100_000
+    with pytest.raises(ImageError):
+        decode_image(bomb.getvalue())
+    with pytest.raises(ImageError, match="aspect ratio"):
+        preprocess(Image.fromarray(np.zeros((2, 500, 3), dtype=np.uint8)), ImageProcessing())

@@ -1,0 +1,126 @@
+"""A tiny random-weight Qwen3.5 vision-language checkpoint for the vision tests, written by
+transformers' own `Qwen3_5ForConditionalGeneration` (the reference), with the byte-level test
+tokenizer plus the vision specials and a chat template that renders image parts as Qwen3.5's
+does (`<|vision_start|><|image_pad|><|vision_end|>`)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from conftest import write_tiny_tokenizer
+from hybrid_models import HYBRID_CONFIGS, randomize
+from PIL import Image
+
+VISION_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")  # ids 260..262
+VISION_START, VISION_END, IMAGE_PAD = 260, 261, 262
+
+# Qwen3.5's template, reduced to what the tests use: text and image parts, ChatML turns
+VLM_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+PATCH = 4  # tiny patches: a 32 x 32 image is 8 x 8 patches, 16 placeholder tokens
+
+
+def vlm_config() -> dict[str, Any]:
+    text = dict(HYBRID_CONFIGS["qwen3_5"]["text_config"])
+    text["rope_parameters"] = dict(
+        text["rope_parameters"], mrope_section=[2, 1, 1], mrope_interleaved=True
+    )
+    return dict(
+        model_type="qwen3_5",
+        tie_word_embeddings=False,
+        text_config=text,
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=48,
+            num_heads=2,
+            patch_size=PATCH,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            out_hidden_size=text["hidden_size"],
+            num_position_embeddings=16,
+        ),
+        image_token_id=IMAGE_PAD,
+        video_token_id=263,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+    )
+
+
+def make_vlm_dir(directory: Path, seed: int = 1, out_scale: float = 1.0) -> tuple[Any, Path]:
+    """(the transformers model, its checkpoint directory) with preprocessing for tiny patches.
+    A small `out_scale` (hybrid_models.randomize) makes the language model's next token mostly
+    a function of the current one: its greedy output soon cycles, so lookups get accepted."""
+    import transformers
+
+    raw = vlm_config()
+    text = dict(raw["text_config"])
+    mtp = text.pop("mtp_num_hidden_layers")
+    cfg = transformers.Qwen3_5Config(**{**raw, "text_config": text})
+    hf = transformers.Qwen3_5ForConditionalGeneration(cfg).float().eval()
+    randomize(hf, seed=seed, out_scale=out_scale)
+    with torch.no_grad():  # LayerNorm weights around 1 (randomize centres norms on 0)
+        for name, p in hf.model.visual.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.add_(1.0)
+    hf.save_pretrained(directory)
+    saved = json.loads((directory / "config.json").read_text())
+    saved["text_config"]["mtp_num_hidden_layers"] = mtp  # no head in the file: MTP tests add one
+    (directory / "config.json").write_text(json.dumps(saved))
+    (directory / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
+    write_tiny_tokenizer(directory, VISION_SPECIALS, VLM_TEMPLATE)
+    return hf, directory
+
+
+PREPROCESSOR = {
+    "patch_size": PATCH,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "size": {"shortest_edge": 16 * 16, "longest_edge": 48 * 48},
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
+
+
+def png(seed: int, width: int = 32, height: int = 32) -> bytes:
+    """A random RGB picture as PNG bytes."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def make_bigram_draft(target: Any, directory: Path) -> Path:
+    """A dense (Qwen2) text-only draft model for `target` (transformers' VLM): its layers add
+    nothing, and its embedding, final norm and head are the target's, so it drafts the
+    target's next token from the current token alone, which a small-`out_scale` target mostly
+    follows. It sees an image's rows as their placeholder ids."""
+    from conftest import make_tiny_hf_model
+
+    draft = make_tiny_hf_model(
+        "qwen2", directory, seed=2, tie_word_embeddings=False, rms_norm_eps=1e-6
+    )
+    lm = target.model.language_model
+    with torch.no_grad():
+        draft.model.embed_tokens.weight.copy_(lm.embed_tokens.weight)
+        draft.lm_head.weight.copy_(target.lm_head.weight)
+        draft.model.norm.weight.copy_(1.0 + lm.norm.weight)  # the target's norm is (1 + w)
+        for layer in draft.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    draft.save_pretrained(directory)
+    write_tiny_tokenizer(directory, VISION_SPECIALS, VLM_TEMPLATE)
+    return directory
