@@ -38,8 +38,10 @@ from quickdraft.config import (
     parse_speculative_config,
     require_int,
 )
+from quickdraft.images import DEFAULT_MAX_IMAGE_PIXELS
 from quickdraft.request import RelaxedThinking, SamplingParams
 from quickdraft.server.main import ServeOptions
+from quickdraft.server.media import DEFAULT_IMAGES_PER_PROMPT, MediaPolicy
 from quickdraft.server.state import ServerConfig
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome."
@@ -352,6 +354,7 @@ def serve_options(args: argparse.Namespace) -> tuple[ServeOptions, ServerConfig]
             allowed_hosts=None if args.allowed_hosts is None else allowed_hosts(args.allowed_hosts),
         ),
         settings_path=settings,
+        media=media_policy(args),
     )
     opts = ServeOptions(
         **given(
@@ -369,6 +372,24 @@ def serve_options(args: argparse.Namespace) -> tuple[ServeOptions, ServerConfig]
         prefix_cache=prefix_cache_config(args),
     )
     return opts, config
+
+
+def media_policy(args: argparse.Namespace) -> MediaPolicy:
+    """What image parts may be: the --allowed-media-domains / --allowed-local-media-path /
+    --max-image-pixels / --limit-images-per-prompt flags (unset: MediaPolicy's defaults)."""
+    local = args.allowed_local_media_path
+    if local is not None and not Path(local).is_dir():
+        raise ValueError(f"--allowed-local-media-path {local!r} is not a directory")
+    return MediaPolicy(
+        **given(
+            allowed_domains=None
+            if args.allowed_media_domains is None
+            else tuple(d.lower().rstrip(".") for d in allowed_hosts(args.allowed_media_domains)),
+            allowed_local_path=None if local is None else Path(local),
+            max_image_pixels=args.max_image_pixels,
+            images_per_prompt=args.limit_images_per_prompt,
+        )
+    )
 
 
 def allowed_hosts(given: list[str]) -> tuple[str, ...]:
@@ -443,7 +464,33 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
         help="admin settings file (default $QUICKDRAFT_HOME/server-settings.json)",
     )
     s.add_argument("--served-model-name", default=None, help="model id in the API (default MODEL)")
-    s.add_argument("--max-body-bytes", type=int, default=None)
+    s.add_argument(
+        "--max-body-bytes", type=int, default=None, help="request body limit (default 20 MiB)"
+    )
+    s.add_argument(
+        "--allowed-media-domains",
+        action="append",
+        default=None,
+        help="domains (and their subdomains) image_url may fetch from, comma-separated; "
+        "default: none (only data: URLs)",
+    )
+    s.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="a directory whose files image_url may name as file:///... (default: none)",
+    )
+    s.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=None,
+        help=f"largest decoded image, in pixels (default {DEFAULT_MAX_IMAGE_PIXELS})",
+    )
+    s.add_argument(
+        "--limit-images-per-prompt",
+        type=int,
+        default=None,
+        help=f"most images in one request (default {DEFAULT_IMAGES_PER_PROMPT})",
+    )
     s.add_argument("--default-max-tokens", type=int, default=None, help="when a request gives none")
     s.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
     s.add_argument(

@@ -74,6 +74,14 @@ def part(text: Any) -> dict[str, Any]:
 
 
 CONTENT = "messages[0].content"
+# a 1 x 1 PNG as a data: URL
+IMAGE = {
+    "type": "image_url",
+    "image_url": {
+        "url": "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4"
+        "nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
+    },
+}
 TOOL = {
     "type": "function",
     "function": {"name": "add", "parameters": {"type": "object", "properties": {}}},
@@ -92,6 +100,27 @@ BAD_REQUESTS: list[tuple[str, str, dict[str, Any], str | None]] = [
     ("message-a-list", "chat", {"messages": [msgs(), msgs()]}, "messages[0]"),
     ("content-part-text-not-string", "chat", {"messages": [part(5)]}, CONTENT + "[0].text"),
     ("content-part-not-object", "chat", {"messages": [user(["x"])]}, CONTENT + "[0]"),
+    (
+        "content-part-unknown-type",
+        "chat",
+        {"messages": [user([{"type": "audio"}])]},
+        CONTENT + "[0]",
+    ),
+    # OpenAI answers these 400 naming the field; they were once answered 200
+    ("user-without-content", "chat", {"messages": [{"role": "user"}]}, CONTENT),
+    (
+        "assistant-null-content-no-tool-calls",
+        "chat",
+        {
+            "messages": [
+                *msgs(),
+                {"role": "assistant", "content": None, "tool_calls": []},
+                *msgs(),
+            ]
+        },
+        "messages[1].content",
+    ),
+    ("image-to-text-model", "chat", {"messages": [user([IMAGE])]}, CONTENT + "[0].image_url"),
     ("stop-object", "chat", {"messages": msgs(), "stop": {"a": 1}}, "stop"),
     ("stop-list-of-ints", "chat", {"messages": msgs(), "stop": [1]}, "stop[0]"),
     ("prompt-object", "completion", {"prompt": {"a": 1}}, "prompt"),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine.prefix_cache import PrefixCacheStats
+from quickdraft.images import ImageInput, ImageProcessing
 from quickdraft.request import SamplingParams
 from quickdraft.tokenizer import Tokenizer
 
@@ -28,6 +29,7 @@ class GenerateCall:
     tenant: str
     route_key: str  # read by router.PrefixAffinityRouter; "" = no affinity
     spec: SpeculativeConfig
+    images: tuple[ImageInput, ...] = ()  # one per image placeholder of prompt_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,3 +66,4 @@ class ModelInfo:
     eos_ids: tuple[int, ...]
     spec: SpeculativeConfig
     device: str = "cpu"  # loading.device_name of where the replica runs it
+    image_processing: ImageProcessing | None = None  # a vision-language model's preprocessing

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import EngineDeadError, QueueFullError, RequestOutput
 from quickdraft.engine.prefix_cache import PrefixCacheStats
 from quickdraft.grammar import GrammarCompiler
+from quickdraft.images import ImageInput, ImageProcessing
 from quickdraft.loading import context_room
 from quickdraft.request import SamplingParams
 from quickdraft.server.app import create_app
@@ -78,6 +79,10 @@ class RemoteModel:
     @property
     def device(self) -> str:
         return self.info.device
+
+    @property
+    def image_processing(self) -> ImageProcessing | None:
+        return self.info.image_processing
 
     def room(self, prompt_tokens: int, max_tokens: int | None = None) -> int:
         return context_room(self.context_length, prompt_tokens, max_tokens)
@@ -239,9 +244,12 @@ class RayBackend:
         request_id: str,
         tenant: str,
         route_key: str,
+        images: Sequence[ImageInput] = (),
     ) -> Handle:
         spec = self._models[model].spec_config
-        call = GenerateCall(model, prompt_ids, params, request_id, tenant, route_key, spec)
+        call = GenerateCall(
+            model, prompt_ids, params, request_id, tenant, route_key, spec, tuple(images)
+        )
         return RayHandle(self, call)
 
     def stream(self, call: GenerateCall) -> DeploymentResponseGenerator:

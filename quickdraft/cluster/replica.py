@@ -60,6 +60,7 @@ class EngineReplica:
                 s.lm.eos_ids,
                 s.spec_config,
                 s.lm.device,
+                s.lm.image_processing,
             )
             for name, s in self.engine.models.items()
         ]
@@ -99,7 +100,12 @@ class EngineReplica:
             return
         try:
             handle = self.engine.submit(
-                call.model, call.prompt_ids, call.params, call.request_id, call.tenant
+                call.model,
+                call.prompt_ids,
+                call.params,
+                call.request_id,
+                call.tenant,
+                call.images,
             )
         except QueueFullError as exc:
             yield Refusal("queue_full", str(exc))

@@ -50,6 +50,7 @@ from quickdraft.config import PrefixCacheConfig, SpeculativeConfig
 from quickdraft.engine.core import EngineCore, StepStats
 from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.engine.sequence import Sequence
+from quickdraft.images import ImageInput
 from quickdraft.loading import LoadedModel
 from quickdraft.request import (
     FinishReason,
@@ -279,12 +280,15 @@ class Engine:
         params: SamplingParams,
         request_id: str | None = None,
         tenant: str = "",
+        images: list[ImageInput] | tuple[ImageInput, ...] = (),
     ) -> RequestHandle:
         """`tenant`: who sent it; what a drafter learns from one request's output drafts only
-        for requests of the same tenant (speculation/drafters/ngram.py)."""
+        for requests of the same tenant (speculation/drafters/ngram.py). `images`: one per
+        image placeholder in `prompt_ids` (a vision-language model)."""
         served = self._served(model)
         rid = request_id or f"req-{next(self._ids)}"
-        request = served.lm.new_request(prompt_ids, params, rid, tenant)  # ValueError if too long
+        # ValueError if too long (with the images' rows), ImageError for images it cannot take
+        request = served.lm.new_request(prompt_ids, params, rid, tenant, images)
         with self._lock:
             if not self.alive:
                 raise EngineDeadError("the engine is not running")

@@ -33,12 +33,14 @@ from starlette.types import Receive, Scope, Send
 
 from quickdraft.engine import Engine, EngineDeadError, QueueFullError
 from quickdraft.grammar import GrammarError
+from quickdraft.images import ImageInput
 from quickdraft.loading import ContextLengthError
 from quickdraft.request import SamplingParams
 from quickdraft.server import admin
 from quickdraft.server.access import ApiKeyMiddleware, HostCheckMiddleware, tenant_of
 from quickdraft.server.backend import Backend, LocalBackend, ModelFront, ReplicaLostError
 from quickdraft.server.errors import BodyLimitMiddleware, error_response, install_error_handlers
+from quickdraft.server.media import read_images
 from quickdraft.server.metrics import now
 from quickdraft.server.protocol import (
     APIError,
@@ -123,6 +125,8 @@ def create_app(
         arrived = now()
         body.check()
         lm = _model(state, body.model)
+        image_parts = body.image_parts()
+        images = await read_images(image_parts, lm.image_processing, state.config.media, body.model)
         messages, tools = body.chat(), body.tool_defs()
         if not lm.tokenizer.renders_tools and (tools or _mentions_tools(messages)):
             messages, tools = hermes_messages(messages, tools), None  # as plain turns
@@ -131,8 +135,10 @@ def create_app(
         except (ValueError, jinja2.TemplateError) as exc:  # no template / template refused
             raise APIError(400, f"cannot render the chat: {exc}", "messages") from None
         root = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
-        shared = [tools, messages[: root + 1]]  # the conversation's start: stays as it grows
-        return await _generate(state, request, body, prompt_ids, "chat", arrived, shared)
+        # the conversation's start (stays as it grows), its images by content
+        early = sum(len(m.image_urls()) for m in body.messages[: root + 1])
+        shared = [tools, messages[: root + 1], [im.digest for im in images[:early]]]
+        return await _generate(state, request, body, prompt_ids, "chat", arrived, shared, images)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -173,8 +179,10 @@ async def _generate(
     kind: str,
     arrived: float,
     shared: list[Any],
+    images: list[ImageInput] | None = None,
 ) -> Response:
-    """`shared`: the part of the request other requests may share (its route key)."""
+    """`shared`: the part of the request other requests may share (its route key); `images`:
+    one per image placeholder of `prompt_ids`."""
     lm = _model(state, body.model)
     requested = body.requested_max_tokens()
     try:
@@ -210,7 +218,9 @@ async def _generate(
     try:
         for i, p in enumerate(params):
             seq_id = rid if i == 0 else f"{rid}-{i}"
-            slots.append(_admit(state, body.model, prompt_ids, p, seq_id, arrived, who, key))
+            slots.append(
+                _admit(state, body.model, prompt_ids, p, seq_id, arrived, who, key, images or [])
+            )
         where = await _placement(state, slots)
     except BaseException:
         for slot in slots:
@@ -271,6 +281,7 @@ def _admit(
     arrived: float,
     tenant: str = "",
     route_key: str = "",
+    images: list[ImageInput] | None = None,
 ) -> Slot:
     retry = {"Retry-After": str(state.config.retry_after_s)}
     if state.draining:
@@ -284,7 +295,9 @@ def _admit(
             headers=retry,
         )
     try:
-        handle = state.engine.submit(model, prompt_ids, params, rid, tenant, route_key)
+        handle = state.engine.submit(
+            model, prompt_ids, params, rid, tenant, route_key, images or []
+        )
     except (QueueFullError, EngineDeadError, ValueError) as exc:
         raise _refused(state, exc) from None
     handle.bind_loop()

@@ -16,7 +16,7 @@ place died first.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,6 +24,7 @@ from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import Engine, EngineDeadError, RequestOutput
 from quickdraft.engine.prefix_cache import PrefixCacheStats
 from quickdraft.grammar import GrammarCompiler
+from quickdraft.images import ImageInput, ImageProcessing
 from quickdraft.request import SamplingParams
 from quickdraft.tokenizer import Tokenizer
 
@@ -47,6 +48,11 @@ class ModelFront(Protocol):
     @property
     def device(self) -> str:
         """Where the model runs ("cpu", "cuda (NVIDIA H100 80GB HBM3)")."""
+        ...
+
+    @property
+    def image_processing(self) -> ImageProcessing | None:
+        """A vision-language model's image preprocessing; None: it takes text only."""
         ...
 
     def room(self, prompt_tokens: int, max_tokens: int | None = None) -> int: ...
@@ -91,6 +97,7 @@ class Backend(Protocol):
         request_id: str,
         tenant: str,
         route_key: str,
+        images: Sequence[ImageInput] = (),
     ) -> Handle: ...
     async def placement(self, handle: Handle) -> dict[str, str]: ...
     def configure(self, model: str, spec_config: SpeculativeConfig) -> None: ...
@@ -136,9 +143,10 @@ class LocalBackend:
         request_id: str,
         tenant: str,
         route_key: str,
+        images: Sequence[ImageInput] = (),
     ) -> Handle:
         del route_key  # one engine holds every prefix
-        return self.engine.submit(model, prompt_ids, params, request_id=request_id, tenant=tenant)
+        return self.engine.submit(model, prompt_ids, params, request_id, tenant, list(images))
 
     async def placement(self, handle: Handle) -> dict[str, str]:
         return {}

@@ -14,7 +14,7 @@ import dataclasses
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
 from pydantic_core import PydanticCustomError
 
 from quickdraft.config import RELAXED_DELTA, RELAXED_TOP_K
@@ -106,6 +106,33 @@ class TextPart(_Strict):
     text: Text
 
 
+class ImageUrl(_Strict):
+    url: Text  # data:image/...;base64,..., or an http(s) / file URL the operator allows
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's own sizing
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+def _part_tag(value: Any) -> str | None:
+    """The union member a content part is validated as (None: an unknown type, refused)."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return f"part[{kind}]" if kind in ("text", "image_url") else None
+
+
+# Tags carry "[...]": server/errors.py drops union member names from an error's `param`
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("part[text]")] | Annotated[ImagePart, Tag("part[image_url]")],
+    Discriminator(
+        _part_tag,
+        custom_error_type="content_part_type",
+        custom_error_message="a content part's type must be 'text' or 'image_url'",
+    ),
+]
+
+
 class FunctionCall(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     name: Text
@@ -124,7 +151,7 @@ class ChatMessage(BaseModel):
     # audio: null, ...); those fields carry nothing a chat template uses.
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None
+    content: Text | list[ContentPart] | None = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: Text | None = None  # a tool result: the call it answers
@@ -134,7 +161,27 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def image_urls(self) -> list[tuple[int, str]]:
+        """(part index, URL) of the message's image parts."""
+        if not isinstance(self.content, list):
+            return []
+        return [
+            (j, p.image_url.url) for j, p in enumerate(self.content) if isinstance(p, ImagePart)
+        ]
+
+    def template_content(self) -> str | list[dict[str, str]]:
+        """The content as chat templates read it: the text, or, where the message holds
+        images, its parts in order with each image as `{"type": "image"}` (the template puts
+        the model's image placeholder there)."""
+        if not self.image_urls():
+            return self.text()
+        assert isinstance(self.content, list)
+        return [
+            {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+            for p in self.content
+        ]
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it (HF's convention: a tool call's `arguments`
@@ -142,7 +189,7 @@ class ChatMessage(BaseModel):
         # "developer" is OpenAI's newer name for "system"; chat templates know "system"
         out: dict[str, Any] = {
             "role": "system" if self.role == "developer" else self.role,
-            "content": self.text(),
+            "content": self.template_content(),
         }
         if self.name is not None:
             out["name"] = self.name
@@ -393,6 +440,22 @@ class ChatCompletionRequest(GenerateRequest):
             if m.role == "tool" and m.tool_call_id is None:
                 msg = f"messages[{i}].tool_call_id is required in a tool message"
                 raise APIError(400, msg, f"messages[{i}].tool_call_id")
+            # as OpenAI's API: content is required, except in an assistant turn that calls tools
+            if m.content is None and not (m.role == "assistant" and m.tool_calls):
+                why = " (or tool_calls in an assistant message)" if m.role == "assistant" else ""
+                msg = f"messages[{i}].content is required{why}"
+                raise APIError(400, msg, f"messages[{i}].content")
+            if m.image_urls() and m.role != "user":
+                msg = f"messages[{i}]: image parts are allowed in user messages only"
+                raise APIError(400, msg, f"messages[{i}].content")
+
+    def image_parts(self) -> list[tuple[str, str]]:
+        """(param, URL) of every image part of the conversation, in prompt order."""
+        return [
+            (f"messages[{i}].content[{j}].image_url", url)
+            for i, m in enumerate(self.messages)
+            for j, url in m.image_urls()
+        ]
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens

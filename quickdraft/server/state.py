@@ -18,6 +18,7 @@ from pathlib import Path
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.server.backend import Backend, Handle
+from quickdraft.server.media import MediaPolicy
 from quickdraft.server.metrics import Metrics, RequestTrack, now
 from quickdraft.server.settings import SpeculationSettings, save_settings
 
@@ -30,7 +31,7 @@ class ServerConfig:
     api_key: str | None = None
     admin_token: str | None = None  # the admin API's own token; None = admin API disabled
     max_concurrency: int = 32  # requests admitted at once (running + queued); more -> 503
-    max_body_bytes: int = 1 << 20
+    max_body_bytes: int = 20 << 20  # room for images as data: URLs (OpenAI takes 20 MB ones)
     default_max_tokens: int = 2048  # when a request gives none (capped by the context)
     retry_after_s: int = 1  # the Retry-After header of a 503
     settings_path: Path | None = None  # admin changes persist here (None: not persisted)
@@ -39,6 +40,7 @@ class ServerConfig:
     # who shares the n-gram drafter's index of finished outputs: "tenant" = requests of one API
     # key / `user` only, "global" = every request (access.py `tenant_of`)
     ngram_shared_scope: str = "tenant"
+    media: MediaPolicy = field(default_factory=MediaPolicy)  # what image parts may be
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_keys:
