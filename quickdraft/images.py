@@ -159,6 +159,18 @@ def load_image(
 
 
 @dataclass(frozen=True, slots=True)
+class ImageRows:
+    """The image input of one packed forward of a vision-language model (the target, or its
+    MTP head): the packed rows whose embedding is an image's (vision-tower output) instead of
+    the token embedding, and every row's multimodal RoPE position (t, h, w; the three equal
+    for text). Built by `pack_image_rows` from each sequence's `ImageLayout`."""
+
+    rows: Tensor  # [M] rows of the packed batch, long
+    embeds: Tensor  # [M, hidden]
+    positions: Tensor  # [3, num_tokens] long: every packed row's (t, h, w) position
+
+
+@dataclass(frozen=True, slots=True)
 class ImageSpan:
     """One image's placeholder rows in a prompt: tokens [start, start + length)."""
 
@@ -248,3 +260,35 @@ class ImageLayout:
             for j in range(span.length):
                 keys[span.start + j] = -1 - (base + j)
         return keys
+
+
+def pack_image_rows(
+    layouts: Sequence[ImageLayout | None],
+    starts: Sequence[int],  # per sequence: the sequence index of its first row here
+    num_new: Sequence[int],  # per sequence: its rows in the packed forward
+    hidden: int,  # the model's hidden size
+    device: torch.device,
+    shift: int = 0,  # row i takes the embedding of token i + shift (1: an MTP head's rows)
+) -> ImageRows | None:
+    """A packed forward's image input, or None when no sequence of it has images (then every
+    position is the plain one and the model runs as for text)."""
+    if all(layout is None for layout in layouts):
+        return None
+    positions: list[Tensor] = []
+    rows: list[Tensor] = []
+    embeds: list[Tensor] = []
+    row = 0
+    for layout, start, n in zip(layouts, starts, num_new, strict=True):
+        if layout is None:
+            positions.append(torch.arange(start, start + n).expand(3, n))
+        else:
+            positions.append(layout.rows(start, n))
+            for offset, emb in layout.image_rows(start + shift, n):
+                rows.append(torch.arange(row + offset, row + offset + emb.shape[0]))
+                embeds.append(emb)
+        row += n
+    return ImageRows(
+        torch.cat(rows).to(device) if rows else torch.zeros(0, dtype=torch.long, device=device),
+        torch.cat(embeds).to(device) if embeds else torch.zeros(0, hidden, device=device),
+        torch.cat(positions, dim=1).to(device),
+    )

@@ -6,6 +6,7 @@ prefix cache and the encoder cache."""
 
 from __future__ import annotations
 
+import copy
 import io
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,14 @@ import pytest
 import torch
 from hybrid_models import one_thread  # noqa: F401 (autouse fixture)
 from PIL import Image
-from vision_models import IMAGE_PAD, PREPROCESSOR, make_bigram_draft, make_vlm_dir, png
+from vision_models import (
+    IMAGE_PAD,
+    PREPROCESSOR,
+    add_copying_mtp_head,
+    make_bigram_draft,
+    make_vlm_dir,
+    png,
+)
 
 from quickdraft.config import PrefixCacheConfig, SpeculativeConfig
 from quickdraft.engine import EngineCore, stream
@@ -24,11 +32,12 @@ from quickdraft.images import (
     ImageInput,
     ImageLayout,
     ImageProcessing,
+    ImageRows,
     decode_image,
+    pack_image_rows,
     preprocess,
 )
 from quickdraft.loading import LoadedModel, load
-from quickdraft.models.base import ImageRows
 from quickdraft.request import Request, SamplingParams
 from quickdraft.speculation.drafters.ngram import NgramDrafter
 from quickdraft.speculation.drafters.suffix import SuffixDrafter
@@ -39,6 +48,7 @@ from quickdraft.speculation.factory import make_speculation
 def vlm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, LoadedModel]:
     """(transformers' model, ours loaded from its checkpoint in fp32)."""
     hf, directory = make_vlm_dir(tmp_path_factory.mktemp("vlm"), out_scale=0.1)
+    add_copying_mtp_head(directory)
     return hf, load(str(directory), dtype="fp32", progress=False)
 
 
@@ -190,7 +200,7 @@ def test_vision_output_depends_on_the_image(vlm: tuple[Any, LoadedModel]) -> Non
     assert first.output_ids != second.output_ids
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft", "mtp"])
 def test_vision_speculation_greedy_equals_plain(
     vlm: tuple[Any, LoadedModel], draft_dir: Path, method: str
 ) -> None:
@@ -307,3 +317,60 @@ def test_decode_image_refuses_bad_input() -> None:
         decode_image(bomb.getvalue())
     with pytest.raises(ImageError, match="aspect ratio"):
         preprocess(Image.fromarray(np.zeros((2, 500, 3), dtype=np.uint8)), ImageProcessing())
+
+
+def test_mtp_head_reads_image_embeddings_one_row_early(vlm: tuple[Any, LoadedModel]) -> None:
+    """Row i of the MTP head pairs h_i with t_{i+1}: where t_{i+1} is an image row it reads
+    that row's image embedding (pack_image_rows with shift 1). Against a reference whose
+    embedding lookup returns the fused embeddings row by row."""
+    _, lm = vlm
+    assert lm.vision is not None
+    drafter = make_speculation(lm, SpeculativeConfig(method="mtp"))
+    assert drafter is not None
+    head = drafter.drafter.head  # type: ignore[union-attr]
+    image = lm.load_image(png(4))
+    ids, layout = ImageLayout.build(chat_ids(lm, "look"), [image], IMAGE_PAD, 2)
+    layout.embeds = [lm.vision.encode(image.pixels, image.grid)]
+    n = len(ids) - 1  # rows 0 .. n-1 read t_1 .. t_n
+    hidden = torch.randn(n, head.hidden_size, generator=torch.Generator().manual_seed(0))
+    packed = pack_image_rows([layout], [0], [n], head.hidden_size, head.device, shift=1)
+    assert packed is not None and packed.rows.numel() == layout.spans[0].length
+    fast = head(torch.tensor(ids[1:]), hidden, [head.new_cache(n)], [n], torch.arange(n), packed)
+    span = layout.spans[0]
+    table = head.embed(torch.tensor(ids[1:]))  # token embeddings, then the image's rows
+    fused = table.clone()
+    for row in range(n):
+        token = row + 1
+        if span.start <= token < span.start + span.length:
+            fused[row] = layout.embeds[0][token - span.start]
+    reference = copy.copy(head)
+    reference.embed = lambda _ids: fused
+    no_rows = ImageRows(torch.zeros(0, dtype=torch.long), fused[:0], packed.positions)
+    slow = reference(
+        torch.tensor(ids[1:]), hidden, [head.new_cache(n)], [n], torch.arange(n), no_rows
+    )
+    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[2], slow[2])
+    assert not torch.equal(table, fused)
+
+
+@pytest.fixture(scope="module")
+def vlm_bf16(vlm: tuple[Any, LoadedModel]) -> LoadedModel:
+    return load(str(vlm[1].path), dtype="bf16", progress=False)
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_vision_bf16_speculation_equals_plain(vlm_bf16: LoadedModel, method: str) -> None:
+    """bf16 weights (the CPU panel kernels, batch-invariant): with images in the prompt the
+    output with speculation equals the output without it, token for token."""
+    lm = vlm_bf16
+    assert lm.vision is not None and lm.vision.dtype == torch.bfloat16
+    cfg = SpeculativeConfig(method=method, num_draft_tokens=4, adaptive=False)
+    accepted = 0
+    for seed in (1, 2):
+        images = [lm.load_image(png(seed))]
+        ids = chat_ids(lm, "the cat sat on the mat. the cat sat on the")
+        plain = run(lm, ids, images, max_tokens=64)
+        spec = run(lm, ids, images, cfg, max_tokens=64)
+        assert spec.output_ids == plain.output_ids
+        accepted += spec.spec.accepted
+    assert accepted > 0

@@ -124,3 +124,19 @@ def make_bigram_draft(target: Any, directory: Path) -> Path:
     draft.save_pretrained(directory)
     write_tiny_tokenizer(directory, VISION_SPECIALS, VLM_TEMPLATE)
     return directory
+
+
+def add_copying_mtp_head(directory: Path) -> Path:
+    """Write an `mtp.*` head into the checkpoint at `directory` (a file of its own): the
+    copying head of hybrid_models (it drafts the target's bigram guess), so MTP drafts on a
+    small-`out_scale` target are often accepted."""
+    from hybrid_models import copying_head, hf_names
+    from safetensors.torch import save_file
+
+    from quickdraft.models.loader import load_model
+
+    model = load_model(directory, torch.float32)
+    head = copying_head(model)  # type: ignore[arg-type]
+    tensors = {"mtp." + n: t for n, t in hf_names(dict(head.state_dict()), "qwen3_5", 0).items()}
+    save_file(tensors, str(directory / "mtp.safetensors"), metadata={"format": "pt"})
+    return directory

@@ -27,9 +27,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from quickdraft.engine.encoder import ImageEncoder, image_rows
+from quickdraft.engine.encoder import ImageEncoder
 from quickdraft.engine.scheduler import ScheduledSeq, StepPlan
-from quickdraft.models.base import ImageRows, LanguageModel, SequenceCache
+from quickdraft.images import ImageRows, pack_image_rows
+from quickdraft.models.base import LanguageModel, SequenceCache
 from quickdraft.speculation.drafters.base import Draft, Drafter, DraftJob
 from quickdraft.speculation.logits import token_logprobs
 from quickdraft.speculation.relaxed import ThinkScan, ThinkTokens, lenient_rows
@@ -90,7 +91,16 @@ class SpecCycle:
                 assert seq.spec is not None
                 state, gen = seq.spec.draft_state, seq.rng.generator
                 jobs.append(
-                    DraftJob(state, tokens, item.k, params, gen, seq.controls, item.min_prob)
+                    DraftJob(
+                        state,
+                        tokens,
+                        item.k,
+                        params,
+                        gen,
+                        seq.controls,
+                        item.min_prob,
+                        seq.request.images,
+                    )
                 )
             for idx, draft in zip(idxs, drafter.propose(jobs), strict=True):
                 drafts[idx] = _constrain(draft, plan.items[idx])
@@ -173,7 +183,7 @@ class SpecCycle:
             if layout is not None and start < layout.positions.shape[1]:
                 self.encoder.fill(layout)
         hidden = self.model.config.hidden_size
-        return image_rows(layouts, starts, num_new, hidden, self.model.device)
+        return pack_image_rows(layouts, starts, num_new, hidden, self.model.device)
 
     def verify(self, plan: StepPlan, drafts: list[Draft], out: StepOutput) -> list[Verdict | None]:
         verdicts: list[Verdict | None] = []

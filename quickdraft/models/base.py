@@ -23,6 +23,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from quickdraft.images import ImageRows
+
 
 @dataclass(slots=True)
 class ForwardOutput:
@@ -32,18 +34,6 @@ class ForwardOutput:
     # `hidden_layers` (0-based), if any were asked for: HF's output_hidden_states[i + 1], so
     # the last layer's after the final norm (models/layers.py `tapped_layers`)
     layers: Tensor | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ImageRows:
-    """The image input of one packed forward (a vision-language target): the packed rows that
-    are image placeholders take the vision tower's embeddings instead of the token embedding,
-    and every row of the forward has a multimodal RoPE position (t, h, w), equal streams for
-    text. Built by the engine from each sequence's images (images.py `ImageLayout`)."""
-
-    rows: Tensor  # [M] rows of the packed batch, long
-    embeds: Tensor  # [M, hidden]
-    positions: Tensor  # [3, num_tokens] long: every packed row's (t, h, w) position
 
 
 def refuse_images(model: Any, images: ImageRows | None) -> None:

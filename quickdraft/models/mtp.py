@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from quickdraft.config import ModelConfig
+from quickdraft.images import ImageRows
 from quickdraft.kernels.gemm import Weight, project, to_panels
 from quickdraft.models.draft_vocab import DraftVocab
 from quickdraft.models.hybrid_config import HybridConfig
@@ -67,6 +68,7 @@ class MTPParts:
     make_norm: Callable[[], nn.Module]
     num_kv_heads: int
     head_dim: int
+    mrope_section: tuple[int, ...] = ()  # a vision-language target's M-RoPE (() = none)
 
 
 def llama_mtp_parts(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> MTPParts:
@@ -87,6 +89,7 @@ def hybrid_mtp_parts(cfg: HybridConfig, dtype: torch.dtype, device: torch.device
         lambda: OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device),
         cfg.num_key_value_heads,
         cfg.head_dim,
+        cfg.mrope_section,
     )
 
 
@@ -115,6 +118,7 @@ class MTPHead(OperandModule):
         self.layers = nn.ModuleList([parts.layer])
         self.norm = parts.make_norm()
         self.rope = parts.rope
+        self.mrope_section = parts.mrope_section
         self.num_kv_heads, self.head_dim = parts.num_kv_heads, parts.head_dim
         # Sharing the target's storage: not parameters of the head.
         self.embed = lambda ids: embed_tokens(ids)
@@ -161,8 +165,11 @@ class MTPHead(OperandModule):
         caches: Sequence[KVCache],
         num_new: Sequence[int],
         logit_rows: Tensor,  # rows of N to score
+        images: ImageRows | None = None,  # rows whose t_{i+1} is an image's, M-RoPE positions
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """-> logits [len(logit_rows), vocab] fp32, output pre-norm [N, H], post-norm [N, H]."""
+        """-> logits [len(logit_rows), vocab] fp32, output pre-norm [N, H], post-norm [N, H].
+        With `images` (a vision-language target) a row whose t_{i+1} is an image row reads
+        that row's image embedding, as the target did, and every row its (t, h, w) position."""
         for cache, n in zip(caches, num_new, strict=True):
             cache.reserve(n)
         positions = torch.cat(
@@ -171,11 +178,19 @@ class MTPHead(OperandModule):
                 for c, n in zip(caches, num_new, strict=True)
             ]
         )
-        emb = self.pre_fc_norm_embedding(self.embed(token_ids))
+        emb = self.embed(token_ids)
+        if images is None:
+            rope = self.rope.tables(positions, self.dtype)
+        else:
+            if not self.mrope_section:
+                raise ValueError("this MTP head's target takes no image input")
+            rope = self.rope.mrope_tables(images.positions, self.mrope_section, self.dtype)
+            emb = emb.index_copy(0, images.rows, images.embeds.to(emb.dtype))
+        emb = self.pre_fc_norm_embedding(emb)
         x = project(
             torch.cat([emb, self.pre_fc_norm_hidden(hidden.to(self.dtype))], -1), self.fc_weight
         )
-        x = self.layers[0](x, self.rope.tables(positions, self.dtype), caches, num_new)
+        x = self.layers[0](x, rope, caches, num_new)
         out = self.norm(x)  # [N, H]
         logits = project(out[logit_rows], self.lm_head_weight).float()
         return logits if self.vocab is None else self.vocab.full(logits), x, out

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from quickdraft.images import ImageLayout
 from quickdraft.models.base import KVBlock
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.cost import StepShape
@@ -61,6 +62,7 @@ class DraftJob:
     # stop after a draft whose chain probability (the drafter's, of the draft so far) is below
     # this (policy.py `Plan`; 0: draft all k); drafters that run a model per position read it
     min_prob: float = 0.0
+    images: ImageLayout | None = None  # the prompt's images (drafters that read embeddings)
 
 
 @dataclass(slots=True)

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from quickdraft.config import PREFILL_CHUNK
 from quickdraft.hub.convert import GGUF_LINK
+from quickdraft.images import ImageLayout, pack_image_rows
 from quickdraft.kernels.gemm import Weight, panels_apply
 from quickdraft.models.base import LanguageModel, module_of
 from quickdraft.models.draft_vocab import check_declared, read_draft_vocabulary
@@ -176,20 +177,28 @@ class MTPDrafter:
                 state.block_ends[p] = rows[p - start].clone()
 
     def _run(
-        self, states: list[MTPState], ids: list[list[int]], hidden: list[Tensor]
+        self,
+        states: list[MTPState],
+        ids: list[list[int]],
+        hidden: list[Tensor],
+        layouts: Sequence[ImageLayout | None],
     ) -> tuple[Tensor, Tensor]:
         """One packed head forward; per state its rows `ids` (t_{i+1}) with `hidden` (h_i),
         committed into its KV. Returns the logits of each state's last row [B, vocab] and that
-        row's output to feed back as the next row's hidden [B, H]."""
+        row's output to feed back as the next row's hidden [B, H]. `layouts`: each state's
+        request's images (a row whose t_{i+1} is an image row reads its image embedding)."""
         head = self.head
         counts = [len(r) for r in ids]
         ends = torch.tensor(counts, device=head.device).cumsum(0) - 1
+        starts = [s.cache.length for s in states]
+        images = pack_image_rows(layouts, starts, counts, head.hidden_size, head.device, shift=1)
         logits, pre, post = head(
             torch.tensor([t for r in ids for t in r], device=head.device),
             torch.cat(hidden),
             [s.cache for s in states],
             counts,
             ends,
+            images,
         )
         for s, n in zip(states, counts, strict=True):
             s.cache.commit(s.cache.length + n)
@@ -211,11 +220,13 @@ class MTPDrafter:
             s.queued = 0
         # Long catch-ups (a prompt, a long k = 0 phase) first, chunk by chunk, so the packed
         # forward below stays small.
+        layouts = [job.images for job in jobs]
         for i, s in enumerate(states):
             while len(ids[i]) > PREFILL_CHUNK:
-                self._run([s], [ids[i][:PREFILL_CHUNK]], [hidden[i][:PREFILL_CHUNK]])
+                chunk = [ids[i][:PREFILL_CHUNK]], [hidden[i][:PREFILL_CHUNK]]
+                self._run([s], *chunk, layouts[i : i + 1])
                 ids[i], hidden[i] = ids[i][PREFILL_CHUNK:], hidden[i][PREFILL_CHUNK:]
-        logits, back = self._run(states, ids, hidden)
+        logits, back = self._run(states, ids, hidden, layouts)
         committed = [s.cache.length for s in states]
         drafts: list[tuple[list[int], list[Tensor]]] = [([], []) for _ in jobs]
         chains = [1.0] * len(jobs)  # each draft's probability so far, by the head
@@ -229,6 +240,7 @@ class MTPDrafter:
                 [states[j] for j in active],
                 [[drafts[j][0][-1]] for j in active],
                 [back[r : r + 1] for r in still],
+                [layouts[j] for j in active],
             )
         # The chained rows were committed so that later steps attend to them, but their hidden
         # was the head's own guess: roll the head's KV back to the rows with the target's hidden.
