@@ -56,7 +56,9 @@ DTYPE_HELP = (
 # `given()` passes on only what the user said.
 
 
-def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> None:
+def _add_model_args(
+    p: argparse.ArgumentParser, positional: bool = False, images: bool = False
+) -> None:
     help_ = f"catalog name (see `quickdraft models`), HF directory, or .gguf path ({DEFAULT_MODEL})"
     if positional:
         p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=help_)
@@ -70,6 +72,13 @@ def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
         help="auto (default: the GPU when torch sees one, else the CPU), cpu, cuda or cuda:N. "
         "On a GPU the model runs in bf16 (a GGUF is dequantized at load) with CUDA graphs",
     )
+    if images:
+        p.add_argument(
+            "--mmproj",
+            default=None,
+            help="llama.cpp's multimodal projector GGUF of a vision-language GGUF model "
+            "(Qwen3.5 / 3.6): image input (a Hugging Face directory brings its own tower)",
+        )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -253,15 +262,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     t0 = time.perf_counter()
     cfg = spec_config(args)
-    lm = load(args.model, args.dtype, args.device)
+    lm = load(args.model, args.dtype, args.device, mmproj=args.mmproj)
     spec = make_speculation(lm, cfg)
     load_s = time.perf_counter() - t0
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    images = [lm.load_image(Path(file).read_bytes()) for file in args.image or []]
+    if images and not args.chat:
+        raise ValueError("--image needs --chat (the chat template places the image)")
     if args.chat:
-        ids = lm.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
+        content: str | list[dict[str, str]] = parts if images else prompt
+        ids = lm.tokenizer.encode_chat([{"role": "user", "content": content}])
     else:
         ids = lm.tokenizer.encode(prompt)
-    req = lm.new_request(ids, params)
+    req = lm.new_request(ids, params, images=images)
     if not args.chat:
         sys.stdout.write(prompt)
     for delta in stream(lm, req, spec):
@@ -274,7 +288,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     decode_s = t.finished - t.first_token
     tps = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
     print(
-        f"[{lm.name} {args.dtype}] prompt {len(ids)} tok, output {n} tok, "
+        f"[{lm.name} {args.dtype}] prompt {len(req.prompt_ids)} tok, output {n} tok, "
         f"TTFT {t.ttft:.2f}s, decode {tps:.1f} tok/s, finish={req.finish_reason}, "
         f"load {load_s:.1f}s\n[{req.spec.summary()}]",
         file=sys.stderr,
@@ -361,6 +375,7 @@ def serve_options(args: argparse.Namespace) -> tuple[ServeOptions, ServerConfig]
             model=args.model,
             dtype=args.dtype,
             device=args.device,
+            mmproj=args.mmproj,
             spec=spec_config(args),
             host=args.host,
             port=args.port,
@@ -424,7 +439,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _add_serve_args(s: argparse.ArgumentParser) -> None:
-    _add_model_args(s, positional=True)
+    _add_model_args(s, positional=True, images=True)
     _add_spec_args(s, paired_default=True)
     _add_prefix_cache_args(s)
     s.add_argument("--host", default=None, help="bind address (default: loopback only)")
@@ -840,10 +855,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_args(sub.add_parser("serve", help="OpenAI-compatible server with speculation"))
 
     g = sub.add_parser("generate", help="generate text from a prompt, streaming to the terminal")
-    _add_model_args(g)
+    _add_model_args(g, images=True)
     _add_sampling_args(g)
     _add_spec_args(g, paired_default=False)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument(
+        "--image",
+        action="append",
+        default=None,
+        help="an image file before the prompt (repeatable; a vision-language model, with --chat)",
+    )
     g.add_argument("prompt", nargs="?", default=None)
     g.set_defaults(func=cmd_generate)
 

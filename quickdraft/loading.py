@@ -31,6 +31,7 @@ from quickdraft.images import (
 from quickdraft.kernels import kernels_available, panels_apply
 from quickdraft.models.base import LanguageModel
 from quickdraft.models.gguf_loader import is_gguf_dir
+from quickdraft.models.gguf_vision import load_mmproj
 from quickdraft.models.graphs import for_device
 from quickdraft.models.loader import load_model, load_vision
 from quickdraft.models.vision import VisionTower
@@ -148,6 +149,21 @@ class LoadedModel:
         return Request(prompt_ids, params, self.tokenizer, self.eos_ids, request_id, tenant, layout)
 
 
+# the placeholder tokens of Qwen3.5's chat template around an image
+VISION_TOKENS = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")
+
+
+def _vision_ids(tokenizer: Tokenizer, mmproj: str) -> tuple[int, int, int]:
+    ids = [tokenizer.token_id(text) for text in VISION_TOKENS]
+    if None in ids:
+        raise ValueError(
+            f"--mmproj {mmproj}: the model's tokenizer lacks {VISION_TOKENS}: not a Qwen3.5 "
+            "vision-language model"
+        )
+    a, b, c = (int(i) for i in ids if i is not None)
+    return a, b, c
+
+
 DEVICES = ("auto", "cpu", "cuda")  # what --device takes ("cuda:N" too)
 
 
@@ -184,6 +200,7 @@ def load(
     device: str = "cpu",
     progress: bool = True,
     quantization: str = "none",
+    mmproj: str | None = None,
 ) -> LoadedModel:
     """`quantization="gguf"`: the GGUF's own quantized weights (dtype "gguf"), for a model
     that is a GGUF; `"int8"` / `"int4"`: projection weights in 8 / 4 bits (half / 0.31x the
@@ -191,7 +208,9 @@ def load(
     draft models, whose precision only moves the acceptance rate. `device` ("auto", "cpu",
     "cuda"; see `resolve_device`): on a GPU the weights are bf16 (a GGUF's own formats are
     dequantized at load: their kernels are the CPU's) and a dense model runs behind
-    models/graphs.py's GraphModel (CUDA graphs, static KV slots)."""
+    models/graphs.py's GraphModel (CUDA graphs, static KV slots). `mmproj`: llama.cpp's
+    multimodal projector file of a vision-language GGUF target (models/gguf_vision.py); a
+    Hugging Face directory brings its own vision tower."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r}: choose one of {QUANTIZATIONS}")
     where = resolve_device(device)
@@ -221,6 +240,13 @@ def load(
         eos.add(tokenizer.eos_token_id)
     # the vision tower runs in fp32 with an fp32 target, else in bf16 (no GGUF kernels there)
     tower_dtype = torch.float32 if net.dtype == torch.float32 else torch.bfloat16
-    vision = None if is_gguf_dir(path) else load_vision(path, tower_dtype, where)
-    processing = None if vision is None else ImageProcessing.from_dir(path)
+    vision: VisionTower | None
+    processing: ImageProcessing | None
+    if mmproj is not None:
+        vision, processing = load_mmproj(mmproj, _vision_ids(tokenizer, mmproj), tower_dtype, where)
+    else:
+        vision = None if is_gguf_dir(path) else load_vision(path, tower_dtype, where)
+        processing = None if vision is None else ImageProcessing.from_dir(path)
+    if vision is not None and not getattr(net.config, "mrope_section", ()):
+        raise ValueError(f"{model}: {net.config.model_type} takes no image input (no M-RoPE)")
     return LoadedModel(model, path, dtype, net, tokenizer, tuple(sorted(eos)), vision, processing)

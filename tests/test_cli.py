@@ -13,6 +13,7 @@ from quickdraft.cli import build_parser, main, sampling_params, serve_options, s
 from quickdraft.config import SpeculativeConfig
 from quickdraft.request import SamplingParams
 from quickdraft.server import ServerConfig
+from quickdraft.server.media import MediaPolicy
 
 
 def spec(*argv: str) -> SpeculativeConfig:
@@ -182,3 +183,53 @@ def test_cli_device_reaches_every_loader_and_errs_clearly(
     argv = ["generate", "--model", str(tiny_model_dir), "--dtype", "fp32", "--device", "cuda", "x"]
     assert main(argv) == 2
     assert "sees no CUDA GPU; use --device cpu" in capsys.readouterr().err
+
+
+def test_cli_serve_media_flags(tmp_path: Path) -> None:
+    """--allowed-media-domains / --allowed-local-media-path / --max-image-pixels /
+    --limit-images-per-prompt / --mmproj reach the server's media policy and the model options;
+    a local media path that is no directory is refused."""
+    opts, config = serve_options(build_parser().parse_args(["serve"]))
+    assert config.media == MediaPolicy() and opts.mmproj is None
+    argv = [
+        "serve",
+        "--allowed-media-domains",
+        "Images.Example, cdn.example.",
+        "--allowed-local-media-path",
+        str(tmp_path),
+        "--max-image-pixels",
+        "1000000",
+        "--limit-images-per-prompt",
+        "2",
+        "--mmproj",
+        "mmproj.gguf",
+    ]
+    opts, config = serve_options(build_parser().parse_args(argv))
+    media = config.media
+    assert media.allowed_domains == ("images.example", "cdn.example")
+    assert media.allows_host("a.images.example") and not media.allows_host("images.example.evil")
+    assert (media.allowed_local_path, media.max_image_pixels) == (tmp_path, 1_000_000)
+    assert media.images_per_prompt == 2 and opts.mmproj == "mmproj.gguf"
+    argv = ["serve", "--allowed-local-media-path", str(tmp_path / "missing")]
+    with pytest.raises(ValueError, match="not a directory"):
+        serve_options(build_parser().parse_args(argv))
+
+
+def test_cli_generate_with_an_image(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`generate --chat --image FILE` on a vision-language model: the image's rows are in the
+    prompt; without --chat it is a clear error."""
+    from vision_models import make_vlm_dir, png
+
+    _, directory = make_vlm_dir(tmp_path / "vlm")
+    picture = tmp_path / "p.png"
+    picture.write_bytes(png(1))
+    base = ["generate", "--model", str(directory), "--dtype", "fp32", "--max-tokens", "4"]
+
+    def prompt_tokens(*extra: str) -> int:
+        assert main([*base, "--chat", *extra, "what is it?"]) == 0
+        return int(capsys.readouterr().err.split("prompt ")[1].split(" tok")[0])
+
+    # the image's 16 rows between <|vision_start|> and <|vision_end|>
+    assert prompt_tokens("--image", str(picture)) == prompt_tokens() + 18
+    assert main([*base, "--image", str(picture), "what is it?"]) == 2
+    assert "--image needs --chat" in capsys.readouterr().err

@@ -99,7 +99,14 @@ def build_app(opts: ServeOptions, config: ServerConfig, cluster: ClusterOptions)
         graceful_shutdown_timeout_s=opts.shutdown_timeout_s + 5,
     )(Ingress)
     engine_app = engines.bind(
-        opts.model, opts.dtype, spec, name, threads, config.max_concurrency, opts.prefix_cache
+        opts.model,
+        opts.dtype,
+        spec,
+        name,
+        threads,
+        config.max_concurrency,
+        opts.prefix_cache,
+        opts.mmproj,
     )
     return ingress.bind(engine_app, config, saved)
 

@@ -33,6 +33,7 @@ class EngineReplica:
         threads: int,
         max_waiting: int,
         prefix_cache: PrefixCacheConfig,
+        mmproj: str | None = None,
     ) -> None:
         import torch
         from ray import serve
@@ -42,7 +43,7 @@ class EngineReplica:
 
         torch.set_num_threads(threads)
         self.replica = serve.get_replica_context().replica_id.unique_id
-        lm = load(model, dtype, progress=False)
+        lm = load(model, dtype, progress=False, mmproj=mmproj)
         self.engine = Engine(
             {served_name: ServedModel(lm, spec)}, max_waiting=max_waiting, prefix_cache=prefix_cache
         )

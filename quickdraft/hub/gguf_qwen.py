@@ -371,3 +371,34 @@ def _mtp_block(p: _Planner, cfg: dict[str, Any], block: int, j: int) -> None:
     head_norm = blk + "nextn.shared_head_norm.weight"
     source = head_norm if head_norm in p.shapes else "output_norm.weight"
     p.add("mtp.norm.weight", (hidden,), [(source, (hidden,))], _unshift)
+
+
+# llama.cpp's multimodal projector file ("mmproj") for the Qwen3.5 / Qwen3-VL vision tower
+QWEN3VL_PROJECTOR = "qwen3vl_merger"
+
+
+def mmproj_names(depth: int) -> dict[str, str]:
+    """Vision-tower parameter name (transformers', under `model.visual.`) -> its tensor name in
+    an mmproj file, as llama.cpp's converter writes them; all but the patch embedding's Conv3d
+    weight, which the file holds as two temporal slices, `v.patch_embd.weight` and
+    `v.patch_embd.weight.1`."""
+    names = {
+        "patch_embed.proj.bias": "v.patch_embd.bias",
+        "pos_embed.weight": "v.position_embd.weight",
+        "merger.norm.weight": "v.post_ln.weight",
+        "merger.norm.bias": "v.post_ln.bias",
+    }
+    for p in ("weight", "bias"):
+        names[f"merger.linear_fc1.{p}"] = f"mm.0.{p}"
+        names[f"merger.linear_fc2.{p}"] = f"mm.2.{p}"
+        for i in range(depth):
+            for ours, theirs in (
+                ("norm1", "ln1"),
+                ("norm2", "ln2"),
+                ("attn.qkv", "attn_qkv"),
+                ("attn.proj", "attn_out"),
+                ("mlp.linear_fc1", "ffn_up"),
+                ("mlp.linear_fc2", "ffn_down"),
+            ):
+                names[f"blocks.{i}.{ours}.{p}"] = f"v.blk.{i}.{theirs}.{p}"
+    return names

@@ -14,6 +14,7 @@ quantize (`WRITABLE`). K-quant files (Q4_K_M ...) come from llama.cpp's own quan
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ import torch
 from gguf.quants import quantize
 from torch import Tensor
 
-from quickdraft.hub.gguf_qwen import HYBRID_ARCHS
+from quickdraft.hub.gguf_qwen import HYBRID_ARCHS, QWEN3VL_PROJECTOR, mmproj_names
 
 # the block formats gguf-py's `quantize` writes (it reads the K-quants but cannot write them)
 WRITABLE = ("F32", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
@@ -32,6 +33,7 @@ CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+TINY_SPECIALS = ("<s>", "</s>", "<|im_start|>", "<|im_end|>")
 # HF module suffix -> llama.cpp tensor kind (convert_hf_to_gguf's tensor map for these archs)
 _KINDS = {
     "input_layernorm": "attn_norm",
@@ -63,7 +65,7 @@ _KINDS = {
 def add_tiny_tokenizer(
     w: gguf.GGUFWriter,
     vocab: int,
-    specials: tuple[str, ...] = ("<s>", "</s>", "<|im_start|>", "<|im_end|>"),
+    specials: tuple[str, ...] = TINY_SPECIALS,
     bos: str = "<s>",
     eos: str = "<|im_end|>",
     chat_template: str | None = CHATML,
@@ -173,12 +175,17 @@ def rope_sections(rotary_dim: int) -> list[int]:
 
 
 def write_gguf(
-    path: Path, arch: str, cfg: dict[str, Any], tensors: dict[str, Tensor], qtype: str = "F32"
+    path: Path,
+    arch: str,
+    cfg: dict[str, Any],
+    tensors: dict[str, Tensor],
+    qtype: str = "F32",
+    specials: tuple[str, ...] = TINY_SPECIALS,
 ) -> Path:
     """The GGUF file of `tensors` (llama_cpp_tensors' output): llama.cpp's metadata keys for
-    `arch` from the transformers config `cfg`, a tiny tokenizer of cfg's vocabulary; every
-    matrix whose rows are whole blocks of `qtype` (one of WRITABLE) in it, the rest (norms,
-    conv, A, dt) F32 as llama.cpp keeps them."""
+    `arch` from the transformers config `cfg`, a tiny tokenizer of cfg's vocabulary (with
+    `specials`, ids from 257); every matrix whose rows are whole blocks of `qtype` (one of
+    WRITABLE) in it, the rest (norms, conv, A, dt) F32 as llama.cpp keeps them."""
     if qtype not in WRITABLE:
         raise ValueError(f"gguf-py cannot write {qtype!r}: choose one of {WRITABLE}")
     w = gguf.GGUFWriter(str(path), arch)
@@ -213,12 +220,67 @@ def write_gguf(
             w.add_nextn_predict_layers(nextn)
         if arch in ("qwen35", "qwen35moe"):
             w.add_rope_dimension_sections(rope_sections(rotary_dim))
-    add_tiny_tokenizer(w, cfg["vocab_size"])
+    add_tiny_tokenizer(w, cfg["vocab_size"], specials)
     qt = gguf.GGMLQuantizationType[qtype]
     block = gguf.GGML_QUANT_SIZES[qt][0]
     for name, t in tensors.items():
         values = np.ascontiguousarray(t.numpy(), dtype=np.float32)
         if qtype != "F32" and values.ndim >= 2 and values.shape[-1] % block == 0:
+            w.add_tensor(name, quantize(values, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(name, values)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_mmproj(
+    path: Path,
+    config: dict[str, Any],  # the composite config.json (text_config + vision_config)
+    preprocessor: dict[str, Any],  # preprocessor_config.json
+    state: dict[str, Tensor],  # a transformers Qwen3.5 state dict (its model.visual.* part)
+    qtype: str = "F32",
+) -> Path:
+    """The vision tower of a Qwen3.5 checkpoint as llama.cpp's converter writes its mmproj
+    file: `clip.*` keys, projector `qwen3vl_merger`, the Conv3d patch embedding split into two
+    temporal slices; matrices in `qtype` where their rows are whole blocks, the rest F32."""
+    if qtype not in WRITABLE:
+        raise ValueError(f"gguf-py cannot write {qtype!r}: choose one of {WRITABLE}")
+    vision, text = config["vision_config"], config["text_config"]
+    depth, patch = int(vision["depth"]), int(vision["patch_size"])
+    visual = {
+        k[len("model.visual.") :]: v for k, v in state.items() if k.startswith("model.visual.")
+    }
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_clip_projector_type(QWEN3VL_PROJECTOR)
+    w.add_clip_has_vision_encoder(True)
+    w.add_vision_projection_dim(int(text["hidden_size"]))
+    w.add_vision_image_size(int(math.isqrt(int(vision["num_position_embeddings"])) * patch))
+    w.add_vision_patch_size(patch)
+    w.add_vision_embedding_length(int(vision["hidden_size"]))
+    w.add_vision_feed_forward_length(int(vision["intermediate_size"]))
+    w.add_vision_block_count(depth)
+    w.add_vision_head_count(int(vision["num_heads"]))
+    w.add_vision_attention_layernorm_eps(float(text.get("rms_norm_eps", 1e-6)))
+    w.add_vision_image_mean([float(v) for v in preprocessor["image_mean"]])
+    w.add_vision_image_std([float(v) for v in preprocessor["image_std"]])
+    w.add_vision_use_gelu(True)
+    w.add_vision_spatial_merge_size(int(vision.get("spatial_merge_size", 2)))
+    tensors = {theirs: visual[ours] for ours, theirs in mmproj_names(depth).items()}
+    conv = visual["patch_embed.proj.weight"]  # [E, C, 2, p, p]
+    if conv.shape[2] != 2:
+        raise ValueError("llama.cpp's mmproj holds a temporal patch of 2 as two slices")
+    tensors["v.patch_embd.weight"] = conv[:, :, 0]
+    tensors["v.patch_embd.weight.1"] = conv[:, :, 1]
+    qt = gguf.GGMLQuantizationType[qtype]
+    block = gguf.GGML_QUANT_SIZES[qt][0]
+    for name, t in tensors.items():
+        values = np.ascontiguousarray(t.detach().float().numpy())
+        big = values.ndim == 2 and "position_embd" not in name
+        if qtype != "F32" and big and values.shape[-1] % block == 0:
             w.add_tensor(name, quantize(values, qt), raw_dtype=qt)
         else:
             w.add_tensor(name, values)

@@ -49,6 +49,7 @@ class ServeOptions:
     shutdown_timeout_s: float = 30.0  # open requests run on this long after SIGTERM, then abort
     prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
     device: str = "auto"  # loading.resolve_device
+    mmproj: str | None = None  # a vision-language GGUF's multimodal projector (--mmproj)
 
     def __post_init__(self) -> None:
         if not self.shutdown_timeout_s >= 0:
@@ -65,7 +66,7 @@ def serve(opts: ServeOptions, config: ServerConfig) -> None:
     log.info(
         "loading %s (%s, device %s), speculation %s", opts.model, opts.dtype, opts.device, spec
     )
-    lm = load(opts.model, opts.dtype, opts.device)
+    lm = load(opts.model, opts.dtype, opts.device, mmproj=opts.mmproj)
     engine = Engine(
         {name: ServedModel(lm, spec)},
         max_waiting=config.max_concurrency,

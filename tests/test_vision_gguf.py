@@ -1,0 +1,166 @@
+"""A Qwen3.5 vision-language model as llama.cpp runs it: the text model in a GGUF and the vision
+tower in an mmproj GGUF (models/gguf_vision.py), both written by the project's own writer
+(hub/gguf_write.py) from a tiny random-weight transformers checkpoint. The pair loads and equals
+the Hugging Face path (tower, logits over an image prompt), and on the GGUF's own quantized
+weights speculation with images in the prompt equals speculation off."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hybrid_models import copying_head, one_thread  # noqa: F401 (autouse fixture)
+from test_gguf_loader import home  # noqa: F401 (fixture)
+from vision_models import IMAGE_PAD, PREPROCESSOR, make_vlm_dir, png
+
+from quickdraft.config import SpeculativeConfig
+from quickdraft.engine import stream
+from quickdraft.hub.gguf_write import llama_cpp_tensors, write_gguf, write_mmproj
+from quickdraft.images import ImageLayout, ImageRows
+from quickdraft.loading import LoadedModel, load
+from quickdraft.models.gguf_vision import MMProjError, load_mmproj
+from quickdraft.models.loader import load_model
+from quickdraft.models.qwen3_next import HybridLM
+from quickdraft.request import SamplingParams
+from quickdraft.speculation.factory import make_speculation
+
+pytestmark = pytest.mark.usefixtures("home")  # models convert into a throw-away QUICKDRAFT_HOME
+# the GGUF tokenizer's specials from id 257: the vision ones land on the checkpoint's ids
+SPECIALS = (
+    "<s>",
+    "</s>",
+    "<|im_start|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|im_end|>",
+)
+VISION_IDS = (IMAGE_PAD, 260, 261)
+PROMPT = [5, 17, 42, 260, IMAGE_PAD, 261, 99, 3, 250, 11]  # text, one image, text
+
+
+@dataclass
+class Pair:
+    hf: Any  # transformers' Qwen3_5ForConditionalGeneration (fp32)
+    hf_dir: Path
+    f32: Path  # the text model
+    q8: Path
+    mmproj: Path  # the vision tower, F32
+    mmproj_q8: Path
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
+    tmp = tmp_path_factory.mktemp("vlm-gguf")
+    hf, hf_dir = make_vlm_dir(tmp / "hf", out_scale=0.1)
+    config = json.loads((hf_dir / "config.json").read_text())
+    text_cfg = config["text_config"]
+    state = dict(hf.state_dict())
+    prefix = "model.language_model."
+    text = {"model." + k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+    text["lm_head.weight"] = state["lm_head.weight"]
+    ours = load_model(hf_dir, torch.float32)
+    assert isinstance(ours, HybridLM)
+    mtp = {f"mtp.{k}": v for k, v in copying_head(ours).state_dict().items()}
+    tensors = llama_cpp_tensors(text | mtp, "qwen35", text_cfg)
+
+    def lm_file(name: str, qtype: str) -> Path:
+        return write_gguf(tmp / name, "qwen35", text_cfg, tensors, qtype, SPECIALS)
+
+    return Pair(
+        hf,
+        hf_dir,
+        lm_file("vlm-f32.gguf", "F32"),
+        lm_file("vlm-q8_0.gguf", "Q8_0"),
+        write_mmproj(tmp / "mmproj-f32.gguf", config, PREPROCESSOR, state),
+        write_mmproj(tmp / "mmproj-q8_0.gguf", config, PREPROCESSOR, state, "Q8_0"),
+    )
+
+
+def image_prompt(lm: LoadedModel, seed: int) -> tuple[list[int], ImageLayout, ImageRows]:
+    """PROMPT with an image (32 x 32 pixels: a size both preprocessings keep), its layout
+    (embeddings encoded) and the image rows of a forward over all of it."""
+    assert lm.vision is not None
+    image = lm.load_image(png(seed))
+    ids, layout = ImageLayout.build(PROMPT, [image], IMAGE_PAD, 2)
+    layout.embeds = [lm.vision.encode(image.pixels, image.grid)]
+    span = layout.spans[0]
+    rows = torch.arange(span.start, span.start + span.length)
+    assert layout.embeds[0] is not None
+    return ids, layout, ImageRows(rows, layout.embeds[0], layout.rows(0, len(ids)))
+
+
+def test_mmproj_tower_equals_the_checkpoints(pair: Pair) -> None:
+    """The F32 mmproj's tower gives the checkpoint's tower bit for bit; Q8_0 stays close."""
+    hf_lm = load(str(pair.hf_dir), "fp32", progress=False)
+    assert hf_lm.vision is not None
+    image = hf_lm.load_image(png(3))
+    expected = hf_lm.vision.encode(image.pixels, image.grid)
+    tower, processing = load_mmproj(pair.mmproj, VISION_IDS, torch.float32)
+    assert tower.config == hf_lm.vision.config
+    assert (processing.patch_size, processing.merge_size) == (4, 2)
+    assert processing.image_mean == hf_lm.image_processing.image_mean  # type: ignore[union-attr]
+    assert torch.equal(tower.encode(image.pixels, image.grid), expected)
+    q8, _ = load_mmproj(pair.mmproj_q8, VISION_IDS, torch.float32)
+    got = q8.encode(image.pixels, image.grid)
+    assert (got - expected).abs().max().item() < 0.05 * expected.abs().max().item()
+
+
+def test_gguf_vlm_logits_equal_transformers(pair: Pair) -> None:
+    """The F32 pair, dequantized to fp32: logits over an image prompt as transformers'."""
+    lm = load(str(pair.f32), "fp32", progress=False, mmproj=str(pair.mmproj))
+    assert lm.image_token_ids == {IMAGE_PAD}
+    ids, _, images = image_prompt(lm, seed=2)
+    cache = lm.model.new_cache(len(ids))
+    out = lm.model(
+        torch.tensor(ids), [cache], [len(ids)], logit_rows=torch.arange(len(ids)), images=images
+    )
+    image = lm.load_image(png(2))
+    ids_t = torch.tensor([ids])
+    with torch.no_grad():
+        ref = pair.hf(
+            input_ids=ids_t,
+            pixel_values=image.pixels,
+            image_grid_thw=torch.tensor([image.grid]),
+            mm_token_type_ids=(ids_t == IMAGE_PAD).int(),
+        )
+    assert (out.logits - ref.logits[0]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_gguf_vlm_speculation_equals_plain(pair: Pair, method: str) -> None:
+    """Q8_0 text weights run as they are (the GGUF kernels) with the Q8_0 mmproj's tower:
+    with an image in the prompt, speculation on equals off, drafts accepted."""
+    lm = load(str(pair.q8), "gguf", progress=False, mmproj=str(pair.mmproj_q8))
+    cfg = SpeculativeConfig(method=method, num_draft_tokens=4, adaptive=False)
+    accepted = 0
+    for seed in (1, 2):
+        outputs = []
+        for spec in (None, make_speculation(lm, cfg)):
+            image = lm.load_image(png(seed))
+            req = lm.new_request(list(PROMPT), SamplingParams(max_tokens=48), images=[image])
+            for _ in stream(lm, req, spec):
+                pass
+            outputs.append(req.output_ids)
+            accepted += req.spec.accepted
+        assert outputs[0] == outputs[1]
+    assert accepted > 0
+
+
+def test_mmproj_refuses_what_it_cannot_run(pair: Pair, tmp_path: Path) -> None:
+    with pytest.raises(MMProjError, match="not a readable GGUF"):
+        load_mmproj(pair.hf_dir / "config.json", VISION_IDS)
+    with pytest.raises(MMProjError, match="projector"):
+        load_mmproj(pair.f32, VISION_IDS)  # a text model, not a projector
+    # a target whose tokenizer has no vision tokens: not a Qwen3.5 vision-language model
+    text_cfg = json.loads((pair.hf_dir / "config.json").read_text())["text_config"]
+    state = {n: t for n, t in load_model(pair.hf_dir, torch.float32).state_dict().items()}
+    plain = write_gguf(
+        tmp_path / "text.gguf", "qwen35", text_cfg, llama_cpp_tensors(state, "qwen35", text_cfg)
+    )
+    with pytest.raises(ValueError, match="tokenizer lacks"):
+        load(str(plain), "fp32", progress=False, mmproj=str(pair.mmproj))
