@@ -3,8 +3,10 @@
 # disk; a bare "torch" would pull a multi-GB CUDA build) and quickdraft installed editable.
 #   scripts/setup.sh          runtime deps
 #   scripts/setup.sh --dev    + test/lint deps, the `cluster` extra (Ray Serve: its tests run in
-#                             CI), and chromium + chromedriver (apt, Debian/Ubuntu) for the admin
-#                             page's headless-browser test
+#                             CI), the `peers` extra (llama-cpp-python, built from source once,
+#                             ~15-20 min on 2 cores; pip keeps the wheel: the llama.cpp oracle
+#                             tests run in CI), and chromium + chromedriver (apt, Debian/Ubuntu)
+#                             for the admin page's headless-browser test
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -15,7 +17,13 @@ fi
 # torch first and pinned, so that no later resolver picks a different build.
 .venv/bin/python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
 extra=""
-if [ "${1:-}" = "--dev" ]; then extra="[dev,cluster]"; fi
+if [ "${1:-}" = "--dev" ]; then
+  extra="[dev,cluster,peers]"
+  # llama.cpp for the x86-64 baseline every host here has (AVX2 + FMA + F16C), not -march=native:
+  # the wheel pip keeps then runs on any of them, and no AMX code is built (a native build on an
+  # AMX host segfaults in multi-token batches: shared/REFERENCE.md section 7)
+  export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF}"
+fi
 
 install_browser() {
   # tests/test_admin_browser.py drives the admin page in Debian's chromium through chromedriver

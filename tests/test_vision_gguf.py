@@ -6,14 +6,18 @@ weights speculation with images in the prompt equals speculation off."""
 
 from __future__ import annotations
 
+import ctypes
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hybrid_models import copying_head, one_thread  # noqa: F401 (autouse fixture)
+from PIL import Image
 from test_gguf_loader import home  # noqa: F401 (fixture)
 from vision_models import IMAGE_PAD, PREPROCESSOR, make_vlm_dir, png
 
@@ -164,3 +168,84 @@ def test_mmproj_refuses_what_it_cannot_run(pair: Pair, tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="tokenizer lacks"):
         load(str(plain), "fp32", progress=False, mmproj=str(pair.mmproj))
+
+
+@pytest.fixture(scope="module")
+def llama_cpp() -> Any:
+    return pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python (the `peers` extra) is not installed"
+    )
+
+
+def llama_cpp_greedy(
+    llama_cpp: Any, pair: Pair, image: bytes, tokens: int
+) -> tuple[list[int], list[int]]:
+    """llama.cpp's multimodal library (mtmd) on the F32 pair: the prompt "ab<image>cd" as it
+    tokenizes it (the image as one placeholder id here), then its greedy tokens."""
+    from llama_cpp import mtmd_cpp as mtmd
+
+    llm = llama_cpp.Llama(model_path=str(pair.f32), n_ctx=256, n_threads=2, verbose=False)
+    params = mtmd.mtmd_context_params_default()
+    params.use_gpu, params.print_timings, params.n_threads = False, False, 2
+    ctx = mtmd.mtmd_init_from_file(str(pair.mmproj).encode(), llm._model.model, params)
+    assert ctx, "llama.cpp could not load the mmproj file"
+    rgb = np.asarray(Image.open(io.BytesIO(image)).convert("RGB"), dtype=np.uint8)
+    bitmap = mtmd.mtmd_bitmap_init(
+        rgb.shape[1], rgb.shape[0], (ctypes.c_uint8 * rgb.size).from_buffer_copy(rgb.tobytes())
+    )
+    text = mtmd.mtmd_input_text()
+    text.text = body = b"ab" + mtmd.mtmd_default_marker() + b"cd"
+    text.text_len, text.add_special, text.parse_special = len(body), False, True
+    chunks = mtmd.mtmd_input_chunks_init()
+    bitmaps = (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap)
+    try:
+        assert mtmd.mtmd_tokenize(ctx, chunks, ctypes.byref(text), bitmaps, 1) == 0
+        ids: list[int] = []
+        for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+            chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+            if mtmd.mtmd_input_chunk_get_type(chunk) != mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                ids.append(IMAGE_PAD)
+                continue
+            n = ctypes.c_size_t()
+            p = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
+            ids += [p[j] for j in range(n.value)]
+        n_past = llama_cpp.llama_pos(0)
+        lctx = llm._ctx.ctx
+        assert (
+            mtmd.mtmd_helper_eval_chunks(
+                ctx, lctx, chunks, 0, 0, llm.n_batch, True, ctypes.byref(n_past)
+            )
+            == 0
+        )
+        out, pos = [], n_past.value
+        for _ in range(tokens):
+            logits = np.ctypeslib.as_array(
+                llama_cpp.llama_get_logits_ith(lctx, -1), shape=(llm.n_vocab(),)
+            )
+            out.append(int(logits.argmax()))
+            batch = llama_cpp.llama_batch_init(1, 0, 1)
+            batch.n_tokens, batch.token[0], batch.pos[0] = 1, out[-1], pos
+            batch.n_seq_id[0], batch.seq_id[0][0], batch.logits[0] = 1, 0, 1
+            assert llama_cpp.llama_decode(lctx, batch) == 0
+            llama_cpp.llama_batch_free(batch)
+            pos += 1
+    finally:
+        mtmd.mtmd_input_chunks_free(chunks)
+        mtmd.mtmd_bitmap_free(bitmap)
+        mtmd.mtmd_free(ctx)
+    return ids, out
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_greedy_tokens_equal_llama_cpp_with_an_image(pair: Pair, llama_cpp: Any, seed: int) -> None:
+    """The independent oracle: llama.cpp's mtmd runs the same F32 GGUF + mmproj pair (an image
+    of 32 x 32 pixels, which neither preprocessing resizes) and picks the same greedy tokens."""
+    ids, theirs = llama_cpp_greedy(llama_cpp, pair, png(seed), 16)
+    assert ids.count(IMAGE_PAD) == 1
+    lm = load(str(pair.f32), "fp32", progress=False, mmproj=str(pair.mmproj))
+    req = lm.new_request(
+        ids, SamplingParams(max_tokens=16, ignore_eos=True), images=[lm.load_image(png(seed))]
+    )
+    for _ in stream(lm, req, None):
+        pass
+    assert req.output_ids == theirs
