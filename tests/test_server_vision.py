@@ -229,3 +229,15 @@ def test_server_refuses_escapes_and_oversized_fetches(
         with pytest.raises(openai.BadRequestError) as exc:
             ask(client, [{"role": "user", "content": [image(url)]}])
         assert exc.value.param == PART, url
+
+
+def test_server_default_max_tokens_counts_the_image_rows(client: openai.OpenAI) -> None:
+    """Without max_tokens the server fills the context left after the prompt: the prompt as
+    the model sees it, each image expanded to its rows (three images here take 54 of the
+    512 positions a placeholder each would have taken 3)."""
+    content = [image(data_url(png(i))) for i in range(3)] + [text("go on")]
+    r = client.chat.completions.create(
+        model="vlm", messages=[{"role": "user", "content": content}], temperature=0
+    )
+    assert r.usage is not None and r.usage.prompt_tokens > 3 * 16
+    assert r.usage.prompt_tokens + r.usage.completion_tokens <= 512

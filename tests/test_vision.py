@@ -1,4 +1,5 @@
-"""Vision-language targets (models/vision.py, images.py, the engine's image rows) against
+"""Vision-language targets (over 400 lines: the whole image path against one reference model)
+(models/vision.py, images.py, the engine's image rows) against
 transformers 5.x in fp32 on a tiny random-weight Qwen3.5 checkpoint: preprocessing, the vision
 tower, M-RoPE positions, logits over image + text prompts and the decode steps after them, greedy
 generation; then speculation on image turns (lossless with every drafter), the image-keyed
@@ -200,19 +201,31 @@ def test_vision_output_depends_on_the_image(vlm: tuple[Any, LoadedModel]) -> Non
     assert first.output_ids != second.output_ids
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft", "mtp"])
+@pytest.fixture(scope="module")
+def dflash_dir(vlm: tuple[Any, LoadedModel], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A DFlash drafter for the VLM (test_dflash's rigged one: every block row drafts the
+    target's guess after the last committed token), tapping target layers 0 and 2."""
+    from test_dflash import dflash_config, rigged_tensors, write_dflash
+
+    lm = vlm[1]
+    norm = lm.model.get_parameter("model.norm.weight").detach() + 1.0  # type: ignore[attr-defined]
+    cfg = dflash_config(4, [0, 2], block=4)
+    return write_dflash(tmp_path_factory.mktemp("vlm-dflash"), cfg, rigged_tensors(cfg, norm))
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft", "mtp", "dflash"])
 def test_vision_speculation_greedy_equals_plain(
-    vlm: tuple[Any, LoadedModel], draft_dir: Path, method: str
+    vlm: tuple[Any, LoadedModel], draft_dir: Path, dflash_dir: Path, method: str
 ) -> None:
     """Image turns (one image, then two) with each drafter: the output equals speculation
     off's, and drafts were accepted. The draft model is a text-only one that sees the image
-    rows as their placeholder ids."""
+    rows as their placeholder ids; DFlash reads the target's taps, which carry the image."""
     _, lm = vlm
     cfg = SpeculativeConfig(
         method=method,
         num_draft_tokens=4,
         adaptive=False,
-        draft_model=str(draft_dir) if method == "draft" else None,
+        draft_model={"draft": str(draft_dir), "dflash": str(dflash_dir)}.get(method),
         draft_quantization="none",
     )
     accepted = 0
@@ -374,3 +387,32 @@ def test_vision_bf16_speculation_equals_plain(vlm_bf16: LoadedModel, method: str
         assert spec.output_ids == plain.output_ids
         accepted += spec.spec.accepted
     assert accepted > 0
+
+
+def test_vision_moe_logits_match_transformers(tmp_path: Path) -> None:
+    """Qwen3.5-MoE's composite checkpoint: the same tower and M-RoPE over its sparse-MoE
+    hybrid language model, logits over an image prompt as transformers'."""
+    hf, directory = make_vlm_dir(tmp_path / "moe", family="qwen3_5_moe")
+    lm = load(str(directory), dtype="fp32", progress=False)
+    assert lm.vision is not None
+    image = lm.load_image(png(8, 48, 32))
+    ids, layout = ImageLayout.build(chat_ids(lm, "moe"), [image], IMAGE_PAD, 2)
+    embeds = lm.vision.encode(image.pixels, image.grid)
+    span = layout.spans[0]
+    rows = torch.arange(span.start, span.start + span.length)
+    out = lm.model(
+        torch.tensor(ids),
+        [lm.model.new_cache(len(ids))],
+        [len(ids)],
+        logit_rows=torch.arange(len(ids)),
+        images=ImageRows(rows, embeds, layout.rows(0, len(ids))),
+    )
+    ids_t = torch.tensor([ids])
+    with torch.no_grad():
+        ref = hf(
+            input_ids=ids_t,
+            pixel_values=image.pixels,
+            image_grid_thw=torch.tensor([image.grid]),
+            mm_token_type_ids=(ids_t == IMAGE_PAD).int(),
+        )
+    assert (out.logits - ref.logits[0]).abs().max().item() < 1e-4

@@ -33,13 +33,14 @@ VLM_TEMPLATE = (
 PATCH = 4  # tiny patches: a 32 x 32 image is 8 x 8 patches, 16 placeholder tokens
 
 
-def vlm_config() -> dict[str, Any]:
-    text = dict(HYBRID_CONFIGS["qwen3_5"]["text_config"])
+def vlm_config(family: str = "qwen3_5") -> dict[str, Any]:
+    """config.json of a tiny `family` ("qwen3_5" or "qwen3_5_moe") vision-language model."""
+    text = dict(HYBRID_CONFIGS[family]["text_config"])
     text["rope_parameters"] = dict(
         text["rope_parameters"], mrope_section=[2, 1, 1], mrope_interleaved=True
     )
     return dict(
-        model_type="qwen3_5",
+        model_type=family,
         tie_word_embeddings=False,
         text_config=text,
         vision_config=dict(
@@ -60,17 +61,26 @@ def vlm_config() -> dict[str, Any]:
     )
 
 
-def make_vlm_dir(directory: Path, seed: int = 1, out_scale: float = 1.0) -> tuple[Any, Path]:
+def make_vlm_dir(
+    directory: Path, seed: int = 1, out_scale: float = 1.0, family: str = "qwen3_5"
+) -> tuple[Any, Path]:
     """(the transformers model, its checkpoint directory) with preprocessing for tiny patches.
     A small `out_scale` (hybrid_models.randomize) makes the language model's next token mostly
     a function of the current one: its greedy output soon cycles, so lookups get accepted."""
     import transformers
 
-    raw = vlm_config()
+    raw = vlm_config(family)
     text = dict(raw["text_config"])
     mtp = text.pop("mtp_num_hidden_layers")
-    cfg = transformers.Qwen3_5Config(**{**raw, "text_config": text})
-    hf = transformers.Qwen3_5ForConditionalGeneration(cfg).float().eval()
+    moe = family == "qwen3_5_moe"
+    config_class = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+    model_class = (
+        transformers.Qwen3_5MoeForConditionalGeneration
+        if moe
+        else transformers.Qwen3_5ForConditionalGeneration
+    )
+    cfg = config_class(**{**raw, "text_config": text})
+    hf = model_class(cfg).float().eval()
     randomize(hf, seed=seed, out_scale=out_scale)
     with torch.no_grad():  # LayerNorm weights around 1 (randomize centres norms on 0)
         for name, p in hf.model.visual.named_parameters():

@@ -185,8 +185,12 @@ async def _generate(
     one per image placeholder of `prompt_ids`."""
     lm = _model(state, body.model)
     requested = body.requested_max_tokens()
+    images = images or []
+    # the prompt as the model will see it: each image placeholder becomes the image's rows
+    merge = lm.image_processing.merge_size if lm.image_processing is not None else 1
+    prompt_tokens = len(prompt_ids) + sum(im.num_tokens(merge) - 1 for im in images)
     try:
-        room = lm.room(len(prompt_ids), requested)
+        room = lm.room(prompt_tokens, requested)
     except ContextLengthError as exc:
         param = exc.param if exc.param != "prompt" else ("messages" if kind == "chat" else "prompt")
         raise APIError(400, str(exc), param, "context_length_exceeded") from None
@@ -219,7 +223,18 @@ async def _generate(
         for i, p in enumerate(params):
             seq_id = rid if i == 0 else f"{rid}-{i}"
             slots.append(
-                _admit(state, body.model, prompt_ids, p, seq_id, arrived, who, key, images or [])
+                _admit(
+                    state,
+                    body.model,
+                    prompt_ids,
+                    p,
+                    seq_id,
+                    arrived,
+                    who,
+                    key,
+                    images,
+                    prompt_tokens,
+                )
             )
         where = await _placement(state, slots)
     except BaseException:
@@ -282,6 +297,7 @@ def _admit(
     tenant: str = "",
     route_key: str = "",
     images: list[ImageInput] | None = None,
+    prompt_tokens: int | None = None,  # with images: the prompt's rows once they are expanded
 ) -> Slot:
     retry = {"Retry-After": str(state.config.retry_after_s)}
     if state.draining:
@@ -301,7 +317,8 @@ def _admit(
     except (QueueFullError, EngineDeadError, ValueError) as exc:
         raise _refused(state, exc) from None
     handle.bind_loop()
-    return Slot(state, handle, state.metrics.track(model, len(prompt_ids), arrived))
+    rows = len(prompt_ids) if prompt_tokens is None else prompt_tokens
+    return Slot(state, handle, state.metrics.track(model, rows, arrived))
 
 
 class _SlotStreamingResponse(StreamingResponse):

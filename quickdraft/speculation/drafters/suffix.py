@@ -1,4 +1,5 @@
-"""Draft stage, suffix-tree drafter (SuffixDecoding, Oliaro et al., arXiv 2411.04975; Snowflake
+"""Draft stage, suffix-tree drafter (over 400 lines: the tree, its cursor, the shared trees and
+their budget in one place) (SuffixDecoding, Oliaro et al., arXiv 2411.04975; Snowflake
 Arctic Inference's method, vLLM's "suffix"): propose the most frequent continuation of the
 best-scoring match of the context's last tokens in suffix trees over the request's own tokens
 and over its tenant's finished outputs. No model, no distribution (p_draft = None: one-hot drafts,
