@@ -21,6 +21,8 @@ from vision_models import (
     IMAGE_PAD,
     PREPROCESSOR,
     add_copying_mtp_head,
+    hf_image_forward,
+    image_forward,
     make_bigram_draft,
     make_vlm_dir,
     png,
@@ -131,32 +133,12 @@ def test_vision_positions_match_transformers(vlm: tuple[Any, LoadedModel]) -> No
 def test_vision_logits_and_decode_match_transformers(vlm: tuple[Any, LoadedModel]) -> None:
     """Every prompt row's logits over image + text, then 8 cached decode steps."""
     hf, lm = vlm
-    assert lm.vision is not None
     image = lm.load_image(png(5))
-    ids, layout = ImageLayout.build(chat_ids(lm, "describe it"), [image], IMAGE_PAD, 2)
-    embeds = lm.vision.encode(image.pixels, image.grid)
-    span = layout.spans[0]
-    rows = torch.arange(span.start, span.start + span.length)
-    model = lm.model
-    cache = model.new_cache(len(ids) + 16)
-    out = model(
-        torch.tensor(ids),
-        [cache],
-        [len(ids)],
-        logit_rows=torch.arange(len(ids)),
-        images=ImageRows(rows, embeds, layout.rows(0, len(ids))),
-    )
+    out, ids, layout, cache = image_forward(lm, chat_ids(lm, "describe it"), image, room=16)
     cache.commit(len(ids))
-    ids_t = torch.tensor([ids])
-    with torch.no_grad():
-        ref = hf(
-            input_ids=ids_t,
-            pixel_values=image.pixels,
-            image_grid_thw=torch.tensor([image.grid]),
-            mm_token_type_ids=(ids_t == IMAGE_PAD).int(),
-            use_cache=True,
-        )
+    ref = hf_image_forward(hf, ids, image, use_cache=True)
     assert (out.logits - ref.logits[0]).abs().max().item() < 1e-4
+    model, embeds = lm.model, layout.embeds[0]
     past = ref.past_key_values
     no_rows = torch.zeros(0, dtype=torch.long)
     for _ in range(8):
@@ -394,25 +376,7 @@ def test_vision_moe_logits_match_transformers(tmp_path: Path) -> None:
     hybrid language model, logits over an image prompt as transformers'."""
     hf, directory = make_vlm_dir(tmp_path / "moe", family="qwen3_5_moe")
     lm = load(str(directory), dtype="fp32", progress=False)
-    assert lm.vision is not None
     image = lm.load_image(png(8, 48, 32))
-    ids, layout = ImageLayout.build(chat_ids(lm, "moe"), [image], IMAGE_PAD, 2)
-    embeds = lm.vision.encode(image.pixels, image.grid)
-    span = layout.spans[0]
-    rows = torch.arange(span.start, span.start + span.length)
-    out = lm.model(
-        torch.tensor(ids),
-        [lm.model.new_cache(len(ids))],
-        [len(ids)],
-        logit_rows=torch.arange(len(ids)),
-        images=ImageRows(rows, embeds, layout.rows(0, len(ids))),
-    )
-    ids_t = torch.tensor([ids])
-    with torch.no_grad():
-        ref = hf(
-            input_ids=ids_t,
-            pixel_values=image.pixels,
-            image_grid_thw=torch.tensor([image.grid]),
-            mm_token_type_ids=(ids_t == IMAGE_PAD).int(),
-        )
+    out, ids, _, _ = image_forward(lm, chat_ids(lm, "moe"), image)
+    ref = hf_image_forward(hf, ids, image)
     assert (out.logits - ref.logits[0]).abs().max().item() < 1e-4

@@ -19,13 +19,19 @@ import torch
 from hybrid_models import copying_head, one_thread  # noqa: F401 (autouse fixture)
 from PIL import Image
 from test_gguf_loader import home  # noqa: F401 (fixture)
-from vision_models import IMAGE_PAD, PREPROCESSOR, make_vlm_dir, png
+from vision_models import (
+    IMAGE_PAD,
+    PREPROCESSOR,
+    hf_image_forward,
+    image_forward,
+    make_vlm_dir,
+    png,
+)
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import stream
 from quickdraft.hub.gguf_write import llama_cpp_tensors, write_gguf, write_mmproj
-from quickdraft.images import ImageLayout, ImageRows
-from quickdraft.loading import LoadedModel, load
+from quickdraft.loading import load
 from quickdraft.models.gguf_vision import MMProjError, load_mmproj
 from quickdraft.models.loader import load_model
 from quickdraft.models.qwen3_next import HybridLM
@@ -85,19 +91,6 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
     )
 
 
-def image_prompt(lm: LoadedModel, seed: int) -> tuple[list[int], ImageLayout, ImageRows]:
-    """PROMPT with an image (32 x 32 pixels: a size both preprocessings keep), its layout
-    (embeddings encoded) and the image rows of a forward over all of it."""
-    assert lm.vision is not None
-    image = lm.load_image(png(seed))
-    ids, layout = ImageLayout.build(PROMPT, [image], IMAGE_PAD, 2)
-    layout.embeds = [lm.vision.encode(image.pixels, image.grid)]
-    span = layout.spans[0]
-    rows = torch.arange(span.start, span.start + span.length)
-    assert layout.embeds[0] is not None
-    return ids, layout, ImageRows(rows, layout.embeds[0], layout.rows(0, len(ids)))
-
-
 def test_mmproj_tower_equals_the_checkpoints(pair: Pair) -> None:
     """The F32 mmproj's tower gives the checkpoint's tower bit for bit; Q8_0 stays close."""
     hf_lm = load(str(pair.hf_dir), "fp32", progress=False)
@@ -118,20 +111,9 @@ def test_gguf_vlm_logits_equal_transformers(pair: Pair) -> None:
     """The F32 pair, dequantized to fp32: logits over an image prompt as transformers'."""
     lm = load(str(pair.f32), "fp32", progress=False, mmproj=str(pair.mmproj))
     assert lm.image_token_ids == {IMAGE_PAD}
-    ids, _, images = image_prompt(lm, seed=2)
-    cache = lm.model.new_cache(len(ids))
-    out = lm.model(
-        torch.tensor(ids), [cache], [len(ids)], logit_rows=torch.arange(len(ids)), images=images
-    )
-    image = lm.load_image(png(2))
-    ids_t = torch.tensor([ids])
-    with torch.no_grad():
-        ref = pair.hf(
-            input_ids=ids_t,
-            pixel_values=image.pixels,
-            image_grid_thw=torch.tensor([image.grid]),
-            mm_token_type_ids=(ids_t == IMAGE_PAD).int(),
-        )
+    image = lm.load_image(png(2))  # 32 x 32 pixels: a size both preprocessings keep
+    out, ids, _, _ = image_forward(lm, PROMPT, image)
+    ref = hf_image_forward(pair.hf, ids, image)
     assert (out.logits - ref.logits[0]).abs().max().item() < 1e-4
 
 

@@ -150,3 +150,39 @@ def add_copying_mtp_head(directory: Path) -> Path:
     tensors = {"mtp." + n: t for n, t in hf_names(dict(head.state_dict()), "qwen3_5", 0).items()}
     save_file(tensors, str(directory / "mtp.safetensors"), metadata={"format": "pt"})
     return directory
+
+
+def hf_image_forward(hf: Any, ids: list[int], image: Any, **kwargs: Any) -> Any:
+    """transformers' forward over `ids` (placeholders expanded) with one image."""
+    ids_t = torch.tensor([ids])
+    with torch.no_grad():
+        return hf(
+            input_ids=ids_t,
+            pixel_values=image.pixels,
+            image_grid_thw=torch.tensor([image.grid]),
+            mm_token_type_ids=(ids_t == IMAGE_PAD).int(),
+            **kwargs,
+        )
+
+
+def image_forward(
+    lm: Any, prompt: list[int], image: Any, room: int = 0
+) -> tuple[Any, list[int], Any, Any]:
+    """Our forward over every row of `prompt` with its one image placeholder expanded, the
+    image encoded by `lm`'s tower, every row scored: (output, the expanded ids, their layout,
+    the cache with `room` more positions, not committed)."""
+    from quickdraft.images import ImageLayout, ImageRows
+
+    ids, layout = ImageLayout.build(prompt, [image], IMAGE_PAD, 2)
+    layout.embeds = [lm.vision.encode(image.pixels, image.grid)]
+    span = layout.spans[0]
+    rows = torch.arange(span.start, span.start + span.length)
+    cache = lm.model.new_cache(len(ids) + room)
+    out = lm.model(
+        torch.tensor(ids),
+        [cache],
+        [len(ids)],
+        logit_rows=torch.arange(len(ids)),
+        images=ImageRows(rows, layout.embeds[0], layout.rows(0, len(ids))),
+    )
+    return out, ids, layout, cache

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -221,11 +222,23 @@ def write_gguf(
         if arch in ("qwen35", "qwen35moe"):
             w.add_rope_dimension_sections(rope_sections(rotary_dim))
     add_tiny_tokenizer(w, cfg["vocab_size"], specials)
+    _write_tensors(w, tensors, qtype, lambda name, values: values.ndim >= 2)
+    return path
+
+
+def _write_tensors(
+    w: gguf.GGUFWriter,
+    tensors: dict[str, Tensor],
+    qtype: str,
+    quantized: Callable[[str, np.ndarray], bool],  # which tensors go in qtype (where they fit)
+) -> None:
+    """The tensors (in `qtype` where `quantized` says so and their rows are whole blocks, F32
+    otherwise), then the file is written and closed."""
     qt = gguf.GGMLQuantizationType[qtype]
     block = gguf.GGML_QUANT_SIZES[qt][0]
     for name, t in tensors.items():
-        values = np.ascontiguousarray(t.numpy(), dtype=np.float32)
-        if qtype != "F32" and values.ndim >= 2 and values.shape[-1] % block == 0:
+        values = np.ascontiguousarray(t.detach().float().numpy())
+        if qtype != "F32" and quantized(name, values) and values.shape[-1] % block == 0:
             w.add_tensor(name, quantize(values, qt), raw_dtype=qt)
         else:
             w.add_tensor(name, values)
@@ -233,7 +246,6 @@ def write_gguf(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
 
 
 def write_mmproj(
@@ -275,17 +287,5 @@ def write_mmproj(
         raise ValueError("llama.cpp's mmproj holds a temporal patch of 2 as two slices")
     tensors["v.patch_embd.weight"] = conv[:, :, 0]
     tensors["v.patch_embd.weight.1"] = conv[:, :, 1]
-    qt = gguf.GGMLQuantizationType[qtype]
-    block = gguf.GGML_QUANT_SIZES[qt][0]
-    for name, t in tensors.items():
-        values = np.ascontiguousarray(t.detach().float().numpy())
-        big = values.ndim == 2 and "position_embd" not in name
-        if qtype != "F32" and big and values.shape[-1] % block == 0:
-            w.add_tensor(name, quantize(values, qt), raw_dtype=qt)
-        else:
-            w.add_tensor(name, values)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_tensors(w, tensors, qtype, lambda name, v: v.ndim == 2 and "position_embd" not in name)
     return path
