@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from hybrid_models import one_thread  # noqa: F401 (autouse fixture)
@@ -241,3 +242,26 @@ def test_server_default_max_tokens_counts_the_image_rows(client: openai.OpenAI) 
     )
     assert r.usage is not None and r.usage.prompt_tokens > 3 * 16
     assert r.usage.prompt_tokens + r.usage.completion_tokens <= 512
+
+
+def metric(srv: BackgroundServer, name: str) -> float:
+    """A counter's value for model "vlm" from /metrics."""
+    body = httpx.get(srv.url + "/metrics").text
+    key = f'quickdraft:{name}{{model_name="vlm"}}'
+    line = next(row for row in body.splitlines() if row.startswith(key))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_server_metrics_count_images_and_encoder_cache_hits(
+    client: openai.OpenAI, srv: BackgroundServer
+) -> None:
+    """The same picture twice: two lookups, one of them a hit, encoder time counted."""
+    queries, hits = metric(srv, "mm_cache_queries_total"), metric(srv, "mm_cache_hits_total")
+    seconds = metric(srv, "image_encoder_seconds_total")
+    picture = data_url(png(41, 40, 40))
+    for question in ("first", "second"):
+        ask(client, [{"role": "user", "content": [image(picture), text(question)]}])
+    assert metric(srv, "mm_cache_queries_total") == queries + 2
+    assert metric(srv, "mm_cache_hits_total") == hits + 1
+    assert metric(srv, "image_encoder_seconds_total") > seconds
+    assert metric(srv, "mm_cache_bytes") > 0

@@ -380,3 +380,30 @@ def test_vision_moe_logits_match_transformers(tmp_path: Path) -> None:
     out, ids, _, _ = image_forward(lm, chat_ids(lm, "moe"), image)
     ref = hf_image_forward(hf, ids, image)
     assert (out.logits - ref.logits[0]).abs().max().item() < 1e-4
+
+
+def test_vision_packed_requests_equal_alone(vlm: tuple[Any, LoadedModel]) -> None:
+    """Three requests in one engine core, two with images (of other sizes) and one text-only,
+    their prompts and decode steps packed into shared forwards: each output equals the same
+    request run alone, with n-gram speculation on."""
+    _, lm = vlm
+    cfg = SpeculativeConfig(method="ngram", num_draft_tokens=4, adaptive=False)
+    cases = [
+        (chat_ids(lm, "the cat sat on the mat. the cat"), [lm.load_image(png(31))]),
+        (
+            chat_ids(lm, "one two", images=2),
+            [lm.load_image(png(32, 48, 24)), lm.load_image(png(33))],
+        ),
+        (chat_ids(lm, "plain text, no picture", images=0), []),
+    ]
+    alone = [run(lm, ids, images, cfg).output_ids for ids, images in cases]
+    core = EngineCore(lm)
+    reqs = []
+    for ids, images in cases:
+        req = lm.new_request(list(ids), SamplingParams(max_tokens=48), images=images)
+        core.add(req, make_speculation(lm, cfg))
+        reqs.append(req)
+    while not all(r.finished for r in reqs):
+        core.step()
+    assert core.stats.max_batch == 3
+    assert [r.output_ids for r in reqs] == alone

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quickdraft.config import SpeculativeConfig
+from quickdraft.engine.encoder import EncoderStats
 from quickdraft.engine.prefix_cache import PrefixCacheStats
 from quickdraft.images import ImageInput, ImageProcessing
 from quickdraft.request import SamplingParams
@@ -41,6 +42,7 @@ class ReplicaStatus:
     drafted: int  # over the replica's lifetime (all models)
     accepted: int
     prefix: dict[str, PrefixCacheStats | None] = field(default_factory=dict)
+    encoder: dict[str, EncoderStats | None] = field(default_factory=dict)
 
     @property
     def acceptance(self) -> float:

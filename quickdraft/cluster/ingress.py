@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from quickdraft.cluster.calls import GenerateCall, ModelInfo, Refusal, ReplicaStatus
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import EngineDeadError, QueueFullError, RequestOutput
+from quickdraft.engine.encoder import EncoderStats
 from quickdraft.engine.prefix_cache import PrefixCacheStats
 from quickdraft.grammar import GrammarCompiler
 from quickdraft.images import ImageInput, ImageProcessing
@@ -210,18 +211,11 @@ class RayBackend:
 
     def prefix_stats(self) -> dict[str, PrefixCacheStats | None]:
         """Per model: the sum over the replicas' prefix caches (None: off)."""
-        out: dict[str, PrefixCacheStats | None] = {name: None for name in self._models}
-        for st in self.status.values():
-            for name, cache in st.prefix.items():
-                if cache is None:
-                    continue
-                total = out.get(name)
-                if total is None:
-                    out[name] = dataclasses.replace(cache)
-                    continue
-                for f in dataclasses.fields(cache):
-                    setattr(total, f.name, getattr(total, f.name) + getattr(cache, f.name))
-        return out
+        return _summed(self._models, [st.prefix for st in self.status.values()])
+
+    def encoder_stats(self) -> dict[str, EncoderStats | None]:
+        """Per model: the sum over the replicas' image encoders (None: a text model)."""
+        return _summed(self._models, [st.encoder for st in self.status.values()])
 
     def replicas(self) -> list[dict[str, Any]]:
         return [
@@ -321,3 +315,19 @@ class Ingress:
         app = create_app(self.backend, self.config, self.settings)
         app.state.qd.metrics.registry.register(ReplicaCollector(self.backend))
         return app
+
+
+def _summed(models: Iterable[str], per_replica: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per model, the field-wise sum of the replicas' stats records (None where none has one)."""
+    out: dict[str, Any] = dict.fromkeys(models)
+    for stats in per_replica:
+        for name, record in stats.items():
+            if record is None:
+                continue
+            total = out.get(name)
+            if total is None:
+                out[name] = dataclasses.replace(record)
+                continue
+            for f in dataclasses.fields(record):
+                setattr(total, f.name, getattr(total, f.name) + getattr(record, f.name))
+    return out

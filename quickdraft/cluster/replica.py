@@ -76,6 +76,7 @@ class EngineReplica:
             sum(s.draft_rows for s in stats.values()),
             sum(s.accepted for s in stats.values()),
             {name: s.prefix_cache for name, s in stats.items()},
+            {name: s.encoder for name, s in stats.items()},
         )
 
     async def configure(self, model: str, spec: SpeculativeConfig) -> str | None:

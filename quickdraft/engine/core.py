@@ -27,7 +27,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 
 from quickdraft.config import PREFILL_CHUNK, PrefixCacheConfig
-from quickdraft.engine.encoder import ImageEncoder
+from quickdraft.engine.encoder import EncoderStats, ImageEncoder
 from quickdraft.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from quickdraft.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, StepPlan
 from quickdraft.engine.sequence import Sequence
@@ -61,6 +61,7 @@ class StepStats:
     last_batch: int = 0  # sequences in the last step
     max_batch: int = 0  # most sequences in one step
     prefix_cache: PrefixCacheStats | None = None  # the model's prefix cache (None: off)
+    encoder: EncoderStats | None = None  # a vision-language model's image encoder (None: text)
 
 
 class EngineCore:
@@ -87,7 +88,10 @@ class EngineCore:
         )
         self.encoder = None if lm.vision is None else ImageEncoder(lm.vision)
         self.cycle = SpecCycle(model, think_tokens(lm.tokenizer), self.encoder)
-        self.stats = StepStats(prefix_cache=None if self.prefix is None else self.prefix.stats)
+        self.stats = StepStats(
+            prefix_cache=None if self.prefix is None else self.prefix.stats,
+            encoder=None if self.encoder is None else self.encoder.stats,
+        )
 
     def add(self, request: Request, speculation: AnySpeculation | None) -> Sequence:
         params = request.params

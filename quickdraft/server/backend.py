@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import Engine, EngineDeadError, RequestOutput
+from quickdraft.engine.encoder import EncoderStats
 from quickdraft.engine.prefix_cache import PrefixCacheStats
 from quickdraft.grammar import GrammarCompiler
 from quickdraft.images import ImageInput, ImageProcessing
@@ -88,6 +89,7 @@ class Backend(Protocol):
     @property
     def num_waiting(self) -> int: ...
     def prefix_stats(self) -> dict[str, PrefixCacheStats | None]: ...
+    def encoder_stats(self) -> dict[str, EncoderStats | None]: ...
     def replicas(self) -> list[dict[str, Any]]: ...
     def submit(
         self,
@@ -131,6 +133,9 @@ class LocalBackend:
 
     def prefix_stats(self) -> dict[str, PrefixCacheStats | None]:
         return {name: st.prefix_cache for name, st in self.engine.step_stats.items()}
+
+    def encoder_stats(self) -> dict[str, EncoderStats | None]:
+        return {name: st.encoder for name, st in self.engine.step_stats.items()}
 
     def replicas(self) -> list[dict[str, Any]]:
         return []

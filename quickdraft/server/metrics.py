@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from quickdraft.engine import RequestOutput
+from quickdraft.engine.encoder import EncoderStats
 from quickdraft.engine.prefix_cache import PrefixCacheStats
 from quickdraft.request import SpecStats
 
@@ -122,12 +123,49 @@ class PrefixCacheCollector(Collector):
             yield g
 
 
+EncoderStatsFn = Callable[[], dict[str, EncoderStats | None]]
+
+
+class EncoderCollector(Collector):
+    """A vision-language model's image encoder, read at scrape time (vLLM's multimodal cache
+    names: images looked up by content digest, and those found encoded already)."""
+
+    def __init__(self, stats: EncoderStatsFn) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        per_model = {name: st for name, st in self.stats().items() if st is not None}
+        counters = {
+            "mm_cache_queries": ("Images looked up in the image encoder's cache", "images"),
+            "mm_cache_hits": ("Images whose encoding the cache held", None),
+            "image_encoder_seconds": ("Seconds the vision tower ran", "seconds"),
+        }
+        for metric, (doc, attr) in counters.items():
+            c = CounterMetricFamily(PREFIX + metric, doc, labels=["model_name"])
+            for name, st in per_model.items():
+                c.add_metric([name], st.images - st.encoded if attr is None else getattr(st, attr))
+            yield c
+        g = GaugeMetricFamily(
+            PREFIX + "mm_cache_bytes", "Bytes of image encodings held", labels=["model_name"]
+        )
+        for name, st in per_model.items():
+            g.add_metric([name], st.bytes)
+        yield g
+
+
 class Metrics:
-    def __init__(self, models: list[str], prefix_stats: PrefixStats | None = None) -> None:
+    def __init__(
+        self,
+        models: list[str],
+        prefix_stats: PrefixStats | None = None,
+        encoder_stats: EncoderStatsFn | None = None,
+    ) -> None:
         # one registry per app: several servers (tests) in one process never share counters
         self.registry = r = CollectorRegistry()
         if prefix_stats is not None:
             r.register(PrefixCacheCollector(prefix_stats))
+        if encoder_stats is not None:
+            r.register(EncoderCollector(encoder_stats))
         m = ["model_name"]
         self.success = Counter(
             PREFIX + "request_success", "Finished requests", [*m, "finished_reason"], registry=r

@@ -123,7 +123,7 @@ class ServerState:
         current = {
             name: given.get(name) or SpeculationSettings.of(cfg) for name, cfg in base.items()
         }
-        metrics = Metrics(list(engine.models), engine.prefix_stats)
+        metrics = Metrics(list(engine.models), engine.prefix_stats, engine.encoder_stats)
         return cls(engine, config, current, base, metrics)
 
     async def reconfigure(self, model: str, new: SpeculationSettings) -> None:
