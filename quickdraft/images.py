@@ -203,7 +203,9 @@ class ImageLayout:
         slots = [i for i, t in enumerate(prompt_ids) if t == image_token_id]
         if len(slots) != len(images):
             raise ImageError(
-                f"the prompt has {len(slots)} image placeholders for {len(images)} images"
+                f"the prompt has {len(slots)} image placeholders for {len(images)} images "
+                "(the model's chat template places one per image part; one that does not "
+                "handle image parts cannot take images)"
             )
         ids: list[int] = []
         spans: list[ImageSpan] = []

@@ -182,6 +182,7 @@ def write_gguf(
     tensors: dict[str, Tensor],
     qtype: str = "F32",
     specials: tuple[str, ...] = TINY_SPECIALS,
+    chat_template: str | None = CHATML,
 ) -> Path:
     """The GGUF file of `tensors` (llama_cpp_tensors' output): llama.cpp's metadata keys for
     `arch` from the transformers config `cfg`, a tiny tokenizer of cfg's vocabulary (with
@@ -221,7 +222,7 @@ def write_gguf(
             w.add_nextn_predict_layers(nextn)
         if arch in ("qwen35", "qwen35moe"):
             w.add_rope_dimension_sections(rope_sections(rotary_dim))
-    add_tiny_tokenizer(w, cfg["vocab_size"], specials)
+    add_tiny_tokenizer(w, cfg["vocab_size"], specials, chat_template=chat_template)
     _write_tensors(w, tensors, qtype, lambda name, values: values.ndim >= 2)
     return path
 
