@@ -265,3 +265,14 @@ def test_server_metrics_count_images_and_encoder_cache_hits(
     assert metric(srv, "mm_cache_hits_total") == hits + 1
     assert metric(srv, "image_encoder_seconds_total") > seconds
     assert metric(srv, "mm_cache_bytes") > 0
+
+
+def test_server_several_choices_share_the_image(client: openai.OpenAI, lm: LoadedModel) -> None:
+    """n = 2 greedy choices of one image turn: each choice is a request of its own with the
+    image, and both equal the engine's answer."""
+    messages = [{"role": "user", "content": [image(data_url(png(51))), text("twice")]}]
+    expected, _ = engine_output(
+        lm, [{"role": "user", "content": [{"type": "image"}, text("twice")]}], [png(51)]
+    )
+    r = ask(client, messages, n=2)
+    assert [c.message.content for c in r.choices] == [expected, expected]
