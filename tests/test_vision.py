@@ -407,3 +407,37 @@ def test_vision_packed_requests_equal_alone(vlm: tuple[Any, LoadedModel]) -> Non
         core.step()
     assert core.stats.max_batch == 3
     assert [r.output_ids for r in reqs] == alone
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["qwen3.5", "qwen2-vl"])
+def test_mrope_tables_match_transformers(interleaved: bool) -> None:
+    """cos / sin of random (t, h, w) positions as transformers' rotary embeddings give them:
+    Qwen3.5's interleaved sections and Qwen2-VL's contiguous ones; equal streams give the
+    plain table's bits."""
+    import transformers
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+    from quickdraft.models.layers import Rope
+
+    positions = torch.randint(0, 300, (3, 1, 40), generator=torch.Generator().manual_seed(0))
+    if interleaved:  # rotary dim 64 of head 256 (partial 0.25): 32 frequencies, 11 11 10
+        rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+        rope["mrope_section"], rotary = [11, 11, 10], 64
+        cfg = transformers.Qwen3_5TextConfig(head_dim=256, rope_parameters=rope)
+        ref: Any = Qwen3_5TextRotaryEmbedding(cfg)
+    else:  # head 128, all of it rotary: 64 frequencies, 16 24 24
+        rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}
+        cfg = transformers.Qwen2_5_VLTextConfig(
+            hidden_size=512, num_attention_heads=4, rope_parameters=rope
+        )
+        ref, rotary = Qwen2_5_VLRotaryEmbedding(cfg), 128
+    cos_ref, sin_ref = ref(torch.zeros(1, dtype=torch.float32), positions)
+    ours = Rope(rotary, rope["rope_theta"], torch.device("cpu"))
+    cos, sin = ours.mrope_tables(positions[:, 0], rope["mrope_section"], torch.float32, interleaved)
+    assert torch.allclose(cos[:, 0], cos_ref[0], atol=1e-6)
+    assert torch.allclose(sin[:, 0], sin_ref[0], atol=1e-6)
+    equal = positions[:1, 0].expand(3, -1)
+    plain = ours.tables(equal[0], torch.float32)
+    mixed = ours.mrope_tables(equal, rope["mrope_section"], torch.float32, interleaved)
+    assert torch.equal(plain[0], mixed[0]) and torch.equal(plain[1], mixed[1])

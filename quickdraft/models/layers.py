@@ -144,19 +144,31 @@ class Rope:
         return self._rounded(self.cos[positions, None], self.sin[positions, None], dtype)
 
     def mrope_tables(
-        self, positions: Tensor, section: Sequence[int], dtype: torch.dtype
+        self,
+        positions: Tensor,
+        section: Sequence[int],
+        dtype: torch.dtype,
+        interleaved: bool = True,
     ) -> tuple[Tensor, Tensor]:
-        """Multimodal RoPE (Qwen3.5's interleaved M-RoPE): `positions` `[3, num_tokens]` are
-        the (t, h, w) streams; frequency i reads the h stream where i % 3 == 1 and
-        i < 3 section[1], the w stream where i % 3 == 2 and i < 3 section[2], else t. cos, sin
-        `[num_tokens, 1, head_dim]`; a row whose three streams are equal gets `tables`' bits."""
+        """Multimodal RoPE: `positions` `[3, num_tokens]` are the (t, h, w) streams. Qwen3.5's
+        interleaved M-RoPE: frequency i reads the h stream where i % 3 == 1 and
+        i < 3 section[1], the w stream where i % 3 == 2 and i < 3 section[2], else t; Qwen2-VL's
+        (`interleaved=False`): the frequencies in contiguous chunks of `section`, chunk j
+        reading stream j % 3. cos, sin `[num_tokens, 1, head_dim]`; a row whose three streams
+        are equal gets `tables`' bits."""
         need = int(positions.max()) + 1
         if need > self.cos.shape[0]:
             self.cos, self.sin = self._angles(max(need, 2 * self.cos.shape[0], 256))
         half = self.inv_freq.shape[0]
         stream = torch.zeros(half, dtype=torch.long, device=positions.device)
-        for s, offset in ((1, 1), (2, 2)):
-            stream[offset : 3 * section[s] : 3] = s
+        if interleaved:
+            for s, offset in ((1, 1), (2, 2)):
+                stream[offset : 3 * section[s] : 3] = s
+        else:
+            start = 0
+            for j, size in enumerate(section):
+                stream[start : start + size] = j % 3
+                start += size
         cols = torch.arange(half, device=positions.device)
         at = positions[stream].T  # [num_tokens, half]: each frequency's position
         cos, sin = self.cos[at, cols], self.sin[at, cols]
