@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from quickdraft.images import ImageRows
 from quickdraft.kernels.gemm import Weight, dequantized_rows, panel_rows, project
 from quickdraft.kernels.linear_bf16 import PANEL
 from quickdraft.kernels.pointwise import add_rms_norm, rms_norm
@@ -174,6 +175,25 @@ class Rope:
         cos, sin = self.cos[at, cols], self.sin[at, cols]
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         return self._rounded(cos[:, None], sin[:, None], dtype)
+
+    def with_images(
+        self,
+        x: Tensor,  # [N, hidden] the rows' token embeddings
+        positions: Tensor,  # [N] their plain positions
+        images: ImageRows | None,
+        section: Sequence[int],  # the model's M-RoPE sections (() = it takes no images)
+        dtype: torch.dtype,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """The input of a forward: `x` with the image rows' embeddings in place and the rope
+        tables, M-RoPE ones from every row's (t, h, w) position where `images` are given, else
+        `tables(positions)` (a text-only forward is the plain one)."""
+        if images is None:
+            return x, self.tables(positions, dtype)
+        if not section:
+            raise ValueError("this model takes no image input")
+        assert images.positions.shape == (3, x.shape[0])
+        x = x.index_copy(0, images.rows, images.embeds.to(x.dtype))
+        return x, self.mrope_tables(images.positions, section, dtype)
 
     def full(self, size: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, sin `[size, head_dim]` fp32 of positions 0 .. size - 1, as `tables` gives them

@@ -178,14 +178,9 @@ class MTPHead(OperandModule):
                 for c, n in zip(caches, num_new, strict=True)
             ]
         )
-        emb = self.embed(token_ids)
-        if images is None:
-            rope = self.rope.tables(positions, self.dtype)
-        else:
-            if not self.mrope_section:
-                raise ValueError("this MTP head's target takes no image input")
-            rope = self.rope.mrope_tables(images.positions, self.mrope_section, self.dtype)
-            emb = emb.index_copy(0, images.rows, images.embeds.to(emb.dtype))
+        emb, rope = self.rope.with_images(
+            self.embed(token_ids), positions, images, self.mrope_section, self.dtype
+        )
         emb = self.pre_fc_norm_embedding(emb)
         x = project(
             torch.cat([emb, self.pre_fc_norm_hidden(hidden.to(self.dtype))], -1), self.fc_weight

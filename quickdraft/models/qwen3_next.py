@@ -354,18 +354,11 @@ class HybridLM(HeadLogits, OperandModule):
         images: ImageRows | None = None,  # image rows and M-RoPE positions (Qwen3.5 only)
     ) -> ForwardOutput:
         assert input_ids.dim() == 1 and sum(num_new) == input_ids.shape[0]
-        positions = packed_positions(
-            caches, num_new, self.config.max_position_embeddings, self.device
+        cfg = self.config
+        positions = packed_positions(caches, num_new, cfg.max_position_embeddings, self.device)
+        x, rope = self.rope.with_images(  # [N, hidden], the rope tables
+            self.model.embed_tokens(input_ids), positions, images, cfg.mrope_section, self.dtype
         )
-        x = self.model.embed_tokens(input_ids)  # [N, hidden]
-        if images is None:
-            rope = self.rope.tables(positions, self.dtype)
-        else:
-            if not self.config.mrope_section:
-                raise ValueError(f"{self.config.model_type} takes no image input")
-            assert images.positions.shape == (3, input_ids.shape[0])
-            rope = self.rope.mrope_tables(images.positions, self.config.mrope_section, self.dtype)
-            x = x.index_copy(0, images.rows, images.embeds.to(x.dtype))
         wanted = set(hidden_layers)
         taps: dict[int, Tensor] = {}  # layer -> its output [N, hidden]
         for i, layer in enumerate(self.model.layers):

@@ -294,10 +294,10 @@ def _admit(
     params: SamplingParams,
     rid: str,
     arrived: float,
-    tenant: str = "",
-    route_key: str = "",
-    images: list[ImageInput] | None = None,
-    prompt_tokens: int | None = None,  # with images: the prompt's rows once they are expanded
+    tenant: str,
+    route_key: str,
+    images: list[ImageInput],
+    prompt_tokens: int,  # the prompt's rows, each image placeholder expanded to its rows
 ) -> Slot:
     retry = {"Retry-After": str(state.config.retry_after_s)}
     if state.draining:
@@ -311,14 +311,11 @@ def _admit(
             headers=retry,
         )
     try:
-        handle = state.engine.submit(
-            model, prompt_ids, params, rid, tenant, route_key, images or []
-        )
+        handle = state.engine.submit(model, prompt_ids, params, rid, tenant, route_key, images)
     except (QueueFullError, EngineDeadError, ValueError) as exc:
         raise _refused(state, exc) from None
     handle.bind_loop()
-    rows = len(prompt_ids) if prompt_tokens is None else prompt_tokens
-    return Slot(state, handle, state.metrics.track(model, rows, arrived))
+    return Slot(state, handle, state.metrics.track(model, prompt_tokens, arrived))
 
 
 class _SlotStreamingResponse(StreamingResponse):

@@ -326,8 +326,11 @@ class SuffixDrafter:
         draft, score = self._best(state.tree, self._own_matches(state), k)
         shared = self.shared.get(state.tenant)
         if shared is not None:
-            tail = self._fenced(tokens[-self.max_depth :], max(len(tokens) - self.max_depth, 0))
-            other, other_score = self._best(shared.tree, self._matches(shared.tree, tail), k)
+            if self.barrier:  # the context's tail as the trees hold it
+                tokens = self._fenced(
+                    tokens[-self.max_depth :], max(len(tokens) - self.max_depth, 0)
+                )
+            other, other_score = self._best(shared.tree, self._matches(shared.tree, tokens), k)
             if other_score > score:
                 draft = other
         return Draft(draft)
