@@ -55,7 +55,8 @@ def read_hf_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
 class ModelConfig:
     """What the dense decoder (models/llama.py) needs. Field names follow Hugging Face."""
 
-    model_type: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" (see models/registry.py)
+    # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "qwen2_5_vl" (see models/registry.py)
+    model_type: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -77,6 +78,8 @@ class ModelConfig:
     norm_topk_prob: bool = False
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Qwen2.5-VL: the rotary half-dims in contiguous (t, h, w) chunks (() = text only)
+    mrope_section: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # the raw config.json
 
     @classmethod
@@ -87,10 +90,17 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], gen: dict[str, Any] | None = None) -> ModelConfig:
         gen = gen or {}
+        full = raw
         model_type = raw.get("model_type", "")
+        # a vision-language config (Qwen2.5-VL) keeps the language model in `text_config`
+        # (transformers 5 writes it so; the original release has it at the top level)
+        raw = {**raw, **(raw.get("text_config") or {})}
         heads = raw["num_attention_heads"]
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        mrope = tuple(int(s) for s in rope.get("mrope_section") or ())
+        if rope_type == "mrope" or mrope:  # M-RoPE is default RoPE over three position streams
+            rope_type = "default"
         if rope_type not in ("default", None):
             # Scaled RoPE variants change logits beyond the native context; refuse rather
             # than silently produce different text from the reference.
@@ -114,7 +124,7 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+            attention_bias=bool(raw.get("attention_bias", model_type in ("qwen2", "qwen2_5_vl"))),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             moe_layers=tuple(
                 experts > 0 and i not in mlp_only and (i + 1) % sparse_step == 0
@@ -126,7 +136,8 @@ class ModelConfig:
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
             eos_token_ids=eos_ids,
             bos_token_id=gen.get("bos_token_id", raw.get("bos_token_id")),
-            extra=raw,
+            mrope_section=mrope,
+            extra=full,
         )
 
 

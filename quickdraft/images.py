@@ -52,14 +52,19 @@ class ImageProcessing:
     image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
 
     @classmethod
-    def from_dir(cls, path: Path) -> ImageProcessing:
+    def from_dir(cls, path: Path, kind: str = "qwen3_5") -> ImageProcessing:
+        """preprocessor_config.json of `path`, what it leaves out as the `kind` family's
+        (models/vision.py VisionConfig.kind) defaults."""
         file = path / "preprocessor_config.json"
-        return cls.from_config(json.loads(file.read_text())) if file.is_file() else cls()
+        base = PROCESSING[kind]
+        return cls.from_config(json.loads(file.read_text()), base) if file.is_file() else base
 
     @classmethod
-    def from_config(cls, raw: dict[str, Any]) -> ImageProcessing:
+    def from_config(
+        cls, raw: dict[str, Any], base: ImageProcessing | None = None
+    ) -> ImageProcessing:
         size = raw.get("size") or {}
-        base = cls()
+        base = base or cls()
         return cls(
             patch_size=int(raw.get("patch_size", base.patch_size)),
             temporal_patch_size=int(raw.get("temporal_patch_size", base.temporal_patch_size)),
@@ -89,6 +94,19 @@ class ImageProcessing:
             h_bar = math.ceil(height * beta / factor) * factor
             w_bar = math.ceil(width * beta / factor) * factor
         return h_bar, w_bar
+
+
+# each tower family's preprocessing, as its checkpoints' preprocessor_config.json gives it
+PROCESSING = {
+    "qwen3_5": ImageProcessing(),
+    "qwen2_5_vl": ImageProcessing(  # Qwen2-VL's processor with CLIP's mean / std
+        patch_size=14,
+        min_pixels=3136,
+        max_pixels=12845056,
+        image_mean=(0.48145466, 0.4578275, 0.40821073),
+        image_std=(0.26862954, 0.26130258, 0.27577711),
+    ),
+}
 
 
 def _three(values: Sequence[float]) -> tuple[float, float, float]:

@@ -34,7 +34,7 @@ from quickdraft.models.gguf_loader import is_gguf_dir
 from quickdraft.models.gguf_vision import load_mmproj
 from quickdraft.models.graphs import for_device
 from quickdraft.models.loader import load_model, load_vision
-from quickdraft.models.vision import VisionTower
+from quickdraft.models.vision import ImageTower
 from quickdraft.request import Request, SamplingError, SamplingParams
 from quickdraft.tokenizer import Tokenizer
 
@@ -74,7 +74,7 @@ class LoadedModel:
     model: LanguageModel
     tokenizer: Tokenizer
     eos_ids: tuple[int, ...]
-    vision: VisionTower | None = None  # a vision-language target's image encoder
+    vision: ImageTower | None = None  # a vision-language target's image encoder
     image_processing: ImageProcessing | None = None  # its preprocessing (with `vision`)
     _grammars: GrammarCompiler | None = field(default=None, repr=False)
     _grammars_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -149,7 +149,7 @@ class LoadedModel:
         return Request(prompt_ids, params, self.tokenizer, self.eos_ids, request_id, tenant, layout)
 
 
-# the placeholder tokens of Qwen3.5's chat template around an image
+# the placeholder tokens of the Qwen-VL chat templates (Qwen2.5-VL, Qwen3.5) around an image
 VISION_TOKENS = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")
 
 
@@ -157,8 +157,8 @@ def _vision_ids(tokenizer: Tokenizer, mmproj: str) -> tuple[int, int, int]:
     ids = [tokenizer.token_id(text) for text in VISION_TOKENS]
     if None in ids:
         raise ValueError(
-            f"--mmproj {mmproj}: the model's tokenizer lacks {VISION_TOKENS}: not a Qwen3.5 "
-            "vision-language model"
+            f"--mmproj {mmproj}: the model's tokenizer lacks {VISION_TOKENS}: not a Qwen-VL "
+            "vision-language model (Qwen2.5-VL, Qwen3.5)"
         )
     a, b, c = (int(i) for i in ids if i is not None)
     return a, b, c
@@ -240,13 +240,18 @@ def load(
         eos.add(tokenizer.eos_token_id)
     # the vision tower runs in fp32 with an fp32 target, else in bf16 (no GGUF kernels there)
     tower_dtype = torch.float32 if net.dtype == torch.float32 else torch.bfloat16
-    vision: VisionTower | None
+    vision: ImageTower | None
     processing: ImageProcessing | None
     if mmproj is not None:
         vision, processing = load_mmproj(mmproj, _vision_ids(tokenizer, mmproj), tower_dtype, where)
     else:
         vision = None if is_gguf_dir(path) else load_vision(path, tower_dtype, where)
-        processing = None if vision is None else ImageProcessing.from_dir(path)
+        processing = None if vision is None else ImageProcessing.from_dir(path, vision.config.kind)
     if vision is not None and not getattr(net.config, "mrope_section", ()):
         raise ValueError(f"{model}: {net.config.model_type} takes no image input (no M-RoPE)")
+    if vision is not None and vision.config.out_hidden_size != net.config.hidden_size:
+        raise ValueError(
+            f"{model}: the vision tower's output ({vision.config.out_hidden_size} wide) does "
+            f"not fit the language model ({net.config.hidden_size}): a projector of another model"
+        )
     return LoadedModel(model, path, dtype, net, tokenizer, tuple(sorted(eos)), vision, processing)

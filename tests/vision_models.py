@@ -61,6 +61,81 @@ def vlm_config(family: str = "qwen3_5") -> dict[str, Any]:
     )
 
 
+def qwen25_vl_config(
+    hidden: int = 64, layers: int = 3, patch: int = PATCH, window: int = 4 * PATCH
+) -> dict[str, Any]:
+    """config.json of a tiny Qwen2.5-VL: a dense Qwen2 language model with M-RoPE sections
+    (2, 3, 3) over its 8 rotary frequencies, and a 4-block tower with full attention in blocks
+    1 and 3, windowed in 0 and 2 (`window` pixels a side: 2 x 2 merged units by default)."""
+    return dict(
+        model_type="qwen2_5_vl",
+        tie_word_embeddings=False,
+        text_config=dict(
+            vocab_size=320,
+            hidden_size=hidden,
+            intermediate_size=96,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            rms_norm_eps=1e-6,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]),
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        vision_config=dict(
+            depth=4,
+            hidden_size=32,
+            intermediate_size=48,
+            num_heads=2,
+            patch_size=patch,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            window_size=window,
+            fullatt_block_indexes=[1, 3],
+            out_hidden_size=hidden,
+        ),
+        image_token_id=IMAGE_PAD,
+        video_token_id=263,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+    )
+
+
+def make_qwen25_vl_dir(
+    directory: Path, seed: int = 1, out_scale: float = 1.0, **sizes: int
+) -> tuple[Any, Path]:
+    """The Qwen2.5-VL counterpart of `make_vlm_dir`, its preprocessing in the release's keys
+    (`min_pixels` / `max_pixels`) with CLIP's mean and std; `sizes`: qwen25_vl_config's (a
+    patch other than the tiny one gets the release's pixel bounds)."""
+    import transformers
+
+    cfg = transformers.Qwen2_5_VLConfig(**qwen25_vl_config(**sizes))
+    patch = sizes.get("patch", PATCH)
+    preprocessor = dict(QWEN25_PREPROCESSOR, patch_size=patch)
+    if patch != PATCH:
+        preprocessor.update(min_pixels=3136, max_pixels=12845056)
+    hf = transformers.Qwen2_5_VLForConditionalGeneration(cfg).float().eval()
+    randomize(hf, seed=seed, out_scale=out_scale, offset=False)
+    with torch.no_grad():  # the merger's RMSNorm too (its name has no "norm")
+        hf.model.visual.merger.ln_q.weight.uniform_(0.8, 1.2)
+    hf.save_pretrained(directory)
+    (directory / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+    write_tiny_tokenizer(directory, VISION_SPECIALS, VLM_TEMPLATE)
+    return hf, directory
+
+
+QWEN25_PREPROCESSOR = {
+    "patch_size": PATCH,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "min_pixels": 16 * 16,
+    "max_pixels": 48 * 48,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
+
+
 def make_vlm_dir(
     directory: Path, seed: int = 1, out_scale: float = 1.0, family: str = "qwen3_5"
 ) -> tuple[Any, Path]:
@@ -69,6 +144,8 @@ def make_vlm_dir(
     a function of the current one: its greedy output soon cycles, so lookups get accepted."""
     import transformers
 
+    if family == "qwen2_5_vl":
+        return make_qwen25_vl_dir(directory, seed, out_scale)
     raw = vlm_config(family)
     text = dict(raw["text_config"])
     mtp = text.pop("mtp_num_hidden_layers")

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quickdraft.config import SpeculativeConfig
-from quickdraft.engine.encoder import EncoderStats
 from quickdraft.engine.prefix_cache import PrefixCacheStats
+from quickdraft.image_encoder import EncoderStats
 from quickdraft.images import ImageInput, ImageProcessing
 from quickdraft.request import SamplingParams
 from quickdraft.tokenizer import Tokenizer

@@ -34,9 +34,9 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from quickdraft.cluster.calls import GenerateCall, ModelInfo, Refusal, ReplicaStatus
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import EngineDeadError, QueueFullError, RequestOutput
-from quickdraft.engine.encoder import EncoderStats
 from quickdraft.engine.prefix_cache import PrefixCacheStats
 from quickdraft.grammar import GrammarCompiler
+from quickdraft.image_encoder import EncoderStats
 from quickdraft.images import ImageInput, ImageProcessing
 from quickdraft.loading import context_room
 from quickdraft.request import SamplingParams

@@ -27,11 +27,11 @@ from collections.abc import Generator
 from dataclasses import dataclass
 
 from quickdraft.config import PREFILL_CHUNK, PrefixCacheConfig
-from quickdraft.engine.encoder import EncoderStats, ImageEncoder
 from quickdraft.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from quickdraft.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, StepPlan
 from quickdraft.engine.sequence import Sequence
 from quickdraft.engine.spec_cycle import SpecCycle, StepOutput
+from quickdraft.image_encoder import EncoderStats, ImageEncoder
 from quickdraft.loading import LoadedModel
 from quickdraft.request import Request
 from quickdraft.speculation.cost import StepShape, model_cost

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from quickdraft.engine.encoder import ImageEncoder
 from quickdraft.engine.scheduler import ScheduledSeq, StepPlan
+from quickdraft.image_encoder import ImageEncoder
 from quickdraft.images import ImageRows, pack_image_rows
 from quickdraft.models.base import LanguageModel, SequenceCache
 from quickdraft.speculation.drafters.base import Draft, Drafter, DraftJob

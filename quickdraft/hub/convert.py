@@ -49,12 +49,19 @@ _ARCHS: dict[str, tuple[str, bool]] = {
     "llama": ("LlamaForCausalLM", True),
     "qwen2": ("Qwen2ForCausalLM", False),
     "qwen3": ("Qwen3ForCausalLM", False),  # + per-head q/k RMSNorm (attn_q_norm, attn_k_norm)
+    # Qwen2-VL / Qwen2.5-VL's language model: Qwen2 with M-RoPE sections (the tower is the
+    # mmproj file's, models/gguf_vision.py)
+    "qwen2vl": ("Qwen2_5_VLForConditionalGeneration", False),
     "gemma3": ("Gemma3ForCausalLM", False),  # text only; HF model_type "gemma3_text"
     # Qwen3-MoE and the hybrid Qwen3-Next / Qwen3.5 family: NEOX RoPE; layouts in gguf_qwen.py
     **{arch: (cls, False) for arch, (cls, _) in QWEN_ARCHS.items()},
 }
 # GGUF architecture -> HF model_type, where they differ
-_MODEL_TYPES = {"gemma3": "gemma3_text", **{a: t for a, (_, t) in QWEN_ARCHS.items()}}
+_MODEL_TYPES = {
+    "gemma3": "gemma3_text",
+    "qwen2vl": "qwen2_5_vl",
+    **{a: t for a, (_, t) in QWEN_ARCHS.items()},
+}
 # Per-architecture renames on top of _LAYER_NAMES: Gemma 3 norms both sides of each block.
 _ARCH_LAYER_NAMES = {
     "gemma3": {
@@ -193,8 +200,11 @@ def _hf_config(reader: Any, arch: str, dtype: torch.dtype) -> tuple[dict[str, An
         "eos_token_id": eos_ids[0] if eos_ids else None,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if arch != "qwen2":  # qwen2 always has q/k/v biases and its config has no such field
+    if arch not in ("qwen2", "qwen2vl"):  # these always have q/k/v biases, and no such field
         cfg["attention_bias"] = any(t.name == "blk.0.attn_q.bias" for t in reader.tensors)
+    if arch == "qwen2vl":  # the M-RoPE sections (llama.cpp pads them to four with a 0)
+        sections = meta("rope.dimension_sections", required=True)
+        cfg["rope_parameters"]["mrope_section"] = [int(s) for s in list(sections)[:3]]
     if arch == "gemma3":
         cfg.update(_gemma3_config(meta, cfg, theta, rope_scale))
     if arch in QWEN_ARCHS:
@@ -315,8 +325,8 @@ def _write_tokenizer(gguf_path: Path, out: Path, chat_template: str | None, arch
     src.mkdir()
     (src / gguf_path.name).symlink_to(gguf_path.resolve())
     # AutoTokenizer first parses the model config, and transformers' GGUF reader does not know
-    # every hybrid arch (qwen3next); the tokenizer itself comes from tokenizer.ggml.* alone
-    loader = PreTrainedTokenizerFast if arch in HYBRID_ARCHS else AutoTokenizer
+    # every arch (qwen3next, qwen2vl); the tokenizer itself comes from tokenizer.ggml.* alone
+    loader = PreTrainedTokenizerFast if arch in (*HYBRID_ARCHS, "qwen2vl") else AutoTokenizer
     tok = loader.from_pretrained(str(src), gguf_file=gguf_path.name)
     tok.save_pretrained(str(out))
     shutil.rmtree(src)

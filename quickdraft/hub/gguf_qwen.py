@@ -373,8 +373,10 @@ def _mtp_block(p: _Planner, cfg: dict[str, Any], block: int, j: int) -> None:
     p.add("mtp.norm.weight", (hidden,), [(source, (hidden,))], _unshift)
 
 
-# llama.cpp's multimodal projector file ("mmproj") for the Qwen3.5 / Qwen3-VL vision tower
+# llama.cpp's multimodal projector files ("mmproj"): the Qwen3.5 / Qwen3-VL vision tower and
+# Qwen2.5-VL's
 QWEN3VL_PROJECTOR = "qwen3vl_merger"
+QWEN25VL_PROJECTOR = "qwen2.5vl_merger"
 
 
 def mmproj_names(depth: int) -> dict[str, str]:
@@ -401,4 +403,26 @@ def mmproj_names(depth: int) -> dict[str, str]:
                 ("mlp.linear_fc2", "ffn_down"),
             ):
                 names[f"blocks.{i}.{ours}.{p}"] = f"v.blk.{i}.{theirs}.{p}"
+    return names
+
+
+def qwen25_mmproj_names(depth: int) -> dict[str, str]:
+    """Qwen2.5-VL's tower parameter names (ours, under `model.visual.`) -> its mmproj tensor
+    names; the fused `attn.qkv` the file holds as `attn_q`, `attn_k`, `attn_v` (listed here as
+    the first of the three), the Conv3d as two temporal slices (not listed)."""
+    names = {"merger.ln_q.weight": "v.post_ln.weight"}
+    for p in ("weight", "bias"):
+        names[f"merger.mlp.0.{p}"] = f"mm.0.{p}"
+        names[f"merger.mlp.2.{p}"] = f"mm.2.{p}"
+        for i in range(depth):
+            for ours, theirs in (
+                ("attn.proj", "attn_out"),
+                ("mlp.gate_proj", "ffn_gate"),
+                ("mlp.up_proj", "ffn_up"),
+                ("mlp.down_proj", "ffn_down"),
+            ):
+                names[f"blocks.{i}.{ours}.{p}"] = f"v.blk.{i}.{theirs}.{p}"
+    for i in range(depth):
+        names[f"blocks.{i}.norm1.weight"] = f"v.blk.{i}.ln1.weight"
+        names[f"blocks.{i}.norm2.weight"] = f"v.blk.{i}.ln2.weight"
     return names

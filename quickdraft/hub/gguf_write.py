@@ -14,6 +14,7 @@ quantize (`WRITABLE`). K-quant files (Q4_K_M ...) come from llama.cpp's own quan
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Callable
@@ -26,7 +27,13 @@ import torch
 from gguf.quants import quantize
 from torch import Tensor
 
-from quickdraft.hub.gguf_qwen import HYBRID_ARCHS, QWEN3VL_PROJECTOR, mmproj_names
+from quickdraft.hub.gguf_qwen import (
+    HYBRID_ARCHS,
+    QWEN3VL_PROJECTOR,
+    QWEN25VL_PROJECTOR,
+    mmproj_names,
+    qwen25_mmproj_names,
+)
 
 # the block formats gguf-py's `quantize` writes (it reads the K-quants but cannot write them)
 WRITABLE = ("F32", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
@@ -197,8 +204,9 @@ def write_gguf(
     w.add_block_count(cfg["num_hidden_layers"] + nextn)
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     if "intermediate_size" in cfg:
@@ -222,6 +230,8 @@ def write_gguf(
             w.add_nextn_predict_layers(nextn)
         if arch in ("qwen35", "qwen35moe"):
             w.add_rope_dimension_sections(rope_sections(rotary_dim))
+    if arch == "qwen2vl":  # Qwen2.5-VL's contiguous sections, padded to four as llama.cpp does
+        w.add_rope_dimension_sections([*cfg["rope_parameters"]["mrope_section"], 0])
     add_tiny_tokenizer(w, cfg["vocab_size"], specials, chat_template=chat_template)
     _write_tensors(w, tensors, qtype, lambda name, values: values.ndim >= 2)
     return path
@@ -253,25 +263,26 @@ def write_mmproj(
     path: Path,
     config: dict[str, Any],  # the composite config.json (text_config + vision_config)
     preprocessor: dict[str, Any],  # preprocessor_config.json
-    state: dict[str, Tensor],  # a transformers Qwen3.5 state dict (its model.visual.* part)
+    state: dict[str, Tensor],  # a transformers state dict (its model.visual.* part)
     qtype: str = "F32",
 ) -> Path:
-    """The vision tower of a Qwen3.5 checkpoint as llama.cpp's converter writes its mmproj
-    file: `clip.*` keys, projector `qwen3vl_merger`, the Conv3d patch embedding split into two
-    temporal slices; matrices in `qtype` where their rows are whole blocks, the rest F32."""
+    """The vision tower of a Qwen3.5 or Qwen2.5-VL checkpoint as llama.cpp's converter writes
+    its mmproj file: `clip.*` keys, projector `qwen3vl_merger` / `qwen2.5vl_merger`, the Conv3d
+    patch embedding split into two temporal slices (Qwen2.5-VL's fused qkv into three);
+    matrices in `qtype` where their rows are whole blocks, the rest F32."""
     if qtype not in WRITABLE:
         raise ValueError(f"gguf-py cannot write {qtype!r}: choose one of {WRITABLE}")
     vision, text = config["vision_config"], config["text_config"]
+    qwen25 = config.get("model_type") == "qwen2_5_vl"
     depth, patch = int(vision["depth"]), int(vision["patch_size"])
     visual = {
         k[len("model.visual.") :]: v for k, v in state.items() if k.startswith("model.visual.")
     }
     w = gguf.GGUFWriter(str(path), "clip")
     w.add_type(gguf.GGUFType.MMPROJ)
-    w.add_clip_projector_type(QWEN3VL_PROJECTOR)
+    w.add_clip_projector_type(QWEN25VL_PROJECTOR if qwen25 else QWEN3VL_PROJECTOR)
     w.add_clip_has_vision_encoder(True)
     w.add_vision_projection_dim(int(text["hidden_size"]))
-    w.add_vision_image_size(int(math.isqrt(int(vision["num_position_embeddings"])) * patch))
     w.add_vision_patch_size(patch)
     w.add_vision_embedding_length(int(vision["hidden_size"]))
     w.add_vision_feed_forward_length(int(vision["intermediate_size"]))
@@ -280,9 +291,23 @@ def write_mmproj(
     w.add_vision_attention_layernorm_eps(float(text.get("rms_norm_eps", 1e-6)))
     w.add_vision_image_mean([float(v) for v in preprocessor["image_mean"]])
     w.add_vision_image_std([float(v) for v in preprocessor["image_std"]])
-    w.add_vision_use_gelu(True)
     w.add_vision_spatial_merge_size(int(vision.get("spatial_merge_size", 2)))
-    tensors = {theirs: visual[ours] for ours, theirs in mmproj_names(depth).items()}
+    if qwen25:
+        w.add_vision_image_size(560)  # the converter's default; Qwen-VL sizes images itself
+        w.add_vision_use_silu(True)
+        w.add_vision_n_wa_pattern(window_pattern(list(vision["fullatt_block_indexes"])))
+        if int(vision.get("window_size", 112)) != 112:  # llama.cpp's default; it reads no key
+            w.add_vision_window_size(int(vision["window_size"]))
+        tensors = {theirs: visual[ours] for ours, theirs in qwen25_mmproj_names(depth).items()}
+        for i in range(depth):
+            for p in ("weight", "bias"):
+                q, k, v = visual[f"blocks.{i}.attn.qkv.{p}"].chunk(3)
+                for name, t in (("attn_q", q), ("attn_k", k), ("attn_v", v)):
+                    tensors[f"v.blk.{i}.{name}.{p}"] = t
+    else:
+        w.add_vision_image_size(int(math.isqrt(int(vision["num_position_embeddings"])) * patch))
+        w.add_vision_use_gelu(True)
+        tensors = {theirs: visual[ours] for ours, theirs in mmproj_names(depth).items()}
     conv = visual["patch_embed.proj.weight"]  # [E, C, 2, p, p]
     if conv.shape[2] != 2:
         raise ValueError("llama.cpp's mmproj holds a temporal patch of 2 as two slices")
@@ -290,3 +315,12 @@ def write_mmproj(
     tensors["v.patch_embd.weight.1"] = conv[:, :, 1]
     _write_tensors(w, tensors, qtype, lambda name, v: v.ndim == 2 and "position_embd" not in name)
     return path
+
+
+def window_pattern(full: list[int]) -> int:
+    """llama.cpp's `n_wa_pattern` for Qwen2.5-VL's full-attention blocks: every n-th block
+    (7, 15, 23, 31 -> 8); a pattern it cannot express is refused, as its converter does."""
+    n = full[0] + 1
+    if any(b - a != n for a, b in itertools.pairwise(full)):
+        raise ValueError(f"fullatt_block_indexes {full} are not every {n}th block")
+    return n

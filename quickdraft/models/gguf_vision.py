@@ -1,6 +1,8 @@
 """A vision tower from llama.cpp's multimodal projector file (an "mmproj" GGUF, read by its
-`mtmd` library), for a GGUF target that is a vision-language model: Qwen3.5 / Qwen3.6 as
-llama.cpp's converter writes them (projector type `qwen3vl_merger`).
+`mtmd` library), for a GGUF target that is a vision-language model: Qwen3.5 / Qwen3.6 and
+Qwen2.5-VL as llama.cpp's converter writes them (projector types `qwen3vl_merger`,
+`qwen2.5vl_merger`; the latter's full-attention blocks as `clip.vision.n_wa_pattern`, its
+attention projections as separate q / k / v).
 
 Stage: loading, beside the target's GGUF (loading.py `load(..., mmproj=...)`). The file holds
 the tower's tensors under llama.cpp's names (`v.blk.N.attn_qkv`, `v.post_ln`, `mm.0`, ...; the
@@ -19,9 +21,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from quickdraft.hub.gguf_qwen import QWEN3VL_PROJECTOR, mmproj_names
+from quickdraft.hub.gguf_qwen import (
+    QWEN3VL_PROJECTOR,
+    QWEN25VL_PROJECTOR,
+    mmproj_names,
+    qwen25_mmproj_names,
+)
 from quickdraft.images import ImageProcessing
-from quickdraft.models.vision import VisionConfig, VisionTower
+from quickdraft.models.registry import vision_tower
+from quickdraft.models.vision import ImageTower, VisionConfig
+
+PROJECTORS = (QWEN3VL_PROJECTOR, QWEN25VL_PROJECTOR)
 
 # llama.cpp's Qwen-VL token limits per image when the file names none (clip.cpp)
 MIN_IMAGE_TOKENS, MAX_IMAGE_TOKENS = 8, 4096
@@ -36,7 +46,7 @@ def load_mmproj(
     token_ids: tuple[int, int, int],  # the target's <|image_pad|>, <|vision_start|>, <|vision_end|>
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
-) -> tuple[VisionTower, ImageProcessing]:
+) -> tuple[ImageTower, ImageProcessing]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -52,10 +62,10 @@ def load_mmproj(
         return default if field is None else field.contents()
 
     projector = meta("clip.projector_type") or meta("clip.vision.projector_type")
-    if projector != QWEN3VL_PROJECTOR or not meta("clip.has_vision_encoder", False):
+    if projector not in PROJECTORS or not meta("clip.has_vision_encoder", False):
         raise MMProjError(
-            f"{path.name}: projector {projector!r}; quickdraft runs the Qwen3.5 / Qwen3-VL "
-            f"vision tower ({QWEN3VL_PROJECTOR!r})"
+            f"{path.name}: projector {projector!r}; quickdraft runs the Qwen3.5 / Qwen3-VL and "
+            f"Qwen2.5-VL vision towers ({', '.join(PROJECTORS)})"
         )
     tensors = {t.name: t for t in reader.tensors}
     if any(name.startswith("v.deepstack.") for name in tensors):
@@ -74,12 +84,25 @@ def load_mmproj(
             raise MMProjError(f"{path.name}: lacks metadata {key!r}")
         return int(value)
 
-    positions = array("v.position_embd.weight").shape[0]
+    qwen25 = projector == QWEN25VL_PROJECTOR
+    depth = required("clip.vision.block_count")
     patch0 = array("v.patch_embd.weight")  # [E, C, p, p]: the first temporal slice
     mean = meta("clip.vision.image_mean", [0.5, 0.5, 0.5])
     std = meta("clip.vision.image_std", [0.5, 0.5, 0.5])
+    if qwen25:
+        every = required("clip.vision.n_wa_pattern")
+        positions, act = 0, "silu"
+        names = qwen25_mmproj_names(depth)
+        window = int(meta("clip.vision.window_size", 112))  # llama.cpp's default
+        full = tuple(i for i in range(depth) if every > 0 and (i + 1) % every == 0)
+    else:
+        positions, act = array("v.position_embd.weight").shape[0], "gelu_pytorch_tanh"
+        names = mmproj_names(depth)
+        window, full = 0, ()
+        if math.isqrt(positions) ** 2 != positions:
+            raise MMProjError(f"{path.name}: {positions} position embeddings are not a square grid")
     cfg = VisionConfig(
-        depth=required("clip.vision.block_count"),
+        depth=depth,
         hidden_size=required("clip.vision.embedding_length"),
         intermediate_size=required("clip.vision.feed_forward_length"),
         num_heads=required("clip.vision.attention.head_count"),
@@ -89,17 +112,23 @@ def load_mmproj(
         spatial_merge_size=int(meta("clip.vision.spatial_merge_size", 2)),
         out_hidden_size=required("clip.vision.projection_dim"),
         num_position_embeddings=positions,
-        hidden_act="gelu_pytorch_tanh",
-        rope_theta=10000.0,  # llama.cpp's qwen3vl graph fixes it
+        hidden_act=act,
+        rope_theta=10000.0,  # llama.cpp's Qwen-VL graphs fix it
         image_token_id=token_ids[0],
         vision_start_token_id=token_ids[1],
         vision_end_token_id=token_ids[2],
+        kind="qwen2_5_vl" if qwen25 else "qwen3_5",
+        window_size=window,
+        fullatt_block_indexes=full,
     )
-    if math.isqrt(positions) ** 2 != positions:
-        raise MMProjError(f"{path.name}: {positions} position embeddings are not a square grid")
-    tower = VisionTower(cfg, dtype, device)
+    tower = vision_tower(cfg, dtype, device)
     params = dict(tower.named_parameters())
-    values = {ours: array(theirs) for ours, theirs in mmproj_names(cfg.depth).items()}
+    values = {ours: array(theirs) for ours, theirs in names.items()}
+    if qwen25:  # q, k, v -> the fused qkv
+        for i in range(depth):
+            for p in ("weight", "bias"):
+                parts = [array(f"v.blk.{i}.attn_{x}.{p}") for x in "qkv"]
+                values[f"blocks.{i}.attn.qkv.{p}"] = np.concatenate(parts)
     slices = [patch0] + ([array("v.patch_embd.weight.1")] if cfg.temporal_patch_size == 2 else [])
     values["patch_embed.proj.weight"] = np.stack(slices, axis=2)  # [E, C, T, p, p]
     with torch.no_grad():

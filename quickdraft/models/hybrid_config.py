@@ -144,13 +144,15 @@ _PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weigh
 
 
 def checkpoint_name_map(cfg: HybridConfig | ModelConfig) -> NameMap:
-    """Composite Qwen3.5 checkpoints prefix the language model with `model.language_model.`
-    and carry a vision tower (skipped: text only); Qwen3-Next and Qwen3-MoE checkpoints store
-    one tensor per expert, which go into the fused `experts.gate_up_proj` / `down_proj`."""
+    """Composite Qwen3.5 / Qwen2.5-VL checkpoints prefix the language model with
+    `model.language_model.` and carry a vision tower (`model.visual.`, or `visual.` in the
+    original Qwen2.5-VL release; skipped: models/loader.py `load_vision` loads it); Qwen3-Next
+    and Qwen3-MoE checkpoints store one tensor per expert, which go into the fused
+    `experts.gate_up_proj` / `down_proj`."""
     inter = cfg.moe_intermediate_size
 
     def target(name: str) -> tuple[str, tuple[int | slice, ...]] | None:
-        if name.startswith("model.visual."):
+        if name.startswith(("model.visual.", "visual.")):
             return None
         if name.startswith("model.language_model."):
             name = "model." + name[len("model.language_model.") :]

@@ -183,6 +183,7 @@ class Rope:
         images: ImageRows | None,
         section: Sequence[int],  # the model's M-RoPE sections (() = it takes no images)
         dtype: torch.dtype,
+        interleaved: bool = True,  # Qwen3.5's M-RoPE layout; False: Qwen2.5-VL's
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """The input of a forward: `x` with the image rows' embeddings in place and the rope
         tables, M-RoPE ones from every row's (t, h, w) position where `images` are given, else
@@ -193,7 +194,7 @@ class Rope:
             raise ValueError("this model takes no image input")
         assert images.positions.shape == (3, x.shape[0])
         x = x.index_copy(0, images.rows, images.embeds.to(x.dtype))
-        return x, self.mrope_tables(images.positions, section, dtype)
+        return x, self.mrope_tables(images.positions, section, dtype, interleaved)
 
     def full(self, size: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, sin `[size, head_dim]` fp32 of positions 0 .. size - 1, as `tables` gives them

@@ -25,7 +25,7 @@ from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
 from quickdraft.kernels.pointwise import rope as apply_rope
 from quickdraft.kernels.pointwise import silu_mul
-from quickdraft.models.base import ForwardOutput, ImageRows, packed_positions, refuse_images
+from quickdraft.models.base import ForwardOutput, ImageRows, packed_positions
 from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.layers import (
     GGUFEmbedding,
@@ -310,15 +310,19 @@ class CausalLM(HeadLogits, OperandModule):
         logit_rows: Tensor | None = None,  # rows of N to score; default: last row of each seq
         return_hidden: bool = False,
         hidden_layers: Sequence[int] = (),  # layers whose outputs to return (ForwardOutput)
-        images: ImageRows | None = None,  # refused: no vision path
+        images: ImageRows | None = None,  # image rows and M-RoPE positions (Qwen2.5-VL only)
     ) -> ForwardOutput:
         assert input_ids.dim() == 1 and sum(num_new) == input_ids.shape[0]
-        refuse_images(self, images)
-        positions = packed_positions(
-            caches, num_new, self.config.max_position_embeddings, self.device
+        cfg = self.config
+        positions = packed_positions(caches, num_new, cfg.max_position_embeddings, self.device)
+        h, rope = self.rope.with_images(  # [N, hidden], the rope tables
+            self.model.embed_tokens(input_ids),
+            positions,
+            images,
+            cfg.mrope_section,
+            self.dtype,
+            interleaved=False,
         )
-        rope = self.rope.tables(positions, self.dtype)
-        h = self.model.embed_tokens(input_ids)  # [N, hidden]
         residual: Tensor | None = None
         wanted = set(hidden_layers)
         taps: dict[int, Tensor] = {}  # layer -> its output [N, hidden]

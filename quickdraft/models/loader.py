@@ -22,8 +22,14 @@ from quickdraft.models.base import LanguageModel
 from quickdraft.models.gguf_loader import GGUFTensorError, is_gguf_dir, load_gguf_model
 from quickdraft.models.gguf_qwen_loader import QWEN_TYPES, load_qwen_gguf
 from quickdraft.models.hybrid_config import NameMap
-from quickdraft.models.registry import model_class, name_map, read_config, same_names
-from quickdraft.models.vision import VisionConfig, VisionTower
+from quickdraft.models.registry import (
+    model_class,
+    name_map,
+    read_config,
+    same_names,
+    vision_tower,
+)
+from quickdraft.models.vision import ImageTower, VisionConfig
 
 
 def load_model(
@@ -59,23 +65,27 @@ def load_model(
 
 def load_vision(
     path: str | Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
-) -> VisionTower | None:
-    """The vision tower of the vision-language checkpoint in `path` (`model.visual.*`), or None
-    when its config.json has none or its files hold no vision tensors (a text-only export of a
-    vision-language model: its language model runs as text)."""
+) -> ImageTower | None:
+    """The vision tower of the vision-language checkpoint in `path` (`model.visual.*`, or
+    `visual.*` as the original Qwen2.5-VL release names it), or None when its config.json has
+    none or its files hold no vision tensors (a text-only export of a vision-language model:
+    its language model runs as text)."""
     path = Path(path)
     cfg = VisionConfig.from_dict(json.loads((path / "config.json").read_text()))
-    prefix = "model.visual."
     files = sorted(path.glob("*.safetensors"))
-    if cfg is None or not any(_has_prefix(file, prefix) for file in files):
+    prefix = next((p for p in _VISION_PREFIXES if any(_has_prefix(f, p) for f in files)), None)
+    if cfg is None or prefix is None:
         return None
-    tower = VisionTower(cfg, dtype, device)
+    tower = vision_tower(cfg, dtype, device)
 
     def names(name: str) -> tuple[str, tuple[int | slice, ...]] | None:
         return (name[len(prefix) :], ()) if name.startswith(prefix) else None
 
     load_weights(tower, files, names)
     return tower
+
+
+_VISION_PREFIXES = ("model.visual.", "visual.")
 
 
 def _has_prefix(file: Path, prefix: str) -> bool:

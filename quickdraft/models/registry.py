@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from quickdraft.config import ModelConfig
@@ -22,11 +23,15 @@ from quickdraft.models.hybrid_config import (
 from quickdraft.models.llama import CausalLM
 from quickdraft.models.mtp import MTPParts, hybrid_mtp_parts, llama_mtp_parts
 from quickdraft.models.qwen3_next import HybridLM
+from quickdraft.models.vision import ImageTower, VisionConfig, VisionTower
+from quickdraft.models.vision_qwen25 import Qwen25VisionTower
 
 DENSE_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # CausalLM (qwen3_moe: routed experts)
+# dense vision-language models: CausalLM with M-RoPE, the tower beside it (models/vision_qwen25.py)
+DENSE_VL_TYPES = ("qwen2_5_vl",)
 
 MODELS: dict[str, type[nn.Module]] = {
-    **{t: CausalLM for t in DENSE_TYPES},
+    **{t: CausalLM for t in DENSE_TYPES + DENSE_VL_TYPES},
     **{t: HybridLM for t in HYBRID_TYPES},
     "gemma3_text": Gemma3LM,
 }
@@ -40,7 +45,7 @@ CONFIGS: dict[str, Callable[[Path], Any]] = {
 # model_type -> (config -> checkpoint name map); default: checkpoint names are ours
 # (Qwen3-MoE checkpoints store one tensor per expert too)
 NAME_MAPS: dict[str, Callable[[Any], NameMap]] = {
-    **{t: checkpoint_name_map for t in HYBRID_TYPES},
+    **{t: checkpoint_name_map for t in HYBRID_TYPES + DENSE_VL_TYPES},
     "qwen3_moe": checkpoint_name_map,
 }
 
@@ -49,6 +54,14 @@ MTP_PARTS: dict[str, Callable[..., MTPParts]] = {
     **{t: llama_mtp_parts for t in DENSE_TYPES},
     **{t: hybrid_mtp_parts for t in HYBRID_TYPES},
 }
+
+
+# vision tower family (VisionConfig.kind) -> its class
+TOWERS: dict[str, type[ImageTower]] = {"qwen3_5": VisionTower, "qwen2_5_vl": Qwen25VisionTower}
+
+
+def vision_tower(cfg: VisionConfig, dtype: torch.dtype, device: torch.device | str) -> ImageTower:
+    return TOWERS[cfg.kind](cfg, dtype, device)
 
 
 def model_class(model_type: str) -> type[nn.Module]:

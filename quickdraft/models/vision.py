@@ -14,6 +14,7 @@ a time: attention never crosses two images, so an image's embeddings depend only
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,9 @@ from torch import Tensor, nn
 
 @dataclass(frozen=True, slots=True)
 class VisionConfig:
-    """`vision_config` of a composite Qwen3.5 config, plus the placeholder ids around it."""
+    """`vision_config` of a composite vision-language config, plus the placeholder ids around
+    it. `kind` is the tower's family: "qwen3_5" (this module) or "qwen2_5_vl"
+    (models/vision_qwen25.py: windowed attention, no position table)."""
 
     depth: int
     hidden_size: int
@@ -41,6 +44,9 @@ class VisionConfig:
     image_token_id: int
     vision_start_token_id: int
     vision_end_token_id: int
+    kind: str = "qwen3_5"
+    window_size: int = 0  # qwen2_5_vl: a window's side in pixels
+    fullatt_block_indexes: tuple[int, ...] = ()  # qwen2_5_vl: the blocks that see the image
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> VisionConfig | None:
@@ -48,29 +54,43 @@ class VisionConfig:
         vision = raw.get("vision_config")
         if not isinstance(vision, dict):
             return None
+        kind = "qwen2_5_vl" if raw.get("model_type") == "qwen2_5_vl" else "qwen3_5"
+        base = _DEFAULTS[kind]
         rope = vision.get("rope_parameters") or {}
         text = raw.get("text_config") or {}
-        act = str(vision.get("hidden_act", "gelu_pytorch_tanh"))
-        if act not in _ACTIVATIONS:
-            raise ValueError(f"vision hidden_act {act!r} is not supported ({sorted(_ACTIVATIONS)})")
+
+        def get(key: str, *aliases: str) -> Any:
+            for name in (key, *aliases):
+                if name in vision:
+                    return vision[name]
+            return base[key]
+
+        act = str(get("hidden_act"))
+        if act not in ACTIVATIONS:
+            raise ValueError(f"vision hidden_act {act!r} is not supported ({sorted(ACTIVATIONS)})")
         return cls(
-            depth=int(vision.get("depth", 27)),
-            hidden_size=int(vision.get("hidden_size", 1152)),
-            intermediate_size=int(vision.get("intermediate_size", 4304)),
-            num_heads=int(vision.get("num_heads", 16)),
-            in_channels=int(vision.get("in_channels", 3)),
-            patch_size=int(vision.get("patch_size", 16)),
-            temporal_patch_size=int(vision.get("temporal_patch_size", 2)),
-            spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
+            depth=int(get("depth")),
+            hidden_size=int(get("hidden_size")),
+            intermediate_size=int(get("intermediate_size")),
+            num_heads=int(get("num_heads")),
+            in_channels=int(get("in_channels", "in_chans")),
+            patch_size=int(get("patch_size")),
+            temporal_patch_size=int(get("temporal_patch_size")),
+            spatial_merge_size=int(get("spatial_merge_size")),
             out_hidden_size=int(
                 vision.get("out_hidden_size", text.get("hidden_size", raw.get("hidden_size", 3584)))
             ),
-            num_position_embeddings=int(vision.get("num_position_embeddings", 2304)),
+            num_position_embeddings=int(get("num_position_embeddings")),
             hidden_act=act,
             rope_theta=float(rope.get("rope_theta", 10000.0)),
-            image_token_id=int(raw.get("image_token_id", 248056)),
-            vision_start_token_id=int(raw.get("vision_start_token_id", 248053)),
-            vision_end_token_id=int(raw.get("vision_end_token_id", 248054)),
+            image_token_id=int(raw.get("image_token_id", base["image_token_id"])),
+            vision_start_token_id=int(
+                raw.get("vision_start_token_id", base["vision_start_token_id"])
+            ),
+            vision_end_token_id=int(raw.get("vision_end_token_id", base["vision_end_token_id"])),
+            kind=kind,
+            window_size=int(get("window_size")),
+            fullatt_block_indexes=tuple(int(i) for i in get("fullatt_block_indexes")),
         )
 
     @property
@@ -88,7 +108,45 @@ class VisionConfig:
         return t * h * w // self.spatial_merge_size**2
 
 
-_ACTIVATIONS = {
+# transformers' defaults per tower family (what a config.json leaves out)
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_5": dict(
+        depth=27,
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_heads=16,
+        in_channels=3,
+        patch_size=16,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        num_position_embeddings=2304,
+        hidden_act="gelu_pytorch_tanh",
+        image_token_id=248056,
+        vision_start_token_id=248053,
+        vision_end_token_id=248054,
+        window_size=0,
+        fullatt_block_indexes=(),
+    ),
+    "qwen2_5_vl": dict(
+        depth=32,
+        hidden_size=3584,
+        intermediate_size=3420,
+        num_heads=16,
+        in_channels=3,
+        patch_size=14,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        num_position_embeddings=0,  # 2-D rotary only
+        hidden_act="silu",
+        image_token_id=151655,
+        vision_start_token_id=151652,
+        vision_end_token_id=151653,
+        window_size=112,
+        fullatt_block_indexes=(7, 15, 23, 31),
+    ),
+}
+
+ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
     "silu": F.silu,
@@ -96,7 +154,7 @@ _ACTIVATIONS = {
 }
 
 
-class _Linear(nn.Module):
+class BiasLinear(nn.Module):
     """weight + bias under HF's names (nn.Linear would initialise them for nothing)."""
 
     def __init__(self, n_in: int, n_out: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -130,35 +188,48 @@ class _Tensors(nn.Module):
             self.bias = nn.Parameter(torch.zeros(shape[0], dtype=dtype, device=device))
 
 
-class _PatchEmbed(nn.Module):
+class PatchEmbed(nn.Module):
     """HF's Conv3d with stride = kernel over each patch: one matmul over flattened patches."""
 
-    def __init__(self, cfg: VisionConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, cfg: VisionConfig, dtype: torch.dtype, device: torch.device, bias: bool = True
+    ) -> None:
         super().__init__()
         shape = (cfg.hidden_size, cfg.in_channels, cfg.temporal_patch_size) + (cfg.patch_size,) * 2
-        self.proj = _Tensors(shape, True, dtype, device)
+        self.proj = _Tensors(shape, bias, dtype, device)
 
     def forward(self, pixels: Tensor) -> Tensor:  # [P, patch_dim] -> [P, hidden]
         w = self.proj.weight
-        return F.linear(pixels.to(w.dtype), w.reshape(w.shape[0], -1), self.proj.bias)
+        bias = getattr(self.proj, "bias", None)
+        return F.linear(pixels.to(w.dtype), w.reshape(w.shape[0], -1), bias)
 
 
-class _Attention(nn.Module):
+class VisionAttention(nn.Module):
     def __init__(self, cfg: VisionConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.heads = cfg.num_heads
-        self.qkv = _Linear(cfg.hidden_size, 3 * cfg.hidden_size, dtype, device)
-        self.proj = _Linear(cfg.hidden_size, cfg.hidden_size, dtype, device)
+        self.qkv = BiasLinear(cfg.hidden_size, 3 * cfg.hidden_size, dtype, device)
+        self.proj = BiasLinear(cfg.hidden_size, cfg.hidden_size, dtype, device)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, windows: Sequence[Tensor] = ()
+    ) -> Tensor:
+        """`windows`: attention within each window (the rows of a window are `[n, L]` of one
+        tensor, all its windows L long); none: every row sees every row."""
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.heads, -1).unbind(1)  # [P, heads, head_dim] each
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        # [1, heads, P, head_dim]: the 4-D layout torch's fused CPU attention takes (3-D inputs
-        # fall back to its unfused math path, 1.2x slower here); every patch sees its image's
-        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v)
-        return self.proj(out[0].transpose(0, 1).reshape(n, -1))
+        if not windows:
+            # [1, heads, P, head_dim]: the 4-D layout torch's fused CPU attention takes (3-D
+            # inputs fall back to its unfused math path, 1.2x slower here)
+            q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1)
+        else:  # windows of one length as one batch: each is its own batch row
+            out = torch.empty_like(q)
+            for rows in windows:
+                qw, kw, vw = (t[rows].transpose(1, 2) for t in (q, k, v))  # [n, heads, L, hd]
+                out[rows] = F.scaled_dot_product_attention(qw, kw, vw).transpose(1, 2)
+        return self.proj(out.reshape(n, -1))
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -172,9 +243,9 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class _MLP(nn.Module):
     def __init__(self, cfg: VisionConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.linear_fc1 = _Linear(cfg.hidden_size, cfg.intermediate_size, dtype, device)
-        self.linear_fc2 = _Linear(cfg.intermediate_size, cfg.hidden_size, dtype, device)
-        self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.linear_fc1 = BiasLinear(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+        self.linear_fc2 = BiasLinear(cfg.intermediate_size, cfg.hidden_size, dtype, device)
+        self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
         return self.linear_fc2(self.act(self.linear_fc1(x)))
@@ -185,7 +256,7 @@ class _Block(nn.Module):
         super().__init__()
         self.norm1 = _LayerNorm(cfg.hidden_size, dtype, device)
         self.norm2 = _LayerNorm(cfg.hidden_size, dtype, device)
-        self.attn = _Attention(cfg, dtype, device)
+        self.attn = VisionAttention(cfg, dtype, device)
         self.mlp = _MLP(cfg, dtype, device)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -200,16 +271,30 @@ class _Merger(nn.Module):
         super().__init__()
         self.group = cfg.hidden_size * cfg.spatial_merge_size**2
         self.norm = _LayerNorm(cfg.hidden_size, dtype, device)
-        self.linear_fc1 = _Linear(self.group, self.group, dtype, device)
-        self.linear_fc2 = _Linear(self.group, cfg.out_hidden_size, dtype, device)
+        self.linear_fc1 = BiasLinear(self.group, self.group, dtype, device)
+        self.linear_fc2 = BiasLinear(self.group, cfg.out_hidden_size, dtype, device)
 
     def forward(self, x: Tensor) -> Tensor:  # [P, hidden] -> [P / merge^2, out_hidden]
         x = self.norm(x).view(-1, self.group)
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
-class VisionTower(nn.Module):
-    """Parameter names are the checkpoint's under `model.visual.`."""
+class ImageTower(nn.Module):
+    """What the engine reads of a vision tower: its config (placeholder ids, merge size) and
+    `encode`, one image at a time."""
+
+    config: VisionConfig
+    dtype: torch.dtype
+    device: torch.device
+
+    def encode(self, pixels: Tensor, grid: tuple[int, int, int]) -> Tensor:
+        """pixels `[t h w, patch_dim]` of ONE image (patches in merge-block order, as images.py
+        lays them out) -> its placeholder rows' embeddings `[t h w / merge^2, out_hidden]`."""
+        raise NotImplementedError
+
+
+class VisionTower(ImageTower):
+    """Qwen3.5's. Parameter names are the checkpoint's under `model.visual.`."""
 
     def __init__(
         self, cfg: VisionConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
@@ -217,37 +302,26 @@ class VisionTower(nn.Module):
         super().__init__()
         device = torch.device(device)
         self.config, self.dtype, self.device = cfg, dtype, device
-        self.patch_embed = _PatchEmbed(cfg, dtype, device)
+        self.patch_embed = PatchEmbed(cfg, dtype, device)
         self.pos_embed = _Tensors(
             (cfg.num_position_embeddings, cfg.hidden_size), False, dtype, device
         )
         self.side = math.isqrt(cfg.num_position_embeddings)  # the learned grid is square
         self.blocks = nn.ModuleList([_Block(cfg, dtype, device) for _ in range(cfg.depth)])
         self.merger = _Merger(cfg, dtype, device)
-        half = cfg.head_dim // 2  # h and w each rotate a quarter of the head (twice: cos, sin)
-        self.inv_freq = 1.0 / (
-            cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32, device=device) / half)
-        )
+        self.inv_freq = rotary_inv_freq(cfg, device)
         self.requires_grad_(False)
 
     @torch.inference_mode()
     def encode(self, pixels: Tensor, grid: tuple[int, int, int]) -> Tensor:
-        """pixels `[t h w, patch_dim]` of ONE image (patches in merge-block order, as images.py
-        lays them out) -> its placeholder rows' embeddings `[t h w / merge^2, out_hidden]`."""
         cfg = self.config
         t, h, w = grid
         m = cfg.spatial_merge_size
-        if pixels.shape != (t * h * w, cfg.patch_dim) or h % m or w % m:
-            raise ValueError(
-                f"image patches {tuple(pixels.shape)} do not fit grid {grid} "
-                f"(patch_dim {cfg.patch_dim}, merge {m})"
-            )
+        check_patches(pixels, grid, cfg)
         x = self.patch_embed(pixels.to(self.device))
-        rows, cols = _block_order(h, w, m, self.device)
+        rows, cols = block_order(h, w, m, self.device)
         x = x + self._position_embeddings(rows, cols, h, w).repeat(t, 1).to(x.dtype)
-        freqs = torch.cat([rows[:, None] * self.inv_freq, cols[:, None] * self.inv_freq], dim=-1)
-        freqs = torch.cat([freqs, freqs], dim=-1).repeat(t, 1)  # [P, head_dim]
-        cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = (a.repeat(t, 1) for a in patch_angles(rows, cols, self.inv_freq))
         frame = h * w  # attention runs per frame (a still image is one)
         out = []
         for f in range(t):
@@ -273,6 +347,31 @@ class VisionTower(nn.Module):
         return out
 
 
+def check_patches(pixels: Tensor, grid: tuple[int, int, int], cfg: VisionConfig) -> None:
+    t, h, w = grid
+    m = cfg.spatial_merge_size
+    if pixels.shape != (t * h * w, cfg.patch_dim) or h % m or w % m:
+        raise ValueError(
+            f"image patches {tuple(pixels.shape)} do not fit grid {grid} "
+            f"(patch_dim {cfg.patch_dim}, merge {m})"
+        )
+
+
+def rotary_inv_freq(cfg: VisionConfig, device: torch.device) -> Tensor:
+    """2-D rotary over the head: h and w each rotate a quarter of it (twice: cos, sin)."""
+    half = cfg.head_dim // 2
+    return 1.0 / (
+        cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32, device=device) / half)
+    )
+
+
+def patch_angles(rows: Tensor, cols: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """cos, sin `[P, head_dim]` of the patches at (`rows`, `cols`)."""
+    freqs = torch.cat([rows[:, None] * inv_freq, cols[:, None] * inv_freq], dim=-1)
+    freqs = torch.cat([freqs, freqs], dim=-1)
+    return freqs.cos(), freqs.sin()
+
+
 def _axis_taps(index: Tensor, size: int, side: int) -> tuple[Tensor, Tensor]:
     """Bilinear taps (floor, floor + 1, clamped) and weights into a `side`-long axis for
     positions `index` of an axis `size` long, corners aligned."""
@@ -284,7 +383,7 @@ def _axis_taps(index: Tensor, size: int, side: int) -> tuple[Tensor, Tensor]:
     return taps, weights
 
 
-def _block_order(h: int, w: int, m: int, device: torch.device) -> tuple[Tensor, Tensor]:
+def block_order(h: int, w: int, m: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """Row and column of each patch in merge-block order: the m x m patches a placeholder
     token stands for are consecutive, blocks in raster order."""
     r = torch.arange(h, device=device)[:, None].expand(h, w)

@@ -22,9 +22,9 @@ from typing import Any, Protocol
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import Engine, EngineDeadError, RequestOutput
-from quickdraft.engine.encoder import EncoderStats
 from quickdraft.engine.prefix_cache import PrefixCacheStats
 from quickdraft.grammar import GrammarCompiler
+from quickdraft.image_encoder import EncoderStats
 from quickdraft.images import ImageInput, ImageProcessing
 from quickdraft.request import SamplingParams
 from quickdraft.tokenizer import Tokenizer

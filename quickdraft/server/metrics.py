@@ -22,8 +22,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from quickdraft.engine import RequestOutput
-from quickdraft.engine.encoder import EncoderStats
 from quickdraft.engine.prefix_cache import PrefixCacheStats
+from quickdraft.image_encoder import EncoderStats
 from quickdraft.request import SpecStats
 
 log = logging.getLogger("quickdraft.server")

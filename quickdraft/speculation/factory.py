@@ -20,6 +20,7 @@ import os
 from collections.abc import Callable
 
 from quickdraft.config import SpeculativeConfig
+from quickdraft.image_encoder import ImageEncoder
 from quickdraft.loading import LoadedModel, load
 from quickdraft.memory import trim_heap
 from quickdraft.speculation.cost import DraftCost, StepCost, model_cost
@@ -80,13 +81,35 @@ def _draft_model(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, C
             f"draft model {config.draft_model!r} does not share the target's tokenizer "
             f"({lm.name}): speculative decoding needs identical token ids"
         )
+    encoder = None
+    if draft.vision is not None and lm.vision is not None:
+        same_layout(draft, lm)
+        encoder = ImageEncoder(draft.vision)
     model = draft.model
     del draft  # its tokenizer (~0.2 GB for a 151k vocabulary) served only the check above
     trim_heap()
     if 0 < config.draft_vocab < model.config.vocab_size:
         model.restrict_vocab_(config.draft_vocab, lm.eos_ids)
-    drafter = DraftModelDrafter(model, lm.model.config.vocab_size)
+    drafter = DraftModelDrafter(model, lm.model.config.vocab_size, encoder)
     return drafter, lambda: model_cost(model)
+
+
+def same_layout(draft: LoadedModel, lm: LoadedModel) -> None:
+    """A vision-language draft model reads the target's image layout (placeholder counts and
+    M-RoPE positions): the two must cut an image alike."""
+    assert draft.vision is not None and lm.vision is not None
+    mine, theirs = draft.vision.config, lm.vision.config
+    same = (
+        draft.image_processing == lm.image_processing
+        and mine.spatial_merge_size == theirs.spatial_merge_size
+        and mine.image_token_id == theirs.image_token_id
+    )
+    if not same:
+        raise ValueError(
+            f"draft model {draft.name!r} is a vision-language model that preprocesses images "
+            f"unlike the target {lm.name!r} ({draft.image_processing} vs "
+            f"{lm.image_processing}): its image rows would not line up with the target's"
+        )
 
 
 def _mtp(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable]:

@@ -7,6 +7,12 @@ the tokens it has not seen (the target's recovered/bonus token, anything committ
 speculation was off) — then runs k-1 more one-token steps. The requests of one engine step go
 through the draft model together, packed into one forward per draft position, so a batch of B
 requests streams the draft weights k times, not B x k times. No re-prefill, ever.
+
+Image turns: a text-only draft model sees an image's rows as their placeholder ids at plain
+positions. A draft model that is a vision-language model of the target's family (a smaller
+Qwen2.5-VL for a larger one) gets the image: its own tower encodes it (`encoder`, cached by
+digest), and its forwards take those rows and the target's M-RoPE positions (the layouts agree:
+the same preprocessing and merge size, checked at load).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from quickdraft.config import PREFILL_CHUNK
+from quickdraft.image_encoder import ImageEncoder
+from quickdraft.images import ImageLayout, ImageRows, pack_image_rows
 from quickdraft.models.base import LanguageModel, SequenceCache
 from quickdraft.speculation.cost import StepShape
 from quickdraft.speculation.drafters.base import Draft, DraftBlock, DraftJob, draft_position
@@ -28,6 +36,9 @@ class DraftState:
     cache: SequenceCache
     fed: list[int] = field(default_factory=list)  # tokens whose KV is in `cache`
     stable: int = 0  # fed[:stable] are committed tokens: they never change, skip comparing them
+    # the request's images as this draft model sees them (its own tower's embeddings); None:
+    # a text-only request, or a text-only draft model
+    layout: ImageLayout | None = None
 
 
 def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
@@ -42,7 +53,12 @@ class DraftModelDrafter:
     needs_hidden = False
     hidden_layers: tuple[int, ...] = ()
 
-    def __init__(self, model: LanguageModel, target_vocab_size: int) -> None:
+    def __init__(
+        self,
+        model: LanguageModel,
+        target_vocab_size: int,
+        encoder: ImageEncoder | None = None,  # a vision-language draft model's own tower
+    ) -> None:
         # The target's embedding table may be padded past the tokenizer (Qwen: 151936 rows for
         # 151665 tokens); what must agree is every id either model can emit.
         if model.config.vocab_size != target_vocab_size:
@@ -58,6 +74,7 @@ class DraftModelDrafter:
                 "dense draft model, or the target's MTP head (--speculative-method mtp)"
             )
         self.model = model
+        self.encoder = encoder
         self.forwards: list[StepShape] = []  # the forwards of the last propose (drafters/base.py)
         # greedy chains of a fixed length run on the device without reading a token back until
         # their end (`_device_chain`): on a GPU, where each read is a sync
@@ -76,11 +93,34 @@ class DraftModelDrafter:
         del state.fed[keep:]
         return tokens[keep:]
 
+    def _attach_images(self, state: DraftState, job: DraftJob) -> None:
+        """A vision-language draft model's view of `job`'s images, made once per request."""
+        if self.encoder is None or job.images is None or state.layout is not None:
+            return
+        target = job.images
+        state.layout = ImageLayout(target.spans, target.positions, target.delta)
+        state.layout.embeds = [None] * len(target.spans)
+        self.encoder.fill(state.layout)
+
+    def _images(self, states: Sequence[DraftState], num_new: Sequence[int]) -> ImageRows | None:
+        if self.encoder is None:
+            return None
+        return pack_image_rows(
+            [s.layout for s in states],
+            [s.cache.length for s in states],
+            num_new,
+            self.model.config.hidden_size,
+            self.model.device,
+        )
+
     def _feed(self, states: list[DraftState], rows: list[list[int]]) -> torch.Tensor:
         """One packed forward of each state's `rows`; returns the logits after each state's
         last row `[len(states), vocab]` and commits the rows into the caches."""
         ids = torch.tensor([t for r in rows for t in r], device=self.model.device)
-        out = self.model(ids, [s.cache for s in states], [len(r) for r in rows])
+        num_new = [len(r) for r in rows]
+        out = self.model(
+            ids, [s.cache for s in states], num_new, images=self._images(states, num_new)
+        )
         self.forwards.append(StepShape(len(ids), len(rows), sum(len(r) > 1 for r in rows)))
         for state, r in zip(states, rows, strict=True):
             state.cache.commit(state.cache.length + len(r))
@@ -93,6 +133,8 @@ class DraftModelDrafter:
         per draft position for the jobs that still want more."""
         self.forwards = []
         states: list[DraftState] = [job.state for job in jobs]
+        for state, job in zip(states, jobs, strict=True):
+            self._attach_images(state, job)
         rows = [self._sync_rows(s, job.tokens) for s, job in zip(states, jobs, strict=True)]
         # Catch-ups longer than a chunk (a prompt, a long k = 0 phase) go first, chunk by chunk,
         # so the packed forward below stays small.
@@ -129,7 +171,9 @@ class DraftModelDrafter:
             active = [j for j in at[-1] if ks[j] > step]
             where = torch.tensor([at[-1].index(j) for j in active], device=logits.device)
             ids = picks[-1].index_select(0, where)
-            out = self.model(ids, [states[j].cache for j in active], [1] * len(active))
+            chain = [states[j] for j in active]
+            ones = [1] * len(active)
+            out = self.model(ids, [s.cache for s in chain], ones, images=self._images(chain, ones))
             self.forwards.append(StepShape(len(active), len(active)))
             for j in active:
                 states[j].cache.commit(states[j].cache.length + 1)

@@ -1,8 +1,10 @@
-"""The image encoder of a vision-language target, on the engine's side: vision-tower outputs
-kept by image content digest.
+"""The image encoder of a vision-language model: vision-tower outputs kept by image content
+digest.
 
 Stage: inside the step, before the target's forward (engine/spec_cycle.py, which then packs the
-step's image rows with images.py `pack_image_rows`). `fill` gives each image of a request its
+step's image rows with images.py `pack_image_rows`), and before a draft model's forward when
+the draft model is a vision-language model too (its own tower: speculation/drafters/
+draft_model.py). `fill` gives each image of a request its
 placeholder rows' embeddings, from the cache when the same pixels were encoded before (a later
 turn, another request), else from the tower. An image's embeddings depend on its pixels only
 (the tower encodes one image at a time), so a cached entry equals a fresh encoding bit for bit.
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from quickdraft.images import ImageLayout
-from quickdraft.models.vision import VisionTower
+from quickdraft.models.vision import ImageTower
 
 ENCODER_CACHE_BYTES = 256 << 20  # embeddings kept by digest, least recently used dropped first
 
@@ -31,7 +33,7 @@ class EncoderStats:
 
 
 class ImageEncoder:
-    def __init__(self, tower: VisionTower, budget: int = ENCODER_CACHE_BYTES) -> None:
+    def __init__(self, tower: ImageTower, budget: int = ENCODER_CACHE_BYTES) -> None:
         self.tower = tower
         self.budget = budget
         self.cache: OrderedDict[str, Tensor] = OrderedDict()  # digest -> [tokens, hidden]
