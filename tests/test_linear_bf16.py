@@ -5,6 +5,7 @@ and that every other case falls back to F.linear correctly."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from quickdraft.kernels import (
     linear_panel,
     reference_linear,
 )
-from quickdraft.kernels.linear_bf16 import path_for
+from quickdraft.kernels.linear_bf16 import PANEL_TILE_FLAGS, PANEL_TILES, panel_tiles, path_for
 
 pytestmark = pytest.mark.usefixtures("kernels_enabled")
 
@@ -307,14 +308,31 @@ def test_panel_pack_layout_and_roundtrip(n: int) -> None:
         PanelWeight.pack(w.float())
 
 
+@pytest.fixture(params=list(PANEL_TILES))
+def panel_tile(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Runs the test on each panel tile this CPU has (AVX512_BF16 skips where absent)."""
+    ext = build.extension()
+    if ext is None:
+        pytest.skip("the C++ kernels are not built here")
+    if request.param not in panel_tiles():
+        needs = sorted(PANEL_TILE_FLAGS[request.param])
+        pytest.skip(f"this CPU lacks {needs}: no {request.param} panel tile")
+    ext.panel_isa(PANEL_TILES[request.param])
+    yield request.param
+    ext.panel_isa(-1)
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["xbf16", "xfp32"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("k", [1, 7, 64, 904, 1100], ids=lambda k: f"K{k}")
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 70, 130], ids=lambda m: f"M{m}")
-def test_linear_panel_matches_reference(m: int, k: int, bias: bool, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 17, 70, 130], ids=lambda m: f"M{m}")
+def test_linear_panel_matches_reference(
+    m: int, k: int, bias: bool, dtype: torch.dtype, panel_tile: str
+) -> None:
     # N = 37: three panels, the last one partial; K 1100 > the 512-k blocks of M > 6; M 70 and
-    # 130 span several token groups of 64; M 7 and 13 need several token chunks per panel.
+    # 130 span several token groups of 64; M 7, 13 and 17 need several token chunks per panel;
+    # odd K: the AVX512_BF16 tiles' last k alone.
     x, w, b = make(m, 37, k, bias, dtype)
     before = kernel_calls()
     out = linear_panel(x, PanelWeight.pack(w), b)
@@ -323,14 +341,43 @@ def test_linear_panel_matches_reference(m: int, k: int, bias: bool, dtype: torch
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 5, 6, 9], ids=lambda m: f"M{m}")
-def test_linear_panel_exact_on_small_integers(m: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["xfp32", "xbf16"])
+@pytest.mark.parametrize("m", [1, 5, 6, 9, 20], ids=lambda m: f"M{m}")
+def test_linear_panel_exact_on_small_integers(m: int, dtype: torch.dtype, panel_tile: str) -> None:
     # integer x and w: every partial sum is exact, so any lane/row/panel mix-up shows
     g = torch.Generator().manual_seed(m)
-    x = torch.randint(-3, 4, (m, 40), generator=g).float()
-    w = torch.randint(-50, 51, (45, 40), generator=g).bfloat16()
+    x = torch.randint(-3, 4, (m, 41), generator=g).to(dtype)
+    w = torch.randint(-50, 51, (45, 41), generator=g).bfloat16()
     b = torch.randint(-9, 10, (45,), generator=g).float()
-    assert torch.equal(linear_panel(x, PanelWeight.pack(w), b), x @ w.float().T + b)
+    out = linear_panel(x, PanelWeight.pack(w), b)
+    assert torch.equal(out, (x.float() @ w.float().T + b).to(dtype))
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [7, 512, 1100, 3584], ids=lambda k: f"K{k}")
+def test_panel_bf16_tiles_equal_the_avx2_tile_bit_for_bit(k: int) -> None:
+    """vdpbf16ps adds (x[k] w[k], then x[k + 1] w[k + 1]) with one rounding each: the AVX2
+    FMA chain's bits, for every M (so batch invariance carries over: a row alone equals the
+    row in any batch)."""
+    ext = build.extension()
+    if "avx512_bf16" not in panel_tiles():
+        pytest.skip(f"this CPU lacks {sorted(PANEL_TILE_FLAGS['avx512_bf16'])}")
+    g = torch.Generator().manual_seed(k)
+    w = (torch.randn(70, k, generator=g) * 0.05).bfloat16()
+    p = PanelWeight.pack(w)
+    x = torch.randn(40, k, generator=g).bfloat16()
+    outs = {}
+    try:
+        for tile, level in PANEL_TILES.items():
+            ext.panel_isa(level)
+            outs[tile] = [linear_panel(x[:m], p) for m in (1, 2, 7, 16, 17, 40)]
+    finally:
+        ext.panel_isa(-1)
+    for a, b in zip(outs["avx2"], outs["avx512_bf16"], strict=True):
+        assert torch.equal(a, b)
+    full = outs["avx512_bf16"][-1]
+    for part in outs["avx512_bf16"]:
+        assert torch.equal(part, full[: part.shape[0]])
 
 
 def test_linear_panel_keeps_leading_dims_and_falls_back_off_cpu_path(

@@ -41,6 +41,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the GGUF kernel's tile: -1 the best this CPU runs, 0 AVX2, 1 AVX-512 VNNI; returns the "
         "one in use",
         py::arg("level"));
+  m.def("panel_isa", &qd_panel_isa,
+        "the bf16 panel kernel's tiles: -1 the best this CPU runs, 0 AVX2, 1 AVX512_BF16 (bf16 "
+        "activations); returns the one in use",
+        py::arg("level"));
   m.def("linear_panel", &qd_linear_panel, "x @ w.T (+ bias), w packed in 16-row panels",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"),
         py::call_guard<py::gil_scoped_release>());

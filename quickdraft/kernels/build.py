@@ -58,6 +58,7 @@ SOURCES = [
         "bindings.cpp",
         "linear_bf16.cpp",
         "linear_panel.cpp",
+        "linear_panel_avx512.cpp",
         "linear_i8.cpp",
         "linear_q4.cpp",
         "linear_gguf.cpp",

@@ -36,12 +36,21 @@
 #include <vector>
 
 
+namespace qd_panel_bf16 {  // linear_panel_avx512.cpp
+void tile1_pair(const uint16_t* w0, const uint16_t* w1, int64_t K, const uint32_t* xp,
+                float* acc0, float* acc1, const char* pf0, const char* pf1);
+bool tile_dispatch(int T, const uint16_t* w, int64_t klen, const uint32_t* xp, int64_t ldxp,
+                   float* acc, bool init, const char* pf);
+}  // namespace qd_panel_bf16
+
 namespace {
 
 using u16 = uint16_t;
+using u32 = uint32_t;
 
 constexpr int kPanel = 16;   // weight rows per panel
 constexpr int kTmax = 6;     // tokens per pass: 2 * kTmax accumulators + 2 weights + 1 x <= 16 ymm
+constexpr int kTmaxBf16 = 16;  // the AVX512_BF16 tiles': one zmm accumulator per token
 constexpr int64_t kKBlock = 512;  // k per block when tokens need several passes (16 KiB of panel)
 constexpr int64_t kPrefetchBytes = 4096;  // distance ahead on the weight stream (4-16 KiB: same)
 
@@ -129,10 +138,25 @@ void tile_dispatch(int T, const u16* w, int64_t klen, const float* xs, int64_t l
   TORCH_CHECK(false, "quickdraft linear_panel: bad token chunk ", T);
 }
 
-// One group of M <= kGroupM tokens: y [M, N] (row stride N) from xs [M, ldx] fp32.
+bool cpu_has_avx512_bf16() {
+  static const bool ok = __builtin_cpu_supports("avx512f") &&
+                         __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512bf16");
+  return ok;
+}
+
+int g_isa = -1;  // the tiles in use: -1 the best this CPU runs, 0 AVX2, 1 AVX512_BF16
+
+bool use_bf16_tiles() { return g_isa < 0 ? cpu_has_avx512_bf16() : g_isa == 1; }
+
+// One group of M <= kGroupM tokens: y [M, N] (row stride N) from xs [M, ldx] fp32, or (`xp`
+// not null: the AVX512_BF16 tiles) from xp [M, ldxp] u32 pairs (x[2i + 1], x[2i]).
 void run_group(const u16* packed, int64_t P, int64_t N, int64_t K, const float* xs, int64_t ldx,
-               int64_t M, const void* bias, bool bias_bf16, void* y, bool y_bf16) {
-  const int64_t nch = (M + kTmax - 1) / kTmax;  // balanced token chunks
+               const u32* xp, int64_t ldxp, int64_t M, const void* bias, bool bias_bf16, void* y,
+               bool y_bf16) {
+  const bool wide = xp != nullptr;
+  const int64_t tmax = wide ? kTmaxBf16 : kTmax;
+  const int64_t nch = (M + tmax - 1) / tmax;  // balanced token chunks
   const int64_t KB = nch == 1 ? K : kKBlock;
   const int64_t panel_bytes = K * kPanel * 2;
   // ~128 KiB of weights per thread at least: below that the fork/join costs more than it saves
@@ -168,7 +192,10 @@ void run_group(const u16* packed, int64_t P, int64_t N, int64_t K, const float* 
         // prefetch kPrefetchBytes ahead on each of the two streams
         const char* pf0 = reinterpret_cast<const char*>(w0) + kPrefetchBytes;
         const char* pf1 = reinterpret_cast<const char*>(w1) + kPrefetchBytes;
-        tile1_pair(w0, w1, K, xs, acc, acc + kPanel, pf0, pf1);
+        if (wide)
+          qd_panel_bf16::tile1_pair(w0, w1, K, xp, acc, acc + kPanel, pf0, pf1);
+        else
+          tile1_pair(w0, w1, K, xs, acc, acc + kPanel, pf0, pf1);
         write(p, acc);
         write(p + 1, acc + kPanel);
       }
@@ -184,8 +211,15 @@ void run_group(const u16* packed, int64_t P, int64_t N, int64_t K, const float* 
           // (into the next panel at the end of this one; past the thread's range is harmless).
           const char* pf =
               c == 0 ? reinterpret_cast<const char*>(wp + k0 * kPanel) + kPrefetchBytes : nullptr;
-          tile_dispatch(T, wp + k0 * kPanel, klen, xs + m0 * ldx + k0, ldx, acc + m0 * kPanel,
-                        k0 == 0, pf);
+          if (wide) {
+            const bool ok = qd_panel_bf16::tile_dispatch(T, wp + k0 * kPanel, klen,
+                                                         xp + m0 * ldxp + k0 / 2, ldxp,
+                                                         acc + m0 * kPanel, k0 == 0, pf);
+            TORCH_CHECK(ok, "quickdraft linear_panel: bad token chunk ", T);
+          } else {
+            tile_dispatch(T, wp + k0 * kPanel, klen, xs + m0 * ldx + k0, ldx, acc + m0 * kPanel,
+                          k0 == 0, pf);
+          }
           m0 += T;
         }
       }
@@ -230,9 +264,25 @@ at::Tensor qd_linear_panel(const at::Tensor& x, const at::Tensor& packed, int64_
   if (bias.has_value() && bias->defined())
     b = bias->scalar_type() == at::kBFloat16 ? bias->contiguous()
                                              : bias->to(at::kFloat).contiguous();
-  // x as fp32 rows (the broadcasts read single floats); converted once per call
-  const at::Tensor xs = x2.scalar_type() == at::kFloat ? x2 : x2.to(at::kFloat);
-  const float* xp = xs.data_ptr<float>();
+  // bf16 x on an AVX512_BF16 CPU: x as (x[2i + 1], x[2i]) u32 pairs for its tiles; else x as
+  // fp32 rows (the broadcasts read single floats). Made once per call.
+  const bool wide = x2.scalar_type() == at::kBFloat16 && use_bf16_tiles();
+  const int64_t ldxp = (K + 1) / 2;
+  at::Tensor xs, pairs;
+  if (wide) {
+    pairs = at::empty({M, ldxp}, x.options().dtype(at::kInt));
+    const auto* src = reinterpret_cast<const u16*>(x2.data_ptr<at::BFloat16>());
+    auto* dst = reinterpret_cast<u32*>(pairs.data_ptr<int32_t>());
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t i = 0; i < ldxp; ++i) {
+        const u32 lo = 2 * i + 1 < K ? src[m * K + 2 * i + 1] : 0;
+        dst[m * ldxp + i] = lo | (static_cast<u32>(src[m * K + 2 * i]) << 16);
+      }
+  } else {
+    xs = x2.scalar_type() == at::kFloat ? x2 : x2.to(at::kFloat);
+  }
+  const float* xp = wide ? nullptr : xs.data_ptr<float>();
+  const u32* pp = wide ? reinterpret_cast<const u32*>(pairs.data_ptr<int32_t>()) : nullptr;
   const auto* wp = reinterpret_cast<const u16*>(packed.data_ptr<at::BFloat16>());
   // Tokens in groups of at most 64 (as linear_bf16.cpp): a group's x stays cache-resident
   // while its panels stream past.
@@ -242,11 +292,21 @@ at::Tensor qd_linear_panel(const at::Tensor& x, const at::Tensor& packed, int64_
   int64_t g0 = 0;
   for (int64_t gi = 0; gi < ngroups; ++gi) {
     const int64_t gm = M / ngroups + (gi < M % ngroups ? 1 : 0);
-    run_group(wp, P, N, K, xp + g0 * K, K, gm, b.defined() ? b.data_ptr() : nullptr,
+    run_group(wp, P, N, K, wide ? nullptr : xp + g0 * K, K, wide ? pp + g0 * ldxp : nullptr,
+              ldxp, gm, b.defined() ? b.data_ptr() : nullptr,
               b.defined() && b.scalar_type() == at::kBFloat16,
               y_base + g0 * N * static_cast<int64_t>(y.element_size()),
               y.scalar_type() == at::kBFloat16);
     g0 += gm;
   }
   return y.view(out_shape);
+}
+
+int64_t qd_panel_isa(int64_t level) {
+  TORCH_CHECK(level >= -1 && level <= 1,
+              "quickdraft panel_isa: -1 (best), 0 (AVX2), 1 (AVX512_BF16)");
+  TORCH_CHECK(level != 1 || cpu_has_avx512_bf16(),
+              "quickdraft panel_isa: this CPU lacks AVX512F/BW + AVX512_BF16");
+  g_isa = static_cast<int>(level);
+  return use_bf16_tiles() ? 1 : 0;
 }

@@ -54,6 +54,7 @@ bool qd_linear_panel_eligible(const at::Tensor& x, const at::Tensor& packed, int
                               const c10::optional<at::Tensor>& bias);
 at::Tensor qd_linear_panel(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                            const c10::optional<at::Tensor>& bias);
+int64_t qd_panel_isa(int64_t level);
 // linear_i8.cpp
 bool qd_linear_i8_eligible(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                            const c10::optional<at::Tensor>& bias);
