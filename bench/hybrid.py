@@ -50,6 +50,7 @@ from gguf import GGUFReader
 
 from quickdraft.bench.peers import llama_cpp_quantize
 from quickdraft.bench.report import bars, machine, peak_rss_mb, table, write
+from quickdraft.bench.shapes import HYBRID_CONFIG, init_
 from quickdraft.hub.convert import convert_gguf
 from quickdraft.hub.gguf_write import WRITABLE, llama_cpp_tensors, write_gguf
 from quickdraft.kernels import PanelWeight, Weight, panels_apply, project
@@ -64,50 +65,7 @@ from quickdraft.speculation.drafters.base import DraftJob
 from quickdraft.speculation.drafters.mtp import MTPDrafter, head_step_seconds, load_mtp_head
 from quickdraft.speculation.verify import verify_greedy
 
-CONFIG: dict[str, Any] = dict(
-    model_type="qwen3_5_text",
-    vocab_size=32000,
-    hidden_size=1024,
-    num_hidden_layers=24,
-    full_attention_interval=4,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=256,
-    linear_conv_kernel_dim=4,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_num_key_heads=16,
-    linear_num_value_heads=16,
-    intermediate_size=3584,
-    max_position_embeddings=4096,
-    tie_word_embeddings=False,
-    rms_norm_eps=1e-6,
-    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-    mtp_num_hidden_layers=1,
-)
-WRITERS = ("o_proj", "out_proj", "down_proj")  # projections that write the residual stream
-
-
-def init_(module: torch.nn.Module, seed: int, out_scale: float) -> None:
-    """Unit-gain random weights (std fan_in^-0.5), unit-RMS embeddings, stable GDN decays."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if name.endswith("A_log"):
-                v = torch.rand(p.shape, generator=gen) * 2 - 1
-            elif name.endswith("dt_bias"):
-                v = torch.rand(p.shape, generator=gen)
-            elif name.endswith("linear_attn.norm.weight"):
-                v = torch.ones(p.shape)
-            elif "norm" in name:
-                v = torch.rand(p.shape, generator=gen) * 0.2 - 0.1  # (1 + w)
-            elif name.endswith("embed_tokens.weight"):
-                v = torch.randn(p.shape, generator=gen)
-            else:
-                v = torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5
-                if any(w in name for w in WRITERS):
-                    v *= out_scale
-            p.copy_(v.to(p.dtype))
+CONFIG = HYBRID_CONFIG  # quickdraft/bench/shapes.py: Qwen3.5-0.8B's language model
 
 
 def build(out_scale: float, pack: bool = True) -> tuple[HybridLM, MTPHead, int, int]:

@@ -2,7 +2,8 @@
 
 For each weight [N, K] (bf16 in 16-row panels as `load()` runs it, with --layout rows in
 nn.Linear layout, or with --layout Q4_K etc. in a GGUF block format as `--dtype gguf` runs it,
-random blocks; --isa picks that kernel's tile) and token count M: milliseconds per call and
+random blocks; --isa picks that kernel's tile, or the panel kernel's: avx512 = its
+AVX512_BF16 tiles, which take bf16 x) and token count M: milliseconds per call and
 weight-read bandwidth (weight bytes / time) for both, and ours' time(M) / time(M=1), the number
 that decides whether a speculative verify pass over M tokens is nearly free. Each timing
 rotates over enough weight copies (>= 320 MB and >= 3x this CPU's L3, which is 32 MB on the
@@ -74,6 +75,7 @@ def rotate_bytes() -> int:
 
 
 ISAS = {"best": -1, **TILES}  # --isa -> the extension's gguf_isa level
+PANEL_ISAS = {"best": -1, "avx2": 0, "avx512": 1}  # --isa -> its panel_isa level
 
 
 def busy_fraction(window_s: float = 0.05) -> float:
@@ -139,7 +141,8 @@ def main() -> None:
         "--isa",
         choices=list(ISAS),
         default="best",
-        help="the GGUF kernel's tile: the best this CPU runs, AVX2 or AVX-512 VNNI",
+        help="the GGUF kernel's tile: the best this CPU runs, AVX2 or AVX-512 VNNI; with "
+        "--layout panels, the panel kernel's: AVX2 or AVX512_BF16",
     )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     ap.add_argument("--hot", action="store_true", help="no weight rotation: cache-resident")
@@ -163,6 +166,7 @@ def main() -> None:
 
     gguf = FORMATS.get(args.layout)
     isa = module.gguf_isa(ISAS[args.isa])
+    panel_tile = module.panel_isa(PANEL_ISAS[args.isa]) if args.layout == "panels" else None
 
     def ours(x: torch.Tensor, w: torch.Tensor | PanelWeight | GGUFWeight) -> torch.Tensor:
         # linear_panel raises rather than fall back; `linear` falls back to
@@ -241,6 +245,7 @@ def main() -> None:
             print(line, flush=True)
         del weights, operands, w0
     module.gguf_isa(-1)
+    module.panel_isa(-1)
     result = {
         "bench": "kernels",
         "machine": host,
@@ -248,6 +253,7 @@ def main() -> None:
         "rotate_bytes": 0 if args.hot else rotate_bytes(),
         "layout": args.layout,
         "gguf_tile": tile_name(isa) if gguf else None,
+        "panel_tile": None if panel_tile is None else ("avx2", "avx512_bf16")[panel_tile],
         "rows": rows,
     }
     if args.save:

@@ -41,10 +41,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hybrid import CONFIG as HYBRID_CONFIG  # bench/hybrid.py: the same random hybrid
-from hybrid import init_
 
 from quickdraft.bench.report import RESULTS, bars, machine, peak_rss_mb, table, write
+from quickdraft.bench.shapes import HYBRID_CONFIG, init_  # the random hybrid of bench/hybrid.py
 from quickdraft.config import DEFAULT_DTYPE, DEFAULT_MODEL, PrefixCacheConfig, given
 from quickdraft.engine.core import EngineCore
 from quickdraft.engine.scheduler import SchedulerConfig

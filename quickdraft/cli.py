@@ -574,6 +574,12 @@ def _prompt_bench_fields(args: argparse.Namespace, spec: SpeculativeConfig) -> d
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.vision:
+        from quickdraft.bench.vision import VisionBench, run_vision
+
+        out = None if args.out is None else Path(args.out)
+        run_vision(VisionBench(**given(tokens=args.max_tokens, out_dir=out)))
+        return 0
     spec = spec_config(args)
     if args.structured:
         from quickdraft.bench.structured import StructuredBench
@@ -674,6 +680,14 @@ def _add_bench_args(b: argparse.ArgumentParser) -> None:
         help="soak benchmark instead: --requests (1000) at --concurrency (16) against one "
         "`quickdraft serve`, 10%% cancelled mid-stream, 5%% invalid; reports lost requests, "
         "5xx, greedy outputs != their single-request output, RSS and live sequences after",
+    )
+    b.add_argument(
+        "--vision",
+        action="store_true",
+        help="vision-language benchmark instead: a random-weight Qwen3.5-0.8B-shaped VLM "
+        "(no model argument), TTFT of an image turn split into the vision tower and the prefill "
+        "against transformers, the prefix cache on a repeated image, decode after an image turn "
+        "vs a text turn with each drafter",
     )
     b.add_argument(
         "--structured",

@@ -306,3 +306,86 @@ def test_vl_draft_with_other_preprocessing_is_refused(
     cfg = SpeculativeConfig(method="draft", draft_model=str(tmp_path), draft_quantization="none")
     with pytest.raises(ValueError, match="preprocesses images unlike the target"):
         make_speculation(lm, cfg)
+
+
+def test_qwen25_server_with_a_vl_draft_equals_plain_decoding(
+    vl: tuple[Any, LoadedModel], vl_draft: tuple[Any, Path]
+) -> None:
+    """A real server on loopback serving the Qwen2.5-VL target with the Qwen2.5-VL draft
+    model, the real `openai` client: image turns (streaming and not, two images in one
+    message) answer the text plain greedy decoding gives; usage counts the image rows."""
+    import base64
+
+    import openai
+
+    from quickdraft.engine import Engine, ServedModel, stream
+    from quickdraft.server import ServerConfig, create_app
+    from quickdraft.server.main import BackgroundServer
+
+    _, lm = vl
+    spec = SpeculativeConfig(
+        method="draft", draft_model=str(vl_draft[1]), draft_quantization="none", adaptive=False
+    )
+    engine = Engine({"vl": ServedModel(lm, spec, make_speculation(lm, spec))}, max_waiting=8)
+    engine.start()
+
+    def url(data: bytes) -> dict[str, Any]:
+        b64 = base64.b64encode(data).decode()
+        return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}}
+
+    try:
+        with BackgroundServer(create_app(engine, ServerConfig(max_concurrency=2))) as srv:
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+            for pictures in ([png(1)], [png(2, 40, 24), png(3)]):
+                parts = [url(p) for p in pictures] + [{"type": "text", "text": "the cat sat"}]
+                template = [{"type": "image"}] * len(pictures)
+                template += [{"type": "text", "text": "the cat sat"}]
+                ids = lm.tokenizer.encode_chat([{"role": "user", "content": template}])
+                images = [lm.load_image(p) for p in pictures]
+                req = lm.new_request(ids, SamplingParams(max_tokens=24), images=images)
+                for _ in stream(lm, req, None):
+                    pass
+                messages: Any = [{"role": "user", "content": parts}]
+                r = client.chat.completions.create(
+                    model="vl", messages=messages, max_tokens=24, temperature=0
+                )
+                assert r.choices[0].message.content == req.text
+                assert r.usage is not None and r.usage.prompt_tokens == len(req.prompt_ids)
+                chunks = client.chat.completions.create(
+                    model="vl", messages=messages, max_tokens=24, temperature=0, stream=True
+                )
+                assert "".join(c.choices[0].delta.content or "" for c in chunks) == req.text
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("draft", ["text", "vl"])
+def test_qwen25_prefix_cache_keeps_draft_blocks_of_image_prompts(
+    vl: tuple[Any, LoadedModel], text_draft: Path, vl_draft: tuple[Any, Path], draft: str
+) -> None:
+    """With a draft model the prefix cache keeps the drafter's blocks beside the target's; over
+    an image prompt the blocks are keyed by the image (negative keys) while the draft state
+    holds the placeholder ids. The same image again hits past its rows, another image does
+    not, and every output equals plain decoding."""
+    from quickdraft.config import PrefixCacheConfig
+    from quickdraft.engine import EngineCore
+
+    _, lm = vl
+    spec = SpeculativeConfig(
+        method="draft",
+        draft_model=str(text_draft if draft == "text" else vl_draft[1]),
+        draft_quantization="none",
+        adaptive=False,
+    )
+    ids = chat_ids(lm, "the cat sat on the mat. " * 3)
+    first, other = lm.load_image(png(11)), lm.load_image(png(12))
+    expected = {im.digest: run(lm, ids, [im]).output_ids for im in (first, other)}
+    core = EngineCore(lm, prefix_cache=PrefixCacheConfig(enabled=True, block_size=8))
+    image_end = ids.index(IMAGE_PAD) + 16
+    for image, hits_past_image in ((first, False), (other, False), (first, True)):
+        req = lm.new_request(list(ids), SamplingParams(max_tokens=48), images=[image])
+        seq = core.add(req, make_speculation(lm, spec))
+        while not req.finished:
+            core.step()
+        assert req.output_ids == expected[image.digest]
+        assert (seq.cached_tokens > image_end) == hits_past_image

@@ -174,6 +174,9 @@ class PrefixCursor:
     key: int  # the drafter's key in `Block.drafts`
     drafted: int  # leading blocks of `path` that carry the drafter's part
     cached_tokens: int  # prompt tokens that came from the cache
+    # the prompt's token ids where its block keys differ (image rows keyed by content): what
+    # the drafter's state holds there; None: the keys are the ids
+    prompt_ids: list[int] | None = None
 
 
 class PrefixCache:
@@ -231,7 +234,8 @@ class PrefixCache:
             path[-1].refs += 1
         self.stats.queries += len(prompt)
         self.stats.hits += usable * size
-        return PrefixCursor(tenant, path, drafter, key, drafted, usable * size)
+        ids = None if keys is prompt else list(prompt)
+        return PrefixCursor(tenant, path, drafter, key, drafted, usable * size, ids)
 
     def chunk(self, cache: SequenceCache, computed: int, num_tokens: int) -> int:
         """Prompt rows to feed from `computed`: at most up to the next snapshot boundary for a
@@ -342,7 +346,11 @@ class PrefixCache:
             if cur.key not in node.drafts:
                 start = cur.drafted * self.size
                 state = spec.arm_of(cur.drafter).draft_state
-                part = cur.drafter.export_block(state, start, node.tokens)
+                ids = list(node.tokens)
+                if cur.prompt_ids is not None:  # the drafter holds token ids, not image keys
+                    inside = cur.prompt_ids[start : start + self.size]
+                    ids[: len(inside)] = inside
+                part = cur.drafter.export_block(state, start, ids)
                 if part is None or not self._reserve(part.nbytes):
                     break
                 node.drafts[cur.key] = part

@@ -16,8 +16,8 @@ over k in order whatever M, so a row's bits do not depend on the other rows (bat
 invariance). `linear_panel` is the same function over a `PanelWeight`; on a CPU with
 AVX512_BF16 and bf16 x it runs the same chains with vdpbf16ps (linear_panel_avx512.cpp: two k
 per instruction, each product exact and each sum rounded as the FMA rounds it), bit for bit
-the AVX2 tile's but where a denormal is flushed, 1.3x its speed at M = 1 and 1.7-3x from M = 5
-(prompt chunks: ~400 GFLOP/s on the 2-core EPYC, oneDNN's bf16 speed, which is not
+the AVX2 tile's but where a denormal is flushed: as fast at M = 1 (DRAM-bound), 1.2x at M = 5,
+1.5x at 17, ~2x from 64 (~400 GFLOP/s on the 2-core EPYC, oneDNN's bf16 speed, which is not
 batch-invariant).
 
 Why: decode streams every weight once per token, and a verify pass over k+1 tokens only pays
@@ -43,10 +43,12 @@ from quickdraft.kernels.build import extension, runnable
 
 # Largest M routed to the kernel: none, so every row of every call is the same FMA chain
 # (batch invariance: a prompt chunk, a verify and a decode step give a row the same bits).
-# Measured on this layout (bench/kernels.py --layout rows): the kernel beats F.linear bf16 at
-# every M tried on an AVX2-only host (1.5x at M=1, 6-7x at M=9..512); on an AVX-512 host with
-# AVX512_BF16 (2-core EPYC), oneDNN's bf16 GEMM is faster from M=16 on (0.78x at 16, 0.44x at
-# 256), but its row results depend on M, so it is not used. Tests monkeypatch this limit.
+# Measured on the panel layout with weights streamed from DRAM (bench/results/panel-bf16-*,
+# 2-core EPYC with AVX512_BF16): the AVX2 tile is 0.5x oneDNN's bf16 F.linear at M = 256 and
+# the AVX512_BF16 tiles 0.93-1.08x, as fast as the AVX2 tile at M = 1 (DRAM-bound), ~2x it
+# from M = 64; oneDNN's row results depend on M, so it is not used. On an
+# AVX2-only host the kernel beat F.linear at every M tried (1.5x at M = 1, 6-7x at M = 9..512,
+# rows layout). Tests monkeypatch this limit.
 MAX_M = sys.maxsize
 
 

@@ -1,13 +1,13 @@
-"""Image turns on a random-weight vision-language model of Qwen3.5-0.8B's shape, with
-transformers in the same run.
+"""`quickdraft bench --vision`: image turns on a random-weight vision-language model of
+Qwen3.5-0.8B's shape, with transformers in the same run.
 
-The model: Qwen3.5-0.8B's language model (bench/hybrid.py's CONFIG: hidden 1024, 18 GDN + 6
-gated attention layers, vocabulary cut to 32k) and its vision tower (depth 12, hidden 768, 12
-heads, MLP 3072, patch 16, 2 x 2 merge, 2304 learned positions), built by transformers'
+The model: Qwen3.5-0.8B's language model (shapes.py: hidden 1024, 18 GDN + 6 gated attention
+layers, vocabulary cut to 32k) and its vision tower (depth 12, hidden 768, 12 heads, MLP 3072,
+patch 16, 2 x 2 merge, 2304 learned positions), built by transformers'
 Qwen3_5ForConditionalGeneration and saved as a checkpoint that quickdraft loads as a user's
-(bf16, panel kernels), with an MTP head that drafts the target's bigram guess (bench/hybrid.py:
-random weights carry no language, so acceptance is staged by --out-scale). Real VLM weights
-are not available offline.
+(bf16, panel kernels), with an MTP head and a text-only dense draft model (2 layers) that
+both draft the target's bigram guess (random weights carry no language, so acceptance is
+staged by `out_scale`, as in bench/hybrid.py). Real VLM weights are not available offline.
 
 Measured side by side, warm-up excluded, medians of --reps:
   ttft       a 448 x 448 image + 64 text tokens: quickdraft's time to first token (engine core,
@@ -17,31 +17,31 @@ Measured side by side, warm-up excluded, medians of --reps:
   repeat     the same request again on a core with the prefix cache: TTFT cold vs served from
              the cache (the image's blocks keyed by its content, its embeddings by digest)
   decode     greedy decode tok/s after an image turn vs after a text-only turn of the same
-             prompt length, speculation off and with n-gram, suffix and MTP; every output
-             compared with speculation off
+             prompt length, speculation off and with n-gram, suffix, the draft model and MTP;
+             every output compared with speculation off
 Writes bench/results/vision.{json,md,png}; prints the tables, then the JSON as the last line.
 
-    flock /tmp/quickdraft-bench.lock .venv/bin/python bench/vision.py
+    flock /tmp/quickdraft-bench.lock quickdraft bench --vision
 """
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from hybrid import CONFIG as TEXT_CONFIG  # bench/hybrid.py: Qwen3.5-0.8B's language model
-from hybrid import init_
 from PIL import Image
 
-from quickdraft.bench.report import bar_chart, machine, peak_rss_mb, table, write
+from quickdraft.bench.report import RESULTS, bar_chart, machine, peak_rss_mb, table, write
+from quickdraft.bench.shapes import HYBRID_CONFIG as TEXT_CONFIG
+from quickdraft.bench.shapes import init_
 from quickdraft.config import PrefixCacheConfig, SpeculativeConfig
 from quickdraft.engine.core import EngineCore
 from quickdraft.images import ImageInput
@@ -62,7 +62,16 @@ VISION = dict(  # Qwen3.5-0.8B's vision_config
     hidden_act="gelu_pytorch_tanh",
 )
 PAD, START, END = 31999, 31997, 31998  # image placeholder and its brackets, inside the 32k vocab
-METHODS = ("none", "ngram", "suffix", "mtp")
+METHODS = ("none", "ngram", "suffix", "draft", "mtp")
+
+
+@dataclass(frozen=True, slots=True)
+class VisionBench:
+    reps: int = 3  # TTFT and repeat runs (medians; one warm-up more)
+    tokens: int = 96  # decoded tokens per turn
+    decode_reps: int = 5
+    out_scale: float = 0.04  # what the target's layers write: stages the acceptance
+    out_dir: Path = RESULTS
 
 
 def build(directory: Path, out_scale: float) -> tuple[Any, LoadedModel]:
@@ -73,9 +82,13 @@ def build(directory: Path, out_scale: float) -> tuple[Any, LoadedModel]:
 
     text = {k: v for k, v in TEXT_CONFIG.items() if k != "mtp_num_hidden_layers"}
     text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [11, 11, 10]}
-    ids = dict(image_token_id=PAD, vision_start_token_id=START, vision_end_token_id=END)
     cfg = transformers.Qwen3_5Config(
-        text_config=text, vision_config=VISION, tie_word_embeddings=False, **ids
+        text_config=text,
+        vision_config=VISION,
+        tie_word_embeddings=False,
+        image_token_id=PAD,
+        vision_start_token_id=START,
+        vision_end_token_id=END,
     )
     hf = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
     init_(hf.model.language_model, 0, out_scale)
@@ -126,6 +139,42 @@ def staged_head(lm: LoadedModel) -> MTPHead:
         head.get_parameter("pre_fc_norm_embedding.weight").zero_()
         head.get_parameter("norm.weight").copy_(model.get_parameter("model.norm.weight"))
     return head
+
+
+def bigram_draft(hf: Any, target: Path, directory: Path) -> Path:
+    """A text-only dense (Qwen2) draft model of 2 layers: the target's embedding, final norm
+    and head with layers that write nothing, so it drafts the target's next token from the
+    current one (what a small `out_scale` target mostly follows); it sees an image's rows as
+    their placeholder ids."""
+    import shutil
+
+    import transformers
+
+    text = hf.model.language_model
+    cfg = transformers.Qwen2Config(
+        vocab_size=TEXT_CONFIG["vocab_size"],
+        hidden_size=TEXT_CONFIG["hidden_size"],
+        intermediate_size=TEXT_CONFIG["intermediate_size"],
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    draft: Any = transformers.Qwen2ForCausalLM(cfg).eval()
+    draft = draft.to(torch.bfloat16)
+    init_(draft, 4, 0.0)
+    with torch.no_grad():
+        draft.model.embed_tokens.weight.copy_(text.embed_tokens.weight)
+        draft.lm_head.weight.copy_(hf.lm_head.weight)
+        draft.model.norm.weight.copy_(1.0 + text.norm.weight.float())  # the target's is 1 + w
+        for layer in draft.model.layers:
+            layer.input_layernorm.weight.fill_(1.0)
+            layer.post_attention_layernorm.weight.fill_(1.0)
+    draft.save_pretrained(directory)
+    shutil.copy(target / "tokenizer.json", directory / "tokenizer.json")
+    return directory
 
 
 def picture(seed: int, size: int = 448) -> bytes:
@@ -217,7 +266,7 @@ def repeat(lm: LoadedModel, reps: int) -> dict[str, Any]:
     return {"cold_s": med(cold), "cached_s": med(warm), "speedup": med(cold) / med(warm)}
 
 
-def decode(lm: LoadedModel, tokens: int, reps: int) -> dict[str, Any]:
+def decode(lm: LoadedModel, tokens: int, reps: int, draft: Path) -> dict[str, Any]:
     """Per method and turn kind (medians of `reps` runs): tok/s after the first token, ms per
     target forward (a cycle: what an image could slow; tok/s also moves with the staged
     acceptance, which differs between the two turns' outputs), AL, identical to spec off."""
@@ -230,7 +279,13 @@ def decode(lm: LoadedModel, tokens: int, reps: int) -> dict[str, Any]:
     turns["text"] = (prompt(4, text=image_len, image=False), [])
     plain: dict[str, list[int]] = {}
     for method in METHODS:
-        cfg = SpeculativeConfig(method=method, num_draft_tokens=4, adaptive=False)
+        cfg = SpeculativeConfig(
+            method=method,
+            num_draft_tokens=4,
+            adaptive=False,
+            draft_model=str(draft) if method == "draft" else None,
+            draft_quantization="none",
+        )
         spec = make_speculation(lm, cfg)
         rates: dict[str, list[float]] = {kind: [] for kind in turns}
         cycle_ms: dict[str, list[float]] = {kind: [] for kind in turns}
@@ -306,20 +361,15 @@ def markdown(r: dict[str, Any]) -> str:
     return md
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=96, help="decoded tokens per turn")
-    ap.add_argument("--decode-reps", type=int, default=5)
-    ap.add_argument("--out-scale", type=float, default=0.04)
-    args = ap.parse_args()
+def run_vision(bench: VisionBench) -> dict[str, Any]:
     report: dict[str, Any] = {"machine": machine(), "vision_config": VISION}
     with tempfile.TemporaryDirectory() as tmp:
-        hf, lm = build(Path(tmp), args.out_scale)
-        report["ttft"] = ttft(lm, hf, args.reps)
+        hf, lm = build(Path(tmp) / "target", bench.out_scale)
+        draft = bigram_draft(hf, Path(tmp) / "target", Path(tmp) / "draft")
+        report["ttft"] = ttft(lm, hf, bench.reps)
         del hf
-        report["repeat"] = repeat(lm, args.reps)
-        report["decode"] = decode(lm, args.tokens, args.decode_reps)
+        report["repeat"] = repeat(lm, bench.reps)
+        report["decode"] = decode(lm, bench.tokens, bench.decode_reps, draft)
     report["peak_rss_mb"] = peak_rss_mb()
     d = report["decode"]
     write(
@@ -332,8 +382,6 @@ def main() -> None:
             list(METHODS),
             {k: [d[f"{m}/{k}"]["tok_s"] for m in METHODS] for k in ("image", "text")},
         ),
+        bench.out_dir,
     )
-
-
-if __name__ == "__main__":
-    main()
+    return report

@@ -1,0 +1,59 @@
+"""Random-weight models of real shapes for the benchmarks that have no real weights offline:
+Qwen3.5-0.8B's language model (the hybrid Gated DeltaNet family, vocabulary cut to 32k) and
+how its weights are drawn (`init_`). bench/hybrid.py, bench/prefix_cache.py and the vision set
+(quickdraft/bench/vision.py) build on them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Qwen3.5-0.8B's language model: hidden 1024; 24 layers = 18 GDN + 6 gated attention; 16 GDN
+# heads of 128; 8 query / 2 KV heads of 256; MLP 3584; the vocabulary cut to 32k
+HYBRID_CONFIG: dict[str, Any] = dict(
+    model_type="qwen3_5_text",
+    vocab_size=32000,
+    hidden_size=1024,
+    num_hidden_layers=24,
+    full_attention_interval=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=16,
+    intermediate_size=3584,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    mtp_num_hidden_layers=1,
+)
+WRITERS = ("o_proj", "out_proj", "down_proj")  # projections that write the residual stream
+
+
+def init_(module: torch.nn.Module, seed: int, out_scale: float) -> None:
+    """Unit-gain random weights (std fan_in^-0.5), unit-RMS embeddings, stable GDN decays.
+    `out_scale` scales what the layers write into the residual stream: a small one makes the
+    next token mostly what the token embedding alone predicts (how acceptance is staged)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("A_log"):
+                v = torch.rand(p.shape, generator=gen) * 2 - 1
+            elif name.endswith("dt_bias"):
+                v = torch.rand(p.shape, generator=gen)
+            elif name.endswith("linear_attn.norm.weight"):
+                v = torch.ones(p.shape)
+            elif "norm" in name:
+                v = torch.rand(p.shape, generator=gen) * 0.2 - 0.1  # (1 + w)
+            elif name.endswith("embed_tokens.weight"):
+                v = torch.randn(p.shape, generator=gen)
+            else:
+                v = torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5
+                if any(w in name for w in WRITERS):
+                    v *= out_scale
+            p.copy_(v.to(p.dtype))
