@@ -441,3 +441,73 @@ def test_mrope_tables_match_transformers(interleaved: bool) -> None:
     plain = ours.tables(equal[0], torch.float32)
     mixed = ours.mrope_tables(equal, rope["mrope_section"], torch.float32, interleaved)
     assert torch.equal(plain[0], mixed[0]) and torch.equal(plain[1], mixed[1])
+
+
+@pytest.fixture(scope="module")
+def vl_draft(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """Another random Qwen3.5 vision-language checkpoint (the same tokenizer): a recurrent
+    draft model with its own tower."""
+    return make_vlm_dir(tmp_path_factory.mktemp("vlm-vl-draft"), seed=9, out_scale=0.1)
+
+
+def test_vision_hybrid_draft_model_gets_the_image(
+    vlm: tuple[Any, LoadedModel], vl_draft: tuple[Any, Path]
+) -> None:
+    """A Qwen3.5 draft model (recurrent) encodes the image with its own tower: its first draft
+    after an image prompt is its own greedy token over image + text, as transformers' gives
+    it, and each later draft position equals its greedy decode (the uncommitted chain)."""
+    from quickdraft.speculation.drafters.base import DraftJob
+    from quickdraft.speculation.drafters.draft_model import DraftModelDrafter
+
+    hf_draft, directory = vl_draft
+    _, lm = vlm
+    cfg = SpeculativeConfig(
+        method="draft", draft_model=str(directory), draft_quantization="none", adaptive=False
+    )
+    drafter = make_speculation(lm, cfg).drafter
+    assert isinstance(drafter, DraftModelDrafter) and drafter.recurrent
+    image = lm.load_image(png(4, 48, 24))
+    req = lm.new_request(chat_ids(lm, "draft it"), SamplingParams(), images=[image])
+    state = drafter.new_state(req.prompt_ids)
+    job = DraftJob(state, req.prompt_ids, 4, req.params, torch.Generator(), images=req.images)
+    (draft,) = drafter.propose([job])
+    ids_t = torch.tensor([req.prompt_ids])
+    with torch.no_grad():
+        ref = hf_draft.generate(
+            input_ids=ids_t,
+            pixel_values=image.pixels,
+            image_grid_thw=torch.tensor([image.grid]),
+            mm_token_type_ids=(ids_t == IMAGE_PAD).int(),
+            max_new_tokens=4,
+            min_new_tokens=4,
+            do_sample=False,
+        )
+    assert draft.tokens == ref[0, ids_t.shape[1] :].tolist()
+    assert state.cache.length == len(req.prompt_ids) and state.pending == draft.tokens[:-1]
+
+
+@pytest.mark.parametrize("draft", ["other", "self"])
+def test_vision_hybrid_draft_model_greedy_equals_plain(
+    vlm: tuple[Any, LoadedModel], vl_draft: tuple[Any, Path], draft: str
+) -> None:
+    """A recurrent draft model on image and text turns: a random other Qwen3.5 VLM (drafts
+    mostly rejected: the rollback out of the uncommitted chain) and the target itself (every
+    draft accepted: the last draft never ran, the next propose feeds it). Outputs equal
+    speculation off's."""
+    _, lm = vlm
+    directory = vl_draft[1] if draft == "other" else lm.path
+    cfg = SpeculativeConfig(
+        method="draft",
+        num_draft_tokens=4,
+        adaptive=False,
+        draft_model=str(directory),
+        draft_quantization="none",
+    )
+    for seed, count in [(1, 1), (2, 2), (3, 0)]:
+        images = [lm.load_image(png(seed + i)) for i in range(count)]
+        ids = chat_ids(lm, "the cat sat on the mat. the cat sat on the", images=count)
+        plain = run(lm, ids, images, max_tokens=40)
+        spec = run(lm, ids, images, cfg, max_tokens=40)
+        assert spec.output_ids == plain.output_ids
+        if draft == "self":
+            assert spec.spec.accepted == spec.spec.drafted > 0

@@ -206,12 +206,12 @@ def test_qwen25_transformers4_layout_loads_the_same(
     save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     raw = json.loads((src / "config.json").read_text())
     flat = {**raw.pop("text_config"), **raw}
-    flat["rope_scaling"] = {"type": "mrope", "mrope_section": [2, 3, 3]}
+    flat["rope_scaling"] = {"type": "mrope", "mrope_section": [4, 6, 6]}
     flat.pop("rope_parameters")
     flat["rope_theta"] = 10000.0
     (tmp_path / "config.json").write_text(json.dumps(flat))
     other = load(str(tmp_path), dtype="fp32", progress=False)
-    assert other.model.config.mrope_section == (2, 3, 3)
+    assert other.model.config.mrope_section == (4, 6, 6)
     assert other.vision is not None
     for (name, a), (_, b) in zip(
         lm.model.state_dict().items(), other.model.state_dict().items(), strict=True

@@ -93,7 +93,7 @@ def test_window_pattern_is_llama_cpps() -> None:
 
 def test_qwen25_gguf_logits_equal_transformers(pair: Pair) -> None:
     lm = load(str(pair.f32), "fp32", progress=False, mmproj=str(pair.mmproj))
-    assert lm.model.config.mrope_section == (2, 3, 3)
+    assert lm.model.config.mrope_section == (4, 6, 6)
     image = lm.load_image(png(2, SIDE, SIDE))
     out, ids, _, _ = image_forward(lm, PROMPT, image)
     ref = hf_image_forward(pair.hf, ids, image)

@@ -64,9 +64,10 @@ def vlm_config(family: str = "qwen3_5") -> dict[str, Any]:
 def qwen25_vl_config(
     hidden: int = 64, layers: int = 3, patch: int = PATCH, window: int = 4 * PATCH
 ) -> dict[str, Any]:
-    """config.json of a tiny Qwen2.5-VL: a dense Qwen2 language model with M-RoPE sections
-    (2, 3, 3) over its 8 rotary frequencies, and a 4-block tower with full attention in blocks
-    1 and 3, windowed in 0 and 2 (`window` pixels a side: 2 x 2 merged units by default)."""
+    """config.json of a tiny Qwen2.5-VL: a dense Qwen2 language model (heads of 32, what the
+    batch-invariant bf16 attention kernel takes) with M-RoPE sections (4, 6, 6) over its 16
+    rotary frequencies, and a 4-block tower with full attention in blocks 1 and 3, windowed in
+    0 and 2 (`window` pixels a side: 2 x 2 merged units by default)."""
     return dict(
         model_type="qwen2_5_vl",
         tie_word_embeddings=False,
@@ -75,11 +76,11 @@ def qwen25_vl_config(
             hidden_size=hidden,
             intermediate_size=96,
             num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
             max_position_embeddings=512,
             rms_norm_eps=1e-6,
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]),
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[4, 6, 6]),
             bos_token_id=1,
             eos_token_id=2,
         ),

@@ -8,6 +8,14 @@ speculation was off) — then runs k-1 more one-token steps. The requests of one
 through the draft model together, packed into one forward per draft position, so a batch of B
 requests streams the draft weights k times, not B x k times. No re-prefill, ever.
 
+A draft model with recurrent layers (a small Qwen3.5 for a larger one) cannot commit its drafts
+one step at a time: its Gated-DeltaNet state rolls back only within the last forward
+(models/state_cache.py). Its chain therefore commits nothing: draft position j runs the j - 1
+drafts so far as one forward from the committed state (on a CPU as cheap as one row: the
+weights stream once), and after the verify `commit` keeps the accepted drafts out of that last
+forward in O(1); the next propose feeds the committed tokens the draft has not seen (the bonus
+token, or the last draft and the bonus) and commits them.
+
 Image turns: a text-only draft model sees an image's rows as their placeholder ids at plain
 positions. A draft model that is a vision-language model of the target's family (a smaller
 Qwen2.5-VL for a larger one) gets the image: its own tower encodes it (`encoder`, cached by
@@ -39,6 +47,8 @@ class DraftState:
     # the request's images as this draft model sees them (its own tower's embeddings); None:
     # a text-only request, or a text-only draft model
     layout: ImageLayout | None = None
+    # a recurrent draft model: the drafts of its last forward, run but not committed
+    pending: list[int] = field(default_factory=list)
 
 
 def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
@@ -66,19 +76,14 @@ class DraftModelDrafter:
                 f"draft model vocabulary ({model.config.vocab_size}) differs from the target's "
                 f"({target_vocab_size}): a draft model must share the target's tokenizer"
             )
-        if model.new_cache(1).recurrent:
-            # each draft step commits its token, and a recurrent state rolls back only within
-            # the last forward: a rejected draft could not be taken back
-            raise ValueError(
-                "a draft model with recurrent (Gated DeltaNet) layers is not supported; use a "
-                "dense draft model, or the target's MTP head (--speculative-method mtp)"
-            )
+        # a recurrent state rolls back only within the last forward: the chain commits nothing
+        self.recurrent = model.new_cache(1).recurrent
         self.model = model
         self.encoder = encoder
         self.forwards: list[StepShape] = []  # the forwards of the last propose (drafters/base.py)
         # greedy chains of a fixed length run on the device without reading a token back until
         # their end (`_device_chain`): on a GPU, where each read is a sync
-        self.device_chain = model.device.type == "cuda"
+        self.device_chain = model.device.type == "cuda" and not self.recurrent
 
     def new_state(self, prompt_ids: list[int], tenant: str = "") -> DraftState:
         # nothing crosses requests: the tenant does not matter
@@ -87,6 +92,11 @@ class DraftModelDrafter:
     def _sync_rows(self, state: DraftState, tokens: list[int]) -> list[int]:
         """Trim the cache to what it shares with `tokens` (O(1)) and return the tokens it must
         still be fed: at least the last one, whose logits the first draft comes from."""
+        if self.recurrent:  # every token fed was committed; `commit` kept one unfed
+            if state.pending:
+                self.commit(state, tokens)
+            assert tokens[: len(state.fed)] == state.fed, "the draft state is of other tokens"
+            return tokens[len(state.fed) :]
         keep = min(common_prefix(state.fed, tokens, state.stable), len(tokens) - 1)
         state.stable = min(state.stable, keep)
         state.cache.commit(keep)
@@ -143,6 +153,8 @@ class DraftModelDrafter:
                 self._feed([state], [r[:PREFILL_CHUNK]])
                 del r[:PREFILL_CHUNK]
         logits = self._feed(states, rows)  # [B, vocab]
+        if self.recurrent:
+            return self._uncommitted_chain(jobs, states, logits)
         if self.device_chain and all(
             job.params.greedy and job.controls is None and job.min_prob <= 0.0 for job in jobs
         ):
@@ -155,6 +167,31 @@ class DraftModelDrafter:
             if not active:
                 break
             logits = self._feed([states[j] for j in active], [[drafts[j][0][-1]] for j in active])
+        return [Draft(d, torch.stack(p) if p else None) for d, p in drafts]
+
+    def _uncommitted_chain(
+        self, jobs: Sequence[DraftJob], states: list[DraftState], logits: torch.Tensor
+    ) -> list[Draft]:
+        """`propose`'s draft positions for a recurrent draft model: position j runs the drafts
+        so far as one forward from the committed state, committing nothing; each state keeps
+        the drafts its last forward ran (`pending`) for `commit`."""
+        drafts: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in jobs]
+        chains = [1.0] * len(jobs)
+        active = list(range(len(jobs)))
+        while True:
+            active = [active[r] for r in draft_position(logits, jobs, active, drafts, chains)]
+            if not active:
+                break
+            rows = [drafts[j][0] for j in active]
+            chain = [states[j] for j in active]
+            ids = torch.tensor([t for r in rows for t in r], device=self.model.device)
+            num_new = [len(r) for r in rows]
+            caches = [s.cache for s in chain]
+            out = self.model(ids, caches, num_new, images=self._images(chain, num_new))
+            self.forwards.append(StepShape(len(ids), len(rows), sum(n > 1 for n in num_new)))
+            logits = out.logits
+        for state, (tokens, _) in zip(states, drafts, strict=True):
+            state.pending = tokens[:-1]  # the last forward ran every draft but the last
         return [Draft(d, torch.stack(p) if p else None) for d, p in drafts]
 
     def _device_chain(
@@ -192,6 +229,19 @@ class DraftModelDrafter:
         self, state: DraftState, tokens: list[int], hidden: torch.Tensor | None = None
     ) -> None:
         # Roll back now what the target rejected (O(1)); the new tokens are fed at next propose.
+        if self.recurrent:  # keep the accepted drafts of the last forward, one token unfed
+            base, kept = len(state.fed), 0
+            while (
+                kept < len(state.pending)
+                and base + kept < len(tokens) - 1
+                and tokens[base + kept] == state.pending[kept]
+            ):
+                kept += 1
+            state.cache.commit(base + kept)
+            state.fed.extend(state.pending[:kept])
+            state.pending = []
+            state.stable = len(state.fed)
+            return
         keep = common_prefix(state.fed, tokens, state.stable)
         state.cache.commit(keep)
         del state.fed[keep:]
@@ -199,6 +249,7 @@ class DraftModelDrafter:
 
     def free(self, state: DraftState) -> None:
         state.fed.clear()
+        state.pending.clear()
 
     def export_block(self, state: DraftState, start: int, ids: Sequence[int]) -> DraftBlock | None:
         end = start + len(ids)
