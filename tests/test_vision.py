@@ -21,6 +21,8 @@ from vision_models import (
     IMAGE_PAD,
     PREPROCESSOR,
     add_copying_mtp_head,
+    assert_forward_and_decode_match,
+    hf_generate,
     hf_image_forward,
     image_forward,
     make_bigram_draft,
@@ -87,6 +89,25 @@ def run(
     return req
 
 
+TURN = "the cat sat on the mat. the cat sat on the"
+
+
+def speculate_turns(
+    lm: LoadedModel, cfg: SpeculativeConfig, turns: list[tuple[int, int]], max_tokens: int
+) -> list[Request]:
+    """Image turns (seed, image count; TURN as the text): speculation's greedy output equals
+    speculation off's on each; returns the speculative requests."""
+    out = []
+    for seed, count in turns:
+        images = [lm.load_image(png(seed + i)) for i in range(count)]
+        ids = chat_ids(lm, TURN, images=count)
+        plain = run(lm, ids, images, max_tokens=max_tokens)
+        spec = run(lm, ids, images, cfg, max_tokens=max_tokens)
+        assert spec.output_ids == plain.output_ids
+        out.append(spec)
+    return out
+
+
 @pytest.mark.parametrize("size", [(32, 32), (27, 45), (7, 90), (200, 120)], ids=str)
 def test_vision_preprocess_matches_transformers(size: tuple[int, int]) -> None:
     """Resize (both smart_resize bounds), rescale, normalize and patch order as transformers'
@@ -133,46 +154,14 @@ def test_vision_positions_match_transformers(vlm: tuple[Any, LoadedModel]) -> No
 def test_vision_logits_and_decode_match_transformers(vlm: tuple[Any, LoadedModel]) -> None:
     """Every prompt row's logits over image + text, then 8 cached decode steps."""
     hf, lm = vlm
-    image = lm.load_image(png(5))
-    out, ids, layout, cache = image_forward(lm, chat_ids(lm, "describe it"), image, room=16)
-    cache.commit(len(ids))
-    ref = hf_image_forward(hf, ids, image, use_cache=True)
-    assert (out.logits - ref.logits[0]).abs().max().item() < 1e-4
-    model, embeds = lm.model, layout.embeds[0]
-    past = ref.past_key_values
-    no_rows = torch.zeros(0, dtype=torch.long)
-    for _ in range(8):
-        token = int(ref.logits[0, -1].argmax())
-        with torch.no_grad():
-            ref = hf(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
-        past = ref.past_key_values
-        n = cache.length
-        step = model(
-            torch.tensor([token]),
-            [cache],
-            [1],
-            images=ImageRows(no_rows, embeds[:0], layout.rows(n, 1)),
-        )
-        cache.commit(n + 1)
-        assert (step.logits[0] - ref.logits[0, -1]).abs().max().item() < 1e-4
+    assert_forward_and_decode_match(hf, lm, chat_ids(lm, "describe it"), lm.load_image(png(5)))
 
 
 def test_vision_greedy_generation_matches_transformers(vlm: tuple[Any, LoadedModel]) -> None:
     hf, lm = vlm
     image = lm.load_image(png(6))
     req = run(lm, chat_ids(lm, "what is in the picture?"), [image], max_tokens=32)
-    ids_t = torch.tensor([req.prompt_ids])
-    with torch.no_grad():
-        out = hf.generate(
-            input_ids=ids_t,
-            pixel_values=image.pixels,
-            image_grid_thw=torch.tensor([image.grid]),
-            mm_token_type_ids=(ids_t == IMAGE_PAD).int(),
-            max_new_tokens=32,
-            min_new_tokens=32,
-            do_sample=False,
-        )
-    assert req.output_ids == out[0, ids_t.shape[1] :].tolist()
+    assert req.output_ids == hf_generate(hf, req.prompt_ids, image, 32)
 
 
 def test_vision_output_depends_on_the_image(vlm: tuple[Any, LoadedModel]) -> None:
@@ -210,15 +199,8 @@ def test_vision_speculation_greedy_equals_plain(
         draft_model={"draft": str(draft_dir), "dflash": str(dflash_dir)}.get(method),
         draft_quantization="none",
     )
-    accepted = 0
-    for seed, count in [(1, 1), (2, 2), (3, 1)]:
-        images = [lm.load_image(png(seed + i)) for i in range(count)]
-        ids = chat_ids(lm, "the cat sat on the mat. the cat sat on the", images=count)
-        plain = run(lm, ids, images, max_tokens=64)
-        spec = run(lm, ids, images, cfg, max_tokens=64)
-        assert spec.output_ids == plain.output_ids
-        accepted += spec.spec.accepted
-    assert accepted > 0
+    reqs = speculate_turns(lm, cfg, [(1, 1), (2, 2), (3, 1)], max_tokens=64)
+    assert sum(r.spec.accepted for r in reqs) > 0
 
 
 @pytest.mark.parametrize("cls", [NgramDrafter, SuffixDrafter])
@@ -360,15 +342,8 @@ def test_vision_bf16_speculation_equals_plain(vlm_bf16: LoadedModel, method: str
     lm = vlm_bf16
     assert lm.vision is not None and lm.vision.dtype == torch.bfloat16
     cfg = SpeculativeConfig(method=method, num_draft_tokens=4, adaptive=False)
-    accepted = 0
-    for seed in (1, 2):
-        images = [lm.load_image(png(seed))]
-        ids = chat_ids(lm, "the cat sat on the mat. the cat sat on the")
-        plain = run(lm, ids, images, max_tokens=64)
-        spec = run(lm, ids, images, cfg, max_tokens=64)
-        assert spec.output_ids == plain.output_ids
-        accepted += spec.spec.accepted
-    assert accepted > 0
+    reqs = speculate_turns(lm, cfg, [(1, 1), (2, 1)], max_tokens=64)
+    assert sum(r.spec.accepted for r in reqs) > 0
 
 
 def test_vision_moe_logits_match_transformers(tmp_path: Path) -> None:
@@ -471,18 +446,7 @@ def test_vision_hybrid_draft_model_gets_the_image(
     state = drafter.new_state(req.prompt_ids)
     job = DraftJob(state, req.prompt_ids, 4, req.params, torch.Generator(), images=req.images)
     (draft,) = drafter.propose([job])
-    ids_t = torch.tensor([req.prompt_ids])
-    with torch.no_grad():
-        ref = hf_draft.generate(
-            input_ids=ids_t,
-            pixel_values=image.pixels,
-            image_grid_thw=torch.tensor([image.grid]),
-            mm_token_type_ids=(ids_t == IMAGE_PAD).int(),
-            max_new_tokens=4,
-            min_new_tokens=4,
-            do_sample=False,
-        )
-    assert draft.tokens == ref[0, ids_t.shape[1] :].tolist()
+    assert draft.tokens == hf_generate(hf_draft, req.prompt_ids, image, 4)
     assert state.cache.length == len(req.prompt_ids) and state.pending == draft.tokens[:-1]
 
 
@@ -503,11 +467,6 @@ def test_vision_hybrid_draft_model_greedy_equals_plain(
         draft_model=str(directory),
         draft_quantization="none",
     )
-    for seed, count in [(1, 1), (2, 2), (3, 0)]:
-        images = [lm.load_image(png(seed + i)) for i in range(count)]
-        ids = chat_ids(lm, "the cat sat on the mat. the cat sat on the", images=count)
-        plain = run(lm, ids, images, max_tokens=40)
-        spec = run(lm, ids, images, cfg, max_tokens=40)
-        assert spec.output_ids == plain.output_ids
+    for spec in speculate_turns(lm, cfg, [(1, 1), (2, 2), (3, 0)], max_tokens=40):
         if draft == "self":
             assert spec.spec.accepted == spec.spec.drafted > 0

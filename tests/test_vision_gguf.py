@@ -24,6 +24,7 @@ from vision_models import (
     PREPROCESSOR,
     hf_image_forward,
     image_forward,
+    language_model_state,
     make_vlm_dir,
     png,
 )
@@ -63,32 +64,42 @@ class Pair:
     mmproj_q8: Path
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
-    tmp = tmp_path_factory.mktemp("vlm-gguf")
-    hf, hf_dir = make_vlm_dir(tmp / "hf", out_scale=0.1)
+def write_pair(
+    hf: Any,
+    hf_dir: Path,
+    tmp: Path,
+    arch: str,
+    text: dict[str, torch.Tensor],  # the language model's tensors, as a text checkpoint names them
+    preprocessor: dict[str, Any],
+) -> Pair:
+    """The GGUF + mmproj files of the checkpoint at `hf_dir` (its model `hf`): the text model
+    as llama.cpp's `arch` in F32 and Q8_0, the tower in F32 and Q8_0."""
     config = json.loads((hf_dir / "config.json").read_text())
     text_cfg = config["text_config"]
     state = dict(hf.state_dict())
-    prefix = "model.language_model."
-    text = {"model." + k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-    text["lm_head.weight"] = state["lm_head.weight"]
-    ours = load_model(hf_dir, torch.float32)
-    assert isinstance(ours, HybridLM)
-    mtp = {f"mtp.{k}": v for k, v in copying_head(ours).state_dict().items()}
-    tensors = llama_cpp_tensors(text | mtp, "qwen35", text_cfg)
+    tensors = llama_cpp_tensors(text, arch, text_cfg)
 
     def lm_file(name: str, qtype: str) -> Path:
-        return write_gguf(tmp / name, "qwen35", text_cfg, tensors, qtype, SPECIALS)
+        return write_gguf(tmp / name, arch, text_cfg, tensors, qtype, SPECIALS)
 
     return Pair(
         hf,
         hf_dir,
-        lm_file("vlm-f32.gguf", "F32"),
-        lm_file("vlm-q8_0.gguf", "Q8_0"),
-        write_mmproj(tmp / "mmproj-f32.gguf", config, PREPROCESSOR, state),
-        write_mmproj(tmp / "mmproj-q8_0.gguf", config, PREPROCESSOR, state, "Q8_0"),
+        lm_file("lm-f32.gguf", "F32"),
+        lm_file("lm-q8_0.gguf", "Q8_0"),
+        write_mmproj(tmp / "mmproj-f32.gguf", config, preprocessor, state),
+        write_mmproj(tmp / "mmproj-q8_0.gguf", config, preprocessor, state, "Q8_0"),
     )
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
+    tmp = tmp_path_factory.mktemp("vlm-gguf")
+    hf, hf_dir = make_vlm_dir(tmp / "hf", out_scale=0.1)
+    ours = load_model(hf_dir, torch.float32)
+    assert isinstance(ours, HybridLM)
+    mtp = {f"mtp.{k}": v for k, v in copying_head(ours).state_dict().items()}
+    return write_pair(hf, hf_dir, tmp, "qwen35", language_model_state(hf) | mtp, PREPROCESSOR)
 
 
 def test_mmproj_tower_equals_the_checkpoints(pair: Pair) -> None:

@@ -15,12 +15,13 @@ import pytest
 import torch
 from hybrid_models import one_thread  # noqa: F401 (autouse fixture)
 from safetensors.torch import load_file, save_file
-from test_vision import chat_ids, run
+from test_vision import chat_ids, run, speculate_turns
 from vision_models import (
     IMAGE_PAD,
     QWEN25_PREPROCESSOR,
+    assert_forward_and_decode_match,
+    hf_generate,
     hf_image_forward,
-    image_forward,
     make_qwen25_vl_dir,
     png,
 )
@@ -137,49 +138,13 @@ def test_qwen25_positions_match_transformers(vl: tuple[Any, LoadedModel]) -> Non
 
 def test_qwen25_logits_and_decode_match_transformers(vl: tuple[Any, LoadedModel]) -> None:
     """Every prompt row's logits over image + text, then 8 cached decode steps (the dense
-    model's contiguous M-RoPE sections past the prompt)."""
-    from quickdraft.images import ImageRows
-
+    model's contiguous M-RoPE sections past the prompt); then greedy generation."""
     hf, lm = vl
     image = lm.load_image(png(5, 40, 24))
-    out, ids, layout, cache = image_forward(lm, chat_ids(lm, "describe it"), image, room=16)
-    cache.commit(len(ids))
-    ref = hf_image_forward(hf, ids, image, use_cache=True)
-    assert (out.logits - ref.logits[0]).abs().max().item() < 1e-4
-    past = ref.past_key_values
-    no_rows = torch.zeros(0, dtype=torch.long)
-    for _ in range(8):
-        token = int(ref.logits[0, -1].argmax())
-        with torch.no_grad():
-            ref = hf(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
-        past = ref.past_key_values
-        n = cache.length
-        step = lm.model(
-            torch.tensor([token]),
-            [cache],
-            [1],
-            images=ImageRows(no_rows, layout.embeds[0][:0], layout.rows(n, 1)),
-        )
-        cache.commit(n + 1)
-        assert (step.logits[0] - ref.logits[0, -1]).abs().max().item() < 1e-4
-
-
-def test_qwen25_greedy_generation_matches_transformers(vl: tuple[Any, LoadedModel]) -> None:
-    hf, lm = vl
+    assert_forward_and_decode_match(hf, lm, chat_ids(lm, "describe it"), image)
     image = lm.load_image(png(6))
     req = run(lm, chat_ids(lm, "what is in the picture?"), [image], max_tokens=24)
-    ids_t = torch.tensor([req.prompt_ids])
-    with torch.no_grad():
-        out = hf.generate(
-            input_ids=ids_t,
-            pixel_values=image.pixels,
-            image_grid_thw=torch.tensor([image.grid]),
-            mm_token_type_ids=(ids_t == IMAGE_PAD).int(),
-            max_new_tokens=24,
-            min_new_tokens=24,
-            do_sample=False,
-        )
-    assert req.output_ids == out[0, ids_t.shape[1] :].tolist()
+    assert req.output_ids == hf_generate(hf, req.prompt_ids, image, 24)
     other = run(lm, chat_ids(lm, "what is in the picture?"), [lm.load_image(png(7))])
     assert other.output_ids[:24] != req.output_ids
 
@@ -266,15 +231,8 @@ def test_qwen25_speculation_greedy_equals_plain(
         draft_model={"draft": str(text_draft), "vl-draft": str(vl_draft[1])}.get(method),
         draft_quantization="none",
     )
-    accepted = 0
-    for seed, count in [(1, 1), (2, 2)]:
-        images = [lm.load_image(png(seed + i)) for i in range(count)]
-        ids = chat_ids(lm, "the cat sat on the mat. the cat sat on the", images=count)
-        plain = run(lm, ids, images, max_tokens=48)
-        spec = run(lm, ids, images, cfg, max_tokens=48)
-        assert spec.output_ids == plain.output_ids
-        accepted += spec.spec.accepted
-    assert accepted > 0 or method == "vl-draft"
+    reqs = speculate_turns(lm, cfg, [(1, 1), (2, 2)], max_tokens=48)
+    assert sum(r.spec.accepted for r in reqs) > 0 or method == "vl-draft"
 
 
 def test_qwen25_bf16_speculation_equals_plain(vl: tuple[Any, LoadedModel]) -> None:
@@ -283,15 +241,8 @@ def test_qwen25_bf16_speculation_equals_plain(vl: tuple[Any, LoadedModel]) -> No
     lm = load(str(vl[1].path), dtype="bf16", progress=False)
     assert lm.vision is not None and lm.vision.dtype == torch.bfloat16
     cfg = SpeculativeConfig(method="ngram", num_draft_tokens=4, adaptive=False)
-    accepted = 0
-    for seed in (1, 2):
-        ids = chat_ids(lm, "the cat sat on the mat. the cat sat on the")
-        images = [lm.load_image(png(seed))]
-        plain = run(lm, ids, images, max_tokens=48)
-        spec = run(lm, ids, images, cfg, max_tokens=48)
-        assert spec.output_ids == plain.output_ids
-        accepted += spec.spec.accepted
-    assert accepted > 0
+    reqs = speculate_turns(lm, cfg, [(1, 1), (2, 1)], max_tokens=48)
+    assert sum(r.spec.accepted for r in reqs) > 0
 
 
 def test_vl_draft_with_other_preprocessing_is_refused(

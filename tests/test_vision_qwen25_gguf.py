@@ -8,20 +8,24 @@ extra) picks the same greedy tokens."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from hybrid_models import one_thread  # noqa: F401 (autouse fixture)
 from test_gguf_loader import home  # noqa: F401 (fixture)
-from test_vision_gguf import PROMPT, SPECIALS, VISION_IDS, llama_cpp_greedy
-from vision_models import IMAGE_PAD, hf_image_forward, image_forward, make_qwen25_vl_dir, png
+from test_vision_gguf import PROMPT, VISION_IDS, Pair, llama_cpp_greedy, write_pair
+from vision_models import (
+    IMAGE_PAD,
+    hf_image_forward,
+    image_forward,
+    language_model_state,
+    make_qwen25_vl_dir,
+    png,
+)
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import stream
-from quickdraft.hub.gguf_write import llama_cpp_tensors, window_pattern, write_gguf, write_mmproj
+from quickdraft.hub.gguf_write import window_pattern
 from quickdraft.loading import load
 from quickdraft.models.gguf_vision import load_mmproj
 from quickdraft.models.vision_qwen25 import Qwen25VisionTower
@@ -32,40 +36,12 @@ pytestmark = pytest.mark.usefixtures("home")
 SIDE = 224  # 16 x 16 patches of 14: 8 x 8 merged units, 2 x 2 windows of 4 x 4
 
 
-@dataclass
-class Pair:
-    hf: Any  # transformers' Qwen2_5_VLForConditionalGeneration (fp32)
-    hf_dir: Path
-    f32: Path
-    q8: Path
-    mmproj: Path
-    mmproj_q8: Path
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Pair:
     tmp = tmp_path_factory.mktemp("qwen25vl-gguf")
     hf, hf_dir = make_qwen25_vl_dir(tmp / "hf", out_scale=0.1, patch=14, window=112)
-    config = json.loads((hf_dir / "config.json").read_text())
     preprocessor = json.loads((hf_dir / "preprocessor_config.json").read_text())
-    text_cfg = config["text_config"]
-    state = dict(hf.state_dict())
-    prefix = "model.language_model."
-    text = {"model." + k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-    text["lm_head.weight"] = state["lm_head.weight"]
-    tensors = llama_cpp_tensors(text, "qwen2vl", text_cfg)
-
-    def lm_file(name: str, qtype: str) -> Path:
-        return write_gguf(tmp / name, "qwen2vl", text_cfg, tensors, qtype, SPECIALS)
-
-    return Pair(
-        hf,
-        hf_dir,
-        lm_file("vl-f32.gguf", "F32"),
-        lm_file("vl-q8_0.gguf", "Q8_0"),
-        write_mmproj(tmp / "mmproj-f32.gguf", config, preprocessor, state),
-        write_mmproj(tmp / "mmproj-q8_0.gguf", config, preprocessor, state, "Q8_0"),
-    )
+    return write_pair(hf, hf_dir, tmp, "qwen2vl", language_model_state(hf), preprocessor)
 
 
 def test_qwen25_mmproj_tower_equals_the_checkpoints(pair: Pair) -> None:
@@ -125,7 +101,7 @@ def test_qwen25_greedy_tokens_equal_llama_cpp(pair: Pair, seed: int) -> None:
     llama_cpp = pytest.importorskip(
         "llama_cpp", reason="llama-cpp-python (the `peers` extra) is not installed"
     )
-    ids, theirs = llama_cpp_greedy(llama_cpp, pair, png(seed, SIDE, SIDE), 16)  # type: ignore[arg-type]
+    ids, theirs = llama_cpp_greedy(llama_cpp, pair, png(seed, SIDE, SIDE), 16)
     assert ids.count(IMAGE_PAD) == 1
     lm = load(str(pair.f32), "fp32", progress=False, mmproj=str(pair.mmproj))
     image = lm.load_image(png(seed, SIDE, SIDE))

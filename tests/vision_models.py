@@ -264,3 +264,56 @@ def image_forward(
         images=ImageRows(rows, layout.embeds[0], layout.rows(0, len(ids))),
     )
     return out, ids, layout, cache
+
+
+def hf_generate(hf: Any, ids: list[int], image: Any, tokens: int) -> list[int]:
+    """transformers' greedy continuation of `ids` (placeholders expanded) with one image."""
+    ids_t = torch.tensor([ids])
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=ids_t,
+            pixel_values=image.pixels,
+            image_grid_thw=torch.tensor([image.grid]),
+            mm_token_type_ids=(ids_t == IMAGE_PAD).int(),
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+        )
+    return list(out[0, ids_t.shape[1] :].tolist())
+
+
+def assert_forward_and_decode_match(hf: Any, lm: Any, prompt: list[int], image: Any) -> None:
+    """Every row's logits of our forward over `prompt` with its image, then 8 cached decode
+    steps (their M-RoPE positions past the prompt), against transformers' (1e-4)."""
+    from quickdraft.images import ImageRows
+
+    out, ids, layout, cache = image_forward(lm, prompt, image, room=16)
+    cache.commit(len(ids))
+    ref = hf_image_forward(hf, ids, image, use_cache=True)
+    assert (out.logits - ref.logits[0]).abs().max().item() < 1e-4
+    past = ref.past_key_values
+    no_rows = torch.zeros(0, dtype=torch.long)
+    for _ in range(8):
+        token = int(ref.logits[0, -1].argmax())
+        with torch.no_grad():
+            ref = hf(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
+        past = ref.past_key_values
+        n = cache.length
+        step = lm.model(
+            torch.tensor([token]),
+            [cache],
+            [1],
+            images=ImageRows(no_rows, layout.embeds[0][:0], layout.rows(n, 1)),
+        )
+        cache.commit(n + 1)
+        assert (step.logits[0] - ref.logits[0, -1]).abs().max().item() < 1e-4
+
+
+def language_model_state(hf: Any) -> dict[str, torch.Tensor]:
+    """A composite transformers model's language model as a text checkpoint names it
+    (`model.layers...`, `lm_head`): what llama_cpp_tensors lays out as a GGUF."""
+    state = dict(hf.state_dict())
+    prefix = "model.language_model."
+    text = {"model." + k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+    text["lm_head.weight"] = state["lm_head.weight"]
+    return text

@@ -286,11 +286,25 @@ class ImageTower(nn.Module):
     config: VisionConfig
     dtype: torch.dtype
     device: torch.device
+    patch_embed: PatchEmbed
+    inv_freq: Tensor  # the 2-D rotary frequencies (`rotary_inv_freq`)
 
     def encode(self, pixels: Tensor, grid: tuple[int, int, int]) -> Tensor:
         """pixels `[t h w, patch_dim]` of ONE image (patches in merge-block order, as images.py
         lays them out) -> its placeholder rows' embeddings `[t h w / merge^2, out_hidden]`."""
         raise NotImplementedError
+
+    def embed_patches(
+        self, pixels: Tensor, grid: tuple[int, int, int]
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """The checked patches embedded `[t h w, hidden]`, each frame's patch rows and columns
+        `[h w]` (merge-block order) and their rotary cos, sin `[h w, head_dim]`."""
+        _, h, w = grid
+        check_patches(pixels, grid, self.config)
+        x = self.patch_embed(pixels.to(self.device))
+        rows, cols = block_order(h, w, self.config.spatial_merge_size, self.device)
+        cos, sin = patch_angles(rows, cols, self.inv_freq)
+        return x, rows, cols, cos, sin
 
 
 class VisionTower(ImageTower):
@@ -314,14 +328,10 @@ class VisionTower(ImageTower):
 
     @torch.inference_mode()
     def encode(self, pixels: Tensor, grid: tuple[int, int, int]) -> Tensor:
-        cfg = self.config
         t, h, w = grid
-        m = cfg.spatial_merge_size
-        check_patches(pixels, grid, cfg)
-        x = self.patch_embed(pixels.to(self.device))
-        rows, cols = block_order(h, w, m, self.device)
+        x, rows, cols, cos, sin = self.embed_patches(pixels, grid)
         x = x + self._position_embeddings(rows, cols, h, w).repeat(t, 1).to(x.dtype)
-        cos, sin = (a.repeat(t, 1) for a in patch_angles(rows, cols, self.inv_freq))
+        cos, sin = cos.repeat(t, 1), sin.repeat(t, 1)
         frame = h * w  # attention runs per frame (a still image is one)
         out = []
         for f in range(t):

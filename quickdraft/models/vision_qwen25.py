@@ -23,9 +23,6 @@ from quickdraft.models.vision import (
     PatchEmbed,
     VisionAttention,
     VisionConfig,
-    block_order,
-    check_patches,
-    patch_angles,
     rotary_inv_freq,
 )
 
@@ -101,13 +98,9 @@ class Qwen25VisionTower(ImageTower):
 
     @torch.inference_mode()
     def encode(self, pixels: Tensor, grid: tuple[int, int, int]) -> Tensor:
-        cfg = self.config
         t, h, w = grid
-        m = cfg.spatial_merge_size
-        check_patches(pixels, grid, cfg)
-        x = self.patch_embed(pixels.to(self.device))
-        rows, cols = block_order(h, w, m, self.device)
-        cos, sin = patch_angles(rows, cols, self.inv_freq)
+        m = self.config.spatial_merge_size
+        x, _, _, cos, sin = self.embed_patches(pixels, grid)
         order, windows = window_order(h // m, w // m, self.window_units(), m, self.device)
         back = torch.argsort(order[:: m * m] // (m * m))  # merged units: window -> block order
         frame = h * w  # attention runs per frame (a still image is one)
