@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -273,11 +274,16 @@ at::Tensor qd_linear_panel(const at::Tensor& x, const at::Tensor& packed, int64_
     pairs = at::empty({M, ldxp}, x.options().dtype(at::kInt));
     const auto* src = reinterpret_cast<const u16*>(x2.data_ptr<at::BFloat16>());
     auto* dst = reinterpret_cast<u32*>(pairs.data_ptr<int32_t>());
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t i = 0; i < ldxp; ++i) {
-        const u32 lo = 2 * i + 1 < K ? src[m * K + 2 * i + 1] : 0;
-        dst[m * ldxp + i] = lo | (static_cast<u32>(src[m * K + 2 * i]) << 16);
+    for (int64_t m = 0; m < M; ++m) {
+      const u16* row = src + m * K;
+      u32* out = dst + m * ldxp;
+      for (int64_t i = 0; i < K / 2; ++i) {  // (x[2i], x[2i + 1]) -> (x[2i + 1], x[2i])
+        u32 v;
+        std::memcpy(&v, row + 2 * i, sizeof v);
+        out[i] = (v >> 16) | (v << 16);
       }
+      if (K % 2) out[K / 2] = static_cast<u32>(row[K - 1]) << 16;  // (0, x[K - 1])
+    }
   } else {
     xs = x2.scalar_type() == at::kFloat ? x2 : x2.to(at::kFloat);
   }

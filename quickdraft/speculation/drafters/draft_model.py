@@ -92,10 +92,10 @@ class DraftModelDrafter:
     def _sync_rows(self, state: DraftState, tokens: list[int]) -> list[int]:
         """Trim the cache to what it shares with `tokens` (O(1)) and return the tokens it must
         still be fed: at least the last one, whose logits the first draft comes from."""
-        if self.recurrent:  # every token fed was committed; `commit` kept one unfed
+        if self.recurrent:  # every token fed is committed; `commit` kept one unfed
             if state.pending:
                 self.commit(state, tokens)
-            assert tokens[: len(state.fed)] == state.fed, "the draft state is of other tokens"
+            assert len(state.fed) < len(tokens), "the draft state is ahead of the request"
             return tokens[len(state.fed) :]
         keep = min(common_prefix(state.fed, tokens, state.stable), len(tokens) - 1)
         state.stable = min(state.stable, keep)
@@ -108,8 +108,9 @@ class DraftModelDrafter:
         if self.encoder is None or job.images is None or state.layout is not None:
             return
         target = job.images
-        state.layout = ImageLayout(target.spans, target.positions, target.delta)
-        state.layout.embeds = [None] * len(target.spans)
+        state.layout = ImageLayout(
+            target.spans, target.positions, target.delta, [None] * len(target.spans)
+        )
         self.encoder.fill(state.layout)
 
     def _images(self, states: Sequence[DraftState], num_new: Sequence[int]) -> ImageRows | None:
@@ -123,19 +124,25 @@ class DraftModelDrafter:
             self.model.device,
         )
 
-    def _feed(self, states: list[DraftState], rows: list[list[int]]) -> torch.Tensor:
-        """One packed forward of each state's `rows`; returns the logits after each state's
-        last row `[len(states), vocab]` and commits the rows into the caches."""
+    def _run(self, states: Sequence[DraftState], rows: list[list[int]]) -> torch.Tensor:
+        """One packed forward of each state's `rows` past its cache, committing nothing;
+        returns the logits after each state's last row `[len(states), vocab]`."""
         ids = torch.tensor([t for r in rows for t in r], device=self.model.device)
         num_new = [len(r) for r in rows]
         out = self.model(
             ids, [s.cache for s in states], num_new, images=self._images(states, num_new)
         )
-        self.forwards.append(StepShape(len(ids), len(rows), sum(len(r) > 1 for r in rows)))
+        self.forwards.append(StepShape(len(ids), len(rows), sum(n > 1 for n in num_new)))
+        logits: torch.Tensor = out.logits
+        return logits
+
+    def _feed(self, states: list[DraftState], rows: list[list[int]]) -> torch.Tensor:
+        """`_run`, then the rows are committed into the caches."""
+        logits = self._run(states, rows)
         for state, r in zip(states, rows, strict=True):
             state.cache.commit(state.cache.length + len(r))
             state.fed.extend(r)
-        return out.logits
+        return logits
 
     def propose(self, jobs: Sequence[DraftJob]) -> list[Draft]:
         """All jobs advance together: one packed forward brings every draft cache up to its
@@ -182,14 +189,7 @@ class DraftModelDrafter:
             active = [active[r] for r in draft_position(logits, jobs, active, drafts, chains)]
             if not active:
                 break
-            rows = [drafts[j][0] for j in active]
-            chain = [states[j] for j in active]
-            ids = torch.tensor([t for r in rows for t in r], device=self.model.device)
-            num_new = [len(r) for r in rows]
-            caches = [s.cache for s in chain]
-            out = self.model(ids, caches, num_new, images=self._images(chain, num_new))
-            self.forwards.append(StepShape(len(ids), len(rows), sum(n > 1 for n in num_new)))
-            logits = out.logits
+            logits = self._run([states[j] for j in active], [drafts[j][0] for j in active])
         for state, (tokens, _) in zip(states, drafts, strict=True):
             state.pending = tokens[:-1]  # the last forward ran every draft but the last
         return [Draft(d, torch.stack(p) if p else None) for d, p in drafts]
