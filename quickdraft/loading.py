@@ -30,10 +30,12 @@ from quickdraft.images import (
 )
 from quickdraft.kernels import kernels_available, panels_apply
 from quickdraft.models.base import LanguageModel
+from quickdraft.models.gguf_gpu import runs_on_device
 from quickdraft.models.gguf_loader import is_gguf_dir
 from quickdraft.models.gguf_vision import load_mmproj
 from quickdraft.models.graphs import for_device
 from quickdraft.models.loader import load_model, load_vision
+from quickdraft.models.registry import model_class, read_config
 from quickdraft.models.vision import ImageTower
 from quickdraft.request import Request, SamplingError, SamplingParams
 from quickdraft.tokenizer import Tokenizer
@@ -187,6 +189,14 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def _gguf_on_device(path: Path) -> bool:
+    """Whether the model directory `path` is a GGUF whose formats run on a GPU."""
+    if not is_gguf_dir(path):
+        return False
+    cfg = read_config(path)
+    return runs_on_device(model_class(cfg.model_type), cfg)
+
+
 def device_name(device: torch.device) -> str:
     """What /health, the admin page and the benchmarks call the device a model runs on."""
     if device.type == "cuda":
@@ -206,11 +216,11 @@ def load(
     that is a GGUF; `"int8"` / `"int4"`: projection weights in 8 / 4 bits (half / 0.31x the
     bytes of bf16, so a memory-bound step runs up to 2-3x faster); dense models only, meant for
     draft models, whose precision only moves the acceptance rate. `device` ("auto", "cpu",
-    "cuda"; see `resolve_device`): on a GPU the weights are bf16 (a GGUF's own formats are
-    dequantized at load: their kernels are the CPU's) and a dense model runs behind
-    models/graphs.py's GraphModel (CUDA graphs, static KV slots). `mmproj`: llama.cpp's
-    multimodal projector file of a vision-language GGUF target (models/gguf_vision.py); a
-    Hugging Face directory brings its own vision tower."""
+    "cuda"; see `resolve_device`): on a GPU a dense GGUF model keeps its own formats
+    (kernels/triton_gguf.py; other GGUF families are dequantized to bf16 there) and a dense
+    model runs behind models/graphs.py's GraphModel (CUDA graphs, static KV slots). `mmproj`:
+    llama.cpp's multimodal projector file of a vision-language GGUF target
+    (models/gguf_vision.py); a Hugging Face directory brings its own vision tower."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r}: choose one of {QUANTIZATIONS}")
     where = resolve_device(device)
@@ -221,7 +231,9 @@ def load(
                 "quantization (the model runs in bf16 there)"
             )
         if quantization == "gguf" or dtype == GGUF_DTYPE:
-            dtype, quantization = "bf16", "none"
+            dtype, quantization = GGUF_DTYPE, "none"
+            if not _gguf_on_device(hub.resolve(model, dtype, progress=progress)):
+                dtype = "bf16"  # Gemma 3, MoE, hybrid: dequantized, as before
     if quantization == "gguf":  # the GGUF's own formats, whatever the caller's dtype
         dtype, quantization = GGUF_DTYPE, "none"
     path = hub.resolve(model, dtype, progress=progress)

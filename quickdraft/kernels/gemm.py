@@ -2,7 +2,8 @@
 
 A projection's operand (`Weight`) is a plain bf16 / fp32 tensor in nn.Linear layout (linear_bf16
 `linear`), bf16 in 16-row panels (`PanelWeight`), int8 with row scales (`Int8Weight`), 4-bit
-groups (`Int4Weight`) or a GGUF file's own block formats (`GGUFWeight`); `project` runs the
+groups (`Int4Weight`) or a GGUF file's own block formats (`GGUFWeight` on the CPU,
+`DeviceGGUFWeight` on a GPU); `project` runs the
 kernel of its format. Models hold operands of any of these and never branch on the format.
 """
 
@@ -15,10 +16,13 @@ from quickdraft.kernels.build import kernels_available
 from quickdraft.kernels.linear_bf16 import PANEL, PanelWeight, linear, linear_panel
 from quickdraft.kernels.linear_gguf import GGUFPart, GGUFWeight, linear_gguf
 from quickdraft.kernels.linear_int import Int4Weight, Int8Weight, linear_int4, linear_int8
+from quickdraft.kernels.triton_gguf import DeviceGGUFWeight
+from quickdraft.kernels.triton_gguf import linear as linear_device_gguf
+from quickdraft.kernels.triton_gguf import rows as rows_device_gguf
 
 # a projection's GEMM operand: bf16/fp32, bf16 in 16-row panels, int8 + row scales, 4-bit, or
-# a GGUF file's own block formats
-Weight = Tensor | PanelWeight | Int8Weight | Int4Weight | GGUFWeight
+# a GGUF file's own block formats (on the CPU, or on a GPU in the Triton kernels' layout)
+Weight = Tensor | PanelWeight | Int8Weight | Int4Weight | GGUFWeight | DeviceGGUFWeight
 
 
 def project(x: Tensor, weight: Weight, bias: Tensor | None = None) -> Tensor:
@@ -31,6 +35,8 @@ def project(x: Tensor, weight: Weight, bias: Tensor | None = None) -> Tensor:
         return linear_int4(x, weight, bias)
     if isinstance(weight, GGUFWeight):
         return linear_gguf(x, weight, bias)
+    if isinstance(weight, DeviceGGUFWeight):
+        return linear_device_gguf(x, weight, bias)
     return linear(x, weight, bias)
 
 
@@ -64,6 +70,8 @@ def panel_rows(weight: Weight, p0: int, p1: int) -> Weight:
         return Int8Weight(weight.packed[p0:p1].clone(), scale, weight.in_features)
     if isinstance(weight, Int4Weight):
         return Int4Weight(weight.packed[p0:p1].clone(), r1 - r0, weight.in_features)
+    if isinstance(weight, DeviceGGUFWeight):
+        return weight.row_range(r0, r1)
     if len(weight.parts) != 1:
         raise ValueError("rows of a fused GGUF operand (several formats) are not sliced")
     part = GGUFPart(weight.parts[0].fmt, weight.parts[0].packed[p0:p1].clone(), r1 - r0)
@@ -75,12 +83,16 @@ def dequantized_rows(weight: Weight, ids: list[int]) -> Tensor:
     them dequantized once (no copy of the whole weight)."""
     if isinstance(weight, Tensor):
         return weight[ids].float()
+    if isinstance(weight, DeviceGGUFWeight):
+        picked = torch.tensor(ids, device=weight.device)
+        return rows_device_gguf(weight, picked, torch.float32).cpu()
     by_panel: dict[int, list[int]] = {}
     for at, row in enumerate(ids):
         by_panel.setdefault(row // PANEL, []).append(at)
     out = torch.empty(len(ids), weight.shape[1])
     for p, where in by_panel.items():
         panel = panel_rows(weight, p, p + 1)
+        assert not isinstance(panel, DeviceGGUFWeight)
         values = panel.float() if isinstance(panel, Tensor) else panel.dequantize(torch.float32)
         out[where] = values[[ids[at] % PANEL for at in where]]
     return out

@@ -43,6 +43,7 @@ from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
 from quickdraft.memory import trim_heap
 from quickdraft.models.base import LanguageModel
 from quickdraft.models.gemma3 import Gemma3LM
+from quickdraft.models.gguf_gpu import runs_on_device, to_device_
 from quickdraft.models.layers import GGUFEmbedding, OperandModule, release_fused_
 from quickdraft.models.llama import CausalLM, operand_converter
 from quickdraft.models.registry import model_class, read_config
@@ -177,11 +178,21 @@ def load_gguf_model(
     beside it when there is one (`packed_name`), else built from the file (each operand
     converted as it is read) and that copy written."""
     cfg = read_config(path)
-    native = model_class(cfg.model_type) in (CausalLM, Gemma3LM)
-    if not native or torch.device(device).type != "cpu":
+    cls = model_class(cfg.model_type)
+    where = torch.device(device)
+    if where.type != "cpu":
+        if not runs_on_device(cls, cfg) or quantization != "none":
+            raise GGUFTensorError(
+                f"GGUF weights run on a GPU for dense models in their own formats; "
+                f"{cfg.model_type!r} ({quantization}) on {device}: load with --dtype bf16"
+            )
+        on_cpu = load_gguf_model(path, dtype, "cpu")
+        assert isinstance(on_cpu, CausalLM)
+        return to_device_(on_cpu, where)
+    if cls not in (CausalLM, Gemma3LM):
         raise GGUFTensorError(
-            f"GGUF weights run natively for dense models on the CPU; {cfg.model_type!r} on "
-            f"{device}: load with --dtype bf16"
+            f"GGUF weights run natively for dense models on the CPU; {cfg.model_type!r}: "
+            "load with --dtype bf16"
         )
     cache = path / packed_name(quantization)
     if cache.is_file():

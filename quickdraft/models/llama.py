@@ -25,6 +25,7 @@ from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
 from quickdraft.kernels.pointwise import rope as apply_rope
 from quickdraft.kernels.pointwise import silu_mul
+from quickdraft.kernels.triton_gguf import DeviceGGUFEmbedding
 from quickdraft.models.base import ForwardOutput, ImageRows, packed_positions
 from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.layers import (
@@ -227,7 +228,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         # a GGUF model's stays in its file's format (models/gguf_loader.py)
-        self.embed_tokens: Embedding | GGUFEmbedding = Embedding(
+        self.embed_tokens: Embedding | GGUFEmbedding | DeviceGGUFEmbedding = Embedding(
             cfg.vocab_size, cfg.hidden_size, dtype, device
         )
         self.layers = nn.ModuleList(

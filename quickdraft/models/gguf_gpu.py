@@ -1,0 +1,103 @@
+"""A GGUF model's own quantized weights on a GPU: the CPU load (kernels/linear_gguf.py's
+layout, from the packed copy beside the file) moved operand by operand into
+kernels/triton_gguf.py's device layout, the embedding table too. The model then runs behind
+models/graphs.py's GraphModel like a bf16 one, its projections on the Triton GGUF kernels."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from quickdraft.kernels import triton_gguf
+from quickdraft.kernels.linear_gguf import FORMATS, GGUFWeight
+from quickdraft.kernels.triton_gguf import DeviceGGUFEmbedding
+from quickdraft.models.layers import GGUFEmbedding, OperandModule
+from quickdraft.models.llama import CausalLM, Embedding
+
+
+def runs_on_device(model_class: type, cfg: object) -> bool:
+    """Whether a GGUF model of this class keeps its quantized weights on a GPU: dense
+    CausalLMs (llama, qwen2, qwen3), the models GraphModel runs. The others (Gemma 3, MoE,
+    hybrid) are dequantized to bf16 there."""
+    moe = getattr(cfg, "moe_layers", None)
+    return model_class is CausalLM and not (moe and any(moe))
+
+
+def _same(a: GGUFWeight, b: GGUFWeight) -> bool:
+    return (
+        a.shape == b.shape
+        and len(a.parts) == len(b.parts)
+        and all(
+            p.fmt is q.fmt and p.n == q.n and torch.equal(p.packed, q.packed)
+            for p, q in zip(a.parts, b.parts, strict=True)
+        )
+    )
+
+
+def to_device_(model: CausalLM, device: torch.device | str) -> CausalLM:
+    """Move a CPU-loaded GGUF CausalLM to `device` in place: GGUFWeight operands into the
+    device layout (the same values), other operands, parameters and the rope tables as they
+    are, the embedding table in its format (sharing the head's weight when tied)."""
+    device = torch.device(device)
+    moved: dict[int, triton_gguf.DeviceGGUFWeight] = {}
+    head_cpu = model.head
+    for module in model.modules():
+        if not isinstance(module, OperandModule):
+            continue
+        for name in module.OPERANDS:
+            w = getattr(module, name)
+            if isinstance(w, GGUFWeight):
+                if id(w) not in moved:
+                    moved[id(w)] = triton_gguf.to_device(w, device)
+                setattr(module, name, moved[id(w)])
+            elif isinstance(w, Tensor):
+                setattr(module, name, w.to(device))
+            else:
+                raise ValueError(f"{type(w).__name__} operands run on the CPU kernels only")
+    emb = model.model.embed_tokens
+    model.to(device)  # norms, biases (the emptied HF views move as they are)
+    if isinstance(emb, GGUFEmbedding):
+        table: Embedding | DeviceGGUFEmbedding
+        if emb.qtype.name in FORMATS:
+            cpu = GGUFWeight.from_raw(emb.qtype.name, emb.raw, emb.dim)
+            if isinstance(head_cpu, GGUFWeight) and _same(cpu, head_cpu):
+                weight = moved[id(head_cpu)]  # tied: one copy serves both
+            else:
+                weight = triton_gguf.to_device(cpu, device)
+            table = DeviceGGUFEmbedding(weight, model.dtype)
+        else:  # a format with no GPU kernel: the table dequantized once
+            vocab = emb.raw.shape[0]
+            table = Embedding(vocab, emb.dim, model.dtype, device)
+            for r0 in range(0, vocab, 8192):
+                ids = list(range(r0, min(vocab, r0 + 8192)))
+                table.weight.data[r0 : r0 + len(ids)] = emb.dequantize(ids).to(device)
+        model.model.embed_tokens = table
+    rope = model.rope
+    for attr, value in vars(rope).items():
+        if isinstance(value, Tensor):
+            setattr(rope, attr, value.to(device))
+    model.device = device
+    model._fused = None
+    return model
+
+
+def weight_bytes(model: CausalLM) -> int:
+    """Bytes of the projection and embedding weights on the model's device (benchmarks: GPU
+    memory of GGUF against bf16), each shared tensor counted once."""
+    seen: dict[int, int] = {}
+
+    def add(w: object) -> None:
+        if isinstance(w, triton_gguf.DeviceGGUFWeight):
+            for p in w.parts:
+                for t in p.tensors():
+                    seen[t.data_ptr()] = t.numel() * t.element_size()
+        elif isinstance(w, Tensor) and w.numel():
+            seen[w.data_ptr()] = w.numel() * w.element_size()
+
+    for module in model.modules():
+        if isinstance(module, OperandModule):
+            for name in module.OPERANDS:
+                add(getattr(module, name))
+    emb = model.model.embed_tokens
+    add(emb.weight)
+    return sum(seen.values())
