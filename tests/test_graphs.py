@@ -164,6 +164,81 @@ def test_speculation_on_the_static_forward_equals_plain(
     assert drafted > 0
 
 
+def test_greedy_chain_is_the_steps_one_at_a_time(tiny_model_dir: Path) -> None:
+    """GraphModel.greedy_chain (one captured graph on a GPU) feeds each step the argmax of the
+    one before, at each sequence's own position: the picks and the KV it leaves are those of
+    one-row forwards run one by one."""
+    static = GraphModel(model_of(tiny_model_dir))
+    prompts = [[5, 9, 11, 3], [7, 8], [40, 41, 42, 43, 44, 45]]
+    chained, stepped = [], []
+    for out in (chained, stepped):
+        caches = [static.new_cache(64) for _ in prompts]
+        flat = torch.tensor([t for p in prompts for t in p])
+        logits = static(flat, caches, [len(p) for p in prompts]).logits
+        for c, p in zip(caches, prompts, strict=True):
+            c.commit(len(p))
+        first = logits.argmax(-1)
+        if out is chained:
+            picks = static.greedy_chain(first, caches, 4)
+            for c in caches:
+                c.commit(c.length + 4)
+        else:
+            picks_list, ids = [], first
+            for _ in range(4):
+                ids = static(ids, caches, [1] * len(caches)).logits.argmax(-1)
+                picks_list.append(ids)
+                for c in caches:
+                    c.commit(c.length + 1)
+            picks = torch.stack(picks_list)
+        after = static(picks[-1], caches, [1] * len(caches)).logits  # reads the chain's KV
+        out.extend([picks, after])
+    assert torch.equal(chained[0], stepped[0])
+    # eagerly the chain attends over its last step's key count: equal up to fp32 summation
+    torch.testing.assert_close(chained[1], stepped[1], atol=1e-5, rtol=1e-5)
+
+
+def test_draft_chain_on_the_static_forward_drafts_what_the_loop_drafts(
+    tiny_model_dir: Path,
+) -> None:
+    """A draft model behind GraphModel with the device chain: jobs of one k run as one
+    greedy_chain, jobs of mixed k as the per-position loop; both draft, feed and commit what
+    the token-by-token loop does."""
+    from quickdraft.speculation.drafters.base import DraftJob
+    from quickdraft.speculation.drafters.draft_model import DraftModelDrafter
+
+    lm = load(str(tiny_model_dir), "fp32", progress=False)
+    static = GraphModel(lm.model)
+    calls = {"chain": 0}
+    chain = static.greedy_chain
+
+    def counted(*args: Any) -> Any:
+        calls["chain"] += 1
+        return chain(*args)
+
+    static.greedy_chain = counted  # type: ignore[method-assign]
+    runs = []
+    for on in (True, False):
+        drafter = DraftModelDrafter(static, static.config.vocab_size)
+        drafter.device_chain = on
+        seqs = [lm.tokenizer.encode(t) for t in ("hello world", "abcabc", "the cat sat")]
+        states = [drafter.new_state(s) for s in seqs]
+        seen = []
+        for ks in ((3, 3, 3), (1, 4, 2), (5, 5, 5)):
+            jobs = [
+                DraftJob(st, seq, k, SamplingParams(), torch.Generator())
+                for st, seq, k in zip(states, seqs, ks, strict=True)
+            ]
+            drafts = drafter.propose(jobs)
+            seen.append(([d.tokens for d in drafts], list(drafter.forwards)))
+            for st, seq, d in zip(states, seqs, drafts, strict=True):
+                seq.extend([*d.tokens[:2], 7])  # the target kept two drafts, then its own
+                drafter.commit(st, seq)
+        seen.append([(st.fed, st.cache.length) for st in states])
+        runs.append(seen)
+    assert calls["chain"] == 2  # the rounds of one k
+    assert runs[0] == runs[1]
+
+
 def test_cpu_models_run_as_they_are(tiny_model_dir: Path) -> None:
     lm = load(str(tiny_model_dir), "fp32", device="cpu", progress=False)
     assert isinstance(lm.model, CausalLM) and for_device(lm.model) is lm.model

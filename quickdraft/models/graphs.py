@@ -25,7 +25,7 @@ addresses, so growth drops them and the shapes are captured again.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,7 +78,7 @@ class _Captured:
     graph: Any  # torch.cuda.CUDAGraph
     ids: Tensor  # [batch * rows] static inputs ...
     meta: Tensor  # [2 * batch * rows + batch]: row slots, row positions, sequence slots
-    logits: Tensor  # ... and the static output [batch * rows, vocab]
+    logits: Tensor  # ... and the static output [batch * rows, vocab] (a chain's: picks)
 
 
 def graph_key(num_new: Sequence[int], need: int, capacity: int) -> Layout | None:
@@ -121,6 +121,7 @@ class GraphModel:
             self.device,
         )
         self._captured: dict[Layout, _Captured] = {}
+        self._chains: dict[tuple[Layout, int], _Captured] = {}  # greedy_chain's, by steps
         self._generation = -1
         self._mempool: Any = None
         self.replays = 0  # graph replays so far (tests, telemetry)
@@ -168,6 +169,7 @@ class GraphModel:
         """Forget every captured graph, and their memory pool with them: once no graph holds
         it, the allocator frees the pool, and capturing into its stale handle fails."""
         self._captured.clear()
+        self._chains.clear()
         self._mempool = None
 
     @torch.inference_mode()
@@ -221,6 +223,60 @@ class GraphModel:
         return ForwardOutput(
             logits, hidden.index_select(0, dest) if return_hidden else None, layers
         )
+
+    @torch.inference_mode()
+    def greedy_chain(self, first: Tensor, caches: Sequence[SlotCache], steps: int) -> Tensor:
+        """`steps` one-row forwards of every sequence, each fed the argmax of the one before:
+        `first` [B] (device ids) is fed at each cache's length, then the picks. Returns the
+        picks [steps, B] (the argmax after each step); each cache then holds the KV of the fed
+        tokens, uncommitted. On a GPU the whole chain is one captured graph (a draft model's k
+        steps: one replay, no host work between them)."""
+        assert first.dim() == 1 and len(caches) == first.shape[0] and steps >= 1
+        for cache in caches:
+            if cache.length + steps > self.limit:
+                raise ValueError(
+                    f"sequence of {cache.length + steps} tokens exceeds the model context "
+                    f"({self.limit})"
+                )
+            cache.reserve(steps)
+        if self.pool.generation != self._generation:
+            self._generation = self.pool.generation
+            self._drop()
+            self._tables(self.pool.capacity)
+        need = max(c.length for c in caches) + steps
+        ones = [1] * len(caches)
+        graphed = (
+            graph_key(ones, 1 if self.fused else need, self.pool.capacity) if self.graphs else None
+        )
+        layout = graphed or Layout(len(caches), 1, need)
+        padded = torch.zeros(layout.batch, dtype=torch.long, device=self.device)
+        padded[: len(caches)] = first.to(self.device)
+        _, meta, _ = self._inputs(torch.zeros(len(caches), dtype=torch.long), caches, ones, layout)
+        if graphed is None:
+            return self._chain(padded, meta, layout, steps)[:, : len(caches)]
+        key = (graphed, steps)
+        captured = self._chains.get(key)
+        if captured is None:
+            ids_in = torch.zeros_like(padded)
+            meta_in = self._scratch_meta(graphed)
+            graph, out = self._graph(lambda: self._chain(ids_in, meta_in, graphed, steps))
+            captured = self._chains[key] = _Captured(graph, ids_in, meta_in, out)
+        captured.ids.copy_(padded)
+        captured.meta.copy_(meta)
+        captured.graph.replay()
+        self.replays += 1
+        return captured.logits[:, : len(caches)]
+
+    def _chain(self, ids: Tensor, meta: Tensor, at: Layout, steps: int) -> Tensor:
+        """`greedy_chain`'s forwards, capturable: step i's rows sit i positions past meta's."""
+        picks = []
+        shift = torch.zeros_like(meta)
+        shift[at.batch : 2 * at.batch] = 1  # the row positions (rows = 1)
+        for i in range(steps):
+            hidden, _ = self._forward(ids, meta + i * shift, at, set())
+            ids = self.inner._logits(hidden).argmax(-1)
+            picks.append(ids)
+        return torch.stack(picks)
 
     # -- the static forward --------------------------------------------------------------------
 
@@ -387,30 +443,42 @@ class GraphModel:
         self.replays += 1
         return captured.logits
 
-    def _capture(self, at: Layout) -> _Captured:
+    def _scratch_meta(self, at: Layout) -> Tensor:
+        """Capture-time meta: every row and sequence on the scratch slot at position 0, so the
+        warm-up runs write nothing real."""
         padded = at.batch * at.rows
-        scratch = self.pool.scratch
-        ids = torch.zeros(padded, dtype=torch.long, device=self.device)
-        # every row and sequence on the scratch slot: the warm-up runs write nothing real
-        meta = torch.full((2 * padded + at.batch,), scratch, dtype=torch.long, device=self.device)
+        meta = torch.full(
+            (2 * padded + at.batch,), self.pool.scratch, dtype=torch.long, device=self.device
+        )
         meta[padded : 2 * padded] = 0
+        return meta
+
+    def _capture(self, at: Layout) -> _Captured:
+        ids = torch.zeros(at.batch * at.rows, dtype=torch.long, device=self.device)
+        meta = self._scratch_meta(at)
 
         def step() -> Tensor:
             hidden, _ = self._forward(ids, meta, at, set())
             return self.inner._logits(hidden)
 
+        graph, logits = self._graph(step)
+        return _Captured(graph, ids, meta, logits)
+
+    def _graph(self, fn: Callable[[], Tensor]) -> tuple[Any, Tensor]:
+        """`fn` captured as a CUDA graph (after two warm-up runs on a side stream: cuBLAS
+        handles, workspaces, lazy inits) into the shared memory pool -> (graph, its output)."""
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up: cuBLAS handles, workspaces, lazy inits
-                step()
+            for _ in range(2):
+                fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool):
-            logits = step()
-        return _Captured(graph, ids, meta, logits)
+            out = fn()
+        return graph, out
 
 
 def for_device(model: Any) -> Any:

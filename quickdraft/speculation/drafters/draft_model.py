@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -202,6 +203,9 @@ class DraftModelDrafter:
         and the tokens are read back once, at the end (one sync per propose, not one per
         token). The forwards are the ones the per-token loop runs, so are the drafts."""
         ks = [job.k for job in jobs]
+        chain = getattr(self.model, "greedy_chain", None)
+        if chain is not None and len(set(ks)) == 1 and ks[0] > 1 and self.encoder is None:
+            return self._graph_chain(chain, states, logits, ks[0])
         picks = [logits.argmax(-1)]  # per position: the argmax of the jobs drafting there
         at = [list(range(len(jobs)))]  # per position: those jobs, in `picks` order
         for step in range(1, max(ks)):
@@ -224,6 +228,20 @@ class DraftModelDrafter:
         for state, drafted in zip(states, tokens, strict=True):
             state.fed.extend(drafted[:-1])  # every draft but the last was fed
         return [Draft(t) for t in tokens]
+
+    def _graph_chain(
+        self, chain: Any, states: list[DraftState], logits: torch.Tensor, k: int
+    ) -> list[Draft]:
+        """`_device_chain` where every job drafts k tokens and the model runs its k - 1 steps as
+        one call (GraphModel.greedy_chain: one captured graph on a GPU)."""
+        first = logits.argmax(-1)
+        rest = chain(first, [s.cache for s in states], k - 1)  # [k - 1, B]
+        self.forwards.extend([StepShape(len(states), len(states))] * (k - 1))
+        values = torch.cat([first[None], rest]).T.tolist()  # the one read back
+        for state, drafted in zip(states, values, strict=True):
+            state.cache.commit(state.cache.length + k - 1)
+            state.fed.extend(drafted[:-1])
+        return [Draft(t) for t in values]
 
     def commit(
         self, state: DraftState, tokens: list[int], hidden: torch.Tensor | None = None
