@@ -78,8 +78,16 @@ def decode_rate(n: int, total: float, first: float) -> float:
     return (n - 1) / (total - first) if n > 1 and total > first else float("nan")
 
 
-def ours(lm: LoadedModel, spec_cfg: SpeculativeConfig, prompts: list[list[int]], n: int) -> dict:
-    spec = make_speculation(lm, spec_cfg)
+def ours(
+    lm: LoadedModel,
+    spec_cfg: SpeculativeConfig | None,
+    prompts: list[list[int]],
+    n: int,
+    spec: Any = None,
+) -> dict:
+    """Single-stream greedy runs of `prompts` (`spec_cfg`'s speculation, or a prepared `spec`)."""
+    if spec_cfg is not None:
+        spec = make_speculation(lm, spec_cfg)
     params = SamplingParams(max_tokens=n, ignore_eos=True)
     warm = lm.new_request(prompts[0], SamplingParams(max_tokens=n, ignore_eos=True))
     for _ in stream(lm, warm, spec):  # captures the graphs this run uses

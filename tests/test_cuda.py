@@ -161,3 +161,35 @@ def test_gpu_pointwise_ops_are_the_references(dtype: torch.dtype) -> None:
     cos, sin = torch.cat((angles.cos(),) * 2, -1), torch.cat((angles.sin(),) * 2, -1)
     out = pointwise.rope_rows(qk, cos, pointwise.signed_sin(sin))
     torch.testing.assert_close(out, pointwise.reference_rope(qk, cos, sin), **tol)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft-self"])
+def test_gguf_target_keeps_its_formats_and_speculation_is_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    """A GGUF model on the GPU keeps its block formats (the Triton GGUF kernels, its table in
+    its format), and every op of its forward is batch-invariant: greedy output with
+    speculation equals speculation off in bf16, bit for bit, not just at near-ties."""
+    from test_gguf_loader import TYPES, write_tiny_gguf
+
+    from quickdraft.kernels.triton_gguf import DeviceGGUFEmbedding, DeviceGGUFWeight
+
+    monkeypatch.setenv("QUICKDRAFT_HOME", str(tmp_path / "home"))
+    path = write_tiny_gguf(tmp_path / "tiny-qwen2.gguf", "qwen2", TYPES["qwen2"])
+    lm = load(str(path), "gguf", device="cuda", progress=False)
+    model = lm.model
+    assert isinstance(model, GraphModel) and model.graphs and model.fused
+    assert isinstance(model.inner.model.embed_tokens, DeviceGGUFEmbedding)
+    assert isinstance(model.inner.head, DeviceGGUFWeight)
+    cfg = SpeculativeConfig(
+        method=method.split("-")[0],
+        num_draft_tokens=4,
+        draft_model=str(path) if method == "draft-self" else None,
+        draft_quantization="none",
+        ngram_min=1,
+        ngram_max=3,
+        adaptive=False,
+    )
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    drafted, accepted = greedy_parity(lm, PROMPTS, params, cfg)
+    assert drafted > 0 and accepted > 0

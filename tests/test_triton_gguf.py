@@ -23,7 +23,7 @@ from quickdraft.kernels import build, triton_gguf, triton_ops
 from quickdraft.kernels.gemm import dequantized_rows, panel_rows, project
 from quickdraft.kernels.linear_gguf import FORMATS, GGUFWeight, decode, random_blocks
 from quickdraft.loading import load
-from quickdraft.models.gguf_gpu import to_device_, weight_bytes
+from quickdraft.models.gguf_gpu import random_q4_k_m_, to_device_, weight_bytes
 from quickdraft.models.graphs import GraphModel
 from quickdraft.models.layers import OperandModule
 from quickdraft.models.llama import CausalLM
@@ -223,3 +223,46 @@ def test_model_on_the_device_layout_gives_the_cpu_logits(
         step = net(ids[18 + j : 19 + j], [cache], [1]).logits[-1].cpu()
         cache.commit(19 + j)
         assert torch.equal(step, got[j]), f"row {j}"
+
+
+def test_random_q4_k_m_model_runs_and_rows_equal_steps(tiny_model_dir: Path) -> None:
+    """The benchmarks' stand-in for a real GGUF (random weights in Q4_K_M's formats, made on
+    the device): it runs behind GraphModel, and a 4-row verify gives each row the bits of its
+    decode step."""
+    model = load_model(tiny_model_dir, torch.float32, DEVICE)
+    assert isinstance(model, CausalLM)
+    random_q4_k_m_(model, seed=3)
+    kinds = {p.fmt.name for w in operands(model) for p in w.parts}
+    assert kinds <= set(FORMATS) and "Q8_0" in kinds  # hidden 64: the K-quants' fallbacks
+    net = GraphModel(model, graphs=False, fused=True)
+    ids = torch.arange(3, 15, device=DEVICE)
+    cache = net.new_cache(32)
+    net(ids[:8], [cache], [8])
+    cache.commit(8)
+    verify = net(ids[8:12], [cache], [4], torch.arange(4, device=DEVICE)).logits
+    assert torch.isfinite(verify).all()
+    for j in range(4):
+        step = net(ids[8 + j : 9 + j], [cache], [1]).logits[-1]
+        cache.commit(9 + j)
+        assert torch.equal(step, verify[j]), f"row {j}"
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
+def test_swiglu_is_the_gemm_then_silu_mul(name: str) -> None:
+    """The fused gate / up GEMM (one launch) gives the bits of the GEMM followed by
+    triton_ops.silu_mul, in bf16; gate and up of two formats fall back to that pair."""
+    k = in_features(name)
+    gate, up = weight(name, 48, k, seed=8)[0], weight(name, 48, k, seed=9)[0]
+    dev = triton_gguf.to_device(GGUFWeight.concat([gate, up]), DEVICE)
+    assert len(dev.parts) == 1  # one format: merged, one launch
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    x = x.to(DEVICE)
+    fused = triton_gguf.swiglu(x, dev)
+    assert torch.equal(fused, triton_ops.silu_mul(triton_gguf.linear(x, dev)))
+    assert torch.equal(triton_gguf.swiglu(x[2:3], dev), fused[2:3])
+    if k == 512:
+        other = weight("Q6_K", 48, 512)[0]
+        mixed = triton_gguf.to_device(GGUFWeight.concat([gate, other]), DEVICE)
+        assert len(mixed.parts) == 2
+        want = triton_ops.silu_mul(triton_gguf.linear(x, mixed))
+        assert torch.equal(triton_gguf.swiglu(x, mixed), want)

@@ -88,14 +88,17 @@ class DeviceGGUFWeight:
     def device(self) -> torch.device:
         return self.parts[0].q.device
 
-    def row_range(self, start: int, stop: int) -> DeviceGGUFWeight:
-        """Output rows [start, stop), a copy in the same layout (a draft model's restricted
-        head)."""
+    def row_range(self, start: int, stop: int, copy: bool = True) -> DeviceGGUFWeight:
+        """Output rows [start, stop) in the same layout: a copy (a draft model's restricted
+        head), or views (`copy=False`: the up half of a gate / up operand)."""
         parts, at = [], 0
         for p in self.parts:
             lo, hi = max(start - at, 0), min(stop - at, p.n)
             if lo < hi:
-                fields = [None if t is None else t[lo:hi].clone() for t in p.fields()]
+                fields = [
+                    None if t is None else (t[lo:hi].clone() if copy else t[lo:hi])
+                    for t in p.fields()
+                ]
                 parts.append(DeviceGGUFPart(p.fmt, hi - lo, p.k, *fields))  # type: ignore[arg-type]
             at += p.n
         if not parts:
@@ -156,7 +159,19 @@ def to_device(weight: GGUFWeight, device: torch.device | str) -> DeviceGGUFWeigh
             packed = part.packed[r0 // PANEL : (r1 + PANEL - 1) // PANEL]
             pieces.append(_layout(part.fmt, unpack(part.fmt, packed, r1 - r0), device))
         parts.append(_join(pieces))
-    return DeviceGGUFWeight(tuple(parts), k)
+    return merged(DeviceGGUFWeight(tuple(parts), k))
+
+
+def merged(w: DeviceGGUFWeight) -> DeviceGGUFWeight:
+    """Consecutive parts of one format joined into one (a fused q / k / v or gate / up made
+    of separate tensors): one launch each instead of one per tensor."""
+    groups: list[list[DeviceGGUFPart]] = []
+    for p in w.parts:
+        if groups and groups[-1][-1].fmt is p.fmt and groups[-1][-1].k == p.k:
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    return DeviceGGUFWeight(tuple(_join(g) for g in groups), w.in_features)
 
 
 def _join(pieces: list[DeviceGGUFPart]) -> DeviceGGUFPart:
@@ -175,6 +190,44 @@ def from_parts(fmt_name: str, parts: Parts, device: torch.device | str) -> Devic
     """A weight straight from its parts (benchmarks build random ones of a real model's shapes)."""
     fmt = FORMATS[fmt_name]
     return DeviceGGUFWeight((_layout(fmt, parts, device),), parts.u.shape[1])
+
+
+def random_weight(
+    fmt_name: str, n: int, k: int, device: torch.device | str, seed: int = 0
+) -> DeviceGGUFWeight:
+    """A weight of random parts made on `device` in the device layout (benchmarks: a real
+    model's shapes and formats without writing gigabytes of GGUF on a host with no weights):
+    any bits, small sub-block scales and mins, d ~ 1e-3."""
+    fmt = FORMATS[fmt_name]
+    if k % fmt.block:
+        raise ValueError(f"{fmt_name} takes K % {fmt.block} == 0, not {k}")
+    g = torch.Generator(device=device).manual_seed(seed)
+    kp = -(-k // CHUNK) * CHUNK
+
+    def ints(lo: int, hi: int, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        return torch.randint(lo, hi, shape, generator=g, device=device, dtype=torch.int32).to(dtype)
+
+    def scales(scale: float) -> Tensor:
+        r = torch.rand(n, kp // fmt.block, generator=g, device=device)
+        return (r * scale + scale / 10).to(torch.float16)
+
+    q = (
+        ints(-128, 128, (n, kp), torch.int8)
+        if fmt.bits == 8
+        else ints(0, 256, (n, kp // 2), torch.uint8)
+    )
+    hb = None
+    if fmt.bits in (5, 6):
+        hb = ints(-(2**31), 2**31 - 1, (n, kp // (32 if fmt.bits == 5 else 16)), torch.int32)
+    sc = (
+        ints(-32 if fmt.name == "Q6_K" else 0, 64, (n, kp // fmt.sub), torch.int8)
+        if fmt.has_sc
+        else None
+    )
+    m = ints(0, 64, (n, kp // 32), torch.int8) if fmt.has_m else None
+    dm = scales(1e-2) if fmt.has_dm else None
+    part = DeviceGGUFPart(fmt, n, kp, q, hb, sc, m, scales(1e-3), dm)
+    return DeviceGGUFWeight((part,), k)
 
 
 # -- the torch reference (any device): what the kernels compute, spelled out -------------------
@@ -309,35 +362,84 @@ def runs(x: Tensor) -> bool:
     return triton_ops.available(x)
 
 
-def linear(x: Tensor, w: DeviceGGUFWeight, bias: Tensor | None = None) -> Tensor:
+def _launch(
+    x2: Tensor,
+    o: Tensor,
+    part: DeviceGGUFPart,
+    k: int,
+    bias: Tensor | None,
+    bn: int | None,
+    up: DeviceGGUFPart | None = None,
+) -> None:
+    """One part's GEMM into `o` [M, part.n]; with `up` (rows in part's format), silu(x @
+    part.T) * (x @ up.T) instead."""
+    m = x2.shape[0]
+    bm, tile_n = tiles(m, part.n, not x2.is_cuda)
+    tile_n = bn or tile_n
+    second = up or part
+
+    def ptrs(p: DeviceGGUFPart) -> list[Tensor]:
+        q = p.q
+        return [q, p.hb if p.hb is not None else q, p.sc if p.sc is not None else q,
+                p.m if p.m is not None else q, p.d, p.dm if p.dm is not None else p.d]  # fmt: skip
+
+    _kernels()["linear"][(-(-part.n // tile_n), -(-m // bm))](
+        x2, o, bias if bias is not None else part.d, *ptrs(part), *ptrs(second),
+        m, part.n, k, part.k // part.fmt.block, x2.stride(0), o.stride(0),
+        part.q.stride(0), part.hb.stride(0) if part.hb is not None else 0,
+        part.sc.stride(0) if part.sc is not None else 0,
+        part.m.stride(0) if part.m is not None else 0, part.d.stride(0),
+        M_CONST=part.fmt.m_const, Q6=part.fmt.name == "Q6_K", HAS_BIAS=bias is not None,
+        GLU=up is not None, BM=bm, BN=tile_n, **_flags(part.fmt),
+    )  # fmt: skip
+
+
+def _rows2(x: Tensor, k: int) -> Tensor:
+    x2 = x.reshape(-1, k)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def linear(
+    x: Tensor, w: DeviceGGUFWeight, bias: Tensor | None = None, bn: int | None = None
+) -> Tensor:
     """x [..., K] @ w.T (+ bias) -> [..., N] in x.dtype: one launch per part (module
-    docstring's contract), or `reference_linear` where triton does not run."""
+    docstring's contract), or `reference_linear` where triton does not run. `bn` overrides the
+    outputs per program (benchmarks sweep it; the bits do not change)."""
     if not runs(x):
         return reference_linear(x, w, bias)
-    kern = _kernels()["linear"]
-    x2 = x.reshape(-1, w.in_features)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
-    out = x2.new_empty(m, w.out_features)
+    x2 = _rows2(x, w.in_features)
+    out = x2.new_empty(x2.shape[0], w.out_features)
     at = 0
     for part in w.parts:
-        bm, bn = tiles(m, part.n, not x2.is_cuda)
-        o = out[:, at : at + part.n]
-        b = bias[at : at + part.n] if bias is not None else part.d
-        kern[(-(-part.n // bn), -(-m // bm))](
-            x2, o, b, part.q, part.hb if part.hb is not None else part.q,
-            part.sc if part.sc is not None else part.q, part.m if part.m is not None else part.q,
-            part.d, part.dm if part.dm is not None else part.d,
-            m, part.n, w.in_features, part.k // part.fmt.block, x2.stride(0), o.stride(0),
-            part.q.stride(0), part.hb.stride(0) if part.hb is not None else 0,
-            part.sc.stride(0) if part.sc is not None else 0,
-            part.m.stride(0) if part.m is not None else 0, part.d.stride(0),
-            M_CONST=part.fmt.m_const, Q6=part.fmt.name == "Q6_K", HAS_BIAS=bias is not None,
-            BM=bm, BN=bn, **_flags(part.fmt),
-        )  # fmt: skip
+        b = bias[at : at + part.n] if bias is not None else None
+        _launch(x2, out[:, at : at + part.n], part, w.in_features, b, bn)
         at += part.n
     return out.reshape(*x.shape[:-1], -1)
+
+
+def swiglu(x: Tensor, gate_up: DeviceGGUFWeight) -> Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for a gate / up operand [2I, K] -> [..., I]: one launch
+    where both halves are one format (the GEMMs' and `triton_ops.silu_mul`'s bits, each
+    projection rounded to x.dtype first), else the GEMM then silu_mul."""
+    inter = gate_up.out_features // 2
+    gate, up = gate_up.row_range(0, inter, False), gate_up.row_range(inter, 2 * inter, False)
+    if (
+        not runs(x)
+        or len(gate.parts) != 1
+        or len(up.parts) != 1
+        or gate.parts[0].fmt is not up.parts[0].fmt
+    ):
+        return triton_ops.silu_mul(linear(x, gate_up)) if runs(x) else _silu_mul(linear(x, gate_up))
+    x2 = _rows2(x, gate_up.in_features)
+    out = x2.new_empty(x2.shape[0], inter)
+    _launch(x2, out, gate.parts[0], gate_up.in_features, None, None, up.parts[0])
+    return out.reshape(*x.shape[:-1], inter)
+
+
+def _silu_mul(gate_up: Tensor) -> Tensor:
+    inter = gate_up.shape[-1] // 2
+    g, u = gate_up[..., :inter].float(), gate_up[..., inter:].float()
+    return (g / (1.0 + torch.exp(-g)) * u).to(gate_up.dtype)
 
 
 def rows(w: DeviceGGUFWeight, ids: Tensor, dtype: torch.dtype) -> Tensor:

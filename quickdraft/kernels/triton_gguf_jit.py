@@ -87,14 +87,55 @@ def _group(
     return isum, msum
 
 
+# fmt: off
+@triton.jit
+def _block_term(
+    q_ptr, hb_ptr, sc_ptr, m_ptr, d_ptr, dm_ptr, sq, shb, ssc, sm, sd,
+    x_ptr, toks, tmask, sx, K, b, kb, dx, inv, rows, rmask, lane,
+    BM: tl.constexpr, BN: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+    SUB: tl.constexpr, HAS_SC: tl.constexpr, HAS_M: tl.constexpr, HAS_DM: tl.constexpr,
+    M_CONST: tl.constexpr, Q6: tl.constexpr,
+):
+    # block b's fp32 term [BM, BN] of one weight: its integer sums times d dx (minus dm dx
+    # times the activation sums times the mins)
+    isum = tl.zeros((BM, BN), dtype=tl.int32)
+    msum = tl.zeros((BM, BN), dtype=tl.int32)
+    if BLOCK == 32:  # a block is one half of a 64-value chunk
+        lo, hi = _values(q_ptr, hb_ptr, rows, rmask, kb // 64 * 64, sq, shb, lane, BITS)
+        u = tl.where(b % 2 == 0, lo, hi)
+        isum, msum = _group(isum, msum, u, x_ptr, toks, tmask, sx, kb, K, inv, lane, rows,
+                            rmask, sc_ptr, ssc, m_ptr, sm, SUB, HAS_SC, HAS_M, M_CONST, Q6)
+    else:
+        for c in tl.static_range(BLOCK // 64):
+            k0 = kb + 64 * c
+            lo, hi = _values(q_ptr, hb_ptr, rows, rmask, k0, sq, shb, lane, BITS)
+            isum, msum = _group(isum, msum, lo, x_ptr, toks, tmask, sx, k0, K, inv, lane, rows,
+                                rmask, sc_ptr, ssc, m_ptr, sm, SUB, HAS_SC, HAS_M, M_CONST, Q6)
+            isum, msum = _group(isum, msum, hi, x_ptr, toks, tmask, sx, k0 + 32, K, inv, lane,
+                                rows, rmask, sc_ptr, ssc, m_ptr, sm, SUB, HAS_SC, HAS_M,
+                                M_CONST, Q6)
+    d = tl.load(d_ptr + rows * sd + b, mask=rmask, other=0.0).to(tl.float32)
+    if HAS_DM:
+        dm = tl.load(dm_ptr + rows * sd + b, mask=rmask, other=0.0).to(tl.float32)
+        term = isum.to(tl.float32) * (d[None, :] * dx[:, None])
+        term -= msum.to(tl.float32) * (dm[None, :] * dx[:, None])
+    else:
+        term = (isum - msum).to(tl.float32) * (d[None, :] * dx[:, None])
+    return term
+
+
 @triton.jit
 def gguf_linear_kernel(
     x_ptr, o_ptr, b_ptr, q_ptr, hb_ptr, sc_ptr, m_ptr, d_ptr, dm_ptr,
+    q2_ptr, hb2_ptr, sc2_ptr, m2_ptr, d2_ptr, dm2_ptr,
     M, N, K, NB, sx, so, sq, shb, ssc, sm, sd,
     BITS: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, HAS_SC: tl.constexpr,
     HAS_M: tl.constexpr, HAS_DM: tl.constexpr, M_CONST: tl.constexpr, Q6: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-):  # fmt: skip
+    HAS_BIAS: tl.constexpr, GLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+):
+    # GLU: a second weight (the up rows, in the gate's format and layout) whose output
+    # multiplies silu of the first's, each rounded to the output dtype first: the bits of the
+    # two projections followed by triton_ops.silu_mul, in one launch
     rows = tl.program_id(0) * BN + tl.arange(0, BN)  # weight rows (outputs)
     toks = tl.program_id(1) * BM + tl.arange(0, BM)  # activation rows
     rmask = rows < N
@@ -102,109 +143,30 @@ def gguf_linear_kernel(
     lane = tl.arange(0, 32)
     span = tl.arange(0, BLOCK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc2 = tl.zeros((BM, BN), dtype=tl.float32)
     for b in range(NB):
         kb = b * BLOCK
-        xs = tl.load(
-            x_ptr + toks[:, None] * sx + kb + span[None, :],
-            mask=tmask[:, None] & (kb + span[None, :] < K),
-            other=0.0,
-        ).to(tl.float32)
+        xs = tl.load(x_ptr + toks[:, None] * sx + kb + span[None, :],
+                     mask=tmask[:, None] & (kb + span[None, :] < K), other=0.0).to(tl.float32)
         dx = tl.max(tl.abs(xs), axis=1) / 127.0
         inv = tl.where(dx > 0, 1.0 / tl.where(dx > 0, dx, 1.0), 0.0)
-        isum = tl.zeros((BM, BN), dtype=tl.int32)
-        msum = tl.zeros((BM, BN), dtype=tl.int32)
-        if BLOCK == 32:  # a block is one half of a 64-value chunk
-            k0 = kb // 64 * 64
-            lo, hi = _values(q_ptr, hb_ptr, rows, rmask, k0, sq, shb, lane, BITS)
-            u = tl.where(b % 2 == 0, lo, hi)
-            isum, msum = _group(
-                isum,
-                msum,
-                u,
-                x_ptr,
-                toks,
-                tmask,
-                sx,
-                kb,
-                K,
-                inv,
-                lane,
-                rows,
-                rmask,
-                sc_ptr,
-                ssc,
-                m_ptr,
-                sm,
-                SUB,
-                HAS_SC,
-                HAS_M,
-                M_CONST,
-                Q6,
-            )
-        else:
-            for c in tl.static_range(BLOCK // 64):
-                k0 = kb + 64 * c
-                lo, hi = _values(q_ptr, hb_ptr, rows, rmask, k0, sq, shb, lane, BITS)
-                isum, msum = _group(
-                    isum,
-                    msum,
-                    lo,
-                    x_ptr,
-                    toks,
-                    tmask,
-                    sx,
-                    k0,
-                    K,
-                    inv,
-                    lane,
-                    rows,
-                    rmask,
-                    sc_ptr,
-                    ssc,
-                    m_ptr,
-                    sm,
-                    SUB,
-                    HAS_SC,
-                    HAS_M,
-                    M_CONST,
-                    Q6,
-                )
-                isum, msum = _group(
-                    isum,
-                    msum,
-                    hi,
-                    x_ptr,
-                    toks,
-                    tmask,
-                    sx,
-                    k0 + 32,
-                    K,
-                    inv,
-                    lane,
-                    rows,
-                    rmask,
-                    sc_ptr,
-                    ssc,
-                    m_ptr,
-                    sm,
-                    SUB,
-                    HAS_SC,
-                    HAS_M,
-                    M_CONST,
-                    Q6,
-                )
-        d = tl.load(d_ptr + rows * sd + b, mask=rmask, other=0.0).to(tl.float32)
-        if HAS_DM:
-            dm = tl.load(dm_ptr + rows * sd + b, mask=rmask, other=0.0).to(tl.float32)
-            term = isum.to(tl.float32) * (d[None, :] * dx[:, None])
-            term -= msum.to(tl.float32) * (dm[None, :] * dx[:, None])
-        else:
-            term = (isum - msum).to(tl.float32) * (d[None, :] * dx[:, None])
-        acc += term
+        acc += _block_term(q_ptr, hb_ptr, sc_ptr, m_ptr, d_ptr, dm_ptr, sq, shb, ssc, sm, sd,
+                           x_ptr, toks, tmask, sx, K, b, kb, dx, inv, rows, rmask, lane,
+                           BM, BN, BITS, BLOCK, SUB, HAS_SC, HAS_M, HAS_DM, M_CONST, Q6)
+        if GLU:
+            acc2 += _block_term(q2_ptr, hb2_ptr, sc2_ptr, m2_ptr, d2_ptr, dm2_ptr, sq, shb, ssc,
+                                sm, sd, x_ptr, toks, tmask, sx, K, b, kb, dx, inv, rows, rmask,
+                                lane, BM, BN, BITS, BLOCK, SUB, HAS_SC, HAS_M, HAS_DM, M_CONST,
+                                Q6)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
+    if GLU:
+        g = acc.to(o_ptr.dtype.element_ty).to(tl.float32)
+        u = acc2.to(o_ptr.dtype.element_ty).to(tl.float32)
+        acc = g / (1.0 + tl.exp(-g)) * u
     out = o_ptr + toks[:, None] * so + rows[None, :]
     tl.store(out, acc.to(o_ptr.dtype.element_ty), mask=tmask[:, None] & rmask[None, :])
+# fmt: on
 
 
 @triton.jit

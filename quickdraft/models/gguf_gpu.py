@@ -11,7 +11,7 @@ from torch import Tensor
 from quickdraft.kernels import triton_gguf
 from quickdraft.kernels.linear_gguf import FORMATS, GGUFWeight
 from quickdraft.kernels.triton_gguf import DeviceGGUFEmbedding
-from quickdraft.models.layers import GGUFEmbedding, OperandModule
+from quickdraft.models.layers import GGUFEmbedding, OperandModule, release_fused_
 from quickdraft.models.llama import CausalLM, Embedding
 
 
@@ -101,3 +101,54 @@ def weight_bytes(model: CausalLM) -> int:
     emb = model.model.embed_tokens
     add(emb.weight)
     return sum(seen.values())
+
+
+# llama.cpp's fallbacks for rows whose length is not a multiple of 256
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's use_more_bits: the layers Q4_K_M gives Q6_K attn_v and ffn_down."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def random_q4_k_m_(model: CausalLM, seed: int = 0) -> CausalLM:
+    """Replace a dense model's operands and embedding, in place on its device, by random
+    weights in the formats llama.cpp's Q4_K_M gives each tensor (Q4_K; Q6_K for the head and
+    for attn_v / ffn_down of `_more_bits` layers; fallbacks where K % 256 != 0): benchmarks
+    time a real model's GGUF shapes on a host that has no weights."""
+    device = model.device
+    cfg = model.config
+    hidden, d = cfg.hidden_size, cfg.head_dim
+    q_rows, kv_rows = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    layers = model.decoder_layers
+    count = iter(range(1 << 30))
+
+    def make(fmt: str, n: int, k: int) -> triton_gguf.DeviceGGUFWeight:
+        if k % 256:
+            fmt = _FALLBACK.get(fmt, fmt)
+        return triton_gguf.random_weight(fmt, n, k, device, seed + next(count))
+
+    def joined(*ws: triton_gguf.DeviceGGUFWeight) -> triton_gguf.DeviceGGUFWeight:
+        return triton_gguf.DeviceGGUFWeight(
+            tuple(p for w in ws for p in w.parts), ws[0].in_features
+        )
+
+    for i, layer in enumerate(layers):
+        v = "Q6_K" if _more_bits(i, len(layers)) else "Q4_K"
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv = joined(
+            make("Q4_K", q_rows, hidden), make("Q4_K", kv_rows, hidden), make(v, kv_rows, hidden)
+        )
+        attn.o = make("Q4_K", hidden, q_rows)
+        inter = cfg.intermediate_size
+        mlp.gate_up = joined(make("Q4_K", inter, hidden), make("Q4_K", inter, hidden))
+        mlp.down = make(v, hidden, inter)
+    head = make("Q6_K", cfg.vocab_size, hidden)
+    model.head = head
+    table = head if cfg.tie_word_embeddings else make("Q4_K", cfg.vocab_size, hidden)
+    model.model.embed_tokens = DeviceGGUFEmbedding(table, model.dtype)
+    release_fused_(model)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return model

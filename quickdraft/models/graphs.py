@@ -33,9 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from quickdraft.kernels import triton_ops
+from quickdraft.kernels import triton_gguf, triton_ops
 from quickdraft.kernels.gemm import project
 from quickdraft.kernels.pointwise import rope_rows, signed_sin
+from quickdraft.kernels.triton_gguf import DeviceGGUFWeight
 from quickdraft.models.base import ForwardOutput, ImageRows, refuse_images
 from quickdraft.models.layers import RMSNorm, tapped_layers
 from quickdraft.models.llama import MLP, Attention, CausalLM, DecoderLayer
@@ -368,6 +369,8 @@ class GraphModel:
         mlp = layer.mlp
         if not self.fused or not isinstance(mlp, MLP):
             return mlp(x), residual
+        if isinstance(mlp.gate_up, DeviceGGUFWeight):  # the GEMM and silu * up: one launch
+            return project(triton_gguf.swiglu(x, mlp.gate_up), mlp.down), residual
         return project(triton_ops.silu_mul(project(x, mlp.gate_up)), mlp.down), residual
 
     def _rotated_qkv(

@@ -30,6 +30,7 @@ from torch import nn
 from quickdraft.config import cache_dir
 from quickdraft.kernels.build import extension, isa, prefetch_bytes, source_digest
 from quickdraft.kernels.linear_gguf import GGUFWeight
+from quickdraft.kernels.triton_gguf import DeviceGGUFWeight
 from quickdraft.models.base import LanguageModel
 from quickdraft.models.layers import OperandModule
 
@@ -241,7 +242,7 @@ def _operand_format(weight: object) -> str:
     """An operand's format as the cost key names it: its type, and a GGUF weight's block
     formats (two GGUFs of one architecture, Q4_K_M and Q8_0, step at different speeds)."""
     name = type(weight).__name__
-    if isinstance(weight, GGUFWeight):
+    if isinstance(weight, (GGUFWeight, DeviceGGUFWeight)):
         name += "[" + "+".join(p.fmt.name for p in weight.parts) + "]"
     return name
 
