@@ -70,7 +70,7 @@ def _add_model_args(
         "--device",
         default="auto",
         help="auto (default: the GPU when torch sees one, else the CPU), cpu, cuda or cuda:N. "
-        "On a GPU the model runs in bf16 (a GGUF is dequantized at load) with CUDA graphs",
+        "On a GPU a dense GGUF keeps its formats (other models run in bf16), with CUDA graphs",
     )
     if images:
         p.add_argument(

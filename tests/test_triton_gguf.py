@@ -145,7 +145,8 @@ def test_row_slices_and_dequantized_rows() -> None:
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(7))
     close(triton_gguf.linear(x.to(DEVICE), cut).cpu(), w.reference_linear(x)[:, 16:48])
     rows = dequantized_rows(dev, [0, 45, 63])
-    assert torch.equal(rows, w.dequantize(torch.float32)[[0, 45, 63]])
+    assert rows.device == dev.device  # a restricted head's extra rows stay by its weight
+    assert torch.equal(rows.cpu(), w.dequantize(torch.float32)[[0, 45, 63]])
 
 
 # -- a model on the device layout -----------------------------------------------------------

@@ -15,6 +15,7 @@ from hybrid_models import random_hybrid
 
 from quickdraft.kernels import gdn, pointwise, triton_ops
 from quickdraft.kernels.attention import reference_attend
+from quickdraft.models.gguf_gpu import random_q4_k_m_
 from quickdraft.models.graphs import GraphModel
 from quickdraft.models.llama import CausalLM
 from quickdraft.models.loader import load_model
@@ -108,6 +109,32 @@ def test_slot_attention_is_the_reference_per_sequence(dtype: torch.dtype, groups
         torch.testing.assert_close(out[b * rows : b * rows + n], ref, **tol(dtype))
 
 
+def test_split_attention_is_the_reference_and_short_rows_keep_their_bits() -> None:
+    """Keys split over programs (`split`, long contexts): rows of 3,000 and 2,100 keys (3 and
+    3 ranges) equal `reference_attend` over their sequence; a row of <= SPLIT_KEYS keys gets
+    the single kernel's bits; a row's result alone equals its result among the others."""
+    kv_heads, groups, d = 2, 3, 32
+    heads = kv_heads * groups
+    pool_k = randn(3, kv_heads, 3072, d, seed=11)
+    pool_v = randn(3, kv_heads, 3072, d, seed=12)
+    q = randn(4, heads, d, seed=13)
+    seq_slot = torch.tensor([1, 0, 2, 1], device=DEVICE)
+    row_pos = torch.tensor([2999, 2099, 1023, 10], device=DEVICE)
+    out = triton_ops.slot_attention(q, pool_k, pool_v, seq_slot, row_pos, 1, d**-0.5, True)
+    for r in range(4):
+        slot, last = int(seq_slot[r]), int(row_pos[r])
+        keys, values = pool_k[slot, :, : last + 1], pool_v[slot, :, : last + 1]
+        ref = reference_attend(q[r : r + 1], keys, values, last, d**-0.5)
+        torch.testing.assert_close(out[r : r + 1], ref, atol=1e-5, rtol=1e-5)
+    single = triton_ops.slot_attention(q, pool_k, pool_v, seq_slot, row_pos, 1, d**-0.5)
+    assert torch.equal(out[2:], single[2:])  # one range: the single kernel's bits
+    assert not torch.equal(out[:1], single[:1])  # three ranges: merged in another order
+    alone = triton_ops.slot_attention(
+        q[:1], pool_k, pool_v, seq_slot[:1], row_pos[:1], 1, d**-0.5, True
+    )
+    assert torch.equal(alone, out[:1])
+
+
 def test_static_forward_on_the_kernels_equals_the_model(tiny_model_dir: Path) -> None:
     """Prefill of two sequences, then a packed verify of 4 and 3 rows: the forward on the
     Triton kernels gives the torch ops' logits (fp32)."""
@@ -124,6 +151,36 @@ def test_static_forward_on_the_kernels_equals_the_model(tiny_model_dir: Path) ->
             cache.commit(n)
         logits.append(static(ids[30:], caches, [4, 3], rows).logits)
     torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+
+
+def test_long_context_forward_splits_keys_and_keeps_rows_invariant(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past SPLIT_KEYS (lowered to 64 here) the static forward splits each row's keys: a
+    4-row verify gives the torch path's logits, and (on GGUF weights, whose GEMMs are
+    batch-invariant too) each row the bits of its decode step."""
+    monkeypatch.setattr(triton_ops, "SPLIT_KEYS", 64)
+    model = load_model(tiny_model_dir, torch.float32, DEVICE)
+    assert isinstance(model, CausalLM)
+    random_q4_k_m_(model, seed=5)
+    ids = torch.arange(300, device=DEVICE) % 250 + 3
+    rows = torch.arange(4, device=DEVICE)
+    static = GraphModel(model, graphs=False, fused=False)
+    cache = static.new_cache(512)
+    static(ids[:290], [cache], [290])  # the prompt on torch's ops (quick in the interpreter)
+    cache.commit(290)
+    torch_ops = static(ids[290:294], [cache], [4], rows).logits
+    static.use_kernels(True)
+    calls = []
+    real = triton_ops.slot_attention
+    monkeypatch.setattr(triton_ops, "slot_attention", lambda *a: calls.append(a[-1]) or real(*a))
+    verify = static(ids[290:294], [cache], [4], rows).logits
+    assert calls and all(calls)  # every layer split its keys
+    torch.testing.assert_close(verify, torch_ops, atol=1e-4, rtol=1e-4)
+    for j in range(4):
+        step = static(ids[290 + j : 291 + j], [cache], [1]).logits[-1]
+        cache.commit(291 + j)
+        assert torch.equal(step, verify[j]), f"row {j}"
 
 
 @pytest.mark.parametrize("t_len", [1, 5])

@@ -85,7 +85,7 @@ def dequantized_rows(weight: Weight, ids: list[int]) -> Tensor:
         return weight[ids].float()
     if isinstance(weight, DeviceGGUFWeight):
         picked = torch.tensor(ids, device=weight.device)
-        return rows_device_gguf(weight, picked, torch.float32).cpu()
+        return rows_device_gguf(weight, picked, torch.float32)  # on its device, as a tensor's rows
     by_panel: dict[int, list[int]] = {}
     for at, row in enumerate(ids):
         by_panel.setdefault(row // PANEL, []).append(at)

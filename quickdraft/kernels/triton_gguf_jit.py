@@ -136,7 +136,8 @@ def gguf_linear_kernel(
     # GLU: a second weight (the up rows, in the gate's format and layout) whose output
     # multiplies silu of the first's, each rounded to the output dtype first: the bits of the
     # two projections followed by triton_ops.silu_mul, in one launch
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)  # weight rows (outputs)
+    # weight rows (outputs), 64-bit: rows x row bytes passes 2^31 in large tables
+    rows = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
     toks = tl.program_id(1) * BM + tl.arange(0, BM)  # activation rows
     rmask = rows < N
     tmask = toks < M

@@ -156,6 +156,80 @@ def _kernels() -> dict[str, Any]:
         tl.store(o_at, out.to(o_ptr.dtype.element_ty), mask=g_ok[:, None])
 
     @triton.jit
+    def slot_attention_part_kernel(
+        q_ptr, k_ptr, v_ptr, acc_ptr, best_ptr, total_ptr, seq_slot_ptr, pos_ptr, scale,
+        s_q_row, s_q_head, pk0, pk1, pk2, pv0, pv1, pv2, rows, groups, heads_all,
+        D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+        SPLIT_KEYS: tl.constexpr,
+    ):  # fmt: skip
+        # split s of a row's keys: the online softmax of slot_attention_kernel over keys
+        # [s * chunk, (s + 1) * chunk), its unnormalised output, max and sum kept for the merge
+        row = tl.program_id(0)
+        kv = tl.program_id(1)
+        s = tl.program_id(2)
+        slot = tl.load(seq_slot_ptr + row // rows)
+        last = tl.load(pos_ptr + row)
+        used = tl.minimum(SPLITS, (last + SPLIT_KEYS) // SPLIT_KEYS)  # from the row alone
+        chunk = ((last + used) // used + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        lo = s * chunk
+        hi = tl.minimum(lo + chunk, last + 1)
+        if s < used:
+            g = tl.arange(0, G)
+            dims = tl.arange(0, D)
+            g_ok = g < groups
+            heads = kv * groups + g
+            q_at = q_ptr + row * s_q_row + heads[:, None] * s_q_head + dims[None, :]
+            q = tl.load(q_at, mask=g_ok[:, None], other=0.0).to(tl.float32) * scale
+            best = tl.full((G,), float("-inf"), tl.float32)
+            total = tl.zeros((G,), tl.float32)
+            acc = tl.zeros((G, D), tl.float32)
+            keys = tl.arange(0, BLOCK_N)
+            for start in range(lo, hi, BLOCK_N):
+                n = start + keys
+                seen = n < hi
+                k_at = k_ptr + slot * pk0 + kv * pk1 + n[:, None] * pk2 + dims[None, :]
+                k = tl.load(k_at, mask=seen[:, None], other=0.0).to(tl.float32)
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+                scores = tl.where(seen[None, :], scores, float("-inf"))
+                new_best = tl.maximum(best, tl.max(scores, axis=1))
+                p = tl.exp(scores - new_best[:, None])
+                fade = tl.exp(best - new_best)
+                v_at = v_ptr + slot * pv0 + kv * pv1 + n[:, None] * pv2 + dims[None, :]
+                v = tl.load(v_at, mask=seen[:, None], other=0.0).to(tl.float32)
+                acc = acc * fade[:, None] + tl.dot(p, v, input_precision="ieee")
+                total = total * fade + tl.sum(p, axis=1)
+                best = new_best
+            at = (row * heads_all + heads) * SPLITS + s
+            tl.store(acc_ptr + at[:, None] * D + dims[None, :], acc, mask=g_ok[:, None])
+            tl.store(best_ptr + at, best, mask=g_ok)
+            tl.store(total_ptr + at, total, mask=g_ok)
+
+    @triton.jit
+    def slot_attention_merge_kernel(
+        acc_ptr, best_ptr, total_ptr, pos_ptr, o_ptr, s_o_row, s_o_head, heads_all,
+        D: tl.constexpr, SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+    ):  # fmt: skip
+        # the splits of one (row, head) merged in split order; one split: acc / total, the
+        # single kernel's bits
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        last = tl.load(pos_ptr + row)
+        used = tl.minimum(SPLITS, (last + SPLIT_KEYS) // SPLIT_KEYS)
+        base = (row * heads_all + head) * SPLITS
+        dims = tl.arange(0, D)
+        best = tl.load(best_ptr + base)
+        for s in range(1, used):
+            best = tl.maximum(best, tl.load(best_ptr + base + s))
+        acc = tl.zeros((D,), tl.float32)
+        total = 0.0
+        for s in range(0, used):
+            w = tl.exp(tl.load(best_ptr + base + s) - best)
+            acc += tl.load(acc_ptr + (base + s) * D + dims) * w
+            total += tl.load(total_ptr + base + s) * w
+        out = acc / total
+        tl.store(o_ptr + row * s_o_row + head * s_o_head + dims, out.to(o_ptr.dtype.element_ty))
+
+    @triton.jit
     def gdn_delta_kernel(
         y_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, k_out_ptr, d_ptr, T, sy, sg, s_out, group,
         KD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
@@ -203,6 +277,8 @@ def _kernels() -> dict[str, Any]:
         "gdn_delta": gdn_delta_kernel,
         "gdn_advance": gdn_advance_kernel,
         "slot_attention": slot_attention_kernel,
+        "slot_attention_part": slot_attention_part_kernel,
+        "slot_attention_merge": slot_attention_merge_kernel,
         "add_rms_norm": add_rms_norm_kernel,
         "silu_mul": silu_mul_kernel,
         "rope_store": rope_store_kernel,
@@ -271,6 +347,8 @@ def rope_store(
 
 
 ATTENTION_BLOCK = 64  # keys per step of the online softmax
+SPLITS = 16  # key ranges per row at most, with `split`
+SPLIT_KEYS = 1024  # keys per range at least (a multiple of ATTENTION_BLOCK)
 
 
 def slot_attention(
@@ -281,13 +359,20 @@ def slot_attention(
     row_pos: Tensor,
     rows: int,
     scale: float,
+    split: bool = False,
 ) -> Tensor:
     """Causal grouped-query attention of padded query rows over their slots: q `[B * rows,
     heads, d]`, row r of sequence r // rows at position `row_pos[r]` sees that sequence's slot
     keys 0 .. row_pos[r] in `pool_k` / `pool_v` (one layer's `[slots, kv_heads, capacity, d]`)
     -> `[B * rows, heads * d]`. One program per (row, kv head) runs an online softmax over
     blocks of keys, reading the slot in place: no gather, no mask, and the number of keys is
-    read on the device, so one captured graph serves every length."""
+    read on the device, so one captured graph serves every length.
+
+    `split` (long contexts): a row's keys are cut into up to SPLITS ranges of >= SPLIT_KEYS,
+    one program each, merged by a second launch (flash decoding): at batch 1 the single
+    kernel runs kv_heads programs, each over every key. The number of ranges comes from the
+    row's own key count, and a row of <= SPLIT_KEYS keys (one range) gets the single
+    kernel's bits: either way a row's result depends on that row alone."""
     k = _kernels()
     n, heads, d = q.shape
     kv_heads = pool_k.shape[1]
@@ -295,11 +380,26 @@ def slot_attention(
     assert d & (d - 1) == 0 and q.stride(2) == 1 and pool_k.stride(-1) == 1
     out = q.new_empty(n, heads, d)
     g = max(16, k["next_power_of_2"](groups))  # tl.dot wants >= 16 rows
-    k["slot_attention"][(n, kv_heads)](
-        q, pool_k, pool_v, out, seq_slot, row_pos, scale,
+    if not split:
+        k["slot_attention"][(n, kv_heads)](
+            q, pool_k, pool_v, out, seq_slot, row_pos, scale,
+            q.stride(0), q.stride(1), pool_k.stride(0), pool_k.stride(1), pool_k.stride(2),
+            pool_v.stride(0), pool_v.stride(1), pool_v.stride(2), out.stride(0), out.stride(1),
+            rows, groups, D=d, G=g, BLOCK_N=ATTENTION_BLOCK,
+        )  # fmt: skip
+        return out.view(n, heads * d)
+    acc = torch.empty(n, heads, SPLITS, d, dtype=torch.float32, device=q.device)
+    best = torch.empty(n, heads, SPLITS, dtype=torch.float32, device=q.device)
+    total = torch.empty_like(best)
+    k["slot_attention_part"][(n, kv_heads, SPLITS)](
+        q, pool_k, pool_v, acc, best, total, seq_slot, row_pos, scale,
         q.stride(0), q.stride(1), pool_k.stride(0), pool_k.stride(1), pool_k.stride(2),
-        pool_v.stride(0), pool_v.stride(1), pool_v.stride(2), out.stride(0), out.stride(1),
-        rows, groups, D=d, G=g, BLOCK_N=ATTENTION_BLOCK,
+        pool_v.stride(0), pool_v.stride(1), pool_v.stride(2), rows, groups, heads,
+        D=d, G=g, BLOCK_N=ATTENTION_BLOCK, SPLITS=SPLITS, SPLIT_KEYS=SPLIT_KEYS,
+    )  # fmt: skip
+    k["slot_attention_merge"][(n, heads)](
+        acc, best, total, row_pos, out, out.stride(0), out.stride(1), heads,
+        D=d, SPLITS=SPLITS, SPLIT_KEYS=SPLIT_KEYS,
     )  # fmt: skip
     return out.view(n, heads * d)
 

@@ -204,8 +204,8 @@ class GraphModel:
         graphed = None
         if self.graphs and not return_hidden and not hidden_layers:
             # the Triton attention reads each row's key count on the device: one graph per
-            # (batch, rows) serves every length
-            graphed = graph_key(num_new, 1 if self.fused else need, self.pool.capacity)
+            # (batch, rows) serves every length, and one more past SPLIT_KEYS
+            graphed = graph_key(num_new, self._key_need(need), self.pool.capacity)
         layout = graphed or Layout(len(caches), max(num_new), need)
         ids, meta, dest = self._inputs(input_ids, caches, num_new, layout)
         if logit_rows is None:
@@ -246,9 +246,7 @@ class GraphModel:
             self._tables(self.pool.capacity)
         need = max(c.length for c in caches) + steps
         ones = [1] * len(caches)
-        graphed = (
-            graph_key(ones, 1 if self.fused else need, self.pool.capacity) if self.graphs else None
-        )
+        graphed = graph_key(ones, self._key_need(need), self.pool.capacity) if self.graphs else None
         layout = graphed or Layout(len(caches), 1, need)
         padded = torch.zeros(layout.batch, dtype=torch.long, device=self.device)
         padded[: len(caches)] = first.to(self.device)
@@ -267,6 +265,14 @@ class GraphModel:
         captured.graph.replay()
         self.replays += 1
         return captured.logits[:, : len(caches)]
+
+    def _key_need(self, need: int) -> int:
+        """The key count a captured shape is keyed by: the torch path's mask spans `need`; the
+        Triton attention reads lengths on the device, and only splits its keys past
+        SPLIT_KEYS (`_attention`), so short calls share one shape and long ones another."""
+        if not self.fused:
+            return need
+        return 1 if need <= triton_ops.SPLIT_KEYS else self.pool.capacity
 
     def _chain(self, ids: Tensor, meta: Tensor, at: Layout, steps: int) -> Tensor:
         """`greedy_chain`'s forwards, capturable: step i's rows sit i positions past meta's."""
@@ -418,8 +424,10 @@ class GraphModel:
             pool_k[row_slot, :, row_pos] = k
             pool_v[row_slot, :, row_pos] = v
         if mask is None:  # the Triton kernel reads the slots in place
+            # keys split over programs past SPLIT_KEYS (rows that short get the same bits)
+            split = at.keys > triton_ops.SPLIT_KEYS
             out = triton_ops.slot_attention(
-                q, pool_k, pool_v, seq_slot, row_pos, at.rows, attn.scale
+                q, pool_k, pool_v, seq_slot, row_pos, at.rows, attn.scale, split
             )
             return project(out, attn.o)
         keys = pool_k[:, :, : at.keys].index_select(0, seq_slot)  # [B, Hkv, keys, d]
