@@ -5,11 +5,15 @@ llama.cpp's Q4_K_M gives each tensor, made on the device.
 
 Measured, in one process:
   * kernels: the Triton GGUF GEMM on the target's projection shapes at M = 1, 6, 16 (BN swept at
-    M = 1), against cuBLAS bf16 on the same shapes; microseconds and weight GB/s;
-  * per model (target, draft): weight bytes on the GPU, bf16 and GGUF; step cost by rows; the
+    M = 1), against cuBLAS bf16 and the batch-invariant triton_linear on the same shapes;
+    microseconds and weight GB/s;
+  * per model (target, draft): weight bytes on the GPU, bf16 and GGUF; step cost by rows (the
+    bf16 target also on cuBLAS's GEMMs instead of the batch-invariant triton_linear); the
     draft's k - 1 chained steps as one replay (`greedy_chain`) against k - 1 one-row steps;
-  * single stream, greedy: plain decode bf16 and GGUF; speculation with the draft (k forced,
-    and adaptive) on the bf16 pair and on the GGUF pair; n-gram on GGUF;
+  * the bf16 target's decode / verify at 4k and 16k cached tokens, keys split or not;
+  * single stream, greedy: plain decode bf16 (triton_linear, and cuBLAS) and GGUF;
+    speculation with the draft (k forced, and adaptive) on the bf16 pair and on the GGUF
+    pair; n-gram on GGUF;
   * with `--acceptance` (a real-weight `quickdraft bench` speculative.json): PROJECTED tok/s of
     each pair = real tokens per cycle / measured ms per forced cycle (labelled so).
 Writes <out>/gpu-gguf.{json,md,png}.
@@ -35,7 +39,7 @@ from gpu import guarded as guarded_one
 from quickdraft.bench.report import bars, machine, table, write
 from quickdraft.bench.speculative import prompt_sets
 from quickdraft.config import SpeculativeConfig
-from quickdraft.kernels import triton_gguf
+from quickdraft.kernels import triton_gguf, triton_linear, triton_ops
 from quickdraft.loading import LoadedModel, load
 from quickdraft.models.gguf_gpu import random_q4_k_m_, weight_bytes
 from quickdraft.models.graphs import GraphModel
@@ -82,9 +86,11 @@ def kernels(cfg: Any, device: torch.device) -> dict[str, Any]:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             g = timed(lambda x=x, w=w: triton_gguf.linear(x, w), device)
             b = timed(lambda x=x, dense=dense: x @ dense.T, device)
+            inv = timed(lambda x=x, dense=dense: triton_linear.linear(x, dense), device)
             row[f"m{m}"] = {
                 "gguf_us": round(g * 1e6, 1),
                 "bf16_us": round(b * 1e6, 1),
+                "bf16_invariant_us": round(inv * 1e6, 1),
                 "gguf_gb_s": round(w.nbytes / g / 1e9, 1),
                 "bf16_gb_s": round(2 * n * k / b / 1e9, 1),
             }
@@ -104,6 +110,26 @@ def quick_costs(lm: LoadedModel) -> dict[str, Any]:
     """A dry run's stand-in for step_costs: 1 and 2 rows after 8 cached tokens."""
     cost = measure_step_cost(lm.model, (1, 2), context=8, seqs=1)
     return {"rows_ms": {r: round(s * 1e3, 3) for r, s in zip((1, 2), cost.seconds, strict=True)}}
+
+
+def long_context(lm: LoadedModel) -> dict[str, Any]:
+    """Decode and 6-row verify cost at 4k and 16k cached tokens, the attention's keys split
+    over programs (past SPLIT_KEYS) and not (SPLIT_KEYS out of reach)."""
+    model = lm.model
+    assert isinstance(model, GraphModel)
+    default = triton_ops.SPLIT_KEYS
+    out: dict[str, Any] = {}
+    try:
+        for context in (4096, 16384):
+            for name, keys in (("split", default), ("single", 1 << 30)):
+                triton_ops.SPLIT_KEYS = keys
+                model._drop()
+                cost = measure_step_cost(model, (1, 6), context=context, seqs=1)
+                out[f"{context}_{name}_ms"] = [round(t * 1e3, 3) for t in cost.seconds]
+    finally:
+        triton_ops.SPLIT_KEYS = default
+        model._drop()
+    return out
 
 
 def chain_cost(lm: LoadedModel, steps: int) -> dict[str, float]:
@@ -181,14 +207,29 @@ def bench(
     n, k = args.tokens, args.k
     models: dict[str, Any] = {}
     report["models"] = models
+    single: dict[str, Any] = {}
+    report["single_stream"] = single
     costs = quick_costs if args.quick else step_costs
     for name, lm in (("target_bf16", bf16), ("target_gguf", gguf)):
         models[name] = {
             "weight_bytes": weight_bytes(lm.model.inner),
             "step": guarded(f"{name}_step", lambda lm=lm: costs(lm), errors),
         }
-    single: dict[str, Any] = {}
-    report["single_stream"] = single
+    # bf16 GEMMs on cuBLAS (fastest kernel per shape, not batch-invariant) instead of
+    # triton_linear (invariant: exact bf16 speculation)
+    triton_linear.ENABLED = False
+    bf16.model._drop()
+    models["target_bf16_cublas"] = {
+        "step": guarded("target_bf16_cublas_step", lambda: costs(bf16), errors)
+    }
+    if not args.quick:
+        single["bf16_cublas_plain"] = guarded(
+            "bf16_cublas_plain", lambda: ours(bf16, SpeculativeConfig(), everything, n), errors
+        )
+    triton_linear.ENABLED = True
+    bf16.model._drop()
+    if not args.quick:
+        report["long_context"] = guarded("long_context", lambda: long_context(bf16), errors)
     off = SpeculativeConfig()
     forced = SpeculativeConfig(
         method="draft", num_draft_tokens=k, draft_model=str(draft_dir), adaptive=False
@@ -253,11 +294,19 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"# GGUF formats and draft chains on {report['device']} (random weights)\n"]
     for name, row in (report.get("kernels") or {}).items():
         cells = [
-            [m, row[m]["gguf_us"], row[m]["bf16_us"], row[m]["gguf_gb_s"], row[m]["bf16_gb_s"]]
+            [
+                m,
+                row[m]["gguf_us"],
+                row[m]["bf16_us"],
+                row[m]["bf16_invariant_us"],
+                row[m]["gguf_gb_s"],
+                row[m]["bf16_gb_s"],
+            ]
             for m in ("m1", "m6", "m16")
         ]
         lines.append(f"## {name}: {row['format']} [{row['n']} x {row['k']}]\n")
-        lines.append(table(["M", "GGUF us", "bf16 us", "GGUF GB/s", "bf16 GB/s"], cells))
+        heads = ["M", "GGUF us", "cuBLAS bf16 us", "invariant bf16 us", "GGUF GB/s", "bf16 GB/s"]
+        lines.append(table(heads, cells))
         lines.append(f"M = 1 by BN (us): {row['m1_by_bn_us']}\n")
     rows = [
         [name, m["weight_bytes"], (m.get("step") or {}).get("rows_ms"), m.get("chain")]
@@ -271,6 +320,8 @@ def markdown(report: dict[str, Any]) -> str:
             [[n, v["decode_tok_s"], v.get("ms_per_cycle", "")] for n, v in s.items() if v],
         )
     )
+    if report.get("long_context"):
+        lines.append(f"long context, bf16 target, [1, 6] rows (ms): {report['long_context']}\n")
     for name, p in report.get("projection", {}).items():
         lines.append(
             f"PROJECTION ({name} pair; not a measurement): real-weight tokens per cycle (CPU) / "

@@ -13,7 +13,7 @@ import pytest
 import torch
 from hybrid_models import random_hybrid
 
-from quickdraft.kernels import gdn, pointwise, triton_ops
+from quickdraft.kernels import gdn, pointwise, triton_linear, triton_ops
 from quickdraft.kernels.attention import reference_attend
 from quickdraft.models.gguf_gpu import random_q4_k_m_
 from quickdraft.models.graphs import GraphModel
@@ -181,6 +181,48 @@ def test_long_context_forward_splits_keys_and_keeps_rows_invariant(
         step = static(ids[290 + j : 291 + j], [cache], [1]).logits[-1]
         cache.commit(291 + j)
         assert torch.equal(step, verify[j]), f"row {j}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_invariant_linear_is_the_gemm_and_a_rows_bits_are_its_own(dtype: torch.dtype) -> None:
+    """triton_linear: x @ w.T + bias to the dtype's rounding (K = 200: a partial block), and
+    row 2's bits the same at M = 1, 5, 33, 100 (cuBLAS's are not)."""
+    w, bias = randn(70, 200, dtype=dtype, seed=14), randn(70, dtype=dtype, seed=15)
+    x = randn(100, 200, dtype=dtype, seed=16)
+    out = triton_linear.linear(x, w, bias)
+    ref = (x.float() @ w.float().T + bias.float()).to(dtype)
+    torch.testing.assert_close(out, ref, **tol(torch.bfloat16))
+    alone = triton_linear.linear(x[2:3], w, bias)
+    for m in (5, 33, 100):
+        assert torch.equal(triton_linear.linear(x[:m], w, bias)[2:3], alone), m
+
+
+def test_bf16_forward_on_invariant_gemms_gives_each_verify_row_its_decode_bits(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 model behind GraphModel with every GEMM on triton_linear (as `project` routes
+    them on a GPU): a 5-row verify's rows are its decode steps' bits, and its logits the
+    model's own up to bf16 rounding."""
+    monkeypatch.setattr(triton_linear, "FORCE", True)
+    model = load_model(tiny_model_dir, torch.bfloat16, DEVICE)
+    assert isinstance(model, CausalLM)
+    static = GraphModel(model, graphs=False, fused=True)
+    ids = torch.arange(3, 40, device=DEVICE)
+    rows = torch.arange(5, device=DEVICE)
+    cache = static.new_cache(64)
+    static(ids[:30], [cache], [30])
+    cache.commit(30)
+    verify = static(ids[30:35], [cache], [5], rows).logits
+    for j in range(5):
+        step = static(ids[30 + j : 31 + j], [cache], [1]).logits[-1]
+        cache.commit(31 + j)
+        assert torch.equal(step, verify[j]), f"row {j}"
+    monkeypatch.setattr(triton_linear, "FORCE", False)
+    own = model.new_cache(64)
+    model(ids[:30], [own], [30])
+    own.commit(30)
+    theirs = model(ids[30:35], [own], [5], logit_rows=rows).logits
+    torch.testing.assert_close(verify, theirs, atol=0.1, rtol=0.05)
 
 
 @pytest.mark.parametrize("t_len", [1, 5])

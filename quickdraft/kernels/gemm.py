@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from quickdraft.kernels import triton_linear
 from quickdraft.kernels.build import kernels_available
 from quickdraft.kernels.linear_bf16 import PANEL, PanelWeight, linear, linear_panel
 from quickdraft.kernels.linear_gguf import GGUFPart, GGUFWeight, linear_gguf
@@ -37,6 +38,8 @@ def project(x: Tensor, weight: Weight, bias: Tensor | None = None) -> Tensor:
         return linear_gguf(x, weight, bias)
     if isinstance(weight, DeviceGGUFWeight):
         return linear_device_gguf(x, weight, bias)
+    if triton_linear.applies(x, weight):  # a GPU's decode / verify rows: batch-invariant
+        return triton_linear.linear(x, weight, bias)
     return linear(x, weight, bias)
 
 

@@ -18,12 +18,14 @@ built from the CPU layout's `Parts` by `to_device`:
     6-bit int32 [n, K / 16], bits 2l, 2l + 1 of word w = bits 4, 5 of u[16w + l];
   * sc: int8 [n, K / sub] (K-quants); m: int8 [n, K / 32] (Q4_K, Q5_K);
   * d, dm: fp16 [n, K / block] (dm where the format stores one).
-Weights take the file's bytes plus under 1 %; a fused operand keeps one part per format.
+Weights take the file's bytes plus under 1 %; a fused operand joins its consecutive tensors of
+one format into one part (one launch), and keeps one part per format otherwise.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,12 +186,6 @@ def _join(pieces: list[DeviceGGUFPart]) -> DeviceGGUFPart:
     first = pieces[0]
     fields = [cat(list(f)) for f in zip(*(p.fields() for p in pieces), strict=True)]
     return DeviceGGUFPart(first.fmt, sum(p.n for p in pieces), first.k, *fields)  # type: ignore[arg-type]
-
-
-def from_parts(fmt_name: str, parts: Parts, device: torch.device | str) -> DeviceGGUFWeight:
-    """A weight straight from its parts (benchmarks build random ones of a real model's shapes)."""
-    fmt = FORMATS[fmt_name]
-    return DeviceGGUFWeight((_layout(fmt, parts, device),), parts.u.shape[1])
 
 
 def random_weight(
@@ -355,8 +351,6 @@ def tiles(m: int, n: int, interpreted: bool = False) -> tuple[int, int]:
 def runs(x: Tensor) -> bool:
     """Whether the Triton kernels run for x: on a GPU where triton runs, or in Triton's
     interpreter on the CPU (tests)."""
-    import os
-
     if os.environ.get("TRITON_INTERPRET", "") not in ("", "0") and triton_ops.installed():
         return os.environ.get("QUICKDRAFT_NO_TRITON", "") in ("", "0")
     return triton_ops.available(x)
@@ -423,13 +417,10 @@ def swiglu(x: Tensor, gate_up: DeviceGGUFWeight) -> Tensor:
     projection rounded to x.dtype first), else the GEMM then silu_mul."""
     inter = gate_up.out_features // 2
     gate, up = gate_up.row_range(0, inter, False), gate_up.row_range(inter, 2 * inter, False)
-    if (
-        not runs(x)
-        or len(gate.parts) != 1
-        or len(up.parts) != 1
-        or gate.parts[0].fmt is not up.parts[0].fmt
-    ):
-        return triton_ops.silu_mul(linear(x, gate_up)) if runs(x) else _silu_mul(linear(x, gate_up))
+    if not runs(x):
+        return _silu_mul(linear(x, gate_up))
+    if len(gate.parts) != 1 or len(up.parts) != 1 or gate.parts[0].fmt is not up.parts[0].fmt:
+        return triton_ops.silu_mul(linear(x, gate_up))
     x2 = _rows2(x, gate_up.in_features)
     out = x2.new_empty(x2.shape[0], inter)
     _launch(x2, out, gate.parts[0], gate_up.in_features, None, None, up.parts[0])
