@@ -267,3 +267,37 @@ def test_swiglu_is_the_gemm_then_silu_mul(name: str) -> None:
         assert len(mixed.parts) == 2
         want = triton_ops.silu_mul(triton_gguf.linear(x, mixed))
         assert torch.equal(triton_gguf.swiglu(x, mixed), want)
+
+
+def test_moving_a_model_leaves_no_tensor_behind(home: Path, tmp_path: Path) -> None:
+    """to_device_ onto the meta device (a stand-in for a GPU that any CPU tensor left behind
+    would meet): the operands' parts, the table, the parameters, the q/k/v bias and the rope
+    tables all move."""
+    gguf_file = write_tiny_gguf(tmp_path / "tiny-qwen2.gguf", "qwen2", TYPES["qwen2"])
+    lm = load(str(gguf_file), "gguf", progress=False)
+    model = load_model(lm.path, torch.bfloat16, "cpu")
+    assert isinstance(model, CausalLM)
+    to_device_(model, "meta")
+    left = []
+    for name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            values = value.parts if isinstance(value, triton_gguf.DeviceGGUFWeight) else [value]
+            for v in values:
+                tensors = v.tensors() if isinstance(v, triton_gguf.DeviceGGUFPart) else [v]
+                left += [
+                    f"{name}.{attr}"
+                    for t in tensors
+                    if isinstance(t, torch.Tensor) and t.device.type != "meta"
+                ]
+        left += [
+            f"{name}.{p}"
+            for p, t in module.named_parameters(recurse=False)
+            if t.device.type != "meta"
+        ]
+    left += [
+        k
+        for k, t in vars(model.rope).items()
+        if isinstance(t, torch.Tensor) and t.device.type != "meta"
+    ]
+    assert not left, left
+    assert model.device.type == "meta"

@@ -5,6 +5,8 @@ models/graphs.py's GraphModel like a bf16 one, its projections on the Triton GGU
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -55,7 +57,11 @@ def to_device_(model: CausalLM, device: torch.device | str) -> CausalLM:
             else:
                 raise ValueError(f"{type(w).__name__} operands run on the CPU kernels only")
     emb = model.model.embed_tokens
-    model.to(device)  # norms, biases (the emptied HF views move as they are)
+    model.to(device)  # parameters and buffers: the norms, the emptied HF views
+    for module in model.modules():  # plain tensor attributes: the fused q/k/v bias
+        for name, value in list(vars(module).items()):
+            if isinstance(value, Tensor) and not name.startswith("_"):
+                setattr(module, name, value.to(device))
     if isinstance(emb, GGUFEmbedding):
         table: Embedding | DeviceGGUFEmbedding
         if emb.qtype.name in FORMATS:
@@ -87,12 +93,19 @@ def weight_bytes(model: CausalLM) -> int:
     seen: dict[int, int] = {}
 
     def add(w: object) -> None:
-        if isinstance(w, triton_gguf.DeviceGGUFWeight):
+        if isinstance(w, Tensor):
+            if w.numel():
+                seen[w.data_ptr()] = w.numel() * w.element_size()
+        elif isinstance(w, triton_gguf.DeviceGGUFWeight):
             for p in w.parts:
                 for t in p.tensors():
-                    seen[t.data_ptr()] = t.numel() * t.element_size()
-        elif isinstance(w, Tensor) and w.numel():
-            seen[w.data_ptr()] = w.numel() * w.element_size()
+                    add(t)
+        elif dataclasses.is_dataclass(w):  # the CPU formats: their packed tensors
+            for f in dataclasses.fields(w):
+                add(getattr(w, f.name))
+        elif isinstance(w, tuple):
+            for item in w:
+                add(item)
 
     for module in model.modules():
         if isinstance(module, OperandModule):
