@@ -197,8 +197,9 @@ def test_model_on_the_device_layout_gives_the_cpu_logits(
     cpu, dev = moved(lm.path)
     assert isinstance(dev.model.embed_tokens, triton_gguf.DeviceGGUFEmbedding)
     assert isinstance(dev.model.layers[0].self_attn.qkv, triton_gguf.DeviceGGUFWeight)
-    if arch == "llama":  # tied: the table is the head's operand
+    if arch == "llama":  # tied: the table is the head's operand; F16 down: a plain tensor
         assert dev.model.embed_tokens.weight is dev.head
+        assert isinstance(dev.model.layers[0].mlp.down, torch.Tensor)
     if arch == "qwen2":  # every weight quantized: under 0.4x their bytes in bf16
         bf16 = 2 * sum(w.shape.numel() for w in operands(cpu)) + 2 * VOCAB * HIDDEN
         assert weight_bytes(dev) <= 0.4 * bf16

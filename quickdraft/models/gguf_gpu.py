@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from quickdraft.kernels import triton_gguf
+from quickdraft.kernels.linear_bf16 import PanelWeight
 from quickdraft.kernels.linear_gguf import FORMATS, GGUFWeight
 from quickdraft.kernels.triton_gguf import DeviceGGUFEmbedding
 from quickdraft.models.layers import GGUFEmbedding, OperandModule, release_fused_
@@ -54,6 +55,8 @@ def to_device_(model: CausalLM, device: torch.device | str) -> CausalLM:
                 setattr(module, name, moved[id(w)])
             elif isinstance(w, Tensor):
                 setattr(module, name, w.to(device))
+            elif isinstance(w, PanelWeight):  # a float tensor of the file, in CPU panels
+                setattr(module, name, w.unpack().to(device))
             else:
                 raise ValueError(f"{type(w).__name__} operands run on the CPU kernels only")
     emb = model.model.embed_tokens
