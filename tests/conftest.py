@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +135,20 @@ def write_tiny_tokenizer(
     (directory / "tokenizer_config.json").write_text(
         json.dumps({"chat_template": template, "bos_token": "<s>", "eos_token": "<|im_end|>"})
     )
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A throw-away QUICKDRAFT_HOME for the converted models and their packed copies."""
+    from quickdraft.kernels import build
+
+    with pytest.MonkeyPatch.context() as mp:  # the extension is built under the usual home
+        mp.setattr(build, "disabled", False)
+        build.kernels_available()
+    root = tmp_path_factory.mktemp("quickdraft-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QUICKDRAFT_HOME", str(root))
+        yield root
 
 
 @pytest.fixture(scope="session")

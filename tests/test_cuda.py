@@ -66,20 +66,25 @@ def test_replayed_graph_gives_the_eager_logits(target: LoadedModel) -> None:
         assert torch.equal(again, graphed)  # a replay is deterministic
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft-near", "draft-self"])
-def test_fp32_greedy_equals_plain_on_the_gpu(
-    target: LoadedModel, near_draft_dir: Path, tiny_model_dir: Path, method: str
-) -> None:
-    draft_dir = {"draft-near": near_draft_dir, "draft-self": tiny_model_dir}.get(method)
-    cfg = SpeculativeConfig(
+def forced(method: str, draft: Path | None) -> SpeculativeConfig:
+    """`method` ("ngram", "suffix", "draft-...") drafting 4 tokens every cycle."""
+    return SpeculativeConfig(
         method=method.split("-")[0],
         num_draft_tokens=4,
-        draft_model=str(draft_dir) if draft_dir else None,
+        draft_model=str(draft) if draft else None,
         draft_quantization="none",
         ngram_min=1,
         ngram_max=3,
         adaptive=False,
     )
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft-near", "draft-self"])
+def test_fp32_greedy_equals_plain_on_the_gpu(
+    target: LoadedModel, near_draft_dir: Path, tiny_model_dir: Path, method: str
+) -> None:
+    draft_dir = {"draft-near": near_draft_dir, "draft-self": tiny_model_dir}.get(method)
+    cfg = forced(method, draft_dir)
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     drafted, accepted = greedy_parity(target, PROMPTS, params, cfg)
     assert drafted > 0 and accepted > 0
@@ -194,15 +199,7 @@ def test_gguf_target_keeps_its_formats_and_speculation_is_exact(
     assert isinstance(model, GraphModel) and model.graphs and model.fused
     assert isinstance(model.inner.model.embed_tokens, DeviceGGUFEmbedding)
     assert isinstance(model.inner.head, DeviceGGUFWeight)
-    cfg = SpeculativeConfig(
-        method=method.split("-")[0],
-        num_draft_tokens=4,
-        draft_model=str(path) if method == "draft-self" else None,
-        draft_quantization="none",
-        ngram_min=1,
-        ngram_max=3,
-        adaptive=False,
-    )
+    cfg = forced(method, path if method == "draft-self" else None)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     drafted, accepted = greedy_parity(lm, PROMPTS, params, cfg)
     assert drafted > 0 and accepted > 0

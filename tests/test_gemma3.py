@@ -27,7 +27,6 @@ from quickdraft.engine import stream
 from quickdraft.engine.core import EngineCore
 from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.hub.gguf_write import add_tiny_tokenizer
-from quickdraft.kernels import build
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.loading import LoadedModel, load
 from quickdraft.models.gguf_loader import PACKED_NAME, GGUFTensorError
@@ -110,18 +109,6 @@ def write_tiny_gemma3(path: Path, types: dict[str, str], seed: int = 0) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
-
-
-@pytest.fixture(scope="module")
-def home(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """A throw-away QUICKDRAFT_HOME for the converted models and their packed copies."""
-    with pytest.MonkeyPatch.context() as mp:  # the extension is built under the usual home
-        mp.setattr(build, "disabled", False)
-        build.kernels_available()
-    root = tmp_path_factory.mktemp("quickdraft-home")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("QUICKDRAFT_HOME", str(root))
-        yield root
 
 
 @pytest.fixture(scope="module")

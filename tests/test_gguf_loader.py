@@ -15,7 +15,6 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from torch import Tensor
 from quickdraft.engine import stream
 from quickdraft.hub.errors import HubError
 from quickdraft.hub.gguf_write import add_tiny_tokenizer
-from quickdraft.kernels import PanelWeight, build
+from quickdraft.kernels import PanelWeight
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
 from quickdraft.loading import LoadedModel, load
@@ -152,18 +151,6 @@ def all_logits(loaded: LoadedModel, ids: Tensor) -> Tensor:
     """[T, vocab] logits of every prompt position, one prefill (T > 16: the Python layers)."""
     net: Any = loaded.model
     return net(ids, [net.new_cache(64)], [len(ids)], logit_rows=torch.arange(len(ids))).logits
-
-
-@pytest.fixture(scope="module")
-def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A throw-away QUICKDRAFT_HOME for the converted models and their packed copies."""
-    with pytest.MonkeyPatch.context() as mp:  # the extension is built under the usual home
-        mp.setattr(build, "disabled", False)
-        build.kernels_available()
-    root = tmp_path_factory.mktemp("quickdraft-home")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("QUICKDRAFT_HOME", str(root))
-        yield root
 
 
 @dataclass

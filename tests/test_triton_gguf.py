@@ -8,7 +8,6 @@ kernels run in Triton's interpreter on CPU tensors (conftest.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from test_gguf_loader import HIDDEN, PROMPT, TYPES, VOCAB, write_tiny_gguf
 
-from quickdraft.kernels import build, triton_gguf, triton_ops
+from quickdraft.kernels import triton_gguf, triton_ops
 from quickdraft.kernels.gemm import dequantized_rows, panel_rows, project
 from quickdraft.kernels.linear_gguf import FORMATS, GGUFWeight, decode, random_blocks
 from quickdraft.loading import load
@@ -150,19 +149,6 @@ def test_row_slices_and_dequantized_rows() -> None:
 
 
 # -- a model on the device layout -----------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A throw-away QUICKDRAFT_HOME for the converted models (the C++ extension, which the
-    CPU model runs on, is built under the usual one first)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(build, "disabled", False)
-        build.kernels_available()
-    root = tmp_path_factory.mktemp("quickdraft-home")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("QUICKDRAFT_HOME", str(root))
-        yield root
 
 
 def operands(model: CausalLM) -> list[Any]:

@@ -42,6 +42,7 @@ Layout (`packed`: one uint8 tensor [P, blocks, bytes_per_block] per part, P = ce
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -332,8 +333,25 @@ class GGUFPart:
     n: int
 
 
+class RowParts:
+    """The shape of a weight [N, K] stored as row ranges (`parts`, each of `n` rows): GGUFWeight
+    here, DeviceGGUFWeight (kernels/triton_gguf.py) on a GPU."""
+
+    __slots__ = ()
+    parts: tuple[Any, ...]
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.n for p in self.parts)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+
 @dataclass(frozen=True, slots=True)
-class GGUFWeight:
+class GGUFWeight(RowParts):
     """A weight [N, K] made of row ranges in GGUF block formats (one part, or several when a
     fused projection joins tensors of different formats: Q4_K_M stores some v / ffn_down in
     Q6_K), each repacked exactly into the panel layout (module docstring)."""
@@ -365,14 +383,6 @@ class GGUFWeight:
         if len({w.in_features for w in weights}) != 1:
             raise ValueError("fused GGUF weights need one in_features")
         return cls(tuple(p for w in weights for p in w.parts), weights[0].in_features)
-
-    @property
-    def out_features(self) -> int:
-        return sum(p.n for p in self.parts)
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.out_features, self.in_features))
 
     @property
     def nbytes(self) -> int:

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from quickdraft.kernels import triton_ops
 from quickdraft.kernels.linear_bf16 import PANEL
-from quickdraft.kernels.linear_gguf import FORMATS, Format, GGUFWeight, Parts, unpack
+from quickdraft.kernels.linear_gguf import FORMATS, Format, GGUFWeight, Parts, RowParts, unpack
 from quickdraft.kernels.linear_int import quantize_activations
 
 CHUNK = 64  # values per q load: two 32-value dot operands
@@ -68,19 +68,11 @@ class DeviceGGUFPart:
 
 
 @dataclass(frozen=True, slots=True)
-class DeviceGGUFWeight:
+class DeviceGGUFWeight(RowParts):
     """A weight [N, K] in GGUF block formats on a device, one part per row range."""
 
     parts: tuple[DeviceGGUFPart, ...]
     in_features: int
-
-    @property
-    def out_features(self) -> int:
-        return sum(p.n for p in self.parts)
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.out_features, self.in_features))
 
     @property
     def nbytes(self) -> int:

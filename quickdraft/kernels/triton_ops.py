@@ -118,57 +118,19 @@ def _kernels() -> dict[str, Any]:
 
     @triton.jit
     def slot_attention_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr, seq_slot_ptr, pos_ptr, scale,
+        q_ptr, k_ptr, v_ptr, o_ptr, acc_ptr, best_ptr, total_ptr, seq_slot_ptr, pos_ptr, scale,
         s_q_row, s_q_head, pk0, pk1, pk2, pv0, pv1, pv2, s_o_row, s_o_head, rows, groups,
-        D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
+        heads_all, D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0)
-        kv = tl.program_id(1)
-        slot = tl.load(seq_slot_ptr + row // rows)
-        last = tl.load(pos_ptr + row)  # keys 0 .. last are visible to this row
-        g = tl.arange(0, G)
-        dims = tl.arange(0, D)
-        g_ok = g < groups
-        heads = kv * groups + g  # the query heads sharing kv head `kv`
-        q_at = q_ptr + row * s_q_row + heads[:, None] * s_q_head + dims[None, :]
-        q = tl.load(q_at, mask=g_ok[:, None], other=0.0).to(tl.float32) * scale
-        best = tl.full((G,), float("-inf"), tl.float32)
-        total = tl.zeros((G,), tl.float32)
-        acc = tl.zeros((G, D), tl.float32)
-        keys = tl.arange(0, BLOCK_N)
-        for start in range(0, last + 1, BLOCK_N):
-            n = start + keys
-            seen = n <= last
-            k_at = k_ptr + slot * pk0 + kv * pk1 + n[:, None] * pk2 + dims[None, :]
-            k = tl.load(k_at, mask=seen[:, None], other=0.0).to(tl.float32)
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")  # [G, BLOCK_N]
-            scores = tl.where(seen[None, :], scores, float("-inf"))
-            new_best = tl.maximum(best, tl.max(scores, axis=1))
-            p = tl.exp(scores - new_best[:, None])
-            fade = tl.exp(best - new_best)
-            v_at = v_ptr + slot * pv0 + kv * pv1 + n[:, None] * pv2 + dims[None, :]
-            v = tl.load(v_at, mask=seen[:, None], other=0.0).to(tl.float32)
-            acc = acc * fade[:, None] + tl.dot(p, v, input_precision="ieee")
-            total = total * fade + tl.sum(p, axis=1)
-            best = new_best
-        out = acc / total[:, None]
-        o_at = o_ptr + row * s_o_row + heads[:, None] * s_o_head + dims[None, :]
-        tl.store(o_at, out.to(o_ptr.dtype.element_ty), mask=g_ok[:, None])
-
-    @triton.jit
-    def slot_attention_part_kernel(
-        q_ptr, k_ptr, v_ptr, acc_ptr, best_ptr, total_ptr, seq_slot_ptr, pos_ptr, scale,
-        s_q_row, s_q_head, pk0, pk1, pk2, pv0, pv1, pv2, rows, groups, heads_all,
-        D: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-        SPLIT_KEYS: tl.constexpr,
-    ):  # fmt: skip
-        # split s of a row's keys: the online softmax of slot_attention_kernel over keys
-        # [s * chunk, (s + 1) * chunk), its unnormalised output, max and sum kept for the merge
+        # program (row, kv head, s): the online softmax of the query heads sharing kv head
+        # `kv` over range s of the row's keys. SPLITS = 1: every key, the output normalised
+        # into o; else the unnormalised output, max and sum, for the merge kernel
         row = tl.program_id(0)
         kv = tl.program_id(1)
         s = tl.program_id(2)
         slot = tl.load(seq_slot_ptr + row // rows)
-        last = tl.load(pos_ptr + row)
+        last = tl.load(pos_ptr + row)  # keys 0 .. last are visible to this row
         used = tl.minimum(SPLITS, (last + SPLIT_KEYS) // SPLIT_KEYS)  # from the row alone
         chunk = ((last + used) // used + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         lo = s * chunk
@@ -177,7 +139,7 @@ def _kernels() -> dict[str, Any]:
             g = tl.arange(0, G)
             dims = tl.arange(0, D)
             g_ok = g < groups
-            heads = kv * groups + g
+            heads = kv * groups + g  # the query heads sharing kv head `kv`
             q_at = q_ptr + row * s_q_row + heads[:, None] * s_q_head + dims[None, :]
             q = tl.load(q_at, mask=g_ok[:, None], other=0.0).to(tl.float32) * scale
             best = tl.full((G,), float("-inf"), tl.float32)
@@ -189,7 +151,7 @@ def _kernels() -> dict[str, Any]:
                 seen = n < hi
                 k_at = k_ptr + slot * pk0 + kv * pk1 + n[:, None] * pk2 + dims[None, :]
                 k = tl.load(k_at, mask=seen[:, None], other=0.0).to(tl.float32)
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee")  # [G, BLOCK_N]
                 scores = tl.where(seen[None, :], scores, float("-inf"))
                 new_best = tl.maximum(best, tl.max(scores, axis=1))
                 p = tl.exp(scores - new_best[:, None])
@@ -199,10 +161,15 @@ def _kernels() -> dict[str, Any]:
                 acc = acc * fade[:, None] + tl.dot(p, v, input_precision="ieee")
                 total = total * fade + tl.sum(p, axis=1)
                 best = new_best
-            at = (row * heads_all + heads) * SPLITS + s
-            tl.store(acc_ptr + at[:, None] * D + dims[None, :], acc, mask=g_ok[:, None])
-            tl.store(best_ptr + at, best, mask=g_ok)
-            tl.store(total_ptr + at, total, mask=g_ok)
+            if SPLITS == 1:
+                out = acc / total[:, None]
+                o_at = o_ptr + row * s_o_row + heads[:, None] * s_o_head + dims[None, :]
+                tl.store(o_at, out.to(o_ptr.dtype.element_ty), mask=g_ok[:, None])
+            else:
+                at = (row * heads_all + heads) * SPLITS + s
+                tl.store(acc_ptr + at[:, None] * D + dims[None, :], acc, mask=g_ok[:, None])
+                tl.store(best_ptr + at, best, mask=g_ok)
+                tl.store(total_ptr + at, total, mask=g_ok)
 
     @triton.jit
     def slot_attention_merge_kernel(
@@ -277,7 +244,6 @@ def _kernels() -> dict[str, Any]:
         "gdn_delta": gdn_delta_kernel,
         "gdn_advance": gdn_advance_kernel,
         "slot_attention": slot_attention_kernel,
-        "slot_attention_part": slot_attention_part_kernel,
         "slot_attention_merge": slot_attention_merge_kernel,
         "add_rms_norm": add_rms_norm_kernel,
         "silu_mul": silu_mul_kernel,
@@ -380,23 +346,21 @@ def slot_attention(
     assert d & (d - 1) == 0 and q.stride(2) == 1 and pool_k.stride(-1) == 1
     out = q.new_empty(n, heads, d)
     g = max(16, k["next_power_of_2"](groups))  # tl.dot wants >= 16 rows
-    if not split:
-        k["slot_attention"][(n, kv_heads)](
-            q, pool_k, pool_v, out, seq_slot, row_pos, scale,
-            q.stride(0), q.stride(1), pool_k.stride(0), pool_k.stride(1), pool_k.stride(2),
-            pool_v.stride(0), pool_v.stride(1), pool_v.stride(2), out.stride(0), out.stride(1),
-            rows, groups, D=d, G=g, BLOCK_N=ATTENTION_BLOCK,
-        )  # fmt: skip
-        return out.view(n, heads * d)
-    acc = torch.empty(n, heads, SPLITS, d, dtype=torch.float32, device=q.device)
-    best = torch.empty(n, heads, SPLITS, dtype=torch.float32, device=q.device)
-    total = torch.empty_like(best)
-    k["slot_attention_part"][(n, kv_heads, SPLITS)](
-        q, pool_k, pool_v, acc, best, total, seq_slot, row_pos, scale,
+    splits = SPLITS if split else 1
+    acc = best = total = out  # unused with one range
+    if split:
+        acc = torch.empty(n, heads, splits, d, dtype=torch.float32, device=q.device)
+        best = torch.empty(n, heads, splits, dtype=torch.float32, device=q.device)
+        total = torch.empty_like(best)
+    k["slot_attention"][(n, kv_heads, splits)](
+        q, pool_k, pool_v, out, acc, best, total, seq_slot, row_pos, scale,
         q.stride(0), q.stride(1), pool_k.stride(0), pool_k.stride(1), pool_k.stride(2),
-        pool_v.stride(0), pool_v.stride(1), pool_v.stride(2), rows, groups, heads,
-        D=d, G=g, BLOCK_N=ATTENTION_BLOCK, SPLITS=SPLITS, SPLIT_KEYS=SPLIT_KEYS,
+        pool_v.stride(0), pool_v.stride(1), pool_v.stride(2), out.stride(0), out.stride(1),
+        rows, groups, heads, D=d, G=g, BLOCK_N=ATTENTION_BLOCK, SPLITS=splits,
+        SPLIT_KEYS=SPLIT_KEYS,
     )  # fmt: skip
+    if not split:
+        return out.view(n, heads * d)
     k["slot_attention_merge"][(n, heads)](
         acc, best, total, row_pos, out, out.stride(0), out.stride(1), heads,
         D=d, SPLITS=SPLITS, SPLIT_KEYS=SPLIT_KEYS,
