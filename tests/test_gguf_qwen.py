@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from hybrid_models import copying_head, one_thread, randomize  # noqa: F401 (autouse fixture)
-from test_gguf_loader import PROMPT, all_logits, home  # noqa: F401 (fixture)
+from test_gguf_loader import PROMPT, all_logits
 from torch import Tensor
 
 from quickdraft.config import SpeculativeConfig

@@ -21,12 +21,7 @@ import torch
 from hybrid_models import one_thread  # noqa: F401 (autouse fixture)
 from safetensors.torch import load_file
 from test_dflash import dense_target, generate
-from test_gguf_loader import (
-    LAYERS,
-    TYPES,
-    home,  # noqa: F401 (fixture: a throw-away QUICKDRAFT_HOME)
-    write_tiny_gguf,
-)
+from test_gguf_loader import LAYERS, TYPES, write_tiny_gguf
 from test_train_drafter import greedy_corpus, short_run
 
 from quickdraft.cli import main as cli_main
@@ -189,7 +184,7 @@ def test_mtp_head_errors(tmp_path: Path, tiny_model_dir: Path) -> None:
         load_mtp_head(lm.model, head)
 
 
-def test_mtp_head_for_a_gguf_target(home: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_mtp_head_for_a_gguf_target(home: Path, tmp_path: Path) -> None:
     """A dense Llama run on its GGUF's own blocks (`--dtype gguf`: bf16 activations, the
     embedding table left quantized and tied to the head): a head trained for it drafts through
     the target's embedding lookup and quantized head, and greedy output with it equals

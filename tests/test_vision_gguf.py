@@ -18,7 +18,6 @@ import pytest
 import torch
 from hybrid_models import copying_head, one_thread  # noqa: F401 (autouse fixture)
 from PIL import Image
-from test_gguf_loader import home  # noqa: F401 (fixture)
 from vision_models import (
     IMAGE_PAD,
     PREPROCESSOR,

@@ -12,7 +12,6 @@ import json
 import pytest
 import torch
 from hybrid_models import one_thread  # noqa: F401 (autouse fixture)
-from test_gguf_loader import home  # noqa: F401 (fixture)
 from test_vision_gguf import PROMPT, VISION_IDS, Pair, llama_cpp_greedy, write_pair
 from vision_models import (
     IMAGE_PAD,
