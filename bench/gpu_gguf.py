@@ -181,8 +181,9 @@ def gguf_copy(directory: Path, device: torch.device, seed: int) -> LoadedModel:
 def bench(
     args: argparse.Namespace, work: Path, device: torch.device, report: dict[str, Any]
 ) -> None:
-    """Every measurement into `report`, which is saved to <out>/partial.json as each lands (a
-    run cut short by the device's time limit keeps what it measured)."""
+    """Every measurement into `report`, which is saved to <out>/partial.json after each one (a
+    run cut short by the device's time limit keeps all but its last; render it with
+    quickdraft.bench.report.write)."""
     errors: dict[str, str] = {}
     report["errors"] = errors
 
@@ -309,7 +310,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(table(heads, cells))
         lines.append(f"M = 1 by BN (us): {row['m1_by_bn_us']}\n")
     rows = [
-        [name, m["weight_bytes"], (m.get("step") or {}).get("rows_ms"), m.get("chain")]
+        [name, m.get("weight_bytes", ""), (m.get("step") or {}).get("rows_ms"), m.get("chain")]
         for name, m in report.get("models", {}).items()
     ]
     lines.append(table(["model", "weight bytes", "step ms by rows", "chain"], rows))
@@ -383,6 +384,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         bench(args, Path(tmp), device, report)
+    (args.out / "partial.json").write_text(json.dumps(report, indent=1, default=str))
     write("gpu-gguf", report, markdown(report), plot(report), args.out, figsize=(9, 4))
 
 
