@@ -427,39 +427,43 @@ class GGUFWeight(RowParts):
         return y.reshape(*x.shape[:-1], -1).to(x.dtype)
 
 
-def quantize_blocks(x: Tensor, block: int, sub: int) -> tuple[Tensor, Tensor, Tensor]:
-    """What linear_gguf.cpp does to x [M, K] (linear_int.quantize_activations per `block`
-    values); returns xq [M, K] (integer-valued float64), dx [M, K / block] fp32 and the sums of
-    xq per sub-block [M, K / sub] (float64)."""
-    xq, dx = quantize_activations(x, x.shape[-1], block)
-    xq = xq.reshape(x.shape[0], -1).double()
-    return xq, dx, xq.reshape(x.shape[0], -1, sub).sum(dim=2)
-
-
 def _reference_part(x: Tensor, part: GGUFPart, k: int) -> Tensor:
     fmt = part.fmt
     p = unpack(fmt, part.packed, part.n)
-    x2 = x.reshape(-1, k)
-    xq, dx, bsum = quantize_blocks(x2, fmt.block, fmt.sub)
     u = torch.from_numpy(p.u.view(np.int8) if fmt.bits == 8 else p.u).double()
-    n = u.shape[0]
-    nsub, nb = k // fmt.sub, k // fmt.block
-    dots = torch.einsum("msj,nsj->mns", xq.reshape(-1, nsub, fmt.sub), u.reshape(n, nsub, -1))
+    n, nsub = u.shape[0], k // fmt.sub
     sc = torch.from_numpy(p.sc).double() if p.sc is not None else torch.ones(n, nsub).double()
     if p.m is not None:
         m = torch.from_numpy(p.m).double()
     else:
         m = torch.full((n, nsub), float(fmt.m_const), dtype=torch.float64)
+    d = torch.from_numpy(p.d.astype(np.float32))
+    dm = torch.from_numpy(p.dm.astype(np.float32))
+    return reference_terms(x.reshape(-1, k), fmt, u, sc, m, d, dm, k)
+
+
+def reference_terms(
+    x: Tensor, fmt: Format, u: Tensor, sc: Tensor, m: Tensor, d: Tensor, dm: Tensor, k: int
+) -> Tensor:
+    """The module docstring's function of x [M, K] for one format's parts as tensors: u [n, k]
+    (integer values), sc and m [n, k / sub], d and dm [n, k / block] (dm = d where the format
+    stores none), k >= K (weights past K are zero) -> fp32 [M, n]. Integer sums in float64
+    (exact), the per-block terms summed in fp32 in block order. The GPU layout's reference
+    (kernels/triton_gguf.py) runs it too."""
+    xq, dx = quantize_activations(x, k, fmt.block)  # [M, nb, block], [M, nb]
+    xq = xq.reshape(x.shape[0], -1).double()
+    n, nsub, nb = u.shape[0], k // fmt.sub, k // fmt.block
+    bsum = xq.reshape(-1, nsub, fmt.sub).sum(dim=2)
+    dots = torch.einsum("msj,nsj->mns", xq.reshape(-1, nsub, fmt.sub), u.double().view(n, nsub, -1))
     per = fmt.block // fmt.sub
     isum = (dots * sc).reshape(-1, n, nb, per).sum(dim=3)  # [M, N, nb], exact
     msum = (bsum[:, None] * m).reshape(-1, n, nb, per).sum(dim=3)
-    d = torch.from_numpy(p.d.astype(np.float32))
-    dm = torch.from_numpy(p.dm.astype(np.float32))
+    d, dm = d.float(), dm.float()
     if not fmt.has_dm:  # dm = d: the kernel subtracts in integers, then scales once
         terms = (isum - msum).float() * (d * dx[:, None])
     else:
         terms = isum.float() * (d * dx[:, None]) - msum.float() * (dm * dx[:, None])
-    out = torch.zeros(terms.shape[:2])
+    out = torch.zeros(terms.shape[:2], device=x.device)
     for b in range(nb):  # fp32, in block order, as the kernel adds them
         out += terms[:, :, b]
     return out

@@ -36,8 +36,15 @@ from torch import Tensor, nn
 
 from quickdraft.kernels import triton_ops
 from quickdraft.kernels.linear_bf16 import PANEL
-from quickdraft.kernels.linear_gguf import FORMATS, Format, GGUFWeight, Parts, RowParts, unpack
-from quickdraft.kernels.linear_int import quantize_activations
+from quickdraft.kernels.linear_gguf import (
+    FORMATS,
+    Format,
+    GGUFWeight,
+    Parts,
+    RowParts,
+    reference_terms,
+    unpack,
+)
 
 CHUNK = 64  # values per q load: two 32-value dot operands
 
@@ -143,17 +150,15 @@ def _layout(fmt: Format, p: Parts, device: torch.device | str) -> DeviceGGUFPart
 def to_device(weight: GGUFWeight, device: torch.device | str) -> DeviceGGUFWeight:
     """A CPU-layout GGUFWeight's exact values in the device layout, converted ~4M weights at a
     time (the unpacked parts of a whole 150k-row table would take GBs)."""
-    parts: list[DeviceGGUFPart] = []
+    pieces: list[DeviceGGUFPart] = []
     k = weight.in_features
     step = max(PANEL, (1 << 22) // k // PANEL * PANEL)
     for part in weight.parts:
-        pieces = []
         for r0 in range(0, part.n, step):
             r1 = min(part.n, r0 + step)
             packed = part.packed[r0 // PANEL : (r1 + PANEL - 1) // PANEL]
             pieces.append(_layout(part.fmt, unpack(part.fmt, packed, r1 - r0), device))
-        parts.append(_join(pieces))
-    return merged(DeviceGGUFWeight(tuple(parts), k))
+    return merged(DeviceGGUFWeight(tuple(pieces), k))  # one join per run of one format
 
 
 def merged(w: DeviceGGUFWeight) -> DeviceGGUFWeight:
@@ -261,25 +266,8 @@ def reference_linear(x: Tensor, w: DeviceGGUFWeight, bias: Tensor | None = None)
 
 
 def _reference_part(x: Tensor, part: DeviceGGUFPart) -> Tensor:
-    fmt = part.fmt
     u, sc, m, d, dm = unpacked(part)
-    xq, dx = quantize_activations(x, part.k, fmt.block)  # [M, nb, block], [M, nb]
-    xq = xq.reshape(x.shape[0], -1).double()
-    n, nsub, nb = part.n, part.k // fmt.sub, part.k // fmt.block
-    bsum = xq.reshape(-1, nsub, fmt.sub).sum(dim=2)
-    dots = torch.einsum("msj,nsj->mns", xq.reshape(-1, nsub, fmt.sub), u.double().view(n, nsub, -1))
-    per = fmt.block // fmt.sub
-    isum = (dots * sc).reshape(-1, n, nb, per).sum(dim=3)
-    msum = (bsum[:, None] * m).reshape(-1, n, nb, per).sum(dim=3)
-    d32, dm32 = d.float(), dm.float()
-    if part.dm is None:
-        terms = (isum - msum).float() * (d32 * dx[:, None])
-    else:
-        terms = isum.float() * (d32 * dx[:, None]) - msum.float() * (dm32 * dx[:, None])
-    out = torch.zeros(terms.shape[:2], device=x.device)
-    for b in range(nb):
-        out += terms[:, :, b]
-    return out
+    return reference_terms(x, part.fmt, u, sc, m, d, dm, part.k)
 
 
 def reference_rows(w: DeviceGGUFWeight, ids: Tensor, dtype: torch.dtype) -> Tensor:

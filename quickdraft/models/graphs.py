@@ -186,21 +186,7 @@ class GraphModel:
     ) -> ForwardOutput:
         assert input_ids.dim() == 1 and sum(num_new) == input_ids.shape[0]
         refuse_images(self, images)
-        assert all(isinstance(c, SlotCache) and c.pool is self.pool for c in caches), (
-            "caches of this model's new_cache"
-        )
-        for cache, n in zip(caches, num_new, strict=True):
-            if cache.length + n > self.limit:
-                raise ValueError(
-                    f"sequence of {cache.length + n} tokens exceeds the model context "
-                    f"({self.limit})"
-                )
-            cache.reserve(n)
-        if self.pool.generation != self._generation:  # the pool moved: new tables, new graphs
-            self._generation = self.pool.generation
-            self._drop()
-            self._tables(self.pool.capacity)
-        need = max(c.length + n for c, n in zip(caches, num_new, strict=True))
+        need = self._reserve(caches, num_new)
         graphed = None
         if self.graphs and not return_hidden and not hidden_layers:
             # the Triton attention reads each row's key count on the device: one graph per
@@ -233,24 +219,11 @@ class GraphModel:
         tokens, uncommitted. On a GPU the whole chain is one captured graph (a draft model's k
         steps: one replay, no host work between them)."""
         assert first.dim() == 1 and len(caches) == first.shape[0] and steps >= 1
-        for cache in caches:
-            if cache.length + steps > self.limit:
-                raise ValueError(
-                    f"sequence of {cache.length + steps} tokens exceeds the model context "
-                    f"({self.limit})"
-                )
-            cache.reserve(steps)
-        if self.pool.generation != self._generation:
-            self._generation = self.pool.generation
-            self._drop()
-            self._tables(self.pool.capacity)
-        need = max(c.length for c in caches) + steps
+        need = self._reserve(caches, [steps] * len(caches))
         ones = [1] * len(caches)
         graphed = graph_key(ones, self._key_need(need), self.pool.capacity) if self.graphs else None
         layout = graphed or Layout(len(caches), 1, need)
-        padded = torch.zeros(layout.batch, dtype=torch.long, device=self.device)
-        padded[: len(caches)] = first.to(self.device)
-        _, meta, _ = self._inputs(torch.zeros(len(caches), dtype=torch.long), caches, ones, layout)
+        padded, meta, _ = self._inputs(first, caches, ones, layout)
         if graphed is None:
             return self._chain(padded, meta, layout, steps)[:, : len(caches)]
         key = (graphed, steps)
@@ -265,6 +238,26 @@ class GraphModel:
         captured.graph.replay()
         self.replays += 1
         return captured.logits[:, : len(caches)]
+
+    def _reserve(self, caches: Sequence[Any], num_new: Sequence[int]) -> int:
+        """Room in each cache for its `num_new` rows (a sequence past the context is refused),
+        the tables and graphs renewed if that moved the pool; returns the most keys a row
+        attends to."""
+        assert all(isinstance(c, SlotCache) and c.pool is self.pool for c in caches), (
+            "caches of this model's new_cache"
+        )
+        for cache, n in zip(caches, num_new, strict=True):
+            if cache.length + n > self.limit:
+                raise ValueError(
+                    f"sequence of {cache.length + n} tokens exceeds the model context "
+                    f"({self.limit})"
+                )
+            cache.reserve(n)
+        if self.pool.generation != self._generation:  # the pool moved: new tables, new graphs
+            self._generation = self.pool.generation
+            self._drop()
+            self._tables(self.pool.capacity)
+        return max(c.length + n for c, n in zip(caches, num_new, strict=True))
 
     def _key_need(self, need: int) -> int:
         """The key count a captured shape is keyed by: the torch path's mask spans `need`; the
