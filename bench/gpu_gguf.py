@@ -289,6 +289,15 @@ def bench(
                 for s, a in accept.items()
             }
     report["projection"] = projection
+    # plain decode's weight stream: bytes per step x steps per second
+    for name, model in (
+        ("bf16", "target_bf16"),
+        ("bf16_cublas", "target_bf16"),
+        ("gguf", "target_gguf"),
+    ):
+        run = single.get(f"{name}_plain")
+        if run:
+            run["weight_gb_s"] = round(models[model]["weight_bytes"] * run["decode_tok_s"] / 1e9, 1)
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -317,8 +326,12 @@ def markdown(report: dict[str, Any]) -> str:
     s = report.get("single_stream", {})
     lines.append(
         table(
-            ["run", "decode tok/s", "ms/cycle"],
-            [[n, v["decode_tok_s"], v.get("ms_per_cycle", "")] for n, v in s.items() if v],
+            ["run", "decode tok/s", "weight GB/s", "ms/cycle"],
+            [
+                [n, v["decode_tok_s"], v.get("weight_gb_s", ""), v.get("ms_per_cycle", "")]
+                for n, v in s.items()
+                if v
+            ],
         )
     )
     if report.get("long_context"):
