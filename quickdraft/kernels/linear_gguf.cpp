@@ -18,6 +18,7 @@
 #include <torch/extension.h>
 
 #include "bf16.h"
+#include "gguf_gemm.h"
 #include "gguf_layout.h"
 #include "ops.h"
 #include "panel_driver.h"
@@ -266,16 +267,20 @@ void quantize_row(const Tx* x, int64_t K, int block, int8_t* xq, float* dx, int1
   }
 }
 
-// The activations of x2 [M, K] for one block size: xq [M, K], dx [M, K / block], the sums per
-// 16 and per 32 values [M, K / 16], [M, K / 32]; views into `buf`.
-struct Acts {
-  int8_t* xq;
-  float* dx;
-  int16_t* bs16;
-  int16_t* bs32;
-};
+bool cpu_has_avx512_vnni() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
 
-// Floats of scratch one block size's Acts take (each array rounded up to whole floats).
+int g_isa = -1;  // the tile in use: -1 the best this CPU runs, 0 AVX2, 1 AVX-512 VNNI
+
+bool use_avx512() { return g_isa < 0 ? cpu_has_avx512_vnni() : g_isa == 1; }
+
+}  // namespace
+
+namespace qd_gguf {
+
 int64_t acts_floats(int64_t M, int64_t K, int block) {
   return (M * K + 3) / 4 + M * K / block + (M * K / 16 * 2 + 3) / 4 + (M * K / 32 * 2 + 3) / 4;
 }
@@ -300,17 +305,32 @@ Acts quantize(const at::Tensor& x2, int block, float* buf) {
   return a;
 }
 
-bool cpu_has_avx512_vnni() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-  return ok;
+
+void part_panels(const Acts& a, int64_t M, int64_t K, int f, const uint8_t* packed, int64_t n,
+                 const qd_panel::Epilogue& e, int64_t p0, int64_t p1) {
+  const int block = block_size(f);
+  const int16_t* bs = f == kQ6_K ? a.bs16 : a.bs32;
+  const int64_t ldb = f == kQ6_K ? K / 16 : K / 32;
+  const int64_t subs = block / (f == kQ6_K ? 16 : 32);
+  const int64_t G = K / block;  // blocks per row
+  const int64_t bytes = block_bytes(f);
+  const bool wide = use_avx512();
+  qd_panel::run_range(
+      packed, M, n, G, bytes, e,
+      [&](int T, const uint8_t* w, int64_t g0, int64_t glen, int64_t m0, float* acc, bool init,
+          const char* pf) {
+        const int8_t* xq = a.xq + m0 * K + g0 * block;
+        const float* dx = a.dx + m0 * G + g0;
+        const int16_t* bsm = bs + m0 * ldb + g0 * subs;
+        if (wide)
+          tile_avx512(f, T, w, glen, xq, K, dx, G, bsm, ldb, acc, init, pf);
+        else
+          tile_for(f, T)(w, glen, xq, K, dx, G, bsm, ldb, acc, init, pf);
+      },
+      p0, p1, std::max<int64_t>(1, 8192 / bytes), wide ? kTmaxAvx512 : qd_panel::kTmax);
 }
 
-int g_isa = -1;  // the tile in use: -1 the best this CPU runs, 0 AVX2, 1 AVX-512 VNNI
-
-bool use_avx512() { return g_isa < 0 ? cpu_has_avx512_vnni() : g_isa == 1; }
-
-}  // namespace
+}  // namespace qd_gguf
 
 int64_t qd_gguf_isa(int64_t level) {
   TORCH_CHECK(level >= -1 && level <= 1, "quickdraft gguf_isa: -1 (best), 0 (AVX2), 1 (AVX-512)");
@@ -381,29 +401,15 @@ at::Tensor qd_linear_gguf(const at::Tensor& x, const std::vector<at::Tensor>& pa
     const int f = static_cast<int>(fmts[i]);
     const int block = block_size(f), which = block == 256;
     if (!made[which]) acts[which] = quantize(x2, block, scratch + which * per), made[which] = true;
-    const Acts& a = acts[which];
-    const int16_t* bs = f == kQ6_K ? a.bs16 : a.bs32;
-    const int64_t ldb = f == kQ6_K ? K / 16 : K / 32;
-    const int64_t subs = block / (f == kQ6_K ? 16 : 32);
-    const int64_t G = K / block;  // blocks per row
     qd_panel::Epilogue e = qd_panel::epilogue(nullptr, b, y);
     e.y = static_cast<char*>(e.y) + col * y.element_size();
     if (e.bias) e.bias = static_cast<const char*>(e.bias) + col * b.element_size();
-    const int64_t bytes = block_bytes(f);
-    const bool wide = use_avx512();
-    qd_panel::run(
-        packed[i].data_ptr<uint8_t>(), M, ns[i], G, bytes, e,
-        [&](int T, const uint8_t* w, int64_t g0, int64_t glen, int64_t m0, float* acc, bool init,
-            const char* pf) {
-          const int8_t* xq = a.xq + m0 * K + g0 * block;
-          const float* dx = a.dx + m0 * G + g0;
-          const int16_t* bsm = bs + m0 * ldb + g0 * subs;
-          if (wide)
-            tile_avx512(f, T, w, glen, xq, K, dx, G, bsm, ldb, acc, init, pf);
-          else
-            tile_for(f, T)(w, glen, xq, K, dx, G, bsm, ldb, acc, init, pf);
-        },
-        std::max<int64_t>(1, 8192 / bytes), wide ? kTmaxAvx512 : qd_panel::kTmax);
+    const int64_t P = (ns[i] + kPanel - 1) / kPanel;
+    // ~128 KiB of weights per thread at least: below that the fork/join costs more than it saves
+    const int64_t grain = std::max<int64_t>(1, (int64_t{128} << 10) / (K / block * block_bytes(f)));
+    at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+      part_panels(acts[which], M, K, f, packed[i].data_ptr<uint8_t>(), ns[i], e, p0, p1);
+    });
     col += ns[i];
   }
   return y.view(out_shape);

@@ -72,3 +72,5 @@ at::Tensor qd_attend_paged(const at::Tensor& q, const at::Tensor& k, const at::T
                            int64_t start, double scale, int64_t window = 0);
 // dense_layer.cpp
 void qd_register_dense_layer(py::module_& m);
+// moe_gguf.cpp
+void qd_register_moe_gguf(py::module_& m);

@@ -56,6 +56,52 @@ inline Epilogue epilogue(const float* row_scale, const at::Tensor& bias, at::Ten
                   y.scalar_type() == at::kBFloat16, y.size(-1)};
 }
 
+// Panels [p0, p1) of `run` below on the calling thread: what each of its threads does with its
+// range. The grouped MoE kernel (moe_gguf.cpp) calls it for a range of one expert's panels.
+template <class Tile>
+void run_range(const uint8_t* packed, int64_t M, int64_t N, int64_t G, int64_t group_bytes,
+               const Epilogue& e, const Tile& tile, int64_t p0, int64_t p1,
+               int64_t block_groups = kBlockGroups, int64_t tmax = kTmax) {
+  const int64_t nch = (M + tmax - 1) / tmax;  // balanced token chunks
+  const int64_t GB = nch == 1 ? G : block_groups;
+  const int64_t panel_bytes = G * group_bytes;
+  std::unique_ptr<float, decltype(&std::free)> acc_buf(
+      static_cast<float*>(std::aligned_alloc(64, (M * kPanel * 4 + 63) / 64 * 64)), &std::free);
+  float* const acc = acc_buf.get();
+  TORCH_CHECK(acc, "quickdraft panel kernel: out of memory");
+  for (int64_t pi = p0; pi < p1; ++pi) {
+    const uint8_t* wp = packed + pi * panel_bytes;
+    for (int64_t g0 = 0; g0 < G; g0 += GB) {
+      const int64_t glen = std::min(GB, G - g0);
+      const uint8_t* wg = wp + g0 * group_bytes;
+      int64_t m0 = 0;
+      for (int64_t c = 0; c < nch; ++c) {
+        const int T = static_cast<int>(M / nch + (c < M % nch ? 1 : 0));
+        // the first pass over a block streams it from DRAM: prefetch ahead on the stream
+        const char* pf = c == 0 && prefetch_bytes > 0
+                             ? reinterpret_cast<const char*>(wg) + prefetch_bytes
+                             : nullptr;
+        tile(T, wg, g0, glen, m0, acc + m0 * kPanel, g0 == 0, pf);
+        m0 += T;
+      }
+    }
+    const int64_t rows = std::min<int64_t>(kPanel, N - pi * kPanel);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t j = 0; j < rows; ++j) {
+        const int64_t n = pi * kPanel + j;
+        float v = acc[m * kPanel + j];
+        if (e.row_scale) v *= e.row_scale[n];
+        if (e.bias)
+          v += e.bias_bf16 ? qd_bf16::bf16_to_f32(static_cast<const uint16_t*>(e.bias)[n])
+                           : static_cast<const float*>(e.bias)[n];
+        if (e.y_bf16)
+          static_cast<uint16_t*>(e.y)[m * e.ldy + n] = qd_bf16::f32_to_bf16(v);
+        else
+          static_cast<float*>(e.y)[m * e.ldy + n] = v;
+      }
+  }
+}
+
 // Runs `tile(T, w, g0, glen, m0, acc, init, pf)` over every panel of `packed` ([P, G,
 // group_bytes] bytes, P = ceil(N / 16)): T tokens from token m0, the panel's groups [g0, g0 +
 // glen) at w, accumulating into acc [T][16] fp32 (zeroed first when init), prefetching at pf
@@ -66,47 +112,10 @@ void run(const uint8_t* packed, int64_t M, int64_t N, int64_t G, int64_t group_b
          const Epilogue& e, const Tile& tile, int64_t block_groups = kBlockGroups,
          int64_t tmax = kTmax) {
   const int64_t P = (N + kPanel - 1) / kPanel;
-  const int64_t nch = (M + tmax - 1) / tmax;  // balanced token chunks
-  const int64_t GB = nch == 1 ? G : block_groups;
-  const int64_t panel_bytes = G * group_bytes;
   // ~128 KiB of weights per thread at least: below that the fork/join costs more than it saves
-  const int64_t grain = std::max<int64_t>(1, (int64_t{128} << 10) / panel_bytes);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{128} << 10) / (G * group_bytes));
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
-    std::unique_ptr<float, decltype(&std::free)> acc_buf(
-        static_cast<float*>(std::aligned_alloc(64, (M * kPanel * 4 + 63) / 64 * 64)), &std::free);
-    float* const acc = acc_buf.get();
-    TORCH_CHECK(acc, "quickdraft panel kernel: out of memory");
-    for (int64_t pi = p0; pi < p1; ++pi) {
-      const uint8_t* wp = packed + pi * panel_bytes;
-      for (int64_t g0 = 0; g0 < G; g0 += GB) {
-        const int64_t glen = std::min(GB, G - g0);
-        const uint8_t* wg = wp + g0 * group_bytes;
-        int64_t m0 = 0;
-        for (int64_t c = 0; c < nch; ++c) {
-          const int T = static_cast<int>(M / nch + (c < M % nch ? 1 : 0));
-          // the first pass over a block streams it from DRAM: prefetch ahead on the stream
-          const char* pf = c == 0 && prefetch_bytes > 0
-                               ? reinterpret_cast<const char*>(wg) + prefetch_bytes
-                               : nullptr;
-          tile(T, wg, g0, glen, m0, acc + m0 * kPanel, g0 == 0, pf);
-          m0 += T;
-        }
-      }
-      const int64_t rows = std::min<int64_t>(kPanel, N - pi * kPanel);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t j = 0; j < rows; ++j) {
-          const int64_t n = pi * kPanel + j;
-          float v = acc[m * kPanel + j];
-          if (e.row_scale) v *= e.row_scale[n];
-          if (e.bias)
-            v += e.bias_bf16 ? qd_bf16::bf16_to_f32(static_cast<const uint16_t*>(e.bias)[n])
-                             : static_cast<const float*>(e.bias)[n];
-          if (e.y_bf16)
-            static_cast<uint16_t*>(e.y)[m * e.ldy + n] = qd_bf16::f32_to_bf16(v);
-          else
-            static_cast<float*>(e.y)[m * e.ldy + n] = v;
-        }
-    }
+    run_range(packed, M, N, G, group_bytes, e, tile, p0, p1, block_groups, tmax);
   });
 }
 

@@ -12,12 +12,14 @@ by the loader's name map (models/qwen3_next.py: `checkpoint_name_map`).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from quickdraft.kernels.gemm import Weight, project
+from quickdraft.kernels.moe_gguf import grouped_experts, reference_experts
 from quickdraft.kernels.pointwise import sigmoid, silu_mul
 from quickdraft.models.layers import LinearView, OperandModule, fused_projections
 
@@ -58,23 +60,40 @@ class Experts(nn.Module):
         # per expert (gate_up, down) GEMM operands in place of the stacked tensors: a GGUF's
         # experts kept in their block formats (models/gguf_qwen.py); None: the tensors above
         self.operands: list[tuple[Weight, Weight]] | None = None
+        self._grouped: Any = None  # the grouped kernel over `operands` (None: it cannot run)
+        self._grouped_for: object = None  # the operand list it was built for
 
     def forward(self, x: Tensor, top_idx: Tensor, top_weight: Tensor) -> Tensor:
-        """x [N, hidden], top_idx / top_weight [N, top_k] -> weighted sum of chosen experts."""
-        out = torch.zeros_like(x)
-        # One GEMM pair per expert that any token chose (a decode step touches top_k experts).
-        for e in torch.unique(top_idx).tolist():
-            rows, slot = torch.where(top_idx == e)
-            gate_up_w, down_w = (
-                (self.gate_up_proj[e], self.down_proj[e])
-                if self.operands is None
-                else self.operands[e]
-            )
-            gate_up = project(x[rows], gate_up_w)  # [n_e, 2 * inter]
-            act = silu_mul(gate_up)
-            y = project(act, down_w) * top_weight[rows, slot, None]
-            out.index_add_(0, rows, y)
-        return out
+        """x [N, hidden], top_idx / top_weight [N, top_k] -> the weighted sum of each row's
+        chosen experts (kernels/moe_gguf.py: one grouped call when the experts are in GGUF
+        blocks, else one GEMM pair per chosen expert)."""
+        grouped = self._grouped_kernel() if x.is_cpu else None
+        if grouped is not None:
+            out: Tensor = grouped.forward(x, top_idx, top_weight)
+            return out
+        operands = self.operands if self.operands is not None else _Stacked(self)
+        return reference_experts(x, top_idx, top_weight, operands)
+
+    def _grouped_kernel(self) -> Any:
+        """The extension's grouped call for `operands`, built once per operand list."""
+        if self._grouped_for is not self.operands:
+            self._grouped_for = self.operands
+            ops = self.operands
+            self._grouped = None if ops is None else grouped_experts(ops, ops[0][1].shape[0])
+        return self._grouped
+
+
+class _Stacked(Sequence[tuple[Weight, Weight]]):
+    """Expert e's (gate_up, down) as views of the stacked parameters."""
+
+    def __init__(self, experts: Experts) -> None:
+        self.experts = experts
+
+    def __len__(self) -> int:
+        return int(self.experts.gate_up_proj.shape[0])
+
+    def __getitem__(self, e: int) -> tuple[Weight, Weight]:  # type: ignore[override]
+        return self.experts.gate_up_proj[e], self.experts.down_proj[e]
 
 
 class Router(nn.Module):

@@ -1,0 +1,289 @@
+// The routed experts of one MoE layer in one call, over a GGUF file's own block formats
+// (kernels/moe_gguf.py owns the contract and the reference; the GEMM is linear_gguf.cpp's).
+//
+// Contract: MoEGGUF(...).forward(x [N, H], top_idx [N, k], top_weight [N, k]) returns
+//   out[r] = sum over slots j in order of  w[r, j] * down_e(silu_mul(gate_up_e(x[r])))
+// with e = top_idx[r, j]: each GEMM output rounded to x's dtype as `project` rounds it, the
+// products and the sum in fp32 (in slot order), rounded once. That is what the per-expert loop
+// of kernels/moe_gguf.py computes, bit for bit, and a row's result depends on that row alone.
+//
+// Why: the per-expert loop is ~8 torch calls and two fork/joins per chosen expert, 8 experts a
+// layer, 40-48 layers: at decode those calls cost as much as streaming the experts' weights.
+// Here a layer is one call with two parallel regions (gate/up, then down). Rows are grouped by
+// expert, so each chosen expert's panels are streamed once per forward whatever the number of
+// rows (a verify, a prompt chunk), and x is quantized to int8 once for all its experts. The
+// threads split the (expert, panel) work into contiguous ranges of equal estimated cost.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "bf16.h"
+#include "gguf_gemm.h"
+#include "ops.h"
+#include "simd.h"
+
+namespace {
+
+using namespace qd_gguf;  // NOLINT: the layout's names
+
+// One projection of every expert: per expert its row parts (one format and row count per
+// part, the same for every expert), over K input columns.
+struct Proj {
+  std::vector<std::vector<at::Tensor>> packed;  // [E][parts]
+  std::vector<int64_t> fmts, ns;                // per part
+  int64_t K = 0, N = 0;                         // in and out features
+  std::vector<int64_t> panels;                  // per part: ceil(n / 16)
+  int64_t unit_panels = 0;                      // panels per expert, all parts
+};
+
+Proj make_proj(std::vector<std::vector<at::Tensor>> packed, std::vector<int64_t> fmts,
+               std::vector<int64_t> ns, int64_t K, const char* what) {
+  Proj p{std::move(packed), std::move(fmts), std::move(ns), K, 0, {}, 0};
+  TORCH_CHECK(!p.packed.empty() && !p.fmts.empty() && p.fmts.size() == p.ns.size(),
+              "quickdraft MoEGGUF: ", what, ": experts and one format and row count per part");
+  for (size_t i = 0; i < p.fmts.size(); ++i) {
+    const int64_t f = p.fmts[i];
+    TORCH_CHECK(f >= 0 && f < kNumFmt && p.ns[i] > 0, "quickdraft MoEGGUF: ", what, ": part ", i,
+                " has format ", f, " and ", p.ns[i], " rows");
+    TORCH_CHECK(K % block_size(static_cast<int>(f)) == 0, "quickdraft MoEGGUF: ", what, ": ", K,
+                " columns are not whole blocks of format ", f);
+    p.panels.push_back((p.ns[i] + kPanel - 1) / kPanel);
+    p.unit_panels += p.panels.back();
+    p.N += p.ns[i];
+  }
+  for (size_t e = 0; e < p.packed.size(); ++e) {
+    TORCH_CHECK(p.packed[e].size() == p.fmts.size(), "quickdraft MoEGGUF: ", what, ": expert ",
+                e, " has ", p.packed[e].size(), " parts, not ", p.fmts.size());
+    for (size_t i = 0; i < p.fmts.size(); ++i) {
+      const at::Tensor& t = p.packed[e][i];
+      const int f = static_cast<int>(p.fmts[i]);
+      TORCH_CHECK(t.defined() && t.device().is_cpu() && t.scalar_type() == at::kByte &&
+                      t.dim() == 3 && t.is_contiguous() && t.size(0) == p.panels[i] &&
+                      t.size(1) * block_size(f) == K && t.size(2) == block_bytes(f),
+                  "quickdraft MoEGGUF: ", what, ": expert ", e, " part ", i,
+                  " is not a packed [", p.panels[i], ", ", K / block_size(f), ", ",
+                  block_bytes(f), "] uint8 tensor");
+    }
+  }
+  return p;
+}
+
+// The rows of `src` (Acts of some rows, row length K, block `block`) listed in `rows`, copied
+// into `dst` in that order.
+void gather(const Acts& src, const std::vector<int64_t>& rows, int64_t K, int block,
+            const Acts& dst) {
+  for (size_t a = 0; a < rows.size(); ++a) {
+    const int64_t r = rows[a];
+    std::memcpy(dst.xq + a * K, src.xq + r * K, K);
+    std::memcpy(dst.dx + a * (K / block), src.dx + r * (K / block), K / block * sizeof(float));
+    std::memcpy(dst.bs16 + a * (K / 16), src.bs16 + r * (K / 16), K / 16 * sizeof(int16_t));
+    std::memcpy(dst.bs32 + a * (K / 32), src.bs32 + r * (K / 32), K / 32 * sizeof(int16_t));
+  }
+}
+
+Acts offset(const Acts& a, int64_t rows, int64_t K, int block) {
+  return Acts{a.xq + rows * K, a.dx + rows * (K / block), a.bs16 + rows * (K / 16),
+              a.bs32 + rows * (K / 32)};
+}
+
+// The weighted sum over slots, fp32, in slot order; no fused multiply-add, so each product
+// and each sum is rounded as torch's `out += w * y` rounds them (the reference's bits).
+template <class T>
+__attribute__((optimize("fp-contract=off"))) void weighted_sum(
+    const T* y, const int64_t* slot_row, const float* w, int64_t k, int64_t H, float* acc,
+    T* out) {
+  for (int64_t c = 0; c < H; ++c) acc[c] = 0.0f;
+  for (int64_t j = 0; j < k; ++j) {
+    const T* yr = y + slot_row[j] * H;
+    const float wj = w[j];
+    for (int64_t c = 0; c < H; ++c) {
+      const float prod = wj * qd_simd::load1(yr + c);
+      acc[c] = acc[c] + prod;
+    }
+  }
+  for (int64_t c = 0; c < H; ++c) qd_simd::store1(out + c, acc[c]);
+}
+
+}  // namespace
+
+class QdMoEGGUF {
+ public:
+  QdMoEGGUF(std::vector<std::vector<at::Tensor>> gate_up, std::vector<int64_t> gate_up_fmts,
+            std::vector<int64_t> gate_up_ns, std::vector<std::vector<at::Tensor>> down,
+            std::vector<int64_t> down_fmts, std::vector<int64_t> down_ns, int64_t hidden)
+      : gu_(make_proj(std::move(gate_up), std::move(gate_up_fmts), std::move(gate_up_ns), hidden,
+                      "gate_up")),
+        down_(make_proj(std::move(down), std::move(down_fmts), std::move(down_ns), gu_.N / 2,
+                        "down")) {
+    TORCH_CHECK(gu_.N % 2 == 0, "quickdraft MoEGGUF: gate_up has an odd row count ", gu_.N);
+    TORCH_CHECK(gu_.packed.size() == down_.packed.size(), "quickdraft MoEGGUF: ",
+                gu_.packed.size(), " gate_up experts but ", down_.packed.size(), " down");
+    TORCH_CHECK(down_.N == hidden, "quickdraft MoEGGUF: down has ", down_.N, " rows, not ",
+                hidden);
+  }
+
+  int64_t experts() const { return static_cast<int64_t>(gu_.packed.size()); }
+
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& top_idx,
+                     const at::Tensor& top_weight) const {
+    const int64_t H = gu_.K, I = gu_.N / 2, E = experts();
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == H && x.device().is_cpu() &&
+                    (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+                "quickdraft MoEGGUF: x must be [N, ", H, "] bf16 or fp32 on the CPU");
+    const int64_t N = x.size(0);
+    TORCH_CHECK(top_idx.dim() == 2 && top_idx.size(0) == N &&
+                    top_idx.scalar_type() == at::kLong && top_weight.sizes() == top_idx.sizes(),
+                "quickdraft MoEGGUF: top_idx int64 and top_weight of one shape [N, k]");
+    const int64_t k = top_idx.size(1), A = N * k;
+    at::Tensor out = at::empty({N, H}, x.options());
+    qd_count_kernel_call();
+    if (A == 0) return out.zero_();
+    const at::Tensor xc = x.contiguous();
+    const at::Tensor idx = top_idx.contiguous();
+    const at::Tensor w = top_weight.to(at::kFloat).contiguous();
+
+    // Assignments (row, slot) in expert order, by row within an expert: `rows` [A] their rows,
+    // `where` [N * k] the assignment of each (row, slot).
+    const int64_t* ip = idx.data_ptr<int64_t>();
+    std::vector<int64_t> count(E + 1, 0);
+    for (int64_t i = 0; i < A; ++i) {
+      TORCH_CHECK(ip[i] >= 0 && ip[i] < E, "quickdraft MoEGGUF: expert id ", ip[i],
+                  " out of range [0, ", E, ")");
+      ++count[ip[i] + 1];
+    }
+    std::vector<int64_t> start(E + 1, 0), used;
+    for (int64_t e = 0; e < E; ++e) {
+      start[e + 1] = start[e] + count[e + 1];
+      if (count[e + 1] > 0) used.push_back(e);
+    }
+    std::vector<int64_t> rows(A), where(A), fill(start.begin(), start.end() - 1);
+    for (int64_t i = 0; i < A; ++i) {
+      const int64_t a = fill[ip[i]]++;
+      rows[a] = i / k;
+      where[i] = a;
+    }
+
+    // gate/up: x quantized once per block size, its rows gathered in assignment order
+    int blocks[2] = {0, 0};
+    for (int64_t f : gu_.fmts) {
+      const int b = block_size(static_cast<int>(f));
+      blocks[b == 256] = b;
+    }
+    int64_t floats = 0;
+    for (int b : blocks)
+      if (b) floats += acts_floats(N, H, b) + acts_floats(A, H, b);
+    const int down_block = block_size(static_cast<int>(down_.fmts[0]));
+    for (int64_t f : down_.fmts)
+      TORCH_CHECK(block_size(static_cast<int>(f)) == down_block,
+                  "quickdraft MoEGGUF: down's parts need one block size");
+    floats += acts_floats(A, I, down_block);
+    float* buf = qd_simd::scratch(static_cast<size_t>(floats));
+    Acts gathered[2];
+    for (int which = 0; which < 2; ++which) {
+      if (!blocks[which]) continue;
+      const Acts own = quantize(xc, blocks[which], buf);
+      buf += acts_floats(N, H, blocks[which]);
+      gathered[which] = Acts{reinterpret_cast<int8_t*>(buf), nullptr, nullptr, nullptr};
+      gathered[which].dx = buf + (A * H + 3) / 4;
+      gathered[which].bs16 = reinterpret_cast<int16_t*>(gathered[which].dx + A * H / blocks[which]);
+      gathered[which].bs32 = reinterpret_cast<int16_t*>(
+          reinterpret_cast<float*>(gathered[which].bs16) + (A * H / 16 * 2 + 3) / 4);
+      buf += acts_floats(A, H, blocks[which]);
+      gather(own, rows, H, blocks[which], gathered[which]);
+    }
+    at::Tensor h = at::empty({A, 2 * I}, x.options());  // [A, 2I] gate | up per assignment
+    run(gu_, used, start, h, [&](int f) -> const Acts& {
+      return gathered[block_size(f) == 256];
+    });
+
+    // down: silu(gate) * up, the kernel's own op, quantized per assignment
+    const at::Tensor act = qd_silu_mul(h);  // [A, I]
+    const Acts down_acts = quantize(act, down_block, buf);
+    at::Tensor y = at::empty({A, H}, x.options());  // [A, H]
+    run(down_, used, start, y, [&](int) -> const Acts& { return down_acts; });
+
+    // the weighted sums, each row over its slots in order
+    const float* wp = w.data_ptr<float>();
+    at::parallel_for(0, N, std::max<int64_t>(1, 8192 / H), [&](int64_t r0, int64_t r1) {
+      std::vector<float> acc(H);
+      for (int64_t r = r0; r < r1; ++r) {
+        if (x.scalar_type() == at::kBFloat16)
+          weighted_sum(static_cast<const uint16_t*>(y.data_ptr()), where.data() + r * k,
+                       wp + r * k, k, H, acc.data(), static_cast<uint16_t*>(out.data_ptr()) + r * H);
+        else
+          weighted_sum(y.data_ptr<float>(), where.data() + r * k, wp + r * k, k, H, acc.data(),
+                       out.data_ptr<float>() + r * H);
+      }
+    });
+    return out;
+  }
+
+ private:
+  Proj gu_, down_;
+
+  // Every used expert's panels of `p` times its rows of the activations (`acts(format)`, in
+  // assignment order) into y [A, p.N]: the (expert, panel) units cut into one contiguous range
+  // per thread of about equal cost (the panels' bytes plus a share per row).
+  template <class ActsOf>
+  void run(const Proj& p, const std::vector<int64_t>& used, const std::vector<int64_t>& start,
+           at::Tensor& y, const ActsOf& acts) const {
+    const int64_t U = static_cast<int64_t>(used.size()) * p.unit_panels;
+    std::vector<double> cost(U + 1, 0.0);  // prefix sums
+    std::vector<int64_t> part_of(p.unit_panels), panel_of(p.unit_panels), col_of(p.fmts.size());
+    for (size_t i = 0, u = 0, col = 0; i < p.fmts.size(); col += p.ns[i], ++i) {
+      col_of[i] = static_cast<int64_t>(col);
+      for (int64_t q = 0; q < p.panels[i]; ++q, ++u) {
+        part_of[u] = static_cast<int64_t>(i);
+        panel_of[u] = q;
+      }
+    }
+    for (int64_t u = 0; u < U; ++u) {
+      const int64_t e = used[u / p.unit_panels];
+      const int f = static_cast<int>(p.fmts[part_of[u % p.unit_panels]]);
+      const double bytes = static_cast<double>(p.K / block_size(f) * block_bytes(f));
+      cost[u + 1] = cost[u] + bytes * (2.0 + static_cast<double>(start[e + 1] - start[e]));
+    }
+    const int64_t threads = std::max<int64_t>(
+        1, std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(cost[U] / (64 << 10))));
+    std::vector<int64_t> cut(threads + 1, U);
+    cut[0] = 0;
+    for (int64_t t = 1; t < threads; ++t)
+      cut[t] = std::lower_bound(cost.begin(), cost.end(), cost[U] * t / threads) - cost.begin();
+    const qd_panel::Epilogue base = qd_panel::epilogue(nullptr, at::Tensor(), y);
+    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t u = cut[t]; u < cut[t + 1];) {
+          // a run of panels of one (expert, part) within this range
+          const int64_t ue = u / p.unit_panels, uu = u % p.unit_panels;
+          const int64_t part = part_of[uu];
+          const int64_t last = std::min(cut[t + 1], ue * p.unit_panels + uu + p.panels[part] -
+                                                        panel_of[uu]);
+          const int64_t e = used[ue], a0 = start[e], M = start[e + 1] - start[e];
+          const int f = static_cast<int>(p.fmts[part]);
+          qd_panel::Epilogue ep = base;
+          ep.y = static_cast<char*>(y.data_ptr()) + (a0 * y.size(1) + col_of[part]) * y.element_size();
+          part_panels(offset(acts(f), a0, p.K, block_size(f)), M, p.K, f,
+                      p.packed[e][part].data_ptr<uint8_t>(), p.ns[part], ep, panel_of[uu],
+                      panel_of[uu] + (last - u));
+          u = last;
+        }
+      }
+    });
+  }
+};
+
+void qd_register_moe_gguf(py::module_& m) {
+  py::class_<QdMoEGGUF>(m, "MoEGGUF")
+      .def(py::init<std::vector<std::vector<at::Tensor>>, std::vector<int64_t>,
+                    std::vector<int64_t>, std::vector<std::vector<at::Tensor>>,
+                    std::vector<int64_t>, std::vector<int64_t>, int64_t>(),
+           py::arg("gate_up"), py::arg("gate_up_fmts"), py::arg("gate_up_ns"), py::arg("down"),
+           py::arg("down_fmts"), py::arg("down_ns"), py::arg("hidden"))
+      .def("experts", &QdMoEGGUF::experts)
+      .def("forward", &QdMoEGGUF::forward, py::arg("x"), py::arg("top_idx"),
+           py::arg("top_weight"), py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,136 @@
+"""The grouped routed-expert kernel (kernels/moe_gguf.py, moe_gguf.cpp): one call per MoE layer
+equals the per-expert loop bit for bit, for the block-format mixes GGUF files hold, rows alone
+and inside any batch, on every GEMM tile this CPU has; the MoE blocks take it for GGUF experts."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import pytest
+import torch
+from kernel_checks import needs_kernel
+from test_linear_gguf import random_blocks
+from torch import Tensor
+
+from quickdraft.kernels import build, kernel_calls
+from quickdraft.kernels.gemm import Weight
+from quickdraft.kernels.linear_gguf import TILE_FLAGS, TILES, GGUFWeight, cpu_tiles
+from quickdraft.kernels.moe_gguf import grouped_experts, reference_experts
+from quickdraft.models.moe import RoutedMoE, route
+
+pytestmark = [pytest.mark.usefixtures("kernels_enabled"), needs_kernel]
+
+H, INTER, E = 512, 256, 6  # hidden, expert width (one super-block each), experts
+# (gate, up, down) formats: a Q4_K_M file's experts, Q5_K_M's, a Q4_0 file's, a Q8_0 file's
+MIXES = [("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q5_K", "Q6_K"), ("Q4_0", "Q4_0", "Q4_0")]
+MIXES.append(("Q8_0", "Q8_0", "Q8_0"))
+
+
+@functools.cache
+def experts(mix: tuple[str, str, str], inter: int = INTER) -> list[tuple[Weight, Weight]]:
+    gate, up, down = mix
+    out: list[tuple[Weight, Weight]] = []
+    for e in range(E):
+        gate_up = GGUFWeight.concat(
+            [
+                GGUFWeight.from_raw(gate, random_blocks(gate, inter, H, seed=3 * e), H),
+                GGUFWeight.from_raw(up, random_blocks(up, inter, H, seed=3 * e + 1), H),
+            ]
+        )
+        out.append(
+            (gate_up, GGUFWeight.from_raw(down, random_blocks(down, H, inter, 3 * e + 2), inter))
+        )
+    return out
+
+
+def routing(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """x [n, H] and top-k choices: distinct experts per row in random order, random weights."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, H, generator=g).to(dtype)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)])
+    weight = torch.rand(n, k, generator=g).to(dtype)
+    return x, idx, weight
+
+
+@pytest.fixture(params=list(TILES))
+def tile(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Runs the test on each GGUF GEMM tile this CPU has (AVX-512 VNNI skips where absent)."""
+    if not build.kernels_available():
+        pytest.skip("the C++ extension did not build or cannot run here")
+    if request.param not in cpu_tiles():
+        pytest.skip(f"this CPU lacks {sorted(TILE_FLAGS[request.param])}: no {request.param} tile")
+    ext = build.extension()
+    ext.gguf_isa(TILES[request.param])
+    yield request.param
+    ext.gguf_isa(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["xfp32", "xbf16"])
+@pytest.mark.parametrize("mix", MIXES, ids=lambda m: "+".join(m))
+@pytest.mark.parametrize("n,k", [(1, 1), (1, 4), (3, 2), (16, 4), (40, 3)], ids=str)
+def test_grouped_equals_per_expert_reference(
+    mix: tuple[str, str, str], dtype: torch.dtype, n: int, k: int, tile: str
+) -> None:
+    ops = experts(mix)
+    kernel = grouped_experts(ops, H)
+    assert kernel is not None
+    x, idx, weight = routing(n, k, dtype, seed=n + k)
+    before = kernel_calls()
+    out = kernel.forward(x, idx, weight)
+    assert kernel_calls() == before + 1
+    ref = reference_experts(x, idx, weight, ops)
+    assert out.dtype == dtype and out.shape == (n, H)
+    assert torch.equal(out, ref)
+    assert out.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["xfp32", "xbf16"])
+def test_grouped_rows_are_batch_invariant(dtype: torch.dtype, tile: str) -> None:
+    """A row's bits inside any batch of M = 2..16 (others routed elsewhere or to the same
+    experts) are the bits it gets alone: a decode step and a verify pass agree."""
+    ops = experts(MIXES[0])
+    kernel = grouped_experts(ops, H)
+    x, idx, weight = routing(16, 4, dtype, seed=7)
+    alone = torch.cat(
+        [kernel.forward(x[i : i + 1], idx[i : i + 1], weight[i : i + 1]) for i in range(16)]
+    )
+    for m in range(2, 17):
+        assert torch.equal(kernel.forward(x[:m], idx[:m], weight[:m]), alone[:m]), f"M={m}"
+
+
+def test_grouped_takes_widths_of_32_block_formats() -> None:
+    """An expert width of 3 blocks of 32 (a Q4_0 / Q8_0 file's; K-quants need 256s)."""
+    mix = ("Q4_0", "Q4_0", "Q8_0")
+    ops = experts(mix, inter=96)
+    kernel = grouped_experts(ops, H)
+    x, idx, weight = routing(5, 2, torch.bfloat16, seed=3)
+    assert torch.equal(kernel.forward(x, idx, weight), reference_experts(x, idx, weight, ops))
+
+
+def test_grouped_refuses_what_it_cannot_run() -> None:
+    ops = experts(MIXES[0])
+    dense: list[tuple[Weight, Weight]] = [(torch.zeros(2 * INTER, H), torch.zeros(H, INTER))] * E
+    assert grouped_experts(dense, H) is None  # an unquantized file's experts: the loop runs them
+    mixed = [*ops[:-1], experts(MIXES[1])[-1]]
+    assert grouped_experts(mixed, H) is None  # experts of different formats
+    kernel = grouped_experts(ops, H)
+    x, idx, weight = routing(2, 2, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="expert id 6 out of range"):
+        kernel.forward(x, torch.tensor([[0, 6], [1, 2]]), weight)
+    with pytest.raises(RuntimeError, match="x must be"):
+        kernel.forward(x[:, :256], idx, weight)
+
+
+def test_routed_moe_takes_the_grouped_kernel_for_gguf_experts() -> None:
+    """RoutedMoE over GGUF experts runs its experts as one grouped call, with the loop's bits."""
+    torch.manual_seed(0)
+    moe = RoutedMoE(H, E, 2, INTER, True, torch.bfloat16, torch.device("cpu"))
+    moe.gate.weight.copy_(torch.randn(E, H).bfloat16())
+    ops = experts(MIXES[0])
+    moe.experts.operands = list(ops)
+    x = torch.randn(9, H).bfloat16()
+    out = moe(x)
+    assert moe.experts._grouped is not None
+    top_weight, top_idx = route(x, moe.gate.weight, 2, True)
+    assert torch.equal(out, reference_experts(x, top_idx, top_weight.bfloat16(), ops))
