@@ -14,10 +14,12 @@ from test_linear_gguf import random_blocks
 from torch import Tensor
 
 from quickdraft.kernels import build, kernel_calls
-from quickdraft.kernels.gemm import Weight
+from quickdraft.kernels.gemm import Weight, project
+from quickdraft.kernels.linear_bf16 import PanelWeight
 from quickdraft.kernels.linear_gguf import TILE_FLAGS, TILES, GGUFWeight, cpu_tiles
 from quickdraft.kernels.moe_gguf import grouped_experts, reference_experts
-from quickdraft.models.moe import RoutedMoE, route
+from quickdraft.kernels.pointwise import sigmoid
+from quickdraft.models.moe import RoutedMoE, SparseMoE, route
 
 pytestmark = [pytest.mark.usefixtures("kernels_enabled"), needs_kernel]
 
@@ -120,6 +122,40 @@ def test_grouped_refuses_what_it_cannot_run() -> None:
         kernel.forward(x, torch.tensor([[0, 6], [1, 2]]), weight)
     with pytest.raises(RuntimeError, match="x must be"):
         kernel.forward(x[:, :256], idx, weight)
+
+
+@pytest.mark.parametrize("shared", [None, "tensor", "panels"], ids=["routed", "sparse", "panels"])
+@pytest.mark.parametrize("n", [1, 5, 9])
+def test_moe_block_in_one_call_equals_its_python_ops(shared: str | None, n: int) -> None:
+    """RoutedMoE (Qwen3-MoE) and SparseMoE (+ the gated shared expert, Qwen3.5-MoE) over GGUF
+    blocks run as one call with the bits of their ops run one by one from Python; the shared
+    gate as a plain tensor or packed in panels (what a loaded model holds)."""
+    torch.manual_seed(n)
+    cpu = torch.device("cpu")
+    moe: RoutedMoE | SparseMoE = (
+        SparseMoE(H, E, 2, INTER, INTER, True, torch.bfloat16, cpu)
+        if shared
+        else RoutedMoE(H, E, 2, INTER, True, torch.bfloat16, cpu)
+    )
+    moe.gate.weight.copy_(torch.randn(E, H).bfloat16())
+    ops = experts(MIXES[0])
+    moe.experts.operands = list(ops)
+    if isinstance(moe, SparseMoE):
+        moe.shared_expert.gate_up, moe.shared_expert.down = experts(MIXES[1])[0]
+        moe.shared_gate = (torch.randn(1, H) * 0.05).bfloat16()
+        if shared == "panels":
+            moe.shared_gate = PanelWeight.pack(moe.shared_gate)
+    x = torch.randn(n, H).bfloat16()
+    before = kernel_calls()
+    out = moe(x)
+    # router, experts (+ the shared gate_up, down, gate): the kernels, each once
+    assert kernel_calls() - before == (5 if shared else 2)
+    assert moe._one_call.kernel is not None
+    top_weight, top_idx = route(x, moe.gate.weight, 2, True)
+    ref = reference_experts(x, top_idx, top_weight.bfloat16(), ops)
+    if isinstance(moe, SparseMoE):
+        ref = ref + sigmoid(project(x, moe.shared_gate)) * moe.shared_expert(x)
+    assert torch.equal(out, ref)
 
 
 def test_routed_moe_takes_the_grouped_kernel_for_gguf_experts() -> None:

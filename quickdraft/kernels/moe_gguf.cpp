@@ -276,6 +276,75 @@ class QdMoEGGUF {
   }
 };
 
+// A whole MoE block over GGUF experts (RoutedMoE, or SparseMoE with its gated shared expert),
+// as the Python blocks in models/moe.py compute it with every op on its kernel: router logits
+// (the bf16 linear kernel), softmax in fp32, top k, renormalized in slot order, the grouped
+// experts, and sigmoid(shared_gate(x)) * shared(x) added in x's dtype. Same ops, same order,
+// same bits; one call per layer instead of ~15 torch ops from Python.
+class QdMoEBlock {
+ public:
+  QdMoEBlock(QdMoEGGUF experts, at::Tensor router, int64_t top_k, bool norm_topk, int64_t max_m,
+             std::vector<at::Tensor> shared_gate_up, std::vector<int64_t> shared_gate_up_fmts,
+             std::vector<int64_t> shared_gate_up_ns, std::vector<at::Tensor> shared_down,
+             std::vector<int64_t> shared_down_fmts, std::vector<int64_t> shared_down_ns,
+             c10::optional<at::Tensor> shared_gate, int64_t shared_gate_panel_n)
+      : experts_(std::move(experts)),
+        router_(std::move(router)),
+        top_k_(top_k),
+        norm_topk_(norm_topk),
+        max_m_(max_m),
+        sgu_(std::move(shared_gate_up)),
+        sgu_fmts_(std::move(shared_gate_up_fmts)),
+        sgu_ns_(std::move(shared_gate_up_ns)),
+        sdown_(std::move(shared_down)),
+        sdown_fmts_(std::move(shared_down_fmts)),
+        sdown_ns_(std::move(shared_down_ns)),
+        shared_gate_(std::move(shared_gate)),
+        shared_gate_panel_n_(shared_gate_panel_n) {
+    TORCH_CHECK(router_.dim() == 2 && router_.size(0) == experts_.experts(),
+                "quickdraft MoEBlock: the router needs one row per expert");
+    TORCH_CHECK(top_k_ >= 1 && top_k_ <= experts_.experts(), "quickdraft MoEBlock: top_k ",
+                top_k_, " of ", experts_.experts(), " experts");
+    TORCH_CHECK(sgu_.empty() == sdown_.empty() && sgu_.empty() == !shared_gate_.has_value(),
+                "quickdraft MoEBlock: a shared expert needs gate_up, down and its gate");
+  }
+
+  at::Tensor forward(const at::Tensor& x) const {
+    const at::Tensor logits = qd_linear(x, router_, c10::nullopt, max_m_);  // [N, E]
+    const at::Tensor probs = at::softmax(logits.to(at::kFloat), -1);
+    auto [weight, idx] = at::topk(probs, top_k_, -1);  // [N, k]
+    if (norm_topk_) {  // summed in slot order, as models/moe.py's route
+      at::Tensor total = weight.select(1, 0);
+      for (int64_t j = 1; j < top_k_; ++j) total = total + weight.select(1, j);
+      weight = weight / total.unsqueeze(1);
+    }
+    at::Tensor out = experts_.forward(x, idx, weight.to(x.scalar_type()));
+    if (sgu_.empty()) return out;
+    const at::Tensor h = qd_linear_gguf(x, sgu_, sgu_fmts_, sgu_ns_, c10::nullopt);
+    const at::Tensor shared = qd_linear_gguf(qd_silu_mul(h), sdown_, sdown_fmts_, sdown_ns_,
+                                             c10::nullopt);
+    // the gate [1, H]: a plain tensor (the bf16 linear kernel) or packed in a panel
+    const at::Tensor gate = qd_sigmoid(
+        shared_gate_panel_n_ < 0
+            ? qd_linear(x, *shared_gate_, c10::nullopt, max_m_)
+            : qd_linear_panel(x, *shared_gate_, shared_gate_panel_n_, c10::nullopt));
+    return out + gate * shared;
+  }
+
+ private:
+  QdMoEGGUF experts_;
+  at::Tensor router_;
+  int64_t top_k_;
+  bool norm_topk_;
+  int64_t max_m_;
+  std::vector<at::Tensor> sgu_;
+  std::vector<int64_t> sgu_fmts_, sgu_ns_;
+  std::vector<at::Tensor> sdown_;
+  std::vector<int64_t> sdown_fmts_, sdown_ns_;
+  c10::optional<at::Tensor> shared_gate_;
+  int64_t shared_gate_panel_n_;  // -1: shared_gate_ is a plain tensor; else its panels' rows
+};
+
 void qd_register_moe_gguf(py::module_& m) {
   py::class_<QdMoEGGUF>(m, "MoEGGUF")
       .def(py::init<std::vector<std::vector<at::Tensor>>, std::vector<int64_t>,
@@ -286,4 +355,15 @@ void qd_register_moe_gguf(py::module_& m) {
       .def("experts", &QdMoEGGUF::experts)
       .def("forward", &QdMoEGGUF::forward, py::arg("x"), py::arg("top_idx"),
            py::arg("top_weight"), py::call_guard<py::gil_scoped_release>());
+  py::class_<QdMoEBlock>(m, "MoEBlock")
+      .def(py::init<QdMoEGGUF, at::Tensor, int64_t, bool, int64_t, std::vector<at::Tensor>,
+                    std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>,
+                    std::vector<int64_t>, std::vector<int64_t>, c10::optional<at::Tensor>,
+                    int64_t>(),
+           py::arg("experts"), py::arg("router"), py::arg("top_k"), py::arg("norm_topk"),
+           py::arg("max_m"), py::arg("shared_gate_up"), py::arg("shared_gate_up_fmts"),
+           py::arg("shared_gate_up_ns"), py::arg("shared_down"), py::arg("shared_down_fmts"),
+           py::arg("shared_down_ns"), py::arg("shared_gate"), py::arg("shared_gate_panel_n"))
+      .def("forward", &QdMoEBlock::forward, py::arg("x"),
+           py::call_guard<py::gil_scoped_release>());
 }

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from quickdraft.kernels.build import extension
 from quickdraft.kernels.gemm import Weight, project
+from quickdraft.kernels.linear_bf16 import MAX_M, PanelWeight
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.kernels.pointwise import silu_mul
 
@@ -81,3 +82,40 @@ def grouped_experts(operands: Sequence[tuple[Weight, Weight]], hidden: int) -> A
         down_ns=dn[1],
         hidden=hidden,
     )
+
+
+def moe_block(
+    experts: Any,  # grouped_experts' kernel
+    router: Tensor,  # [E, H]
+    top_k: int,
+    norm_topk: bool,
+    shared: tuple[Weight, Weight, Weight] | None,  # gate_up, down, shared gate [1, H]
+) -> Any:
+    """The extension's MoEBlock: routing, the grouped experts and the gated shared expert as
+    one call with the Python block's bits (models/moe.py), or None where some operand is not
+    in a format it runs (the shared expert's projections must be GGUF blocks, the router a
+    plain tensor, the shared gate a plain tensor or a PanelWeight)."""
+    ext = extension()
+    if ext is None or experts is None or not isinstance(router, Tensor):
+        return None
+    parts: list[list[Any]] = [[], [], [], [], [], []]
+    gate: Tensor | None = None
+    panel_n = -1  # the gate as a plain tensor
+    if shared is not None:
+        gate_up, down, gate_w = shared
+        if not (isinstance(gate_up, GGUFWeight) and isinstance(down, GGUFWeight)):
+            return None
+        if isinstance(gate_w, PanelWeight):
+            probe = torch.zeros(1, gate_w.shape[1], dtype=router.dtype)
+            if not ext.eligible_panel(probe, gate_w.packed, gate_w.out_features, None):
+                return None
+            gate, panel_n = gate_w.packed, gate_w.out_features
+        elif isinstance(gate_w, Tensor):
+            gate = gate_w
+        else:
+            return None
+        for at, w in ((0, gate_up), (3, down)):
+            parts[at] = [p.packed for p in w.parts]
+            parts[at + 1] = [p.fmt.code for p in w.parts]
+            parts[at + 2] = [p.n for p in w.parts]
+    return ext.MoEBlock(experts, router, top_k, norm_topk, MAX_M, *parts, gate, panel_n)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from quickdraft.kernels.gemm import Weight, project
-from quickdraft.kernels.moe_gguf import grouped_experts, reference_experts
+from quickdraft.kernels.moe_gguf import grouped_experts, moe_block, reference_experts
 from quickdraft.kernels.pointwise import sigmoid, silu_mul
 from quickdraft.models.layers import LinearView, OperandModule, fused_projections
 
@@ -118,6 +118,26 @@ def route(x: Tensor, router: Tensor, top_k: int, norm_topk: bool) -> tuple[Tenso
     return top_weight, top_idx
 
 
+class _OneCall:
+    """A block's lazily built one-call kernel (kernels/moe_gguf.py `moe_block`): rebuilt when
+    any operand it holds is replaced, None where it cannot run them."""
+
+    def __init__(self) -> None:
+        self.kernel: Any = None
+        self.built_for: tuple[object, ...] | None = None
+
+    def get(
+        self, experts: Experts, router: Tensor, top_k: int, norm_topk: bool, shared: Any
+    ) -> Any:
+        key = (experts.operands, router, *(shared or ()))
+        if self.built_for is None or any(
+            a is not b for a, b in zip(key, self.built_for, strict=True)
+        ):
+            self.built_for = key
+            self.kernel = moe_block(experts._grouped_kernel(), router, top_k, norm_topk, shared)
+        return self.kernel
+
+
 class RoutedMoE(nn.Module):
     """Top-k softmax routing over `num_experts`, no shared expert (Qwen3-MoE)."""
 
@@ -135,8 +155,16 @@ class RoutedMoE(nn.Module):
         self.top_k, self.norm_topk = top_k, norm_topk
         self.gate = Router(num_experts, hidden, dtype, device)
         self.experts = Experts(num_experts, hidden, inter, dtype, device)
+        self._one_call = _OneCall()
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.is_cpu:
+            block = self._one_call.get(
+                self.experts, self.gate.weight, self.top_k, self.norm_topk, None
+            )
+            if block is not None:
+                out: Tensor = block.forward(x)
+                return out
         top_weight, top_idx = route(x, self.gate.weight, self.top_k, self.norm_topk)
         return self.experts(x, top_idx, top_weight.to(x.dtype))
 
@@ -166,8 +194,17 @@ class SparseMoE(OperandModule):
             torch.empty(1, hidden, dtype=dtype, device=device), None
         )
         self.shared_gate: Weight = self.shared_expert_gate.weight.detach()  # GEMM operand
+        self._one_call = _OneCall()
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.is_cpu:
+            shared = (self.shared_expert.gate_up, self.shared_expert.down, self.shared_gate)
+            block = self._one_call.get(
+                self.experts, self.gate.weight, self.top_k, self.norm_topk, shared
+            )
+            if block is not None:
+                out: Tensor = block.forward(x)
+                return out
         top_weight, top_idx = route(x, self.gate.weight, self.top_k, self.norm_topk)
         routed = self.experts(x, top_idx, top_weight.to(x.dtype))
         shared = sigmoid(project(x, self.shared_gate)) * self.shared_expert(x)
