@@ -251,6 +251,18 @@ def test_bad_tensor_is_named(
         load(str(path), "fp32", progress=False)
 
 
+def test_truncated_file_names_the_tensor_it_cuts(files: Files, tmp_path: Path) -> None:
+    """A download cut short: the error names the tensor whose data runs past the end (with
+    its type and shape), before any weight is read."""
+    data = files.q8.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 4096])
+    with pytest.raises(
+        HubError, match=r"tensor \S+ \(\w+ \(.*\)\) ends at byte [\d,]+ but the file has"
+    ):
+        load(str(cut), "gguf", progress=False)
+
+
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     w = gguf.GGUFWriter(str(tmp_path / "odd.gguf"), "qwen4")
     add_tiny_tokenizer(w, VOCAB)

@@ -346,13 +346,13 @@ def convert_gguf(
     """Write a Hugging Face-format directory for `gguf_path` at `out_dir` (must not exist).
     dtype "gguf": config and tokenizer only, and a link to the GGUF file (its weights are
     loaded as they are, models/gguf_loader.py); else the weights dequantized to `dtype`."""
-    import gguf
+    from quickdraft.hub.gguf_read import read_gguf
 
     torch_dtype = parse_dtype(dtype)
     if out_dir.exists():
         raise HubError(f"{out_dir} already exists; remove it to convert again")
     try:
-        reader = gguf.GGUFReader(str(gguf_path))
+        reader = read_gguf(gguf_path)
     except Exception as e:  # the reader raises bare ValueErrors (reshape, struct) on bad files
         raise HubError(f"{gguf_path}: not a readable GGUF file (truncated or damaged?): {e}") from e
     arch = _metadata(reader, "general.architecture")

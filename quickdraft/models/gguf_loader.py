@@ -69,10 +69,10 @@ class GGUFFile:
     ) -> None:
         """`convert`: applied to every operand as it is read (quantize_'s conversion), so the
         model is never whole in the file's formats."""
-        from gguf import GGUFReader
+        from quickdraft.hub.gguf_read import read_gguf
 
         try:
-            self.reader = GGUFReader(str(path))
+            self.reader = read_gguf(path)
         except Exception as e:  # the reader raises bare ValueErrors / struct errors
             raise GGUFTensorError(f"{path.name}: not a readable GGUF file ({e})") from e
         self.path = path

@@ -47,12 +47,13 @@ def load_mmproj(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
 ) -> tuple[ImageTower, ImageProcessing]:
-    from gguf import GGUFReader
     from gguf.quants import dequantize
+
+    from quickdraft.hub.gguf_read import read_gguf
 
     path = Path(path)
     try:
-        reader = GGUFReader(str(path))
+        reader = read_gguf(path)
     except Exception as e:  # the reader raises bare ValueErrors / struct errors
         raise MMProjError(f"{path.name}: not a readable GGUF file ({e})") from e
     fields = reader.fields

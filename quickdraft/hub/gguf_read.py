@@ -1,0 +1,58 @@
+"""Reading a GGUF file's header with the gguf package, checked before any tensor is viewed.
+
+Stage: the first read of every GGUF (hub/convert.py, models/gguf_loader.py,
+models/gguf_vision.py). Contract: `read_gguf(path)` is the gguf package's `GGUFReader`, except
+that a tensor whose data would run past the end of the file (a truncated download), whose
+values are not whole blocks of its type, or whose type is unknown raises `GGUFDataError`
+naming that tensor, its type and shape, instead of the reader's bare reshape error about some
+array; nothing has been mapped into memory for the weights yet when it does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.constants import GGML_QUANT_SIZES
+
+
+class GGUFDataError(ValueError):
+    """A tensor of the file cannot be what its header says (message names it)."""
+
+
+class _CheckedReader(GGUFReader):
+    # The reader builds every tensor's view in `_build_tensors`; the check runs first, over
+    # the same header fields (name, dims, type, offset), against the file's length.
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        size = len(self.data)
+        for field in fields:
+            _, name_data, _, dims, raw_dtype, offset = field.parts
+            name = bytes(name_data).decode("utf-8", errors="replace")
+            shape = tuple(int(d) for d in reversed(dims.tolist()))
+            try:
+                qtype = GGMLQuantizationType(int(raw_dtype[0]))
+            except ValueError:
+                raise GGUFDataError(
+                    f"tensor {name}: unknown GGML type {int(raw_dtype[0])}"
+                ) from None
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            count = int(np.prod(dims))
+            if count % block:
+                raise GGUFDataError(
+                    f"tensor {name} {shape}: {count} values are not whole {qtype.name} blocks "
+                    f"of {block}"
+                )
+            end = start_offs + int(offset[0]) + count // block * type_size
+            if end > size:
+                raise GGUFDataError(
+                    f"tensor {name} ({qtype.name} {shape}) ends at byte {end:,} but the file "
+                    f"has {size:,} bytes: truncated (an incomplete download?)"
+                )
+        super()._build_tensors(start_offs, fields)
+
+
+def read_gguf(path: Path | str) -> GGUFReader:
+    """The file's reader (module docstring); GGUFDataError names a tensor the file cannot hold."""
+    return _CheckedReader(str(path))
