@@ -29,7 +29,8 @@ from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.hub.gguf_write import add_tiny_tokenizer
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.loading import LoadedModel, load
-from quickdraft.models.gguf_loader import PACKED_NAME, GGUFTensorError
+from quickdraft.models.gguf_loader import GGUFTensorError
+from quickdraft.models.packed_copy import PACKED_NAME
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.factory import make_speculation
 

@@ -37,9 +37,10 @@ from quickdraft.kernels import PanelWeight
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
 from quickdraft.loading import LoadedModel, load
-from quickdraft.models.gguf_loader import PACKED_NAME, GGUFTensorError, packed_name
+from quickdraft.models.gguf_loader import GGUFTensorError
 from quickdraft.models.layers import GGUFEmbedding
 from quickdraft.models.loader import load_model
+from quickdraft.models.packed_copy import PACKED_NAME, packed_name
 from quickdraft.request import SamplingParams
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS, VOCAB = 256, 4, 2, 64, 512, 2, 300

@@ -28,11 +28,13 @@ from torch import Tensor
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import stream
 from quickdraft.hub.errors import HubError
-from quickdraft.hub.gguf_qwen import HYBRID_ARCHS
+from quickdraft.hub.gguf_qwen import HYBRID_ARCHS, MOE_ARCHS
 from quickdraft.hub.gguf_write import add_tiny_tokenizer, llama_cpp_tensors, write_gguf
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.loading import LoadedModel, load
 from quickdraft.models.layers import GGUFEmbedding
+from quickdraft.models.moe import Experts
+from quickdraft.models.packed_copy import PACKED_NAME
 from quickdraft.models.qwen3_next import HybridLM
 from quickdraft.request import Request, SamplingParams
 from quickdraft.speculation.drafters.mtp import load_mtp_head
@@ -261,6 +263,27 @@ def test_truncated_file_names_the_tensor_it_cuts(files: Files, tmp_path: Path) -
         HubError, match=r"tensor \S+ \(\w+ \(.*\)\) ends at byte [\d,]+ but the file has"
     ):
         load(str(cut), "gguf", progress=False)
+
+
+def test_second_load_reads_the_packed_copy(files: Files) -> None:
+    """The first --dtype gguf load writes the packed copy (routed experts, Gated DeltaNet head
+    orders and all); the second reads it, repacks nothing and gives the same logits bit for
+    bit; a damaged copy is ignored and rewritten."""
+    first = load(str(files.q8), "gguf", progress=False)
+    packed = first.path / PACKED_NAME
+    before = packed.stat()
+    ids = torch.tensor(first.tokenizer.encode(PROMPT))
+    second = load(str(files.q8), "gguf", progress=False)
+    after = packed.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert torch.equal(all_logits(second, ids), all_logits(first, ids))
+    experts = [m for m in second.model.modules() if isinstance(m, Experts)]
+    assert bool(experts) == (files.arch in MOE_ARCHS)
+    assert all(isinstance(m.operands[0][0], GGUFWeight) for m in experts)  # type: ignore[index]
+    packed.write_bytes(packed.read_bytes()[:-100])
+    third = load(str(files.q8), "gguf", progress=False)
+    assert torch.equal(all_logits(third, ids), all_logits(first, ids))
+    assert packed.stat().st_size == before.st_size
 
 
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:

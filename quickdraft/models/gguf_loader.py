@@ -1,26 +1,23 @@
-"""Load a model whose weights are a GGUF file's own quantized tensors (over 400 lines: the file's
-reader, the repack and the packed copy's writer and reader are one loading path). A "gguf"
-model directory holds config.json, the tokenizer and `model.gguf`, a link to the file
-(hub/convert.py writes it).
+"""Load a model whose weights are a GGUF file's own quantized tensors. A "gguf" model
+directory holds config.json, the tokenizer and `model.gguf`, a link to the file (hub/convert.py
+writes it).
 
 Each projection becomes a `GGUFWeight` (kernels/linear_gguf.py): the file's blocks repacked once
-into the kernel's panel layout, the same weight values its reference dequantization gives;
-fused q/k/v and gate/up operands join tensors of different formats part by part. Norms and
-biases are read as they are; the embedding table stays in the mapped file and a lookup
-dequantizes only the rows it reads (`GGUFEmbedding`). Unquantized 2-D tensors (F32 / F16 /
-BF16) load in the model dtype like any other. A tensor in a format without a kernel here, a
-missing tensor or a shape that does not match the config fails with an error that names it.
-Qwen3-MoE and the hybrid Qwen3-Next / Qwen3.5 files load through models/gguf_qwen_loader.py.
+into the kernel's panel layout, the same weight values its reference dequantization gives, and
+kept in the packed copy beside the link (models/packed_copy.py) that later starts read; fused
+q/k/v and gate/up operands join tensors of different formats part by part. Norms and biases
+are read as they are; the embedding table stays in the mapped file and a lookup dequantizes
+only the rows it reads (`GGUFEmbedding`). Unquantized 2-D tensors (F32 / F16 / BF16) load in
+the model dtype like any other. A tensor in a format without a kernel here, a missing tensor
+or a shape that does not match the config fails with an error that names it. Qwen3-MoE and
+the hybrid Qwen3-Next / Qwen3.5 files load through models/gguf_qwen_loader.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import mmap
-import os
-import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,15 +34,14 @@ from quickdraft.hub.convert import (
     unpermute_rows,
 )
 from quickdraft.kernels.gemm import Weight
-from quickdraft.kernels.linear_bf16 import streamed_empty
-from quickdraft.kernels.linear_gguf import FORMATS, GGUFPart, GGUFWeight
-from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
+from quickdraft.kernels.linear_gguf import FORMATS, GGUFWeight
 from quickdraft.memory import trim_heap
 from quickdraft.models.base import LanguageModel
 from quickdraft.models.gemma3 import Gemma3LM
 from quickdraft.models.gguf_gpu import runs_on_device, to_device_
-from quickdraft.models.layers import GGUFEmbedding, OperandModule, release_fused_
+from quickdraft.models.layers import GGUFEmbedding, release_fused_
 from quickdraft.models.llama import CausalLM, operand_converter
+from quickdraft.models.packed_copy import fill_packed, packed_name, save_packed
 from quickdraft.models.registry import model_class, read_config
 
 log = logging.getLogger(__name__)
@@ -197,14 +193,15 @@ def load_gguf_model(
     cache = path / packed_name(quantization)
     if cache.is_file():
         try:
-            return _load_packed(cache, cfg, dtype)  # type: ignore[return-value]
+            empty = model_class(cfg.model_type)(cfg, dtype, "cpu")
+            return fill_packed(empty, cache, dtype)  # type: ignore[return-value]
         except Exception as e:  # a stale or damaged copy: repack from the GGUF
             log.warning("ignoring %s (%s: %s); repacking from the GGUF", cache, type(e).__name__, e)
     # int8 / int4: each operand converted as it is read (the whole model in the GGUF's formats
     # and its quantized copy were both resident at the peak)
     model = _from_gguf(path / GGUF_LINK, cfg, dtype, quantization)
     trim_heap()
-    _save_packed(model, cache)
+    save_packed(model, cache)
     return model  # type: ignore[return-value]  # CausalLM implements LanguageModel
 
 
@@ -266,160 +263,5 @@ def _from_gguf(file: Path, cfg: Any, dtype: torch.dtype, quantization: str = "no
         # a copy: the model then holds no view of the mapped file, whose pages (all of them
         # read by the repack) stop counting towards the process's memory once it is closed
         model.model.embed_tokens = GGUFEmbedding(np.array(table), qtype, hidden, dtype)
-    release_fused_(model)
-    return model
-
-
-# The packed copy: every operand's panels, the norms and biases, the embedding's raw rows, so
-# a later start reads one file (~ the GGUF's size) and repacks nothing; one per weight format
-# (the GGUF's own, int8, int4). Named by layout version: bump PACKED_VERSION when
-# linear_gguf.py's or linear_int.py's layout or this file's naming changes.
-PACKED_VERSION = 2
-
-
-def packed_name(quantization: str = "none") -> str:
-    kind = "" if quantization == "none" else f"{quantization}-"
-    return f"packed-{kind}v{PACKED_VERSION}.safetensors"
-
-
-PACKED_NAME = packed_name()
-
-
-def _operands(model: CausalLM) -> list[tuple[str, OperandModule, str]]:
-    return [
-        (f"{name}.{op}" if name else op, module, op)
-        for name, module in model.named_modules()
-        if isinstance(module, OperandModule)
-        for op in module.OPERANDS
-    ]
-
-
-_ST_DTYPES = {
-    torch.uint8: "U8",
-    torch.int8: "I8",
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-}
-
-
-def _write_safetensors(path: Path, tensors: dict[str, Tensor], meta: dict[str, str]) -> None:
-    """A safetensors file written tensor by tensor from the tensors' own memory (the format:
-    an 8-byte header size, a JSON header of dtypes, shapes and offsets, the raw bytes):
-    safetensors' save_file first gathers the whole file in memory, a second copy of every
-    weight at the peak of a model's first load."""
-    header: dict[str, Any] = {"__metadata__": meta}
-    offset = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": _ST_DTYPES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + n],
-        }
-        offset += n
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the format wants the data 8-byte aligned
-    with path.open("wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        for t in tensors.values():
-            if t.numel():
-                f.write(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
-
-
-def _save_packed(model: CausalLM, file: Path) -> None:
-    tensors: dict[str, Tensor] = {}
-    meta: dict[str, str] = {}
-    for key, module, op in _operands(model):
-        w = getattr(module, op)
-        if isinstance(w, GGUFWeight):
-            meta[key] = json.dumps(["gguf", w.in_features, [[p.fmt.name, p.n] for p in w.parts]])
-            for j, part in enumerate(w.parts):
-                tensors[f"{key}.{j}"] = part.packed
-        elif isinstance(w, Int4Weight):
-            meta[key] = json.dumps(["int4", w.out_features, w.in_features])
-            tensors[f"{key}.0"] = w.packed
-        elif isinstance(w, Int8Weight):
-            meta[key] = json.dumps(["int8", w.in_features])
-            tensors[f"{key}.0"], tensors[f"{key}.1"] = w.packed, w.scale
-        else:
-            tensors[key] = w
-    for name, param in model.named_parameters():
-        if param.numel():
-            tensors[f"param.{name}"] = param.detach()
-    emb = model.model.embed_tokens
-    assert isinstance(emb, GGUFEmbedding)
-    tensors["embedding"] = torch.from_numpy(emb.raw)
-    meta["embedding"] = json.dumps([emb.qtype.name, emb.dim])
-    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
-    try:
-        _write_safetensors(tmp, tensors, meta)
-        os.replace(tmp, file)
-        for old in file.parent.glob("packed-*.safetensors"):  # other layout versions' copies
-            if not old.name.endswith(f"v{PACKED_VERSION}.safetensors"):
-                old.unlink(missing_ok=True)
-    except OSError as e:  # a read-only model directory: run, repack again next time
-        log.warning("could not write %s (%s); the next start repacks again", file, e)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _read_packed(file: Path) -> tuple[dict[str, str], dict[str, Tensor]]:
-    """(metadata, tensors) of a safetensors file written by `_save_packed`, read with plain
-    file reads into fresh buffers (the panels on huge pages, `streamed_empty`): mapping the
-    file and copying out of it would hold both copies resident at the peak."""
-    dtypes = {
-        "U8": torch.uint8,
-        "I8": torch.int8,
-        "F32": torch.float32,
-        "BF16": torch.bfloat16,
-        "F16": torch.float16,
-    }
-    out: dict[str, Tensor] = {}
-    with file.open("rb") as fh:
-        (size,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(size))
-        meta = header.pop("__metadata__", {}) or {}
-        base = 8 + size
-        for name, info in header.items():
-            start, end = info["data_offsets"]
-            t = streamed_empty(tuple(info["shape"]), dtypes[info["dtype"]])
-            view = t.view(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
-            if end - start != view.nbytes:
-                raise ValueError(f"{file.name}: tensor {name} has {end - start} bytes")
-            fh.seek(base + start)
-            if fh.readinto(memoryview(view)) != view.nbytes:  # type: ignore[arg-type]
-                raise ValueError(f"{file.name}: truncated at tensor {name}")
-            out[name] = t
-    return meta, out
-
-
-def _load_packed(file: Path, cfg: Any, dtype: torch.dtype) -> CausalLM:
-    meta, tensors = _read_packed(file)
-    model: CausalLM = model_class(cfg.model_type)(cfg, dtype, "cpu")  # type: ignore[assignment]
-    for key, module, op in _operands(model):
-        if key in meta:
-            kind, *spec = json.loads(meta[key])
-            w: Weight
-            if kind == "gguf":
-                k, parts = spec
-                loaded = tuple(
-                    GGUFPart(FORMATS[fmt], tensors.pop(f"{key}.{j}"), n)
-                    for j, (fmt, n) in enumerate(parts)
-                )
-                w = GGUFWeight(loaded, k)
-            elif kind == "int4":
-                w = Int4Weight(tensors.pop(f"{key}.0"), *spec)
-            else:
-                w = Int8Weight(tensors.pop(f"{key}.0"), tensors.pop(f"{key}.1"), *spec)
-            setattr(module, op, w)
-        else:
-            setattr(module, op, tensors.pop(key).to(dtype))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if f"param.{name}" in tensors:
-                param.copy_(tensors.pop(f"param.{name}"))
-    qtype, dim = json.loads(meta["embedding"])
-    model.model.embed_tokens = GGUFEmbedding(tensors.pop("embedding").numpy(), qtype, dim, dtype)
     release_fused_(model)
     return model

@@ -17,6 +17,7 @@ heads) is left in the blocks and the layer gathers its heads into that order ins
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,23 +26,28 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
 from quickdraft.config import ModelConfig
 from quickdraft.hub.gguf_qwen import QWEN_ARCHS, Planned, qwen_plan
 from quickdraft.kernels.gemm import Weight
 from quickdraft.kernels.linear_gguf import GGUFWeight
+from quickdraft.memory import trim_heap
 from quickdraft.models.gguf_loader import GGUFFile, GGUFTensorError
 from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.layers import GGUFEmbedding, release_fused_
 from quickdraft.models.llama import MLP, Attention, CausalLM, DecoderLayer
 from quickdraft.models.moe import Experts, GatedMLP, RoutedMoE, SparseMoE
 from quickdraft.models.mtp import MTPHead, hybrid_mtp_parts
+from quickdraft.models.packed_copy import PACKED_NAME, fill_packed, save_packed
 from quickdraft.models.qwen3_next import (
     GatedAttention,
     GatedDeltaNet,
     HybridDecoderLayer,
     HybridLM,
 )
+
+log = logging.getLogger(__name__)
 
 QWEN_TYPES = tuple(t for _, t in QWEN_ARCHS.values())  # the HF model_types these files become
 # HF tensors that become GEMM operands here, from the GGUF's blocks: q/k/v/o, in_proj_*,
@@ -182,6 +188,8 @@ class _Loader:
                     f"{self.f.path.name}: {blk}ffn_*_exps: {err}; load with --dtype bf16"
                 ) from err
         experts.operands = ops
+        for part in ("gate", "up", "down"):  # repacked: drop the file's pages from this process
+            self.f.release(f"{blk}ffn_{part}_exps.weight")
         # the stacked parameters are not read any more
         experts.gate_up_proj = nn.Parameter(torch.empty(0), requires_grad=False)
         experts.down_proj = nn.Parameter(torch.empty(0), requires_grad=False)
@@ -200,16 +208,37 @@ class _Loader:
         self.mlp(layer.mlp, blk)
 
 
-def load_qwen_gguf(file: Path, cfg: Any, dtype: torch.dtype) -> nn.Module:
-    """The model of GGUF `file` (config record `cfg` of its converted config.json)."""
-    loader = _Loader(file, cfg, dtype)
+def _empty_model(cfg: Any, dtype: torch.dtype) -> nn.Module:
     if isinstance(cfg, HybridConfig):
         # Qwen3-Next's in_proj_qkvz came split (attn_qkv + attn_gate): run Qwen3.5's layout
-        model: nn.Module = HybridLM(dataclasses.replace(cfg, interleaved_qkvz=False), dtype)
-    else:
-        model = CausalLM(cfg, dtype)
+        return HybridLM(dataclasses.replace(cfg, interleaved_qkvz=False), dtype)
+    return CausalLM(cfg, dtype)
+
+
+def load_qwen_gguf(file: Path, cfg: Any, dtype: torch.dtype) -> nn.Module:
+    """The model of GGUF `file` (config record `cfg` of its converted config.json): from the
+    packed copy beside it when there is one (models/packed_copy.py), else repacked from the
+    file and that copy written."""
+    cache = file.parent / PACKED_NAME
+    if cache.is_file():
+        try:
+            return fill_packed(_empty_model(cfg, dtype), cache, dtype)
+        except Exception as e:  # a stale or damaged copy: repack from the GGUF
+            log.warning("ignoring %s (%s: %s); repacking from the GGUF", cache, type(e).__name__, e)
+    model = _from_gguf(file, cfg, dtype)
+    trim_heap()
+    save_packed(model, cache)
+    return model
+
+
+def _from_gguf(file: Path, cfg: Any, dtype: torch.dtype) -> nn.Module:
+    loader = _Loader(file, cfg, dtype)
+    model = _empty_model(cfg, dtype)
     with torch.no_grad():
-        for i, layer in enumerate(model.model.layers):  # type: ignore[union-attr, arg-type]
+        layers = list(model.model.layers)  # type: ignore[union-attr, arg-type]
+        for i, layer in enumerate(
+            tqdm(layers, desc=f"repacking {file.name}", unit="layer", disable=None)
+        ):
             loader.layer(layer, f"blk.{i}.")
         head = "output.weight" if loader.f.has("output.weight") else "token_embd.weight"
         model.head = loader.operand([(head, cfg.vocab_size, 0)], cfg.hidden_size)  # type: ignore[assignment]

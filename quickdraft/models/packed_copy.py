@@ -1,0 +1,210 @@
+"""The packed copy of a GGUF model: every GEMM operand in the layout its kernel streams, so a
+later start reads one file (~ the GGUF's size) and repacks nothing.
+
+Stage: loading (models/gguf_loader.py for dense and Gemma 3 files, models/gguf_qwen_loader.py
+for Qwen3-MoE and the hybrids). Contract: `save_packed(model, file)` writes a safetensors file
+of every operand (`OperandModule.OPERANDS`; a MoE layer's routed experts, `Experts.operands`,
+one pair per expert), every parameter, the Gated DeltaNet head orders and the embedding's raw
+rows; `fill_packed(model, file)` puts them back into an empty model of the same config (what
+its constructor made) and returns it with the same weights, bit for bit. One copy per weight
+format (the GGUF's own, int8, int4), named by layout version: bump PACKED_VERSION when
+linear_gguf.py's or linear_int.py's layout or what is written here changes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from quickdraft.kernels.gemm import Weight
+from quickdraft.kernels.linear_bf16 import streamed_empty
+from quickdraft.kernels.linear_gguf import FORMATS, GGUFPart, GGUFWeight
+from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
+from quickdraft.models.layers import GGUFEmbedding, OperandModule, release_fused_
+from quickdraft.models.moe import Experts
+from quickdraft.models.qwen3_next import GatedDeltaNet
+
+log = logging.getLogger(__name__)
+
+PACKED_VERSION = 3  # 3: a MoE model's routed experts and the Gated DeltaNet head orders
+
+
+def packed_name(quantization: str = "none") -> str:
+    kind = "" if quantization == "none" else f"{quantization}-"
+    return f"packed-{kind}v{PACKED_VERSION}.safetensors"
+
+
+PACKED_NAME = packed_name()
+
+
+def _operands(model: nn.Module) -> list[tuple[str, OperandModule, str]]:
+    return [
+        (f"{name}.{op}" if name else op, module, op)
+        for name, module in model.named_modules()
+        if isinstance(module, OperandModule)
+        for op in module.OPERANDS
+    ]
+
+
+def _put(tensors: dict[str, Tensor], meta: dict[str, str], key: str, w: Weight) -> None:
+    """Operand `w` under `key`: its packed tensors, and how to rebuild it in `meta`."""
+    if isinstance(w, GGUFWeight):
+        meta[key] = json.dumps(["gguf", w.in_features, [[p.fmt.name, p.n] for p in w.parts]])
+        for j, part in enumerate(w.parts):
+            tensors[f"{key}.{j}"] = part.packed
+    elif isinstance(w, Int4Weight):
+        meta[key] = json.dumps(["int4", w.out_features, w.in_features])
+        tensors[f"{key}.0"] = w.packed
+    elif isinstance(w, Int8Weight):
+        meta[key] = json.dumps(["int8", w.in_features])
+        tensors[f"{key}.0"], tensors[f"{key}.1"] = w.packed, w.scale
+    else:
+        assert isinstance(w, Tensor), f"{key}: {type(w).__name__} is not written"
+        tensors[key] = w
+
+
+def _take(tensors: dict[str, Tensor], meta: dict[str, str], key: str, dtype: torch.dtype) -> Weight:
+    """The operand `_put` wrote under `key`."""
+    if key not in meta:
+        return tensors.pop(key).to(dtype)
+    kind, *spec = json.loads(meta[key])
+    if kind == "gguf":
+        k, parts = spec
+        loaded = tuple(
+            GGUFPart(FORMATS[fmt], tensors.pop(f"{key}.{j}"), n) for j, (fmt, n) in enumerate(parts)
+        )
+        return GGUFWeight(loaded, k)
+    if kind == "int4":
+        return Int4Weight(tensors.pop(f"{key}.0"), *spec)
+    return Int8Weight(tensors.pop(f"{key}.0"), tensors.pop(f"{key}.1"), *spec)
+
+
+_ST_DTYPES = {
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int64: "I64",
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+}
+
+
+def _write_safetensors(path: Path, tensors: dict[str, Tensor], meta: dict[str, str]) -> None:
+    """A safetensors file written tensor by tensor from the tensors' own memory (the format:
+    an 8-byte header size, a JSON header of dtypes, shapes and offsets, the raw bytes):
+    safetensors' save_file first gathers the whole file in memory, a second copy of every
+    weight at the peak of a model's first load."""
+    header: dict[str, Any] = {"__metadata__": meta}
+    offset = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _ST_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format wants the data 8-byte aligned
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for t in tensors.values():
+            if t.numel():
+                f.write(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
+
+
+def save_packed(model: nn.Module, file: Path) -> None:
+    """`model`'s weights as `fill_packed` reads them back (module docstring); a directory that
+    cannot be written only costs the next start a repack."""
+    tensors: dict[str, Tensor] = {}
+    meta: dict[str, str] = {}
+    for key, module, op in _operands(model):
+        _put(tensors, meta, key, getattr(module, op))
+    for name, module in model.named_modules():
+        if isinstance(module, Experts) and module.operands is not None:
+            meta[f"{name}.operands"] = json.dumps(["experts", len(module.operands)])
+            for e, pair in enumerate(module.operands):
+                for i, w in enumerate(pair):
+                    _put(tensors, meta, f"{name}.operands.{e}.{i}", w)
+        elif isinstance(module, GatedDeltaNet) and module.out_heads is not None:
+            tensors[f"out_heads.{name}"] = module.out_heads
+    for name, param in model.named_parameters():
+        if param.numel():
+            tensors[f"param.{name}"] = param.detach()
+    emb = model.get_submodule("model.embed_tokens")
+    assert isinstance(emb, GGUFEmbedding)
+    tensors["embedding"] = torch.from_numpy(emb.raw)
+    meta["embedding"] = json.dumps([emb.qtype.name, emb.dim])
+    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+    try:
+        _write_safetensors(tmp, tensors, meta)
+        os.replace(tmp, file)
+        for old in file.parent.glob("packed-*.safetensors"):  # other layout versions' copies
+            if not old.name.endswith(f"v{PACKED_VERSION}.safetensors"):
+                old.unlink(missing_ok=True)
+    except OSError as e:  # a read-only model directory: run, repack again next time
+        log.warning("could not write %s (%s); the next start repacks again", file, e)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _read_packed(file: Path) -> tuple[dict[str, str], dict[str, Tensor]]:
+    """(metadata, tensors) of a safetensors file written by `save_packed`, read with plain
+    file reads into fresh buffers (the panels on huge pages, `streamed_empty`): mapping the
+    file and copying out of it would hold both copies resident at the peak."""
+    dtypes = {v: k for k, v in _ST_DTYPES.items()}
+    out: dict[str, Tensor] = {}
+    with file.open("rb") as fh:
+        (size,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(size))
+        meta = header.pop("__metadata__", {}) or {}
+        base = 8 + size
+        for name, info in header.items():
+            start, end = info["data_offsets"]
+            t = streamed_empty(tuple(info["shape"]), dtypes[info["dtype"]])
+            view = t.view(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+            if end - start != view.nbytes:
+                raise ValueError(f"{file.name}: tensor {name} has {end - start} bytes")
+            fh.seek(base + start)
+            if fh.readinto(memoryview(view)) != view.nbytes:  # type: ignore[arg-type]
+                raise ValueError(f"{file.name}: truncated at tensor {name}")
+            out[name] = t
+    return meta, out
+
+
+def fill_packed(model: nn.Module, file: Path, dtype: torch.dtype) -> nn.Module:
+    """`model` (empty, as its constructor made it) with the weights of packed copy `file`."""
+    meta, tensors = _read_packed(file)
+    for key, module, op in _operands(model):
+        setattr(module, op, _take(tensors, meta, key, dtype))
+    for name, module in model.named_modules():
+        if isinstance(module, Experts) and f"{name}.operands" in meta:
+            _, count = json.loads(meta[f"{name}.operands"])
+            module.operands = [
+                (
+                    _take(tensors, meta, f"{name}.operands.{e}.0", dtype),
+                    _take(tensors, meta, f"{name}.operands.{e}.1", dtype),
+                )
+                for e in range(count)
+            ]
+            module.gate_up_proj = nn.Parameter(torch.empty(0), requires_grad=False)
+            module.down_proj = nn.Parameter(torch.empty(0), requires_grad=False)
+        elif isinstance(module, GatedDeltaNet) and f"out_heads.{name}" in tensors:
+            module.out_heads = tensors.pop(f"out_heads.{name}")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if f"param.{name}" in tensors:
+                param.copy_(tensors.pop(f"param.{name}"))
+    qtype, dim = json.loads(meta["embedding"])
+    embedding = GGUFEmbedding(tensors.pop("embedding").numpy(), qtype, dim, dtype)
+    model.get_submodule("model").embed_tokens = embedding
+    release_fused_(model)
+    return model
