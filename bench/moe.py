@@ -28,13 +28,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import subprocess
+import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from gguf import GGUFReader
 
@@ -43,10 +48,18 @@ from quickdraft.bench.report import bar_chart, machine, read_bandwidth_gbs, tabl
 from quickdraft.bench.shapes import init_
 from quickdraft.config import ModelConfig
 from quickdraft.hub.convert import convert_gguf
-from quickdraft.hub.gguf_write import llama_cpp_tensors, write_gguf
+from quickdraft.hub.gguf_write import (
+    llama_cpp_tensors,
+    q4_k_m_type,
+    random_chunks,
+    write_gguf,
+    write_gguf_streamed,
+)
+from quickdraft.kernels.linear_gguf import FORMATS
 from quickdraft.loading import load
 from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.llama import CausalLM
+from quickdraft.models.mtp import MTPHead, hybrid_mtp_parts
 from quickdraft.models.qwen3_next import HybridLM
 
 _ROPE = {"rope_type": "default", "partial_rotary_factor": 0.25}
@@ -128,12 +141,61 @@ def write_file(arch: str, directory: Path, qtype: str = "Q4_K_M") -> Path:
     return path
 
 
+def full_plan(arch: str) -> tuple[dict[str, Any], dict[str, tuple[tuple[int, ...], str]]]:
+    """The real config of `arch` (qwen35moe with its MTP block) and every tensor of its Q4_K_M
+    file: names and shapes from our model built on the meta device, laid out by llama.cpp's
+    converter (hub/gguf_write.py), types by `q4_k_m_type`."""
+    cfg = dict(REAL[arch])
+    meta = torch.device("meta")
+    if arch == "qwen35moe":
+        cfg["mtp_num_hidden_layers"] = 1
+        hcfg = HybridConfig.from_dict(cfg)
+        model: torch.nn.Module = HybridLM(hcfg, torch.bfloat16, meta)
+        parts = hybrid_mtp_parts(hcfg, torch.bfloat16, meta)
+        head = MTPHead(
+            parts, hcfg.hidden_size, lambda ids: ids, torch.empty(0), torch.bfloat16, meta
+        )
+        state = model.state_dict() | {f"mtp.{k}": v for k, v in head.state_dict().items()}
+    else:
+        model = CausalLM(ModelConfig.from_dict(cfg), torch.bfloat16, meta)
+        state = model.state_dict()
+    tensors = llama_cpp_tensors(state, arch, cfg)
+    blocks = cfg["num_hidden_layers"] + (1 if arch == "qwen35moe" else 0)
+    plan = {n: (tuple(t.shape), q4_k_m_type(n, tuple(t.shape), blocks)) for n, t in tensors.items()}
+    return cfg, plan
+
+
+def write_full(arch: str, directory: Path) -> Path:
+    """The full-size random-weight Q4_K_M file of `arch`, streamed (never held in memory)."""
+    path = directory / f"{arch}-full-Q4_K_M.gguf"
+    if path.exists():
+        return path
+    cfg, plan = full_plan(arch)
+    need = sum(
+        int(np.prod(s)) // FORMATS[q].block * FORMATS[q].block_bytes
+        if q != "F32"
+        else 4 * int(np.prod(s))
+        for s, q in plan.values()
+    )
+    free = shutil.disk_usage(directory).free
+    if need > free - (2 << 30):
+        raise SystemExit(f"{path}: needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".part")
+    write_gguf_streamed(tmp, arch, cfg, plan, random_chunks)
+    tmp.rename(path)
+    return path
+
+
 def streamed_bytes(path: Path, cfg: dict[str, Any]) -> tuple[float, dict[str, int]]:
-    """Weight bytes one decoded token reads, and the file's tensors per block format."""
+    """Weight bytes one decoded token reads (without the MTP block, which plain decoding
+    does not run), and the file's tensors per block format."""
     total = 0.0
     formats: Counter[str] = Counter()
     for t in GGUFReader(str(path)).tensors:
         formats[t.tensor_type.name] += 1
+        if t.name.startswith(f"blk.{cfg['num_hidden_layers']}."):  # the MTP block: not read
+            continue
         n = float(t.n_bytes)
         if "_exps." in t.name:
             n *= cfg["num_experts_per_tok"] / cfg["num_experts"]
@@ -207,10 +269,10 @@ def _rss_mb() -> float:
 
 
 def llama_bench(
-    binary: Path, path: Path, threads: int, tokens: int, extra: list[str]
+    binary: Path, path: Path, threads: int, tokens: int, extra: list[str], prompts: str = "512,5"
 ) -> dict[str, float]:
     """One llama-bench run (pp512, pp5, tg`tokens`, one repetition each) -> tok/s."""
-    cmd = [str(binary), "-m", str(path), "-t", str(threads), "-p", "512,5", "-n", str(tokens)]
+    cmd = [str(binary), "-m", str(path), "-t", str(threads), "-p", prompts, "-n", str(tokens)]
     cmd += ["-r", "1", "-o", "json", *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True)
     rows = json.loads(out.stdout)
@@ -219,6 +281,68 @@ def llama_bench(
         key = f"pp{r['n_prompt']}_tps" if r["n_prompt"] else "decode_tps"
         got[key] = round(float(r["avg_ts"]), 2)
     return got
+
+
+def ours_once(path: Path, work: Path, tokens: int) -> dict[str, Any]:
+    """One start of quickdraft on `path` in this process (the child `--ours` runs): load
+    seconds, resident and peak memory, decode and pp512 tok/s."""
+    import resource
+
+    t = time.perf_counter()
+    ours = Ours(path, work)
+    start_s = time.perf_counter() - t  # conversion (first start) + load
+    ours.forward_s(8)
+    steps = ours.decode_s(tokens)
+    pp512 = ours.forward_s(512)
+    return {
+        "start_s": round(start_s, 1),
+        "rss_mb": ours.rss_mb,
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "decode_tps": round(len(steps) / sum(steps), 2),
+        "pp512_tps": round(512 / pp512, 1),
+    }
+
+
+def run_full(
+    arch: str, work: Path, peers: dict[str, tuple[Path, list[str]]], threads: int, tokens: int
+) -> dict[str, Any]:
+    """The full-size file: written (streamed), then each engine alone in its own process, so
+    that the machine's memory holds one engine's weights at a time: quickdraft's first start
+    (repack + packed copy), its second (the packed copy), then the peers."""
+    t = time.perf_counter()
+    path = write_full(arch, work)
+    written_s = time.perf_counter() - t
+    cfg, _ = full_plan(arch)
+    per_token, formats = streamed_bytes(path, cfg)
+    out: dict[str, Any] = {
+        "file_gib": round(path.stat().st_size / 2**30, 2),
+        "write_s": round(written_s, 1),
+        "tensors_by_format": formats,
+        "weight_mb_per_token": round(per_token / 1e6, 1),
+        "machine_memory_gib": round(
+            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1
+        ),
+        "engines": {},
+    }
+    child = [sys.executable, __file__, "--ours", str(path), "--files", str(work)]
+    child += ["--threads", str(threads), "--tokens", str(tokens)]
+    for start in ("first_start", "second_start"):
+        run = subprocess.run(child, capture_output=True, text=True, timeout=3600)
+        if run.returncode:
+            out["engines"][f"quickdraft {start}"] = {"error": run.stderr[-2000:]}
+            continue
+        got = json.loads(run.stdout.strip().splitlines()[-1])
+        got["decode_gbs"] = round(got["decode_tps"] * per_token / 1e9, 1)
+        out["engines"][f"quickdraft {start}"] = got
+    for name, (binary, extra) in peers.items():
+        try:
+            got = llama_bench(binary, path, threads, tokens, extra, prompts="512")
+        except subprocess.CalledProcessError as e:
+            out["engines"][name] = {"error": (e.stderr or "")[-2000:], "flags": extra}
+            continue
+        got["decode_gbs"] = round(got["decode_tps"] * per_token / 1e9, 1)
+        out["engines"][name] = {**got, "flags": extra}
+    return out
 
 
 def main() -> None:
@@ -231,8 +355,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--name", default="moe")
+    ap.add_argument("--full", action="store_true", help="the full-size qwen35moe file instead")
+    ap.add_argument("--ours", type=Path, help=argparse.SUPPRESS)  # the child of --full
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.ours:
+        print(json.dumps(ours_once(args.ours, args.files, args.tokens)))
+        return
     report: dict[str, Any] = {"machine": machine(), "threads": args.threads, "rounds": args.rounds}
     report["read_gbs"] = round(read_bandwidth_gbs(), 1)
     peers: dict[str, tuple[Path, list[str]]] = {}
@@ -240,6 +369,12 @@ def main() -> None:
         peers["llama.cpp"] = (args.llama_bench, [])
     if args.ik_bench:
         peers["ik_llama.cpp"] = (args.ik_bench, ["-fmoe", "1", "-rtr", "1"])
+    if args.full:
+        report["full"] = {
+            a: run_full(a, args.files, peers, args.threads, args.tokens) for a in args.arch
+        }
+        write(args.name, report, markdown_full(report), plot_full(report))
+        return
     report["files"] = {}
     for arch in args.arch:
         path = write_file(arch, args.files)
@@ -318,10 +453,57 @@ def markdown(report: dict[str, Any]) -> str:
 def plot(report: dict[str, Any]) -> Any:
     files = list(report["files"])
     names = list(report["files"][files[0]]["engines"]) if files else []
-    series = {
+    series: dict[str, Sequence[float]] = {
         n: [report["files"][a]["engines"][n]["median"]["decode_tps"] for a in files] for n in names
     }
     return bar_chart("MoE decode, Q4_K_M, same file", "tok/s", files, series)
+
+
+def markdown_full(report: dict[str, Any]) -> str:
+    out = ["# Full-size MoE on this machine: quickdraft vs llama.cpp and ik_llama.cpp\n"]
+    for arch, f in report["full"].items():
+        rows = []
+        for name, e in f["engines"].items():
+            if "error" in e:
+                rows.append([name, "failed", "-", "-", "-", "-", "-"])
+                continue
+            rows.append(
+                [
+                    name,
+                    e["decode_tps"],
+                    e["decode_gbs"],
+                    e.get("pp512_tps", "-"),
+                    e.get("start_s", "-"),
+                    e.get("rss_mb", "-"),
+                    e.get("peak_rss_mb", "-"),
+                ]
+            )
+        out.append(
+            f"\n## {arch}: real widths, {f['file_gib']} GiB Q4_K_M (random blocks, written in "
+            f"{f['write_s']} s), {f['weight_mb_per_token']} MB of weights per token, "
+            f"{f['machine_memory_gib']} GiB of memory, each engine alone\n\n"
+            + table(
+                [
+                    "engine",
+                    "decode tok/s",
+                    "GB/s",
+                    "pp512 tok/s",
+                    "start s",
+                    "RSS MB",
+                    "peak RSS MB",
+                ],
+                rows,
+            )
+            + f"\nTensors by format: {f['tensors_by_format']}.\n"
+        )
+    return "".join(out)
+
+
+def plot_full(report: dict[str, Any]) -> Any:
+    arch = next(iter(report["full"]))
+    eng = {n: e for n, e in report["full"][arch]["engines"].items() if "error" not in e}
+    series: dict[str, Sequence[float]] = {"decode": [e["decode_tps"] for e in eng.values()]}
+    return bar_chart(f"{arch} full size, decode", "tok/s", list(eng), series)
 
 
 if __name__ == "__main__":

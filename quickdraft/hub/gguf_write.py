@@ -9,7 +9,9 @@ as llama.cpp's converter (convert_hf_to_gguf.py) does, every transform it applie
 head as `blk.{n}.nextn.*`); `write_gguf` writes those tensors with llama.cpp's metadata keys and
 a byte-level tokenizer (`add_tiny_tokenizer`), the matrices in one block format gguf-py can
 quantize (`WRITABLE`). K-quant files (Q4_K_M ...) come from llama.cpp's own quantizer
-(`quickdraft.bench.peers.llama_cpp_quantize`) run on an F32 file written here.
+(`quickdraft.bench.peers.llama_cpp_quantize`) run on an F32 file written here. A file too
+large to hold (a full-size MoE model) is streamed tensor by tensor from bytes its caller makes,
+in any block format (`write_gguf_streamed`; bench/moe.py writes random blocks that way).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -197,11 +200,70 @@ def write_gguf(
     WRITABLE) in it, the rest (norms, conv, A, dt) F32 as llama.cpp keeps them."""
     if qtype not in WRITABLE:
         raise ValueError(f"gguf-py cannot write {qtype!r}: choose one of {WRITABLE}")
+    nextn = any(".nextn." in n for n in tensors)
+    w = _metadata(path, arch, cfg, nextn, specials, chat_template)
+    _write_tensors(w, tensors, qtype, lambda name, values: values.ndim >= 2)
+    return path
+
+
+def write_gguf_streamed(
+    path: Path,
+    arch: str,
+    cfg: dict[str, Any],
+    plan: dict[str, tuple[tuple[int, ...], str]],
+    chunks: Callable[[str, tuple[int, ...], str], Iterator[np.ndarray]],
+) -> Path:
+    """A GGUF of any size written without holding it: `write_gguf`'s metadata, then for each
+    tensor of `plan` (name -> torch-order shape and GGML type name, any type llama.cpp reads)
+    the bytes `chunks(name, shape, type)` yields, in row order (uint8 rows of whole blocks for
+    quantized types, float32 values for F32), streamed to the file."""
+    nextn = any(".nextn." in n for n in plan)
+    w = _metadata(path, arch, cfg, nextn, TINY_SPECIALS, CHATML)
+    sizes = {}
+    for name, (shape, qtype) in plan.items():
+        qt = gguf.GGMLQuantizationType[qtype]
+        block, type_size = gguf.GGML_QUANT_SIZES[qt]
+        if shape[-1] % block:
+            raise ValueError(f"{name} {shape}: rows are not whole {qtype} blocks of {block}")
+        nbytes = math.prod(shape) // block * type_size
+        sizes[name] = nbytes
+        if qtype == "F32":
+            w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes)
+        else:
+            byte_shape = (*shape[:-1], shape[-1] // block * type_size)
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    assert w.fout is not None
+    fout = w.fout[0]
+    for name, (shape, qtype) in plan.items():
+        fout.write(bytes(-fout.tell() % w.data_alignment))  # each tensor starts aligned
+        written = 0
+        for chunk in chunks(name, shape, qtype):
+            buf = np.ascontiguousarray(chunk)
+            fout.write(memoryview(buf.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
+            written += buf.nbytes
+        if written != sizes[name]:
+            raise ValueError(f"{name}: {written} bytes written, {sizes[name]} expected")
+    fout.write(bytes(-fout.tell() % w.data_alignment))
+    w.close()
+    return path
+
+
+def _metadata(
+    path: Path,
+    arch: str,
+    cfg: dict[str, Any],
+    nextn: bool,
+    specials: tuple[str, ...],
+    chat_template: str | None,
+) -> gguf.GGUFWriter:
+    """A writer holding llama.cpp's metadata keys for `arch` from the transformers config."""
     w = gguf.GGUFWriter(str(path), arch)
-    nextn = 1 if any(".nextn." in n for n in tensors) else 0
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"] + nextn)
+    w.add_block_count(cfg["num_hidden_layers"] + int(nextn))
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -227,14 +289,13 @@ def write_gguf(
         w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
         w.add_rope_dimension_count(rotary_dim)
         if nextn:
-            w.add_nextn_predict_layers(nextn)
+            w.add_nextn_predict_layers(1)
         if arch in ("qwen35", "qwen35moe"):
             w.add_rope_dimension_sections(rope_sections(rotary_dim))
     if arch == "qwen2vl":  # Qwen2.5-VL's contiguous sections, padded to four as llama.cpp does
         w.add_rope_dimension_sections([*cfg["rope_parameters"]["mrope_section"], 0])
     add_tiny_tokenizer(w, cfg["vocab_size"], specials, chat_template=chat_template)
-    _write_tensors(w, tensors, qtype, lambda name, values: values.ndim >= 2)
-    return path
+    return w
 
 
 def _write_tensors(
@@ -324,3 +385,56 @@ def window_pattern(full: list[int]) -> int:
     if any(b - a != n for a, b in itertools.pairwise(full)):
         raise ValueError(f"fullatt_block_indexes {full} are not every {n}th block")
     return n
+
+
+def _use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's Q4_K_M rule for the layers whose attn_v / ffn_down go up to Q6_K."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def q4_k_m_type(name: str, shape: tuple[int, ...], blocks: int) -> str:
+    """The type llama.cpp's quantizer gives tensor `name` in a Q4_K_M file of `blocks` blocks
+    (as it typed every tensor of the cut files): routers, norms, conv and decay F32; the head
+    Q6_K; attn_v / attn_qkv and every ffn_down Q6_K on _use_more_bits' layers; the rest Q4_K."""
+    if len(shape) == 1 or shape[-1] % 256 or name.endswith("ffn_gate_inp.weight"):
+        return "F32"
+    if name == "output.weight":
+        return "Q6_K"
+    if name == "token_embd.weight" or not name.startswith("blk."):
+        return "Q4_K"
+    layer, kind = int(name.split(".")[1]), name.split(".", 2)[2]
+    more = kind in ("attn_v.weight", "attn_qkv.weight") or kind.startswith("ffn_down")
+    return "Q6_K" if more and _use_more_bits(layer, blocks) else "Q4_K"
+
+
+# |d| (and dmin) per format for random blocks of zero-mean weights of ~0.05
+_D = {"Q4_K": (2e-4, 1.5e-3), "Q6_K": (2e-5, 0.0)}
+
+
+def random_chunks(name: str, shape: tuple[int, ...], qtype: str) -> Iterator[np.ndarray]:
+    """Random data for `name`: valid blocks of `qtype` (random quants and sub-block scales,
+    fp16 scales of a fixed magnitude) ~64 MB at a time, or F32 values fit for their role."""
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    if qtype == "F32":
+        n = int(np.prod(shape))
+        if name.endswith("ssm_a"):
+            yield -np.exp(rng.uniform(-1, 1, n)).astype(np.float32)
+        elif name.endswith("ssm_dt.bias"):
+            yield rng.uniform(0, 1, n).astype(np.float32)
+        elif "norm" in name:
+            yield (1 + rng.uniform(-0.1, 0.1, n)).astype(np.float32)
+        else:  # routers, the shared expert's gate, conv
+            yield (rng.standard_normal(n) * shape[-1] ** -0.5).astype(np.float32)
+        return
+    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    rows, k = int(np.prod(shape[:-1])), shape[-1]
+    per_row = k // block * block_bytes
+    d, dmin = _D[qtype]
+    at = 208 if qtype == "Q6_K" else 0
+    for r0 in range(0, rows, max(1, (64 << 20) // per_row)):
+        n = min(rows - r0, max(1, (64 << 20) // per_row))
+        raw = rng.integers(0, 256, (n, k // block, block_bytes), dtype=np.uint8)
+        raw[..., at : at + 2] = np.array([d], np.float16).view(np.uint8)
+        if dmin:
+            raw[..., 2:4] = np.array([dmin], np.float16).view(np.uint8)
+        yield raw

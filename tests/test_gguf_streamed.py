@@ -1,0 +1,118 @@
+"""GGUF files written without holding them (hub/gguf_write.py `write_gguf_streamed`, how
+bench/moe.py writes a full-size MoE file): the bytes read back as written, the file loads in
+quickdraft and in llama.cpp, and `q4_k_m_type` types every tensor as llama.cpp's quantizer
+does (at widths where every K-quant applies)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+from hybrid_models import one_thread  # noqa: F401 (autouse fixture)
+
+from quickdraft.bench.shapes import init_
+from quickdraft.hub.gguf_write import (
+    llama_cpp_tensors,
+    q4_k_m_type,
+    random_chunks,
+    write_gguf,
+    write_gguf_streamed,
+)
+from quickdraft.loading import load
+from quickdraft.models.hybrid_config import HybridConfig
+from quickdraft.models.qwen3_next import HybridLM
+
+pytestmark = pytest.mark.usefixtures("home")
+
+# Qwen3.5-MoE at widths of whole 256-value rows everywhere (so Q4_K_M's types all apply)
+CFG: dict[str, Any] = dict(
+    model_type="qwen3_5_moe_text",
+    vocab_size=512,
+    hidden_size=256,
+    num_hidden_layers=8,
+    full_attention_interval=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=128,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=256,
+    shared_expert_intermediate_size=256,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+)
+
+
+def tensors(device: str) -> dict[str, torch.Tensor]:
+    model = HybridLM(HybridConfig.from_dict(CFG), torch.bfloat16, device)
+    if device != "meta":
+        init_(model, 0, 1.0)
+    return llama_cpp_tensors(model.state_dict(), "qwen35moe", CFG)
+
+
+def plan() -> dict[str, tuple[tuple[int, ...], str]]:
+    blocks = CFG["num_hidden_layers"]
+    return {
+        n: (tuple(t.shape), q4_k_m_type(n, tuple(t.shape), blocks))
+        for n, t in tensors("meta").items()
+    }
+
+
+def test_q4_k_m_rule_types_every_tensor_as_llama_cpp(tmp_path: Path) -> None:
+    """llama.cpp's quantizer on an F32 file: every tensor gets the type `q4_k_m_type` says
+    (routers and norms F32, the head Q6_K, attn_v / attn_qkv / ffn_down* Q6_K on its layers)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the `peers` extra) is not installed")
+    from quickdraft.bench.peers import llama_cpp_quantize
+
+    f32 = write_gguf(tmp_path / "f32.gguf", "qwen35moe", CFG, tensors("cpu"))
+    q = tmp_path / "q4_k_m.gguf"
+    llama_cpp_quantize(f32, q, "Q4_K_M", 2)
+    theirs = {t.name: t.tensor_type.name for t in GGUFReader(str(q)).tensors}
+    ours = {n: qtype for n, (_, qtype) in plan().items()}
+    assert theirs == ours
+    assert {"Q4_K", "Q6_K", "F32"} <= set(ours.values())
+
+
+def test_streamed_file_reads_back_and_runs(tmp_path: Path) -> None:
+    """Random blocks streamed tensor by tensor: the reader finds each tensor's bytes where
+    the header says, equal to what was written; quickdraft runs the file in its blocks close
+    to its dequantized values (the gguf package's decoders), and llama.cpp runs it too."""
+    p = plan()
+    path = write_gguf_streamed(tmp_path / "streamed.gguf", "qwen35moe", CFG, p, random_chunks)
+    reader = GGUFReader(str(path))
+    assert [t.name for t in reader.tensors] == list(p)
+    for t in reader.tensors:
+        shape, qtype = p[t.name]
+        assert t.tensor_type.name == qtype
+        written = np.concatenate(
+            [c.reshape(-1).view(np.uint8) for c in random_chunks(t.name, shape, qtype)]
+        )
+        assert np.array_equal(np.asarray(t.data).reshape(-1).view(np.uint8), written), t.name
+    native = load(str(path), "gguf", progress=False)
+    deq = load(str(path), "fp32", progress=False)
+    ids = torch.tensor([1, 5, 9, 300, 42, 7])
+    logits = []
+    for lm in (native, deq):
+        cache = lm.model.new_cache(16)  # type: ignore[attr-defined]
+        logits.append(
+            lm.model(ids, [cache], [len(ids)], logit_rows=torch.arange(len(ids))).logits.float()
+        )  # type: ignore[operator]
+    assert bool(torch.isfinite(logits[0]).all())
+    cos = torch.nn.functional.cosine_similarity(logits[0], logits[1], dim=-1)
+    assert float(cos.min()) > 0.98, cos
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the `peers` extra) is not installed")
+    from quickdraft.bench.peers import LlamaCpp
+
+    run = LlamaCpp(path, 2, 64).generate(ids.tolist(), 4, ())
+    assert len(run.tokens) == 4
