@@ -313,11 +313,7 @@ class QdMoEBlock {
     const at::Tensor logits = qd_linear(x, router_, c10::nullopt, max_m_);  // [N, E]
     const at::Tensor probs = at::softmax(logits.to(at::kFloat), -1);
     auto [weight, idx] = at::topk(probs, top_k_, -1);  // [N, k]
-    if (norm_topk_) {  // summed in slot order, as models/moe.py's route
-      at::Tensor total = weight.select(1, 0);
-      for (int64_t j = 1; j < top_k_; ++j) total = total + weight.select(1, j);
-      weight = weight / total.unsqueeze(1);
-    }
+    if (norm_topk_) renormalize(weight);
     at::Tensor out = experts_.forward(x, idx, weight.to(x.scalar_type()));
     if (sgu_.empty()) return out;
     const at::Tensor h = qd_linear_gguf(x, sgu_, sgu_fmts_, sgu_ns_, c10::nullopt);
@@ -332,6 +328,22 @@ class QdMoEBlock {
   }
 
  private:
+  // w[r, j] / (w[r, 0] + w[r, 1] + ... in slot order), in place: models/moe.py's route does
+  // the same fp32 adds and division as tensor ops (one op per slot); each IEEE operation
+  // rounds alike, so the bits are the same
+  static void renormalize(at::Tensor& weight) {
+    weight = weight.contiguous();
+    float* w = weight.data_ptr<float>();
+    const int64_t N = weight.size(0), k = weight.size(1);
+    for (int64_t r = 0; r < N; ++r) {
+      float* row = w + r * k;
+      volatile float total = row[0];  // volatile: no reassociation of the sum
+      for (int64_t j = 1; j < k; ++j) total = total + row[j];
+      const float t = total;
+      for (int64_t j = 0; j < k; ++j) row[j] = row[j] / t;
+    }
+  }
+
   QdMoEGGUF experts_;
   at::Tensor router_;
   int64_t top_k_;
