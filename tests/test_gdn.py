@@ -13,6 +13,7 @@ from hybrid_models import one_thread  # noqa: F401 (autouse fixture)
 
 from quickdraft.kernels import build
 from quickdraft.kernels.gdn import (
+    DeltaUpdates,
     advance_state,
     causal_conv1d,
     conv_window,
@@ -242,6 +243,43 @@ def test_recurrent_updates_verify_equals_decode_steps_bitwise(
         at_once = state.clone()
         advance_state(at_once, upd.k[:, : i + 1], upd.d[:, : i + 1], upd.g[:, : i + 1])
         assert torch.equal(at_once, s), f"state after {i + 1} tokens"
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "reference"])
+@pytest.mark.parametrize("t,m", [(1, 1), (1, 4), (3, 2), (5, 0)], ids=str)
+@pytest.mark.parametrize("dims", [(K_HEADS, V_HEADS, DK, DV), (2, 4, 128, 128)], ids=str)
+def test_recurrent_updates_with_pending_equals_advance_then_read(
+    t: int, m: int, dims: tuple[int, int, int, int], kernel: bool
+) -> None:
+    """Pending kept updates applied inside recurrent_updates (the kernel's one pass over the
+    state) give the bits of advance_state followed by recurrent_updates: outputs, updates and
+    the advanced state."""
+    if kernel and not build.kernels_available():
+        pytest.skip("the C++ extension did not build or cannot run here")
+    k_heads, v_heads, dk, dv = dims
+    gen = torch.Generator().manual_seed(t + 10 * m + dk)
+    y = torch.randn(t + m, 2 * k_heads * dk + v_heads * dv, generator=gen)
+    g = -2.0 * torch.rand(t + m, v_heads, generator=gen)
+    beta = torch.rand(t + m, v_heads, generator=gen)
+    state = torch.randn(v_heads, dk, dv, generator=gen)
+    disabled = build.disabled
+    build.disabled = not kernel
+    try:
+        kept = (  # the last forward's kept updates (none: m = 0)
+            recurrent_updates(y[:m], g[:m], beta[:m], state, k_heads)[1]
+            if m
+            else DeltaUpdates(torch.empty(v_heads, 0, dk), torch.empty(v_heads, 0, dv), g[:0].T)
+        )
+        separate = state.clone()
+        advance_state(separate, kept.k, kept.d, kept.g)
+        out, upd = recurrent_updates(y[m:], g[m:], beta[m:], separate, k_heads)
+        fused = state.clone()
+        out2, upd2 = recurrent_updates(y[m:], g[m:], beta[m:], fused, k_heads, kept)
+    finally:
+        build.disabled = disabled
+    assert torch.equal(fused, separate)
+    assert torch.equal(out2, out)
+    assert torch.equal(upd2.k, upd.k) and torch.equal(upd2.d, upd.d) and torch.equal(upd2.g, upd.g)
 
 
 @needs_kernel

@@ -151,8 +151,11 @@ def test_mtp_bf16_greedy_equals_plain_on_the_prompt_set(family: str, tmp_path: P
 def test_mtp_bf16_batch_of_4_equals_alone(family: str, tmp_path: Path) -> None:
     """bf16 hybrid with MTP on: 6 requests through the engine, 4 at a time (their prompts in
     chunks of up to 48 or 8 rows beside other requests' decode and verify rows) each get the
-    tokens they get alone with speculation off, their prompt prefilled in one forward."""
+    tokens they get alone with speculation off, their prompt prefilled in one forward. The
+    target's layers nudge the residual stream, so the copying head's drafts are accepted
+    often: with full-scale layers acceptance was a matter of luck (0-2 drafts of ~700)."""
     model = random_hybrid(family, seed=1)
+    randomize(model, seed=1, out_scale=0.3)
     lm = load(str(save_hybrid_dir(model, family, tmp_path, copying_head(model))), "bf16")
     sets = prompt_sets()
     prompts = [p for name in ("code", "prose", "json") for p in sets[name][:2]]

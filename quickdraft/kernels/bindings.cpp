@@ -71,9 +71,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_conv_silu", &qd_causal_conv_silu, "silu(causal depthwise conv1d) in fp32",
         py::arg("x"), py::arg("window"), py::arg("weight"),
         py::call_guard<py::gil_scoped_release>());
-  m.def("gdn_delta", &qd_gdn_delta, "gated delta rule over one short chunk: out, k, d, g",
+  m.def("gdn_delta", &qd_gdn_delta,
+        "gated delta rule over one short chunk: out, k, d, g (pending updates: the state is "
+        "advanced by them in place first)",
         py::arg("y"), py::arg("g"), py::arg("beta"), py::arg("state"), py::arg("k_heads"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("pending_k") = py::none(), py::arg("pending_d") = py::none(),
+        py::arg("pending_g") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("gdn_advance", &qd_gdn_advance, "apply kept delta-rule updates to a state, in place",
         py::arg("state"), py::arg("k"), py::arg("d"), py::arg("g"),
         py::call_guard<py::gil_scoped_release>());

@@ -287,13 +287,18 @@ def recurrent_updates(
     y: Tensor,  # [T, C] fp32 conv output: [q (Hk dk) | k (Hk dk) | v (H dv)] per token
     g: Tensor,  # [T, H] log decay
     beta: Tensor,  # [T, H]
-    state: Tensor,  # [H, dk, dv] fp32, read only
+    state: Tensor,  # [H, dk, dv] fp32, read only unless `pending`
     k_heads: int,
+    pending: DeltaUpdates | None = None,  # updates to advance `state` by first, in place
 ) -> tuple[Tensor, DeltaUpdates]:
     """prepare_qk + delta_rule_updates of one chunk (T <= CHUNK_SIZE): out [T, H, dv] fp32 and
-    the per-token updates, by the C++ kernel when it can run, else by those torch functions."""
+    the per-token updates, by the C++ kernel when it can run, else by those torch functions.
+    `pending`: the state is first advanced by them (`advance_state`'s bits); the kernel does it
+    in the same pass over the state."""
     t_len, (_, dk, dv) = y.shape[0], state.shape
     assert t_len <= CHUNK_SIZE, f"{t_len} tokens: one chunk at most"
+    if pending is not None and pending.g.shape[1] == 0:
+        pending = None
     fast = (
         y.is_cpu
         and y.dtype == state.dtype == g.dtype == beta.dtype == torch.float32
@@ -302,6 +307,11 @@ def recurrent_updates(
         and not (torch.is_grad_enabled() and y.requires_grad)
     )
     ext = extension() if fast else None
+    if ext is not None and pending is not None and state.is_contiguous():
+        out, k, d, cum = ext.gdn_delta(y, g, beta, state, k_heads, pending.k, pending.d, pending.g)
+        return out, DeltaUpdates(k, d, cum)
+    if pending is not None:
+        advance_state(state, pending.k, pending.d, pending.g)
     if ext is None and _on_triton(state) and y.stride(1) == 1:
         g, beta = g.float().contiguous(), beta.float().contiguous()
         out, k, d = triton_ops.gdn_delta(y.float(), g, beta, state, k_heads)

@@ -2,8 +2,13 @@
 // commit of kept updates, for AVX2 + FMA CPUs. Bound in bindings.cpp; the Python-facing contract
 // and the torch references are quickdraft/kernels/gdn.py's.
 //
-//   gdn_delta(y [T, C] fp32, g [T, H], beta [T, H], state [H, dk, dv], k_heads)
+//   gdn_delta(y [T, C] fp32, g [T, H], beta [T, H], state [H, dk, dv], k_heads
+//             [, pending k [H, m, dk], d [H, m, dv], g [H, m]])
 //       -> out [T, H, dv], k [H, T, dk], d [H, T, dv], g [H, T]   (all fp32)
+//   With pending updates (the last forward's kept ones, not yet committed into the state)
+//   each head's state is first advanced by them in place, as gdn_advance does, then read:
+//   the bits of gdn_advance followed by gdn_delta, with one pass over the state from DRAM
+//   instead of two (the head's 64 KiB stay in L2 between them).
 //   gdn_advance(state [H, dk, dv] fp32, k [H, m, dk], d [H, m, dv], g [H, m])   in place
 //
 // Why: a verify's delta rule in torch is ~40 ops (cat, bmm, a triangular solve...) on tensors
@@ -132,7 +137,8 @@ void step_rows(const float* src, float* dst, int64_t rows, int64_t dv, int m, co
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qd_gdn_delta(
     const at::Tensor& y_in, const at::Tensor& g_in, const at::Tensor& beta_in,
-    const at::Tensor& state_in, int64_t k_heads) {
+    const at::Tensor& state_in, int64_t k_heads, const c10::optional<at::Tensor>& pending_k,
+    const c10::optional<at::Tensor>& pending_d, const c10::optional<at::Tensor>& pending_g) {
   for (const auto* t : {&y_in, &g_in, &beta_in, &state_in})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat,
                 "gdn_delta: CPU fp32 tensors only");
@@ -146,26 +152,57 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qd_gdn_delta(
   TORCH_CHECK(g_in.sizes() == beta_in.sizes() && g_in.size(0) == Tn && g_in.size(1) == H,
               "gdn_delta: g and beta must be [T, H]");
   const at::Tensor y = y_in.contiguous(), beta = beta_in.contiguous();
+  const bool pending = pending_g.has_value() && pending_g->size(1) > 0;
+  TORCH_CHECK(pending_k.has_value() == pending_g.has_value() &&
+                  pending_d.has_value() == pending_g.has_value(),
+              "gdn_delta: pending k, d and g come together");
+  TORCH_CHECK(!pending || state_in.is_contiguous(),
+              "gdn_delta: a state advanced in place must be contiguous");
   const at::Tensor state = state_in.contiguous();
+  at::Tensor pk, pd, pg;
+  int64_t m = 0;
+  if (pending) {
+    pk = pending_k->contiguous(), pd = pending_d->contiguous(), pg = pending_g->contiguous();
+    m = pg.size(1);
+    TORCH_CHECK(m <= kMaxAdvance && pg.size(0) == H && pk.size(0) == H && pk.size(1) == m &&
+                    pk.size(2) == dk && pd.size(0) == H && pd.size(1) == m && pd.size(2) == dv,
+                "gdn_delta: pending k [H, m, dk], d [H, m, dv], g [H, m], m <= ", kMaxAdvance);
+    for (const at::Tensor* t : {&pk, &pd, &pg})
+      TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat,
+                  "gdn_delta: pending updates must be CPU fp32");
+  }
   auto opts = y.options();
   at::Tensor out = at::empty({Tn, H, dv}, opts), k_out = at::empty({H, Tn, dk}, opts);
   at::Tensor d_out = at::empty({H, Tn, dv}, opts), g_out = g_in.t().contiguous();  // [H, T]
   const float* yp = y.data_ptr<float>();
   const float* gp = g_out.data_ptr<float>();
   const float* bp = beta.data_ptr<float>();
-  const float* sp = state.data_ptr<float>();
+  float* sp = state.data_ptr<float>();
   float* op = out.data_ptr<float>();
   float* kp = k_out.data_ptr<float>();
   float* dp = d_out.data_ptr<float>();
   const int64_t C = y.size(1), group = H / k_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(dk));
-  // A one-token step is ~1 us of work per head: a second thread's fork/join costs more.
-  const int64_t grain = Tn == 1 ? H : 1;
+  // A one-token step over small heads is ~1 us of work per head: a second thread's fork/join
+  // costs more; past ~1 MiB of state (or with a pass to advance it) two threads stream it.
+  const int64_t grain = Tn == 1 && !pending && H * dk * dv < (int64_t{1} << 18) ? H : 1;
   at::parallel_for(0, H, grain, [&](int64_t h0, int64_t h1) {
     std::vector<float> qn(dk), ks(dv), qs(dv);
     std::vector<float> work(Tn > 1 ? dk * dv : 0);  // the state inside the chunk
+    float e[kMaxAdvance];
+    const float* kj_p[kMaxAdvance];
+    const float* dj_p[kMaxAdvance];
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t hk = h / group;
+      if (pending) {  // gdn_advance's step for this head, in place
+        for (int64_t j = 0; j < m; ++j) {
+          e[j] = std::exp(pg.data_ptr<float>()[h * m + j]);
+          kj_p[j] = pk.data_ptr<float>() + (h * m + j) * dk;
+          dj_p[j] = pd.data_ptr<float>() + (h * m + j) * dv;
+        }
+        step_rows(sp + h * dk * dv, sp + h * dk * dv, dk, dv, static_cast<int>(m), e, kj_p,
+                  dj_p);
+      }
       const float* S = sp + h * dk * dv;
       for (int64_t t = 0; t < Tn; ++t) {
         const float* q = yp + t * C + hk * dk;

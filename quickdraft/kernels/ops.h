@@ -32,7 +32,8 @@ at::Tensor qd_causal_conv_silu(const at::Tensor& x, const at::Tensor& window,
 // gdn_delta.cpp
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qd_gdn_delta(
     const at::Tensor& y, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,
-    int64_t k_heads);
+    int64_t k_heads, const c10::optional<at::Tensor>& pending_k,
+    const c10::optional<at::Tensor>& pending_d, const c10::optional<at::Tensor>& pending_g);
 void qd_gdn_advance(at::Tensor state, const at::Tensor& k, const at::Tensor& d,
                     const at::Tensor& g);
 // linear_q4.cpp

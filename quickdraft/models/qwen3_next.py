@@ -205,12 +205,17 @@ class GatedDeltaNet(OperandModule):
         start = 0
         for cache, n in zip(caches, num_new, strict=True):
             seg = slice(start, start + n)
-            window, state = cache.gdn_state(self.gdn_index)  # committed; read only
-            y = causal_conv1d(mixed[seg], window, conv_w)  # [n, C] fp32
             if cache.keeps_checkpoints:  # a decode step or a verify: every token committable
-                core[seg], updates = recurrent_updates(y, g[seg], beta[seg], state, self.k_heads)
+                # the last forward's kept updates are applied in the same pass over the state
+                window, state, pending = cache.gdn_state_deferred(self.gdn_index)
+                y = causal_conv1d(mixed[seg], window, conv_w)  # [n, C] fp32
+                core[seg], updates = recurrent_updates(
+                    y, g[seg], beta[seg], state, self.k_heads, pending
+                )
                 cache.keep_checkpoints(self.gdn_index, mixed[seg], updates)
             else:  # a prompt chunk: only its final state
+                window, state = cache.gdn_state(self.gdn_index)  # committed; read only
+                y = causal_conv1d(mixed[seg], window, conv_w)  # [n, C] fp32
                 final_conv, final_state = cache.final_state(self.gdn_index)
                 core[seg] = long_forward(y, g[seg], beta[seg], state, final_state, self.k_heads)
                 final_conv.copy_(conv_window(window, mixed[seg]))

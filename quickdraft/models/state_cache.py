@@ -154,6 +154,22 @@ class HybridCache:
             self.pending[layer] = 0
         return conv, ssm
 
+    def gdn_state_deferred(self, layer: int) -> tuple[Tensor, Tensor, DeltaUpdates | None]:
+        """`gdn_state` for a forward that advances the SSM state itself: the conv window with
+        its pending inputs applied, the SSM state NOT yet advanced, and the pending updates
+        (None: none) that the caller must apply to it in place (`recurrent_updates` does, in
+        its pass over the state) before anything else reads it."""
+        conv, ssm = self.conv[layer, self.committed], self.ssm[layer, self.committed]
+        m = self.pending[layer]
+        if not m:
+            return conv, ssm, None
+        conv.copy_(conv_window(conv, self.cp_inputs[layer, :m]))
+        self.pending[layer] = 0
+        updates = DeltaUpdates(
+            self.cp_k[layer, :, :m], self.cp_d[layer, :, :m], self.cp_g[layer, :, :m]
+        )
+        return conv, ssm, updates
+
     def keep_checkpoints(self, layer: int, inputs: Tensor, updates: DeltaUpdates) -> None:
         """Store the forward's per-token conv inputs [n, C] and delta-rule updates."""
         n = inputs.shape[0]
