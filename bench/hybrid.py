@@ -50,7 +50,7 @@ from gguf import GGUFReader
 
 from quickdraft.bench.peers import llama_cpp_quantize
 from quickdraft.bench.report import bars, machine, peak_rss_mb, table, write
-from quickdraft.bench.shapes import HYBRID_CONFIG, init_
+from quickdraft.bench.shapes import HYBRID_CONFIG, MOE_CUTS, MOE_REAL, init_
 from quickdraft.hub.convert import convert_gguf
 from quickdraft.hub.gguf_write import WRITABLE, llama_cpp_tensors, write_gguf
 from quickdraft.kernels import PanelWeight, Weight, panels_apply, project
@@ -65,15 +65,29 @@ from quickdraft.speculation.drafters.base import DraftJob
 from quickdraft.speculation.drafters.mtp import MTPDrafter, head_step_seconds, load_mtp_head
 from quickdraft.speculation.verify import verify_greedy
 
-CONFIG = HYBRID_CONFIG  # quickdraft/bench/shapes.py: Qwen3.5-0.8B's language model
+# --shape: the model's config, GGUF architecture and a description. qwen35: Qwen3.5-0.8B's
+# language model (quickdraft/bench/shapes.py); qwen35moe: Qwen3.6-35B-A3B's per-layer widths
+# (256 experts top 8 + a shared expert) with layers, experts and vocabulary cut as in
+# bench/moe.py's file (8 layers, 64 experts, 32k), its MTP head one more MoE layer
+SHAPES: dict[str, tuple[dict[str, Any], str, str]] = {
+    "qwen35": (HYBRID_CONFIG, "qwen35", "Qwen3.5-0.8B layers/widths, vocab 32k, untied lm_head"),
+    "qwen35moe": (
+        {**MOE_REAL["qwen35moe"], **MOE_CUTS["qwen35moe"], "mtp_num_hidden_layers": 1},
+        "qwen35moe",
+        "Qwen3.6-35B-A3B widths, 8 layers (6 GDN + 2 attention), 64 experts top 8 + shared, "
+        "vocab 32k",
+    ),
+}
 
 
-def build(out_scale: float, pack: bool = True) -> tuple[HybridLM, MTPHead, int, int]:
+def build(
+    out_scale: float, config: dict[str, Any], pack: bool = True
+) -> tuple[HybridLM, MTPHead, int, int]:
     """The model and its head as `quickdraft.loading.load` would run them (with `pack`, bf16
     operands packed into panels when the CPU kernels are available, see kernels/gemm.py and
     kernels/linear_bf16.py; without, HF-named bf16 tensors), and
     their parameter counts (taken before packing releases the HF-named tensors)."""
-    cfg = HybridConfig.from_dict(CONFIG)
+    cfg = HybridConfig.from_dict(config)
     model = HybridLM(cfg, torch.bfloat16)
     init_(model, 0, out_scale)
     params = sum(p.numel() for p in model.parameters())
@@ -102,7 +116,7 @@ def build(out_scale: float, pack: bool = True) -> tuple[HybridLM, MTPHead, int, 
 
 
 def build_gguf(
-    out_scale: float, qtype: str, directory: Path
+    out_scale: float, qtype: str, directory: Path, config: dict[str, Any], arch: str
 ) -> tuple[HybridLM, MTPHead, int, int, dict[str, Any]]:
     """The same model and head written into `directory` as a qwen35 GGUF laid out as
     llama.cpp's converter writes one (the head as blk.24.nextn.*), its matrices in `qtype`
@@ -110,14 +124,14 @@ def build_gguf(
     from llama.cpp's own quantizer run on an F32 file), then loaded as a user's GGUF is: the
     converter's config + tokenizer directory, `--dtype gguf` (the file's own blocks), the MTP
     head from its nextn tensors. Also what was written: writer, file size, tensors per format."""
-    model, head, params, head_params = build(out_scale, pack=False)
+    model, head, params, head_params = build(out_scale, config, pack=False)
     state = model.state_dict() | {f"mtp.{k}": v for k, v in head.state_dict().items()}
     del model, head
-    tensors = llama_cpp_tensors(state, "qwen35", CONFIG)
+    tensors = llama_cpp_tensors(state, arch, config)
     del state
     path = directory / f"hybrid-{qtype}.gguf"
     source = path if qtype in WRITABLE else directory / "hybrid-F32.gguf"
-    write_gguf(source, "qwen35", CONFIG, tensors, qtype if qtype in WRITABLE else "F32")
+    write_gguf(source, arch, config, tensors, qtype if qtype in WRITABLE else "F32")
     del tensors
     writer = f"gguf-py {version('gguf')}"
     if source != path:
@@ -334,16 +348,20 @@ def main() -> None:
         help="run the model from a qwen35 GGUF of TYPE (default Q4_K_M) on its own blocks "
         "(--dtype gguf); writes hybrid-gguf.*",
     )
+    ap.add_argument("--shape", choices=list(SHAPES), default="qwen35")
     args = ap.parse_args()
+    config, arch, shape = SHAPES[args.shape]
     torch.manual_seed(0)
     t = time.perf_counter()
     written: dict[str, Any] | None = None
     if args.gguf is None:
-        model, head, params, head_params = build(args.out_scale)
+        model, head, params, head_params = build(args.out_scale, config)
     else:  # the directory goes at exit: the model maps its file until then
         directory = Path(tempfile.mkdtemp(prefix="quickdraft-hybrid-gguf-"))
         atexit.register(shutil.rmtree, directory, ignore_errors=True)
-        model, head, params, head_params, written = build_gguf(args.out_scale, args.gguf, directory)
+        model, head, params, head_params, written = build_gguf(
+            args.out_scale, args.gguf, directory, config, arch
+        )
     build_s = time.perf_counter() - t
     drafter = MTPDrafter(head, model.get_submodule("model.norm"))
     k = args.k
@@ -390,8 +408,9 @@ def main() -> None:
     result = {
         "machine": host,
         "model": {
-            "shape": "Qwen3.5-0.8B layers/widths, vocab 32k, untied lm_head, "
+            "shape": f"{shape}, "
             + ("bf16" if written is None else f"GGUF {args.gguf}, bf16 activations"),
+            "arch": arch,
             "params_m": round(params / 1e6, 1),
             "mtp_head_params_m": round(head_params / 1e6, 1),
             "weight_layout": layout(model),
@@ -437,7 +456,9 @@ def main() -> None:
             "peak_rss_mb": round(peak_rss_mb(), 1),
         },
     }
-    name = "hybrid" if written is None else "hybrid-gguf"
+    name = ("hybrid" if written is None else "hybrid-gguf") + (
+        "" if args.shape == "qwen35" else f"-{args.shape}"
+    )
     write(name, result, markdown(result), plot(result), figsize=(13, 4))
 
 
@@ -465,9 +486,9 @@ def markdown(result: dict[str, Any]) -> str:
         g = model["gguf"]
         formats = ", ".join(f"{n} {k}" for k, n in g["tensors_by_format"].items())
         head += (
-            f"Run from a qwen35 GGUF of those weights ({g['format']}, {g['file_mb']} MB, "
-            f"written by {g['writer']}; tensors: {formats}) on its own blocks (`--dtype "
-            "gguf`), the MTP head from its `blk.24.nextn.*` tensors.\n\n"
+            f"Run from a {model.get('arch', 'qwen35')} GGUF of those weights ({g['format']}, "
+            f"{g['file_mb']} MB, written by {g['writer']}; tensors: {formats}) on its own "
+            "blocks (`--dtype gguf`), the MTP head from its `blk.N.nextn.*` tensors.\n\n"
         )
     figures = table(
         ["figure", "value"],

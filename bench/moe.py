@@ -45,7 +45,7 @@ from gguf import GGUFReader
 
 from quickdraft.bench.peers import llama_cpp_quantize
 from quickdraft.bench.report import bar_chart, machine, read_bandwidth_gbs, table, write
-from quickdraft.bench.shapes import init_
+from quickdraft.bench.shapes import MOE_CUTS, MOE_REAL, init_
 from quickdraft.config import ModelConfig
 from quickdraft.hub.convert import convert_gguf
 from quickdraft.hub.gguf_write import (
@@ -62,56 +62,7 @@ from quickdraft.models.llama import CausalLM
 from quickdraft.models.mtp import MTPHead, hybrid_mtp_parts
 from quickdraft.models.qwen3_next import HybridLM
 
-_ROPE = {"rope_type": "default", "partial_rotary_factor": 0.25}
-# the released configs' widths (Qwen3.6-35B-A3B shares Qwen3.5-35B-A3B's architecture)
-REAL: dict[str, dict[str, Any]] = {
-    "qwen35moe": dict(
-        model_type="qwen3_5_moe_text",
-        vocab_size=248320,
-        hidden_size=2048,
-        num_hidden_layers=40,
-        full_attention_interval=4,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        head_dim=256,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        num_experts=256,
-        num_experts_per_tok=8,
-        moe_intermediate_size=512,
-        shared_expert_intermediate_size=512,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-6,
-        rope_parameters={**_ROPE, "rope_theta": 1e7},
-    ),
-    "qwen3moe": dict(
-        model_type="qwen3_moe",
-        vocab_size=151936,
-        hidden_size=2048,
-        num_hidden_layers=48,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        num_experts=128,
-        num_experts_per_tok=8,
-        moe_intermediate_size=768,
-        intermediate_size=6144,
-        norm_topk_prob=True,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-    ),
-}
-# what is cut so that the random-weight files fit here (1.15 GiB and 0.47 GiB in Q4_K_M)
-CUTS: dict[str, dict[str, Any]] = {
-    "qwen35moe": dict(num_hidden_layers=8, num_experts=64, vocab_size=32000),
-    "qwen3moe": dict(num_hidden_layers=4, num_experts=32, vocab_size=32000),
-}
+REAL, CUTS = MOE_REAL, MOE_CUTS  # quickdraft/bench/shapes.py
 
 
 def config(arch: str) -> dict[str, Any]:
@@ -345,6 +296,35 @@ def run_full(
     return out
 
 
+def narrow_overhead(work: Path, tokens: int, rounds: int) -> dict[str, Any]:
+    """The full qwen35moe structure (40 layers: 30 Gated DeltaNet + 10 attention, 256 experts
+    top 8 + a shared expert, each a MoE block) at widths where every GEMM is tiny (hidden 256):
+    its decode step is almost all the per-layer work around the kernels (Python, torch
+    dispatch, small ops, fork/joins), which a full-size step pays on top of its weights."""
+    cfg = dict(REAL["qwen35moe"])
+    cfg.update(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128)
+    cfg.update(linear_num_key_heads=1, linear_num_value_heads=2, vocab_size=1024)
+    cfg.update(moe_intermediate_size=256, shared_expert_intermediate_size=256)
+    path = work / "qwen35moe-narrow-Q4_K_M.gguf"
+    if not path.exists():
+        meta = HybridLM(HybridConfig.from_dict(cfg), torch.bfloat16, torch.device("meta"))
+        tensors = llama_cpp_tensors(meta.state_dict(), "qwen35moe", cfg)
+        layers = cfg["num_hidden_layers"]
+        plan = {
+            n: (tuple(t.shape), q4_k_m_type(n, tuple(t.shape), layers)) for n, t in tensors.items()
+        }
+        write_gguf_streamed(path, "qwen35moe", cfg, plan, random_chunks)
+    ours = Ours(path, work)
+    per_token, _ = streamed_bytes(path, cfg)
+    ms = [sum(ours.decode_s(tokens)) / tokens * 1e3 for _ in range(rounds + 1)][1:]
+    return {
+        "config": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "num_experts")},
+        "weight_mb_per_token": round(per_token / 1e6, 1),
+        "ms_per_token": [round(m, 2) for m in ms],
+        "median_ms_per_token": round(statistics.median(ms), 2),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--files", type=Path, default=Path("/tmp/quickdraft-moe"), help="file cache")
@@ -357,6 +337,9 @@ def main() -> None:
     ap.add_argument("--name", default="moe")
     ap.add_argument("--full", action="store_true", help="the full-size qwen35moe file instead")
     ap.add_argument("--ours", type=Path, help=argparse.SUPPRESS)  # the child of --full
+    ap.add_argument(
+        "--narrow", action="store_true", help="the per-layer work of a 40-layer qwen35moe step"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.ours:
@@ -369,6 +352,22 @@ def main() -> None:
         peers["llama.cpp"] = (args.llama_bench, [])
     if args.ik_bench:
         peers["ik_llama.cpp"] = (args.ik_bench, ["-fmoe", "1", "-rtr", "1"])
+    if args.narrow:
+        report["narrow"] = narrow_overhead(args.files, args.tokens, args.rounds)
+        n = report["narrow"]
+        md = (
+            "# The work around the kernels: a 40-layer qwen35moe step at tiny widths\n\n"
+            f"{n['config']}: {n['weight_mb_per_token']} MB of weights a token, "
+            f"{n['median_ms_per_token']} ms a token (rounds: {n['ms_per_token']}).\n"
+        )
+        series: dict[str, Sequence[float]] = {"ms": n["ms_per_token"]}
+        write(
+            args.name,
+            report,
+            md,
+            bar_chart("narrow step", "ms", [str(i) for i in range(len(n["ms_per_token"]))], series),
+        )
+        return
     if args.full:
         report["full"] = {
             a: run_full(a, args.files, peers, args.threads, args.tokens) for a in args.arch

@@ -1,6 +1,7 @@
 """Random-weight models of real shapes for the benchmarks that have no real weights offline:
-Qwen3.5-0.8B's language model (the hybrid Gated DeltaNet family, vocabulary cut to 32k) and
-how its weights are drawn (`init_`). bench/hybrid.py, bench/prefix_cache.py and the vision set
+Qwen3.5-0.8B's language model (the hybrid Gated DeltaNet family, vocabulary cut to 32k), the
+sparse MoE models' configs (Qwen3.6-35B-A3B, Qwen3-30B-A3B) and their cuts, and how weights are
+drawn (`init_`). bench/hybrid.py, bench/prefix_cache.py and the vision set
 (quickdraft/bench/vision.py) build on them."""
 
 from __future__ import annotations
@@ -33,6 +34,59 @@ HYBRID_CONFIG: dict[str, Any] = dict(
     mtp_num_hidden_layers=1,
 )
 WRITERS = ("o_proj", "out_proj", "down_proj")  # projections that write the residual stream
+
+
+_ROPE = {"rope_type": "default", "partial_rotary_factor": 0.25}
+# Sparse MoE models' released configs (Qwen3.6-35B-A3B shares Qwen3.5-35B-A3B's architecture)
+MOE_REAL: dict[str, dict[str, Any]] = {
+    "qwen35moe": dict(
+        model_type="qwen3_5_moe_text",
+        vocab_size=248320,
+        hidden_size=2048,
+        num_hidden_layers=40,
+        full_attention_interval=4,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_parameters={**_ROPE, "rope_theta": 1e7},
+    ),
+    "qwen3moe": dict(
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        intermediate_size=6144,
+        norm_topk_prob=True,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    ),
+}
+# what bench/moe.py cuts so that its random-weight files fit here (1.15 GiB and 0.47 GiB in
+# Q4_K_M); bench/hybrid.py --shape qwen35moe runs the same cut
+MOE_CUTS: dict[str, dict[str, Any]] = {
+    "qwen35moe": dict(num_hidden_layers=8, num_experts=64, vocab_size=32000),
+    "qwen3moe": dict(num_hidden_layers=4, num_experts=32, vocab_size=32000),
+}
 
 
 def init_(module: torch.nn.Module, seed: int, out_scale: float) -> None:
