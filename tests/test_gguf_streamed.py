@@ -14,7 +14,7 @@ import torch
 from gguf import GGUFReader
 from hybrid_models import one_thread  # noqa: F401 (autouse fixture)
 
-from quickdraft.bench.shapes import init_
+from quickdraft.bench.shapes import MOE_REAL, init_
 from quickdraft.hub.gguf_write import (
     llama_cpp_tensors,
     q4_k_m_type,
@@ -28,30 +28,15 @@ from quickdraft.models.qwen3_next import HybridLM
 
 pytestmark = pytest.mark.usefixtures("home")
 
-# Qwen3.5-MoE at widths of whole 256-value rows everywhere (so Q4_K_M's types all apply)
-CFG: dict[str, Any] = dict(
-    model_type="qwen3_5_moe_text",
-    vocab_size=512,
-    hidden_size=256,
-    num_hidden_layers=8,
-    full_attention_interval=4,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=128,
-    linear_conv_kernel_dim=4,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,  # llama.cpp reads one head size for keys and values
-    linear_num_key_heads=2,
-    linear_num_value_heads=2,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=256,
-    shared_expert_intermediate_size=256,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-    rms_norm_eps=1e-6,
-    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-)
+# Qwen3.6-35B-A3B's structure at widths of whole 256-value rows everywhere (so every Q4_K_M
+# type applies); llama.cpp reads one head size for keys and values
+CFG: dict[str, Any] = {
+    **MOE_REAL["qwen35moe"],
+    **dict(vocab_size=512, hidden_size=256, num_hidden_layers=8, num_experts=4),
+    **dict(num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256),
+    **dict(num_attention_heads=2, num_key_value_heads=1, linear_num_key_heads=2),
+    **dict(linear_num_value_heads=2, max_position_embeddings=512),
+}
 
 
 def tensors(device: str) -> dict[str, torch.Tensor]:
