@@ -299,8 +299,9 @@ def run_full(
 def narrow_overhead(work: Path, tokens: int, rounds: int) -> dict[str, Any]:
     """The full qwen35moe structure (40 layers: 30 Gated DeltaNet + 10 attention, 256 experts
     top 8 + a shared expert, each a MoE block) at widths where every GEMM is tiny (hidden 256):
-    its decode step is almost all the per-layer work around the kernels (Python, torch
-    dispatch, small ops, fork/joins), which a full-size step pays on top of its weights."""
+    its decode step is the per-layer work around the kernels (Python, torch dispatch, small
+    ops, fork/joins) plus the fixed cost of GEMMs one 256-value block deep, most of which a
+    full-size step pays on top of streaming its weights."""
     cfg = dict(REAL["qwen35moe"])
     cfg.update(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128)
     cfg.update(linear_num_key_heads=1, linear_num_value_heads=2, vocab_size=1024)
