@@ -41,7 +41,7 @@ from quickdraft.models.gemma3 import Gemma3LM
 from quickdraft.models.gguf_gpu import runs_on_device, to_device_
 from quickdraft.models.layers import GGUFEmbedding, release_fused_
 from quickdraft.models.llama import CausalLM, operand_converter
-from quickdraft.models.packed_copy import fill_packed, packed_name, save_packed
+from quickdraft.models.packed_copy import packed_name, packed_or_built
 from quickdraft.models.registry import model_class, read_config
 
 log = logging.getLogger(__name__)
@@ -190,18 +190,15 @@ def load_gguf_model(
             f"GGUF weights run natively for dense models on the CPU; {cfg.model_type!r}: "
             "load with --dtype bf16"
         )
-    cache = path / packed_name(quantization)
-    if cache.is_file():
-        try:
-            empty = model_class(cfg.model_type)(cfg, dtype, "cpu")
-            return fill_packed(empty, cache, dtype)  # type: ignore[return-value]
-        except Exception as e:  # a stale or damaged copy: repack from the GGUF
-            log.warning("ignoring %s (%s: %s); repacking from the GGUF", cache, type(e).__name__, e)
     # int8 / int4: each operand converted as it is read (the whole model in the GGUF's formats
     # and its quantized copy were both resident at the peak)
-    model = _from_gguf(path / GGUF_LINK, cfg, dtype, quantization)
-    trim_heap()
-    save_packed(model, cache)
+    model = packed_or_built(
+        path / packed_name(quantization),
+        lambda: cls(cfg, dtype, "cpu"),
+        lambda: _from_gguf(path / GGUF_LINK, cfg, dtype, quantization),
+        dtype,
+        log,
+    )
     return model  # type: ignore[return-value]  # CausalLM implements LanguageModel
 
 

@@ -32,14 +32,13 @@ from quickdraft.config import ModelConfig
 from quickdraft.hub.gguf_qwen import QWEN_ARCHS, Planned, qwen_plan
 from quickdraft.kernels.gemm import Weight
 from quickdraft.kernels.linear_gguf import GGUFWeight
-from quickdraft.memory import trim_heap
 from quickdraft.models.gguf_loader import GGUFFile, GGUFTensorError
 from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.layers import GGUFEmbedding, release_fused_
 from quickdraft.models.llama import MLP, Attention, CausalLM, DecoderLayer
 from quickdraft.models.moe import Experts, GatedMLP, RoutedMoE, SparseMoE
 from quickdraft.models.mtp import MTPHead, hybrid_mtp_parts
-from quickdraft.models.packed_copy import PACKED_NAME, fill_packed, save_packed
+from quickdraft.models.packed_copy import PACKED_NAME, packed_or_built
 from quickdraft.models.qwen3_next import (
     GatedAttention,
     GatedDeltaNet,
@@ -219,16 +218,13 @@ def load_qwen_gguf(file: Path, cfg: Any, dtype: torch.dtype) -> nn.Module:
     """The model of GGUF `file` (config record `cfg` of its converted config.json): from the
     packed copy beside it when there is one (models/packed_copy.py), else repacked from the
     file and that copy written."""
-    cache = file.parent / PACKED_NAME
-    if cache.is_file():
-        try:
-            return fill_packed(_empty_model(cfg, dtype), cache, dtype)
-        except Exception as e:  # a stale or damaged copy: repack from the GGUF
-            log.warning("ignoring %s (%s: %s); repacking from the GGUF", cache, type(e).__name__, e)
-    model = _from_gguf(file, cfg, dtype)
-    trim_heap()
-    save_packed(model, cache)
-    return model
+    return packed_or_built(
+        file.parent / PACKED_NAME,
+        lambda: _empty_model(cfg, dtype),
+        lambda: _from_gguf(file, cfg, dtype),
+        dtype,
+        log,
+    )
 
 
 def _from_gguf(file: Path, cfg: Any, dtype: torch.dtype) -> nn.Module:

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from quickdraft.kernels.gemm import Weight
 from quickdraft.kernels.linear_bf16 import streamed_empty
 from quickdraft.kernels.linear_gguf import FORMATS, GGUFPart, GGUFWeight
 from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
+from quickdraft.memory import trim_heap
 from quickdraft.models.layers import GGUFEmbedding, OperandModule, release_fused_
 from quickdraft.models.moe import Experts
 from quickdraft.models.qwen3_next import GatedDeltaNet
@@ -207,4 +209,26 @@ def fill_packed(model: nn.Module, file: Path, dtype: torch.dtype) -> nn.Module:
     embedding = GGUFEmbedding(tensors.pop("embedding").numpy(), qtype, dim, dtype)
     model.get_submodule("model").embed_tokens = embedding
     release_fused_(model)
+    return model
+
+
+def packed_or_built(
+    cache: Path,
+    empty: Callable[[], nn.Module],  # the model as its constructor makes it
+    build: Callable[[], nn.Module],  # the model repacked from the GGUF
+    dtype: torch.dtype,
+    warn: logging.Logger,  # the loader's log, where an ignored copy is reported
+) -> nn.Module:
+    """The model from packed copy `cache` when it reads back, else built from the GGUF and the
+    copy (re)written: a stale or damaged copy is reported and replaced."""
+    if cache.is_file():
+        try:
+            return fill_packed(empty(), cache, dtype)
+        except Exception as e:  # a stale or damaged copy: repack from the GGUF
+            warn.warning(
+                "ignoring %s (%s: %s); repacking from the GGUF", cache, type(e).__name__, e
+            )
+    model = build()
+    trim_heap()
+    save_packed(model, cache)
     return model
