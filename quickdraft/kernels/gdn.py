@@ -297,8 +297,6 @@ def recurrent_updates(
     in the same pass over the state."""
     t_len, (_, dk, dv) = y.shape[0], state.shape
     assert t_len <= CHUNK_SIZE, f"{t_len} tokens: one chunk at most"
-    if pending is not None and pending.g.shape[1] == 0:
-        pending = None
     fast = (
         y.is_cpu
         and y.dtype == state.dtype == g.dtype == beta.dtype == torch.float32

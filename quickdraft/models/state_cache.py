@@ -141,17 +141,9 @@ class HybridCache:
     def gdn_state(self, layer: int) -> tuple[Tensor, Tensor]:
         """The committed conv window `[K-1, C]` and SSM state `[H, dk, dv]` of GDN `layer`
         (applying its pending committed update first). Read only for the forward."""
-        conv, ssm = self.conv[layer, self.committed], self.ssm[layer, self.committed]
-        m = self.pending[layer]
-        if m:
-            advance_state(
-                ssm,
-                self.cp_k[layer, :, :m],
-                self.cp_d[layer, :, :m],
-                self.cp_g[layer, :, :m],
-            )
-            conv.copy_(conv_window(conv, self.cp_inputs[layer, :m]))
-            self.pending[layer] = 0
+        conv, ssm, pending = self.gdn_state_deferred(layer)
+        if pending is not None:
+            advance_state(ssm, pending.k, pending.d, pending.g)
         return conv, ssm
 
     def gdn_state_deferred(self, layer: int) -> tuple[Tensor, Tensor, DeltaUpdates | None]:
