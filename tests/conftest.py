@@ -69,6 +69,22 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+@pytest.fixture(params=["avx2", "avx512"])  # linear_gguf.TILES (imported late: Triton, above)
+def gguf_tile(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Runs a GGUF kernel test on each GEMM tile (kernels/linear_gguf.py TILES) this CPU has;
+    a tile whose flags the CPU lacks skips, naming them."""
+    from quickdraft.kernels import build
+    from quickdraft.kernels.linear_gguf import TILE_FLAGS, TILES, cpu_tiles
+
+    if not build.kernels_available():
+        pytest.skip("the C++ extension did not build or cannot run here")
+    if request.param not in cpu_tiles():
+        pytest.skip(f"this CPU lacks {sorted(TILE_FLAGS[request.param])}: no {request.param} tile")
+    build.extension().gguf_isa(TILES[request.param])
+    yield request.param
+    build.extension().gguf_isa(-1)
+
+
 @pytest.fixture()
 def kernels_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
     """A developer bisecting with QUICKDRAFT_NO_KERNELS=1 must not turn kernel tests into

@@ -9,7 +9,6 @@ test_gguf_loader.py, which writes whole model files from it."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -266,25 +265,13 @@ def test_rows_are_the_dequantized_rows(names: tuple[str, ...]) -> None:
 BIASES = {"nobias": None, "bias32": torch.float32, "bias16": torch.bfloat16}
 
 
-@pytest.fixture(params=list(TILES))
-def tile(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Runs the test on each kernel tile this CPU has (AVX-512 VNNI skips where absent)."""
-    needs_extension()
-    ext = build.extension()
-    if request.param not in cpu_tiles():
-        pytest.skip(f"this CPU lacks {sorted(TILE_FLAGS[request.param])}: no {request.param} tile")
-    ext.gguf_isa(TILES[request.param])
-    yield request.param
-    ext.gguf_isa(-1)
-
-
 @needs_kernel
 @pytest.mark.parametrize("bias", list(BIASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["xfp32", "xbf16"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 17], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("name", NAMES)
 def test_kernel_matches_reference(
-    name: str, m: int, dtype: torch.dtype, bias: str, tile: str
+    name: str, m: int, dtype: torch.dtype, bias: str, gguf_tile: str
 ) -> None:
     """M 1-4: one token pass; 5-17: several passes over blocks re-read from L1."""
     needs_extension()
@@ -308,7 +295,7 @@ def test_kernel_matches_reference(
     ids="+".join,
 )
 def test_kernel_on_fused_parts_matches_reference(
-    names: tuple[str, ...], m: int, dtype: torch.dtype, tile: str
+    names: tuple[str, ...], m: int, dtype: torch.dtype, gguf_tile: str
 ) -> None:
     """A fused q/k/v or gate/up operand whose parts have different formats, of the same or of
     different block sizes (the kernel quantizes x once per block size); bias over all rows."""
@@ -327,7 +314,7 @@ def test_kernel_on_fused_parts_matches_reference(
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["xfp32", "xbf16"])
 @pytest.mark.parametrize("name", [*NAMES, "Q4_K+Q6_K+Q8_0"])
-def test_kernel_rows_are_batch_invariant(name: str, dtype: torch.dtype, tile: str) -> None:
+def test_kernel_rows_are_batch_invariant(name: str, dtype: torch.dtype, gguf_tile: str) -> None:
     """Each row of an M-row call has the bits that row gets alone, for every M up to 17: a
     decode step and a verify pass agree exactly."""
     needs_extension()

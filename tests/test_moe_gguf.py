@@ -5,7 +5,6 @@ and inside any batch, on every GEMM tile this CPU has; the MoE blocks take it fo
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -13,10 +12,10 @@ from kernel_checks import needs_kernel
 from test_linear_gguf import random_blocks
 from torch import Tensor
 
-from quickdraft.kernels import build, kernel_calls
+from quickdraft.kernels import kernel_calls
 from quickdraft.kernels.gemm import Weight, project
 from quickdraft.kernels.linear_bf16 import PanelWeight
-from quickdraft.kernels.linear_gguf import TILE_FLAGS, TILES, GGUFWeight, cpu_tiles
+from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.kernels.moe_gguf import grouped_experts, reference_experts
 from quickdraft.kernels.pointwise import sigmoid
 from quickdraft.models.moe import RoutedMoE, SparseMoE, route
@@ -55,24 +54,11 @@ def routing(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> tuple[Tensor, 
     return x, idx, weight
 
 
-@pytest.fixture(params=list(TILES))
-def tile(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Runs the test on each GGUF GEMM tile this CPU has (AVX-512 VNNI skips where absent)."""
-    if not build.kernels_available():
-        pytest.skip("the C++ extension did not build or cannot run here")
-    if request.param not in cpu_tiles():
-        pytest.skip(f"this CPU lacks {sorted(TILE_FLAGS[request.param])}: no {request.param} tile")
-    ext = build.extension()
-    ext.gguf_isa(TILES[request.param])
-    yield request.param
-    ext.gguf_isa(-1)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["xfp32", "xbf16"])
 @pytest.mark.parametrize("mix", MIXES, ids=lambda m: "+".join(m))
 @pytest.mark.parametrize("n,k", [(1, 1), (1, 4), (3, 2), (16, 4), (40, 3)], ids=str)
 def test_grouped_equals_per_expert_reference(
-    mix: tuple[str, str, str], dtype: torch.dtype, n: int, k: int, tile: str
+    mix: tuple[str, str, str], dtype: torch.dtype, n: int, k: int, gguf_tile: str
 ) -> None:
     ops = experts(mix)
     kernel = grouped_experts(ops, H)
@@ -88,7 +74,7 @@ def test_grouped_equals_per_expert_reference(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["xfp32", "xbf16"])
-def test_grouped_rows_are_batch_invariant(dtype: torch.dtype, tile: str) -> None:
+def test_grouped_rows_are_batch_invariant(dtype: torch.dtype, gguf_tile: str) -> None:
     """A row's bits inside any batch of M = 2..16 (others routed elsewhere or to the same
     experts) are the bits it gets alone: a decode step and a verify pass agree."""
     ops = experts(MIXES[0])

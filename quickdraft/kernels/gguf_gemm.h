@@ -24,6 +24,10 @@ struct Acts {
 // Floats of scratch one block size's Acts of M rows take (each array rounded up to whole floats).
 int64_t acts_floats(int64_t M, int64_t K, int block);
 
+// The Acts of M rows of length K for `block`, laid out in `buf` (acts_floats(M, K, block)
+// floats), not yet filled.
+Acts acts_at(float* buf, int64_t M, int64_t K, int block);
+
 // The Acts of x2 [M, K] (bf16 or fp32, contiguous) for `block` (32 or 256), as views into `buf`
 // (acts_floats(M, K, block) floats). Each row is quantized on its own.
 Acts quantize(const at::Tensor& x2, int block, float* buf);

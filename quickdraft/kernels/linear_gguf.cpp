@@ -285,13 +285,18 @@ int64_t acts_floats(int64_t M, int64_t K, int block) {
   return (M * K + 3) / 4 + M * K / block + (M * K / 16 * 2 + 3) / 4 + (M * K / 32 * 2 + 3) / 4;
 }
 
-Acts quantize(const at::Tensor& x2, int block, float* buf) {
-  const int64_t M = x2.size(0), K = x2.size(1);
+Acts acts_at(float* buf, int64_t M, int64_t K, int block) {
   Acts a;
   a.xq = reinterpret_cast<int8_t*>(buf);
   a.dx = buf + (M * K + 3) / 4;
   a.bs16 = reinterpret_cast<int16_t*>(a.dx + M * K / block);
   a.bs32 = reinterpret_cast<int16_t*>(reinterpret_cast<float*>(a.bs16) + (M * K / 16 * 2 + 3) / 4);
+  return a;
+}
+
+Acts quantize(const at::Tensor& x2, int block, float* buf) {
+  const int64_t M = x2.size(0), K = x2.size(1);
+  const Acts a = acts_at(buf, M, K, block);
   for (int64_t m = 0; m < M; ++m) {
     if (x2.scalar_type() == at::kBFloat16)
       quantize_row(static_cast<const u16*>(x2.data_ptr()) + m * K, K, block, a.xq + m * K,

@@ -187,11 +187,7 @@ class QdMoEGGUF {
       if (!blocks[which]) continue;
       const Acts own = quantize(xc, blocks[which], buf);
       buf += acts_floats(N, H, blocks[which]);
-      gathered[which] = Acts{reinterpret_cast<int8_t*>(buf), nullptr, nullptr, nullptr};
-      gathered[which].dx = buf + (A * H + 3) / 4;
-      gathered[which].bs16 = reinterpret_cast<int16_t*>(gathered[which].dx + A * H / blocks[which]);
-      gathered[which].bs32 = reinterpret_cast<int16_t*>(
-          reinterpret_cast<float*>(gathered[which].bs16) + (A * H / 16 * 2 + 3) / 4);
+      gathered[which] = acts_at(buf, A, H, blocks[which]);
       buf += acts_floats(A, H, blocks[which]);
       gather(own, rows, H, blocks[which], gathered[which]);
     }
