@@ -109,7 +109,8 @@ def _add_spec_args(p: argparse.ArgumentParser, paired_default: bool) -> None:
         "--draft-model",
         default=None,
         help="draft model (same tokenizer as target); for dflash the DFlash checkpoint dir; "
-        "for mtp a head trained apart (train-drafter --kind mtp; default: the model's own)",
+        "for eagle3 the EAGLE-3 head dir; for mtp a head trained apart (train-drafter --kind "
+        "mtp; default: the model's own)",
     )
     p.add_argument(
         "--draft-quantization",
@@ -202,7 +203,7 @@ def _add_spec_args(p: argparse.ArgumentParser, paired_default: bool) -> None:
         "--speculative-config",
         default=None,
         help='vLLM-style JSON instead of the flags above: {"method": "draft_model"|"ngram"|'
-        '"suffix"|"mtp"|"dflash", "model": NAME, "num_speculative_tokens": K, '
+        '"suffix"|"mtp"|"eagle3"|"dflash", "model": NAME, "num_speculative_tokens": K, '
         '"prompt_lookup_min": N, "prompt_lookup_max": N, "quantization": Q, '
         '"suffix_decoding_max_tree_depth": N, "suffix_decoding_max_spec_factor": F, '
         '"suffix_decoding_min_token_prob": P}',
@@ -343,8 +344,8 @@ def spec_config(args: argparse.Namespace) -> SpeculativeConfig:
         else relaxed_thinking(args.relaxed_thinking),
     )
     fields.update(flags)
-    # mtp and dflash read --draft-model as a checkpoint of their own kind: never the pair
-    if args.paired_default and fields.get("method") not in ("mtp", "dflash"):
+    # mtp, eagle3 and dflash read --draft-model as a checkpoint of their own kind: never the pair
+    if args.paired_default and fields.get("method") not in ("mtp", "eagle3", "dflash"):
         draft = fields.get("draft_model") or DEFAULT_DRAFTS.get(args.model)
         if draft is not None:
             fields["draft_model"] = draft

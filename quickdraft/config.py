@@ -156,9 +156,9 @@ DEFAULT_NUM_DRAFT_TOKENS = 5  # the draft length ceiling k
 BENCH_MAX_TOKENS = 128  # output tokens per request in the benchmarks
 PREFILL_CHUNK = 512  # prompt tokens per forward: bounds the [chunk, context] mask and activations
 
-SPEC_METHODS = ("none", "ngram", "suffix", "draft", "mtp", "dflash", "adaptive")
+SPEC_METHODS = ("none", "ngram", "suffix", "draft", "mtp", "eagle3", "dflash", "adaptive")
 # method "adaptive": the drafters a request may pick among (speculation/adaptive.py); those
-# that read the target's hidden states (mtp, dflash) need every committed row and are not
+# that read the target's hidden states (mtp, eagle3, dflash) need every committed row and are not
 # offered yet
 ADAPTIVE_DRAFTERS = ("ngram", "suffix", "draft")
 # relaxed thinking-phase acceptance where a flag or request turns it on without numbers:
@@ -222,11 +222,13 @@ class SpeculativeConfig:
     """How a request speculates. `num_draft_tokens` is the ceiling; the adaptive policy
     (speculation/policy.py) picks k <= it per cycle, down to 0 (no drafting) when it cannot pay."""
 
-    # "none" | "ngram" | "suffix" | "draft" | "mtp" (the target's own head) | "dflash"
+    # "none" | "ngram" | "suffix" | "draft" | "mtp" (the target's own head) | "eagle3" |
+    # "dflash"
     method: str = "none"
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
-    # catalog name / path, for method "draft"; the DFlash checkpoint dir for "dflash"; for
-    # "mtp" a standalone head dir (train-drafter --kind mtp; None: the target's own head)
+    # catalog name / path, for method "draft"; the DFlash checkpoint dir for "dflash"; the
+    # EAGLE-3 head for "eagle3"; for "mtp" a standalone head dir (train-drafter --kind mtp;
+    # None: the target's own head)
     draft_model: str | None = None
     # the draft model's weights (DRAFT_QUANTIZATION_HELP); "none" keeps the target's dtype
     draft_quantization: str = DEFAULT_DRAFT_QUANTIZATION
@@ -361,6 +363,7 @@ _VLLM_METHODS = {
     "suffix": "suffix",
     "draft": "draft",
     "mtp": "mtp",
+    "eagle3": "eagle3",
     "dflash": "dflash",
 }
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from eagle3_heads import agreeing_head
 from hybrid_models import (
     copying_head,
     one_thread,  # noqa: F401 (autouse fixture)
@@ -95,6 +96,15 @@ def hybrid_draft_dir(hybrid: LoadedModel, tmp_path_factory: pytest.TempPathFacto
     return save_hybrid_dir(draft, "dense", directory, config=DRAFT_CONFIG)
 
 
+@pytest.fixture(scope="module")
+def hybrid_eagle3_dir(hybrid: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An EAGLE-3 head that copies the hybrid target's bigram guess (tests/eagle3_heads.py)."""
+    target = hybrid.model
+    assert isinstance(target, torch.nn.Module)
+    norm = 1 + target.get_parameter("model.norm.weight")  # (1 + w) -> the Llama convention
+    return agreeing_head(tmp_path_factory.mktemp("hybrid-eagle3"), norm)
+
+
 def speculation(lm: LoadedModel, method: str, draft_dir: Path) -> Speculation | None:
     cfg = {
         "off": SpeculativeConfig(),
@@ -106,6 +116,9 @@ def speculation(lm: LoadedModel, method: str, draft_dir: Path) -> Speculation | 
             method="draft", num_draft_tokens=3, draft_model=str(draft_dir), adaptive=False
         ),
         "mtp": SpeculativeConfig(method="mtp", num_draft_tokens=3, adaptive=False),
+        "eagle3": SpeculativeConfig(
+            method="eagle3", num_draft_tokens=3, draft_model=str(draft_dir), adaptive=False
+        ),
     }[method]
     return make_speculation(lm, cfg)
 
@@ -211,6 +224,7 @@ PARITY = [
     ("hybrid", "ngram"),
     ("hybrid", "draft"),
     ("hybrid", "mtp"),
+    ("hybrid", "eagle3"),
     ("static", "off"),
     ("static", "draft"),
 ]
@@ -225,9 +239,12 @@ def test_prefix_cache_greedy_equals_cache_off(
     static: LoadedModel,
     near_draft_dir: Path,
     hybrid_draft_dir: Path,
+    hybrid_eagle3_dir: Path,
 ) -> None:
     lm = {"dense": dense, "hybrid": hybrid, "static": static}[target]
     draft_dir = hybrid_draft_dir if target == "hybrid" else near_draft_dir
+    if method == "eagle3":
+        draft_dir = hybrid_eagle3_dir
     expected, cold, _ = conversation(lm, speculation(lm, method, draft_dir), OFF)
     got, seqs, core = conversation(lm, speculation(lm, method, draft_dir), CACHE, invariants)
     assert got == expected
@@ -252,7 +269,7 @@ def test_prefix_cache_greedy_equals_cache_off(
         drafted = sum(s.request.spec.drafted for s in seqs)
         accepted = sum(s.request.spec.accepted for s in seqs)
         assert 0 < accepted < drafted
-    if method in ("draft", "mtp"):  # the drafter's blocks were cached and restored too
+    if method in ("draft", "mtp", "eagle3"):  # the drafter's blocks were cached and restored
         assert any(n.drafts for n in nodes(core.prefix))
 
 

@@ -35,16 +35,28 @@ def read_draft_vocabulary(files: Sequence[Path], vocab_size: int) -> Tensor | No
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             if D2T in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                d2t = f.get_tensor(D2T)
-                ids = d2t.long() + torch.arange(len(d2t))
-                if d2t.dim() != 1 or not len(d2t):
-                    raise ValueError(f"{file}: d2t has shape {tuple(d2t.shape)}")
-                if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-                    raise ValueError(f"{file}: d2t names ids outside the vocabulary ({vocab_size})")
-                if not bool((ids[1:] > ids[:-1]).all()):
-                    raise ValueError(f"{file}: d2t's token ids are not ascending")
-                return ids
+                return draft_ids(f.get_tensor(D2T), vocab_size, str(file))
     return None
+
+
+def draft_ids(d2t: Tensor, vocab_size: int, where: str) -> Tensor:
+    """The ascending token ids [V_d] a `d2t` tensor names (id i + d2t[i]), checked against
+    the target's `vocab_size`; `where` (the file) prefixes the error."""
+    if d2t.dim() != 1 or not len(d2t):
+        raise ValueError(f"{where}: d2t has shape {tuple(d2t.shape)}")
+    ids = d2t.long() + torch.arange(len(d2t))
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"{where}: d2t names ids outside the vocabulary ({vocab_size})")
+    if not bool((ids[1:] > ids[:-1]).all()):
+        raise ValueError(f"{where}: d2t's token ids are not ascending")
+    return ids
+
+
+def widen(logits: Tensor, ids: Tensor, vocab_size: int) -> Tensor:
+    """[N, V_d] logits over the draft vocabulary `ids` -> [N, vocab], -inf on every other id."""
+    out = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
+    out[:, ids] = logits
+    return out
 
 
 def check_declared(path: Path, declared: int | None, ids: Tensor) -> None:
@@ -73,6 +85,4 @@ class DraftVocab:
 
     def full(self, logits: Tensor) -> Tensor:
         """[N, V_d] logits over the draft vocabulary -> [N, vocab], -inf on every other id."""
-        out = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-        out[:, self.ids] = logits
-        return out
+        return widen(logits, self.ids, self.vocab_size)

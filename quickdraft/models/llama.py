@@ -47,7 +47,14 @@ class Attention(OperandModule):
     OPERANDS: ClassVar[tuple[str, ...]] = ("qkv", "o")
     FUSED: ClassVar[tuple[str, ...]] = ("qkv_weight",)
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_idx: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        in_size: int = 0,  # the width of x when it is not hidden_size (EAGLE-3's 2H input)
+    ):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -55,7 +62,7 @@ class Attention(OperandModule):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_weight, self.qkv_bias = fused_projections(
             self,
-            cfg.hidden_size,
+            in_size or cfg.hidden_size,
             {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
             cfg.attention_bias,
             dtype,

@@ -11,11 +11,13 @@ Only safetensors are read: no pickle, no torch.load.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from torch import nn
+from torch import Tensor, nn
 
 from quickdraft.hub.convert import GGUF_LINK
 from quickdraft.models.base import LanguageModel
@@ -96,29 +98,45 @@ def _has_prefix(file: Path, prefix: str) -> bool:
 def load_weights(model: nn.Module, files: list[Path], names: NameMap = same_names) -> None:
     if not files:
         raise FileNotFoundError("no *.safetensors files to load")
-    params = dict(model.named_parameters(remove_duplicate=False))
-    filled = dict.fromkeys(params, 0)  # elements written per parameter
+    fill_weights(model, safetensors_entries(files), names)
+
+
+# (file name, tensor name, a read of the tensor): what `fill_weights` streams from
+TensorEntries = Iterable[tuple[str, str, Callable[[], Tensor]]]
+
+
+def safetensors_entries(files: list[Path]) -> Iterator[tuple[str, str, Callable[[], Tensor]]]:
+    """The tensors of safetensors `files`, each read only when asked for."""
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                mapped = names(name)
-                if mapped is None:
-                    continue
-                pname, index = mapped
-                if pname not in params:
-                    if name.endswith("rotary_emb.inv_freq"):
-                        continue  # some checkpoints store the (derivable) RoPE table
-                    raise ValueError(f"{file.name}: unexpected tensor {name!r}")
-                target = params[pname][index] if index else params[pname]
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(
-                        f"{file.name}: {name} has shape {tuple(tensor.shape)}, "
-                        f"model expects {tuple(target.shape)}"
-                    )
-                with torch.no_grad():
-                    target.copy_(tensor)
-                filled[pname] += tensor.numel()
+                yield file.name, name, partial(f.get_tensor, name)
+
+
+def fill_weights(model: nn.Module, entries: TensorEntries, names: NameMap = same_names) -> None:
+    """Copy every tensor `names` maps into `model`'s parameters (dtype converted), checking
+    shapes; a tensor it maps to no parameter, or a parameter left unfilled, is an error."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    filled = dict.fromkeys(params, 0)  # elements written per parameter
+    for file, name, read in entries:
+        mapped = names(name)
+        if mapped is None:
+            continue
+        pname, index = mapped
+        if pname not in params:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # some checkpoints store the (derivable) RoPE table
+            raise ValueError(f"{file}: unexpected tensor {name!r}")
+        target = params[pname][index] if index else params[pname]
+        tensor = read()
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(
+                f"{file}: {name} has shape {tuple(tensor.shape)}, "
+                f"model expects {tuple(target.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(tensor)
+        filled[pname] += tensor.numel()
     missing = {n for n, p in params.items() if filled[n] < p.numel()}
     # A tied parameter (lm_head sharing the embedding) was filled through its twin.
     loaded = {params[n].data_ptr() for n in params if n not in missing}

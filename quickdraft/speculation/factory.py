@@ -27,6 +27,7 @@ from quickdraft.speculation.cost import DraftCost, StepCost, model_cost
 from quickdraft.speculation.drafters.base import Drafter
 from quickdraft.speculation.drafters.dflash import block_step_seconds, dflash_drafter
 from quickdraft.speculation.drafters.draft_model import DraftModelDrafter
+from quickdraft.speculation.drafters.eagle3 import eagle3_drafter
 from quickdraft.speculation.drafters.mtp import head_step_seconds, mtp_drafter
 from quickdraft.speculation.drafters.ngram import NgramDrafter
 from quickdraft.speculation.drafters.suffix import SuffixDrafter
@@ -126,6 +127,21 @@ def _mtp(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable
     return drafter, table
 
 
+def _eagle3(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable]:
+    if config.draft_model is None:
+        raise ValueError(
+            "--speculative-method eagle3 needs the head: --draft-model DIR (config.json and "
+            "safetensors in the EAGLE, SpecForge or speculators layout)"
+        )
+    drafter = eagle3_drafter(lm.model, config.draft_model, _draft_format(lm, config))
+
+    def table() -> StepCost:  # priced like the MTP head: one chained head step
+        target = model_cost(lm.model)
+        return target.scaled(head_step_seconds(drafter.head) / target.seconds[0])
+
+    return drafter, table
+
+
 def _dflash(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable]:
     assert config.draft_model is not None
     drafter = dflash_drafter(
@@ -146,6 +162,7 @@ DRAFTERS: dict[str, Callable[[LoadedModel, SpeculativeConfig], tuple[Drafter, Co
     "suffix": _suffix,
     "draft": _draft_model,
     "mtp": _mtp,
+    "eagle3": _eagle3,
     "dflash": _dflash,
 }
 

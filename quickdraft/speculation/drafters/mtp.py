@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, Protocol, cast
 
 import torch
 from safetensors import safe_open
@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from quickdraft.config import PREFILL_CHUNK
 from quickdraft.hub.convert import GGUF_LINK
-from quickdraft.images import ImageLayout, pack_image_rows
+from quickdraft.images import ImageLayout, ImageRows, pack_image_rows
 from quickdraft.kernels.gemm import Weight, panels_apply
 from quickdraft.models.base import LanguageModel, module_of
 from quickdraft.models.draft_vocab import check_declared, read_draft_vocabulary
@@ -129,6 +129,29 @@ def _check_fits(head: dict[str, Any], cfg: Any, path: Path) -> None:
             )
 
 
+class ChainHead(Protocol):
+    """What the drafter runs: an MTP head (models/mtp.py) or an EAGLE-3 head (models/eagle3.py)."""
+
+    hidden_size: int
+    vocab_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def new_cache(self, capacity: int) -> KVCache: ...
+
+    def __call__(
+        self,
+        token_ids: Tensor,  # [N] t_{i+1} of each row
+        hidden: Tensor,  # [N, H] the hidden each row reads
+        caches: Sequence[KVCache],
+        num_new: Sequence[int],
+        logit_rows: Tensor,
+        images: ImageRows | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """-> logits [len(logit_rows), vocab] fp32, output pre-norm [N, H], post-norm [N, H]."""
+        ...
+
+
 @dataclass(slots=True)
 class MTPState:
     cache: KVCache  # head rows run with the target's hidden: row i at position i
@@ -143,12 +166,14 @@ class MTPDrafter:
     hidden_layers: tuple[int, ...] = ()
 
     def __init__(
-        self, head: MTPHead, final_norm: nn.Module, feed: HiddenFeed = "post_norm"
+        self, head: ChainHead, final_norm: nn.Module | None, feed: HiddenFeed = "post_norm"
     ) -> None:
+        """`final_norm`: the target's, whose scale the pre_norm feed divides out of the target
+        rows; None: the rows are fed as the target hands them (an EAGLE-3 head's taps)."""
         self.head, self.feed = head, feed
         self.forwards: list[StepShape] = []  # the forwards of the last propose (drafters/base.py)
         self.unnorm: Tensor | None = None
-        if feed == "pre_norm":
+        if feed == "pre_norm" and final_norm is not None:
             # The target's final norm scales the unit-RMS direction of x per channel; dividing
             # by that scale recovers x up to a positive factor, which pre_fc_norm_hidden removes.
             ones = torch.ones(1, head.hidden_size, dtype=head.dtype, device=head.device)
@@ -206,6 +231,10 @@ class MTPDrafter:
         back = pre if self.feed == "pre_norm" else post
         return logits, back[ends]
 
+    def target_rows(self, rows: list[Tensor]) -> list[Tensor]:
+        """Per job, its queued target rows as the head reads them (an MTP head: as they are)."""
+        return rows
+
     def propose(self, jobs: Sequence[DraftJob]) -> list[Draft]:
         self.forwards = []
         states: list[MTPState] = [job.state for job in jobs]
@@ -218,6 +247,7 @@ class MTPDrafter:
             hidden.append(rows)
             s.pending.clear()
             s.queued = 0
+        hidden = self.target_rows(hidden)
         # Long catch-ups (a prompt, a long k = 0 phase) first, chunk by chunk, so the packed
         # forward below stays small.
         layouts = [job.images for job in jobs]
@@ -286,7 +316,7 @@ def mtp_drafter(
     return MTPDrafter(head, module_of(model).get_submodule("model.norm"), feed)
 
 
-def head_step_seconds(head: MTPHead, context: int = 16, reps: int = 3) -> float:
+def head_step_seconds(head: ChainHead, context: int = 16, reps: int = 3) -> float:
     """Seconds of one single-row head forward after `context` rows (best of reps)."""
     cache = head.new_cache(context + 2)
     size = head.hidden_size

@@ -1,0 +1,197 @@
+"""EAGLE-3 drafter: a head as vLLM, SGLang and llama.cpp users bring it (models/eagle3.py)
+chains k drafts from the target's tapped residual stream, one head forward per draft.
+
+The bookkeeping is the MTP drafter's (drafters/mtp.py): per request the head's KV of rows run
+with the target's taps, and the taps of committed positions not run yet. The differences:
+  - the engine hands over the tapped layers' outputs (`hidden_layers` = each tap's layer - 1,
+    since a tap is the INPUT of its layer), concatenated low, mid, high;
+  - `target_rows` fuses every job's queued taps into the head's width in ONE packed fc GEMM
+    (input_norm first with `norm_before_fc`) before the catch-up forward;
+  - a chained step feeds back the head's pre-norm output (post-norm with `norm_output`);
+  - logits are over the head's draft vocabulary (`d2t`), widened to the target's with -inf.
+Prefix cache, grammar and penalties, batching and image turns come with the MTP drafter.
+
+Where a head comes from (`load_eagle3`): a directory with config.json and safetensors (or a
+weights-only `pytorch_model.bin`), or a llama.cpp `eagle3` GGUF file (or a directory holding one).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from quickdraft.kernels.gemm import Weight, panels_apply
+from quickdraft.models.base import LanguageModel, module_of
+from quickdraft.models.draft_vocab import D2T, DraftVocab, check_declared, draft_ids
+from quickdraft.models.eagle3 import Eagle3Config, Eagle3Head
+from quickdraft.models.loader import fill_weights
+from quickdraft.speculation.drafters.mtp import MTPDrafter
+
+_SKIPPED = ("t2d",)  # t2d (target -> draft membership) is implied by d2t
+
+
+class HeadTensors:
+    """A head checkpoint's tensors by name (Hugging Face names), each read on demand."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._where: dict[str, str] = {}  # tensor name -> the file it is in
+        self._read: dict[str, Callable[[], Tensor]] = {}
+        self._canonical: dict[str, str] = {}  # the file's own name -> ours
+        files = sorted(path.glob("*.safetensors"))
+        if files:
+            for file in files:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                        self._add(name, file, partial(_safetensor, file, name))
+        elif (path / "pytorch_model.bin").is_file():
+            file = path / "pytorch_model.bin"
+            try:  # weights only: the restricted unpickler refuses any code object
+                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:  # any failure of the restricted unpickler
+                raise ValueError(f"{file}: not a weights-only checkpoint ({e})") from None
+            if not isinstance(state, dict):
+                raise ValueError(f"{file}: holds a {type(state).__name__}, not a state dict")
+            for name, t in state.items():
+                if not isinstance(t, Tensor):
+                    raise ValueError(f"{file}: entry {name!r} is not a tensor")
+                self._add(name, file, partial(_same, t))
+        else:
+            raise ValueError(
+                f"{path}: no *.safetensors or pytorch_model.bin with the head's weights"
+            )
+
+    def _add(self, original: str, file: Path, read: Callable[[], Tensor]) -> None:
+        name = original.removeprefix("model.")
+        if name.startswith("midlayer."):  # the EAGLE repo's / SpecForge's one layer
+            name = "layers.0." + name.removeprefix("midlayer.")
+        self._where[name], self._read[name] = str(file), read
+        self._canonical[original] = name
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._read
+
+    def get(self, name: str) -> Tensor:
+        return self._read[name]()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.get(name).shape)
+
+    def where(self, name: str) -> str:
+        return self._where[name]
+
+    def entries(self) -> Iterator[tuple[str, str, Callable[[], Tensor]]]:
+        """(file, the file's own tensor name, its read), for `fill_weights` with `names`."""
+        for original, name in self._canonical.items():
+            yield self._where[name], original, self._read[name]
+
+    def names(self, skip: set[str]) -> Callable[[str], tuple[str, tuple[()]] | None]:
+        """The file's tensor names -> the head's parameter names (None: not a parameter)."""
+
+        def name_of(original: str) -> tuple[str, tuple[()]] | None:
+            name = self._canonical[original]
+            return None if name in skip else (name, ())
+
+        return name_of
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
+def _safetensor(file: Path, name: str) -> Tensor:
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        return f.get_tensor(name)
+
+
+def load_eagle3(
+    model: LanguageModel, path: str | Path, quantization: str = "none"
+) -> tuple[Eagle3Head, tuple[int, ...]]:
+    """The EAGLE-3 head at `path` for target `model`, and the target layers it taps; a clear
+    error naming the file and field for a head made for another target or a layout not ours."""
+    target = module_of(model)
+    shape: Any = target.config
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path}: no config.json (an EAGLE-3 head directory has one)")
+    cfg = Eagle3Config.from_dir(path, json.loads((path / "config.json").read_text()))
+    tensors = HeadTensors(path)
+    taps = cfg.taps(shape.num_hidden_layers)
+    h, vocab = cfg.layers.hidden_size, shape.vocab_size
+    if cfg.target_hidden_size != shape.hidden_size:
+        raise ValueError(
+            f"{cfg.source}: target_hidden_size {cfg.target_hidden_size} (the hidden_size when "
+            f"absent): the head was made for another target; this one has {shape.hidden_size}"
+        )
+    if cfg.layers.vocab_size != vocab:
+        raise ValueError(
+            f"{cfg.source}: vocab_size {cfg.layers.vocab_size}, the target's is {vocab}: "
+            "the head was made for another tokenizer"
+        )
+    if "fc.weight" not in tensors:
+        raise ValueError(f"{path}: no fc.weight (the fusion of the target's taps)")
+    want = (h, len(taps) * shape.hidden_size)
+    if tensors.shape("fc.weight") != want:
+        raise ValueError(
+            f"{tensors.where('fc.weight')}: fc.weight has shape {tensors.shape('fc.weight')}, "
+            f"{len(taps)} taps {list(taps)} of this target need {want}"
+        )
+    ids = None
+    if D2T in tensors:
+        ids = draft_ids(tensors.get(D2T), vocab, tensors.where(D2T))
+        check_declared(Path(cfg.source), cfg.draft_vocab_size, ids)
+    elif cfg.draft_vocab_size is not None and cfg.draft_vocab_size != vocab:
+        raise ValueError(
+            f"{path}: draft_vocab_size {cfg.draft_vocab_size} but no d2t tensor mapping the "
+            "draft vocabulary onto the target's"
+        )
+    own_embed = "embed_tokens.weight" in tensors
+    own_head = "lm_head.weight" in tensors
+    if h != shape.hidden_size and not (own_embed and own_head):
+        raise ValueError(
+            f"{path}: a head {h} wide for a {shape.hidden_size}-wide target needs its own "
+            "embed_tokens.weight and lm_head.weight"
+        )
+    embed = None if own_embed else target.get_submodule("model.embed_tokens")
+    quantized = quantization if quantization in ("int8", "int4") else None
+    lm_head: Weight | None = None
+    if not own_head:  # the target's head, or its rows of the draft vocabulary
+        shared = cast(Weight, target.head)
+        rows = None if ids is None else DraftVocab(shared, ids, model.dtype, quantized).weight
+        lm_head = shared if rows is None else rows
+    head = Eagle3Head(cfg, len(taps), embed, lm_head, ids, vocab, model.dtype, model.device)
+    fill_weights(head, tensors.entries(), tensors.names({D2T, *_SKIPPED}))
+    if quantized is not None:  # a draft's precision only moves its acceptance
+        head.quantize_(quantized)
+    elif panels_apply(model.dtype, model.device):  # as `loading.load` packs the target
+        head.pack_()
+    return head, taps
+
+
+class Eagle3Drafter(MTPDrafter):
+    """The MTP drafter over an EAGLE-3 head (module docstring)."""
+
+    def __init__(self, head: Eagle3Head, taps: tuple[int, ...]) -> None:
+        super().__init__(head, None, "post_norm" if head.cfg.norm_output else "pre_norm")
+        self.eagle = head
+        # the engine hands over layer outputs; a tap is the input of its layer
+        self.hidden_layers = tuple(t - 1 for t in taps)
+
+    def target_rows(self, rows: list[Tensor]) -> list[Tensor]:
+        counts = [r.shape[0] for r in rows]
+        fused = self.eagle.fuse(torch.cat(rows) if len(rows) > 1 else rows[0])  # [sum, H]
+        return list(fused.split(counts))
+
+
+def eagle3_drafter(
+    model: LanguageModel, path: str | Path, quantization: str = "none"
+) -> Eagle3Drafter:
+    """The drafter for target `model` from the EAGLE-3 head at `path`."""
+    return Eagle3Drafter(*load_eagle3(model, path, quantization))
