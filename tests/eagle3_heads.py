@@ -246,3 +246,77 @@ def reference_drafts(
         ids.append(token)
         gs.append(post[-1] if spec.flags.get("norm_output") else pre[-1])
     return drafts, first
+
+
+def save_gguf_head(file: Path, spec: HeadSpec, tensors: dict[str, Tensor], taps: list[int]) -> Path:
+    """The head as llama.cpp's converter writes an `eagle3` GGUF: its metadata keys, blk.0.*
+    names, q/k rows permuted for its NORM RoPE, d2t as int64, the weights in F32 (F16 for
+    the MLP: a second block format)."""
+    import gguf
+    import numpy as np
+
+    def permute(w: Tensor, heads: int) -> Tensor:
+        return (
+            w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
+            .transpose(1, 2)
+            .reshape(w.shape)
+        )
+
+    w = gguf.GGUFWriter(str(file), "eagle3")
+    w.add_embedding_length(spec.hidden)
+    w.add_feed_forward_length(spec.inter)
+    w.add_block_count(spec.layers)
+    w.add_head_count(spec.heads)
+    w.add_head_count_kv(spec.kv_heads)
+    w.add_key_length(spec.head_dim)
+    w.add_value_length(spec.head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(spec.rope_theta)
+    w.add_context_length(2048)
+    w.add_array("eagle3.target_layers", taps)
+    w.add_uint32("eagle3.target_hidden_size", spec.target_hidden)
+    w.add_bool("eagle3.norm_before_residual", bool(spec.flags.get("norm_before_residual")))
+    w.add_bool("eagle3.norm_before_fc", bool(spec.flags.get("norm_before_fc")))
+    names = {
+        "embed_tokens.weight": "token_embd.weight",
+        "norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+        "input_norm.weight": "enc.output_norm.weight",
+        "fc.weight": "fc.weight",
+    }
+    layer = {
+        "input_layernorm": "attn_norm",
+        "hidden_norm": "attn_norm_2",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    for name, t in tensors.items():
+        if name == "t2d":
+            continue
+        if name == "d2t":
+            w.add_tensor("d2t", t.numpy().astype(np.int64))
+            continue
+        if name.startswith("layers."):
+            _, i, rest = name.split(".", 2)
+            module = rest.removesuffix(".weight")
+            if module == "self_attn.q_proj":
+                t = permute(t, spec.heads)
+            elif module == "self_attn.k_proj":
+                t = permute(t, spec.kv_heads)
+            gguf_name = f"blk.{i}.{layer[module]}.weight"
+        else:
+            gguf_name = names[name]
+        values = t.float().numpy()
+        mlp = gguf_name.endswith(("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"))
+        w.add_tensor(gguf_name, values.astype(np.float16) if mlp else values)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return file

@@ -14,7 +14,14 @@ from typing import Any
 import pytest
 import torch
 from conftest import make_tiny_hf_model, write_tiny_tokenizer
-from eagle3_heads import HeadSpec, agreeing_head, random_head, reference_drafts, save_head
+from eagle3_heads import (
+    HeadSpec,
+    agreeing_head,
+    random_head,
+    reference_drafts,
+    save_gguf_head,
+    save_head,
+)
 from hybrid_models import (
     one_thread,  # noqa: F401 (autouse fixture)
     random_hybrid,
@@ -277,3 +284,64 @@ def test_eagle3_broken_files_fail_by_name(target: tuple[LoadedModel, Any], tmp_p
         eagle3_drafter(lm.model, pickled)
     with pytest.raises(ValueError, match=r"needs the head: --draft-model"):
         make_speculation(lm, SpeculativeConfig(method="eagle3", adaptive=False))
+
+
+def test_eagle3_gguf_head_equals_its_safetensors(
+    target: tuple[LoadedModel, Any], tmp_path: Path
+) -> None:
+    """llama.cpp's eagle3 GGUF of a head (permuted q/k, F16 MLP, int64 d2t) drafts what the
+    safetensors head with the same (F16-rounded) values drafts, with the same logits."""
+    lm, _ = target
+    spec = HeadSpec(draft_ids=list(range(0, 320, 2)), flags=dict(norm_before_residual=True))
+    tensors = random_head(spec, seed=9)
+    for name, t in tensors.items():  # the values the GGUF's F16 MLP holds
+        if ".mlp." in name:
+            tensors[name] = t.half().float()
+    taps = [2, TARGET_LAYERS // 2, TARGET_LAYERS - 3]
+    (tmp_path / "g").mkdir()
+    gguf_file = save_gguf_head(tmp_path / "g" / "head.gguf", spec, tensors, taps)
+    heads = [
+        eagle3_drafter(lm.model, save_head(tmp_path / "s", spec, tensors, "speculators")),
+        eagle3_drafter(lm.model, gguf_file),
+        eagle3_drafter(lm.model, tmp_path / "g"),  # the directory holding it
+    ]
+    prompt = lm.tokenizer.encode("abcabcabc, the cat")
+    model: Any = lm.model
+    out = model(
+        torch.tensor(prompt),
+        [model.new_cache(64)],
+        [len(prompt)],
+        hidden_layers=heads[0].hidden_layers,
+        logit_rows=torch.tensor([len(prompt) - 1]),
+    )
+    tokens = [*prompt, int(out.logits[-1].argmax())]
+    drafts = []
+    for drafter in heads:
+        assert drafter.hidden_layers == heads[0].hidden_layers
+        state = drafter.new_state(prompt)
+        drafter.commit(state, tokens, out.layers.flatten(1))
+        job = DraftJob(state, tokens, K, SamplingParams(temperature=0.0), torch.Generator())
+        drafts.append(drafter.propose([job])[0].tokens)
+    assert drafts[0] == drafts[1] == drafts[2] and len(drafts[0]) == K
+    logits = []  # every row's, over a long prompt: RoPE pairs reach far back
+    for drafter in heads[:2]:
+        head = drafter.head
+        assert isinstance(head, Eagle3Head)
+        rows = torch.arange(len(prompt))
+        g = head.fuse(out.layers.flatten(1))
+        logits.append(
+            head(torch.tensor(tokens[1:]), g, [head.new_cache(64)], [len(prompt)], rows)[0]
+        )
+    assert torch.equal(logits[0], logits[1])  # the same values in fp32: the same bits
+
+
+def test_eagle3_gguf_of_another_architecture_fails_by_name(
+    target: tuple[LoadedModel, Any], tmp_path: Path
+) -> None:
+    from test_gguf_loader import TYPES, write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "llama.gguf", "llama", TYPES["llama"])
+    with pytest.raises(ValueError, match=r"llama.gguf: GGUF architecture 'llama', not an EAGLE-3"):
+        eagle3_drafter(target[0].model, path)
+    with pytest.raises(ValueError, match=r"no such EAGLE-3 head"):
+        eagle3_drafter(target[0].model, tmp_path / "missing")

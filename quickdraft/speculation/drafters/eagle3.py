@@ -23,10 +23,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from quickdraft.hub.convert import unpermute_rows
 from quickdraft.kernels.gemm import Weight, panels_apply
 from quickdraft.models.base import LanguageModel, module_of
 from quickdraft.models.draft_vocab import D2T, DraftVocab, check_declared, draft_ids
@@ -45,6 +47,11 @@ class HeadTensors:
         self._where: dict[str, str] = {}  # tensor name -> the file it is in
         self._read: dict[str, Callable[[], Tensor]] = {}
         self._canonical: dict[str, str] = {}  # the file's own name -> ours
+
+    @classmethod
+    def from_dir(cls, path: Path) -> HeadTensors:
+        """safetensors files, else a weights-only pytorch_model.bin."""
+        self = cls(path)
         files = sorted(path.glob("*.safetensors"))
         if files:
             for file in files:
@@ -67,6 +74,43 @@ class HeadTensors:
             raise ValueError(
                 f"{path}: no *.safetensors or pytorch_model.bin with the head's weights"
             )
+        return self
+
+    @classmethod
+    def from_gguf(cls, file: Path) -> tuple[HeadTensors, Eagle3Config]:
+        """llama.cpp's `eagle3` GGUF: its tensors under Hugging Face names (q/k rows
+        unpermuted, any block format dequantized), and its config from the metadata."""
+        from quickdraft.hub.gguf_read import read_gguf
+
+        reader = read_gguf(file)
+        field = reader.fields.get("general.architecture")
+        arch = None if field is None else str(field.contents())
+        if arch != "eagle3":
+            raise ValueError(f"{file}: GGUF architecture {arch!r}, not an EAGLE-3 head (eagle3)")
+
+        def meta(key: str) -> Any:
+            f = reader.fields.get(key)
+            return None if f is None else f.contents()
+
+        cfg = Eagle3Config.from_gguf(file, meta)
+        lc = cfg.layers
+        heads = {"attn_q": lc.num_attention_heads, "attn_k": lc.num_key_value_heads}
+        self = cls(file.parent)
+        for t in reader.tensors:
+            name, rows = _GGUF_NAMES.get(t.name, t.name), 0
+            parts = t.name.split(".")
+            if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER:
+                if parts[2] == "rope_freqs":
+                    raise ValueError(
+                        f"{file}: {t.name}: scaled RoPE (Llama 3.1's) is not supported"
+                    )
+                name, rows = (
+                    f"layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{parts[3]}",
+                    heads.get(parts[2], 0),
+                )
+            self._add(name, file, partial(_gguf_tensor, t, rows))
+            self._canonical[t.name] = self._canonical.pop(name)
+        return self, cfg
 
     def _add(self, original: str, file: Path, read: Callable[[], Tensor]) -> None:
         name = original.removeprefix("model.")
@@ -102,6 +146,40 @@ class HeadTensors:
         return name_of
 
 
+# llama.cpp's eagle3 tensor names -> the Hugging Face ones (models/eagle3.py's parameters)
+_GGUF_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+    "enc.output_norm.weight": "input_norm.weight",
+}
+_GGUF_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_norm_2": "hidden_norm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "rope_freqs": "rope_freqs",
+}
+
+
+def _gguf_tensor(t: Any, heads: int) -> Tensor:
+    """A GGUF tensor as fp32 (d2t as int64), q/k rows unpermuted when `heads` > 0."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    if t.tensor_type == GGMLQuantizationType.I64:
+        return torch.from_numpy(np.array(t.data, dtype=np.int64)).reshape(-1)
+    arr = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    w = torch.from_numpy(arr).reshape([int(d) for d in reversed(t.shape)])  # ggml: fastest first
+    return unpermute_rows(w, heads) if heads else w
+
+
 def _same(t: Tensor) -> Tensor:
     return t
 
@@ -119,10 +197,19 @@ def load_eagle3(
     target = module_of(model)
     shape: Any = target.config
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{path}: no config.json (an EAGLE-3 head directory has one)")
-    cfg = Eagle3Config.from_dir(path, json.loads((path / "config.json").read_text()))
-    tensors = HeadTensors(path)
+    if not path.exists():
+        raise ValueError(f"{path}: no such EAGLE-3 head (file or directory)")
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else [path]
+    if path.suffix == ".gguf" or (not (path / "config.json").is_file() and len(ggufs) == 1):
+        tensors, cfg = HeadTensors.from_gguf(ggufs[0])
+    elif (path / "config.json").is_file():
+        cfg = Eagle3Config.from_dir(path, json.loads((path / "config.json").read_text()))
+        tensors = HeadTensors.from_dir(path)
+    else:
+        raise ValueError(
+            f"{path}: not an EAGLE-3 head (a directory with config.json and safetensors, or "
+            "llama.cpp's eagle3 GGUF)"
+        )
     taps = cfg.taps(shape.num_hidden_layers)
     h, vocab = cfg.layers.hidden_size, shape.vocab_size
     if cfg.target_hidden_size != shape.hidden_size:
@@ -130,7 +217,7 @@ def load_eagle3(
             f"{cfg.source}: target_hidden_size {cfg.target_hidden_size} (the hidden_size when "
             f"absent): the head was made for another target; this one has {shape.hidden_size}"
         )
-    if cfg.layers.vocab_size != vocab:
+    if cfg.layers.vocab_size not in (0, vocab):  # 0: a GGUF that does not say
         raise ValueError(
             f"{cfg.source}: vocab_size {cfg.layers.vocab_size}, the target's is {vocab}: "
             "the head was made for another tokenizer"
