@@ -85,7 +85,7 @@ def test_cli_serve_vllm_speculative_config(
         ),
         pytest.param(["--speculative-config", "{method"], "not valid JSON", id="bad-json"),
         pytest.param(["--speculative-config", "[1]"], "JSON object", id="not-an-object"),
-        pytest.param(["--speculative-config", '{"method": "eagle3"}'], "eagle3", id="bad-method"),
+        pytest.param(["--speculative-config", '{"method": "medusa"}'], "medusa", id="bad-method"),
         pytest.param(["--speculative-config", '{"topk": 2}'], "unsupported keys", id="bad-key"),
         pytest.param(
             ["--speculative-config", '{"num_speculative_tokens": "4"}'], "integer", id="k-string"

@@ -345,3 +345,22 @@ def test_eagle3_gguf_of_another_architecture_fails_by_name(
         eagle3_drafter(target[0].model, path)
     with pytest.raises(ValueError, match=r"no such EAGLE-3 head"):
         eagle3_drafter(target[0].model, tmp_path / "missing")
+
+
+def test_eagle3_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`quickdraft generate --speculative-method eagle3 --draft-model HEAD` prints what plain
+    decoding prints (and the vLLM-style JSON names the method too)."""
+    from quickdraft.cli import main as cli_main
+
+    _, model = nudging_dense(tmp_path / "t")  # saved with the byte-level tokenizer
+    head = agreeing_head(tmp_path / "h", model.get_parameter("model.norm.weight"))
+    base = ["generate", "--model", str(tmp_path / "t"), "--dtype", "fp32", "--max-tokens", "24"]
+    texts = []
+    for extra in (
+        ["--speculative-method", "none"],
+        ["--speculative-method", "eagle3", "--draft-model", str(head)],
+        ["--speculative-config", json.dumps({"method": "eagle3", "model": str(head)})],
+    ):
+        assert cli_main([*base, *extra, "the cat sat on the"]) == 0
+        texts.append(capsys.readouterr().out.splitlines()[0])
+    assert texts[0] == texts[1] == texts[2] and len(texts[0]) > len("the cat sat on the")
