@@ -738,6 +738,7 @@ def _add_bench_args(b: argparse.ArgumentParser) -> None:
 _KIND_FLAGS = {
     "dflash": ("mtp_steps",),
     "mtp": ("layers", "block_size", "taps", "num_taps", "mask_token_id"),
+    "eagle3": ("layers", "block_size", "num_taps", "mask_token_id"),
 }
 
 
@@ -745,9 +746,12 @@ def _add_train_args(t: argparse.ArgumentParser) -> None:
     _add_model_args(t, positional=True)
     t.add_argument(
         "--kind",
+        "--method",
+        dest="kind",
         choices=list(_KIND_FLAGS),
         default="dflash",
-        help="dflash (default): a DFlash block drafter; mtp: an MTP head for a dense model",
+        help="dflash (default): a DFlash block drafter; mtp: an MTP head for a dense model; "
+        "eagle3: an EAGLE-3 head (vLLM's speculators layout; --taps: target layer inputs)",
     )
     t.add_argument("--out", default=None, help="checkpoint dir (default: drafters/MODEL-KIND)")
     t.add_argument(
@@ -783,11 +787,19 @@ def _add_train_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (512)")
     t.add_argument("--layers", type=int, default=None, help="draft layers (2)")
     t.add_argument("--block-size", type=int, default=None, help="block rows: drafts + 1 (8)")
-    t.add_argument("--taps", type=str, default=None, help="target layers read, e.g. 1,10,19,27")
+    t.add_argument(
+        "--taps",
+        type=str,
+        default=None,
+        help="target layers read, e.g. 1,10,19,27 (dflash: their outputs; eagle3: their inputs)",
+    )
     t.add_argument("--num-taps", type=int, default=None, help="taps spread evenly (4)")
     t.add_argument("--mask-token-id", type=int, default=None)
     t.add_argument(
-        "--mtp-steps", type=int, default=None, help="mtp: chained head steps trained (3)"
+        "--mtp-steps",
+        type=int,
+        default=None,
+        help="mtp / eagle3: chained head steps trained (3)",
     )
     t.add_argument("--steps", type=int, default=None, help="total optimizer steps (2000)")
     t.add_argument("--minutes", type=float, default=None, help="stop after this long too")

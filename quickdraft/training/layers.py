@@ -56,18 +56,20 @@ def rope_tables(rope: Rope, positions: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class Attention(nn.Module):
-    def __init__(self, shape: ModelConfig, std: float, out_std: float) -> None:
+    def __init__(self, shape: ModelConfig, std: float, out_std: float, in_size: int = 0) -> None:
+        """`in_size`: the width of its input when it is not hidden_size (EAGLE-3's 2H)."""
         super().__init__()
         h, d = shape.hidden_size, shape.head_dim
+        n_in = in_size or h
         self.heads, self.kv_heads, self.head_dim = (
             shape.num_attention_heads,
             shape.num_key_value_heads,
             d,
         )
         bias = shape.attention_bias
-        self.q_proj = linear(h, self.heads * d, std, bias)
-        self.k_proj = linear(h, self.kv_heads * d, std, bias)
-        self.v_proj = linear(h, self.kv_heads * d, std, bias)
+        self.q_proj = linear(n_in, self.heads * d, std, bias)
+        self.k_proj = linear(n_in, self.kv_heads * d, std, bias)
+        self.v_proj = linear(n_in, self.kv_heads * d, std, bias)
         self.o_proj = linear(self.heads * d, h, out_std)
         self.q_norm = Norm(d, shape.rms_norm_eps) if shape.qk_norm else None
         self.k_norm = Norm(d, shape.rms_norm_eps) if shape.qk_norm else None
@@ -115,10 +117,10 @@ class Layer(nn.Module):
     """One pre-norm decoder layer; the callers run its attention (what each row sees differs
     between drafters) and `finish` it."""
 
-    def __init__(self, shape: ModelConfig, std: float, out_std: float) -> None:
+    def __init__(self, shape: ModelConfig, std: float, out_std: float, attn_in: int = 0) -> None:
         super().__init__()
         self.input_layernorm = Norm(shape.hidden_size, shape.rms_norm_eps)
-        self.self_attn = Attention(shape, std, out_std)
+        self.self_attn = Attention(shape, std, out_std, attn_in)
         self.post_attention_layernorm = Norm(shape.hidden_size, shape.rms_norm_eps)
         self.mlp = MLP(shape, std, out_std)
 

@@ -23,11 +23,14 @@ Contract:
         The labels (the target's greedy tokens a + 1 .. a + steps, known while the corpus follows
         the target's chain) and the loss are the loop's.
   mtp_trainer_for(target, steps)   a fresh head for a loaded dense target.
+The chained forward lives in `ChainTrainModel`, which the EAGLE-3 head shares
+(training/eagle3.py): only where a row's residual and attention input come from differ.
 """
 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
@@ -64,7 +67,61 @@ class _Head(nn.Module):
         return layer
 
 
-class MTPTrainModel(DraftTrainModel):
+class ChainTrainModel(DraftTrainModel, ABC):
+    """A head that drafts by chaining one decoder layer (an MTP head, an EAGLE-3 head,
+    training/eagle3.py): `rows_hidden` as the module docstring says, over three hooks:
+    `start(taps)` the hidden a step-1 row reads from the target's taps, `inputs(tokens,
+    hidden)` -> (residual, the attention's normed input) of rows, `feed(out)` the hidden a
+    chained row reads from the previous step's layer output."""
+
+    rope: Rope
+
+    @property
+    @abstractmethod
+    def layer(self) -> Layer: ...
+
+    @abstractmethod
+    def start(self, taps: Tensor) -> Tensor: ...
+
+    @abstractmethod
+    def inputs(self, tokens: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    @abstractmethod
+    def feed(self, out: Tensor) -> Tensor: ...
+
+    def rows_hidden(self, ids: Tensor, taps: Tensor, preds: Tensor, anchors: Tensor) -> Tensor:
+        """ids, preds [S, T], taps [S, T, F], anchors [S, N] (>= 1) -> [S, N, steps, H], the
+        layer's output (before `norm`) of each step (module docstring)."""
+        s, t = ids.shape
+        n = anchors.shape[1]
+        layer = self.layer
+        attn = layer.self_attn
+        # row i at position i: token t_{i+1}, the taps of position i
+        x, hn = self.inputs(ids[:, 1:], self.start(taps[:, :-1].float()))
+        cos, sin = rope_tables(self.rope, torch.arange(t - 1).expand(s, t - 1))
+        k, v = attn.keys(hn, cos, sin)
+        x = layer.finish(x, attn.attend(attn.queries(hn, cos, sin), k, v, None, causal=True))
+        rows = anchors - 1
+        out = [x.gather(1, rows[..., None].expand(s, n, x.shape[-1]))]  # [S, N, H]
+        keys, values = [k], [v]
+        sees_rows = torch.arange(t - 1)[None, None, :] <= rows[:, :, None]  # [S, N, T-1]
+        for step in range(1, self.rows):
+            token = preds.gather(1, (anchors + step - 1).clamp(max=t - 1))  # [S, N]
+            x, hn = self.inputs(token, self.feed(out[-1]))
+            cos, sin = rope_tables(self.rope, rows + step)
+            k, v = attn.keys(hn, cos, sin)
+            keys.append(k)
+            values.append(v)
+            # [S, 1, N, T-1 + N * step]: the step-1 rows up to the anchor's, its chained rows
+            own = torch.eye(n, dtype=torch.bool).repeat(1, step).expand(s, n, n * step)
+            mask = torch.cat([sees_rows, own], -1)[:, None]
+            q = attn.queries(hn, cos, sin)
+            x = layer.finish(x, attn.attend(q, torch.cat(keys, 1), torch.cat(values, 1), mask))
+            out.append(x)
+        return torch.stack(out, 2)
+
+
+class MTPTrainModel(ChainTrainModel):
     """The MTP head's forward in plain torch (module docstring)."""
 
     head: Tensor  # a buffer, typed
@@ -86,44 +143,24 @@ class MTPTrainModel(DraftTrainModel):
         self.register_buffer("head", self.scored_head(head, vocab_ids), persistent=False)
         self.rope = Rope(shape.head_dim, shape.rope_theta, torch.device("cpu"))
 
-    def _inputs(self, tokens: Tensor, hidden: Tensor) -> Tensor:
-        """tokens [S, L] (t_{i+1}), hidden [S, L, H] (h_i) -> the layer's input rows."""
+    @property
+    def layer(self) -> Layer:
+        return self.mtp.layer
+
+    def start(self, taps: Tensor) -> Tensor:
+        return taps  # the target's post-norm hidden (the one tap: its last layer)
+
+    def inputs(self, tokens: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """tokens [S, L] (t_{i+1}), hidden [S, L, H] (h_i) -> x = fc([norm_e(e); norm_h(h)])
+        and the layer's normed x."""
         m = self.mtp
         with torch.no_grad():
             emb = self._embed(tokens.flatten()).float().view(*tokens.shape, -1)
-        return m.fc(torch.cat([m.pre_fc_norm_embedding(emb), m.pre_fc_norm_hidden(hidden)], -1))
+        x = m.fc(torch.cat([m.pre_fc_norm_embedding(emb), m.pre_fc_norm_hidden(hidden)], -1))
+        return x, self.layer.input_layernorm(x)
 
-    def rows_hidden(self, ids: Tensor, taps: Tensor, preds: Tensor, anchors: Tensor) -> Tensor:
-        """ids, preds [S, T], taps [S, T, H], anchors [S, N] (>= 1) -> [S, N, steps, H], the
-        layer's output (before `norm`) of each step (module docstring)."""
-        s, t = ids.shape
-        n = anchors.shape[1]
-        layer = self.mtp.layer
-        attn = layer.self_attn
-        x = self._inputs(ids[:, 1:], taps[:, :-1].float())  # [S, T-1, H]: row i at position i
-        cos, sin = rope_tables(self.rope, torch.arange(t - 1).expand(s, t - 1))
-        hn = layer.input_layernorm(x)
-        k, v = attn.keys(hn, cos, sin)
-        x = layer.finish(x, attn.attend(attn.queries(hn, cos, sin), k, v, None, causal=True))
-        rows = anchors - 1
-        out = [x.gather(1, rows[..., None].expand(s, n, x.shape[-1]))]  # [S, N, H]
-        keys, values = [k], [v]
-        sees_rows = torch.arange(t - 1)[None, None, :] <= rows[:, :, None]  # [S, N, T-1]
-        for step in range(1, self.rows):
-            token = preds.gather(1, (anchors + step - 1).clamp(max=t - 1))  # [S, N]
-            x = self._inputs(token, self.mtp.norm(out[-1]))
-            cos, sin = rope_tables(self.rope, rows + step)
-            hn = layer.input_layernorm(x)
-            k, v = attn.keys(hn, cos, sin)
-            keys.append(k)
-            values.append(v)
-            # [S, 1, N, T-1 + N * step]: the step-1 rows up to the anchor's, its chained rows
-            own = torch.eye(n, dtype=torch.bool).repeat(1, step).expand(s, n, n * step)
-            mask = torch.cat([sees_rows, own], -1)[:, None]
-            q = attn.queries(hn, cos, sin)
-            x = layer.finish(x, attn.attend(q, torch.cat(keys, 1), torch.cat(values, 1), mask))
-            out.append(x)
-        return torch.stack(out, 2)
+    def feed(self, out: Tensor) -> Tensor:
+        return self.mtp.norm(out)  # the drafter's post_norm feed
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Layer outputs [..., H] -> logits [..., vocab] fp32 over the target's lm_head."""

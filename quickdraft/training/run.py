@@ -1,13 +1,14 @@
 """`quickdraft train-drafter`: one command from a model name and a corpus to a drafter checkpoint:
 a DFlash block drafter (`--kind dflash`, the default; `--speculative-method dflash
---draft-model DIR` loads it) or an MTP head for a dense target (`--kind mtp`;
-`--speculative-method mtp --draft-model DIR`).
+--draft-model DIR` loads it), an MTP head for a dense target (`--kind mtp`;
+`--speculative-method mtp --draft-model DIR`) or an EAGLE-3 head in vLLM's speculators layout
+(`--kind eagle3`; `--speculative-method eagle3 --draft-model DIR`).
 
 Stage: orchestration of training/corpus.py (the target pass, cached in the output folder),
-training/dflash.py or training/mtp.py (the drafter) and training/loop.py (the loop they share,
-resumable: running the same command again continues from the last checkpoint, to `steps` in
-all). Writes into `out`: config.json + model.safetensors (the drafter), trainer.pt (optimizer
-state), train_log.jsonl and training_curve.png.
+training/dflash.py, training/mtp.py or training/eagle3.py (the drafter) and training/loop.py
+(the loop they share, resumable: running the same command again continues from the last
+checkpoint, to `steps` in all). Writes into `out`: config.json + model.safetensors (the
+drafter), trainer.pt (optimizer state), train_log.jsonl and training_curve.png.
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ from quickdraft.training.dflash import (
     trainer_for,
     vocab_coverage,
 )
+from quickdraft.training.eagle3 import corpus_layers, default_taps, eagle3_trainer_for
 from quickdraft.training.loop import CHECKPOINT, LOG, DraftTrainModel, TrainConfig, train
 from quickdraft.training.mtp import mtp_trainer_for
 
-KINDS = ("dflash", "mtp")
+KINDS = ("dflash", "mtp", "eagle3")
 DATA_KINDS = ("auto", "chat", "text")
 INSTRUCTION_KINDS = ("auto", "self", "corpus", "mixed")
 
@@ -101,6 +103,12 @@ def train_drafter(
                 f"{saved['quickdraft']['chained_steps_trained']} chained steps; resume with "
                 "those (--mtp-steps) or pick another --out"
             )
+    elif kind == "eagle3":
+        # the corpus records layer outputs; an EAGLE-3 tap names the layer whose input it is
+        depth = cast(Any, model.config).num_hidden_layers
+        heads = tuple(saved["eagle_aux_hidden_state_layer_ids"]) if saved else data_cfg.taps
+        eagle_taps = heads or default_taps(depth)
+        taps = corpus_layers(eagle_taps)
     else:
         taps, mask = dflash_layout(lm, saved, train_cfg, data_cfg)
     chat = data_cfg.data == "chat" or (
@@ -131,6 +139,8 @@ def train_drafter(
         vocab_ids = draft_vocabulary(data, data_cfg.draft_vocab, lm.eos_ids)
     if kind == "mtp":
         drafter: DraftTrainModel = mtp_trainer_for(model, train_cfg.mtp_steps, vocab_ids=vocab_ids)
+    elif kind == "eagle3":
+        drafter = eagle3_trainer_for(model, train_cfg.mtp_steps, eagle_taps, vocab_ids=vocab_ids)
     else:
         drafter = trainer_for(
             model, train_cfg.num_layers, taps, train_cfg.block_size, mask, vocab_ids=vocab_ids
@@ -160,7 +170,9 @@ def saved_config(out: Path, kind: str) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     raw: dict[str, Any] = json.loads(path.read_text())
-    held = "mtp" if raw.get("architectures") == [STANDALONE_ARCHITECTURE] else "dflash"
+    held = {STANDALONE_ARCHITECTURE: "mtp", "Eagle3Speculator": "eagle3"}.get(
+        (raw.get("architectures") or [""])[0], "dflash"
+    )
     if held != kind:
         raise ValueError(f"{out} holds a {held} drafter, not {kind}: pick another --out")
     return raw
