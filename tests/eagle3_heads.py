@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -158,10 +158,11 @@ COPYING = HeadSpec(
 )
 
 
-def agreeing_head(directory: Path, final_norm: Tensor) -> Path:
+def agreeing_head(directory: Path, final_norm: Tensor, taps: list[int] | None = None) -> Path:
     """The copying head for a 64-wide, 320-token target with final norm `final_norm`, saved
-    in the speculators layout."""
-    return save_head(directory, COPYING, copying_head(COPYING, final_norm), "speculators")
+    in the speculators layout (explicit `taps` for a target too shallow for the default)."""
+    spec = replace(COPYING, taps=taps)
+    return save_head(directory, spec, copying_head(spec, final_norm), "speculators")
 
 
 # ------------------------------------------------------------------ the reference forward

@@ -4,6 +4,7 @@ same kind, measures again when the key changes or on request, and survives a bro
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from quickdraft.speculation.cost import StepCost, cost_key, model_cost
 
 @pytest.fixture()
 def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    from quickdraft.kernels import build
+
+    build.kernels_available()  # built (or found) under the usual home, not the empty one
     monkeypatch.setenv("QUICKDRAFT_HOME", str(tmp_path))
     monkeypatch.delenv(cost.REMEASURE_ENV, raising=False)
     return tmp_path
@@ -116,3 +120,14 @@ def test_cost_table_broken_file_is_measured_again(
     again = model_cost(fresh(tiny_model_dir).model)
     assert len(measured) == 2 and again.rows == first.rows
     assert cost._read_table(path, cost_key(fresh(tiny_model_dir).model)) == again  # rewritten
+
+
+def test_step_cost_table_pools_a_slow_timing_with_its_neighbours() -> None:
+    from quickdraft.speculation.cost import monotone
+
+    assert monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    # one slow timing at 4 rows is averaged with the rows after it, not carried to all of them
+    pooled = monotone([6.5, 7.0, 8.4, 16.3, 9.0, 9.2, 9.6, 9.9])
+    assert pooled == pytest.approx([6.5, 7.0, 8.4] + [(16.3 + 9.0 + 9.2 + 9.6 + 9.9) / 5] * 5)
+    assert all(b >= a for a, b in itertools.pairwise(pooled))
+    assert monotone([3.0, 1.0]) == [2.0, 2.0]

@@ -32,10 +32,12 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 def acceptance(alpha: float, drafts: int = 400) -> Acceptance:
-    """An estimate that has seen `drafts` drafts accepted at rate ~alpha."""
+    """An estimate that has seen `drafts` drafts accepted at rate ~alpha, at every depth."""
     acc = Acceptance(forget=1.0)
     acc.successes = alpha * drafts
     acc.failures = (1 - alpha) * drafts
+    acc.reached = [float(drafts)] * 8
+    acc.kept = [alpha * drafts] * 8
     return acc
 
 
@@ -144,6 +146,37 @@ def test_policy_probes_idle_request_and_rations_probes_by_cost() -> None:
             first = step
             break
     assert first is not None and first > 4
+
+
+def test_acceptance_profile_counts_each_depth() -> None:
+    """c_j counts only the cycles that reached draft j with every earlier draft kept; a
+    lookup-like record (first drafts often wrong, a right start runs on) is priced deeper
+    than one alpha for all positions would price it."""
+    acc = Acceptance(prior_weight=0.0, forget=1.0)
+    for _ in range(6):
+        acc.update(4, 0)  # the first draft rejected: position 0 reached, nothing kept
+    for _ in range(2):
+        acc.update(4, 4)  # a right start: all four kept
+    acc.update(2, 2)  # the drafter proposed only two, both kept
+    assert acc.reached == [9.0, 3.0, 2.0, 2.0] and acc.kept == [3.0, 3.0, 2.0, 2.0]
+    assert acc.chain(4) == pytest.approx([1 / 3] * 4, abs=0.002)  # c_j capped at 0.999
+    assert acc.alpha == pytest.approx(10 / 16)  # 10 kept, 6 cycles stopped by a rejection
+    assert acc.chain(4)[3] > acc.alpha**4 * 2  # the geometric model's fourth draft: 0.15
+    policy = BatchPolicy(FLAT_THEN_STEEP)
+    geometric = acceptance(acc.alpha)
+    deep = policy.choose([Candidate(acc, 8)], [None], StepShape(1, 1), budget=64)
+    flat = policy.choose([Candidate(geometric, 8)], [None], StepShape(1, 1), budget=64)
+    assert deep[0] >= flat[0] > 0
+
+
+def test_a_new_request_starts_from_its_drafters_profile() -> None:
+    spec = Speculation(SpeculativeConfig(method="ngram"), NgramDrafter(), None)
+    for _ in range(200):
+        spec.pooled.update(3, 0)
+        spec.pooled.update(3, 3)
+    prior = spec.start(list(range(8))).acceptance
+    assert prior.conditional(0) == pytest.approx(0.5, abs=0.05)  # half the starts kept
+    assert prior.conditional(2) > 0.9  # and every one of those ran on
 
 
 def test_policy_acceptance_counts_and_forgets() -> None:

@@ -217,9 +217,24 @@ def test_qwen25_vl_draft_model_gets_the_image(
     assert drafter.encoder.stats.encoded == 2
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft", "vl-draft"])
+@pytest.fixture(scope="module")
+def eagle3_head(vl: tuple[Any, LoadedModel], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An EAGLE-3 head copying the target's bigram guess (tests/eagle3_heads.py); an image
+    row's draft reads the image's embedding."""
+    from eagle3_heads import agreeing_head
+
+    model: Any = vl[1].model
+    norm = model.get_parameter("model.norm.weight")
+    return agreeing_head(tmp_path_factory.mktemp("qwen25vl-eagle3"), norm, taps=[1, 2, 2])
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft", "vl-draft", "eagle3"])
 def test_qwen25_speculation_greedy_equals_plain(
-    vl: tuple[Any, LoadedModel], text_draft: Path, vl_draft: tuple[Any, Path], method: str
+    vl: tuple[Any, LoadedModel],
+    text_draft: Path,
+    vl_draft: tuple[Any, Path],
+    eagle3_head: Path,
+    method: str,
 ) -> None:
     """Image turns (one image, then two) with each drafter: the output equals speculation
     off's, and drafts were accepted (but for the random vision-language draft model)."""
@@ -228,7 +243,11 @@ def test_qwen25_speculation_greedy_equals_plain(
         method="draft" if method == "vl-draft" else method,
         num_draft_tokens=4,
         adaptive=False,
-        draft_model={"draft": str(text_draft), "vl-draft": str(vl_draft[1])}.get(method),
+        draft_model={
+            "draft": str(text_draft),
+            "vl-draft": str(vl_draft[1]),
+            "eagle3": str(eagle3_head),
+        }.get(method),
         draft_quantization="none",
     )
     reqs = speculate_turns(lm, cfg, [(1, 1), (2, 2)], max_tokens=48)

@@ -4,15 +4,16 @@ Stage: asked by the policy (policy.py `DraftPlanner.choose`) for every decoding 
 several drafters (`SpecState.arms`), before the batch policy sizes the drafts; it sets
 `SpecState.active`, and the step then runs exactly as for a request with that one drafter.
 
-The estimate (a bandit's arms): per request and drafter an `Acceptance`: alpha, the per-token
-acceptance (an exponentially forgotten maximum-likelihood estimate, forget 0.97 per cycle the
-drafter drafted in), and the hit rate, the share of the cycles it was asked in where it proposed
-anything (a lookup that finds no match proposes nothing and costs nothing). Both are seeded
-with what the drafter achieved over earlier requests (`Speculation.pooled`).
+The estimate (a bandit's arms): per request and drafter an `Acceptance`: its depth profile
+c_j, the rate at which draft j is kept once the drafts before it were (exponentially forgotten
+counts, forget 0.97 per cycle the drafter drafted in), and the hit rate, the share of the
+cycles it was asked in where it proposed anything (a lookup that finds no match proposes
+nothing and costs nothing). Both are seeded with what the drafter achieved over earlier
+requests (`Speculation.pooled`).
 
 The choice: the arm with the best expected tokens per second of this request's share of the
 step, each at its best k <= k_max, priced by the policy's calibrated cost tables (cost.py):
-    tokens(k)  = 1 + h * (alpha + alpha^2 + ... + alpha^k)
+    tokens(k)  = 1 + h * (c_1 + c_1 c_2 + ... + c_1 ... c_k)   (Acceptance.chain)
     seconds(k) = t_share + h * (verify(k) + draft(k)) + catch_up
 t_share: the plain decode step over the decoding requests; verify(k): the step's forward with k
 more rows (and one more masked sequence) minus without; draft(k): the drafter's forwards, the
@@ -78,8 +79,8 @@ def arm_rate(arm: Arm, pricing: Pricing, k_max: int, catch_up: int, remaining: i
     step = 0.0 if cost is None else cost(StepShape(1, 1, 0))
     best = 0.0
     gain = 0.0
-    for k in range(1, k_max + 1):
-        gain += alpha**k
+    for k, tokens in enumerate(acc.chain(k_max), start=1):
+        gain += tokens
         draft = first + (k - 1) * step
         seconds = pricing.t_share + hit * (pricing.verify_extra(k) + draft) + catch
         best = max(best, (1.0 + hit * gain) / seconds)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quickdraft.config import cache_dir
+from quickdraft.config import PREFILL_CHUNK, cache_dir
 from quickdraft.kernels.build import extension, isa, prefetch_bytes, source_digest
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.kernels.triton_gguf import DeviceGGUFWeight
@@ -88,6 +88,10 @@ class StepCost:
 
 
 COST_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 32, 64)  # dense where the curve bends
+# cached tokens before the one-sequence rows are timed: a chat request's prompt and answer.
+# An extra row attends to every cached token, so at 8 the curve was near flat where requests
+# pay for rows: SmolLM2 Q4, 3 rows over 1 cost +5 % after 8 tokens, +29 % after 200
+COST_CONTEXT = 256
 
 
 def settle(device: torch.device) -> None:
@@ -97,25 +101,54 @@ def settle(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def monotone(values: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in least squares (pool adjacent
+    violators): cost cannot fall with more rows. A running maximum did that too, but carried
+    one slow timing to every larger row count (a 16 ms spike at 4 rows of SmolLM2, whose 5-8
+    rows take ~9 ms, priced all of them at 16 and the policy never drafted 3); pooling
+    averages it with its neighbours instead."""
+    blocks: list[list[float]] = []  # [sum, count] of pooled runs
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
+
+
 def measure_step_cost(
-    model: LanguageModel, rows: Sequence[int] = COST_ROWS, context: int = 8, seqs: int = 8
+    model: LanguageModel,
+    rows: Sequence[int] = COST_ROWS,
+    context: int = COST_CONTEXT,
+    seqs: int = 8,
+    others: int = 8,
 ) -> StepCost:
     """Time target forwards over `rows` new tokens of one sequence after `context` cached ones
     (best of three up to 16 rows, where the draft decisions are made and noise matters, one
-    run above); then `seqs` sequences of one row and of two rows each, which give `per_seq` and
-    `per_masked` (see StepCost). The best of three, because on a shared host one timing was
-    seen 2x another of the same forward (a 64 ms `per_seq` from one start-up, 0 from the
-    next); what noise is left, the policy's calibration corrects for the shapes that run.
-    ~20 s for a 1.5B model on this CPU, ~1 s for a 135M one."""
+    run above); then `seqs` sequences (the first that one, the others after `others` cached
+    tokens: prefilling every one at `context` would lengthen start-up for little) of one row
+    and of two rows each, which give `per_seq` and `per_masked` (see StepCost). The best of
+    three, because on a shared host one timing was seen 2x another of the same forward (a 64 ms
+    `per_seq` from one start-up, 0 from the next); what noise is left, the policy's
+    calibration corrects for the shapes that run. ~20 s for a 1.5B model on this CPU, ~1 s for
+    a 135M one."""
     device = model.device
     max_rows = max(max(rows), 2 * seqs)
-    length = max(context * seqs, context + max_rows)
-    ids = torch.randint(0, model.config.vocab_size, (length,), device=device)
-    caches = [model.new_cache(context + max_rows + 1) for _ in range(seqs)]
-    # one packed forward fills every cache's context
-    model(ids[: context * seqs], caches, [context] * seqs)
-    for cache in caches:
-        cache.commit(context)
+    context = max(1, min(context, model.config.max_position_embeddings - max_rows - 1))
+    lengths = [context] + [others] * (seqs - 1)
+    ids = torch.randint(
+        0, model.config.vocab_size, (max(sum(lengths), context + max_rows),), device=device
+    )
+    caches = [model.new_cache(n + max_rows + 1) for n in lengths]
+    for start in range(0, context, PREFILL_CHUNK):  # the first cache's context, in chunks
+        n = min(PREFILL_CHUNK, context - start)
+        model(ids[start : start + n], caches[:1], [n])
+        caches[0].commit(start + n)
+    if seqs > 1:  # one packed forward fills the others'
+        model(ids[: others * (seqs - 1)], caches[1:], lengths[1:])
+        for cache in caches[1:]:
+            cache.commit(others)
 
     def timed(per: int, num_seqs: int) -> float:
         n = per * num_seqs
@@ -129,11 +162,7 @@ def measure_step_cost(
         return best
 
     timed(min(16, max(rows)), 1)  # warm-up: allocator, kernel build, graph capture
-    seconds: list[float] = []
-    for n in rows:
-        best = timed(n, 1)
-        # cost cannot fall with more rows; noise must not make extra rows look free
-        seconds.append(max(best, seconds[-1]) if seconds else best)
+    seconds = monotone([timed(n, 1) for n in rows])
     table = StepCost(tuple(rows), tuple(seconds))
     if seqs < 2:
         return table
@@ -235,7 +264,7 @@ class DraftCost:
 
 _TABLES: weakref.WeakKeyDictionary[Any, StepCost] = weakref.WeakKeyDictionary()
 REMEASURE_ENV = "QUICKDRAFT_REMEASURE_COST"  # "1": measure again and replace the stored table
-TABLE_VERSION = 1  # bump when measure_step_cost changes what it measures
+TABLE_VERSION = 3  # bump when measure_step_cost changes what it measures
 
 
 def _operand_format(weight: object) -> str:

@@ -7,9 +7,11 @@ streams its weights once per forward, so at batch 1 a few extra rows are nearly 
 batch 8 each draft row pushes the forward further into the compute-bound regime.
 
 The rule (`BatchPolicy.choose`):
-* Gain. Each request keeps a running acceptance estimate alpha (state.py `Acceptance`); its
-  j-th draft adds alpha^j expected tokens (Leviathan et al. 2023, sec. 3). A new request's
-  prior is what its drafter's earlier drafts achieved (`Speculation.pooled`).
+* Gain. Each request keeps a running acceptance profile (state.py `Acceptance`): c_j, the rate
+  at which its j-th draft is kept once the drafts before it were; its j-th draft adds
+  c_1 ... c_j expected tokens (`Acceptance.chain`; Leviathan et al. 2023, sec. 3, with one
+  alpha per position instead of one for all: a lookup's first draft is its weakest). A new
+  request's prior is what its drafter's earlier drafts achieved (`Speculation.pooled`).
 * Cost. The step's forward with the drafts minus the forward without (cost.py tables, as
   calibrated by the steps that ran), plus the drafter's forwards (its own table; the n-gram
   drafter is free). A drafter that was idle must first catch up on the tokens it missed; that
@@ -18,9 +20,9 @@ The rule (`BatchPolicy.choose`):
   that also prefills, whose batch is about to grow: there it is charged whole.
 * Choice. B decoding requests emit B tokens in the plain-decode step; an allocation D adds
   gain(D) tokens for its extra seconds. Draft counts grow one token at a time, always the token
-  with the highest alpha^j (gains are concave per request), every total is scored by expected
-  tokens per second, and k = 0 for everyone wins unless the best beats it by `margin`: by the
-  model, speculation never makes a step slower.
+  with the highest chain gain (gains are non-increasing per request), every total is scored by
+  expected tokens per second, and k = 0 for everyone wins unless the best beats it by
+  `margin`: by the model, speculation never makes a step slower.
 * Probes. A request at k = 0 learns nothing, so after `probe_every` idle steps it drafts one
   token to refresh alpha, rationed so that all probes together cost at most `probe_budget` of
   the step time.
@@ -128,6 +130,8 @@ class BatchPolicy:
         prefill chunks); `draft_costs[d]`: drafter d's forward cost (None: a free lookup);
         `budget`: draft rows allowed in total."""
         ks, budget = forced_drafts(cands, budget)
+        # per request, the expected tokens its drafts 1 .. k_max add (Acceptance.chain)
+        chains = [c.acceptance.chain(max(c.k_max, 1)) for c in cands]
         num_dec = len(cands)
         t_dec = self.seconds(num_dec, num_dec, 0)  # the step of plain decoding: num_dec tokens
         t_base = self.seconds(base.rows, base.seqs, base.masked)
@@ -146,7 +150,7 @@ class BatchPolicy:
             c = cands[i]
             ks[i] += 1
             drafts += 1
-            gain += c.acceptance.alpha ** ks[i]
+            gain += chains[i][ks[i] - 1]
             cost = draft_costs[c.drafter]
             if ks[i] == 1:
                 drafting += 1  # its attention now needs a mask
@@ -173,8 +177,8 @@ class BatchPolicy:
                 add(i)
         best, best_score = list(ks), score() * self.margin
         avail = budget
-        # max-heap of each adaptive request's next draft gain alpha^(k+1)
-        heap = [(-c.acceptance.alpha, i) for i, c in enumerate(cands) if c.adaptive and c.k_max > 0]
+        # max-heap of each adaptive request's next draft gain (its chain's next entry)
+        heap = [(-chains[i][0], i) for i, c in enumerate(cands) if c.adaptive and c.k_max > 0]
         heapq.heapify(heap)
         while heap and budget > 0:
             _, i = heapq.heappop(heap)
@@ -184,7 +188,7 @@ class BatchPolicy:
             if s > best_score:
                 best, best_score = list(ks), s
             if ks[i] < cands[i].k_max:
-                heapq.heappush(heap, (-(cands[i].acceptance.alpha ** (ks[i] + 1)), i))
+                heapq.heappush(heap, (-chains[i][ks[i]], i))
         left = avail - (sum(best) - sum(forced))
         return self._probe(cands, best, draft_costs, base, left)
 

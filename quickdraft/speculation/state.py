@@ -32,8 +32,13 @@ FIRST_ALPHA = 0.8  # a drafter's acceptance record before its first draft (`Spec
 
 @dataclass(slots=True)
 class Acceptance:
-    """One request's running draft-acceptance estimate (maximum likelihood under the
-    'each draft accepted with probability alpha given the previous ones' model)."""
+    """One request's running draft-acceptance estimate. `alpha`: the maximum-likelihood rate
+    under the 'each draft accepted with probability alpha given the previous ones' model. The
+    policy prices drafts by the depth profile instead (`chain`): c_j, the rate at which draft j
+    is kept once every draft before it was, counted per position. A lookup drafter's profile
+    is far from flat: on SmolLM2 code with n-gram, c_1 = 0.33 but c_2..c_5 = 0.64-0.78 (a match
+    that starts right tends to run on), so alpha^j (alpha 0.47) overprices the first draft and
+    underprices the fourth 2x."""
 
     prior_alpha: float = 0.5
     prior_weight: float = 4.0  # the prior counts as this many observed drafts
@@ -44,6 +49,12 @@ class Acceptance:
     # the share of the cycles it was asked to draft in where the drafter proposed >= 1 token
     # (a lookup finds no match), exponentially weighted like the counts above; prior 1
     hit_rate: float = 1.0
+    # per draft position j (0-based), forgotten like the counts above: cycles that drafted it
+    # with every earlier draft kept, and those that kept it too; `prior_depth` the positions'
+    # prior rates (a drafter's record: `Speculation.arm`), else `prior_alpha` everywhere
+    reached: list[float] = field(default_factory=list)
+    kept: list[float] = field(default_factory=list)
+    prior_depth: tuple[float, ...] = ()
 
     @property
     def alpha(self) -> float:
@@ -51,11 +62,50 @@ class Acceptance:
         f = self.failures + (1 - self.prior_alpha) * self.prior_weight
         return min(s / (s + f), 0.999)
 
+    def conditional(self, j: int) -> float:
+        """c_j: P(draft j kept | drafts 0 .. j-1 kept), position j 0-based."""
+        depth = self.prior_depth
+        prior = depth[min(j, len(depth) - 1)] if depth else self.prior_alpha
+        reached = self.reached[j] if j < len(self.reached) else 0.0
+        kept = self.kept[j] if j < len(self.kept) else 0.0
+        weight = reached + self.prior_weight
+        rate = (kept + prior * self.prior_weight) / weight if weight > 0 else prior
+        return min(rate, 0.999)
+
+    def chain(self, k: int) -> list[float]:
+        """Expected tokens each of drafts 1 .. k adds: c_0, c_0 c_1, ... (non-increasing)."""
+        out, p = [], 1.0
+        for j in range(k):
+            p *= self.conditional(j)
+            out.append(p)
+        return out
+
+    def depth(self) -> tuple[float, ...]:
+        """c_j of every position observed so far: a new request's `prior_depth`."""
+        return tuple(self.conditional(j) for j in range(len(self.reached)))
+
     def update(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
             return
         self.successes = self.successes * self.forget + accepted
         self.failures = self.failures * self.forget + (1 if accepted < drafted else 0)
+        grow = drafted - len(self.reached)
+        if grow > 0:
+            self.reached += [0.0] * grow
+            self.kept += [0.0] * grow
+        for j in range(len(self.reached)):
+            self.reached[j] *= self.forget
+            self.kept[j] *= self.forget
+        for j in range(min(accepted + 1, drafted)):
+            self.reached[j] += 1.0
+        for j in range(accepted):
+            self.kept[j] += 1.0
+
+    def restart_from_here(self) -> None:
+        """What was observed so far becomes the prior (weighing `prior_weight` drafts)."""
+        self.prior_alpha, self.prior_depth = self.alpha, self.depth() or self.prior_depth
+        self.successes = self.failures = 0.0
+        self.reached, self.kept = [], []
 
     def asked(self, drafted: int) -> None:
         """The drafter was asked for drafts and proposed `drafted`. The rate moves faster than
@@ -88,7 +138,10 @@ class Speculation:
     def arm(self, prompt_ids: list[int], tenant: str = "") -> Arm:
         """A request's share of this drafter; its acceptance prior is what the drafter's
         drafts achieved so far (`pooled`)."""
-        prior = Acceptance(prior_alpha=self.pooled.alpha, hit_rate=self.pooled.hit_rate)
+        pooled = self.pooled
+        prior = Acceptance(
+            prior_alpha=pooled.alpha, hit_rate=pooled.hit_rate, prior_depth=pooled.depth()
+        )
         return Arm(self, self.drafter.new_state(prompt_ids, tenant), prior)
 
     def start(self, prompt_ids: list[int], tenant: str = "") -> SpecState:
@@ -143,8 +196,7 @@ def warm_up(arm: Arm, prompt_ids: list[int], k: int) -> None:
         job = DraftJob(arm.draft_state, prompt_ids[:p], k, params, generator)
         arm.shadow = drafter.propose([job])[0].tokens
         shadow_score(arm, prompt_ids[p:])
-    acc = arm.acceptance
-    acc.prior_alpha, acc.successes, acc.failures = acc.alpha, 0.0, 0.0
+    arm.acceptance.restart_from_here()
 
 
 AnySpeculation = Speculation | AdaptiveSpeculation

@@ -1,0 +1,149 @@
+"""The draft-length policy against every fixed k, for the model-free drafters (issue 54 item 4).
+
+One process, one model, interleaved rounds: in each round every configuration (speculation
+off; per drafter the adaptive policy with k <= --k-max and a fixed k = 1 .. --k-max, forced
+with `adaptive=False`) runs every prompt of a set, each configuration with one `Speculation`
+per set and round (a fresh record, as `quickdraft bench` gives each engine), the
+configurations in a shuffled order per prompt. A configuration's figure is its tok/s over
+speculation off's IN THE SAME ROUND, then the median over rounds: this host's plain decode
+moves +-7 % between runs, more than the 3 % the policy is judged on.
+
+    flock /tmp/quickdraft-bench.lock .venv/bin/python bench/policy.py --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from quickdraft.bench.report import bars, machine, table, write
+from quickdraft.bench.speculative import ours, prompt_ids, prompt_sets
+from quickdraft.config import SpeculativeConfig
+from quickdraft.loading import load
+from quickdraft.speculation.factory import make_speculation
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--drafters", nargs="+", default=["ngram", "suffix"])
+    ap.add_argument("--sets", nargs="+", default=["code", "prose"])
+    ap.add_argument("--per-set", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--k-max", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--name", default="policy")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    report: dict[str, Any] = {"bench": "policy", "machine": machine(), "args": vars(args)}
+    lm = load(args.model, "gguf", progress=False)
+    sets = {
+        s: [prompt_ids(lm, [{"role": "user", "content": p}]) for p in prompt_sets()[s]]
+        for s in args.sets
+    }
+    sets = {s: ids[: args.per_set] for s, ids in sets.items()}
+    configs: dict[str, SpeculativeConfig | None] = {"none": None}
+    for d in args.drafters:
+        configs[f"{d} policy"] = SpeculativeConfig(method=d, num_draft_tokens=args.k_max)
+        for k in range(1, args.k_max + 1):
+            configs[f"{d} k={k}"] = SpeculativeConfig(method=d, num_draft_tokens=k, adaptive=False)
+    for ids in sets[args.sets[0]][:2]:  # warm-up: kernels, caches, the stored cost table
+        ours(lm, ids, args.tokens, make_speculation(lm, SpeculativeConfig(method="ngram")), None)
+    rng = random.Random(0)
+    # set -> config -> per-round [seconds, tokens]: each prompt runs every configuration in a
+    # shuffled order before the next prompt, so a slow spell of the host hits them alike
+    totals: dict[str, dict[str, list[list[float]]]] = {
+        s: {c: [[0.0, 0.0] for _ in range(args.rounds)] for c in configs} for s in sets
+    }
+    for r in range(args.rounds):
+        for s, prompts in sets.items():
+            specs = {n: None if c is None else make_speculation(lm, c) for n, c in configs.items()}
+            for ids in prompts:
+                order = list(configs)
+                rng.shuffle(order)
+                for name in order:
+                    run = ours(lm, ids, args.tokens, specs[name], None)
+                    totals[s][name][r][0] += run.seconds
+                    totals[s][name][r][1] += len(run.tokens)
+        print(f"round {r + 1}/{args.rounds} done", flush=True)
+    speeds = {
+        s: {c: [tokens / seconds for seconds, tokens in per] for c, per in by.items()}
+        for s, by in totals.items()
+    }
+    results: dict[str, Any] = {}
+    for s in sets:
+        base = speeds[s]["none"]
+        results[s] = {
+            name: {
+                "tok_s": [round(v, 2) for v in vals],
+                "vs_off": round(
+                    statistics.median(v / b for v, b in zip(vals, base, strict=True)), 3
+                ),
+            }
+            for name, vals in speeds[s].items()
+        }
+        for d in args.drafters:
+            fixed = {k: results[s][f"{d} k={k}"]["vs_off"] for k in range(1, args.k_max + 1)}
+            best = max(fixed, key=lambda k: fixed[k])
+            results[s][f"{d} policy"]["vs_best_fixed"] = round(
+                results[s][f"{d} policy"]["vs_off"] / fixed[best], 3
+            )
+            results[s][f"{d} policy"]["best_fixed_k"] = best
+    report["results"] = results
+    write(args.name, report, markdown(report), plot(report))
+
+
+def markdown(r: dict[str, Any]) -> str:
+    a = r["args"]
+    out = (
+        f"## Draft-length policy vs fixed k ({a['model']}, {a['tokens']} tokens, "
+        f"{a['per_set']} prompts per set, median of {a['rounds']} interleaved rounds)\n\n"
+    )
+    rows = []
+    for s, res in r["results"].items():
+        for d in a["drafters"]:
+            pol = res[f"{d} policy"]
+            fixed = " / ".join(
+                f"{res[f'{d} k={k}']['vs_off']:.3f}" for k in range(1, a["k_max"] + 1)
+            )
+            rows.append(
+                [
+                    s,
+                    d,
+                    f"{pol['vs_off']:.3f}",
+                    fixed,
+                    pol["best_fixed_k"],
+                    f"{pol['vs_best_fixed']:.3f}",
+                ]
+            )
+    out += table(
+        ["set", "drafter", "policy vs off", "k = 1 .. k_max vs off", "best k", "policy vs best k"],
+        rows,
+    )
+    return out
+
+
+def plot(r: dict[str, Any]) -> Any:
+    a = r["args"]
+
+    def draw(fig: Any) -> None:
+        axes = fig.subplots(1, len(r["results"]))
+        axes = axes if len(r["results"]) > 1 else [axes]
+        for ax, (s, res) in zip(axes, r["results"].items(), strict=True):
+            groups = ["policy", *[f"k={k}" for k in range(1, a["k_max"] + 1)]]
+            series: dict[str, Sequence[float]] = {
+                str(d): [float(res[f"{d} {g}"]["vs_off"]) for g in groups] for d in a["drafters"]
+            }
+            bars(ax, s, "x speculation off", groups, series)
+
+    return draw
+
+
+if __name__ == "__main__":
+    main()
