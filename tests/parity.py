@@ -3,6 +3,7 @@ speculation equals its output with speculation off, token for token."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,9 @@ from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import stream
 from quickdraft.loading import LoadedModel
 from quickdraft.request import Request, SamplingParams
+from quickdraft.speculation.drafters.base import Drafter, DraftJob
 from quickdraft.speculation.factory import make_speculation
+from quickdraft.speculation.sampling import TokenRng
 from quickdraft.speculation.state import AnySpeculation
 
 # code, prose, JSON, repeats, counting: prompts whose continuations drafts often guess
@@ -68,3 +71,33 @@ def forced_draft(draft_dir: Path, k: int, **fields: Any) -> SpeculativeConfig:
         adaptive=False,
         **fields,
     )
+
+
+def packed_propose_equals_alone(
+    drafter: Drafter, prime: Callable[[list[int]], tuple[Any, list[int]]], k: int
+) -> None:
+    """Three jobs of different lengths, k (`k`, 2, 3) and sampling (greedy, seeded, greedy)
+    packed into one `propose` draft what each drafts alone. `prime(prompt)` -> a drafter
+    state after the prompt's prefill and the committed tokens."""
+    prompts = [[5, 9, 77, 3], list(range(40, 61)), [200, 100]]
+    params = [
+        SamplingParams(max_tokens=8),
+        SamplingParams(max_tokens=8, temperature=0.8, seed=3),
+        SamplingParams(max_tokens=8),
+    ]
+    ks = [k, 2, 3]
+
+    def jobs() -> list[DraftJob]:
+        out = []
+        for prompt, p, n in zip(prompts, params, ks, strict=True):
+            state, tokens = prime(prompt)
+            out.append(DraftJob(state, tokens, n, p, TokenRng.for_params(p).generator))
+        return out
+
+    alone = [drafter.propose([job])[0] for job in jobs()]
+    packed = drafter.propose(jobs())
+    for a, b, n in zip(alone, packed, ks, strict=True):
+        assert a.tokens == b.tokens and len(a.tokens) == n
+        assert (a.p_draft is None) == (b.p_draft is None)
+        if a.p_draft is not None and b.p_draft is not None:
+            assert (a.p_draft - b.p_draft).abs().max().item() < 1e-5

@@ -29,6 +29,7 @@ from hybrid_models import (
     save_hybrid_dir,
 )
 from kernel_checks import needs_kernel
+from parity import packed_propose_equals_alone
 from test_mtp import DENSE_CONFIG, PROMPTS, K, generate
 
 from quickdraft.config import ModelConfig, SpeculativeConfig
@@ -371,39 +372,21 @@ def test_eagle3_batched_propose_equals_alone(
 ) -> None:
     """Jobs of different lengths, k and sampling packed into one propose (one packed fc over
     every job's taps, one catch-up forward) draft what each drafts alone."""
-    from quickdraft.speculation.sampling import TokenRng
-
     lm, _ = target
     spec = HeadSpec(draft_ids=list(range(0, 320, 2)))
     drafter = eagle3_drafter(lm.model, save_head(tmp_path, spec, random_head(spec, 4), "eagle"))
     model: Any = lm.model
-    prompts = [[5, 9, 77, 3], list(range(40, 61)), [200, 100]]
-    params = [
-        SamplingParams(max_tokens=8),
-        SamplingParams(max_tokens=8, temperature=0.8, seed=3),
-        SamplingParams(max_tokens=8),
-    ]
-    ks = [K, 2, 3]
 
-    def jobs() -> list[DraftJob]:
-        out = []
-        for prompt, p, k in zip(prompts, params, ks, strict=True):
-            fwd = model(
-                torch.tensor(prompt),
-                [model.new_cache(64)],
-                [len(prompt)],
-                hidden_layers=drafter.hidden_layers,
-            )
-            tokens = [*prompt, int(fwd.logits[-1].argmax())]
-            state = drafter.new_state(prompt)
-            drafter.commit(state, tokens, fwd.layers.flatten(1))
-            out.append(DraftJob(state, tokens, k, p, TokenRng.for_params(p).generator))
-        return out
+    def prime(prompt: list[int]) -> tuple[Any, list[int]]:
+        fwd = model(
+            torch.tensor(prompt),
+            [model.new_cache(64)],
+            [len(prompt)],
+            hidden_layers=drafter.hidden_layers,
+        )
+        tokens = [*prompt, int(fwd.logits[-1].argmax())]
+        state = drafter.new_state(prompt)
+        drafter.commit(state, tokens, fwd.layers.flatten(1))
+        return state, tokens
 
-    alone = [drafter.propose([job])[0] for job in jobs()]
-    packed = drafter.propose(jobs())
-    for a, b, k in zip(alone, packed, ks, strict=True):
-        assert a.tokens == b.tokens and len(a.tokens) == k
-        assert (a.p_draft is None) == (b.p_draft is None)
-        if a.p_draft is not None and b.p_draft is not None:
-            assert (a.p_draft - b.p_draft).abs().max().item() < 1e-5
+    packed_propose_equals_alone(drafter, prime, K)

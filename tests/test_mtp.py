@@ -22,6 +22,7 @@ from hybrid_models import (
     randomize,
     save_hybrid_dir,
 )
+from parity import packed_propose_equals_alone
 from safetensors.torch import load_file, save_file
 
 from quickdraft.bench.speculative import prompt_sets
@@ -38,7 +39,6 @@ from quickdraft.speculation.cost import model_cost
 from quickdraft.speculation.drafters.base import DraftJob
 from quickdraft.speculation.drafters.mtp import MTPDrafter, load_mtp_head, mtp_drafter
 from quickdraft.speculation.factory import make_speculation
-from quickdraft.speculation.sampling import TokenRng
 from quickdraft.speculation.state import Speculation
 
 FAMILIES = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
@@ -209,28 +209,7 @@ def test_mtp_batched_propose_equals_alone(agreeing: LoadedModel) -> None:
     """Jobs of different lengths and k packed into one propose draft what each drafts alone
     (greedy and seeded sampling)."""
     drafter = mtp_drafter(agreeing.model, agreeing.path)
-    prompts = [[5, 9, 77, 3], list(range(40, 61)), [200, 100]]
-    params = [
-        SamplingParams(max_tokens=8),
-        SamplingParams(max_tokens=8, temperature=0.8, seed=3),
-        SamplingParams(max_tokens=8),
-    ]
-    ks = [K, 2, 3]
-
-    def jobs() -> list[DraftJob]:
-        out = []
-        for prompt, p, k in zip(prompts, params, ks, strict=True):
-            state, tokens = primed_state(agreeing, drafter, prompt)
-            out.append(DraftJob(state, tokens, k, p, TokenRng.for_params(p).generator))
-        return out
-
-    alone = [drafter.propose([job])[0] for job in jobs()]
-    packed = drafter.propose(jobs())
-    for a, b, k in zip(alone, packed, ks, strict=True):
-        assert a.tokens == b.tokens and len(a.tokens) == k
-        assert (a.p_draft is None) == (b.p_draft is None)
-        if a.p_draft is not None and b.p_draft is not None:
-            assert (a.p_draft - b.p_draft).abs().max().item() < 1e-5
+    packed_propose_equals_alone(drafter, lambda p: primed_state(agreeing, drafter, p), K)
 
 
 def test_mtp_pre_norm_feed_recovers_residual_stream(agreeing: LoadedModel) -> None:

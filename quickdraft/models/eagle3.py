@@ -103,7 +103,7 @@ class Eagle3Config:
                 f"{where}: eagle_config.use_aux_hidden_state is false (an EAGLE-1/2-style head "
                 "that reads the last hidden state): only EAGLE-3 heads are supported"
             )
-        for scope in (raw, layer):
+        for scope in (raw,) if layer is raw else (raw, layer):
             _check_flags(scope, where)
         act = layer.get("hidden_act", "silu")
         if act != "silu":
@@ -252,7 +252,8 @@ class Eagle3Head(OperandModule):
         first = Eagle3Layer(lc, cfg.norm_before_residual, dtype, device)
         rest = [DecoderLayer(lc, i, dtype, device) for i in range(1, lc.num_hidden_layers)]
         self.layers = nn.ModuleList([first, *rest])
-        self.first, self.rest = first, rest  # the same modules, typed
+        # the same modules, typed; in lists, so that they are not registered a second time
+        self.typed: tuple[list[Eagle3Layer], list[DecoderLayer]] = ([first], rest)
         self.norm = RMSNorm(h, lc.rms_norm_eps, dtype, device)
         self.rope = Rope(lc.head_dim, lc.rope_theta, device)
         self.num_kv_heads, self.head_dim = lc.num_key_value_heads, lc.head_dim
@@ -322,8 +323,9 @@ class Eagle3Head(OperandModule):
         if images is not None:
             emb = emb.index_copy(0, images.rows, images.embeds.to(self.dtype))
         rope = self.rope.tables(positions, self.dtype)
-        h, residual = self.first.forward_residual(emb, g.to(self.dtype), rope, caches, num_new)
-        for layer in self.rest:
+        (first,), rest = self.typed
+        h, residual = first.forward_residual(emb, g.to(self.dtype), rope, caches, num_new)
+        for layer in rest:
             h, residual = layer.forward_residual(h, residual, rope, caches, num_new)
         pre, post = self.norm.add_forward(residual, h)  # [N, H] each
         logits = project(post[logit_rows], self.lm_head_weight).float()

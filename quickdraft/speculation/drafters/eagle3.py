@@ -108,14 +108,15 @@ class HeadTensors:
                     f"layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{parts[3]}",
                     heads.get(parts[2], 0),
                 )
-            self._add(name, file, partial(_gguf_tensor, t, rows))
-            self._canonical[t.name] = self._canonical.pop(name)
+            self._add(t.name, file, partial(_gguf_tensor, t, rows), name)
         return self, cfg
 
-    def _add(self, original: str, file: Path, read: Callable[[], Tensor]) -> None:
-        name = original.removeprefix("model.")
-        if name.startswith("midlayer."):  # the EAGLE repo's / SpecForge's one layer
-            name = "layers.0." + name.removeprefix("midlayer.")
+    def _add(self, original: str, file: Path, read: Callable[[], Tensor], name: str = "") -> None:
+        """Tensor `original` of `file`, under `name` (default: its Hugging Face name)."""
+        if not name:
+            name = original.removeprefix("model.")
+            if name.startswith("midlayer."):  # the EAGLE repo's / SpecForge's one layer
+                name = "layers.0." + name.removeprefix("midlayer.")
         self._where[name], self._read[name] = str(file), read
         self._canonical[original] = name
 
@@ -267,9 +268,13 @@ class Eagle3Drafter(MTPDrafter):
 
     def __init__(self, head: Eagle3Head, taps: tuple[int, ...]) -> None:
         super().__init__(head, None, "post_norm" if head.cfg.norm_output else "pre_norm")
-        self.eagle = head
         # the engine hands over layer outputs; a tap is the input of its layer
         self.hidden_layers = tuple(t - 1 for t in taps)
+
+    @property
+    def eagle(self) -> Eagle3Head:
+        """The head, typed (the MTP drafter holds it as a ChainHead)."""
+        return cast(Eagle3Head, self.head)
 
     def target_rows(self, rows: list[Tensor]) -> list[Tensor]:
         counts = [r.shape[0] for r in rows]
