@@ -66,9 +66,7 @@ def score(logits: np.ndarray, ids: list[int], start: int) -> np.ndarray:
 
 def llama_cpp(model: str, ids: list[int], threads: int) -> np.ndarray:
     peer = LlamaCpp(hub.gguf_file(model, progress=False), threads, len(ids), logits_all=True)
-    peer.llm.eval(ids)
-    logits = np.asarray(peer.llm.scores[: len(ids)], dtype=np.float32)
-    return score(logits, ids, 0)
+    return score(peer.prompt_logits(ids), ids, 0)
 
 
 def main() -> None:

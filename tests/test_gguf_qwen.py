@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from hybrid_models import copying_head, one_thread, randomize  # noqa: F401 (autouse fixture)
-from test_gguf_loader import PROMPT, all_logits
+from test_gguf_loader import PROMPT, all_logits, logits_agree_with_llama_cpp
 from torch import Tensor
 
 from quickdraft.config import SpeculativeConfig
@@ -351,6 +351,28 @@ def test_llama_cpp_quantized_file_runs_in_its_blocks(
             assert fast.output_ids == generate(native, ids, None, 48).output_ids, prompt
             accepted += fast.spec.accepted
         assert accepted > 0
+
+
+def test_mxfp4_experts_run_in_their_blocks(files: Files, llama_cpp: Any, tmp_path: Path) -> None:
+    """llama.cpp's MXFP4_MOE file type (gpt-oss's: the routed experts in MXFP4): the grouped
+    experts run those blocks natively, and the logits agree with llama.cpp's on the same file
+    and with the file dequantized."""
+    if files.arch not in MOE_ARCHS:
+        pytest.skip(f"{files.arch} has no experts")
+    from quickdraft.bench.peers import llama_cpp_quantize
+
+    path = tmp_path / f"{files.arch}-mxfp4.gguf"
+    llama_cpp_quantize(files.f32, path, "MXFP4_MOE", torch.get_num_threads())
+    native = load(str(path), "gguf", progress=False)
+    experts = [m for m in native.model.modules() if isinstance(m, Experts)]  # type: ignore[attr-defined]
+    formats = {p.fmt.name for m in experts for ws in m.operands or () for w in ws for p in w.parts}  # type: ignore[union-attr]
+    assert experts and formats == {"MXFP4"}, formats
+    ids = native.tokenizer.encode(PROMPT)
+    mine = all_logits(native, torch.tensor(ids))
+    logits_agree_with_llama_cpp(path, ids, mine)
+    deq = all_logits(load(str(path), "fp32", progress=False), torch.tensor(ids))
+    cos = torch.nn.functional.cosine_similarity(mine.float(), deq, dim=-1)
+    assert float(cos.min()) >= 0.98, cos  # the hybrids: the helper says why
 
 
 def test_gguf_weights_run_in_their_blocks(files: Files) -> None:

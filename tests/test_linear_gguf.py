@@ -47,9 +47,15 @@ FP16_FIELDS = {
     "Q4_K": (0, 2),
     "Q5_K": (0, 2),
     "Q6_K": (208,),
-    "Q2_K": (80, 82),  # no kernel: test_gguf_loader.py's unsupported-type file
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
     "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+    "MXFP4": (),  # an E8M0 exponent byte at 0 instead (E8M0_FIELDS)
+    "IQ2_XXS": (0,),  # no kernel: test_gguf_loader.py's unsupported-type file
+    "IQ3_S": (0,),  # no kernel either
 }
+E8M0_FIELDS = {"MXFP4": 0}
 # |d| per format for weights of roughly 0.05-0.1 (Q6_K's 1e-4 makes some d fp16 subnormals)
 SCALES = {
     "Q4_0": 0.02,
@@ -61,7 +67,12 @@ SCALES = {
     "Q5_K": 2.5e-4,
     "Q6_K": 1e-4,
     "Q2_K": 5e-3,
+    "Q3_K": 1e-3,
     "IQ4_NL": 1e-3,
+    "IQ4_XS": 5e-5,
+    "MXFP4": 2**-7,
+    "IQ2_XXS": 1e-3,
+    "IQ3_S": 1e-3,
 }
 NAMES = list(FORMATS)
 N, K = 37, 512  # N: a partial last panel; K: 2 super-blocks, 16 blocks of 32
@@ -78,6 +89,9 @@ def random_blocks(name: str, n: int, k: int, seed: int, scale: float | None = No
         size = rng.uniform(0.5, 1.5, (n, k // block)) * (scale or SCALES[name])
         d = (size * rng.choice([-1.0, 1.0], size.shape)).astype(np.float16)
         raw[..., at : at + 2] = d[..., None].view(np.uint8)
+    if name in E8M0_FIELDS:  # powers of two 2^(e - 128) around `scale`
+        e = 128 + np.log2(scale or SCALES[name]) + rng.integers(-2, 3, (n, k // block))
+        raw[..., E8M0_FIELDS[name]] = e.astype(np.uint8)
     return raw.reshape(n, -1)
 
 
@@ -193,6 +207,13 @@ def documented_u(name: str, packed: np.ndarray, row: int, col: int) -> int:
     blk = packed[p, b]
     if fmt.bits == 8:
         return int(blk[g * 512 + c * 64 + h * 32 + 4 * j + i])
+    if fmt.bits <= 3:  # a 2-bit plane of the low bits, then a 1-bit plane of the third
+        lb = int(blk[g * 128 + (c // 2) * 32 + 4 * j + i])
+        u = (lb >> (2 * (2 * (c % 2) + h))) & 3
+        if fmt.bits == 3:
+            hb = int(blk[16 * fmt.block // 4 + g * 64 + (c // 4) * 32 + 4 * j + i])
+            u |= ((hb >> (2 * (c % 4) + h)) & 1) << 2
+        return u
     u = (int(blk[g * 256 + c * 32 + 4 * j + i]) >> (4 * h)) & 15
     low = 16 * fmt.block // 2  # bytes of 4-bit low parts per panel block
     if fmt.bits == 5:
@@ -216,8 +237,9 @@ def test_panel_layout_is_the_documented_one(name: str) -> None:
     as_np = packed.numpy()
     got = np.array([[documented_u(name, as_np, r, c) for c in range(256)] for r in range(20)])
     assert np.array_equal(got, parts.u.astype(np.int64))
-    d_at = fmt.panel_block_bytes() - 32 * (2 if fmt.has_dm else 1)
-    d = packed[..., d_at : d_at + 32].contiguous().view(torch.float16)  # [P, blocks, 16]
+    width, kind = (16, torch.uint8) if fmt.e8m0 else (32, torch.float16)
+    d_at = fmt.panel_block_bytes() - width * (2 if fmt.has_dm else 1)
+    d = packed[..., d_at : d_at + width].contiguous().view(kind)  # [P, blocks, 16]
     ours = d.permute(0, 2, 1).reshape(32, -1)[:20]
     assert torch.equal(ours, torch.from_numpy(parts.d))
 
@@ -231,8 +253,8 @@ def test_from_raw_in_slices_equals_one_pack() -> None:
 
 
 def test_weight_errors_name_the_problem() -> None:
-    with pytest.raises(ValueError, match="Q2_K has no kernel"):
-        GGUFWeight.from_raw("Q2_K", random_blocks("Q2_K", 16, 256, seed=0), 256)
+    with pytest.raises(ValueError, match="IQ2_XXS has no kernel"):
+        GGUFWeight.from_raw("IQ2_XXS", random_blocks("IQ2_XXS", 16, 256, seed=0), 256)
     a = GGUFWeight.from_raw("Q8_0", random_blocks("Q8_0", 16, 256, seed=0), 256)
     b = GGUFWeight.from_raw("Q8_0", random_blocks("Q8_0", 16, 512, seed=0), 512)
     with pytest.raises(ValueError, match="one in_features"):
@@ -380,6 +402,47 @@ def test_wide_tile_q4_k_at_its_largest_sums_keeps_the_bits(wide: str) -> None:
         for a, b in zip(*outs, strict=True):
             assert torch.equal(a, b)
             torch.testing.assert_close(a, w.reference_linear(x[: a.shape[0]]), rtol=1e-5, atol=0)
+
+
+# every quant and scale byte at the value that makes the format's integer sums largest:
+# Q2_K u 3, sc and m 15; Q3_K u 7, sc 31; IQ4 index 0 (-127), IQ4_XS's ls 0 (sc -32); MXFP4
+# index 7 (12)
+EXTREME_BYTES = {"Q2_K": 0xFF, "Q3_K": 0xFF, "IQ4_NL": 0x00, "IQ4_XS": 0x00, "MXFP4": 0x77}
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", list(EXTREME_BYTES))
+def test_new_formats_at_their_largest_sums_keep_the_bits(name: str) -> None:
+    """The 16-bit runs each tile adds before widening (IQ4: one quad, |v| 127 x 127 a pair;
+    MXFP4: eight; Q2_K / Q3_K: a sub-block's four) at the format's extremes, activations
+    +-127 after quantization: every tile gives the reference's values and the same bits."""
+    needs_extension()
+    ext = build.extension()
+    n, k = 32, 1024
+    raw = np.full((n, k), EXTREME_BYTES[name], np.uint8)
+    fmt = FORMATS[name]
+    raw = raw[:, : k // fmt.block * fmt.block_bytes].reshape(n, k // fmt.block, -1)
+    if fmt.e8m0:
+        raw[..., 0] = 120
+    else:
+        for at in FP16_FIELDS[name]:
+            raw[..., at : at + 2] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+    if name == "IQ4_XS":  # ls 0 in every sub-block: scales_h and scales_l zero
+        raw[..., 2:8] = 0
+    w = GGUFWeight.from_raw(name, raw.reshape(n, -1), k)
+    for sign in (1.0, -1.0):
+        x = sign * torch.linspace(0.995, 1.0, k).repeat(16, 1)  # quantizes to +-127
+        outs = []
+        try:
+            for tile in cpu_tiles():
+                ext.gguf_isa(TILES[tile])
+                outs.append([linear_gguf(x[:m], w) for m in (1, 6, 16)])
+        finally:
+            ext.gguf_isa(-1)
+        for same in zip(*outs, strict=True):
+            assert all(torch.equal(same[0], o) for o in same[1:])
+            ref = w.reference_linear(x[: same[0].shape[0]])
+            torch.testing.assert_close(same[0], ref, rtol=1e-5, atol=0)
 
 
 @needs_kernel

@@ -23,9 +23,11 @@ from quickdraft.models.moe import RoutedMoE, SparseMoE, route
 pytestmark = [pytest.mark.usefixtures("kernels_enabled"), needs_kernel]
 
 H, INTER, E = 512, 256, 6  # hidden, expert width (one super-block each), experts
-# (gate, up, down) formats: a Q4_K_M file's experts, Q5_K_M's, a Q4_0 file's, a Q8_0 file's
+# (gate, up, down) formats: a Q4_K_M file's experts, Q5_K_M's, a Q4_0 file's, a Q8_0 file's,
+# gpt-oss's MXFP4, unsloth's low-bit dynamic mixes
 MIXES = [("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q5_K", "Q6_K"), ("Q4_0", "Q4_0", "Q4_0")]
-MIXES.append(("Q8_0", "Q8_0", "Q8_0"))
+MIXES += [("Q8_0", "Q8_0", "Q8_0"), ("MXFP4", "MXFP4", "MXFP4")]
+MIXES += [("Q2_K", "Q2_K", "Q3_K"), ("IQ4_XS", "IQ4_XS", "IQ4_NL")]
 
 
 @functools.cache

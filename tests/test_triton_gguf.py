@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(
     not triton_ops.installed(), reason="needs triton (CUDA torch wheels ship it)"
 )
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-NAMES = list(FORMATS)
+NAMES = sorted(triton_gguf.DEVICE_FORMATS, key=list(FORMATS).index)
 
 
 def weight(name: str, n: int, k: int, seed: int = 0) -> tuple[GGUFWeight, np.ndarray]:
@@ -211,6 +211,35 @@ def test_model_on_the_device_layout_gives_the_cpu_logits(
         step = net(ids[18 + j : 19 + j], [cache], [1]).logits[-1].cpu()
         cache.commit(19 + j)
         assert torch.equal(step, got[j]), f"row {j}"
+
+
+def test_formats_without_a_device_kernel_are_dequantized_on_the_device(
+    home: Path, tmp_path: Path
+) -> None:
+    """A file whose down projection is IQ4_XS and table Q3_K (formats the CPU kernels run but
+    the device layout does not take): those operands move as their exact values in bf16, the
+    others keep the device layout, and the logits stay the CPU kernels'; the device layout
+    itself refuses the format by name."""
+    types = {**TYPES["qwen2"], "ffn_down": "IQ4_XS", "token_embd": "Q3_K"}
+    gguf_file = write_tiny_gguf(tmp_path / "tiny-iq.gguf", "qwen2", types)
+    lm = load(str(gguf_file), "gguf", progress=False)
+    cpu, dev = moved(lm.path)
+    down_cpu = cpu.model.layers[0].mlp.down
+    assert isinstance(down_cpu, GGUFWeight) and down_cpu.parts[0].fmt.name == "IQ4_XS"
+    with pytest.raises(ValueError, match="IQ4_XS has no GPU kernel"):
+        triton_gguf.to_device(down_cpu, DEVICE)
+    down = dev.model.layers[0].mlp.down
+    assert isinstance(down, torch.Tensor) and down.dtype == torch.bfloat16
+    assert torch.equal(down.cpu(), down_cpu.dequantize(torch.bfloat16))
+    assert isinstance(dev.model.layers[0].self_attn.qkv, triton_gguf.DeviceGGUFWeight)
+    assert not isinstance(dev.model.embed_tokens, triton_gguf.DeviceGGUFEmbedding)
+    ids = torch.tensor(lm.tokenizer.encode(PROMPT))[:12]
+    want = GraphModel(cpu, graphs=False, fused=True)
+    got = GraphModel(dev, graphs=False, fused=True)
+    a, b = want.new_cache(32), got.new_cache(32)
+    ref = want(ids, [a], [12], torch.arange(12)).logits
+    out = got(ids.to(DEVICE), [b], [12], torch.arange(12, device=DEVICE)).logits.cpu()
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
 
 
 def test_random_q4_k_m_model_runs_and_rows_equal_steps(tiny_model_dir: Path) -> None:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 PEERS = ("llama.cpp",)
 
 
@@ -50,6 +52,13 @@ class LlamaCpp:
             verbose=False,
         )
         self.version: str = llama_cpp.__version__
+
+    def prompt_logits(self, ids: list[int]) -> np.ndarray:
+        """[len(ids), vocab] fp32 logits of every prompt position, one evaluation from an empty
+        context (needs logits_all=True)."""
+        self.llm.reset()
+        self.llm.eval(ids)
+        return np.asarray(self.llm.scores[: len(ids)], dtype=np.float32)
 
     def generate(self, prompt_ids: list[int], max_tokens: int, eos: tuple[int, ...]) -> PeerRun:
         llm = self.llm

@@ -1,5 +1,5 @@
-// Small-M linear over a GGUF file's own quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
-// Q5_K, Q6_K), repacked exactly into 16-row panels, with int8 activations, for AVX2 CPUs.
+// Small-M linear over a GGUF file's own quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL,
+// MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS), repacked exactly into 16-row panels, with int8 activations, for AVX2 CPUs.
 // kernels/linear_gguf.py owns the contract, the layout and the reference; in short, per block
 // b (32 or 256 values) of row n and token t:
 //   y[t, n] += d dx[t,b] * sum_s sc[s] dot_s(u, xq[t])  -  dm dx[t,b] * sum_s m[s] bsum[t,s]
@@ -12,7 +12,9 @@
 // 8 rows one vpmaddubsw (u unsigned < 64 x int8 activations, pairs < 2^15) and one vpmaddwd
 // whose second operand is the row's sub-block scale (K-quants) or 1, so the scales cost no
 // extra multiply; the mins and Q4_0/Q5_0/Q6_K's offsets go through per-sub-block activation
-// sums, once per block. Q8_0 (signed) uses |q| x sign(x, q), as llama.cpp's AVX2 path does.
+// sums, once per block. Q8_0 (signed) uses |q| x sign(x, q), as llama.cpp's AVX2 path does; the
+// non-linear formats (IQ4_NL, IQ4_XS, MXFP4) look their 4-bit indices up in a 16-byte table
+// (vpshufb) and go the same signed way.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -62,17 +64,49 @@ inline void static_for(Fn&& fn) {
   static_for_impl<N>(fn, std::make_integer_sequence<int, N>{});
 }
 
-// The unsigned values of quad C of group g, rows 0-7 (u[0]) and 8-15 (u[1]), for 4-6 bits.
+// 8 rows' d (or dm) of a panel block as fp32: fp16, or MXFP4's E8M0 bytes as 2^(e - 128) (bits
+// (e - 1) << 23 for e >= 2, the subnormals 0x00200000 << e below, as ggml_e8m0_to_fp32_half).
+template <int F>
+inline __m256 load_d8(const uint8_t* p) {
+  if constexpr (Traits<F>::kE8) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(
+        _mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+  } else {
+    return load_f16x8(p);
+  }
+}
+
+// The unsigned values (or table indices) of quad C of group g, rows 0-7 (u[0]) and 8-15 (u[1]).
 template <int F, int C>
 inline void unpack_quad(const uint8_t* wb, int g, __m256i u[2]) {
   using Tr = Traits<F>;
+  if constexpr (Tr::kBits <= 3) {  // bits 2k, 2k + 1 of vector C / 2, k = 2 (C % 2) + h
+    const __m256i lb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 128 + (C / 2) * 32));
+    static_for<2>([&](auto h) {
+      constexpr int k = 2 * (C % 2) + decltype(h)::value;
+      u[h] = _mm256_and_si256(_mm256_srli_epi16(lb, 2 * k), _mm256_set1_epi8(3));
+    });
+    if constexpr (Tr::kBits == 3) {  // bit 2 (C % 4) + h of the 1-bit plane's vector C / 4
+      const __m256i hb = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(wb + Tr::kLow + g * 64 + (C / 4) * 32));
+      static_for<2>([&](auto h) {
+        constexpr int k = 2 * (C % 4) + decltype(h)::value;
+        const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(hb, k), _mm256_set1_epi8(1));
+        u[h] = _mm256_or_si256(u[h], _mm256_slli_epi16(bit, 2));
+      });
+    }
+    return;
+  }
   const __m256i low4 = _mm256_set1_epi8(0x0f);
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 256 + C * 32));
   u[0] = _mm256_and_si256(v, low4);
   u[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
   if constexpr (Tr::kBits == 5) {  // bit 2 (C % 4) + h of vector C / 4 -> bit 4
     const __m256i hb = _mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(wb + Tr::kQuant + g * 64 + (C / 4) * 32));
+        reinterpret_cast<const __m256i*>(wb + Tr::kLow + g * 64 + (C / 4) * 32));
     const __m256i bit4 = _mm256_set1_epi8(0x10);
     static_for<2>([&](auto h) {
       constexpr int k = 2 * (C % 4) + decltype(h)::value;
@@ -87,7 +121,7 @@ inline void unpack_quad(const uint8_t* wb, int g, __m256i u[2]) {
     });
   } else if constexpr (Tr::kBits == 6) {  // bits 2k, 2k + 1 of vector C / 2 -> bits 4, 5
     const __m256i hb = _mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(wb + Tr::kQuant + g * 128 + (C / 2) * 32));
+        reinterpret_cast<const __m256i*>(wb + Tr::kLow + g * 128 + (C / 2) * 32));
     const __m256i bits45 = _mm256_set1_epi8(0x30);
     static_for<2>([&](auto h) {
       constexpr int k = 2 * (C % 2) + decltype(h)::value;
@@ -113,9 +147,17 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
   using Tr = Traits<F>;
   constexpr int kSubs = Tr::kBlock / Tr::kSub;  // sub-blocks per block
   // quads whose vpmaddubsw pairs add up in 16 bits before one vpmaddwd: a pair is at most
-  // 2 * (2^bits - 1) * 127, so 8 / 4 / 2 of them fit in int16 for 4 / 5 / 6 bits
-  constexpr int kRun = Tr::kBits == 4 ? 8 : Tr::kBits == 5 ? 4 : 2;
+  // 2 * max|v| * 127, so 8 / 4 / 2 of them fit in int16 for 4 / 5 / 6 bits (and MXFP4's |v| <=
+  // 12), one for IQ4's |v| <= 127; 2-3 bits: 4, a 16-value sub-block's quads
+  constexpr int kRun = F == kIQ4_NL || F == kIQ4_XS ? 1
+                       : Tr::kBits == 4             ? 8
+                       : Tr::kBits == 6             ? 2
+                                                    : 4;
   const __m256i ones = _mm256_set1_epi16(1);
+  __m256i tbl = _mm256_setzero_si256();
+  if constexpr (Tr::kTable)
+    tbl = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(table_values<F>())));
   if (init) std::fill(acc, acc + T * kPanel, 0.0f);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = w + b * Tr::kBytes;
@@ -151,12 +193,18 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
             s[t][1] = _mm256_add_epi32(s[t][1], _mm256_madd_epi16(p1, ones));
           });
         } else {
-          __m256i u[2];
+          __m256i u[2], v[2];
           unpack_quad<F, C>(wb, g, u);
+          if constexpr (Tr::kTable)  // signed values: |v| x sign(x, v), as Q8_0
+            static_for<2>([&](auto h) {
+              v[h] = _mm256_shuffle_epi8(tbl, u[h]);
+              u[h] = _mm256_sign_epi8(v[h], v[h]);
+            });
           static_for<T>([&](auto t) {
             const __m256i xb = bcast32(xg + t * ldx + C * 4);
             static_for<2>([&](auto h) {
-              const __m256i p = _mm256_maddubs_epi16(u[h], xb);
+              const __m256i p =
+                  _mm256_maddubs_epi16(u[h], Tr::kTable ? _mm256_sign_epi8(xb, v[h]) : xb);
               p16[t][h] = C % kRun == 0 ? p : _mm256_add_epi16(p16[t][h], p);
               if constexpr (C % kRun == kRun - 1)  // flush the run: times the scale, to 32 bits
                 s[t][h] = _mm256_add_epi32(s[t][h], _mm256_madd_epi16(p16[t][h], mul[C / 4][h]));
@@ -168,14 +216,14 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
     // mins / offsets, then the block's fp32 terms
     __m256 d[2], dm[2];
     static_for<2>([&](auto h) {
-      d[h] = load_f16x8(wb + Tr::kDOff + 16 * h);
-      dm[h] = Tr::kHasDm ? load_f16x8(wb + Tr::kDOff + 2 * kPanel + 16 * h) : d[h];
+      d[h] = load_d8<F>(wb + Tr::kDOff + 8 * Tr::kDBytes * h);
+      dm[h] = Tr::kHasDm ? load_d8<F>(wb + Tr::kDOff + Tr::kDBytes * (kPanel + 8 * h)) : d[h];
     });
     static_for<T>([&](auto t) {
       const float dxt = dx[t * ldd + b];
       const int16_t* bst = bs + t * ldb + b * kSubs;
       __m256i msum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-      if constexpr (Tr::kK) {  // sum_s m[s] bsum[s] per row, m in pairs of sub-blocks
+      if constexpr (Tr::kK && !Tr::kTable) {  // sum_s m[s] bsum[s] per row, m in pairs of subs
         const int8_t* mm = Tr::kHasM ? reinterpret_cast<const int8_t*>(wb + Tr::kMOff) : sc;
         static_for<kSubs / 2>([&](auto i) {
           const __m256i xb = bcast32(bst + 2 * i);
@@ -184,9 +232,9 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
             msum[h] = _mm256_add_epi32(msum[h], _mm256_madd_epi16(mv, xb));
           });
         });
-        if constexpr (F == kQ6_K)  // m = 32 sc
-          static_for<2>([&](auto h) { msum[h] = _mm256_slli_epi32(msum[h], 5); });
-      } else if constexpr (F != kQ8_0) {
+        if constexpr (Tr::kMScShift > 0)  // m = 32 sc (Q6_K), 4 sc (Q3_K)
+          static_for<2>([&](auto h) { msum[h] = _mm256_slli_epi32(msum[h], Tr::kMScShift); });
+      } else if constexpr (Tr::kMConst != 0) {
         msum[0] = msum[1] = _mm256_set1_epi32(Tr::kMConst * static_cast<int32_t>(bst[0]));
       }
       float* a = acc + t * kPanel;
@@ -230,6 +278,11 @@ TileFn tile_for(int f, int T) {
     case kQ4_K: return pick_tile<kQ4_K>(T);
     case kQ5_K: return pick_tile<kQ5_K>(T);
     case kQ6_K: return pick_tile<kQ6_K>(T);
+    case kQ2_K: return pick_tile<kQ2_K>(T);
+    case kQ3_K: return pick_tile<kQ3_K>(T);
+    case kIQ4_NL: return pick_tile<kIQ4_NL>(T);
+    case kIQ4_XS: return pick_tile<kIQ4_XS>(T);
+    case kMXFP4: return pick_tile<kMXFP4>(T);
   }
   TORCH_CHECK(false, "quickdraft linear_gguf: unknown format ", f);
 }
@@ -314,9 +367,10 @@ Acts quantize(const at::Tensor& x2, int block, float* buf) {
 void part_panels(const Acts& a, int64_t M, int64_t K, int f, const uint8_t* packed, int64_t n,
                  const qd_panel::Epilogue& e, int64_t p0, int64_t p1) {
   const int block = block_size(f);
-  const int16_t* bs = f == kQ6_K ? a.bs16 : a.bs32;
-  const int64_t ldb = f == kQ6_K ? K / 16 : K / 32;
-  const int64_t subs = block / (f == kQ6_K ? 16 : 32);
+  const int sub = sub_size(f);
+  const int16_t* bs = sub == 16 ? a.bs16 : a.bs32;
+  const int64_t ldb = K / sub;
+  const int64_t subs = block / sub;
   const int64_t G = K / block;  // blocks per row
   const int64_t bytes = block_bytes(f);
   const bool wide = use_avx512();

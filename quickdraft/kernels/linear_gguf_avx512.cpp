@@ -7,7 +7,8 @@
 // and one vpdpbusd per token adds the 64 products into the rows' int32 sums (AVX2 needs
 // vpmaddubsw + vpmaddwd + vpaddd per 8 rows); sub-block scales multiply each 16- or 32-column
 // run's sums once. Q8_0's signed weights go in as q + 128 (vpdpbusd takes unsigned weights),
-// and 128 * sum(x) comes off with the other offsets. Q4_K scales its runs in fp32 instead of
+// and 128 * sum(x) comes off with the other offsets; so do the non-linear formats' table values
+// (IQ4_NL, IQ4_XS, MXFP4: v(u) + 128 looked up by vpshufb), 128 * sc * sum(x) per sub-block. Q4_K scales its runs in fp32 instead of
 // vpmulld (vpdpbusd and vpmulld share port 0 on these cores; converting and an FMA leave it one
 // uop sooner): every product and each half block's sum is an integer below 2^24, so exact, and
 // the halves' one rounded sum is the int32 sum converted, bit for bit (4-6 % less time per
@@ -60,21 +61,51 @@ inline __m512i halves(int lo, int hi) {  // 16-bit lanes: lo in the low 256 bits
                             _mm256_set1_epi16(static_cast<int16_t>(hi)), 1);
 }
 
-// Quad C of group g as 64 unsigned bytes: lane j (4 bytes) = row j's 4 values.
+// 16 rows' d (or dm) of a panel block as fp32: fp16, or MXFP4's E8M0 bytes as 2^(e - 128)
+// (linear_gguf.cpp's load_d8, 16 wide).
+template <int F>
+inline __m512 load_d16(const uint8_t* p) {
+  if constexpr (Traits<F>::kE8) {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    const __mmask16 small = _mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2));
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(small, normal, tiny));
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+}
+
+// Quad C of group g as 64 unsigned bytes: lane j (4 bytes) = row j's 4 values (the table
+// formats: v(u) + 128).
 template <int F, int C>
-inline __m512i unpack_quad(const uint8_t* wb, int g) {
+inline __m512i unpack_quad(const uint8_t* wb, int g, __m512i tbl) {
   using Tr = Traits<F>;
   if constexpr (Tr::kBits == 8) {  // signed q -> q + 128
     const __m512i v = _mm512_loadu_si512(wb + g * 512 + C * 64);
     return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else if constexpr (Tr::kBits <= 3) {  // bits 2k, 2k + 1 of vector C / 2, k = 2 (C % 2) + h
+    const __m512i lb = _mm512_broadcast_i64x4(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 128 + (C / 2) * 32)));
+    constexpr int k0 = 2 * (C % 2), k1 = k0 + 1;
+    __m512i u = _mm512_and_si512(_mm512_srlv_epi16(lb, halves(2 * k0, 2 * k1)), _mm512_set1_epi8(3));
+    if constexpr (Tr::kBits == 3) {  // bit 2 (C % 4) + h of the 1-bit plane's vector C / 4
+      const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(wb + Tr::kLow + g * 64 + (C / 4) * 32)));
+      constexpr int j0 = 2 * (C % 4), j1 = j0 + 1;
+      const __m512i bit = _mm512_and_si512(_mm512_srlv_epi16(hb, halves(j0, j1)), _mm512_set1_epi8(1));
+      u = _mm512_or_si512(u, _mm512_slli_epi16(bit, 2));
+    }
+    return u;
   } else {
     const __m512i v = _mm512_broadcast_i64x4(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 256 + C * 32)));
     __m512i u = _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFFFF0000u, v, 4),
                                  _mm512_set1_epi8(0x0f));
+    if constexpr (Tr::kTable) return _mm512_shuffle_epi8(tbl, u);
     if constexpr (Tr::kBits == 5) {  // bit 2 (C % 4) + h of vector C / 4 -> bit 4, per half h
       const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(wb + Tr::kQuant + g * 64 + (C / 4) * 32)));
+          reinterpret_cast<const __m256i*>(wb + Tr::kLow + g * 64 + (C / 4) * 32)));
       constexpr int k0 = 2 * (C % 4), k1 = k0 + 1;
       __m512i t;
       if constexpr (k1 <= 4)
@@ -84,7 +115,7 @@ inline __m512i unpack_quad(const uint8_t* wb, int g) {
       u = _mm512_or_si512(u, _mm512_and_si512(t, _mm512_set1_epi8(0x10)));
     } else if constexpr (Tr::kBits == 6) {  // bits 2k, 2k + 1 of vector C / 2 -> bits 4, 5
       const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(wb + Tr::kQuant + g * 128 + (C / 2) * 32)));
+          reinterpret_cast<const __m256i*>(wb + Tr::kLow + g * 128 + (C / 2) * 32)));
       constexpr int k0 = 2 * (C % 2), k1 = k0 + 1;
       __m512i t;
       if constexpr (k1 <= 2)
@@ -103,6 +134,12 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
   using Tr = Traits<F>;
   constexpr int kSubs = Tr::kBlock / Tr::kSub;
   constexpr int kRun = Tr::kSub / 4;  // quads per sub-block
+  __m512i tbl = _mm512_setzero_si512();
+  if constexpr (Tr::kTable) {  // v(u) + 128 as bytes, in every 128-bit lane
+    alignas(16) uint8_t lifted[16];
+    for (int i = 0; i < 16; ++i) lifted[i] = static_cast<uint8_t>(table_values<F>()[i] + 128);
+    tbl = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(lifted)));
+  }
   if (init)
     for (int i = 0; i < T * kPanel; ++i) acc[i] = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
@@ -134,7 +171,7 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
           });
       static_for<8>([&](auto c) {
         constexpr int C = decltype(c)::value;
-        const __m512i u = unpack_quad<F, C>(wb, g);
+        const __m512i u = unpack_quad<F, C>(wb, g, tbl);
         static_for<T>([&](auto t) {
           const __m512i xb = bcast32(xg + t * ldx + C * 4);
           if constexpr (F == kQ4_K) {
@@ -153,10 +190,8 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
         });
       });
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + Tr::kDOff)));
-    const __m512 dm = Tr::kHasDm ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                       wb + Tr::kDOff + 2 * kPanel)))
-                                 : d;
+    const __m512 d = load_d16<F>(wb + Tr::kDOff);
+    const __m512 dm = Tr::kHasDm ? load_d16<F>(wb + Tr::kDOff + Tr::kDBytes * kPanel) : d;
     static_for<T>([&](auto t) {
       const int16_t* bst = bs + t * ldb + b * kSubs;
       __m512i msum = _mm512_setzero_si512();
@@ -166,9 +201,11 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
           const __m512i mv = pair16(mm + 2 * i * kPanel, mm + (2 * i + 1) * kPanel);
           msum = _mm512_dpwssd_epi32(msum, mv, bcast32(bst + 2 * i));
         });
-        if constexpr (F == kQ6_K) msum = _mm512_slli_epi32(msum, 5);  // m = 32 sc
-      } else {  // Q8_0's q + 128 brings 128 sum(x) to take off
-        constexpr int m = F == kQ8_0 ? 128 : Tr::kMConst;
+        if constexpr (Tr::kMScShift > 0)  // m = 32 sc (Q6_K), 4 sc (Q3_K)
+          msum = _mm512_slli_epi32(msum, Tr::kMScShift);
+        if constexpr (Tr::kTable) msum = _mm512_slli_epi32(msum, 7);  // IQ4_XS: 128 sc
+      } else {  // Q8_0's q + 128 (and the tables' v + 128) bring 128 sum(x) to take off
+        constexpr int m = F == kQ8_0 || Tr::kTable ? 128 : Tr::kMConst;
         msum = _mm512_set1_epi32(m * static_cast<int32_t>(bst[0]));
       }
       float* a = acc + t * kPanel;
@@ -220,6 +257,11 @@ void tile_avx512(int fmt, int T, const uint8_t* w, int64_t nb, const int8_t* xq,
     case kQ4_K: fn = pick<kQ4_K>(T); break;
     case kQ5_K: fn = pick<kQ5_K>(T); break;
     case kQ6_K: fn = pick<kQ6_K>(T); break;
+    case kQ2_K: fn = pick<kQ2_K>(T); break;
+    case kQ3_K: fn = pick<kQ3_K>(T); break;
+    case kIQ4_NL: fn = pick<kIQ4_NL>(T); break;
+    case kIQ4_XS: fn = pick<kIQ4_XS>(T); break;
+    case kMXFP4: fn = pick<kMXFP4>(T); break;
     default: return;
   }
   fn(w, nb, xq, ldx, dx, ldd, bs, ldb, acc, init, pf);

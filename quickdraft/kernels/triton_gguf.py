@@ -47,6 +47,9 @@ from quickdraft.kernels.linear_gguf import (
 )
 
 CHUNK = 64  # values per q load: two 32-value dot operands
+# the formats the device layout and its kernels take; the others (Q2_K, Q3_K, IQ4_NL, IQ4_XS,
+# MXFP4) run on the CPU kernels, and gguf_gpu.py dequantizes them to bf16 on a GPU
+DEVICE_FORMATS = frozenset(("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +112,8 @@ class DeviceGGUFWeight(RowParts):
 
 def _layout(fmt: Format, p: Parts, device: torch.device | str) -> DeviceGGUFPart:
     """One part's device layout (module docstring) from its parts."""
+    if fmt.name not in DEVICE_FORMATS:
+        raise ValueError(f"{fmt.name} has no GPU kernel (GPU formats: {', '.join(DEVICE_FORMATS)})")
     n, k = p.u.shape
     kp = -(-k // CHUNK) * CHUNK
     u = torch.from_numpy(p.u)
@@ -192,6 +197,8 @@ def random_weight(
     model's shapes and formats without writing gigabytes of GGUF on a host with no weights):
     any bits, small sub-block scales and mins, d ~ 1e-3."""
     fmt = FORMATS[fmt_name]
+    if fmt_name not in DEVICE_FORMATS:
+        raise ValueError(f"{fmt_name} has no GPU kernel (GPU formats: {', '.join(DEVICE_FORMATS)})")
     if k % fmt.block:
         raise ValueError(f"{fmt_name} takes K % {fmt.block} == 0, not {k}")
     g = torch.Generator(device=device).manual_seed(seed)

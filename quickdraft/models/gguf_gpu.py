@@ -12,7 +12,7 @@ from torch import Tensor
 
 from quickdraft.kernels import triton_gguf
 from quickdraft.kernels.linear_bf16 import PanelWeight
-from quickdraft.kernels.linear_gguf import FORMATS, GGUFWeight
+from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.kernels.triton_gguf import DeviceGGUFEmbedding
 from quickdraft.models.layers import GGUFEmbedding, OperandModule, release_fused_
 from quickdraft.models.llama import CausalLM, Embedding
@@ -24,6 +24,12 @@ def runs_on_device(model_class: type, cfg: object) -> bool:
     hybrid) are dequantized to bf16 there."""
     moe = getattr(cfg, "moe_layers", None)
     return model_class is CausalLM and not (moe and any(moe))
+
+
+def on_device(w: GGUFWeight) -> bool:
+    """Whether every part of `w` is in a format the GPU kernels take (the others, Q2_K, Q3_K,
+    IQ4_NL, IQ4_XS, MXFP4, are dequantized to bf16 there)."""
+    return all(p.fmt.name in triton_gguf.DEVICE_FORMATS for p in w.parts)
 
 
 def _same(a: GGUFWeight, b: GGUFWeight) -> bool:
@@ -49,7 +55,9 @@ def to_device_(model: CausalLM, device: torch.device | str) -> CausalLM:
             continue
         for name in module.OPERANDS:
             w = getattr(module, name)
-            if isinstance(w, GGUFWeight):
+            if isinstance(w, GGUFWeight) and not on_device(w):  # dequantized once, bf16
+                setattr(module, name, w.dequantize(torch.bfloat16).to(device))
+            elif isinstance(w, GGUFWeight):
                 if id(w) not in moved:
                     moved[id(w)] = triton_gguf.to_device(w, device)
                 setattr(module, name, moved[id(w)])
@@ -67,9 +75,9 @@ def to_device_(model: CausalLM, device: torch.device | str) -> CausalLM:
                 setattr(module, name, value.to(device))
     if isinstance(emb, GGUFEmbedding):
         table: Embedding | DeviceGGUFEmbedding
-        if emb.qtype.name in FORMATS:
+        if emb.qtype.name in triton_gguf.DEVICE_FORMATS:
             cpu = GGUFWeight.from_raw(emb.qtype.name, emb.raw, emb.dim)
-            if isinstance(head_cpu, GGUFWeight) and _same(cpu, head_cpu):
+            if isinstance(head_cpu, GGUFWeight) and on_device(head_cpu) and _same(cpu, head_cpu):
                 weight = moved[id(head_cpu)]  # tied: one copy serves both
             else:
                 weight = triton_gguf.to_device(cpu, device)
