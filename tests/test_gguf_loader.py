@@ -11,6 +11,7 @@ and on F32 files the greedy tokens equal llama.cpp's (the `peers` extra)."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import re
@@ -531,6 +532,53 @@ def test_llama_cpp_quantized_low_bit_files_run_in_their_blocks(
     deq = all_logits(load(str(path), "fp32", progress=False), torch.tensor(ids))
     cos = torch.nn.functional.cosine_similarity(mine.float(), deq, dim=-1)
     assert float(cos.min()) >= 0.995, cos
+
+
+# one file, ten formats: every block format a fused q/k/v or gate/up may join, the table in
+# IQ4_XS, F32 norms and biases
+TEN_FORMATS = dict(
+    token_embd="IQ4_XS",
+    output="Q6_K",
+    attn_q="Q3_K",
+    attn_k="IQ4_NL",
+    attn_v="MXFP4",
+    attn_output="Q2_K",
+    ffn_gate="Q4_K",
+    ffn_up="Q5_K",
+    ffn_down="Q8_0",
+)
+
+
+def test_a_file_mixing_ten_formats_loads_natively(home: Path, tmp_path: Path) -> None:
+    """Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, IQ4_NL, IQ4_XS, MXFP4 and F32 in one file, q/k/v
+    joining three of them: every projection runs in its blocks, the logits agree with the
+    dequantized file and with llama.cpp's, and a verify's rows equal its decode steps."""
+    path = write_tiny_gguf(tmp_path / "ten.gguf", "qwen2", TEN_FORMATS, seed=5)
+    native = load(str(path), "gguf", progress=False)
+    net: Any = native.model
+    qkv = net.model.layers[0].self_attn.qkv
+    assert isinstance(qkv, GGUFWeight)
+    assert [p.fmt.name for p in qkv.parts] == ["Q3_K", "IQ4_NL", "MXFP4"]
+    assert isinstance(net.head, GGUFWeight)
+    ids = native.tokenizer.encode(PROMPT)
+    mine = all_logits(native, torch.tensor(ids))
+    deq = all_logits(load(str(path), "fp32", progress=False), torch.tensor(ids))
+    cos = torch.nn.functional.cosine_similarity(mine.float(), deq, dim=-1)
+    assert float(cos.min()) >= 0.995, cos
+    steps = []
+    cache = net.new_cache(64)
+    net(torch.tensor(ids[:8]), [cache], [8])
+    cache.commit(8)
+    for j in range(4):
+        steps.append(net(torch.tensor(ids[8 + j : 9 + j]), [cache], [1]).logits[-1])
+        cache.commit(9 + j)
+    verify = net.new_cache(64)
+    net(torch.tensor(ids[:8]), [verify], [8])
+    verify.commit(8)
+    rows = net(torch.tensor(ids[8:12]), [verify], [4], logit_rows=torch.arange(4)).logits
+    assert all(torch.equal(rows[j], steps[j]) for j in range(4))
+    if importlib.util.find_spec("llama_cpp") is not None:
+        logits_agree_with_llama_cpp(path, ids, mine)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
