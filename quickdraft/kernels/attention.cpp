@@ -7,7 +7,9 @@
 //   query i (at position p = start + i) of head h attends to keys lo .. p of kv head
 //   h / (H / Hkv), lo = 0 (window 0) or max(0, p - window + 1) (a sliding-window layer),
 //   softmax(scale * q.k) weighted sum of v; q, k, v all bf16 or all fp32, any strides with a
-//   contiguous last dim; output in q's dtype. fp32 math, one rounding.
+//   contiguous last dim; output in q's dtype. fp32 math, one rounding. With `sinks` (fp32 [H],
+//   gpt-oss's learned per-head logits) each head's softmax also counts one key of score
+//   sinks[h] and value 0: the denominator gains exp(sinks[h] - max).
 //
 // Why: torch's SDPA costs ~0.25 ms per layer for one query row here (dispatch, threading and
 // its flash-kernel setup for a few KFLOP), and with the causal mask a verify needs, ~0.55 ms
@@ -144,15 +146,18 @@ void score_rows(const float* qp, int64_t d, const T* const* k, int64_t nkeys, fl
 }
 
 // In place: row sc[lo, limit) -> exp(sc - max), zero on [first, lo) and [limit, width);
-// returns the sum. `first` (a multiple of 8, <= lo) is where the task's scores start.
-float softmax_numerators(float* sc, int64_t first, int64_t lo, int64_t limit, int64_t width) {
+// returns the sum, and the max in *row_max. `first` (a multiple of 8, <= lo) is where the
+// task's scores start.
+float softmax_numerators(float* sc, int64_t first, int64_t lo, int64_t limit, int64_t width,
+                         float* row_max) {
   const float ninf = -std::numeric_limits<float>::infinity();
   const int64_t padded = (limit + 7) / 8 * 8;  // sc has room up to a multiple of 8
   for (int64_t s = first; s < lo; ++s) sc[s] = ninf;
   for (int64_t s = limit; s < padded; ++s) sc[s] = ninf;
   __m256 m = _mm256_set1_ps(ninf);
   for (int64_t s = first; s < padded; s += 8) m = _mm256_max_ps(m, _mm256_load_ps(sc + s));
-  const __m256 mx = _mm256_set1_ps(hmax(m));
+  *row_max = hmax(m);
+  const __m256 mx = _mm256_set1_ps(*row_max);
   __m256 sum = _mm256_setzero_ps();
   const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t s = first; s < padded; s += 8) {
@@ -257,7 +262,8 @@ void key_pointers(const T* own, int64_t s0, int64_t s1, const int64_t* pages, co
 
 template <class T>
 void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Pages& pg,
-                 int64_t start, float scale, int64_t window, at::Tensor& out) {
+                 int64_t start, float scale, int64_t window, const float* sinks,
+                 at::Tensor& out) {
   using R = Row16<T>;
   const int64_t n = q.size(0), H = q.size(1), d = q.size(2);
   const int64_t Hkv = k.size(0), group = H / Hkv;
@@ -282,13 +288,14 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t h = t / blocks, r0 = (t % blocks) * kRowsPerTask;
       const int nr = static_cast<int>(std::min<int64_t>(kRowsPerTask, rows - r0));
-      int64_t limit[kRowsPerTask], lo[kRowsPerTask];
+      int64_t limit[kRowsPerTask], lo[kRowsPerTask], head_of[kRowsPerTask];
       const T* qrow[kRowsPerTask];
       T* orow[kRowsPerTask];
       int64_t keys = 0;            // the task's longest limit
       int64_t first = max_keys;    // the task's lowest window start
       for (int r = 0; r < nr; ++r) {
         const int64_t g = (r0 + r) / n, i = (r0 + r) % n, head = h * group + g;
+        head_of[r] = head;
         limit[r] = start + i + 1;
         lo[r] = window > 0 ? std::max<int64_t>(0, limit[r] - window) : 0;
         keys = std::max(keys, limit[r]);
@@ -318,8 +325,12 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
         for (; r < nr; ++r) score_rows<T, 1>(qp + r * d, d, krows, span, sf + r * ldsc, ldsc);
       }
       float inv[kRowsPerTask];
-      for (r = 0; r < nr; ++r)
-        inv[r] = 1.0f / softmax_numerators(sc + r * ldsc, first, lo[r], limit[r], ldsc);
+      for (r = 0; r < nr; ++r) {
+        float mx;
+        float sum = softmax_numerators(sc + r * ldsc, first, lo[r], limit[r], ldsc, &mx);
+        if (sinks) sum += std::exp(sinks[head_of[r]] - mx);  // a key of value 0
+        inv[r] = 1.0f / sum;
+      }
       if (wide) {
         int64_t nkeys[kRowsPerTask];
         for (r = 0; r < nr; ++r) nkeys[r] = limit[r] - first;
@@ -381,8 +392,15 @@ int64_t qd_attend_isa(int64_t level) {
 at::Tensor qd_attend_paged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const c10::optional<at::Tensor>& k_pages,
                            const c10::optional<at::Tensor>& v_pages, int64_t block, int64_t layer,
-                           int64_t start, double scale, int64_t window) {
+                           int64_t start, double scale, int64_t window,
+                           const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(window >= 0, "quickdraft attend: window must be >= 0 (0: none)");
+  const bool has_sinks = sinks.has_value() && sinks->defined();
+  TORCH_CHECK(!has_sinks || (sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat &&
+                             sinks->dim() == 1 && sinks->size(0) == q.size(1) &&
+                             sinks->is_contiguous()),
+              "quickdraft attend: sinks: contiguous fp32 [H] on the CPU");
+  const float* sink_ptr = has_sinks ? sinks->data_ptr<float>() : nullptr;
   Pages pg;
   const bool paged = k_pages.has_value() && k_pages->defined() && k_pages->numel() > 0;
   if (paged) {
@@ -404,13 +422,13 @@ at::Tensor qd_attend_paged(const at::Tensor& q, const at::Tensor& k, const at::T
               "dtype (bf16/fp32) on the CPU, d % 32 == 0, H % Hkv == 0, contiguous last dims");
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   if (q.scalar_type() == at::kFloat)
-    attend_impl<float>(q, k, v, pg, start, static_cast<float>(scale), window, out);
+    attend_impl<float>(q, k, v, pg, start, static_cast<float>(scale), window, sink_ptr, out);
   else
-    attend_impl<u16>(q, k, v, pg, start, static_cast<float>(scale), window, out);
+    attend_impl<u16>(q, k, v, pg, start, static_cast<float>(scale), window, sink_ptr, out);
   return out;
 }
 
 at::Tensor qd_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
-                     double scale, int64_t window) {
-  return qd_attend_paged(q, k, v, c10::nullopt, c10::nullopt, 1, 0, start, scale, window);
+                     double scale, int64_t window, const c10::optional<at::Tensor>& sinks) {
+  return qd_attend_paged(q, k, v, c10::nullopt, c10::nullopt, 1, 0, start, scale, window, sinks);
 }

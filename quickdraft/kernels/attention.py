@@ -90,12 +90,20 @@ def paged_kernel(head_dim: int, dtype: torch.dtype, device: torch.device) -> boo
 
 
 def attend(
-    q: Tensor, k: Tensor | Paged, v: Tensor | Paged, start: int, scale: float, window: int = 0
+    q: Tensor,
+    k: Tensor | Paged,
+    v: Tensor | Paged,
+    start: int,
+    scale: float,
+    window: int = 0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Causal grouped-query attention of n new queries at positions [start, start + n).
 
     q `[n, heads, head_dim]`; k, v `[kv_heads, start + n, head_dim]` -> `[n, heads * head_dim]`:
-    query i sees keys 0 .. start + i (window 0), or the last `window` of them. The C++
+    query i sees keys 0 .. start + i (window 0), or the last `window` of them. `sinks` (fp32
+    `[heads]`, gpt-oss): each head's softmax also counts a key of score sinks[h] and value 0,
+    which every query sees whatever the window (HF's `s_aux`). The C++
     kernel (kernels/attention.cpp: fp32 math, rows independent of n) when it accepts the
     inputs, else `reference_attend` (SDPA). Prompt chunks take the kernel too: it is
     batch-invariant and, measured with bench-sized shapes (12 heads over 2 kv heads, d 128,
@@ -105,24 +113,31 @@ def attend(
     if isinstance(k, Paged) or isinstance(v, Paged):
         assert isinstance(k, Paged) and isinstance(v, Paged), "keys and values alike"
         if ext is not None and ext.attend_eligible(q, k.own, v.own, start, k.shared):
-            paged: Tensor = ext.attend_paged(
-                q, k.own, v.own, k.addresses, v.addresses, k.block, k.layer, start, scale, window
-            )
+            pages = (k.addresses, v.addresses, k.block, k.layer)
+            paged: Tensor = ext.attend_paged(q, k.own, v.own, *pages, start, scale, window, sinks)
             return paged
-        return reference_attend(q, k.dense(), v.dense(), start, scale, window)
+        return reference_attend(q, k.dense(), v.dense(), start, scale, window, sinks)
     if ext is not None and ext.attend_eligible(q, k, v, start):
-        out: Tensor = ext.attend(q, k, v, start, scale, window)
+        out: Tensor = ext.attend(q, k, v, start, scale, window, sinks)
         return out
-    return reference_attend(q, k, v, start, scale, window)
+    return reference_attend(q, k, v, start, scale, window, sinks)
 
 
 def reference_attend(
-    q: Tensor, k: Tensor, v: Tensor, start: int, scale: float, window: int = 0
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    start: int,
+    scale: float,
+    window: int = 0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """`attend` by torch's SDPA. The query heads sharing a kv head are folded into the
     query-row dimension (`[1, kv_heads, group * n, d]`): SDPA then takes its fast fused CPU
     kernel in bf16 as well (its enable_gqa and per-head bmm paths are 4-20x slower here) and the
-    cache is never repeated."""
+    cache is never repeated. With `sinks` the softmax is spelled out instead (`_sink_attend`)."""
+    if sinks is not None:
+        return _sink_attend(q, k, v, start, scale, window, sinks)
     n, heads, d = q.shape
     kv_heads = k.shape[0]
     group = heads // kv_heads
@@ -138,3 +153,25 @@ def reference_attend(
             mask &= keys > rows - window
     out = F.scaled_dot_product_attention(qg, k[None], v[None], attn_mask=mask, scale=scale)
     return out[0].view(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
+
+
+def _sink_attend(
+    q: Tensor, k: Tensor, v: Tensor, start: int, scale: float, window: int, sinks: Tensor
+) -> Tensor:
+    """`attend` with sinks spelled out in fp32: scores, the sink as one more column, softmax,
+    the sink's column dropped (transformers' eager gpt-oss attention)."""
+    n, heads, d = q.shape
+    group = heads // k.shape[0]
+    kf = k.float().repeat_interleave(group, dim=0)  # [heads, S, d]
+    vf = v.float().repeat_interleave(group, dim=0)
+    scores = torch.einsum("nhd,hsd->hns", q.float(), kf) * scale  # [heads, n, S]
+    rows = torch.arange(n, device=q.device)[:, None] + start
+    keys = torch.arange(k.shape[1], device=q.device)[None, :]
+    mask = keys <= rows
+    if window:
+        mask &= keys > rows - window
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(heads, 1, 1).expand(heads, n, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    out = torch.einsum("hns,hsd->nhd", probs, vf)
+    return out.reshape(n, heads * d).to(q.dtype)

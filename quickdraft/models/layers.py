@@ -10,10 +10,11 @@ reference.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -126,14 +127,57 @@ def fused_projections(
     return weight, fused_bias
 
 
-class Rope:
-    """Rotary embedding tables (fp32, HF "default" rope), grown on demand."""
+def yarn_frequencies(
+    head_dim: int, theta: float, scaling: dict[str, Any], device: torch.device
+) -> tuple[Tensor, float]:
+    """YaRN's inverse frequencies and cos / sin factor (transformers' "yarn" rope type, as
+    gpt-oss uses it): frequencies with fewer than beta_slow rotations over the original context
+    interpolated by `factor`, more than beta_fast kept, a linear ramp between; the factor
+    0.1 ln(factor) + 1 unless `attention_factor` (or mscale / mscale_all_dim) says otherwise."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
 
-    def __init__(self, head_dim: int, theta: float, device: torch.device) -> None:
-        self.inv_freq = 1.0 / (
-            theta
-            ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
-        )
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = correction(scaling.get("beta_fast") or 32)
+    high = correction(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = (1 - ramp).to(device)  # 1: extrapolate (the original frequency), 0: interpolate
+    pos = theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    return (1.0 / (factor * pos)) * (1 - keep) + (1.0 / pos) * keep, float(attention)
+
+
+class Rope:
+    """Rotary embedding tables (fp32, HF "default" rope, or "yarn" with `scaling`), grown on
+    demand."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        device: torch.device,
+        scaling: dict[str, Any] | None = None,
+    ) -> None:
+        self.attention = 1.0  # cos and sin multiplied by it (YaRN)
+        if scaling is not None:
+            self.inv_freq, self.attention = yarn_frequencies(head_dim, theta, scaling, device)
+        else:
+            exps = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float()
+            self.inv_freq = 1.0 / (theta ** (exps / head_dim))
         self.cos = torch.empty(0, head_dim, device=device)
         self.sin = torch.empty(0, head_dim, device=device)
 
@@ -205,6 +249,8 @@ class Rope:
         t = torch.arange(size, device=self.inv_freq.device, dtype=torch.float32)
         freqs = torch.outer(t, self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
+        if self.attention != 1.0:
+            return emb.cos() * self.attention, emb.sin() * self.attention
         return emb.cos(), emb.sin()
 
     @staticmethod

@@ -232,26 +232,33 @@ class Embedding(nn.Module):
 class DecoderModel(nn.Module):
     """HF's `model.` submodule: embeddings, layers, final norm."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        layer: type[DecoderLayer] = DecoderLayer,  # a family's own (models/gpt_oss.py)
+    ) -> None:
         super().__init__()
         # a GGUF model's stays in its file's format (models/gguf_loader.py)
         self.embed_tokens: Embedding | GGUFEmbedding | DeviceGGUFEmbedding = Embedding(
             cfg.vocab_size, cfg.hidden_size, dtype, device
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers)
+            layer(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
 class CausalLM(HeadLogits, OperandModule):
     OPERANDS: ClassVar[tuple[str, ...]] = ("head",)
+    LAYER: ClassVar[type[DecoderLayer]] = DecoderLayer  # the decoder layer of the family
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
         super().__init__()
         device = torch.device(device)
         self.config, self.dtype, self.device = cfg, dtype, device
-        self.model = DecoderModel(cfg, dtype, device)
+        self.model = DecoderModel(cfg, dtype, device, self.LAYER)
         # the same modules, typed (ModuleList items are plain nn.Modules to a type checker)
         self.decoder_layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
         embed = self.model.embed_tokens

@@ -14,6 +14,7 @@ from torch import nn
 
 from quickdraft.config import ModelConfig
 from quickdraft.models.gemma3 import Gemma3Config, Gemma3LM
+from quickdraft.models.gpt_oss import GptOssConfig, GptOssLM
 from quickdraft.models.hybrid_config import (
     HYBRID_TYPES,
     HybridConfig,
@@ -34,12 +35,14 @@ MODELS: dict[str, type[nn.Module]] = {
     **{t: CausalLM for t in DENSE_TYPES + DENSE_VL_TYPES},
     **{t: HybridLM for t in HYBRID_TYPES},
     "gemma3_text": Gemma3LM,
+    "gpt_oss": GptOssLM,
 }
 
 # model_type -> config.json reader (model dir -> config record); default ModelConfig.from_hf
 CONFIGS: dict[str, Callable[[Path], Any]] = {
     **{t: HybridConfig.from_hf for t in HYBRID_TYPES},
     "gemma3_text": Gemma3Config.from_hf,
+    "gpt_oss": GptOssConfig.from_hf,
 }
 
 # model_type -> (config -> checkpoint name map); default: checkpoint names are ours

@@ -1,0 +1,229 @@
+"""gpt-oss (Hugging Face `gpt_oss`, GptOssForCausalLM; GGUF `gpt-oss`).
+
+Stage: the target model, the decoder of models/llama.py (CausalLM's forward, its packed rows,
+KV cache and head) with its own layers. What differs from the Llama family:
+- attention sinks: a learned logit per query head joins every row's softmax as a key of value
+  0 (kernels/attention.py `sinks`, HF's `s_aux`); q, k, v and o carry biases;
+- sliding and full layers alternate (`layer_types`: the even layers see the last
+  `sliding_window` keys, 128); the cache keeps every key and `attend` masks by the window per
+  query position, as for Gemma 3, so a verify row sees what its decode step sees;
+- YaRN RoPE (factor 32 over a 4096-token original context, cos and sin scaled by
+  0.1 ln 32 + 1), NEOX rotation;
+- every layer's MLP is a top-k MoE: the router (with a bias) picks k of E experts and a
+  softmax over the k chosen logits weighs them; an expert is
+  down(swiglu_oai(gate_up(x) + b)) + b with g = min(gate, 7), u = clamp(up, -7, 7),
+  swiglu_oai = (u + 1) * g * sigmoid(1.702 g). The weighted sum runs in slot order in fp32, so
+  a row's result depends on that row only.
+Parameter names are Hugging Face's; its experts are stacked `[E, hidden, 2 * inter]` with gate
+and up interleaved (columns 2i and 2i + 1): the GEMM operands are their de-interleaved
+transposes, made once (`GptOssMoE.operands`), or a GGUF file's own tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from quickdraft.config import ModelConfig, read_hf_config
+from quickdraft.kernels.attention import attend
+from quickdraft.kernels.gemm import Weight, project
+from quickdraft.models.kv_cache import KVCache
+from quickdraft.models.layers import LinearView, RMSNorm, Rope
+from quickdraft.models.llama import Attention, CausalLM, DecoderLayer
+
+SLIDING = "sliding_attention"
+
+
+@dataclass(frozen=True, slots=True)
+class GptOssConfig(ModelConfig):
+    sliding_window: int = 0  # keys a local layer's query sees, itself included
+    layer_types: tuple[str, ...] = ()  # per layer: "sliding_attention" | "full_attention"
+    yarn: dict[str, Any] = field(default_factory=dict, compare=False)  # HF's rope_parameters
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+
+    @classmethod
+    def from_hf(cls, path: str | Path) -> GptOssConfig:
+        return cls.from_dict(*read_hf_config(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], gen: dict[str, Any] | None = None) -> GptOssConfig:
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("yarn", "default"):
+            raise ValueError(f"gpt_oss: rope type {kind!r} is not supported")
+        theta = float(rope.get("rope_theta", raw.get("rope_theta", 150000.0)))
+        plain = {**raw, "rope_parameters": {"rope_theta": theta}, "rope_scaling": None}
+        plain["num_experts"] = raw.get("num_local_experts", raw.get("num_experts", 0))
+        base = ModelConfig.from_dict(plain, gen)
+        n = base.num_hidden_layers
+        default = (SLIDING if i % 2 == 0 else "full_attention" for i in range(n))
+        types = tuple(raw.get("layer_types") or default)
+        if len(types) != n:
+            raise ValueError(f"gpt_oss: {len(types)} layer_types for {n} layers")
+        return cls(
+            **{f.name: getattr(base, f.name) for f in fields(ModelConfig)},
+            sliding_window=int(raw.get("sliding_window") or 0),
+            layer_types=types,
+            yarn=rope if kind == "yarn" else {},
+            swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+            swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+        )
+
+
+class GptOssAttention(Attention):
+    """Llama's attention with an o bias, the per-head sinks and, on local layers, a window."""
+
+    def __init__(self, cfg: GptOssConfig, layer_idx: int, dtype: torch.dtype, device: torch.device):
+        super().__init__(cfg, layer_idx, dtype, device)
+        q_size = self.num_heads * self.head_dim
+        self.o_proj = LinearView(
+            torch.empty(cfg.hidden_size, q_size, dtype=dtype, device=device),
+            torch.zeros(cfg.hidden_size, dtype=dtype, device=device),
+        )
+        self.o = self.o_proj.weight.detach()
+        self.o_bias = self.o_proj.bias
+        self.sinks = nn.Parameter(
+            torch.zeros(self.num_heads, dtype=dtype, device=device), requires_grad=False
+        )
+        local = cfg.layer_types[layer_idx] == SLIDING
+        self.window = cfg.sliding_window if local else 0
+
+    def forward(
+        self,
+        x: Tensor,  # [N, hidden]
+        rope: tuple[Tensor, Tensor],
+        caches: Sequence[KVCache],
+        num_new: Sequence[int],
+    ) -> Tensor:
+        q, k, v = self.rotated_qkv(x, rope)
+        sinks = self.sinks.float()
+        outs, start = [], 0
+        for cache, count in zip(caches, num_new, strict=True):
+            seg = slice(start, start + count)
+            keys, values = cache.write(
+                self.layer_idx, k[seg].transpose(0, 1), v[seg].transpose(0, 1)
+            )
+            outs.append(attend(q[seg], keys, values, cache.length, self.scale, self.window, sinks))
+            start += count
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return project(out, self.o, self.o_bias)
+
+
+def swiglu_oai(gate_up: Tensor, alpha: float, limit: float) -> Tensor:
+    """[N, 2 * inter] (gate columns, then up) -> (u + 1) * g * sigmoid(alpha g) [N, inter],
+    g = min(gate, limit), u = clamp(up, -limit, limit), in the input's dtype (HF's order)."""
+    inter = gate_up.shape[-1] // 2
+    gate = gate_up[:, :inter].clamp(max=limit)
+    up = gate_up[:, inter:].clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class Router(nn.Module):
+    def __init__(self, num: int, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(num, hidden, dtype=dtype, device=device), requires_grad=False
+        )
+        self.bias = nn.Parameter(torch.zeros(num, dtype=dtype, device=device), requires_grad=False)
+
+
+class Experts(nn.Module):
+    """HF's stacked expert tensors (the checkpoint's names and layout)."""
+
+    def __init__(
+        self, num: int, hidden: int, inter: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(
+                torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False
+            )
+
+        self.gate_up_proj = param(num, hidden, 2 * inter)
+        self.gate_up_proj_bias = param(num, 2 * inter)
+        self.down_proj = param(num, inter, hidden)
+        self.down_proj_bias = param(num, hidden)
+
+
+# per expert: (gate_up [2 inter, hidden] gate rows then up rows, its bias, down, its bias)
+ExpertOperands = tuple[Weight, Tensor, Weight, Tensor]
+
+
+class GptOssMoE(nn.Module):
+    def __init__(self, cfg: GptOssConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.top_k, self.alpha, self.limit = (
+            cfg.num_experts_per_tok,
+            cfg.swiglu_alpha,
+            cfg.swiglu_limit,
+        )
+        self.router = Router(cfg.num_experts, cfg.hidden_size, dtype, device)
+        self.experts = Experts(
+            cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, dtype, device
+        )
+        # the GEMM operands per expert; None: made from `experts` on first use (a GGUF
+        # model's loader sets them to the file's own tensors)
+        self.operands: list[ExpertOperands] | None = None
+
+    def expert_operands(self) -> list[ExpertOperands]:
+        if self.operands is None:
+            ex = self.experts
+            gate_up = torch.cat([ex.gate_up_proj[..., 0::2], ex.gate_up_proj[..., 1::2]], dim=2)
+            bias = torch.cat([ex.gate_up_proj_bias[:, 0::2], ex.gate_up_proj_bias[:, 1::2]], 1)
+            self.operands = [
+                (
+                    gate_up[e].T.contiguous(),
+                    bias[e].contiguous(),
+                    ex.down_proj[e].T.contiguous(),
+                    ex.down_proj_bias[e],
+                )
+                for e in range(gate_up.shape[0])
+            ]
+        return self.operands
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [N, hidden] -> the weighted sum of each row's k experts [N, hidden]."""
+        logits = project(x, self.router.weight, self.router.bias)  # [N, E] in x's dtype
+        top_value, top_idx = torch.topk(logits, self.top_k, dim=-1)
+        weight = torch.softmax(top_value.float(), dim=-1)  # over the k chosen
+        operands = self.expert_operands()
+        n, k = top_idx.shape
+        ys = x.new_empty(n, k, x.shape[1])
+        for e in torch.unique(top_idx).tolist():
+            rows, slots = torch.where(top_idx == e)
+            gate_up, b_gate_up, down, b_down = operands[e]
+            act = swiglu_oai(project(x[rows], gate_up, b_gate_up), self.alpha, self.limit)
+            ys[rows, slots] = project(act, down, b_down)
+        out = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
+        for j in range(k):  # slot order, fp32: a row's sum does not follow the batch
+            out += weight[:, j, None] * ys[:, j].float()
+        return out.to(x.dtype)
+
+
+class GptOssLayer(DecoderLayer):
+    """DecoderLayer's forward over gpt-oss's attention and MoE."""
+
+    def __init__(self, cfg: ModelConfig, idx: int, dtype: torch.dtype, device: torch.device):
+        nn.Module.__init__(self)
+        assert isinstance(cfg, GptOssConfig)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = GptOssAttention(cfg, idx, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = GptOssMoE(cfg, dtype, device)  # type: ignore[assignment]
+
+
+class GptOssLM(CausalLM):
+    LAYER: ClassVar[type[DecoderLayer]] = GptOssLayer
+
+    def __init__(
+        self, cfg: GptOssConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> None:
+        super().__init__(cfg, dtype, device)
+        self.rope = Rope(cfg.head_dim, cfg.rope_theta, self.device, cfg.yarn or None)

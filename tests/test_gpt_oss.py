@@ -1,0 +1,176 @@
+"""gpt-oss (models/gpt_oss.py): a tiny random GptOssForCausalLM from transformers (4 layers,
+local and full alternating with a 6-key window, 8 experts top-2, YaRN, sinks and biases set
+away from zero) saved as a Hugging Face directory: our fp32 logits equal transformers' over a
+context past the window, greedy decoding through the engine equals transformers' generate, a
+verify's rows equal decode steps bit for bit, and the attention kernel's sinks equal the
+reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_checks import needs_kernel
+
+from quickdraft.kernels.attention import TILES, attend, cpu_tiles, reference_attend
+from quickdraft.kernels.build import extension
+from quickdraft.models.gpt_oss import GptOssConfig, GptOssLM
+from quickdraft.models.loader import load_model
+
+WINDOW = 6
+
+
+def hf_model(seed: int = 0) -> torch.nn.Module:
+    import transformers
+
+    cfg = transformers.GptOssConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=WINDOW,
+        max_position_embeddings=512,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 16,
+        },
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(cfg).eval()
+    with torch.no_grad():  # biases, sinks and experts away from their zero / tiny init
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.7, 1.3)
+            elif p.dim() == 1 or name.endswith("_bias"):
+                p.normal_(0, 0.5 if "sinks" in name else 0.05)
+            else:
+                p.normal_(0, 0.08)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
+    hf = hf_model()
+    path = tmp_path_factory.mktemp("gpt_oss")
+    hf.save_pretrained(path)
+    return hf, path
+
+
+@pytest.fixture(scope="module")
+def pair(hf_dir: tuple[torch.nn.Module, Path]) -> tuple[torch.nn.Module, GptOssLM]:
+    ours = load_model(hf_dir[1], torch.float32)
+    assert isinstance(ours, GptOssLM)
+    return hf_dir[0], ours
+
+
+def test_config_reads_the_layers_window_and_yarn(pair: tuple[torch.nn.Module, GptOssLM]) -> None:
+    cfg = pair[1].config
+    assert isinstance(cfg, GptOssConfig)
+    assert cfg.layer_types == ("sliding_attention", "full_attention") * 2
+    assert cfg.sliding_window == WINDOW and cfg.yarn["factor"] == 32.0
+    assert cfg.num_experts == 8 and cfg.num_experts_per_tok == 2
+    assert [layer.self_attn.window for layer in pair[1].decoder_layers] == [WINDOW, 0] * 2
+
+
+def test_logits_equal_transformers(pair: tuple[torch.nn.Module, GptOssLM]) -> None:
+    """Prefill of 20 tokens (past the 6-key window and the 16-token YaRN original context):
+    every row's logits."""
+    hf, ours = pair
+    ids = torch.randint(0, 300, (20,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = hf(ids[None]).logits[0]
+    cache = ours.new_cache(64)
+    mine = ours(ids, [cache], [20], logit_rows=torch.arange(20)).logits
+    torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_decoding_equals_transformers_generate(
+    pair: tuple[torch.nn.Module, GptOssLM],
+) -> None:
+    hf, ours = pair
+    ids = torch.randint(0, 300, (5,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = hf.generate(ids[None], max_new_tokens=24, do_sample=False)[0, 5:].tolist()
+    cache = ours.new_cache(64)
+    logits = ours(ids, [cache], [5]).logits
+    cache.commit(5)
+    got = []
+    for _ in range(24):
+        nxt = int(logits[-1].argmax())
+        got.append(nxt)
+        logits = ours(torch.tensor([nxt]), [cache], [1]).logits
+        cache.commit(cache.length + 1)
+    assert got == want
+
+
+@needs_kernel
+def test_verify_rows_equal_decode_steps(hf_dir: tuple[torch.nn.Module, Path]) -> None:
+    """bf16 (the batch-invariant kernels), across the window's edge: a 5-row verify gives
+    each row its decode step's bits."""
+    ours = load_model(hf_dir[1], torch.bfloat16)
+    assert isinstance(ours, GptOssLM)
+    ids = torch.randint(0, 300, (14,), generator=torch.Generator().manual_seed(3))
+    decode = ours.new_cache(32)
+    ours(ids[:9], [decode], [9])
+    decode.commit(9)
+    steps = []
+    for j in range(5):
+        steps.append(ours(ids[9 + j : 10 + j], [decode], [1]).logits[-1])
+        decode.commit(10 + j)
+    verify = ours.new_cache(32)
+    ours(ids[:9], [verify], [9])
+    verify.commit(9)
+    rows = ours(ids[9:14], [verify], [5], logit_rows=torch.arange(5)).logits
+    for j in range(5):
+        assert torch.equal(rows[j], steps[j]), f"row {j}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [0, 5])
+def test_attention_sinks_match_the_reference(dtype: torch.dtype, window: int) -> None:
+    """The kernel's sinks (every tile) against the spelled-out softmax with a sink column,
+    large sinks included (a sink above every score: the output shrinks towards 0), and a
+    row's bits whatever rows share the call."""
+    if extension() is None:
+        pytest.skip("the C++ extension did not build or cannot run here")
+    ext = extension()
+    g = torch.Generator().manual_seed(4)
+    n, heads, kv, d, start = 6, 4, 2, 64, 11
+    q = torch.randn(n, heads, d, generator=g).to(dtype)
+    k = torch.randn(kv, start + n, d, generator=g).to(dtype)
+    v = torch.randn(kv, start + n, d, generator=g).to(dtype)
+    sinks = torch.tensor([-2.0, 0.5, 3.0, 40.0])
+    ref = reference_attend(q, k, v, start, d**-0.5, window, sinks).float()
+    try:
+        for tile in cpu_tiles():
+            ext.attend_isa(TILES[tile])
+            out = attend(q, k, v, start, d**-0.5, window, sinks)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+            assert float(out[:, 3 * d :].float().abs().max()) < 1e-6  # sink 40
+            for i in range(n):  # row i alone, as a decode step at its position
+                one = attend(
+                    q[i : i + 1],
+                    k[:, : start + i + 1],
+                    v[:, : start + i + 1],
+                    start + i,
+                    d**-0.5,
+                    window,
+                    sinks,
+                )
+                assert torch.equal(one[0], out[i])
+    finally:
+        ext.attend_isa(-1)
