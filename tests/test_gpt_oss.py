@@ -8,24 +8,35 @@ reference."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from kernel_checks import needs_kernel
+from test_gguf_loader import PROMPT, all_logits, logits_agree_with_llama_cpp
 
+from quickdraft.config import SpeculativeConfig
+from quickdraft.engine import stream
+from quickdraft.hub.gguf_write import add_tiny_tokenizer
 from quickdraft.kernels.attention import TILES, attend, cpu_tiles, reference_attend
 from quickdraft.kernels.build import extension
-from quickdraft.models.gpt_oss import GptOssConfig, GptOssLM
+from quickdraft.kernels.linear_gguf import GGUFWeight
+from quickdraft.loading import LoadedModel, load
+from quickdraft.models.gpt_oss import GptOssConfig, GptOssLM, GptOssMoE
 from quickdraft.models.loader import load_model
+from quickdraft.request import SamplingParams
+from quickdraft.speculation.factory import make_speculation
 
-WINDOW = 6
+WINDOW, VOCAB, ORIGINAL = 6, 300, 16
 
 
-def hf_model(seed: int = 0) -> torch.nn.Module:
+def hf_model(seed: int = 0, truncate: bool = False) -> torch.nn.Module:
     import transformers
 
     cfg = transformers.GptOssConfig(
-        vocab_size=300,
+        vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=4,
@@ -42,8 +53,8 @@ def hf_model(seed: int = 0) -> torch.nn.Module:
             "factor": 32.0,
             "beta_fast": 32.0,
             "beta_slow": 1.0,
-            "truncate": False,
-            "original_max_position_embeddings": 16,
+            "truncate": truncate,
+            "original_max_position_embeddings": ORIGINAL,
         },
         tie_word_embeddings=False,
     )
@@ -174,3 +185,136 @@ def test_attention_sinks_match_the_reference(dtype: torch.dtype, window: int) ->
                 assert torch.equal(one[0], out[i])
     finally:
         ext.attend_isa(-1)
+
+
+# -- the GGUF file, as llama.cpp's converter writes one --------------------------------------
+
+
+def write_gpt_oss_gguf(path: Path, hf: torch.nn.Module) -> Path:
+    """`hf`'s weights as a `gpt-oss` GGUF in llama.cpp's naming (F32), with the tiny byte-level
+    tokenizer: experts split into gate / up and down transposed, as its converter does."""
+    cfg = hf.config
+    sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    w.add_context_length(256)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(150000.0)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(32.0)
+    w.add_rope_scaling_orig_ctx_len(ORIGINAL)
+    w.add_expert_count(cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.intermediate_size)
+    w.add_sliding_window(WINDOW)
+    add_tiny_tokenizer(w, VOCAB)
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    for i in range(cfg.num_hidden_layers):
+        hf_, blk = f"model.layers.{i}.", f"blk.{i}."
+        w.add_tensor(blk + "attn_norm.weight", sd[hf_ + "input_layernorm.weight"])
+        w.add_tensor(
+            blk + "post_attention_norm.weight", sd[hf_ + "post_attention_layernorm.weight"]
+        )
+        for part in "qkv":
+            for kind in ("weight", "bias"):
+                w.add_tensor(f"{blk}attn_{part}.{kind}", sd[f"{hf_}self_attn.{part}_proj.{kind}"])
+        w.add_tensor(blk + "attn_output.weight", sd[hf_ + "self_attn.o_proj.weight"])
+        w.add_tensor(blk + "attn_output.bias", sd[hf_ + "self_attn.o_proj.bias"])
+        w.add_tensor(blk + "attn_sinks.weight", sd[hf_ + "self_attn.sinks"])
+        w.add_tensor(blk + "ffn_gate_inp.weight", sd[hf_ + "mlp.router.weight"])
+        w.add_tensor(blk + "ffn_gate_inp.bias", sd[hf_ + "mlp.router.bias"])
+        gate_up, bias = (
+            sd[hf_ + "mlp.experts.gate_up_proj"],
+            sd[hf_ + "mlp.experts.gate_up_proj_bias"],
+        )
+        for part, cols in (("gate", slice(0, None, 2)), ("up", slice(1, None, 2))):
+            w.add_tensor(
+                f"{blk}ffn_{part}_exps.weight",
+                np.ascontiguousarray(gate_up[:, :, cols].transpose(0, 2, 1)),
+            )
+            w.add_tensor(f"{blk}ffn_{part}_exps.bias", np.ascontiguousarray(bias[:, cols]))
+        down = sd[hf_ + "mlp.experts.down_proj"]
+        w.add_tensor(blk + "ffn_down_exps.weight", np.ascontiguousarray(down.transpose(0, 2, 1)))
+        w.add_tensor(blk + "ffn_down_exps.bias", sd[hf_ + "mlp.experts.down_proj_bias"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def gguf_pair(home: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """(transformers' model with llama.cpp's YaRN rounding, its F32 gpt-oss GGUF)."""
+    hf = hf_model(truncate=True)
+    return hf, write_gpt_oss_gguf(tmp_path_factory.mktemp("gguf") / "gpt-oss-f32.gguf", hf)
+
+
+def generate(lm: LoadedModel, ids: list[int], n: int, spec: Any = None) -> Any:
+    req = lm.new_request(ids, SamplingParams(max_tokens=n, ignore_eos=True))
+    for _ in stream(lm, req, spec):
+        pass
+    return req
+
+
+def test_gguf_file_equals_transformers(gguf_pair: tuple[Any, Path]) -> None:
+    """The F32 file converted (config from its metadata, experts re-interleaved): the fp32
+    model's logits equal transformers' on the weights it was written from."""
+    hf, path = gguf_pair
+    lm = load(str(path), "fp32", progress=False)
+    assert isinstance(lm.model, GptOssLM)
+    ids = torch.tensor(lm.tokenizer.encode(PROMPT))
+    with torch.no_grad():
+        theirs = hf(ids[None]).logits[0]
+    torch.testing.assert_close(all_logits(lm, ids), theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_tokens_equal_llama_cpp_on_the_f32_file(gguf_pair: tuple[Any, Path]) -> None:
+    """llama.cpp as an independent reading of the same file (sinks, windows, YaRN, biased
+    experts): 48 greedy tokens equal."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the `peers` extra) is not installed")
+    from quickdraft.bench.peers import LlamaCpp
+
+    lm = load(str(gguf_pair[1]), "fp32", progress=False)
+    ids = lm.tokenizer.encode(PROMPT)
+    theirs = LlamaCpp(gguf_pair[1], torch.get_num_threads(), 256).generate(ids, 48, ()).tokens
+    assert generate(lm, ids, 48).output_ids == theirs
+
+
+def test_mxfp4_file_runs_its_experts_in_their_blocks(
+    gguf_pair: tuple[Any, Path], tmp_path: Path
+) -> None:
+    """The file through llama.cpp's quantizer as MXFP4_MOE (what gpt-oss GGUFs hold): --dtype
+    gguf keeps every expert in MXFP4 with its biases, logits agree with llama.cpp's on the same
+    file, the second start reads the packed copy (same bits), and greedy n-gram speculation
+    equals plain decoding."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the `peers` extra) is not installed")
+    from quickdraft.bench.peers import llama_cpp_quantize
+
+    path = tmp_path / "gpt-oss-mxfp4.gguf"
+    llama_cpp_quantize(gguf_pair[1], path, "MXFP4_MOE", torch.get_num_threads())
+    lm = load(str(path), "gguf", progress=False)
+    moe = lm.model.model.layers[0].mlp  # type: ignore[union-attr]
+    assert isinstance(moe, GptOssMoE) and moe.operands is not None
+    gate_up, bias, down, _ = moe.operands[0]
+    assert isinstance(gate_up, GGUFWeight) and isinstance(down, GGUFWeight)
+    assert {p.fmt.name for p in gate_up.parts + down.parts} == {"MXFP4"}
+    assert bias.shape == (2 * 96,)
+    ids = lm.tokenizer.encode(PROMPT)
+    mine = all_logits(lm, torch.tensor(ids))
+    logits_agree_with_llama_cpp(path, ids, mine)
+    again = load(str(path), "gguf", progress=False)
+    assert torch.equal(all_logits(again, torch.tensor(ids)), mine)
+    spec = make_speculation(lm, SpeculativeConfig(method="ngram", num_draft_tokens=4))
+    for prompt in (PROMPT, "the cat sat on the mat. the cat sat on"):
+        ids = lm.tokenizer.encode(prompt)
+        assert generate(lm, ids, 40, spec).output_ids == generate(lm, ids, 40).output_ids

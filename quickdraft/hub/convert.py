@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from quickdraft.config import GGUF_DTYPE, parse_dtype
 from quickdraft.hub.errors import HubError, UnsupportedArchitectureError
+from quickdraft.hub.gguf_gpt_oss import gpt_oss_config, gpt_oss_plan
 from quickdraft.hub.gguf_qwen import HYBRID_ARCHS, QWEN_ARCHS, Planned, qwen_config, qwen_plan
 from quickdraft.memory import trim_heap
 
@@ -55,10 +56,13 @@ _ARCHS: dict[str, tuple[str, bool]] = {
     "gemma3": ("Gemma3ForCausalLM", False),  # text only; HF model_type "gemma3_text"
     # Qwen3-MoE and the hybrid Qwen3-Next / Qwen3.5 family: NEOX RoPE; layouts in gguf_qwen.py
     **{arch: (cls, False) for arch, (cls, _) in QWEN_ARCHS.items()},
+    # sinks, alternating windows, YaRN, biased top-k experts; layout in gguf_gpt_oss.py
+    "gpt-oss": ("GptOssForCausalLM", False),
 }
 # GGUF architecture -> HF model_type, where they differ
 _MODEL_TYPES = {
     "gemma3": "gemma3_text",
+    "gpt-oss": "gpt_oss",
     "qwen2vl": "qwen2_5_vl",
     **{a: t for a, (_, t) in QWEN_ARCHS.items()},
 }
@@ -160,8 +164,10 @@ def _hf_config(reader: Any, arch: str, dtype: torch.dtype) -> tuple[dict[str, An
     if rope_dim is not None and int(rope_dim) != head_dim and arch not in HYBRID_ARCHS:
         raise UnsupportedArchitectureError(f"partial rotary ({rope_dim}/{head_dim}) unsupported")
     rope_scale = float(meta("rope.scaling.factor", 1.0))
-    if meta("rope.scaling.type", "none") not in ("none", "linear") or (
-        rope_scale != 1.0 and arch != "gemma3"  # Gemma 3 4B+: linear on its global layers
+    scaling = meta("rope.scaling.type", "none")
+    if arch != "gpt-oss" and (  # gpt-oss: YaRN, read by gpt_oss_config
+        scaling not in ("none", "linear")
+        or (rope_scale != 1.0 and arch != "gemma3")  # Gemma 3 4B+: linear on its global layers
     ):
         raise UnsupportedArchitectureError("scaled RoPE is not supported yet")
     tokens: list[str] = _metadata(reader, "tokenizer.ggml.tokens")
@@ -182,7 +188,7 @@ def _hf_config(reader: Any, arch: str, dtype: torch.dtype) -> tuple[dict[str, An
         # MoE files may carry no dense width (every layer routed)
         "intermediate_size": int(
             meta("feed_forward_length", 0)
-            if arch in QWEN_ARCHS
+            if arch in (*QWEN_ARCHS, "gpt-oss")
             else meta("feed_forward_length", required=True)
         ),
         "num_hidden_layers": int(meta("block_count", required=True)),
@@ -209,6 +215,8 @@ def _hf_config(reader: Any, arch: str, dtype: torch.dtype) -> tuple[dict[str, An
         cfg.update(_gemma3_config(meta, cfg, theta, rope_scale))
     if arch in QWEN_ARCHS:
         cfg.update(qwen_config(meta, arch, cfg))
+    if arch == "gpt-oss":
+        cfg.update(gpt_oss_config(meta, cfg))
     return cfg, eos_ids
 
 
@@ -246,6 +254,8 @@ def tensor_plan(reader: Any, arch: str, cfg: dict[str, Any]) -> list[Planned]:
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
     if arch in QWEN_ARCHS:
         return qwen_plan(shapes, arch, cfg)
+    if arch == "gpt-oss":
+        return gpt_oss_plan(shapes, cfg)
     permute, shift = permutes_qk(arch), norm_shift(arch)
     plan = []
     for t in reader.tensors:
@@ -326,7 +336,8 @@ def _write_tokenizer(gguf_path: Path, out: Path, chat_template: str | None, arch
     (src / gguf_path.name).symlink_to(gguf_path.resolve())
     # AutoTokenizer first parses the model config, and transformers' GGUF reader does not know
     # every arch (qwen3next, qwen2vl); the tokenizer itself comes from tokenizer.ggml.* alone
-    loader = PreTrainedTokenizerFast if arch in (*HYBRID_ARCHS, "qwen2vl") else AutoTokenizer
+    fast = (*HYBRID_ARCHS, "qwen2vl", "gpt-oss")
+    loader = PreTrainedTokenizerFast if arch in fast else AutoTokenizer
     tok = loader.from_pretrained(str(src), gguf_file=gguf_path.name)
     tok.save_pretrained(str(out))
     shutil.rmtree(src)

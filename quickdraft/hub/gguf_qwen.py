@@ -123,7 +123,7 @@ def qwen_config(meta: Callable[..., Any], arch: str, cfg: dict[str, Any]) -> dic
     return out
 
 
-class _Planner:
+class Planner:
     """Collects `Planned` entries, checking each GGUF source's presence and shape."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], arch: str) -> None:
@@ -165,7 +165,7 @@ def _untile_v(t: Tensor, dim: int, k_heads: int, per_v: int, head: int) -> Tenso
 def qwen_plan(shapes: dict[str, tuple[int, ...]], arch: str, cfg: dict[str, Any]) -> list[Planned]:
     """Every HF tensor of `arch` (config.json `cfg`) from the GGUF tensors `shapes` (name ->
     torch-order shape); a HubError names a missing, misshapen or unexpected tensor."""
-    p = _Planner(shapes, arch)
+    p = Planner(shapes, arch)
     hidden, vocab, layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     hybrid = arch in HYBRID_ARCHS
     norm = _unshift if hybrid else _same
@@ -184,7 +184,7 @@ def qwen_plan(shapes: dict[str, tuple[int, ...]], arch: str, cfg: dict[str, Any]
     return p.plan
 
 
-def _layer(p: _Planner, cfg: dict[str, Any], blk: str, hf: str, kind: str) -> None:
+def _layer(p: Planner, cfg: dict[str, Any], blk: str, hf: str, kind: str) -> None:
     """One decoder layer's tensors: its norms, mixer (attention or Gated DeltaNet) and MLP."""
     hidden, hybrid = cfg["hidden_size"], p.arch in HYBRID_ARCHS
     norm = _unshift if hybrid else _same
@@ -212,7 +212,7 @@ def _layer(p: _Planner, cfg: dict[str, Any], blk: str, hf: str, kind: str) -> No
             p.add(f"{hf}mlp.{part}_proj.weight", shape, [(f"{blk}ffn_{part}.weight", shape)])
 
 
-def _attention(p: _Planner, cfg: dict[str, Any], blk: str, hf: str, gated: bool) -> None:
+def _attention(p: Planner, cfg: dict[str, Any], blk: str, hf: str, gated: bool) -> None:
     hidden, d = cfg["hidden_size"], cfg["head_dim"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     # the hybrids' q_proj emits [query | gate] per head; llama.cpp keeps those rows as they are
@@ -233,7 +233,7 @@ def _attention(p: _Planner, cfg: dict[str, Any], blk: str, hf: str, gated: bool)
         p.add(f"{hf}{part}_norm.weight", (d,), [(f"{blk}attn_{part}_norm.weight", (d,))], norm)
 
 
-def _gated_delta_net(p: _Planner, cfg: dict[str, Any], blk: str, hf: str) -> None:
+def _gated_delta_net(p: Planner, cfg: dict[str, Any], blk: str, hf: str) -> None:
     hidden = cfg["hidden_size"]
     nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
@@ -301,7 +301,7 @@ def _gated_delta_net(p: _Planner, cfg: dict[str, Any], blk: str, hf: str) -> Non
     )
 
 
-def _moe(p: _Planner, cfg: dict[str, Any], blk: str, hf: str) -> None:
+def _moe(p: Planner, cfg: dict[str, Any], blk: str, hf: str) -> None:
     hidden, experts, inter = cfg["hidden_size"], cfg["num_experts"], cfg["moe_intermediate_size"]
     p.add(hf + "gate.weight", (experts, hidden), [(blk + "ffn_gate_inp.weight", (experts, hidden))])
     # llama.cpp split HF's fused gate_up_proj [E, 2I, H] into ffn_gate_exps and ffn_up_exps
@@ -339,7 +339,7 @@ def _row(ts: list[Tensor]) -> Tensor:
     return ts[0].reshape(1, -1)
 
 
-def _mtp_block(p: _Planner, cfg: dict[str, Any], block: int, j: int) -> None:
+def _mtp_block(p: Planner, cfg: dict[str, Any], block: int, j: int) -> None:
     """llama.cpp's `blk.{n_layers + j}` (a full-attention decoder layer plus the nextn.*
     tensors) -> HF's `mtp.layers.{j}.*`, `mtp.fc`, `mtp.pre_fc_norm_*`, `mtp.norm`."""
     hidden, blk = cfg["hidden_size"], f"blk.{block}."

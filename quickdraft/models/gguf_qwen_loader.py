@@ -1,10 +1,11 @@
-"""Run a Qwen3-MoE or hybrid Qwen3-Next / Qwen3.5 / Qwen3.5-MoE GGUF on its own quantized
+"""Run a Qwen3-MoE, hybrid Qwen3-Next / Qwen3.5 / Qwen3.5-MoE or gpt-oss GGUF on its own quantized
 weights (`--dtype gguf`): the GEMM operands (attention, Gated DeltaNet in/out projections,
 dense and shared-expert MLPs, every routed expert, the head, the MTP head's fc and layer) stay
 in their block formats as `GGUFWeight`s, and the embedding table in its own (`GGUFEmbedding`,
 which the MTP head embeds through too); the small tensors (norms, conv, A, dt, routers) are
-dequantized through the converter's own plan (hub/gguf_qwen.py), which also checks every
-tensor's presence and shape.
+dequantized through the converter's own plan (hub/gguf_qwen.py, hub/gguf_gpt_oss.py), which
+also checks every tensor's presence and shape. gpt-oss's biases (q/k/v, o, every expert's) are
+read as vectors beside their operands.
 
 What llama.cpp's converter did to an operand is undone without touching its blocks: row
 orders (Qwen3.5's tiled value heads in qkv / z / b / a; Qwen3-Next's [b, a] groups) reorder
@@ -29,10 +30,12 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from quickdraft.config import ModelConfig
+from quickdraft.hub.gguf_gpt_oss import gpt_oss_plan
 from quickdraft.hub.gguf_qwen import QWEN_ARCHS, Planned, qwen_plan
 from quickdraft.kernels.gemm import Weight
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.models.gguf_loader import GGUFFile, GGUFTensorError
+from quickdraft.models.gpt_oss import GptOssAttention, GptOssLayer, GptOssLM, GptOssMoE
 from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.layers import GGUFEmbedding, release_fused_
 from quickdraft.models.llama import MLP, Attention, CausalLM, DecoderLayer
@@ -48,7 +51,8 @@ from quickdraft.models.qwen3_next import (
 
 log = logging.getLogger(__name__)
 
-QWEN_TYPES = tuple(t for _, t in QWEN_ARCHS.values())  # the HF model_types these files become
+# the HF model_types of the files this loader runs
+QWEN_TYPES = (*(t for _, t in QWEN_ARCHS.values()), "gpt_oss")
 # HF tensors that become GEMM operands here, from the GGUF's blocks: q/k/v/o, in_proj_*,
 # out_proj, gate/up/down (dense, shared expert, routed experts), the heads (the plan's other
 # tensors are dequantized into parameters)
@@ -62,7 +66,10 @@ class _Loader:
         self.cfg, self.dtype = cfg, dtype
         shapes = {n: tuple(int(d) for d in reversed(t.shape)) for n, t in self.f.tensors.items()}
         try:
-            plan = qwen_plan(shapes, self.arch, cfg.extra)
+            if self.arch == "gpt-oss":
+                plan = gpt_oss_plan(shapes, cfg.extra)
+            else:
+                plan = qwen_plan(shapes, self.arch, cfg.extra)
         except Exception as e:  # HubError: a tensor missing, misshapen or left over
             raise GGUFTensorError(f"{file.name}: {e}") from e
         self.plan: dict[str, Planned] = {p.name: p for p in plan}
@@ -159,39 +166,80 @@ class _Loader:
             gate = self.built(f"{self.hf_prefix(blk)}mlp.shared_expert_gate.weight")  # [1, H]
             mlp.shared_gate = gate.to(self.dtype)
 
-    def experts(self, experts: Experts, blk: str) -> None:
-        """Each expert's gate + up rows and down rows as its own GGUFWeights."""
-        n, inter, hidden = experts.gate_up_proj.shape[0], experts.inter, self.cfg.hidden_size
+    def stacks(self, blk: str, n: int, inter: int) -> tuple[list[Weight], list[Weight]]:
+        """Each of the `n` experts' gate + up rows and down rows as its own operands
+        (GGUFWeights; model-dtype tensors from an unquantized file), the file's pages of them
+        released once repacked."""
+        hidden = self.cfg.hidden_size
         stacks = {}
         for part, count in (("gate", inter), ("up", inter), ("down", hidden)):
             t = self.f.get(f"{blk}ffn_{part}_exps.weight")
             stacks[part] = (t.tensor_type.name, np.asarray(t.data).reshape(n, count, -1))
-        ops: list[tuple[Weight, Weight]] = []
+        (gate_t, gate), (up_t, up), (down_t, down) = (stacks[p] for p in ("gate", "up", "down"))
+        gate_ups: list[Weight] = []
+        downs: list[Weight] = []
         for e in range(n):
-            (gate_t, gate), (up_t, up), (down_t, down) = (stacks[p] for p in ("gate", "up", "down"))
             if {gate_t, up_t, down_t} <= {"F32", "F16", "BF16"}:  # an unquantized file
                 rows = np.concatenate([gate[e], up[e]]).astype(np.float32)
-                float_down = torch.from_numpy(down[e].astype(np.float32)).to(self.dtype)
-                ops.append((torch.from_numpy(rows).to(self.dtype), float_down))
+                gate_ups.append(torch.from_numpy(rows).to(self.dtype))
+                downs.append(torch.from_numpy(down[e].astype(np.float32)).to(self.dtype))
                 continue
             try:
-                gate_up: Weight = GGUFWeight.concat(
-                    [
-                        GGUFWeight.from_raw(gate_t, gate[e], hidden),
-                        GGUFWeight.from_raw(up_t, up[e], hidden),
-                    ]
+                gate_ups.append(
+                    GGUFWeight.concat(
+                        [
+                            GGUFWeight.from_raw(gate_t, gate[e], hidden),
+                            GGUFWeight.from_raw(up_t, up[e], hidden),
+                        ]
+                    )
                 )
-                ops.append((gate_up, GGUFWeight.from_raw(down_t, down[e], inter)))
+                downs.append(GGUFWeight.from_raw(down_t, down[e], inter))
             except ValueError as err:  # a block format without a kernel
                 raise GGUFTensorError(
                     f"{self.f.path.name}: {blk}ffn_*_exps: {err}; load with --dtype bf16"
                 ) from err
-        experts.operands = ops
         for part in ("gate", "up", "down"):  # repacked: drop the file's pages from this process
             self.f.release(f"{blk}ffn_{part}_exps.weight")
+        return gate_ups, downs
+
+    def experts(self, experts: Experts, blk: str) -> None:
+        """Each expert's gate + up rows and down rows as its own GGUFWeights."""
+        gate_up, down = self.stacks(blk, experts.gate_up_proj.shape[0], experts.inter)
+        experts.operands = list(zip(gate_up, down, strict=True))
         # the stacked parameters are not read any more
         experts.gate_up_proj = nn.Parameter(torch.empty(0), requires_grad=False)
         experts.down_proj = nn.Parameter(torch.empty(0), requires_grad=False)
+
+    def gpt_oss_layer(self, layer: GptOssLayer, blk: str) -> None:
+        """Attention as stored with its q/k/v and o biases; each expert's gate + up rows and
+        down rows as its own operands, with their biases."""
+        attn, moe = layer.self_attn, layer.mlp
+        assert isinstance(attn, GptOssAttention) and isinstance(moe, GptOssMoE)
+        self.attention(attn, blk)
+        assert attn.qkv_bias is not None and attn.o_bias is not None
+        d, kv = self.cfg.head_dim, self.cfg.num_key_value_heads
+        sizes = (self.cfg.num_attention_heads * d, kv * d, kv * d)
+        biases = zip(("attn_q", "attn_k", "attn_v"), sizes, strict=True)
+        attn.qkv_bias.copy_(torch.cat([self.f.vector(f"{blk}{p}.bias", n) for p, n in biases]))
+        attn.o_bias.copy_(self.f.vector(blk + "attn_output.bias", self.cfg.hidden_size))
+        ex = moe.experts
+        n = ex.gate_up_proj.shape[0]
+        gate_up, down = self.stacks(blk, n, self.cfg.intermediate_size)
+        bias = {
+            part: self.f.get(f"{blk}ffn_{part}_exps.bias").data.reshape(n, -1)
+            for part in ("gate", "up", "down")
+        }
+        moe.operands = [
+            (
+                gate_up[e],
+                torch.from_numpy(np.concatenate([bias["gate"][e], bias["up"][e]])).to(self.dtype),
+                down[e],
+                torch.from_numpy(np.array(bias["down"][e])).to(self.dtype),
+            )
+            for e in range(n)
+        ]
+        for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+            setattr(ex, name, nn.Parameter(torch.empty(0), requires_grad=False))
 
     def hf_prefix(self, blk: str) -> str:
         block = int(blk.split(".")[1])
@@ -200,6 +248,9 @@ class _Loader:
 
     def layer(self, layer: nn.Module, blk: str) -> None:
         assert isinstance(layer, HybridDecoderLayer | DecoderLayer)
+        if isinstance(layer, GptOssLayer):
+            self.gpt_oss_layer(layer, blk)
+            return
         if isinstance(layer, HybridDecoderLayer) and layer.layer_type == "linear_attention":
             self.gated_delta_net(layer.linear_attn, blk)
         else:
@@ -208,6 +259,8 @@ class _Loader:
 
 
 def _empty_model(cfg: Any, dtype: torch.dtype) -> nn.Module:
+    if cfg.model_type == "gpt_oss":
+        return GptOssLM(cfg, dtype)
     if isinstance(cfg, HybridConfig):
         # Qwen3-Next's in_proj_qkvz came split (attn_qkv + attn_gate): run Qwen3.5's layout
         return HybridLM(dataclasses.replace(cfg, interleaved_qkvz=False), dtype)

@@ -141,9 +141,9 @@ class Experts(nn.Module):
     ) -> None:
         super().__init__()
 
-        def param(*shape: int) -> nn.Parameter:
+        def param(*shape: int) -> nn.Parameter:  # empty: a GGUF load never touches its pages
             return nn.Parameter(
-                torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False
+                torch.empty(*shape, dtype=dtype, device=device), requires_grad=False
             )
 
         self.gate_up_proj = param(num, hidden, 2 * inter)

@@ -30,13 +30,16 @@ from quickdraft.kernels.linear_bf16 import streamed_empty
 from quickdraft.kernels.linear_gguf import FORMATS, GGUFPart, GGUFWeight
 from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
 from quickdraft.memory import trim_heap
+from quickdraft.models.gpt_oss import GptOssMoE
 from quickdraft.models.layers import GGUFEmbedding, OperandModule, release_fused_
 from quickdraft.models.moe import Experts
 from quickdraft.models.qwen3_next import GatedDeltaNet
 
 log = logging.getLogger(__name__)
 
-PACKED_VERSION = 3  # 3: a MoE model's routed experts and the Gated DeltaNet head orders
+# 3: a MoE model's routed experts and the Gated DeltaNet head orders; 4: experts' operand
+# tuples of any width (gpt-oss's carry biases)
+PACKED_VERSION = 4
 
 
 def packed_name(quantization: str = "none") -> str:
@@ -131,10 +134,11 @@ def save_packed(model: nn.Module, file: Path) -> None:
     for key, module, op in _operands(model):
         _put(tensors, meta, key, getattr(module, op))
     for name, module in model.named_modules():
-        if isinstance(module, Experts) and module.operands is not None:
-            meta[f"{name}.operands"] = json.dumps(["experts", len(module.operands)])
-            for e, pair in enumerate(module.operands):
-                for i, w in enumerate(pair):
+        if isinstance(module, Experts | GptOssMoE) and module.operands is not None:
+            width = len(module.operands[0])  # (gate_up, down); gpt-oss: with their biases
+            meta[f"{name}.operands"] = json.dumps(["experts", len(module.operands), width])
+            for e, each in enumerate(module.operands):
+                for i, w in enumerate(each):
                     _put(tensors, meta, f"{name}.operands.{e}.{i}", w)
         elif isinstance(module, GatedDeltaNet) and module.out_heads is not None:
             tensors[f"out_heads.{name}"] = module.out_heads
@@ -188,17 +192,16 @@ def fill_packed(model: nn.Module, file: Path, dtype: torch.dtype) -> nn.Module:
     for key, module, op in _operands(model):
         setattr(module, op, _take(tensors, meta, key, dtype))
     for name, module in model.named_modules():
-        if isinstance(module, Experts) and f"{name}.operands" in meta:
-            _, count = json.loads(meta[f"{name}.operands"])
-            module.operands = [
-                (
-                    _take(tensors, meta, f"{name}.operands.{e}.0", dtype),
-                    _take(tensors, meta, f"{name}.operands.{e}.1", dtype),
-                )
+        if isinstance(module, Experts | GptOssMoE) and f"{name}.operands" in meta:
+            _, count, width = json.loads(meta[f"{name}.operands"])
+            loaded = [
+                tuple(_take(tensors, meta, f"{name}.operands.{e}.{i}", dtype) for i in range(width))
                 for e in range(count)
             ]
-            module.gate_up_proj = nn.Parameter(torch.empty(0), requires_grad=False)
-            module.down_proj = nn.Parameter(torch.empty(0), requires_grad=False)
+            stacked = module.experts if isinstance(module, GptOssMoE) else module
+            for pname, _ in list(stacked.named_parameters(recurse=False)):
+                setattr(stacked, pname, nn.Parameter(torch.empty(0), requires_grad=False))
+            module.operands = loaded  # type: ignore[assignment]
         elif isinstance(module, GatedDeltaNet) and f"out_heads.{name}" in tensors:
             module.out_heads = tensors.pop(f"out_heads.{name}")
     with torch.no_grad():
