@@ -18,6 +18,7 @@ from quickdraft.kernels.linear_bf16 import PanelWeight
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.kernels.moe_gguf import grouped_experts, reference_experts
 from quickdraft.kernels.pointwise import sigmoid
+from quickdraft.models.gpt_oss import GptOssConfig, GptOssMoE
 from quickdraft.models.moe import RoutedMoE, SparseMoE, route
 
 pytestmark = [pytest.mark.usefixtures("kernels_enabled"), needs_kernel]
@@ -86,6 +87,61 @@ def test_grouped_rows_are_batch_invariant(dtype: torch.dtype, gguf_tile: str) ->
         [kernel.forward(x[i : i + 1], idx[i : i + 1], weight[i : i + 1]) for i in range(16)]
     )
     for m in range(2, 17):
+        assert torch.equal(kernel.forward(x[:m], idx[:m], weight[:m]), alone[:m]), f"M={m}"
+
+
+def gpt_oss_moe(mix: tuple[str, str, str], dtype: torch.dtype) -> GptOssMoE:
+    """A gpt-oss MoE block over GGUF experts of `mix` (H = 512, E = 6, top 4) with random
+    biases in `dtype` and a random router."""
+    cfg = GptOssConfig.from_dict(
+        {
+            "model_type": "gpt_oss",
+            "vocab_size": 64,
+            "hidden_size": H,
+            "intermediate_size": INTER,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_local_experts": E,
+            "num_experts_per_tok": 4,
+        }
+    )
+    moe = GptOssMoE(cfg, dtype, torch.device("cpu"))
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        moe.router.weight.copy_(torch.randn(E, H, generator=g) * 0.05)
+        moe.router.bias.copy_(torch.randn(E, generator=g) * 0.1)
+
+    def bias(n: int) -> Tensor:
+        return (torch.randn(n, generator=g) * 0.5).to(dtype)
+
+    moe.operands = [(gu, bias(2 * INTER), dn, bias(H)) for gu, dn in experts(mix)]
+    return moe
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["xfp32", "xbf16"])
+@pytest.mark.parametrize("mix", [("MXFP4",) * 3, MIXES[0]], ids=lambda m: "+".join(m))
+def test_grouped_gpt_oss_experts_equal_the_reference(
+    mix: tuple[str, str, str], dtype: torch.dtype, gguf_tile: str
+) -> None:
+    """gpt-oss's experts (biases on both GEMMs, the clamped swiglu) in one grouped call: the
+    bits of the per-expert loop, for every batch size, and a row's bits alone (activations
+    large enough that the clamps at +-7 bite)."""
+    moe = gpt_oss_moe(mix, dtype)
+    x = (torch.randn(16, H, generator=torch.Generator().manual_seed(12)) * 4).to(dtype)
+    logits = project(x, moe.router.weight, moe.router.bias)
+    top_value, idx = torch.topk(logits, 4, dim=-1)
+    weight = torch.softmax(top_value.float(), dim=-1)
+    kernel = moe.grouped_kernel()
+    assert kernel is not None
+    before = kernel_calls()
+    out = kernel.forward(x, idx, weight)
+    assert kernel_calls() == before + 1
+    assert torch.equal(out, moe.reference(x, idx, weight))
+    assert torch.equal(moe(x), out)  # the block's forward takes the kernel
+    alone = torch.cat(
+        [kernel.forward(x[i : i + 1], idx[i : i + 1], weight[i : i + 1]) for i in range(16)]
+    )
+    for m in (1, 2, 5, 16):
         assert torch.equal(kernel.forward(x[:m], idx[:m], weight[:m]), alone[:m]), f"M={m}"
 
 

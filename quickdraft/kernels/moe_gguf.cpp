@@ -2,9 +2,10 @@
 // (kernels/moe_gguf.py owns the contract and the reference; the GEMM is linear_gguf.cpp's).
 //
 // Contract: MoEGGUF(...).forward(x [N, H], top_idx [N, k], top_weight [N, k]) returns
-//   out[r] = sum over slots j in order of  w[r, j] * down_e(silu_mul(gate_up_e(x[r])))
-// with e = top_idx[r, j]: each GEMM output rounded to x's dtype as `project` rounds it, the
-// products and the sum in fp32 (in slot order), rounded once. That is what the per-expert loop
+//   out[r] = sum over slots j in order of  w[r, j] * down_e(act(gate_up_e(x[r])))
+// with e = top_idx[r, j]: each GEMM output (plus expert e's bias where given, gpt-oss) rounded
+// to x's dtype as `project` rounds it, act silu_mul or gpt-oss's clamped swiglu (the same ATen
+// ops as models/gpt_oss.py), the products and the sum in fp32 (in slot order), rounded once. That is what the per-expert loop
 // of kernels/moe_gguf.py computes, bit for bit, and a row's result depends on that row alone.
 //
 // Why: the per-expert loop is ~8 torch calls and two fork/joins per chosen expert, 8 experts a
@@ -110,15 +111,39 @@ __attribute__((optimize("fp-contract=off"))) void weighted_sum(
 
 }  // namespace
 
+// gpt-oss's activation of gate_up [A, 2I] (gate columns, then up): (u + 1) * g * sigmoid(alpha g)
+// with g = min(gate, limit), u = clamp(up, -limit, limit), op for op as models/gpt_oss.py.
+at::Tensor swiglu_oai(const at::Tensor& h, double alpha, double limit) {
+  const int64_t I = h.size(1) / 2;
+  const at::Tensor gate = h.narrow(1, 0, I).clamp_max(limit);
+  const at::Tensor up = h.narrow(1, I, I).clamp(-limit, limit);
+  return (up + 1) * (gate * at::sigmoid(gate * alpha));
+}
+
 class QdMoEGGUF {
  public:
   QdMoEGGUF(std::vector<std::vector<at::Tensor>> gate_up, std::vector<int64_t> gate_up_fmts,
             std::vector<int64_t> gate_up_ns, std::vector<std::vector<at::Tensor>> down,
-            std::vector<int64_t> down_fmts, std::vector<int64_t> down_ns, int64_t hidden)
+            std::vector<int64_t> down_fmts, std::vector<int64_t> down_ns, int64_t hidden,
+            const c10::optional<at::Tensor>& gate_up_bias,
+            const c10::optional<at::Tensor>& down_bias, int64_t act, double alpha, double limit)
       : gu_(make_proj(std::move(gate_up), std::move(gate_up_fmts), std::move(gate_up_ns), hidden,
                       "gate_up")),
         down_(make_proj(std::move(down), std::move(down_fmts), std::move(down_ns), gu_.N / 2,
-                        "down")) {
+                        "down")),
+        gu_bias_(qd_panel::bias_operand(gate_up_bias)),
+        down_bias_(qd_panel::bias_operand(down_bias)),
+        act_(act),
+        alpha_(alpha),
+        limit_(limit) {
+    TORCH_CHECK(act == 0 || act == 1, "quickdraft MoEGGUF: act 0 (silu_mul) or 1 (swiglu_oai)");
+    const int64_t E = static_cast<int64_t>(gu_.packed.size());
+    TORCH_CHECK(!gu_bias_.defined() || (gu_bias_.dim() == 2 && gu_bias_.size(0) == E &&
+                                        gu_bias_.size(1) == gu_.N),
+                "quickdraft MoEGGUF: gate_up_bias must be [", E, ", ", gu_.N, "]");
+    TORCH_CHECK(!down_bias_.defined() || (down_bias_.dim() == 2 && down_bias_.size(0) == E &&
+                                          down_bias_.size(1) == hidden),
+                "quickdraft MoEGGUF: down_bias must be [", E, ", ", hidden, "]");
     TORCH_CHECK(gu_.N % 2 == 0, "quickdraft MoEGGUF: gate_up has an odd row count ", gu_.N);
     TORCH_CHECK(gu_.packed.size() == down_.packed.size(), "quickdraft MoEGGUF: ",
                 gu_.packed.size(), " gate_up experts but ", down_.packed.size(), " down");
@@ -192,15 +217,15 @@ class QdMoEGGUF {
       gather(own, rows, H, blocks[which], gathered[which]);
     }
     at::Tensor h = at::empty({A, 2 * I}, x.options());  // [A, 2I] gate | up per assignment
-    run(gu_, used, start, h, [&](int f) -> const Acts& {
+    run(gu_, used, start, h, gu_bias_, [&](int f) -> const Acts& {
       return gathered[block_size(f) == 256];
     });
 
-    // down: silu(gate) * up, the kernel's own op, quantized per assignment
-    const at::Tensor act = qd_silu_mul(h);  // [A, I]
+    // down: silu(gate) * up (the kernel's own op) or gpt-oss's, quantized per assignment
+    const at::Tensor act = act_ == 0 ? qd_silu_mul(h) : swiglu_oai(h, alpha_, limit_).contiguous();
     const Acts down_acts = quantize(act, down_block, buf);
     at::Tensor y = at::empty({A, H}, x.options());  // [A, H]
-    run(down_, used, start, y, [&](int) -> const Acts& { return down_acts; });
+    run(down_, used, start, y, down_bias_, [&](int) -> const Acts& { return down_acts; });
 
     // the weighted sums, each row over its slots in order
     const float* wp = w.data_ptr<float>();
@@ -220,13 +245,17 @@ class QdMoEGGUF {
 
  private:
   Proj gu_, down_;
+  at::Tensor gu_bias_, down_bias_;  // [E, 2I], [E, H] (gpt-oss), or undefined
+  int64_t act_;
+  double alpha_, limit_;
 
   // Every used expert's panels of `p` times its rows of the activations (`acts(format)`, in
-  // assignment order) into y [A, p.N]: the (expert, panel) units cut into one contiguous range
-  // per thread of about equal cost (the panels' bytes plus a share per row).
+  // assignment order) into y [A, p.N], plus expert e's row of `bias` [E, p.N] where defined:
+  // the (expert, panel) units cut into one contiguous range per thread of about equal cost
+  // (the panels' bytes plus a share per row).
   template <class ActsOf>
   void run(const Proj& p, const std::vector<int64_t>& used, const std::vector<int64_t>& start,
-           at::Tensor& y, const ActsOf& acts) const {
+           at::Tensor& y, const at::Tensor& bias, const ActsOf& acts) const {
     const int64_t U = static_cast<int64_t>(used.size()) * p.unit_panels;
     std::vector<double> cost(U + 1, 0.0);  // prefix sums
     std::vector<int64_t> part_of(p.unit_panels), panel_of(p.unit_panels), col_of(p.fmts.size());
@@ -249,7 +278,7 @@ class QdMoEGGUF {
     cut[0] = 0;
     for (int64_t t = 1; t < threads; ++t)
       cut[t] = std::lower_bound(cost.begin(), cost.end(), cost[U] * t / threads) - cost.begin();
-    const qd_panel::Epilogue base = qd_panel::epilogue(nullptr, at::Tensor(), y);
+    const qd_panel::Epilogue base = qd_panel::epilogue(nullptr, bias, y);
     at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         for (int64_t u = cut[t]; u < cut[t + 1];) {
@@ -262,6 +291,9 @@ class QdMoEGGUF {
           const int f = static_cast<int>(p.fmts[part]);
           qd_panel::Epilogue ep = base;
           ep.y = static_cast<char*>(y.data_ptr()) + (a0 * y.size(1) + col_of[part]) * y.element_size();
+          if (bias.defined())
+            ep.bias = static_cast<const char*>(bias.data_ptr()) +
+                      (e * p.N + col_of[part]) * bias.element_size();
           part_panels(offset(acts(f), a0, p.K, block_size(f)), M, p.K, f,
                       p.packed[e][part].data_ptr<uint8_t>(), p.ns[part], ep, panel_of[uu],
                       panel_of[uu] + (last - u));
@@ -357,9 +389,13 @@ void qd_register_moe_gguf(py::module_& m) {
   py::class_<QdMoEGGUF>(m, "MoEGGUF")
       .def(py::init<std::vector<std::vector<at::Tensor>>, std::vector<int64_t>,
                     std::vector<int64_t>, std::vector<std::vector<at::Tensor>>,
-                    std::vector<int64_t>, std::vector<int64_t>, int64_t>(),
+                    std::vector<int64_t>, std::vector<int64_t>, int64_t,
+                    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, int64_t,
+                    double, double>(),
            py::arg("gate_up"), py::arg("gate_up_fmts"), py::arg("gate_up_ns"), py::arg("down"),
-           py::arg("down_fmts"), py::arg("down_ns"), py::arg("hidden"))
+           py::arg("down_fmts"), py::arg("down_ns"), py::arg("hidden"),
+           py::arg("gate_up_bias") = py::none(), py::arg("down_bias") = py::none(),
+           py::arg("act") = 0, py::arg("alpha") = 1.702, py::arg("limit") = 7.0)
       .def("experts", &QdMoEGGUF::experts)
       .def("forward", &QdMoEGGUF::forward, py::arg("x"), py::arg("top_idx"),
            py::arg("top_weight"), py::call_guard<py::gil_scoped_release>());

@@ -50,7 +50,12 @@ def reference_experts(
     return out.to(x.dtype)
 
 
-def grouped_experts(operands: Sequence[tuple[Weight, Weight]], hidden: int) -> Any:
+def grouped_experts(
+    operands: Sequence[tuple[Weight, Weight]],
+    hidden: int,
+    biases: tuple[Tensor, Tensor] | None = None,  # gate_up [E, 2I], down [E, H] (gpt-oss)
+    swiglu: tuple[float, float] | None = None,  # gpt-oss's (alpha, limit) act, not silu_mul
+) -> Any:
     """The extension's MoEGGUF over these experts, or None where it cannot run them: no
     extension, an expert not in GGUF blocks (an unquantized file's tensors), or experts whose
     parts differ in format (one GGUF tensor holds every expert of a layer, so they never do)."""
@@ -73,6 +78,7 @@ def grouped_experts(operands: Sequence[tuple[Weight, Weight]], hidden: int) -> A
     gu, dn = layout(gate_up), layout(down)
     if gu is None or dn is None or gate_up[0].in_features != hidden:
         return None
+    alpha, limit = swiglu or (1.702, 7.0)
     return ext.MoEGGUF(
         gate_up=[[p.packed for p in w.parts] for w in gate_up],
         gate_up_fmts=gu[0],
@@ -81,6 +87,11 @@ def grouped_experts(operands: Sequence[tuple[Weight, Weight]], hidden: int) -> A
         down_fmts=dn[0],
         down_ns=dn[1],
         hidden=hidden,
+        gate_up_bias=None if biases is None else biases[0],
+        down_bias=None if biases is None else biases[1],
+        act=0 if swiglu is None else 1,
+        alpha=alpha,
+        limit=limit,
     )
 
 

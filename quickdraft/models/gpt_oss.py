@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from quickdraft.config import ModelConfig, read_hf_config
 from quickdraft.kernels.attention import attend
 from quickdraft.kernels.gemm import Weight, project
+from quickdraft.kernels.moe_gguf import grouped_experts
 from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.layers import LinearView, RMSNorm, Rope
 from quickdraft.models.llama import Attention, CausalLM, DecoderLayer
@@ -171,6 +172,8 @@ class GptOssMoE(nn.Module):
         # the GEMM operands per expert; None: made from `experts` on first use (a GGUF
         # model's loader sets them to the file's own tensors)
         self.operands: list[ExpertOperands] | None = None
+        self._grouped: Any = None  # the grouped kernel over `operands` (None: it cannot run)
+        self._grouped_for: object = None  # the operand list it was built for
 
     def expert_operands(self) -> list[ExpertOperands]:
         if self.operands is None:
@@ -188,11 +191,33 @@ class GptOssMoE(nn.Module):
             ]
         return self.operands
 
+    def grouped_kernel(self) -> Any:
+        """The extension's grouped call over GGUF experts (kernels/moe_gguf.py, with the
+        biases and this activation), built once per operand list; None where it cannot run."""
+        ops = self.expert_operands()
+        if self._grouped_for is not ops:
+            self._grouped_for = ops
+            pairs = [(gate_up, down) for gate_up, _, down, _ in ops]
+            biases = (torch.stack([b for _, b, _, _ in ops]), torch.stack([b for *_, b in ops]))
+            self._grouped = grouped_experts(
+                pairs, ops[0][2].shape[0], biases, (self.alpha, self.limit)
+            )
+        return self._grouped
+
     def forward(self, x: Tensor) -> Tensor:
-        """x [N, hidden] -> the weighted sum of each row's k experts [N, hidden]."""
+        """x [N, hidden] -> the weighted sum of each row's k experts [N, hidden]: one grouped
+        call when the experts are GGUF blocks, else `reference` (the same bits)."""
         logits = project(x, self.router.weight, self.router.bias)  # [N, E] in x's dtype
         top_value, top_idx = torch.topk(logits, self.top_k, dim=-1)
         weight = torch.softmax(top_value.float(), dim=-1)  # over the k chosen
+        grouped = self.grouped_kernel() if x.is_cpu else None
+        if grouped is not None:
+            out: Tensor = grouped.forward(x, top_idx, weight)
+            return out
+        return self.reference(x, top_idx, weight)
+
+    def reference(self, x: Tensor, top_idx: Tensor, weight: Tensor) -> Tensor:
+        """One `project` pair per chosen expert, the weighted sum in slot order in fp32."""
         operands = self.expert_operands()
         n, k = top_idx.shape
         ys = x.new_empty(n, k, x.shape[1])
