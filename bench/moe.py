@@ -2,10 +2,12 @@
 
 No MoE weights exist offline, so the files are random weights at the real per-layer widths of
 Qwen3.6-35B-A3B (`qwen35moe`: hybrid Gated DeltaNet + gated attention, 256 experts top 8 + a
-shared expert) and Qwen3-30B-A3B (`qwen3moe`: 128 experts top 8), with layers, experts and the
+shared expert), Qwen3-30B-A3B (`qwen3moe`: 128 experts top 8) and gpt-oss-20b (`gpt-oss`: 32
+experts top 4 with biases, sinks, alternating windows), with layers, experts and the
 vocabulary cut so that the files fit (stated in the report). Each is written as llama.cpp's
-converter lays it out (hub/gguf_write.py), F32, then quantized to Q4_K_M by llama.cpp's own
-quantizer (the `peers` extra), so every engine reads the same bytes in the same block formats.
+converter lays it out (hub/gguf_write.py), F32, then quantized by llama.cpp's own quantizer
+(the `peers` extra) to Q4_K_M, gpt-oss to MXFP4_MOE (its uploads' type: MXFP4 experts), so
+every engine reads the same bytes in the same block formats.
 
 Measured in interleaved rounds (these machines are noisy), threads fixed for every engine:
   quickdraft     the model loaded as a user's GGUF is (`--dtype gguf`), forwards timed as
@@ -57,6 +59,7 @@ from quickdraft.hub.gguf_write import (
 )
 from quickdraft.kernels.linear_gguf import FORMATS
 from quickdraft.loading import load
+from quickdraft.models.gpt_oss import GptOssConfig, GptOssLM
 from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.llama import CausalLM
 from quickdraft.models.mtp import MTPHead, hybrid_mtp_parts
@@ -69,18 +72,26 @@ def config(arch: str) -> dict[str, Any]:
     return {**REAL[arch], **CUTS[arch]}
 
 
-def write_file(arch: str, directory: Path, qtype: str = "Q4_K_M") -> Path:
-    """The random-weight file of `arch` in `qtype` (kept in `directory` for later runs)."""
+# the file type each model's uploads use: gpt-oss GGUFs keep their experts in MXFP4
+QTYPES = {"gpt-oss": "MXFP4_MOE"}
+
+
+def write_file(arch: str, directory: Path) -> Path:
+    """The random-weight file of `arch` in its QTYPES file type, Q4_K_M by default (kept in
+    `directory` for later runs)."""
+    qtype = QTYPES.get(arch, "Q4_K_M")
     path = directory / f"{arch}-{qtype}.gguf"
     if path.exists():
         return path
     directory.mkdir(parents=True, exist_ok=True)
     cfg = config(arch)
-    model: torch.nn.Module = (
-        HybridLM(HybridConfig.from_dict(cfg), torch.bfloat16)
-        if arch == "qwen35moe"
-        else CausalLM(ModelConfig.from_dict(cfg), torch.bfloat16)
-    )
+    model: torch.nn.Module
+    if arch == "qwen35moe":
+        model = HybridLM(HybridConfig.from_dict(cfg), torch.bfloat16)
+    elif arch == "gpt-oss":
+        model = GptOssLM(GptOssConfig.from_dict(cfg), torch.bfloat16)
+    else:
+        model = CausalLM(ModelConfig.from_dict(cfg), torch.bfloat16)
     init_(model, 0, 1.0)
     tensors = llama_cpp_tensors(model.state_dict(), arch, cfg)
     del model

@@ -10,8 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import gguf
-import numpy as np
 import pytest
 import torch
 from kernel_checks import needs_kernel
@@ -19,7 +17,7 @@ from test_gguf_loader import PROMPT, all_logits, logits_agree_with_llama_cpp
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import stream
-from quickdraft.hub.gguf_write import add_tiny_tokenizer
+from quickdraft.hub.gguf_write import llama_cpp_tensors, write_gguf
 from quickdraft.kernels.attention import TILES, attend, cpu_tiles, reference_attend
 from quickdraft.kernels.build import extension
 from quickdraft.kernels.linear_gguf import GGUFWeight
@@ -192,64 +190,10 @@ def test_attention_sinks_match_the_reference(dtype: torch.dtype, window: int) ->
 
 def write_gpt_oss_gguf(path: Path, hf: torch.nn.Module) -> Path:
     """`hf`'s weights as a `gpt-oss` GGUF in llama.cpp's naming (F32), with the tiny byte-level
-    tokenizer: experts split into gate / up and down transposed, as its converter does."""
-    cfg = hf.config
-    sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
-    w = gguf.GGUFWriter(str(path), "gpt-oss")
-    w.add_context_length(256)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(150000.0)
-    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    w.add_rope_scaling_factor(32.0)
-    w.add_rope_scaling_orig_ctx_len(ORIGINAL)
-    w.add_expert_count(cfg.num_local_experts)
-    w.add_expert_used_count(cfg.num_experts_per_tok)
-    w.add_expert_feed_forward_length(cfg.intermediate_size)
-    w.add_sliding_window(WINDOW)
-    add_tiny_tokenizer(w, VOCAB)
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
-    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    w.add_tensor("output.weight", sd["lm_head.weight"])
-    for i in range(cfg.num_hidden_layers):
-        hf_, blk = f"model.layers.{i}.", f"blk.{i}."
-        w.add_tensor(blk + "attn_norm.weight", sd[hf_ + "input_layernorm.weight"])
-        w.add_tensor(
-            blk + "post_attention_norm.weight", sd[hf_ + "post_attention_layernorm.weight"]
-        )
-        for part in "qkv":
-            for kind in ("weight", "bias"):
-                w.add_tensor(f"{blk}attn_{part}.{kind}", sd[f"{hf_}self_attn.{part}_proj.{kind}"])
-        w.add_tensor(blk + "attn_output.weight", sd[hf_ + "self_attn.o_proj.weight"])
-        w.add_tensor(blk + "attn_output.bias", sd[hf_ + "self_attn.o_proj.bias"])
-        w.add_tensor(blk + "attn_sinks.weight", sd[hf_ + "self_attn.sinks"])
-        w.add_tensor(blk + "ffn_gate_inp.weight", sd[hf_ + "mlp.router.weight"])
-        w.add_tensor(blk + "ffn_gate_inp.bias", sd[hf_ + "mlp.router.bias"])
-        gate_up, bias = (
-            sd[hf_ + "mlp.experts.gate_up_proj"],
-            sd[hf_ + "mlp.experts.gate_up_proj_bias"],
-        )
-        for part, cols in (("gate", slice(0, None, 2)), ("up", slice(1, None, 2))):
-            w.add_tensor(
-                f"{blk}ffn_{part}_exps.weight",
-                np.ascontiguousarray(gate_up[:, :, cols].transpose(0, 2, 1)),
-            )
-            w.add_tensor(f"{blk}ffn_{part}_exps.bias", np.ascontiguousarray(bias[:, cols]))
-        down = sd[hf_ + "mlp.experts.down_proj"]
-        w.add_tensor(blk + "ffn_down_exps.weight", np.ascontiguousarray(down.transpose(0, 2, 1)))
-        w.add_tensor(blk + "ffn_down_exps.bias", sd[hf_ + "mlp.experts.down_proj_bias"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    tokenizer (hub/gguf_write.py: experts split into gate / up, down transposed, as llama.cpp's
+    converter does)."""
+    cfg = hf.config.to_dict()
+    return write_gguf(path, "gpt-oss", cfg, llama_cpp_tensors(hf.state_dict(), "gpt-oss", cfg))
 
 
 @pytest.fixture(scope="module")

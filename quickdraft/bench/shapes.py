@@ -1,7 +1,7 @@
 """Random-weight models of real shapes for the benchmarks that have no real weights offline:
 Qwen3.5-0.8B's language model (the hybrid Gated DeltaNet family, vocabulary cut to 32k), the
-sparse MoE models' configs (Qwen3.6-35B-A3B, Qwen3-30B-A3B) and their cuts, and how weights are
-drawn (`init_`). bench/hybrid.py, bench/prefix_cache.py and the vision set
+sparse MoE models' configs (Qwen3.6-35B-A3B, Qwen3-30B-A3B, gpt-oss-20b) and their cuts, and
+how weights are drawn (`init_`). bench/hybrid.py, bench/prefix_cache.py and the vision set
 (quickdraft/bench/vision.py) build on them."""
 
 from __future__ import annotations
@@ -80,12 +80,42 @@ MOE_REAL: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     ),
+    # gpt-oss-20b: 24 layers alternating 128-key windows and full attention, 64 query / 8 KV
+    # heads of 64 with sinks, 32 experts top 4 of 2880, YaRN
+    "gpt-oss": dict(
+        model_type="gpt_oss",
+        vocab_size=201088,
+        hidden_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_experts=32,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        intermediate_size=2880,
+        sliding_window=128,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": True,
+            "original_max_position_embeddings": 4096,
+        },
+    ),
 }
 # what bench/moe.py cuts so that its random-weight files fit here (1.15 GiB and 0.47 GiB in
 # Q4_K_M); bench/hybrid.py --shape qwen35moe runs the same cut
 MOE_CUTS: dict[str, dict[str, Any]] = {
     "qwen35moe": dict(num_hidden_layers=8, num_experts=64, vocab_size=32000),
     "qwen3moe": dict(num_hidden_layers=4, num_experts=32, vocab_size=32000),
+    # an F32 source of all 32 experts would take 32 GB per 8 layers: 8 experts, 4 layers
+    "gpt-oss": dict(num_hidden_layers=4, num_experts=8, num_local_experts=8, vocab_size=32000),
 }
 
 

@@ -63,6 +63,7 @@ _KINDS = {
     "linear_attn.norm": "ssm_norm",
     "linear_attn.out_proj": "ssm_out",
     "mlp.gate": "ffn_gate_inp",
+    "mlp.router": "ffn_gate_inp",  # gpt-oss
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
@@ -117,6 +118,7 @@ def llama_cpp_tensors(
     dk, dv = cfg.get("linear_key_head_dim", 1), cfg.get("linear_value_head_dim", 1)
     key_dim, per_v = nk * dk, nv // nk
     tiled = arch in ("qwen35", "qwen35moe")
+    oss = arch == "gpt-oss"  # HF's experts [E, H, 2I] gate / up interleaved, with biases
     out: dict[str, Tensor] = {}
     for name, t in state.items():
         t = t.detach().float().clone()
@@ -151,7 +153,20 @@ def llama_cpp_tensors(
             elif module == "linear_attn.out_proj":
                 t = tile_v(t, 1, nk, per_v, dv)
         if module == "post_attention_layernorm":
-            out[blk + ("post_attention_norm" if hybrid else "ffn_norm") + ".weight"] = t
+            post = "post_attention_norm" if hybrid or oss else "ffn_norm"
+            out[blk + post + ".weight"] = t
+        elif module == "self_attn.sinks":
+            out[blk + "attn_sinks.weight"] = t
+        elif oss and module == "mlp.experts.gate_up_proj":  # [E, H, 2I] -> [E, I, H] each
+            out[blk + "ffn_gate_exps.weight"] = t[:, :, 0::2].transpose(1, 2).contiguous()
+            out[blk + "ffn_up_exps.weight"] = t[:, :, 1::2].transpose(1, 2).contiguous()
+        elif oss and module == "mlp.experts.gate_up_proj_bias":
+            out[blk + "ffn_gate_exps.bias"] = t[:, 0::2].contiguous()
+            out[blk + "ffn_up_exps.bias"] = t[:, 1::2].contiguous()
+        elif oss and module == "mlp.experts.down_proj":  # [E, I, H] -> [E, H, I]
+            out[blk + "ffn_down_exps.weight"] = t.transpose(1, 2).contiguous()
+        elif oss and module == "mlp.experts.down_proj_bias":
+            out[blk + "ffn_down_exps.bias"] = t
         elif module == "linear_attn.A_log":
             out[blk + "ssm_a"] = -torch.exp(t)
         elif module == "linear_attn.dt_bias":
@@ -273,7 +288,18 @@ def _metadata(
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     if "intermediate_size" in cfg:
         w.add_feed_forward_length(cfg["intermediate_size"])
-    if "num_experts" in cfg:
+    if arch == "gpt-oss":  # every layer routed, its experts intermediate_size wide
+        w.add_expert_count(int(cfg.get("num_local_experts") or cfg["num_experts"]))
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_rope_dimension_count(head_dim)
+        rope = cfg["rope_parameters"]
+        if rope.get("rope_type") == "yarn":
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(rope["factor"])
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    elif "num_experts" in cfg:
         w.add_expert_count(cfg["num_experts"])
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
