@@ -61,6 +61,7 @@ class GptOssConfig(ModelConfig):
         theta = float(rope.get("rope_theta", raw.get("rope_theta", 150000.0)))
         plain = {**raw, "rope_parameters": {"rope_theta": theta}, "rope_scaling": None}
         plain["num_experts"] = raw.get("num_local_experts", raw.get("num_experts", 0))
+        plain["attention_bias"] = raw.get("attention_bias", True)  # transformers' default
         base = ModelConfig.from_dict(plain, gen)
         n = base.num_hidden_layers
         default = (SLIDING if i % 2 == 0 else "full_attention" for i in range(n))
@@ -88,7 +89,7 @@ class GptOssAttention(Attention):
             torch.zeros(cfg.hidden_size, dtype=dtype, device=device),
         )
         self.o = self.o_proj.weight.detach()
-        self.o_bias = self.o_proj.bias
+        self.o_bias = self.o_proj.bias.detach()  # the operand view, as `o` (not a parameter)
         self.sinks = nn.Parameter(
             torch.zeros(self.num_heads, dtype=dtype, device=device), requires_grad=False
         )
