@@ -403,6 +403,7 @@ def main() -> None:
             med["decode_gbs"] = round(med["decode_tps"] * per_token / 1e9, 1)
             engines[name] = {"median": med, "rounds": rs}
         report["files"][arch] = {
+            "file_type": QTYPES.get(arch, "Q4_K_M"),
             "real": REAL[arch],
             "cut": CUTS[arch],
             "file_gib": round(path.stat().st_size / 2**30, 3),
@@ -421,7 +422,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"# Sparse MoE on the CPU: quickdraft vs llama.cpp and ik_llama.cpp\n\n"
         f"{report['threads']} threads, median of {report['rounds']} interleaved rounds; the "
         f"host reads {report['read_gbs']} GB/s (torch sum). Random weights at the real "
-        f"per-layer widths, Q4_K_M by llama.cpp's quantizer, the same file for every engine.\n"
+        f"per-layer widths, quantized by llama.cpp's quantizer (Q4_K_M; gpt-oss MXFP4_MOE), "
+        f"the same file for every engine.\n"
     ]
     for arch, f in report["files"].items():
         eng = f["engines"]

@@ -85,6 +85,7 @@ class SamplingParams:
     logprobs: int | None = None
     grammar: Grammar | None = None
     relaxed_thinking: RelaxedThinking | None = None
+    skip_special_tokens: bool = True  # False: the text keeps them (gpt-oss's harmony markers)
 
     def __post_init__(self) -> None:
         def check(ok: bool, param: str, rule: str) -> None:
@@ -265,7 +266,7 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.timing = Timing()
         self.spec = SpecStats()
-        self._detok = IncrementalDetokenizer(tokenizer)
+        self._detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self._max_stop = max((len(s) for s in params.stop), default=0)
 
     @property

@@ -254,17 +254,18 @@ class IncrementalDetokenizer:
     text, holding back output while it ends in U+FFFD (an incomplete UTF-8 sequence).
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        decode = self.tokenizer.decode
-        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset])
-        new_text = decode(self.ids[self.prefix_offset :])
+        ids, skip = self.ids, self.skip
+        prefix_text = self.tokenizer.decode(ids[self.prefix_offset : self.read_offset], skip)
+        new_text = self.tokenizer.decode(ids[self.prefix_offset :], skip)
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return new_text[len(prefix_text) :]

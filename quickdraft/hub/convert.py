@@ -97,6 +97,9 @@ _GLOBAL_NAMES = {
 }
 # Tokens llama.cpp also treats as end-of-generation when present in the vocabulary.
 _EOG_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+# harmony (gpt-oss) ends an answer with <|return|> or a tool call with <|call|>; where both are
+# in the vocabulary <|end|> only ends a message and generation goes on (llama.cpp's rule)
+_HARMONY_EOG = frozenset(("<|return|>", "<|call|>"))
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
@@ -177,6 +180,9 @@ def _hf_config(reader: Any, arch: str, dtype: torch.dtype) -> tuple[dict[str, An
         if (i := _metadata(reader, f"tokenizer.ggml.{key}")) is not None:
             eos_ids.append(int(i))
     eos_ids += [i for i, t in enumerate(tokens) if t in _EOG_TOKENS]
+    if _HARMONY_EOG <= set(tokens):  # gpt-oss: <|end|> closes a message, not the answer
+        eos_ids = [i for i in eos_ids if tokens[i] != "<|end|>"]
+        eos_ids += [tokens.index(t) for t in sorted(_HARMONY_EOG)]
     eos_ids = list(dict.fromkeys(eos_ids))  # dedupe, keep the GGUF's own eos first
     tied = all(t.name != "output.weight" for t in reader.tensors)
     theta = _f32(meta("rope.freq_base", 10000.0))

@@ -89,6 +89,7 @@ class GptOssAttention(Attention):
             torch.zeros(cfg.hidden_size, dtype=dtype, device=device),
         )
         self.o = self.o_proj.weight.detach()
+        assert self.o_proj.bias is not None
         self.o_bias = self.o_proj.bias.detach()  # the operand view, as `o` (not a parameter)
         self.sinks = nn.Parameter(
             torch.zeros(self.num_heads, dtype=dtype, device=device), requires_grad=False

@@ -20,6 +20,7 @@ Who may call at all is decided before any route, in access.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -48,6 +49,7 @@ from quickdraft.server.protocol import (
     CompletionRequest,
     GenerateRequest,
 )
+from quickdraft.server.reasoning import is_harmony
 from quickdraft.server.relay import Relay
 from quickdraft.server.responses import (
     ModelCard,
@@ -206,6 +208,8 @@ async def _generate(
         params = [body.sampling(max_tokens, i) for i in range(runs)]
     except ValueError as exc:
         raise APIError(400, str(exc), getattr(exc, "param", None)) from None
+    if kind == "chat" and is_harmony(lm.tokenizer):  # the relay reads the channels' markers
+        params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
     grammar = params[0].grammar
     if grammar is not None:  # compiled off the event loop (the first one reads the vocabulary)
         try:

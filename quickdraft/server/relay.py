@@ -29,6 +29,7 @@ from quickdraft.server.protocol import (
     CompletionRequest,
     GenerateRequest,
 )
+from quickdraft.server.reasoning import HarmonyStream, is_harmony, parse_harmony
 from quickdraft.server.responses import (
     AssistantMessage,
     ChatChoice,
@@ -85,6 +86,8 @@ class Relay:
         self.rid = rid
         self.tok = tokenizer
         self.chat = isinstance(body, ChatCompletionRequest)
+        # gpt-oss: the text keeps its harmony markers (app.py), split into channels here
+        self.harmony = self.chat and is_harmony(tokenizer)
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ engine side
@@ -170,7 +173,11 @@ class Relay:
                 usage=usage,
                 speculative=spec,
             )
-        return result.model_dump()
+        data = result.model_dump()
+        for choice in data["choices"]:  # reasoning_content only where a model reasons
+            if choice.get("message", {}).get("reasoning_content", "") is None:
+                del choice["message"]["reasoning_content"]
+        return data
 
     @property
     def _tools(self) -> bool:
@@ -180,14 +187,21 @@ class Relay:
         assert c.last is not None
         reason = str(c.last.finish_reason)
         content: str | None = c.text
-        calls = None
-        if self._tools:
+        calls, reasoning = None, None
+        if self.harmony:
+            parsed = parse_harmony(c.text)
+            content, reasoning = parsed.content, parsed.reasoning
+            if parsed.calls:
+                calls, reason = parsed.calls, "tool_calls"
+        elif self._tools:
             content, found = parse_tool_calls(c.text)
             if found:  # vLLM's rule: a response that called tools ends with "tool_calls"
                 calls, reason = found, "tool_calls"
         return ChatChoice(
             index=index,
-            message=AssistantMessage(content=content, tool_calls=calls),
+            message=AssistantMessage(
+                content=content, tool_calls=calls, reasoning_content=reasoning
+            ),
             finish_reason=reason,
             logprobs=self._chat_logprobs(c.logprobs),
         )
@@ -249,6 +263,7 @@ class Relay:
     async def events(self) -> AsyncIterator[str]:
         n = len(self.choices)
         streams = [ToolCallStream() for _ in range(n)]
+        channels = [HarmonyStream() for _ in range(n)]
         offsets = [0] * n
         finished = 0
         try:
@@ -256,16 +271,26 @@ class Relay:
                 for i in range(n):
                     yield self._chunk(i, Delta(role="assistant", content=""))
             async for i, out in self.outputs():
-                text, calls = out.text, None
-                if self._tools:
+                text, calls, reasoning = out.text, None, ""
+                if self.harmony:
+                    reasoning, text, found = channels[i].push(text)
+                    if out.finished:
+                        r, t, more = channels[i].flush()
+                        reasoning, text, found = reasoning + r, text + t, found + more
+                    calls = found or None
+                elif self._tools:
                     text, found = streams[i].push(text)
                     if out.finished:
                         text += streams[i].flush()
                     calls = found or None
-                if text or calls or out.logprobs:
+                if text or reasoning or calls or out.logprobs:
                     yield self._chunk(
                         i,
-                        Delta(content=text if text or not calls else None, tool_calls=calls),
+                        Delta(
+                            content=text if text or not (calls or reasoning) else None,
+                            reasoning_content=reasoning or None,
+                            tool_calls=calls,
+                        ),
                         text=text,
                         logprobs=out.logprobs,
                         offset=offsets[i],
@@ -273,7 +298,7 @@ class Relay:
                     offsets[i] += sum(len(self.tok.token_text(lp.token)) for lp in out.logprobs)
                 if out.finished:
                     reason = str(out.finish_reason)
-                    if streams[i].calls:
+                    if streams[i].calls or channels[i].calls:
                         reason = "tool_calls"
                     finished += 1  # the last choice to finish carries the telemetry
                     spec = Speculative.of(_merged(self.choices)) if finished == n else None

@@ -98,6 +98,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[OutputToolCall] | None = None
+    reasoning_content: str | None = None  # gpt-oss's analysis channel (dropped when None)
 
 
 class ChatChoice(BaseModel):
@@ -132,6 +133,7 @@ class DeltaToolCall(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -128,7 +128,7 @@ class ToolCallStream:
             if not self._in_block:
                 start = self.held.find(OPEN)
                 if start < 0:
-                    keep = _partial_suffix(self.held, OPEN)
+                    keep = partial_suffix(self.held, OPEN)
                     content += self.held[: len(self.held) - keep]
                     self.held = self.held[len(self.held) - keep :]
                     return self._content(content), deltas
@@ -167,7 +167,7 @@ class ToolCallStream:
         return text if self.calls == 0 else text.strip()
 
 
-def _partial_suffix(text: str, token: str) -> int:
+def partial_suffix(text: str, token: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `token`."""
     for n in range(min(len(token) - 1, len(text)), 0, -1):
         if token.startswith(text[-n:]):
