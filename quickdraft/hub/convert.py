@@ -180,7 +180,7 @@ def _hf_config(reader: Any, arch: str, dtype: torch.dtype) -> tuple[dict[str, An
         if (i := _metadata(reader, f"tokenizer.ggml.{key}")) is not None:
             eos_ids.append(int(i))
     eos_ids += [i for i, t in enumerate(tokens) if t in _EOG_TOKENS]
-    if _HARMONY_EOG <= set(tokens):  # gpt-oss: <|end|> closes a message, not the answer
+    if _HARMONY_EOG.issubset(tokens):  # gpt-oss: <|end|> closes a message, not the answer
         eos_ids = [i for i in eos_ids if tokens[i] != "<|end|>"]
         eos_ids += [tokens.index(t) for t in sorted(_HARMONY_EOG)]
     eos_ids = list(dict.fromkeys(eos_ids))  # dedupe, keep the GGUF's own eos first
