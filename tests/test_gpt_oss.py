@@ -14,10 +14,11 @@ import pytest
 import torch
 from kernel_checks import needs_kernel
 from test_gguf_loader import PROMPT, all_logits, logits_agree_with_llama_cpp
+from test_reasoning import HARMONY_SPECIALS
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import stream
-from quickdraft.hub.gguf_write import llama_cpp_tensors, write_gguf
+from quickdraft.hub.gguf_write import TINY_SPECIALS, llama_cpp_tensors, write_gguf
 from quickdraft.kernels.attention import TILES, attend, cpu_tiles, reference_attend
 from quickdraft.kernels.build import extension
 from quickdraft.kernels.linear_gguf import GGUFWeight
@@ -25,6 +26,7 @@ from quickdraft.loading import LoadedModel, load
 from quickdraft.models.gpt_oss import GptOssConfig, GptOssLM, GptOssMoE
 from quickdraft.models.loader import load_model
 from quickdraft.request import SamplingParams
+from quickdraft.server.reasoning import HARMONY, parse_harmony
 from quickdraft.speculation.factory import make_speculation
 
 WINDOW, VOCAB, ORIGINAL = 6, 300, 16
@@ -262,3 +264,70 @@ def test_mxfp4_file_runs_its_experts_in_their_blocks(
     for prompt in (PROMPT, "the cat sat on the mat. the cat sat on"):
         ids = lm.tokenizer.encode(prompt)
         assert generate(lm, ids, 40, spec).output_ids == generate(lm, ids, 40).output_ids
+
+
+# -- served: the harmony path through a real server and the openai client ---------------------
+
+HARMONY_TEMPLATE = (
+    "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
+def test_served_harmony_model_splits_channels_and_refuses_forced_calls(
+    gguf_pair: tuple[Any, Path], tmp_path: Path
+) -> None:
+    """The tiny gpt-oss with harmony's markers in its vocabulary, served on loopback: a chat
+    completion and the same one streamed give the same reasoning and content with no marker
+    left in either (the output's tokens, read from its logprobs, parsed as a whole give the
+    same fields: the markers are kept in the text and parsed), and a forced tool call, which
+    would be written in Hermes' format, is refused naming tool_choice."""
+    import openai
+
+    from quickdraft.engine import Engine, ServedModel
+    from quickdraft.server import ServerConfig, create_app
+    from quickdraft.server.main import BackgroundServer
+
+    hf = gguf_pair[0]
+    cfg = hf.config.to_dict()
+    specials = (*TINY_SPECIALS, *HARMONY_SPECIALS)
+    path = write_gguf(
+        tmp_path / "harmony.gguf",
+        "gpt-oss",
+        cfg,
+        llama_cpp_tensors(hf.state_dict(), "gpt-oss", cfg),
+        specials=specials,
+        chat_template=HARMONY_TEMPLATE,
+    )
+    lm = load(str(path), "fp32", progress=False)
+    engine = Engine({"tiny": ServedModel(lm, SpeculativeConfig())})
+    engine.start()
+    try:
+        with BackgroundServer(create_app(engine, ServerConfig())) as srv:
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+            msgs: Any = [{"role": "user", "content": "hello there"}]
+            # the markers made likely, so that the output holds some wherever they fall
+            bias = {str(lm.tokenizer.encode(t, add_special_tokens=False)[0]): 4 for t in HARMONY}
+            ask: Any = dict(
+                model="tiny", messages=msgs, max_tokens=32, temperature=0, logit_bias=bias
+            )
+            reply = client.chat.completions.create(logprobs=True, **ask).choices[0]
+            raw = "".join(e.token for e in reply.logprobs.content)  # type: ignore[union-attr]
+            assert "<|" in raw  # the sampled tokens, markers included
+            want = parse_harmony(raw)
+            whole = reply.message
+            reasoning = getattr(whole, "reasoning_content", None)
+            assert (whole.content, reasoning) == (want.content, want.reasoning)
+            got = {"content": "", "reasoning": ""}
+            for chunk in client.chat.completions.create(stream=True, **ask):
+                for c in chunk.choices:
+                    got["content"] += c.delta.content or ""
+                    got["reasoning"] += getattr(c.delta, "reasoning_content", None) or ""
+            assert got == {"content": want.content or "", "reasoning": want.reasoning or ""}
+            tools: Any = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+            with pytest.raises(openai.BadRequestError, match="tool_choice"):
+                client.chat.completions.create(
+                    model="tiny", messages=msgs, tools=tools, tool_choice="required"
+                )
+    finally:
+        engine.stop()

@@ -130,6 +130,10 @@ def create_app(
         image_parts = body.image_parts()
         images = await read_images(image_parts, lm.image_processing, state.config.media, body.model)
         messages, tools = body.chat(), body.tool_defs()
+        if is_harmony(lm.tokenizer) and body.tool_grammar() is not None:
+            # a forced call's grammar writes Hermes `<tool_call>` blocks, not harmony's channels
+            msg = f"{body.model} calls tools in harmony's format: tool_choice 'auto' or 'none' only"
+            raise APIError(400, msg, "tool_choice")
         if not lm.tokenizer.renders_tools and (tools or _mentions_tools(messages)):
             messages, tools = hermes_messages(messages, tools), None  # as plain turns
         try:
