@@ -31,6 +31,8 @@ struct Traits {
                                                                                         : 4;
   static constexpr int kSub = F == kQ6_K || F == kQ2_K || F == kQ3_K ? 16 : 32;
   static constexpr bool kHasM = F == kQ4_K || F == kQ5_K || F == kQ2_K;
+  // Q2_K: each sub-block's 4-bit scale and min share a byte (scale low, min high), as in the file
+  static constexpr bool kPackedM = F == kQ2_K;
   static constexpr bool kHasDm = F == kQ4_1 || F == kQ5_1 || F == kQ4_K || F == kQ5_K || F == kQ2_K;
   static constexpr int kMConst = F == kQ4_0 ? 8 : F == kQ5_0 ? 16 : F == kQ4_1 || F == kQ5_1 ? 1 : 0;
   static constexpr int kMScShift = F == kQ6_K ? 5 : F == kQ3_K ? 2 : -1;  // m = sc << shift
@@ -42,7 +44,7 @@ struct Traits {
                                                                              : kPanel * kBlock / 4;
   static constexpr int64_t kQuant = kPanel * kBlock * kBits / 8;
   static constexpr int64_t kScOff = kQuant;
-  static constexpr int64_t kMOff = kScOff + (kK ? kPanel * kBlock / kSub : 0);
+  static constexpr int64_t kMOff = kPackedM ? kScOff : kScOff + (kK ? kPanel * kBlock / kSub : 0);
   static constexpr int64_t kDOff = kMOff + (kHasM ? kPanel * kBlock / kSub : 0);
   static constexpr int kDBytes = kE8 ? 1 : 2;
   static constexpr int64_t kBytes = kDOff + kDBytes * kPanel * (kHasDm ? 2 : 1);

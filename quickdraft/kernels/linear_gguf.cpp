@@ -43,11 +43,19 @@ inline __m256i bcast32(const void* p) {  // 4 bytes into every 32-bit lane
   return _mm256_set1_epi32(v);
 }
 
-// 8 int8 a[j] (and b[j]) -> lane j = (a[j], b[j]) as two int16: the vpmaddwd operand that
+// 8 rows' sub-block scales (kShift 0) or mins (4) as int32: int8 each, or Q2_K's nibbles.
+template <int F, int kShift>
+inline __m256i scales8(const int8_t* p) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if constexpr (Traits<F>::kPackedM)
+    return _mm256_and_si256(_mm256_srli_epi32(_mm256_cvtepu8_epi32(v), kShift), _mm256_set1_epi32(15));
+  else
+    return _mm256_cvtepi8_epi32(v);
+}
+
+// int32 lanes lo[j], hi[j] -> lane j = (lo[j], hi[j]) as two int16: the vpmaddwd operand that
 // multiplies a row's pair of 16-bit sums by its own scale(s).
-inline __m256i pair16(const int8_t* a, const int8_t* b) {
-  const __m256i lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)));
-  const __m256i hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+inline __m256i pair32(__m256i lo, __m256i hi) {
   return _mm256_blend_epi16(lo, _mm256_slli_epi32(hi, 16), 0xAA);
 }
 
@@ -172,8 +180,10 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
       if constexpr (Tr::kK) {
         const int s0 = g * 32 / Tr::kSub, s1 = (g * 32 + 16) / Tr::kSub;
         static_for<2>([&](auto h) {
-          mul[0][h] = pair16(sc + s0 * kPanel + 8 * h, sc + s0 * kPanel + 8 * h);
-          mul[1][h] = pair16(sc + s1 * kPanel + 8 * h, sc + s1 * kPanel + 8 * h);
+          const __m256i a = scales8<F, 0>(sc + s0 * kPanel + 8 * h);
+          const __m256i b = scales8<F, 0>(sc + s1 * kPanel + 8 * h);
+          mul[0][h] = pair32(a, a);
+          mul[1][h] = pair32(b, b);
         });
       } else {
         mul[0][0] = mul[0][1] = mul[1][0] = mul[1][1] = ones;
@@ -225,10 +235,12 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
       __m256i msum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
       if constexpr (Tr::kK && !Tr::kTable) {  // sum_s m[s] bsum[s] per row, m in pairs of subs
         const int8_t* mm = Tr::kHasM ? reinterpret_cast<const int8_t*>(wb + Tr::kMOff) : sc;
+        constexpr int kMShift = Tr::kPackedM ? 4 : 0;  // Q2_K: the min is the high nibble
         static_for<kSubs / 2>([&](auto i) {
           const __m256i xb = bcast32(bst + 2 * i);
           static_for<2>([&](auto h) {
-            const __m256i mv = pair16(mm + 2 * i * kPanel + 8 * h, mm + (2 * i + 1) * kPanel + 8 * h);
+            const __m256i mv = pair32(scales8<F, kMShift>(mm + 2 * i * kPanel + 8 * h),
+                                      scales8<F, kMShift>(mm + (2 * i + 1) * kPanel + 8 * h));
             msum[h] = _mm256_add_epi32(msum[h], _mm256_madd_epi16(mv, xb));
           });
         });

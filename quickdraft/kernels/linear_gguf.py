@@ -42,7 +42,8 @@ Layout (`packed`: one uint8 tensor [P, blocks, bytes_per_block] per part, P = ce
     vector v (quads 2v, 2v+1), bits 2k..2k+1 with k = 2 (c % 2) + h = those bits of
     u[8h + j][4c + i];
   * Q8_0 instead 64 bytes per quad: rows 0-7 then rows 8-15, byte 4j + i, signed;
-  then sc [subs][16] int8 (K-quants, IQ4_XS), m [subs][16] int8 (Q2_K, Q4_K, Q5_K), d [16] fp16
+  then sc [subs][16] int8 (K-quants, IQ4_XS; Q2_K: sc | m << 4, a byte, as its file), m
+  [subs][16] int8 (Q4_K, Q5_K), d [16] fp16
   (MXFP4: [16] E8M0 bytes), and dm [16] fp16 (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K; where dm = d it is
   not stored). Rows past N are zero.
 """
@@ -82,12 +83,13 @@ class Format:
     m_sc: int = 0  # m = m_sc * sc (Q6_K: 32, Q3_K: 4)
     table: tuple[int, ...] | None = None  # v(u) for the non-linear formats
     e8m0: bool = False  # d is an E8M0 byte, 2^(e - 128) (MXFP4), not fp16
+    packed_m: bool = False  # 4-bit sc and m share a byte, sc low (Q2_K, as its file)
 
     def panel_block_bytes(self) -> int:
         """Bytes of one 16-row panel's block in the packed layout."""
         quant = PANEL * self.block * self.bits // 8
         scales = PANEL * (self.block // self.sub) if self.has_sc else 0
-        mins = PANEL * (self.block // self.sub) if self.has_m else 0
+        mins = PANEL * (self.block // self.sub) if self.has_m and not self.packed_m else 0
         return quant + scales + mins + (1 if self.e8m0 else 2) * PANEL * (2 if self.has_dm else 1)
 
 
@@ -102,7 +104,7 @@ FORMATS: dict[str, Format] = {
         Format("Q4_K", 5, 256, 144, 4, 32, True, True, True),
         Format("Q5_K", 6, 256, 176, 5, 32, True, True, True),
         Format("Q6_K", 7, 256, 210, 6, 16, True, False, False, m_sc=32),
-        Format("Q2_K", 8, 256, 84, 2, 16, True, True, True),
+        Format("Q2_K", 8, 256, 84, 2, 16, True, True, True, packed_m=True),
         Format("Q3_K", 9, 256, 110, 3, 16, True, False, False, m_sc=4),
         Format("IQ4_NL", 10, 32, 18, 4, 32, False, False, False, table=IQ4_VALUES),
         Format("IQ4_XS", 11, 256, 136, 4, 32, True, False, False, table=IQ4_VALUES),
@@ -384,12 +386,17 @@ def pack(fmt: Format, p: Parts, out: Tensor | None = None) -> Tensor:
         t = _panels(a, rows).reshape(npan, PANEL, nb, -1).permute(0, 2, 3, 1)
         return t.contiguous().view(dtype).reshape(npan, nb, -1).view(torch.uint8)
 
-    if fmt.has_sc:
-        assert p.sc is not None
-        pieces.append(per_row(p.sc, torch.int8))
-    if fmt.has_m:
-        assert p.m is not None
-        pieces.append(per_row(p.m.astype(np.int8), torch.int8))
+    if fmt.packed_m:
+        assert p.sc is not None and p.m is not None
+        both = (p.sc.astype(np.uint8) & 15) | (p.m.astype(np.uint8) << 4)
+        pieces.append(per_row(both, torch.uint8))
+    else:
+        if fmt.has_sc:
+            assert p.sc is not None
+            pieces.append(per_row(p.sc, torch.int8))
+        if fmt.has_m:
+            assert p.m is not None
+            pieces.append(per_row(p.m.astype(np.int8), torch.int8))
     scale = torch.uint8 if fmt.e8m0 else torch.float16
     pieces.append(per_row(p.d, scale))
     if fmt.has_dm:
@@ -431,8 +438,12 @@ def unpack(fmt: Format, packed: Tensor, n: int) -> Parts:
         return t.permute(0, 3, 1, 2).reshape(rows, -1)[:n].contiguous().numpy()
 
     subs = PANEL * fmt.block // fmt.sub
-    sc = rows_of(subs, torch.int8) if fmt.has_sc else None
-    m = rows_of(subs, torch.int8).astype(np.int16) if fmt.has_m else None
+    if fmt.packed_m:
+        both = rows_of(subs, torch.uint8)
+        sc, m = (both & 15).astype(np.int8), (both >> 4).astype(np.int16)
+    else:
+        sc = rows_of(subs, torch.int8) if fmt.has_sc else None
+        m = rows_of(subs, torch.int8).astype(np.int16) if fmt.has_m else None
     if fmt.m_sc:
         assert sc is not None
         m = fmt.m_sc * sc.astype(np.int16)

@@ -49,11 +49,14 @@ inline __m512i bcast32(const void* p) {
   return _mm512_set1_epi32(v);
 }
 
-// 16 int8 a[j] (and b[j]) -> lane j = (a[j], b[j]) as two int16.
-inline __m512i pair16(const int8_t* a, const int8_t* b) {
-  const __m512i lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
-  const __m512i hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
-  return _mm512_mask_blend_epi16(0xAAAAAAAAu, lo, _mm512_slli_epi32(hi, 16));
+// 16 rows' sub-block scales (kShift 0) or mins (4) as int32: int8 each, or Q2_K's nibbles.
+template <int F, int kShift>
+inline __m512i scales16(const int8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (Traits<F>::kPackedM)
+    return _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(v), kShift), _mm512_set1_epi32(15));
+  else
+    return _mm512_cvtepi8_epi32(v);
 }
 
 inline __m512i halves(int lo, int hi) {  // 16-bit lanes: lo in the low 256 bits, hi above
@@ -159,8 +162,8 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
       __m512 fscale = _mm512_setzero_ps();
       if constexpr (Tr::kK) {
         const int s0 = g * 32 / Tr::kSub, s1 = (g * 32 + 16) / Tr::kSub;
-        scale[0] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + s0 * kPanel)));
-        scale[1] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + s1 * kPanel)));
+        scale[0] = scales16<F, 0>(sc + s0 * kPanel);
+        scale[1] = scales16<F, 0>(sc + s1 * kPanel);
         if constexpr (F == kQ4_K) fscale = _mm512_cvtepi32_ps(scale[0]);
       }
       if constexpr (F == kQ4_K)
@@ -197,8 +200,11 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
       __m512i msum = _mm512_setzero_si512();
       if constexpr (Tr::kK) {
         const int8_t* mm = Tr::kHasM ? reinterpret_cast<const int8_t*>(wb + Tr::kMOff) : sc;
+        constexpr int kMShift = Tr::kPackedM ? 4 : 0;  // Q2_K: the min is the high nibble
         static_for<kSubs / 2>([&](auto i) {
-          const __m512i mv = pair16(mm + 2 * i * kPanel, mm + (2 * i + 1) * kPanel);
+          const __m512i lo = scales16<F, kMShift>(mm + 2 * i * kPanel);
+          const __m512i hi = scales16<F, kMShift>(mm + (2 * i + 1) * kPanel);
+          const __m512i mv = _mm512_mask_blend_epi16(0xAAAAAAAAu, lo, _mm512_slli_epi32(hi, 16));
           msum = _mm512_dpwssd_epi32(msum, mv, bcast32(bst + 2 * i));
         });
         if constexpr (Tr::kMScShift > 0)  // m = 32 sc (Q6_K), 4 sc (Q3_K)

@@ -38,8 +38,8 @@ from quickdraft.models.qwen3_next import GatedDeltaNet
 log = logging.getLogger(__name__)
 
 # 3: a MoE model's routed experts and the Gated DeltaNet head orders; 4: experts' operand
-# tuples of any width (gpt-oss's carry biases)
-PACKED_VERSION = 4
+# tuples of any width (gpt-oss's carry biases); 5: Q2_K's scale and min in one byte
+PACKED_VERSION = 5
 
 
 def packed_name(quantization: str = "none") -> str:
