@@ -438,6 +438,8 @@ def unpack(fmt: Format, packed: Tensor, n: int) -> Parts:
         return t.permute(0, 3, 1, 2).reshape(rows, -1)[:n].contiguous().numpy()
 
     subs = PANEL * fmt.block // fmt.sub
+    sc: np.ndarray | None
+    m: np.ndarray | None
     if fmt.packed_m:
         both = rows_of(subs, torch.uint8)
         sc, m = (both & 15).astype(np.int8), (both >> 4).astype(np.int16)
