@@ -7,9 +7,12 @@ reference."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from kernel_checks import needs_kernel
@@ -331,3 +334,105 @@ def test_served_harmony_model_splits_channels_and_refuses_forced_calls(
                 )
     finally:
         engine.stop()
+
+
+# -- the released checkpoints' own MXFP4 experts --------------------------------------------
+
+
+def ggml_to_hf_mxfp4(raw: np.ndarray, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml MXFP4 blocks [rows, nb * 17] -> an HF checkpoint's (`*_blocks` [rows, nb, 16] with
+    byte k = values 2k | 2k + 1 << 4, `*_scales` [rows, nb]): the inverse of
+    models/gpt_oss.py's repacking, written here from the two layouts' definitions."""
+    b = raw.reshape(rows, -1, 17)
+    scales, qs = b[..., 0], b[..., 1:]
+    v = np.concatenate([qs & 15, qs >> 4], axis=-1)  # ggml: values j, then j + 16
+    blocks = v[..., 0::2] | (v[..., 1::2] << 4)
+    return torch.from_numpy(np.ascontiguousarray(blocks)), torch.from_numpy(scales.copy())
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dir(
+    hf_dir: tuple[torch.nn.Module, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The tiny model saved as the released gpt-oss checkpoints are: experts as MXFP4
+    `*_blocks` / `*_scales` (rows = outputs, gate / up rows interleaved), the rest as is."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+    from safetensors.torch import save_file
+
+    hf, src = hf_dir
+    out = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in hf.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            rows = t.float().transpose(1, 2).contiguous()  # [E, out, in]
+            e, n, k = rows.shape
+            raw = quantize(rows.reshape(e * n, k).numpy(), GGMLQuantizationType.MXFP4)
+            blocks, scales = ggml_to_hf_mxfp4(raw, e * n)
+            tensors[name + "_blocks"] = blocks.reshape(e, n, k // 32, 16)
+            tensors[name + "_scales"] = scales.reshape(e, n, k // 32)
+        else:
+            tensors[name] = t.contiguous()
+    save_file(tensors, str(out / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_released_mxfp4_checkpoint_runs_its_experts_in_mxfp4(mxfp4_dir: Path) -> None:
+    """The checkpoint's MXFP4 experts become MXFP4 GGUF operands holding exactly the values
+    transformers' own MXFP4 dequantization gives (the independent reading of the format), and
+    the model's logits agree with the same model run on those values dequantized."""
+    from safetensors import safe_open
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    ours = load_model(mxfp4_dir, torch.float32)
+    assert isinstance(ours, GptOssLM)
+    moe = ours.decoder_layers[1].mlp
+    assert isinstance(moe, GptOssMoE)
+    gate_up, _, down, _ = moe.expert_operands()[3]
+    assert isinstance(gate_up, GGUFWeight) and {p.fmt.name for p in gate_up.parts} == {"MXFP4"}
+    with safe_open(str(mxfp4_dir / "model.safetensors"), "pt") as f:
+        pre = "model.layers.1.mlp.experts."
+        deq = {
+            part: convert_moe_packed_tensors(
+                f.get_tensor(pre + part + "_blocks"),
+                f.get_tensor(pre + part + "_scales"),
+                dtype=torch.float32,
+            )
+            for part in ("gate_up_proj", "down_proj")
+        }
+    hf_gate_up = deq["gate_up_proj"][3].T  # [2I, H], gate / up rows interleaved
+    want = torch.cat([hf_gate_up[0::2], hf_gate_up[1::2]])
+    assert torch.equal(gate_up.dequantize(torch.float32), want)
+    assert isinstance(down, GGUFWeight)
+    assert torch.equal(down.dequantize(torch.float32), deq["down_proj"][3].T)
+    # the same model on those values, dequantized: the int8 activations' rounding apart
+    dense = load_model(mxfp4_dir, torch.float32)
+    for layer in dense.decoder_layers:
+        m = layer.mlp
+        assert isinstance(m, GptOssMoE)
+        m.operands = [
+            (g.dequantize(torch.float32), b, d.dequantize(torch.float32), db)  # type: ignore[union-attr]
+            for g, b, d, db in m.expert_operands()
+        ]
+        m._grouped_for = None
+    ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(5))
+    a = ours(ids, [ours.new_cache(32)], [12], logit_rows=torch.arange(12)).logits
+    b = dense(ids, [dense.new_cache(32)], [12], logit_rows=torch.arange(12)).logits
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+    assert float(cos.min()) > 0.99, cos
+
+
+def test_mxfp4_checkpoint_missing_a_scale_is_named(mxfp4_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(mxfp4_dir / "model.safetensors"))
+    del tensors["model.layers.2.mlp.experts.down_proj_scales"]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    save_file(tensors, str(broken / "model.safetensors"))
+    (broken / "config.json").write_text((mxfp4_dir / "config.json").read_text())
+    with pytest.raises(ValueError, match=re.escape("model.layers.2.mlp.experts.down_proj_scales")):
+        load_model(broken, torch.float32)

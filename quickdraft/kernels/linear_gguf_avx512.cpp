@@ -195,18 +195,26 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
     }
     const __m512 d = load_d16<F>(wb + Tr::kDOff);
     const __m512 dm = Tr::kHasDm ? load_d16<F>(wb + Tr::kDOff + Tr::kDBytes * kPanel) : d;
+    // mins / offsets: sum_s m[s] bsum[t, s] per row, each pair of sub-blocks' m unpacked once
+    // for all tokens (exact int32 sums: the order does not change the bits)
+    __m512i msums[T];
+    static_for<T>([&](auto t) { msums[t] = _mm512_setzero_si512(); });
+    if constexpr (Tr::kK) {
+      const int8_t* mm = Tr::kHasM ? reinterpret_cast<const int8_t*>(wb + Tr::kMOff) : sc;
+      constexpr int kMShift = Tr::kPackedM ? 4 : 0;  // Q2_K: the min is the high nibble
+      static_for<kSubs / 2>([&](auto i) {
+        const __m512i lo = scales16<F, kMShift>(mm + 2 * i * kPanel);
+        const __m512i hi = scales16<F, kMShift>(mm + (2 * i + 1) * kPanel);
+        const __m512i mv = _mm512_mask_blend_epi16(0xAAAAAAAAu, lo, _mm512_slli_epi32(hi, 16));
+        static_for<T>([&](auto t) {
+          msums[t] = _mm512_dpwssd_epi32(msums[t], mv, bcast32(bs + t * ldb + b * kSubs + 2 * i));
+        });
+      });
+    }
     static_for<T>([&](auto t) {
       const int16_t* bst = bs + t * ldb + b * kSubs;
-      __m512i msum = _mm512_setzero_si512();
+      __m512i msum = msums[t];
       if constexpr (Tr::kK) {
-        const int8_t* mm = Tr::kHasM ? reinterpret_cast<const int8_t*>(wb + Tr::kMOff) : sc;
-        constexpr int kMShift = Tr::kPackedM ? 4 : 0;  // Q2_K: the min is the high nibble
-        static_for<kSubs / 2>([&](auto i) {
-          const __m512i lo = scales16<F, kMShift>(mm + 2 * i * kPanel);
-          const __m512i hi = scales16<F, kMShift>(mm + (2 * i + 1) * kPanel);
-          const __m512i mv = _mm512_mask_blend_epi16(0xAAAAAAAAu, lo, _mm512_slli_epi32(hi, 16));
-          msum = _mm512_dpwssd_epi32(msum, mv, bcast32(bst + 2 * i));
-        });
         if constexpr (Tr::kMScShift > 0)  // m = 32 sc (Q6_K), 4 sc (Q3_K)
           msum = _mm512_slli_epi32(msum, Tr::kMScShift);
         if constexpr (Tr::kTable) msum = _mm512_slli_epi32(msum, 7);  // IQ4_XS: 128 sc

@@ -16,22 +16,27 @@ KV cache and head) with its own layers. What differs from the Llama family:
   a row's result depends on that row only.
 Parameter names are Hugging Face's; its experts are stacked `[E, hidden, 2 * inter]` with gate
 and up interleaved (columns 2i and 2i + 1): the GEMM operands are their de-interleaved
-transposes, made once (`GptOssMoE.operands`), or a GGUF file's own tensors.
+transposes, made once (`GptOssMoE.operands`), or a GGUF file's own tensors, or the released
+checkpoints' own MXFP4 (`*_blocks` / `*_scales`, `mxfp4_experts`) repacked into ggml's MXFP4
+blocks, the same values, run by the GGUF kernels.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from quickdraft.config import ModelConfig, read_hf_config
 from quickdraft.kernels.attention import attend
 from quickdraft.kernels.gemm import Weight, project
+from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.kernels.moe_gguf import grouped_experts
 from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.layers import LinearView, RMSNorm, Rope
@@ -174,22 +179,25 @@ class GptOssMoE(nn.Module):
         # the GEMM operands per expert; None: made from `experts` on first use (a GGUF
         # model's loader sets them to the file's own tensors)
         self.operands: list[ExpertOperands] | None = None
+        # an HF checkpoint's MXFP4 experts as GGUF operands (gate_up per expert, down per
+        # expert), joined with the biases on first use; None: made from `experts`
+        self.blocks: tuple[list[Weight], list[Weight]] | None = None
         self._grouped: Any = None  # the grouped kernel over `operands` (None: it cannot run)
         self._grouped_for: object = None  # the operand list it was built for
 
     def expert_operands(self) -> list[ExpertOperands]:
         if self.operands is None:
             ex = self.experts
-            gate_up = torch.cat([ex.gate_up_proj[..., 0::2], ex.gate_up_proj[..., 1::2]], dim=2)
             bias = torch.cat([ex.gate_up_proj_bias[:, 0::2], ex.gate_up_proj_bias[:, 1::2]], 1)
+            if self.blocks is not None:
+                gate_ups, downs = self.blocks
+            else:
+                gate_up = torch.cat([ex.gate_up_proj[..., 0::2], ex.gate_up_proj[..., 1::2]], 2)
+                gate_ups = [g.T.contiguous() for g in gate_up]
+                downs = [d.T.contiguous() for d in ex.down_proj]
             self.operands = [
-                (
-                    gate_up[e].T.contiguous(),
-                    bias[e].contiguous(),
-                    ex.down_proj[e].T.contiguous(),
-                    ex.down_proj_bias[e],
-                )
-                for e in range(gate_up.shape[0])
+                (gate_ups[e], bias[e].contiguous(), downs[e], ex.down_proj_bias[e])
+                for e in range(bias.shape[0])
             ]
         return self.operands
 
@@ -254,3 +262,86 @@ class GptOssLM(CausalLM):
     ) -> None:
         super().__init__(cfg, dtype, device)
         self.rope = Rope(cfg.head_dim, cfg.rope_theta, self.device, cfg.yarn or None)
+
+
+def is_mxfp4(cfg: ModelConfig) -> bool:
+    """Whether an HF config's checkpoint holds its experts in MXFP4 (the released gpt-oss)."""
+    quant = cfg.extra.get("quantization_config") or {}
+    return cfg.model_type == "gpt_oss" and quant.get("quant_method") == "mxfp4"
+
+
+def hf_mxfp4_blocks(blocks: Tensor, scales: Tensor) -> np.ndarray:
+    """An HF checkpoint's MXFP4 rows -> ggml's MXFP4 blocks [rows, nb * 17], the same values.
+    HF: `*_blocks` [rows, nb, 16], byte k holding values 2k (low nibble) and 2k + 1 of a block
+    of 32; `*_scales` [rows, nb] E8M0, lut[code] * 2^(s - 127). ggml: the exponent byte, then
+    byte j holding values j (low) and j + 16, (2 lut[code]) * 2^(e - 128): e = s."""
+    b = blocks.numpy()
+    v = np.empty((*b.shape[:-1], 32), np.uint8)
+    v[..., 0::2], v[..., 1::2] = b & 15, b >> 4
+    qs = v[..., :16] | (v[..., 16:] << 4)
+    raw = np.concatenate([scales.numpy()[..., None].astype(np.uint8), qs], axis=-1)
+    return raw.reshape(raw.shape[0], -1)
+
+
+Entry = tuple[str, str, Callable[[], Tensor]]  # (file, tensor name, its read)
+_PACKED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\w+_proj)_(blocks|scales)")
+
+
+def _mxfp4(blocks: Tensor, scales: Tensor, k: int) -> GGUFWeight:
+    return GGUFWeight.from_raw("MXFP4", hf_mxfp4_blocks(blocks, scales), k)
+
+
+def mxfp4_experts(model: GptOssLM, entries: Iterable[Entry]) -> Iterator[Entry]:
+    """`entries` (a checkpoint's tensors) without the experts' MXFP4 `*_blocks` / `*_scales`:
+    each projection becomes its experts' MXFP4 GGUF operands as soon as both have been read
+    (one tensor's raw blocks in memory at a time); the stacked expert parameters are emptied
+    first (they are not filled). A missing or misplaced tensor is named."""
+    for layer in model.decoder_layers:
+        ex = layer.mlp.experts
+        assert isinstance(ex, Experts)
+        ex.gate_up_proj = nn.Parameter(torch.empty(0), requires_grad=False)
+        ex.down_proj = nn.Parameter(torch.empty(0), requires_grad=False)
+    return _mxfp4_entries(model, entries)
+
+
+def _mxfp4_entries(model: GptOssLM, entries: Iterable[Entry]) -> Iterator[Entry]:
+    cfg = model.config
+    widths = {"gate_up_proj": cfg.hidden_size, "down_proj": cfg.intermediate_size}  # in features
+    pending: dict[str, Tensor] = {}  # a tensor's blocks or scales, until its pair arrives
+    built: dict[int, dict[str, list[Weight]]] = {}  # layer -> projection -> its experts' operands
+    for entry in entries:
+        m = re.fullmatch(
+            r"model\.layers\.(\d+)\.mlp\.experts\.(\w+_proj)_(blocks|scales)", entry[1]
+        )
+        if m is None:
+            yield entry
+            continue
+        pending[entry[1]] = entry[2]()  # read now: the file closes once it has been walked
+        base = entry[1].rsplit("_", 1)[0]
+        if base + "_blocks" not in pending or base + "_scales" not in pending:
+            continue
+        blocks, scales = pending.pop(base + "_blocks"), pending.pop(base + "_scales")
+        at, proj = int(m[1]), m[2]
+        if proj not in widths or at >= len(model.decoder_layers):
+            raise ValueError(f"MXFP4 tensor {entry[1]!r} has no place in the model")
+        k = widths[proj]
+        ops: list[Weight] = []
+        for e in range(blocks.shape[0]):
+            if proj == "gate_up_proj":  # rows 2i gate, 2i + 1 up
+                parts = [_mxfp4(blocks[e, j::2], scales[e, j::2], k) for j in (0, 1)]
+                ops.append(GGUFWeight.concat(parts))
+            else:
+                ops.append(_mxfp4(blocks[e], scales[e], k))
+        built.setdefault(at, {})[proj] = ops
+        del blocks, scales
+    for i, layer in enumerate(model.decoder_layers):
+        got = built.get(i, {})
+        for proj in widths:
+            if proj not in got:
+                missing = f"model.layers.{i}.mlp.experts.{proj}"
+                have = [n for n in pending if n.startswith(missing)]
+                part = "scales" if have and have[0].endswith("_blocks") else "blocks"
+                raise ValueError(f"the MXFP4 checkpoint lacks {missing}_{part}")
+        moe = layer.mlp
+        assert isinstance(moe, GptOssMoE)
+        moe.blocks = (got["gate_up_proj"], got["down_proj"])

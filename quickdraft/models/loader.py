@@ -23,6 +23,7 @@ from quickdraft.hub.convert import GGUF_LINK
 from quickdraft.models.base import LanguageModel
 from quickdraft.models.gguf_loader import GGUFTensorError, is_gguf_dir, load_gguf_model
 from quickdraft.models.gguf_qwen_loader import QWEN_TYPES, load_qwen_gguf
+from quickdraft.models.gpt_oss import GptOssLM, is_mxfp4, mxfp4_experts
 from quickdraft.models.hybrid_config import NameMap
 from quickdraft.models.registry import (
     model_class,
@@ -57,11 +58,14 @@ def load_model(
     cls = model_class(cfg.model_type)
     model = cls(cfg, dtype, device)
     names = name_map(cfg)
-    load_weights(
-        model,
-        sorted(path.glob("*.safetensors")),
-        lambda name: None if name.startswith("mtp.") else names(name),
-    )
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError("no *.safetensors files to load")
+    entries: TensorEntries = safetensors_entries(files)
+    if is_mxfp4(cfg):  # the released gpt-oss: its MXFP4 experts stay MXFP4
+        assert isinstance(model, GptOssLM)
+        entries = mxfp4_experts(model, entries)
+    fill_weights(model, entries, lambda name: None if name.startswith("mtp.") else names(name))
     return model  # type: ignore[return-value]  # every MODELS class implements LanguageModel
 
 
