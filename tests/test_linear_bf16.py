@@ -70,6 +70,31 @@ def test_linear_exact_on_small_integers(m: int, dtype: torch.dtype) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["xbf16", "xfp32"])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 9, 17], ids=lambda m: f"M{m}")
+def test_fp16_weights_are_widened_exactly(m: int, dtype: torch.dtype) -> None:
+    """A GGUF file's F16 tensor as the operand (fp16 weights): integer weights up to 1500
+    (exact in fp16, not in bf16's 8-bit mantissa) give torch's fp32 result bit for bit, every
+    order and tail included; random ones match the fp32 reference; a row's bits do not depend
+    on the other rows."""
+    g = torch.Generator().manual_seed(m)
+    k, n = 8 * 13 + 16 * 5, 37  # K % 16 == 8: the 8-wide tail too
+    x = torch.randint(-3, 4, (m, k), generator=g).to(dtype)
+    w = torch.randint(-1500, 1501, (n, k), generator=g).half()
+    assert not torch.equal(w.bfloat16().float(), w.float())  # bf16 would round these
+    b = torch.randint(-5, 6, (n,), generator=g).float()
+    before = kernel_calls()
+    out = linear(x, w, b)
+    assert kernel_calls() == before + 1
+    assert torch.equal(out, F.linear(x.float(), w.float(), b).to(dtype))
+    x, _, b2 = make(m, 64, 1536, True, dtype)
+    w2 = torch.randn(64, 1536, generator=g).half()
+    assert_close_to_reference(linear(x, w2, b2), x, w2, b2)
+    rows = torch.cat([linear(x[i : i + 1], w2, b2) for i in range(m)])
+    assert torch.equal(linear(x, w2, b2), rows)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["xbf16", "xfp32"])
 def test_linear_3d_input_keeps_leading_dims(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 5, 64, generator=g).to(dtype)

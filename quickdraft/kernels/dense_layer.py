@@ -26,12 +26,12 @@ from torch import Tensor
 
 from quickdraft.kernels.build import extension
 from quickdraft.kernels.gemm import Weight
-from quickdraft.kernels.linear_bf16 import PanelWeight
+from quickdraft.kernels.linear_bf16 import MAX_M, PanelWeight
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
 
 # operand kinds dense_layer.cpp takes
-_PANEL, _INT8, _INT4, _GGUF = 1, 2, 3, 4
+_PANEL, _INT8, _INT4, _GGUF, _ROWS = 1, 2, 3, 4, 5
 
 # (kind, packed per part, scale, out_features per part, format per part)
 Operand = tuple[int, list[Tensor], Tensor, list[int], list[int]]
@@ -59,6 +59,9 @@ def _operand(
         ns, fmts = [p.n for p in weight.parts], [p.fmt.code for p in weight.parts]
         op = _GGUF, packed, none, ns, fmts
         ok = ext.eligible_gguf(x, packed, fmts, ns, bias)
+    elif isinstance(weight, Tensor) and weight.dtype == torch.float16:  # a file's F16 tensor
+        op = _ROWS, [weight], none, [weight.shape[0]], []
+        ok = ext.eligible(x, weight, bias, MAX_M)
     else:
         return None
     return op if ok else None

@@ -5,7 +5,8 @@
 //
 // Contract: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for
 //   x     [..., K] bf16 or fp32 (any strides; flattened to M = numel / K rows),
-//   w     [N, K]   bf16, contiguous (nn.Linear layout, not repacked),
+//   w     [N, K]   bf16 or fp16 (a GGUF file's F16 tensors, exact), contiguous (nn.Linear
+//                  layout, not repacked),
 //   bias  [N]      any floating dtype, optional (fp32 / bf16 read as is, others cast to fp32),
 //   y     [..., N] in x's dtype; fp32 accumulation, one round-to-nearest-even at the end.
 // `qd_linear` runs the kernel when `eligible` holds (CPU, K % 8 == 0, M <= max_m, no autograd,
@@ -94,6 +95,23 @@ struct Bf16W {
     return bf16_odd(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static __m256 tail8(const elem* p) { return bf16x8_to_f32(p); }
+};
+
+// fp16 weights (F16C): the even and odd halves of a 16-block gathered by one byte shuffle per
+// 128-bit lane and a 64-bit permute, then widened exactly.
+struct F16W {
+  using elem = u16;
+  static __m256i split(const elem* p) {  // [evens 0-7 | odds 0-7] as 16 halves
+    const __m256i order = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), order);
+    return _mm256_permute4x64_epi64(v, 0xD8);
+  }
+  static __m256 lo(const elem* p) { return _mm256_cvtph_ps(_mm256_castsi256_si128(split(p))); }
+  static __m256 hi(const elem* p) { return _mm256_cvtph_ps(_mm256_extracti128_si256(split(p), 1)); }
+  static __m256 tail8(const elem* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
 };
 
 // x [M, K] -> xs [M, ldx] fp32 in the packed order described at the top.
@@ -415,7 +433,10 @@ at::Tensor run_kernel(const at::Tensor& x, const at::Tensor& w,
               std::max<int64_t>(R, k.block_bytes / (elem_bytes * K) / R * R),
               k.kb >= K ? K : std::max<int64_t>(16, k.kb / 16 * 16),
               k.prefetch != 0};
-    run_format<Bf16W>(p, R, k.tmax);
+    if (w.scalar_type() == at::kHalf)
+      run_format<F16W>(p, R, k.tmax);
+    else
+      run_format<Bf16W>(p, R, k.tmax);
     g0 += gm;
   }
   return y.view(out_shape);
@@ -426,7 +447,9 @@ bool eligible(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::
   if (!x.defined() || !w.defined() || x.layout() != at::kStrided || w.layout() != at::kStrided)
     return false;
   if (!x.device().is_cpu() || !w.device().is_cpu()) return false;
-  if (w.scalar_type() != at::kBFloat16 || w.dim() != 2 || !w.is_contiguous()) return false;
+  if ((w.scalar_type() != at::kBFloat16 && w.scalar_type() != at::kHalf) || w.dim() != 2 ||
+      !w.is_contiguous())
+    return false;
   if (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kFloat) return false;
   const int64_t K = w.size(1);
   if (x.dim() < 1 || K == 0 || K % 8 != 0 || x.size(-1) != K) return false;

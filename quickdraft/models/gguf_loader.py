@@ -132,7 +132,11 @@ class GGUFFile:
         types = {t for _, t, _ in loaded}
         if types <= set(_FLOAT_TYPES):
             rows = [torch.from_numpy(np.array(r, dtype=np.float32)) for _, _, r in loaded]
-            dense = torch.cat(rows).to(dtype)
+            dense = torch.cat(rows)
+            # F16 stays fp16 where it runs as it is (the linear kernel widens it exactly); F32,
+            # BF16 and what is converted (int8 / int4) take the model dtype
+            keep = types == {"F16"} and dtype != torch.float32 and self.convert is None
+            dense = dense.half() if keep else dense.to(dtype)
             return self.convert(dense) if self.convert else dense
         if types & set(_FLOAT_TYPES):
             raise GGUFTensorError(

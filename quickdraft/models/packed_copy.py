@@ -79,7 +79,8 @@ def _put(tensors: dict[str, Tensor], meta: dict[str, str], key: str, w: Weight) 
 def _take(tensors: dict[str, Tensor], meta: dict[str, str], key: str, dtype: torch.dtype) -> Weight:
     """The operand `_put` wrote under `key`."""
     if key not in meta:
-        return tensors.pop(key).to(dtype)
+        t = tensors.pop(key)
+        return t if t.dtype == torch.float16 else t.to(dtype)  # a file's F16 operand stays
     kind, *spec = json.loads(meta[key])
     if kind == "gguf":
         k, parts = spec
