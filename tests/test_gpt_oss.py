@@ -21,6 +21,8 @@ from test_reasoning import HARMONY_SPECIALS
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import stream
+from quickdraft.engine.core import EngineCore
+from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.hub.gguf_write import TINY_SPECIALS, llama_cpp_tensors, write_gguf
 from quickdraft.kernels.attention import TILES, attend, cpu_tiles, reference_attend
 from quickdraft.kernels.build import extension
@@ -243,15 +245,26 @@ def test_mxfp4_file_runs_its_experts_in_their_blocks(
     gguf_pair: tuple[Any, Path], tmp_path: Path
 ) -> None:
     """The file through llama.cpp's quantizer as MXFP4_MOE (what gpt-oss GGUFs hold): --dtype
-    gguf keeps every expert in MXFP4 with its biases, logits agree with llama.cpp's on the same
-    file, the second start reads the packed copy (same bits), and greedy n-gram speculation
-    equals plain decoding."""
+    gguf keeps every expert in MXFP4 with its biases, requests decoded together equal each
+    alone, logits agree with llama.cpp's on the same file, the second start reads the packed
+    copy (same bits), and greedy n-gram speculation equals plain decoding."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python (the `peers` extra) is not installed")
     from quickdraft.bench.peers import llama_cpp_quantize
 
     path = tmp_path / "gpt-oss-mxfp4.gguf"
     llama_cpp_quantize(gguf_pair[1], path, "MXFP4_MOE", torch.get_num_threads())
     lm = load(str(path), "gguf", progress=False)
+    # three sequences at different positions (window starts, experts) in one packed forward
+    # per step: each gets the tokens it gets alone
+    prompts = [lm.tokenizer.encode(t) for t in (PROMPT, "Short one.", "1, 2, 3, 4, 5, 6")]
+    alone = [generate(lm, ids, 24).output_ids for ids in prompts]
+    core = EngineCore(lm, SchedulerConfig(max_running=3))
+    reqs = [lm.new_request(ids, SamplingParams(max_tokens=24, ignore_eos=True)) for ids in prompts]
+    for req in reqs:
+        core.add(req, None)
+    while core.has_work:
+        core.step()
+    assert core.stats.max_batch == 3 and [r.output_ids for r in reqs] == alone
     moe = lm.model.model.layers[0].mlp  # type: ignore[union-attr]
     assert isinstance(moe, GptOssMoE) and moe.operands is not None
     gate_up, bias, down, _ = moe.operands[0]
