@@ -438,14 +438,24 @@ def test_released_mxfp4_checkpoint_runs_its_experts_in_mxfp4(mxfp4_dir: Path) ->
     assert float(cos.min()) > 0.99, cos
 
 
-def test_mxfp4_checkpoint_missing_a_scale_is_named(mxfp4_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_mxfp4_checkpoint_missing_or_truncated_tensor_is_named(
+    mxfp4_dir: Path, tmp_path: Path, damage: str
+) -> None:
+    """A scale tensor left out, or a blocks tensor cut short: the error names the file and the
+    tensor before any expert is repacked from it."""
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(mxfp4_dir / "model.safetensors"))
-    del tensors["model.layers.2.mlp.experts.down_proj_scales"]
+    name = "model.layers.2.mlp.experts.down_proj"
+    if damage == "missing":
+        del tensors[name + "_scales"]
+    else:
+        tensors[name + "_blocks"] = tensors[name + "_blocks"][:, :, :-1].contiguous()
     broken = tmp_path / "broken"
     broken.mkdir()
     save_file(tensors, str(broken / "model.safetensors"))
     (broken / "config.json").write_text((mxfp4_dir / "config.json").read_text())
-    with pytest.raises(ValueError, match=re.escape("model.layers.2.mlp.experts.down_proj_scales")):
+    with pytest.raises(ValueError, match=re.escape(name)) as err:
         load_model(broken, torch.float32)
+    assert damage == "missing" or "model.safetensors" in str(err.value)

@@ -325,6 +325,13 @@ def _mxfp4_entries(model: GptOssLM, entries: Iterable[Entry]) -> Iterator[Entry]
         if proj not in widths or at >= len(model.decoder_layers):
             raise ValueError(f"MXFP4 tensor {entry[1]!r} has no place in the model")
         k = widths[proj]
+        rows = 2 * cfg.intermediate_size if proj == "gate_up_proj" else cfg.hidden_size
+        want = (cfg.num_experts, rows, k // 32)
+        if tuple(blocks.shape) != (*want, 16) or tuple(scales.shape) != want:
+            raise ValueError(
+                f"{entry[0]}: {base}_blocks / _scales are {tuple(blocks.shape)} / "
+                f"{tuple(scales.shape)}; the config implies {(*want, 16)} / {want}"
+            )
         ops: list[Weight] = []
         for e in range(blocks.shape[0]):
             if proj == "gate_up_proj":  # rows 2i gate, 2i + 1 up
