@@ -17,7 +17,7 @@ a verify pass give the same bits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,17 +33,21 @@ from quickdraft.kernels.pointwise import silu_mul
 def reference_experts(
     x: Tensor,  # [N, H]
     top_idx: Tensor,  # [N, k] int64
-    top_weight: Tensor,  # [N, k] in x's dtype
+    top_weight: Tensor,  # [N, k] in x's dtype (or fp32)
     operands: Sequence[tuple[Weight, Weight]],  # per expert (gate_up [2I, H], down [H, I])
+    act: Callable[[Tensor], Tensor] = silu_mul,  # [rows, 2I] -> [rows, I]
+    biases: Sequence[tuple[Tensor, Tensor]] | None = None,  # per expert (gate_up's, down's)
 ) -> Tensor:
-    """The module docstring's sum, one `project` pair per chosen expert -> [N, H] x.dtype."""
+    """The module docstring's sum, one `project` pair per chosen expert -> [N, H] x.dtype
+    (gpt-oss: its activation, and each expert's biases added by `project`)."""
     n, k = top_idx.shape
     ys = x.new_empty(n, k, x.shape[1])  # [N, k, H] each slot's expert output
     for e in torch.unique(top_idx).tolist():
         rows, slots = torch.where(top_idx == e)
         gate_up, down = operands[e]
-        ys[rows, slots] = project(silu_mul(project(x[rows], gate_up)), down)
-    out = torch.zeros(n, x.shape[1], dtype=torch.float32)
+        b_gate_up, b_down = (None, None) if biases is None else biases[e]
+        ys[rows, slots] = project(act(project(x[rows], gate_up, b_gate_up)), down, b_down)
+    out = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
     weight = top_weight.float()
     for j in range(k):  # slot order, fp32
         out += weight[:, j, None] * ys[:, j].float()

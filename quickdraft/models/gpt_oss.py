@@ -24,8 +24,9 @@ blocks, the same values, run by the GGUF kernels.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, fields
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -34,11 +35,9 @@ import torch
 from torch import Tensor, nn
 
 from quickdraft.config import ModelConfig, read_hf_config
-from quickdraft.kernels.attention import attend
 from quickdraft.kernels.gemm import Weight, project
 from quickdraft.kernels.linear_gguf import GGUFWeight
-from quickdraft.kernels.moe_gguf import grouped_experts
-from quickdraft.models.kv_cache import KVCache
+from quickdraft.kernels.moe_gguf import grouped_experts, reference_experts
 from quickdraft.models.layers import LinearView, RMSNorm, Rope
 from quickdraft.models.llama import Attention, CausalLM, DecoderLayer
 
@@ -84,7 +83,8 @@ class GptOssConfig(ModelConfig):
 
 
 class GptOssAttention(Attention):
-    """Llama's attention with an o bias, the per-head sinks and, on local layers, a window."""
+    """Llama's attention (its forward) with an o bias, the per-head sinks and, on local layers,
+    a window."""
 
     def __init__(self, cfg: GptOssConfig, layer_idx: int, dtype: torch.dtype, device: torch.device):
         super().__init__(cfg, layer_idx, dtype, device)
@@ -101,26 +101,6 @@ class GptOssAttention(Attention):
         )
         local = cfg.layer_types[layer_idx] == SLIDING
         self.window = cfg.sliding_window if local else 0
-
-    def forward(
-        self,
-        x: Tensor,  # [N, hidden]
-        rope: tuple[Tensor, Tensor],
-        caches: Sequence[KVCache],
-        num_new: Sequence[int],
-    ) -> Tensor:
-        q, k, v = self.rotated_qkv(x, rope)
-        sinks = self.sinks.float()
-        outs, start = [], 0
-        for cache, count in zip(caches, num_new, strict=True):
-            seg = slice(start, start + count)
-            keys, values = cache.write(
-                self.layer_idx, k[seg].transpose(0, 1), v[seg].transpose(0, 1)
-            )
-            outs.append(attend(q[seg], keys, values, cache.length, self.scale, self.window, sinks))
-            start += count
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return project(out, self.o, self.o_bias)
 
 
 def swiglu_oai(gate_up: Tensor, alpha: float, limit: float) -> Tensor:
@@ -227,19 +207,17 @@ class GptOssMoE(nn.Module):
         return self.reference(x, top_idx, weight)
 
     def reference(self, x: Tensor, top_idx: Tensor, weight: Tensor) -> Tensor:
-        """One `project` pair per chosen expert, the weighted sum in slot order in fp32."""
-        operands = self.expert_operands()
-        n, k = top_idx.shape
-        ys = x.new_empty(n, k, x.shape[1])
-        for e in torch.unique(top_idx).tolist():
-            rows, slots = torch.where(top_idx == e)
-            gate_up, b_gate_up, down, b_down = operands[e]
-            act = swiglu_oai(project(x[rows], gate_up, b_gate_up), self.alpha, self.limit)
-            ys[rows, slots] = project(act, down, b_down)
-        out = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
-        for j in range(k):  # slot order, fp32: a row's sum does not follow the batch
-            out += weight[:, j, None] * ys[:, j].float()
-        return out.to(x.dtype)
+        """One `project` pair per chosen expert, the weighted sum in slot order in fp32
+        (kernels/moe_gguf.py's reference loop with this activation and the biases)."""
+        ops = self.expert_operands()
+        return reference_experts(
+            x,
+            top_idx,
+            weight,
+            [(gate_up, down) for gate_up, _, down, _ in ops],
+            partial(swiglu_oai, alpha=self.alpha, limit=self.limit),
+            [(b_gate_up, b_down) for _, b_gate_up, _, b_down in ops],
+        )
 
 
 class GptOssLayer(DecoderLayer):

@@ -75,6 +75,11 @@ class Attention(OperandModule):
         # them), replaced by packed or quantized forms by `CausalLM.pack_` / `quantize_`.
         self.qkv: Weight = self.qkv_weight
         self.o: Weight = self.o_proj.weight.detach()
+        # what a family adds (models/gpt_oss.py): an o bias, a sliding window (0: none), per-head
+        # attention sinks (a Parameter there)
+        self.o_bias: Tensor | None = None
+        self.window = 0
+        self.sinks: Tensor | None = None
         self.q_norm = (
             RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         )
@@ -105,16 +110,17 @@ class Attention(OperandModule):
         num_new: Sequence[int],
     ) -> Tensor:
         q, k, v = self.rotated_qkv(x, rope)
+        sinks = None if self.sinks is None else self.sinks.float()
         outs, start = [], 0
         for cache, count in zip(caches, num_new, strict=True):
             seg = slice(start, start + count)
             keys, values = cache.write(
                 self.layer_idx, k[seg].transpose(0, 1), v[seg].transpose(0, 1)
             )
-            outs.append(attend(q[seg], keys, values, cache.length, self.scale))
+            outs.append(attend(q[seg], keys, values, cache.length, self.scale, self.window, sinks))
             start += count
         out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, H * d]
-        return project(out, self.o)
+        return project(out, self.o, self.o_bias)
 
 
 class MLP(OperandModule):

@@ -76,17 +76,9 @@ def _call(name: str, arguments: str) -> OutputToolCall:
 def parse_harmony(text: str) -> Parsed:
     """A whole output -> its reasoning, content and tool calls."""
     stream = HarmonyStream()
-    reasoning, content, deltas = stream.push(text)
-    r2, c2, d2 = stream.flush()
-    reasoning, content, deltas = reasoning + r2, content + c2, deltas + d2
-    calls = [
-        OutputToolCall(
-            id=d.id or "",
-            function=FunctionCall(name=d.function.name or "", arguments=d.function.arguments or ""),
-        )
-        for d in deltas
-    ]
-    return Parsed(reasoning or None, content or None, calls)
+    reasoning, content, _ = stream.push(text)
+    r2, c2, _ = stream.flush()
+    return Parsed(reasoning + r2 or None, content + c2 or None, stream.done)
 
 
 @dataclass
@@ -98,7 +90,7 @@ class HarmonyStream:
     start of a marker."""
 
     held: str = ""
-    calls: int = 0
+    done: list[OutputToolCall] = field(default_factory=list)  # the calls closed so far
     _header: Header | None = field(default=None, repr=False)  # None: reading a header
     _args: str = field(default="", repr=False)
 
@@ -131,7 +123,7 @@ class HarmonyStream:
         unfinished header (or text that never opened a message) as content."""
         text, self.held = self.held, ""
         if self._header is None:
-            return "", text if self.calls == 0 else "", []
+            return "", text if not self.done else "", []
         r, c = self._route(text)
         return r, c, self._close()
 
@@ -150,10 +142,10 @@ class HarmonyStream:
             return []
         call = _call(header.tool, self._args)
         self._args = ""
-        self.calls += 1
+        self.done.append(call)
         return [
             DeltaToolCall(
-                index=self.calls - 1,
+                index=len(self.done) - 1,
                 id=call.id,
                 type="function",
                 function=DeltaFunction(name=call.function.name, arguments=call.function.arguments),

@@ -298,7 +298,7 @@ class Relay:
                     offsets[i] += sum(len(self.tok.token_text(lp.token)) for lp in out.logprobs)
                 if out.finished:
                     reason = str(out.finish_reason)
-                    if streams[i].calls or channels[i].calls:
+                    if streams[i].calls or channels[i].done:
                         reason = "tool_calls"
                     finished += 1  # the last choice to finish carries the telemetry
                     spec = Speculative.of(_merged(self.choices)) if finished == n else None
