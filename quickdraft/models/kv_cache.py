@@ -164,3 +164,99 @@ class KVCache:
 
     def state_at(self, position: int) -> StateSnapshot | None:
         return None  # attention only: the KV rows are the whole state
+
+
+class GroupedKVCache:
+    """The KV of one sequence for a model whose layers' KV differ in shape (Gemma 4's local
+    and global layers: other head counts and sizes): one KVCache per shape, one length.
+    Layer `i` of the model writes slot `slots[i]` = (group, layer within the group); a layer
+    without KV of its own (shape None: it reads another's) has none.
+
+    The prefix cache's blocks hold each token's KV of every group flattened (`[1, 1, tokens,
+    sum of layers x heads x head_dim]`), so they slice and join by token as a KVCache's do;
+    imported blocks are copied in (the attention kernel reads one shape per block)."""
+
+    __slots__ = ("groups", "length", "slots")
+    recurrent = False
+
+    def __init__(
+        self,
+        shapes: Sequence[tuple[int, int] | None],  # per layer: (kv heads, head_dim) or None
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        kinds = list(dict.fromkeys(s for s in shapes if s is not None))  # in layer order
+        counts = [0] * len(kinds)
+        self.slots: list[tuple[int, int]] = []
+        for shape in shapes:
+            if shape is None:
+                self.slots.append((-1, -1))
+                continue
+            g = kinds.index(shape)
+            self.slots.append((g, counts[g]))
+            counts[g] += 1
+        self.groups = [
+            KVCache(n, heads, dim, capacity, dtype, device)
+            for (heads, dim), n in zip(kinds, counts, strict=True)
+        ]
+        self.length = 0
+
+    def reserve(self, num_new: int) -> None:
+        for group in self.groups:
+            group.reserve(num_new)
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor | Paged, Tensor | Paged]:
+        """KVCache.write on layer `layer`'s group."""
+        g, i = self.slots[layer]
+        return self.groups[g].write(i, k, v)
+
+    def read(self, layer: int, end: int) -> tuple[Tensor, Tensor]:
+        """Keys and values `[kv_heads, end, head_dim]` of layer `layer`'s tokens [0, end),
+        written earlier (a layer that reads another's KV, Gemma 4's shared layers)."""
+        g, i = self.slots[layer]
+        group = self.groups[g]
+        assert end <= group.capacity and not group.shared, "rows of this cache's own"
+        return group.k[i, :, :end], group.v[i, :, :end]
+
+    def commit(self, length: int) -> None:
+        self.length = length
+        for group in self.groups:
+            group.commit(length)
+
+    trim = commit
+
+    def nbytes(self) -> int:
+        return sum(group.nbytes() for group in self.groups)
+
+    def export_kv(self, start: int, end: int) -> KVBlock:
+        parts = [g.export_kv(start, end) for g in self.groups]
+        k = torch.cat([_token_major(p.k) for p in parts], dim=1)  # [tokens, features]
+        v = torch.cat([_token_major(p.v) for p in parts], dim=1)
+        return KVBlock(k[None, None], v[None, None])
+
+    def import_kv(self, blocks: Sequence[KVBlock], state: StateSnapshot | None = None) -> None:
+        assert self.length == 0 and state is None, "import into an empty attention cache"
+        if not blocks:
+            return
+        k = torch.cat([b.k[0, 0] for b in blocks])  # [tokens, features]
+        v = torch.cat([b.v[0, 0] for b in blocks])
+        n, at = k.shape[0], 0
+        self.reserve(n)
+        for group in self.groups:
+            layers, heads, _, dim = group.k.shape
+            width = layers * heads * dim
+            for mine, flat in ((group.k, k), (group.v, v)):
+                part = flat[:, at : at + width].reshape(n, layers, heads, dim)
+                mine[:, :, :n] = part.permute(1, 2, 0, 3)
+            at += width
+        assert at == k.shape[1], "blocks of this cache's layout"
+        self.commit(n)
+
+    def state_at(self, position: int) -> StateSnapshot | None:
+        return None
+
+
+def _token_major(kv: Tensor) -> Tensor:
+    """[layers, heads, tokens, dim] -> [tokens, layers * heads * dim]."""
+    return kv.permute(2, 0, 1, 3).reshape(kv.shape[2], -1)

@@ -12,7 +12,7 @@ by the loader's name map (models/qwen3_next.py: `checkpoint_name_map`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -47,10 +47,16 @@ class GatedMLP(OperandModule):
 
 class Experts(nn.Module):
     def __init__(
-        self, num: int, hidden: int, inter: int, dtype: torch.dtype, device: torch.device
+        self,
+        num: int,
+        hidden: int,
+        inter: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        act: Callable[[Tensor], Tensor] = silu_mul,  # [rows, 2I] -> [rows, I] (Gemma 4: GeGLU)
     ) -> None:
         super().__init__()
-        self.inter = inter
+        self.inter, self.act = inter, act
         self.gate_up_proj = nn.Parameter(
             torch.empty(num, 2 * inter, hidden, dtype=dtype, device=device), requires_grad=False
         )
@@ -72,10 +78,13 @@ class Experts(nn.Module):
             out: Tensor = grouped.forward(x, top_idx, top_weight)
             return out
         operands = self.operands if self.operands is not None else _Stacked(self)
-        return reference_experts(x, top_idx, top_weight, operands)
+        return reference_experts(x, top_idx, top_weight, operands, self.act)
 
     def _grouped_kernel(self) -> Any:
-        """The extension's grouped call for `operands`, built once per operand list."""
+        """The extension's grouped call for `operands`, built once per operand list (its
+        activation is silu_mul: None for another)."""
+        if self.act is not silu_mul:
+            return None
         if self._grouped_for is not self.operands:
             self._grouped_for = self.operands
             ops = self.operands

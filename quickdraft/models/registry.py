@@ -14,6 +14,7 @@ from torch import nn
 
 from quickdraft.config import ModelConfig
 from quickdraft.models.gemma3 import Gemma3Config, Gemma3LM
+from quickdraft.models.gemma4 import Gemma4Config, Gemma4LM, gemma4_name_map
 from quickdraft.models.gpt_oss import GptOssConfig, GptOssLM
 from quickdraft.models.hybrid_config import (
     HYBRID_TYPES,
@@ -30,11 +31,13 @@ from quickdraft.models.vision_qwen25 import Qwen25VisionTower
 DENSE_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # CausalLM (qwen3_moe: routed experts)
 # dense vision-language models: CausalLM with M-RoPE, the tower beside it (models/vision_qwen25.py)
 DENSE_VL_TYPES = ("qwen2_5_vl",)
+GEMMA4_TYPES = ("gemma4_text", "gemma4")  # the text decoder alone, or in the multimodal model
 
 MODELS: dict[str, type[nn.Module]] = {
     **{t: CausalLM for t in DENSE_TYPES + DENSE_VL_TYPES},
     **{t: HybridLM for t in HYBRID_TYPES},
     "gemma3_text": Gemma3LM,
+    **{t: Gemma4LM for t in GEMMA4_TYPES},
     "gpt_oss": GptOssLM,
 }
 
@@ -42,6 +45,7 @@ MODELS: dict[str, type[nn.Module]] = {
 CONFIGS: dict[str, Callable[[Path], Any]] = {
     **{t: HybridConfig.from_hf for t in HYBRID_TYPES},
     "gemma3_text": Gemma3Config.from_hf,
+    **{t: Gemma4Config.from_hf for t in GEMMA4_TYPES},
     "gpt_oss": GptOssConfig.from_hf,
 }
 
@@ -50,6 +54,7 @@ CONFIGS: dict[str, Callable[[Path], Any]] = {
 NAME_MAPS: dict[str, Callable[[Any], NameMap]] = {
     **{t: checkpoint_name_map for t in HYBRID_TYPES + DENSE_VL_TYPES},
     "qwen3_moe": checkpoint_name_map,
+    **{t: gemma4_name_map for t in GEMMA4_TYPES},
 }
 
 # model_type -> (config, dtype, device -> the decoder layer / norms / RoPE of its MTP head)

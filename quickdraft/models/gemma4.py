@@ -1,0 +1,502 @@
+"""Gemma 4 text decoder (Hugging Face `gemma4_text` / the language model of `gemma4`,
+Gemma4ForCausalLM; GGUF `gemma4`): the dense 31B, the 26B-A4B MoE and the small E2B / E4B.
+
+Stage: the target model, with the contract of models/base.py (one packed forward over the new
+tokens of several sequences, KV written past `cache.length`, the commit left to the caller).
+What differs from Gemma 3 (models/gemma3.py):
+- local ("sliding_attention") and global layers differ in shape: a global layer's heads are
+  `global_head_dim` wide (512) and, where `attention_k_eq_v`, it has fewer KV heads and its
+  values are its keys' projection (normed apart); the cache keeps one KVCache per shape
+  (models/kv_cache.py `GroupedKVCache`);
+- q and k are RMS-normed per head with a weight, v without one; attention is not scaled
+  (scale 1); local RoPE is the default one, global RoPE "proportional": the first
+  `partial_rotary_factor` of the frequencies (computed over the whole head), the rest 0, so
+  those dimensions pass unrotated;
+- RMSNorm is y = w * x / rms(x) (not Gemma 3's 1 + w), after attention and the MLP as well as
+  before them, and every layer's output is scaled by its `layer_scalar`;
+- KV sharing (E2B / E4B): the last `num_kv_shared_layers` layers compute no keys or values
+  and attend to those of the last earlier layer of their type (`kv_source`); their MLP may be
+  twice as wide (`use_double_wide_mlp`);
+- per-layer embeddings (PLE, E2B / E4B): a second table gives every token a small vector per
+  layer, mixed with a projection of its embedding; a gated projection of it is added to each
+  layer's output;
+- MoE layers (26B-A4B): a dense GeGLU MLP and `num_experts` routed GeGLU experts run side by
+  side on the same residual and are summed; the router normalises x without a weight, scales
+  it by a learned vector / sqrt(hidden), takes a softmax's top k renormalised, times a learned
+  per-expert scale;
+- the final logits are soft-capped: cap * tanh(logits / cap).
+Parameter names are Hugging Face's (`model.language_model.` of the multimodal checkpoints is
+mapped onto `model.`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from quickdraft.config import ModelConfig, read_hf_config
+from quickdraft.kernels.attention import attend
+from quickdraft.kernels.gemm import Weight, project, to_panels
+from quickdraft.kernels.pointwise import rms_norm
+from quickdraft.kernels.pointwise import rope as apply_rope
+from quickdraft.models.base import ForwardOutput, ImageRows, packed_positions, refuse_images
+from quickdraft.models.gemma3 import gelu_tanh_rows
+from quickdraft.models.hybrid_config import NameMap
+from quickdraft.models.kv_cache import GroupedKVCache
+from quickdraft.models.layers import (
+    HeadLogits,
+    LinearView,
+    OperandModule,
+    RMSNorm,
+    Rope,
+    VocabSubset,
+    convert_operands_,
+    fused_projections,
+    tapped_layers,
+)
+from quickdraft.models.llama import _QUANTIZERS, Embedding
+from quickdraft.models.moe import Experts
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@dataclass(frozen=True, slots=True)
+class Gemma4Config(ModelConfig):
+    sliding_window: int = 0  # keys a local layer's query sees, itself included
+    layer_types: tuple[str, ...] = ()  # per layer: "sliding_attention" | "full_attention"
+    head_dims: tuple[int, ...] = ()  # per layer
+    kv_heads: tuple[int, ...] = ()  # per layer
+    attention_k_eq_v: bool = False  # global layers: values are the keys' projection
+    rope_local_theta: float = 10000.0
+    rope_partial: float = 1.0  # global layers: the rotated fraction of the frequencies
+    final_logit_softcapping: float = 0.0  # 0: none
+    num_kv_shared_layers: int = 0
+    use_double_wide_mlp: bool = False
+    ple_size: int = 0  # hidden_size_per_layer_input (0: no per-layer embeddings)
+    ple_vocab: int = 0  # vocab_size_per_layer_input
+    moe: bool = False  # enable_moe_block: routed experts beside every layer's MLP
+
+    @classmethod
+    def from_hf(cls, path: str | Path) -> Gemma4Config:
+        return cls.from_dict(*read_hf_config(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], gen: dict[str, Any] | None = None) -> Gemma4Config:
+        full = raw
+        raw = {**raw, **(raw.get("text_config") or {})}
+        if raw.get("use_bidirectional_attention") == "all":
+            raise ValueError("gemma4: bidirectional attention is not supported")
+        n = int(raw["num_hidden_layers"])
+        types = list(
+            raw.get("layer_types")
+            or [SLIDING if (i + 1) % 6 else FULL for i in range(n)]  # transformers' default
+        )
+        if len(types) != n:
+            raise ValueError(f"gemma4: {len(types)} layer_types for {n} layers")
+        types[-1] = FULL  # transformers forces it
+        params = raw.get("rope_parameters") or {}
+        glob, local = params.get(FULL, {}), params.get(SLIDING, {})
+        for kind in (glob.get("rope_type", "proportional"), local.get("rope_type", "default")):
+            if kind not in ("default", "proportional"):
+                raise ValueError(f"gemma4: rope type {kind!r} is not supported")
+        if float(glob.get("factor", 1.0)) != 1.0:
+            raise ValueError(f"gemma4: rope factor {glob['factor']} is not supported")
+        heads = int(raw["num_attention_heads"])
+        head_dim = int(raw.get("head_dim") or 256)
+        kv = int(raw.get("num_key_value_heads") or heads)
+        k_eq_v = bool(raw.get("attention_k_eq_v", False))
+        overrides = {int(i): o for i, o in (raw.get("per_layer_config") or {}).items()}
+        if not overrides:  # the released configs: the global layers' shape in two fields
+            over: dict[str, int] = {"head_dim": int(raw.get("global_head_dim") or 512)}
+            if k_eq_v and raw.get("num_global_key_value_heads"):
+                over["num_key_value_heads"] = int(raw["num_global_key_value_heads"])
+            overrides = {i: over for i, t in enumerate(types) if t == FULL}
+        head_dims = tuple(int(overrides.get(i, {}).get("head_dim", head_dim)) for i in range(n))
+        kv_heads = tuple(int(overrides.get(i, {}).get("num_key_value_heads", kv)) for i in range(n))
+        shared = int(raw.get("num_kv_shared_layers") or 0)
+        moe = bool(raw.get("enable_moe_block", False))
+        cap = raw.get("final_logit_softcapping")
+        plain = {
+            **raw,
+            "model_type": full.get("model_type", "gemma4_text"),
+            "text_config": None,
+            "head_dim": head_dim,
+            "rope_parameters": {"rope_theta": glob.get("rope_theta", 1e6)},
+            "num_experts": raw.get("num_experts") if moe else 0,
+            "num_experts_per_tok": raw.get("top_k_experts") if moe else 0,
+            "tie_word_embeddings": raw.get("tie_word_embeddings", True),
+        }
+        base = ModelConfig.from_dict(plain, gen)
+        return cls(
+            **{f.name: getattr(base, f.name) for f in fields(ModelConfig)},
+            sliding_window=int(raw.get("sliding_window") or 0),
+            layer_types=tuple(types),
+            head_dims=head_dims,
+            kv_heads=kv_heads,
+            attention_k_eq_v=k_eq_v,
+            rope_local_theta=float(local.get("rope_theta", 10000.0)),
+            rope_partial=float(glob.get("partial_rotary_factor", 1.0)),
+            final_logit_softcapping=float(cap or 0.0),
+            num_kv_shared_layers=shared,
+            use_double_wide_mlp=bool(raw.get("use_double_wide_mlp", False)),
+            ple_size=int(raw.get("hidden_size_per_layer_input") or 0),
+            ple_vocab=int(raw.get("vocab_size_per_layer_input") or 0),
+            moe=moe,
+        )
+
+    @property
+    def first_shared(self) -> int:
+        """The first layer that reads an earlier layer's KV (num_hidden_layers: none)."""
+        return self.num_hidden_layers - self.num_kv_shared_layers
+
+    def store_layer(self, kind: str) -> int:
+        """The last layer of type `kind` that computes its own KV: the one the shared layers
+        of that type (and an assistant drafter) read."""
+        own = [i for i in range(self.first_shared) if self.layer_types[i] == kind]
+        if not own:
+            raise ValueError(f"gemma4: no {kind} layer computes KV before the shared ones")
+        return own[-1]
+
+    @property
+    def kv_source(self) -> tuple[int, ...]:
+        """Per layer, the layer whose KV it attends to (itself, or its type's store layer)."""
+        return tuple(
+            i if i < self.first_shared else self.store_layer(t)
+            for i, t in enumerate(self.layer_types)
+        )
+
+
+def gelu_mul(gate_up: Tensor) -> Tensor:
+    """[N, 2I] (gate columns, then up) -> gelu_tanh(gate) * up [N, I], row by row."""
+    inter = gate_up.shape[-1] // 2
+    return gelu_tanh_rows(gate_up[:, :inter]) * gate_up[:, inter:]
+
+
+class Attention(OperandModule):
+    OPERANDS: ClassVar[tuple[str, ...]] = ("qkv", "o")
+    FUSED: ClassVar[tuple[str, ...]] = ("qkv_weight",)
+
+    def __init__(self, cfg: Gemma4Config, idx: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.layer_idx = idx
+        self.source = cfg.kv_source[idx]  # the layer whose KV this one reads
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.kv_heads[idx]
+        self.head_dim = d = cfg.head_dims[idx]
+        local = cfg.layer_types[idx] == SLIDING
+        self.shares_v = cfg.attention_k_eq_v and not local
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        outs = {"q_proj": q_size}
+        if self.source == idx:
+            outs["k_proj"] = kv_size
+            if not self.shares_v:
+                outs["v_proj"] = kv_size
+        self.qkv_weight, _ = fused_projections(self, cfg.hidden_size, outs, False, dtype, device)
+        self.o_proj = LinearView(
+            torch.empty(cfg.hidden_size, q_size, dtype=dtype, device=device), None
+        )
+        self.qkv: Weight = self.qkv_weight  # GEMM operands (see llama.Attention)
+        self.o: Weight = self.o_proj.weight.detach()
+        eps = cfg.rms_norm_eps
+        self.q_norm = RMSNorm(d, eps, dtype, device)
+        if self.source == idx:
+            self.k_norm = RMSNorm(d, eps, dtype, device)
+        self.unit = torch.ones(d, dtype=dtype, device=device)  # v's norm has no weight
+        self.eps = eps
+        self.window = cfg.sliding_window if local else 0
+
+    def forward(
+        self,
+        x: Tensor,  # [N, hidden]
+        rope: tuple[Tensor, Tensor],  # cos, sin [N, 1, head_dim] of this layer's type
+        caches: Sequence[GroupedKVCache],
+        num_new: Sequence[int],
+    ) -> Tensor:
+        n, d, h, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        qkv = project(x, self.qkv)  # [N, (H [+ Hkv [+ Hkv]]) * d]
+        cos, sin = rope[0][:, 0], rope[1][:, 0]
+        q = apply_rope(self.q_norm(qkv[:, : h * d].view(n, h, d)), cos, sin)
+        own = self.source == self.layer_idx
+        if own:
+            k_raw = qkv[:, h * d : (h + hkv) * d].view(n, hkv, d)
+            v_raw = k_raw if self.shares_v else qkv[:, (h + hkv) * d :].view(n, hkv, d)
+            k = apply_rope(self.k_norm(k_raw), cos, sin)
+            v = rms_norm(v_raw, self.unit, self.eps)
+        outs, start = [], 0
+        for cache, count in zip(caches, num_new, strict=True):
+            seg = slice(start, start + count)
+            if own:
+                keys, values = cache.write(
+                    self.layer_idx, k[seg].transpose(0, 1), v[seg].transpose(0, 1)
+                )
+            else:  # the source layer wrote these rows earlier in this forward
+                keys, values = cache.read(self.source, cache.length + count)
+            outs.append(attend(q[seg], keys, values, cache.length, 1.0, self.window))
+            start += count
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, H * d]
+        return project(out, self.o)
+
+
+class MLP(OperandModule):
+    OPERANDS: ClassVar[tuple[str, ...]] = ("gate_up", "down")
+    FUSED: ClassVar[tuple[str, ...]] = ("gate_up_weight",)
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.gate_up_weight, _ = fused_projections(
+            self, hidden, {"gate_proj": inter, "up_proj": inter}, False, dtype, device
+        )
+        self.down_proj = LinearView(torch.empty(hidden, inter, dtype=dtype, device=device), None)
+        self.gate_up: Weight = self.gate_up_weight
+        self.down: Weight = self.down_proj.weight.detach()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return project(gelu_mul(project(x, self.gate_up)), self.down)
+
+
+class Matrix(nn.Module):
+    """A bias-free projection `[out, in]` under HF's `<name>.weight` that stays as loaded (the
+    small per-layer-embedding ones)."""
+
+    def __init__(self, out: int, inp: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(out, inp, dtype=dtype, device=device), requires_grad=False
+        )
+
+
+class Router(nn.Module):
+    """HF's Gemma4TextRouter: its parameters and the routing (top-k weights and ids)."""
+
+    def __init__(self, cfg: Gemma4Config, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        hidden, num = cfg.hidden_size, cfg.num_experts
+        self.top_k, self.eps = cfg.num_experts_per_tok, cfg.rms_norm_eps
+        self.proj = Matrix(num, hidden, dtype, device)
+        self.scale = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
+        self.per_expert_scale = nn.Parameter(torch.ones(num, dtype=dtype, device=device))
+        self.unit = torch.ones(hidden, dtype=dtype, device=device)
+        self.root = hidden**-0.5
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [N, hidden] -> (top_weight [N, k] fp32, top_idx [N, k])."""
+        xs = rms_norm(x, self.unit, self.eps) * self.scale * self.root
+        probs = torch.softmax(project(xs, self.proj.weight).float(), dim=-1)  # [N, E]
+        top_weight, top_idx = torch.topk(probs, self.top_k, dim=-1)
+        total = top_weight[:, 0]  # summed in slot order, as every row alone
+        for j in range(1, self.top_k):
+            total = total + top_weight[:, j]
+        return top_weight / total[:, None] * self.per_expert_scale[top_idx].float(), top_idx
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Gemma4Config, idx: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        dim, eps = cfg.hidden_size, cfg.rms_norm_eps
+
+        def norm(size: int = dim) -> RMSNorm:
+            return RMSNorm(size, eps, dtype, device)
+
+        self.input_layernorm = norm()
+        self.self_attn = Attention(cfg, idx, dtype, device)
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm()
+        wide = cfg.use_double_wide_mlp and idx >= cfg.first_shared
+        self.mlp = MLP(dim, cfg.intermediate_size * (2 if wide else 1), dtype, device)
+        self.post_feedforward_layernorm = norm()
+        self.layer_scalar = nn.Parameter(torch.ones(1, dtype=dtype, device=device))
+        self.sliding = cfg.layer_types[idx] == SLIDING
+        self.moe = cfg.moe
+        if cfg.moe:
+            self.router = Router(cfg, dtype, device)
+            self.experts = Experts(
+                cfg.num_experts, dim, cfg.moe_intermediate_size, dtype, device, gelu_mul
+            )
+            self.post_feedforward_layernorm_1 = norm()
+            self.post_feedforward_layernorm_2 = norm()
+            self.pre_feedforward_layernorm_2 = norm()
+        self.ple = cfg.ple_size > 0
+        if self.ple:
+            self.per_layer_input_gate = Matrix(cfg.ple_size, dim, dtype, device)
+            self.per_layer_projection = Matrix(dim, cfg.ple_size, dtype, device)
+            self.post_per_layer_input_norm = norm()
+
+    def forward(
+        self,
+        h: Tensor,  # [N, hidden] the residual stream
+        ple: Tensor | None,  # [N, ple_size] this layer's per-layer input
+        rope: tuple[Tensor, Tensor],
+        caches: Sequence[GroupedKVCache],
+        num_new: Sequence[int],
+    ) -> Tensor:
+        attn = self.self_attn(self.input_layernorm(h), rope, caches, num_new)
+        residual, x = self.pre_feedforward_layernorm.add_forward(
+            h, self.post_attention_layernorm(attn)
+        )
+        out = self.mlp(x)
+        if self.moe:
+            top_weight, top_idx = self.router(residual)
+            routed = self.experts(
+                self.pre_feedforward_layernorm_2(residual), top_idx, top_weight.to(x.dtype)
+            )
+            out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(routed)
+        h = residual + self.post_feedforward_layernorm(out)
+        if ple is not None:
+            gate = gelu_tanh_rows(project(h, self.per_layer_input_gate.weight)) * ple
+            h = h + self.post_per_layer_input_norm(project(gate, self.per_layer_projection.weight))
+        return h * self.layer_scalar
+
+
+class ScaledEmbedding(Embedding):
+    """A lookup times sqrt(width) rounded to the table's dtype (HF's
+    Gemma4TextScaledWordEmbedding)."""
+
+    def __init__(self, vocab: int, dim: int, scale: float, dtype: torch.dtype, device: Any):
+        super().__init__(vocab, dim, dtype, device)
+        self.scale = torch.tensor(scale, dtype=dtype, device=device)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, self.weight) * self.scale
+
+
+class DecoderModel(nn.Module):
+    """HF's `model.` submodule: embeddings (and per-layer ones), layers, final norm."""
+
+    def __init__(self, cfg: Gemma4Config, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        size, n = cfg.hidden_size, cfg.num_hidden_layers
+        self.embed_tokens = ScaledEmbedding(cfg.vocab_size, size, size**0.5, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(n))
+        self.norm = RMSNorm(size, cfg.rms_norm_eps, dtype, device)
+        if cfg.ple_size:
+            p = cfg.ple_size
+            self.embed_tokens_per_layer = ScaledEmbedding(
+                cfg.ple_vocab, n * p, p**0.5, dtype, device
+            )
+            self.per_layer_model_projection = Matrix(n * p, size, dtype, device)
+            self.per_layer_projection_norm = RMSNorm(p, cfg.rms_norm_eps, dtype, device)
+
+    def per_layer_inputs(self, ids: Tensor, embeds: Tensor) -> Tensor:
+        """[N] ids, [N, hidden] their (scaled) embeddings -> [N, layers, ple_size]: the
+        normed projection of the embedding plus the ids' per-layer rows, times 1/sqrt(2)."""
+        n, layers = ids.shape[0], len(self.layers)
+        proj = project(embeds, self.per_layer_model_projection.weight)
+        proj = proj * embeds.shape[1] ** -0.5
+        proj = self.per_layer_projection_norm(proj.view(n, layers, -1))
+        table = self.embed_tokens_per_layer(ids).view(n, layers, -1)
+        return (proj + table) * 2.0**-0.5
+
+
+class Gemma4LM(HeadLogits, OperandModule):
+    OPERANDS: ClassVar[tuple[str, ...]] = ("head",)
+
+    def __init__(self, cfg: Gemma4Config, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        super().__init__()
+        device = torch.device(device)
+        self.config, self.dtype, self.device = cfg, dtype, device
+        self.model = DecoderModel(cfg, dtype, device)
+        self.decoder_layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
+        head: Tensor = (
+            self.model.embed_tokens.weight
+            if cfg.tie_word_embeddings
+            else torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        )
+        self.lm_head = LinearView(head, None)
+        self.head: Weight = self.lm_head.weight.detach()
+        self.ropes = {True: Rope(cfg.head_dim, cfg.rope_local_theta, device)}
+        global_dim = next(
+            (d for d, t in zip(cfg.head_dims, cfg.layer_types, strict=True) if t == FULL),
+            cfg.head_dim,
+        )
+        glob = Rope(global_dim, cfg.rope_theta, device)
+        glob.inv_freq[int(cfg.rope_partial * global_dim // 2) :] = 0.0  # "proportional"
+        self.ropes[False] = glob
+        self.vocab: VocabSubset | None = None  # as a draft model, a restricted vocabulary
+        self.requires_grad_(False)
+
+    def quantize_(self, fmt: str) -> None:
+        """GEMM operands -> "int8" / "int4" (see llama.CausalLM.quantize_)."""
+        if fmt not in _QUANTIZERS:
+            raise ValueError(f"unknown weight format {fmt!r}; supported: {', '.join(_QUANTIZERS)}")
+        convert_operands_(self, _QUANTIZERS[fmt])
+
+    def pack_(self) -> None:
+        """bf16 projection operands -> PanelWeight (see llama.CausalLM.pack_)."""
+        convert_operands_(self, to_panels)
+
+    def kv_shapes(self) -> list[tuple[int, int] | None]:
+        """(kv heads, head_dim) of every layer; None for a layer that reads another's KV."""
+        cfg = self.config
+        return [
+            (cfg.kv_heads[i], cfg.head_dims[i]) if src == i else None
+            for i, src in enumerate(cfg.kv_source)
+        ]
+
+    def new_cache(self, capacity: int) -> GroupedKVCache:
+        return GroupedKVCache(self.kv_shapes(), capacity, self.dtype, self.device)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """[N] ids -> [N, hidden] the scaled embeddings (what the assistant drafter reads)."""
+        return self.model.embed_tokens(ids)
+
+    def _logits(self, x: Tensor) -> Tensor:
+        logits = HeadLogits._logits(self, x)
+        cap = self.config.final_logit_softcapping
+        if not cap:
+            return logits
+        capped = torch.stack([torch.tanh(row / cap) * cap for row in logits.unbind(0)])
+        return capped.masked_fill_(logits == float("-inf"), float("-inf"))
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: Tensor,  # [N] new tokens of all sequences, packed in `caches` order
+        caches: Sequence[GroupedKVCache],
+        num_new: Sequence[int],  # new tokens per sequence; sums to N
+        logit_rows: Tensor | None = None,  # rows of N to score; default: last row of each seq
+        return_hidden: bool = False,
+        hidden_layers: Sequence[int] = (),  # layers whose outputs to return (ForwardOutput)
+        images: ImageRows | None = None,
+    ) -> ForwardOutput:
+        assert input_ids.dim() == 1 and sum(num_new) == input_ids.shape[0]
+        refuse_images(self, images)
+        positions = packed_positions(
+            caches, num_new, self.config.max_position_embeddings, self.device
+        )
+        ropes = {local: r.tables(positions, self.dtype) for local, r in self.ropes.items()}
+        h = self.embed(input_ids)  # [N, hidden]
+        ple = self.model.per_layer_inputs(input_ids, h) if self.config.ple_size else None
+        wanted = set(hidden_layers)
+        taps: dict[int, Tensor] = {}  # layer -> its output [N, hidden]
+        for i, layer in enumerate(self.decoder_layers):
+            h = layer(h, None if ple is None else ple[:, i], ropes[layer.sliding], caches, num_new)
+            if i in wanted:
+                taps[i] = h
+        layers = tapped_layers(taps, hidden_layers, len(self.decoder_layers), self.model.norm)
+        if logit_rows is None:
+            logit_rows = torch.tensor(list(num_new), device=self.device).cumsum(0) - 1
+        if return_hidden:
+            hidden = self.model.norm(h)  # [N, hidden] post-norm
+            return ForwardOutput(self._logits(hidden[logit_rows]), hidden, layers)
+        return ForwardOutput(self._logits(self.model.norm(h[logit_rows])), None, layers)
+
+
+def gemma4_name_map(cfg: Any) -> NameMap:
+    """The multimodal checkpoints' `model.language_model.` is our `model.`; their vision and
+    audio towers (`model.vision_tower.`, `model.embed_vision.`, ...) are not the decoder's."""
+    towers = tuple(f"model.{part}." for part in ("vision_tower", "embed_vision", "audio_tower"))
+    towers += ("model.embed_audio.",)
+
+    def target(name: str) -> tuple[str, tuple[int | slice, ...]] | None:
+        if name.startswith(towers):
+            return None
+        if name.startswith("model.language_model."):
+            name = "model." + name[len("model.language_model.") :]
+        return name, ()
+
+    return target
