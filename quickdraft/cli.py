@@ -203,7 +203,7 @@ def _add_spec_args(p: argparse.ArgumentParser, paired_default: bool) -> None:
         "--speculative-config",
         default=None,
         help='vLLM-style JSON instead of the flags above: {"method": "draft_model"|"ngram"|'
-        '"suffix"|"mtp"|"eagle3"|"dflash", "model": NAME, "num_speculative_tokens": K, '
+        '"suffix"|"mtp"|"eagle3"|"dflash"|"assistant", "model": NAME, "num_speculative_tokens": K, '
         '"prompt_lookup_min": N, "prompt_lookup_max": N, "quantization": Q, '
         '"suffix_decoding_max_tree_depth": N, "suffix_decoding_max_spec_factor": F, '
         '"suffix_decoding_min_token_prob": P}',
@@ -345,7 +345,7 @@ def spec_config(args: argparse.Namespace) -> SpeculativeConfig:
     )
     fields.update(flags)
     # mtp, eagle3 and dflash read --draft-model as a checkpoint of their own kind: never the pair
-    if args.paired_default and fields.get("method") not in ("mtp", "eagle3", "dflash"):
+    if args.paired_default and fields.get("method") not in ("mtp", "eagle3", "dflash", "assistant"):
         draft = fields.get("draft_model") or DEFAULT_DRAFTS.get(args.model)
         if draft is not None:
             fields["draft_model"] = draft

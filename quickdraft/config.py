@@ -156,7 +156,17 @@ DEFAULT_NUM_DRAFT_TOKENS = 5  # the draft length ceiling k
 BENCH_MAX_TOKENS = 128  # output tokens per request in the benchmarks
 PREFILL_CHUNK = 512  # prompt tokens per forward: bounds the [chunk, context] mask and activations
 
-SPEC_METHODS = ("none", "ngram", "suffix", "draft", "mtp", "eagle3", "dflash", "adaptive")
+SPEC_METHODS = (
+    "none",
+    "ngram",
+    "suffix",
+    "draft",
+    "mtp",
+    "eagle3",
+    "dflash",
+    "assistant",
+    "adaptive",
+)
 # method "adaptive": the drafters a request may pick among (speculation/adaptive.py); those
 # that read the target's hidden states (mtp, eagle3, dflash) need every committed row and are not
 # offered yet
@@ -223,12 +233,13 @@ class SpeculativeConfig:
     (speculation/policy.py) picks k <= it per cycle, down to 0 (no drafting) when it cannot pay."""
 
     # "none" | "ngram" | "suffix" | "draft" | "mtp" (the target's own head) | "eagle3" |
-    # "dflash"
+    # "dflash" | "assistant" (a Gemma 4 target's assistant model)
     method: str = "none"
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     # catalog name / path, for method "draft"; the DFlash checkpoint dir for "dflash"; the
     # EAGLE-3 head for "eagle3"; for "mtp" a standalone head dir (train-drafter --kind mtp;
-    # None: the target's own head)
+    # None: the target's own head) or, as vLLM reads it, a Gemma 4 assistant; the assistant dir
+    # for "assistant"
     draft_model: str | None = None
     # the draft model's weights (DRAFT_QUANTIZATION_HELP); "none" keeps the target's dtype
     draft_quantization: str = DEFAULT_DRAFT_QUANTIZATION
@@ -271,7 +282,7 @@ class SpeculativeConfig:
                 raise ValueError("adaptive drafter 'draft' needs a draft model (--draft-model)")
             if not self.adaptive:
                 raise ValueError("method 'adaptive' prices drafters: it needs the adaptive policy")
-        if self.method in ("draft", "dflash") and not self.draft_model:
+        if self.method in ("draft", "dflash", "assistant") and not self.draft_model:
             raise ValueError(
                 f"speculative method {self.method!r} needs a draft model (--draft-model)"
             )
@@ -365,6 +376,7 @@ _VLLM_METHODS = {
     "mtp": "mtp",
     "eagle3": "eagle3",
     "dflash": "dflash",
+    "assistant": "assistant",
 }
 
 

@@ -100,6 +100,7 @@ class SpecCycle:
                         seq.controls,
                         item.min_prob,
                         seq.request.images,
+                        seq.cache,
                     )
                 )
             for idx, draft in zip(idxs, drafter.propose(jobs), strict=True):

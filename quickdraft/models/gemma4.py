@@ -81,6 +81,9 @@ class Gemma4Config(ModelConfig):
     ple_size: int = 0  # hidden_size_per_layer_input (0: no per-layer embeddings)
     ple_vocab: int = 0  # vocab_size_per_layer_input
     moe: bool = False  # enable_moe_block: routed experts beside every layer's MLP
+    # per layer, the TARGET layer whose KV it reads (an assistant drafter, all layers); ():
+    # from num_kv_shared_layers
+    kv_sources: tuple[int, ...] = ()
 
     @classmethod
     def from_hf(cls, path: str | Path) -> Gemma4Config:
@@ -166,6 +169,8 @@ class Gemma4Config(ModelConfig):
     @property
     def kv_source(self) -> tuple[int, ...]:
         """Per layer, the layer whose KV it attends to (itself, or its type's store layer)."""
+        if self.kv_sources:
+            return self.kv_sources
         return tuple(
             i if i < self.first_shared else self.store_layer(t)
             for i, t in enumerate(self.layer_types)
@@ -186,13 +191,14 @@ class Attention(OperandModule):
         super().__init__()
         self.layer_idx = idx
         self.source = cfg.kv_source[idx]  # the layer whose KV this one reads
+        self.own = self.source == idx and not cfg.kv_sources  # it computes its KV
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.kv_heads[idx]
         self.head_dim = d = cfg.head_dims[idx]
         local = cfg.layer_types[idx] == SLIDING
         self.shares_v = cfg.attention_k_eq_v and not local
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         outs = {"q_proj": q_size}
-        if self.source == idx:
+        if self.own:
             outs["k_proj"] = kv_size
             if not self.shares_v:
                 outs["v_proj"] = kv_size
@@ -204,7 +210,7 @@ class Attention(OperandModule):
         self.o: Weight = self.o_proj.weight.detach()
         eps = cfg.rms_norm_eps
         self.q_norm = RMSNorm(d, eps, dtype, device)
-        if self.source == idx:
+        if self.own:
             self.k_norm = RMSNorm(d, eps, dtype, device)
         self.unit = torch.ones(d, dtype=dtype, device=device)  # v's norm has no weight
         self.eps = eps
@@ -221,7 +227,7 @@ class Attention(OperandModule):
         qkv = project(x, self.qkv)  # [N, (H [+ Hkv [+ Hkv]]) * d]
         cos, sin = rope[0][:, 0], rope[1][:, 0]
         q = apply_rope(self.q_norm(qkv[:, : h * d].view(n, h, d)), cos, sin)
-        own = self.source == self.layer_idx
+        own = self.own
         if own:
             k_raw = qkv[:, h * d : (h + hkv) * d].view(n, hkv, d)
             v_raw = k_raw if self.shares_v else qkv[:, (h + hkv) * d :].view(n, hkv, d)

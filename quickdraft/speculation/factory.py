@@ -23,7 +23,9 @@ from quickdraft.config import SpeculativeConfig
 from quickdraft.image_encoder import ImageEncoder
 from quickdraft.loading import LoadedModel, load
 from quickdraft.memory import trim_heap
+from quickdraft.models.gemma4_assistant import is_assistant_dir
 from quickdraft.speculation.cost import DraftCost, StepCost, model_cost
+from quickdraft.speculation.drafters.assistant import assistant_drafter, assistant_step_seconds
 from quickdraft.speculation.drafters.base import Drafter
 from quickdraft.speculation.drafters.dflash import block_step_seconds, dflash_drafter
 from quickdraft.speculation.drafters.draft_model import DraftModelDrafter
@@ -114,8 +116,11 @@ def same_layout(draft: LoadedModel, lm: LoadedModel) -> None:
 
 
 def _mtp(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable]:
-    # the target's own head, or a standalone one trained for it (train-drafter --kind mtp)
-    # --draft-quantization int8 / int4 applies to a trained head's own weights
+    # the target's own head, or a standalone one trained for it (train-drafter --kind mtp),
+    # or a Gemma 4 assistant (vLLM's "mtp" for them); --draft-quantization int8 / int4 applies
+    # to a trained head's own weights
+    if config.draft_model is not None and is_assistant_dir(config.draft_model):
+        return _assistant(lm, config)
     drafter = mtp_drafter(
         lm.model, config.draft_model or lm.path, quantization=_draft_format(lm, config)
     )
@@ -156,6 +161,21 @@ def _dflash(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTa
     return drafter, table
 
 
+def _assistant(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable]:
+    if config.draft_model is None:
+        raise ValueError(
+            "--speculative-method assistant needs the Gemma 4 assistant checkpoint: "
+            "--draft-model DIR"
+        )
+    drafter = assistant_drafter(lm.model, config.draft_model)
+
+    def table() -> StepCost:  # priced like the MTP head: one chained step, the target's curve
+        target = model_cost(lm.model)
+        return target.scaled(assistant_step_seconds(drafter) / target.seconds[0])
+
+    return drafter, table
+
+
 # method -> factory(loaded target, config) -> (drafter, what measures its cost table)
 DRAFTERS: dict[str, Callable[[LoadedModel, SpeculativeConfig], tuple[Drafter, CostTable]]] = {
     "ngram": _ngram,
@@ -164,6 +184,7 @@ DRAFTERS: dict[str, Callable[[LoadedModel, SpeculativeConfig], tuple[Drafter, Co
     "mtp": _mtp,
     "eagle3": _eagle3,
     "dflash": _dflash,
+    "assistant": _assistant,
 }
 
 

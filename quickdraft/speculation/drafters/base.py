@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from quickdraft.images import ImageLayout
-from quickdraft.models.base import KVBlock
+from quickdraft.models.base import KVBlock, SequenceCache
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.cost import StepShape
 from quickdraft.speculation.logits import LogitControls
@@ -63,6 +63,9 @@ class DraftJob:
     # this (policy.py `Plan`; 0: draft all k); drafters that run a model per position read it
     min_prob: float = 0.0
     images: ImageLayout | None = None  # the prompt's images (drafters that read embeddings)
+    # the target's cache of the request, committed (a drafter that reads the target's KV:
+    # drafters/assistant.py); None where the caller has none (a warm-up, a shadow draft)
+    target_cache: SequenceCache | None = None
 
 
 @dataclass(slots=True)

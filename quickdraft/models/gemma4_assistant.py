@@ -1,0 +1,193 @@
+"""The Gemma 4 assistant (Hugging Face `gemma4_assistant`, Gemma4AssistantForCausalLM): the
+small drafter Gemma 4 ships for its targets, run by speculation/drafters/assistant.py.
+
+Stage: a draft head. It has no KV of its own: every layer is a Gemma 4 decoder layer whose
+attention has only queries, and attends to the KV the target already holds, of the target's
+last local and last global layer that compute KV (`Gemma4Config.store_layer`). A step reads,
+per sequence with L committed KV rows, the target's embedding of the last committed token
+(position L, not yet through the target) joined with a hidden state `[2 * backbone]`
+(projected to the assistant's width), runs at position L, and its query sees the target's keys
+[0, L) (a local layer the last `sliding_window` + 1 of them: transformers' bidirectional
+window, distance <= W, flipped to look back). It returns the logits of the next
+token and its final hidden projected back to the target's width, which the next chained step
+reads with the embedding of the token it drafted, at the same position over the same KV: the
+first step's hidden is the target's post-norm hidden of position L - 1 (transformers'
+Gemma4AssistantCandidateGenerator; after a rejection that generator also shows the assistant
+the target's KV row of the rejected draft at position L, which is not the target's state: we
+show [0, L) always, what it shows after the prompt and after a fully accepted draft).
+The head: the assistant's (tied) lm_head, or with `use_ordered_embeddings` a centroid mask:
+`centroids` scores `num_centroids` token clusters (`token_ordering` lists each cluster's
+ids), only the top `centroid_intermediate_top_k` clusters' tokens are scored by the lm_head and
+every other token gets the row's least such logit minus 1 (HF's, per row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from quickdraft.config import read_hf_config
+from quickdraft.kernels.gemm import project
+from quickdraft.models.gemma4 import FULL, DecoderLayer, DecoderModel, Gemma4Config, Matrix
+from quickdraft.models.kv_cache import GroupedKVCache
+from quickdraft.models.layers import Rope
+
+
+@dataclass(frozen=True, slots=True)
+class AssistantConfig:
+    text: Gemma4Config  # its decoder (kv_sources: the target's store layers)
+    backbone_hidden_size: int  # the target's hidden size
+    use_ordered_embeddings: bool
+    num_centroids: int
+    centroid_top_k: int
+
+    @classmethod
+    def from_hf(cls, path: str | Path, target: Gemma4Config) -> AssistantConfig:
+        """`path`'s config.json, checked against the target it drafts for (a clear error for
+        an assistant of another target)."""
+        raw, gen = read_hf_config(path)
+        if raw.get("model_type") != "gemma4_assistant":
+            raise ValueError(f"{path}: model_type {raw.get('model_type')!r}, not gemma4_assistant")
+        text = Gemma4Config.from_dict(raw["text_config"], gen)
+        sources = tuple(target.store_layer(t) for t in text.layer_types)
+        text = dataclasses.replace(text, kv_sources=sources, num_kv_shared_layers=0)
+        for i, src in enumerate(sources):
+            mine = (text.head_dims[i], text.kv_heads[i])
+            theirs = (target.head_dims[src], target.kv_heads[src])
+            if mine != theirs:
+                raise ValueError(
+                    f"{path}: assistant layer {i} ({text.layer_types[i]}) reads KV of head "
+                    f"size {mine[0]} over {mine[1]} heads; the target's layer {src} holds "
+                    f"{theirs[0]} over {theirs[1]}: an assistant for another model"
+                )
+        checks = {
+            "backbone_hidden_size": (int(raw.get("backbone_hidden_size", 0)), target.hidden_size),
+            "vocab_size": (text.vocab_size, target.vocab_size),
+            "sliding_window": (text.sliding_window, target.sliding_window),
+        }
+        for key, (mine_v, theirs_v) in checks.items():
+            if mine_v != theirs_v:
+                raise ValueError(
+                    f"{path}: assistant {key} {mine_v}, the target has {theirs_v}: an "
+                    "assistant for another model"
+                )
+        if text.ple_size or text.moe or text.use_double_wide_mlp:
+            raise ValueError(f"{path}: an assistant has no per-layer inputs, experts or wide MLPs")
+        return cls(
+            text,
+            int(raw["backbone_hidden_size"]),
+            bool(raw.get("use_ordered_embeddings", False)),
+            int(raw.get("num_centroids", 2048)),
+            int(raw.get("centroid_intermediate_top_k", 32)),
+        )
+
+
+def is_assistant_dir(path: str | Path) -> bool:
+    config = Path(path) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("model_type") == (
+        "gemma4_assistant"
+    )
+
+
+class MaskedEmbedding(nn.Module):
+    def __init__(self, cfg: AssistantConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        vocab = cfg.text.vocab_size
+        if vocab % cfg.num_centroids:
+            raise ValueError(f"vocab {vocab} is not a multiple of {cfg.num_centroids} centroids")
+        self.top_k = cfg.centroid_top_k
+        self.centroids = Matrix(cfg.num_centroids, cfg.text.hidden_size, dtype, device)
+        self.token_ordering = nn.Parameter(
+            torch.zeros(vocab, dtype=torch.int64, device=device), requires_grad=False
+        )
+
+    def logits(self, h: Tensor, head: Tensor) -> Tensor:
+        """h [B, H] final-norm rows -> [B, vocab] fp32: the chosen clusters' tokens scored by
+        `head` [vocab, H] (rows in the model dtype), every other token the row's least such
+        logit minus 1."""
+        clusters = self.token_ordering.view(self.centroids.weight.shape[0], -1)
+        top = torch.topk(project(h, self.centroids.weight), self.top_k, dim=-1).indices
+        out = []
+        for row, chosen in zip(h, top, strict=True):
+            ids = clusters[chosen].reshape(-1)  # [top_k * tokens per cluster]
+            scores = project(row[None], head[ids])[0].float()
+            full = scores.new_full((head.shape[0],), float(scores.min()) - 1.0)
+            out.append(full.index_copy_(0, ids, scores))
+        return torch.stack(out)
+
+
+class _TargetKV:
+    """A target's cache as the assistant's layers read it: its rows [0, L) as the keys of a
+    query at position L - 1 (`length`), through `read`. Nothing is written."""
+
+    __slots__ = ("cache", "length")
+
+    def __init__(self, cache: GroupedKVCache, rows: int) -> None:
+        self.cache, self.length = cache, rows - 1
+
+    def read(self, layer: int, end: int) -> tuple[Tensor, Tensor]:
+        return self.cache.read(layer, end)
+
+
+class Gemma4Assistant(nn.Module):
+    """HF's Gemma4AssistantForCausalLM (parameter names alike)."""
+
+    def __init__(self, cfg: AssistantConfig, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        device = torch.device(device)
+        self.config, self.dtype, self.device = cfg, dtype, device
+        text = cfg.text
+        self.hidden_size = cfg.backbone_hidden_size  # what it reads and hands back
+        self.vocab_size = text.vocab_size
+        self.model = DecoderModel(text, dtype, device)
+        self.decoder_layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
+        for layer in self.decoder_layers:  # transformers' bidirectional window: distance <= W
+            if layer.sliding:
+                layer.self_attn.window = text.sliding_window + 1
+        self.lm_head = Matrix(text.vocab_size, text.hidden_size, dtype, device)
+        if text.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.pre_projection = Matrix(text.hidden_size, 2 * self.hidden_size, dtype, device)
+        self.post_projection = Matrix(self.hidden_size, text.hidden_size, dtype, device)
+        self.masked_embedding = (
+            MaskedEmbedding(cfg, dtype, device) if cfg.use_ordered_embeddings else None
+        )
+        global_dim = next(
+            (d for d, t in zip(text.head_dims, text.layer_types, strict=True) if t == FULL),
+            text.head_dim,
+        )
+        glob = Rope(global_dim, text.rope_theta, device)
+        glob.inv_freq[int(text.rope_partial * global_dim // 2) :] = 0.0
+        self.ropes = {True: Rope(text.head_dim, text.rope_local_theta, device), False: glob}
+        self.requires_grad_(False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        embeds: Tensor,  # [B, backbone] the target's embedding of each sequence's token
+        hidden: Tensor,  # [B, backbone] the hidden state each row reads
+        caches: list[GroupedKVCache],  # the target's caches
+        rows: list[int],  # per sequence, the target KV rows its query sees: [0, L)
+    ) -> tuple[Tensor, Tensor]:
+        """-> (logits [B, vocab] fp32, the hidden to chain [B, backbone])."""
+        x = torch.cat([embeds.to(self.dtype), hidden.to(self.dtype)], -1)  # [B, 2 backbone]
+        x = project(x, self.pre_projection.weight)
+        positions = torch.tensor(rows, device=self.device)
+        ropes = {local: r.tables(positions, self.dtype) for local, r in self.ropes.items()}
+        views: Any = [_TargetKV(c, n) for c, n in zip(caches, rows, strict=True)]
+        ones = [1] * len(rows)
+        for layer in self.decoder_layers:
+            x = layer(x, None, ropes[layer.sliding], views, ones)
+        h = self.model.norm(x)
+        head = self.lm_head.weight
+        if self.masked_embedding is not None:
+            logits = self.masked_embedding.logits(h, head)
+        else:
+            logits = project(h, head).float()
+        return logits, project(h, self.post_projection.weight)
