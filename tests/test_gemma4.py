@@ -32,8 +32,12 @@ from quickdraft.request import SamplingParams
 from quickdraft.speculation.factory import make_speculation
 
 WINDOW, VOCAB = 6, 320
+LOCAL, GLOBAL = "sliding_attention", "full_attention"
 SHAPES: dict[str, dict[str, Any]] = {
+    # E2B's layout where KV sharing starts: the last layers with KV of their own are a local
+    # then a global one (llama.cpp's reuse rule assumes it)
     "e2b-moe": dict(
+        layer_types=[LOCAL, GLOBAL] * 3,
         hidden_size_per_layer_input=16,
         vocab_size_per_layer_input=VOCAB,
         num_kv_shared_layers=2,
@@ -43,11 +47,19 @@ SHAPES: dict[str, dict[str, Any]] = {
         top_k_experts=2,
         moe_intermediate_size=32,
     ),
-    "dense": dict(hidden_size_per_layer_input=0, num_kv_shared_layers=0),
+    "dense": dict(
+        layer_types=[LOCAL, LOCAL, GLOBAL] * 2,
+        hidden_size_per_layer_input=0,
+        num_kv_shared_layers=0,
+    ),
 }
 
 
-def hf_model(shape: str, seed: int = 0) -> Any:
+def hf_model(shape: str, seed: int = 0, calm: bool = False) -> Any:
+    """`calm`: q and k norm weights 0.3 (soft attention: with Gemma 4's unit-norm q, k and
+    no scaling, random norms near 1 make every softmax nearly one-hot) and a decisive router
+    (std 3): rounding differences between engines then move logits a little, not which key
+    or expert wins."""
     import transformers
 
     cfg = transformers.Gemma4TextConfig(
@@ -62,7 +74,6 @@ def hf_model(shape: str, seed: int = 0) -> Any:
         num_global_key_value_heads=1,
         attention_k_eq_v=True,
         sliding_window=WINDOW,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
         final_logit_softcapping=30.0,
         max_position_embeddings=512,
         eos_token_id=2,
@@ -78,6 +89,12 @@ def hf_model(shape: str, seed: int = 0) -> Any:
                 p.normal_(0, 0.08)
         for layer in model.model.layers:
             layer.layer_scalar.fill_(0.9)
+        if calm:
+            for name, p in model.named_parameters():
+                if "q_norm" in name or "k_norm" in name:
+                    p.fill_(0.3)
+                elif "router.proj" in name:
+                    p.normal_(0, 3.0)
     return model
 
 
@@ -102,12 +119,13 @@ def pair(hf_dir: tuple[Any, Path]) -> tuple[Any, Gemma4LM]:
 def test_config_reads_the_per_layer_shapes(pair: tuple[Any, Gemma4LM]) -> None:
     cfg = pair[1].config
     assert isinstance(cfg, Gemma4Config)
-    assert cfg.head_dims == (32, 32, 64) * 2 and cfg.kv_heads == (2, 2, 1) * 2
+    local = [t == LOCAL for t in cfg.layer_types]
+    assert cfg.head_dims == tuple(32 if x else 64 for x in local)
+    assert cfg.kv_heads == tuple(2 if x else 1 for x in local)
     shared = cfg.num_kv_shared_layers == 2
-    assert cfg.kv_source == ((0, 1, 2, 3, 3, 2) if shared else tuple(range(6)))
-    assert [layer.self_attn.window for layer in pair[1].decoder_layers] == [WINDOW] * 2 + [0] + [
-        WINDOW
-    ] * 2 + [0]
+    assert cfg.kv_source == ((0, 1, 2, 3, 2, 3) if shared else tuple(range(6)))
+    windows = [layer.self_attn.window for layer in pair[1].decoder_layers]
+    assert windows == [WINDOW if x else 0 for x in local]
 
 
 def test_logits_equal_transformers(pair: tuple[Any, Gemma4LM]) -> None:

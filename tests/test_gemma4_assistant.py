@@ -120,7 +120,7 @@ def test_drafts_equal_transformers_candidates(shape: str, ordered: bool, tmp_pat
     assert len(drafter.forwards) == 4
     assert hidden is not None
     logits, _ = drafter.head(ours.embed(torch.tensor([first])), hidden[-1:], [cache], [20])
-    torch.testing.assert_close(logits[0], candidate_logits[0, 0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[0], candidate_logits[0, 0], atol=3e-4, rtol=1e-4)
 
 
 def test_an_assistant_for_another_target_is_refused(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from quickdraft.config import GGUF_DTYPE, parse_dtype
 from quickdraft.hub.errors import HubError, UnsupportedArchitectureError
+from quickdraft.hub.gguf_gemma4 import gemma4_config, gemma4_plan, per_layer
 from quickdraft.hub.gguf_gpt_oss import gpt_oss_config, gpt_oss_plan
 from quickdraft.hub.gguf_qwen import HYBRID_ARCHS, QWEN_ARCHS, Planned, qwen_config, qwen_plan
 from quickdraft.memory import trim_heap
@@ -58,10 +59,13 @@ _ARCHS: dict[str, tuple[str, bool]] = {
     **{arch: (cls, False) for arch, (cls, _) in QWEN_ARCHS.items()},
     # sinks, alternating windows, YaRN, biased top-k experts; layout in gguf_gpt_oss.py
     "gpt-oss": ("GptOssForCausalLM", False),
+    # per-layer head sizes, KV sharing, per-layer embeddings, experts; layout in gguf_gemma4.py
+    "gemma4": ("Gemma4ForCausalLM", False),
 }
 # GGUF architecture -> HF model_type, where they differ
 _MODEL_TYPES = {
     "gemma3": "gemma3_text",
+    "gemma4": "gemma4_text",
     "gpt-oss": "gpt_oss",
     "qwen2vl": "qwen2_5_vl",
     **{a: t for a, (_, t) in QWEN_ARCHS.items()},
@@ -192,14 +196,16 @@ def _hf_config(reader: Any, arch: str, dtype: torch.dtype) -> tuple[dict[str, An
         "vocab_size": int(meta("vocab_size", len(tokens))),
         "hidden_size": hidden,
         # MoE files may carry no dense width (every layer routed)
-        "intermediate_size": int(
+        # Gemma 4: per-layer arrays (read whole by gemma4_config)
+        "intermediate_size": per_layer(
             meta("feed_forward_length", 0)
             if arch in (*QWEN_ARCHS, "gpt-oss")
-            else meta("feed_forward_length", required=True)
-        ),
+            else meta("feed_forward_length", required=True),
+            1,
+        )[0],
         "num_hidden_layers": int(meta("block_count", required=True)),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
+        "num_key_value_heads": per_layer(meta("attention.head_count_kv", heads), 1)[0],
         "head_dim": head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": _f32(meta("attention.layer_norm_rms_epsilon", required=True)),
@@ -223,6 +229,10 @@ def _hf_config(reader: Any, arch: str, dtype: torch.dtype) -> tuple[dict[str, An
         cfg.update(qwen_config(meta, arch, cfg))
     if arch == "gpt-oss":
         cfg.update(gpt_oss_config(meta, cfg))
+    if arch == "gemma4":
+        names = {t.name for t in reader.tensors}
+        freqs = next((t.data for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+        cfg.update(gemma4_config(meta, cfg, names, freqs))
     return cfg, eos_ids
 
 
@@ -262,6 +272,8 @@ def tensor_plan(reader: Any, arch: str, cfg: dict[str, Any]) -> list[Planned]:
         return qwen_plan(shapes, arch, cfg)
     if arch == "gpt-oss":
         return gpt_oss_plan(shapes, cfg)
+    if arch == "gemma4":
+        return gemma4_plan(shapes, cfg)
     permute, shift = permutes_qk(arch), norm_shift(arch)
     plan = []
     for t in reader.tensors:
@@ -342,7 +354,7 @@ def _write_tokenizer(gguf_path: Path, out: Path, chat_template: str | None, arch
     (src / gguf_path.name).symlink_to(gguf_path.resolve())
     # AutoTokenizer first parses the model config, and transformers' GGUF reader does not know
     # every arch (qwen3next, qwen2vl); the tokenizer itself comes from tokenizer.ggml.* alone
-    fast = (*HYBRID_ARCHS, "qwen2vl", "gpt-oss")
+    fast = (*HYBRID_ARCHS, "qwen2vl", "gpt-oss", "gemma4")
     loader = PreTrainedTokenizerFast if arch in fast else AutoTokenizer
     tok = loader.from_pretrained(str(src), gguf_file=gguf_path.name)
     tok.save_pretrained(str(out))

@@ -30,6 +30,7 @@ import torch
 from gguf.quants import quantize
 from torch import Tensor
 
+from quickdraft.hub.gguf_gemma4 import add_gemma4_metadata, gemma4_tensors
 from quickdraft.hub.gguf_qwen import (
     HYBRID_ARCHS,
     QWEN3VL_PROJECTOR,
@@ -112,6 +113,8 @@ def llama_cpp_tensors(
 ) -> dict[str, Tensor]:
     """A transformers state dict (+ `mtp.*`) as llama.cpp's converter writes it for `arch`
     (fp32 tensors in torch order)."""
+    if arch == "gemma4":
+        return gemma4_tensors(state, cfg)
     hybrid = arch in HYBRID_ARCHS
     layers = cfg["num_hidden_layers"]
     nk, nv = cfg.get("linear_num_key_heads", 1), cfg.get("linear_num_value_heads", 1)
@@ -280,14 +283,17 @@ def _metadata(
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(cfg["num_hidden_layers"] + int(nextn))
     w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    if "intermediate_size" in cfg:
-        w.add_feed_forward_length(cfg["intermediate_size"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if arch == "gemma4":  # per-layer shapes, two RoPE bases
+        add_gemma4_metadata(w, cfg)
+    else:
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+        if "intermediate_size" in cfg:
+            w.add_feed_forward_length(cfg["intermediate_size"])
     if arch == "gpt-oss":  # every layer routed, its experts intermediate_size wide
         w.add_expert_count(int(cfg.get("num_local_experts") or cfg["num_experts"]))
         w.add_expert_used_count(cfg["num_experts_per_tok"])
@@ -299,7 +305,7 @@ def _metadata(
             w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
             w.add_rope_scaling_factor(rope["factor"])
             w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    elif "num_experts" in cfg:
+    elif "num_experts" in cfg and arch != "gemma4":
         w.add_expert_count(cfg["num_experts"])
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])

@@ -37,12 +37,12 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quickdraft.config import ModelConfig, read_hf_config
 from quickdraft.kernels.attention import attend
 from quickdraft.kernels.gemm import Weight, project, to_panels
+from quickdraft.kernels.linear_int import Q4_GROUP
 from quickdraft.kernels.pointwise import rms_norm
 from quickdraft.kernels.pointwise import rope as apply_rope
 from quickdraft.models.base import ForwardOutput, ImageRows, packed_positions, refuse_images
@@ -50,6 +50,7 @@ from quickdraft.models.gemma3 import gelu_tanh_rows
 from quickdraft.models.hybrid_config import NameMap
 from quickdraft.models.kv_cache import GroupedKVCache
 from quickdraft.models.layers import (
+    GGUFEmbedding,
     HeadLogits,
     LinearView,
     OperandModule,
@@ -265,15 +266,18 @@ class MLP(OperandModule):
         return project(gelu_mul(project(x, self.gate_up)), self.down)
 
 
-class Matrix(nn.Module):
-    """A bias-free projection `[out, in]` under HF's `<name>.weight` that stays as loaded (the
-    small per-layer-embedding ones)."""
+class Matrix(LinearView, OperandModule):
+    """A bias-free projection `[out, in]` under HF's `<name>.weight`, its GEMM operand `op`
+    (packed, quantized or a GGUF file's own like every other)."""
+
+    OPERANDS: ClassVar[tuple[str, ...]] = ("op",)
 
     def __init__(self, out: int, inp: int, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(
-            torch.empty(out, inp, dtype=dtype, device=device), requires_grad=False
-        )
+        super().__init__(torch.empty(out, inp, dtype=dtype, device=device), None)
+        self.op: Weight = self.weight.detach()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return project(x, self.op)
 
 
 class Router(nn.Module):
@@ -292,7 +296,7 @@ class Router(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [N, hidden] -> (top_weight [N, k] fp32, top_idx [N, k])."""
         xs = rms_norm(x, self.unit, self.eps) * self.scale * self.root
-        probs = torch.softmax(project(xs, self.proj.weight).float(), dim=-1)  # [N, E]
+        probs = torch.softmax(self.proj(xs).float(), dim=-1)  # [N, E]
         top_weight, top_idx = torch.topk(probs, self.top_k, dim=-1)
         total = top_weight[:, 0]  # summed in slot order, as every row alone
         for j in range(1, self.top_k):
@@ -353,21 +357,9 @@ class DecoderLayer(nn.Module):
             out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(routed)
         h = residual + self.post_feedforward_layernorm(out)
         if ple is not None:
-            gate = gelu_tanh_rows(project(h, self.per_layer_input_gate.weight)) * ple
-            h = h + self.post_per_layer_input_norm(project(gate, self.per_layer_projection.weight))
+            gate = gelu_tanh_rows(self.per_layer_input_gate(h)) * ple
+            h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))
         return h * self.layer_scalar
-
-
-class ScaledEmbedding(Embedding):
-    """A lookup times sqrt(width) rounded to the table's dtype (HF's
-    Gemma4TextScaledWordEmbedding)."""
-
-    def __init__(self, vocab: int, dim: int, scale: float, dtype: torch.dtype, device: Any):
-        super().__init__(vocab, dim, dtype, device)
-        self.scale = torch.tensor(scale, dtype=dtype, device=device)
-
-    def forward(self, ids: Tensor) -> Tensor:
-        return F.embedding(ids, self.weight) * self.scale
 
 
 class DecoderModel(nn.Module):
@@ -376,14 +368,20 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: Gemma4Config, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         size, n = cfg.hidden_size, cfg.num_hidden_layers
-        self.embed_tokens = ScaledEmbedding(cfg.vocab_size, size, size**0.5, dtype, device)
+        # lookups (a GGUF model's stay in the file's blocks: GGUFEmbedding), scaled by
+        # sqrt(width) rounded to the model dtype (HF's Gemma4TextScaledWordEmbedding)
+        self.embed_tokens: Embedding | GGUFEmbedding = Embedding(
+            cfg.vocab_size, size, dtype, device
+        )
+        self.embed_scale = torch.tensor(size**0.5, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(n))
         self.norm = RMSNorm(size, cfg.rms_norm_eps, dtype, device)
         if cfg.ple_size:
             p = cfg.ple_size
-            self.embed_tokens_per_layer = ScaledEmbedding(
-                cfg.ple_vocab, n * p, p**0.5, dtype, device
+            self.embed_tokens_per_layer: Embedding | GGUFEmbedding = Embedding(
+                cfg.ple_vocab, n * p, dtype, device
             )
+            self.ple_scale = torch.tensor(p**0.5, dtype=dtype, device=device)
             self.per_layer_model_projection = Matrix(n * p, size, dtype, device)
             self.per_layer_projection_norm = RMSNorm(p, cfg.rms_norm_eps, dtype, device)
 
@@ -391,10 +389,9 @@ class DecoderModel(nn.Module):
         """[N] ids, [N, hidden] their (scaled) embeddings -> [N, layers, ple_size]: the
         normed projection of the embedding plus the ids' per-layer rows, times 1/sqrt(2)."""
         n, layers = ids.shape[0], len(self.layers)
-        proj = project(embeds, self.per_layer_model_projection.weight)
-        proj = proj * embeds.shape[1] ** -0.5
+        proj = self.per_layer_model_projection(embeds) * embeds.shape[1] ** -0.5
         proj = self.per_layer_projection_norm(proj.view(n, layers, -1))
-        table = self.embed_tokens_per_layer(ids).view(n, layers, -1)
+        table = (self.embed_tokens_per_layer(ids) * self.ple_scale).view(n, layers, -1)
         return (proj + table) * 2.0**-0.5
 
 
@@ -407,9 +404,10 @@ class Gemma4LM(HeadLogits, OperandModule):
         self.config, self.dtype, self.device = cfg, dtype, device
         self.model = DecoderModel(cfg, dtype, device)
         self.decoder_layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
+        embed = self.model.embed_tokens
         head: Tensor = (
-            self.model.embed_tokens.weight
-            if cfg.tie_word_embeddings
+            embed.weight
+            if cfg.tie_word_embeddings and isinstance(embed, Embedding)
             else torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         )
         self.lm_head = LinearView(head, None)
@@ -426,10 +424,16 @@ class Gemma4LM(HeadLogits, OperandModule):
         self.requires_grad_(False)
 
     def quantize_(self, fmt: str) -> None:
-        """GEMM operands -> "int8" / "int4" (see llama.CausalLM.quantize_)."""
+        """GEMM operands -> "int8" / "int4" (see llama.CausalLM.quantize_); a per-layer
+        embedding projection narrower than an int4 group stays as it is (it is tiny)."""
         if fmt not in _QUANTIZERS:
             raise ValueError(f"unknown weight format {fmt!r}; supported: {', '.join(_QUANTIZERS)}")
-        convert_operands_(self, _QUANTIZERS[fmt])
+        convert = _QUANTIZERS[fmt]
+
+        def each(w: Weight) -> Weight:
+            return w if fmt == "int4" and w.shape[1] % Q4_GROUP else convert(w)
+
+        convert_operands_(self, each)
 
     def pack_(self) -> None:
         """bf16 projection operands -> PanelWeight (see llama.CausalLM.pack_)."""
@@ -448,7 +452,7 @@ class Gemma4LM(HeadLogits, OperandModule):
 
     def embed(self, ids: Tensor) -> Tensor:
         """[N] ids -> [N, hidden] the scaled embeddings (what the assistant drafter reads)."""
-        return self.model.embed_tokens(ids)
+        return self.model.embed_tokens(ids) * self.model.embed_scale
 
     def _logits(self, x: Tensor) -> Tensor:
         logits = HeadLogits._logits(self, x)

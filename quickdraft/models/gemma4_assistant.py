@@ -37,6 +37,7 @@ from quickdraft.kernels.gemm import project
 from quickdraft.models.gemma4 import FULL, DecoderLayer, DecoderModel, Gemma4Config, Matrix
 from quickdraft.models.kv_cache import GroupedKVCache
 from quickdraft.models.layers import Rope
+from quickdraft.models.llama import Embedding
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +113,7 @@ class MaskedEmbedding(nn.Module):
         `head` [vocab, H] (rows in the model dtype), every other token the row's least such
         logit minus 1."""
         clusters = self.token_ordering.view(self.centroids.weight.shape[0], -1)
-        top = torch.topk(project(h, self.centroids.weight), self.top_k, dim=-1).indices
+        top = torch.topk(self.centroids(h), self.top_k, dim=-1).indices
         out = []
         for row, chosen in zip(h, top, strict=True):
             ids = clusters[chosen].reshape(-1)  # [top_k * tokens per cluster]
@@ -152,7 +153,9 @@ class Gemma4Assistant(nn.Module):
                 layer.self_attn.window = text.sliding_window + 1
         self.lm_head = Matrix(text.vocab_size, text.hidden_size, dtype, device)
         if text.tie_word_embeddings:
+            assert isinstance(self.model.embed_tokens, Embedding)
             self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.op = self.lm_head.weight.detach()
         self.pre_projection = Matrix(text.hidden_size, 2 * self.hidden_size, dtype, device)
         self.post_projection = Matrix(self.hidden_size, text.hidden_size, dtype, device)
         self.masked_embedding = (
@@ -177,7 +180,7 @@ class Gemma4Assistant(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """-> (logits [B, vocab] fp32, the hidden to chain [B, backbone])."""
         x = torch.cat([embeds.to(self.dtype), hidden.to(self.dtype)], -1)  # [B, 2 backbone]
-        x = project(x, self.pre_projection.weight)
+        x = self.pre_projection(x)
         positions = torch.tensor(rows, device=self.device)
         ropes = {local: r.tables(positions, self.dtype) for local, r in self.ropes.items()}
         views: Any = [_TargetKV(c, n) for c, n in zip(caches, rows, strict=True)]
@@ -185,9 +188,8 @@ class Gemma4Assistant(nn.Module):
         for layer in self.decoder_layers:
             x = layer(x, None, ropes[layer.sliding], views, ones)
         h = self.model.norm(x)
-        head = self.lm_head.weight
         if self.masked_embedding is not None:
-            logits = self.masked_embedding.logits(h, head)
+            logits = self.masked_embedding.logits(h, self.lm_head.weight)
         else:
-            logits = project(h, head).float()
-        return logits, project(h, self.post_projection.weight)
+            logits = self.lm_head(h).float()
+        return logits, self.post_projection(h)

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from quickdraft.config import ModelConfig
+from quickdraft.hub.gguf_gemma4 import gemma4_plan
 from quickdraft.hub.gguf_gpt_oss import gpt_oss_plan
 from quickdraft.hub.gguf_qwen import QWEN_ARCHS, Planned, qwen_plan
 from quickdraft.kernels.gemm import Weight
@@ -59,7 +60,10 @@ QWEN_TYPES = (*(t for _, t in QWEN_ARCHS.values()), "gpt_oss")
 _OPERAND = re.compile(r"_proj|^lm_head\.|^mtp\.fc\.")
 
 
-class _Loader:
+class PlanLoader:
+    """A GGUF file read through its converter's plan (hub/): operands from the blocks, the
+    other tensors dequantized into parameters (also Gemma 4's, models/gguf_gemma4_loader.py)."""
+
     def __init__(self, file: Path, cfg: HybridConfig | ModelConfig, dtype: torch.dtype) -> None:
         self.f = GGUFFile(file, permute=False)
         self.arch = str(self.f.reader.fields["general.architecture"].contents())
@@ -68,6 +72,8 @@ class _Loader:
         try:
             if self.arch == "gpt-oss":
                 plan = gpt_oss_plan(shapes, cfg.extra)
+            elif self.arch == "gemma4":
+                plan = gemma4_plan(shapes, cfg.extra)
             else:
                 plan = qwen_plan(shapes, self.arch, cfg.extra)
         except Exception as e:  # HubError: a tensor missing, misshapen or left over
@@ -85,16 +91,21 @@ class _Loader:
             parts.append(torch.from_numpy(arr).reshape([int(d) for d in reversed(t.shape)]))
         return item.build(parts)
 
-    def fill(self, module: nn.Module, prefix: str, skip: str = "") -> None:
-        """Every non-operand HF tensor under `prefix` (but `skip`) into `module`'s parameter of
-        that name."""
+    def fill(
+        self, module: nn.Module, prefix: str, skip: str = "", operands: re.Pattern[str] = _OPERAND
+    ) -> set[str]:
+        """Every HF tensor under `prefix` (but `skip` and the `operands`) into `module`'s
+        parameter of that name; returns the names filled."""
+        filled = set()
         with torch.no_grad():
             for name in self.plan:
                 if name == skip or (prefix == "" and name.startswith("mtp.")):
                     continue  # mtp.*: the MTP head's, loaded with it (load_gguf_mtp_head)
-                if name.startswith(prefix) and not _OPERAND.search(name):
+                if name.startswith(prefix) and not operands.search(name):
                     param = module.get_parameter(name[len(prefix) :])
                     param.copy_(self.built(name).reshape(param.shape))
+                    filled.add(name[len(prefix) :])
+        return filled
 
     def operand(self, parts: Sequence[tuple[str, int, int | np.ndarray]], k: int) -> Weight:
         return self.f.operand(parts, k, self.dtype)
@@ -281,7 +292,7 @@ def load_qwen_gguf(file: Path, cfg: Any, dtype: torch.dtype) -> nn.Module:
 
 
 def _from_gguf(file: Path, cfg: Any, dtype: torch.dtype) -> nn.Module:
-    loader = _Loader(file, cfg, dtype)
+    loader = PlanLoader(file, cfg, dtype)
     model = _empty_model(cfg, dtype)
     with torch.no_grad():
         layers = list(model.model.layers)  # type: ignore[union-attr, arg-type]
@@ -306,7 +317,7 @@ def load_gguf_mtp_head(model: nn.Module, file: Path) -> MTPHead:
     assert isinstance(cfg, HybridConfig)
     dtype, device = model.dtype, model.device
     assert isinstance(dtype, torch.dtype) and isinstance(device, torch.device)
-    loader = _Loader(file, cfg, dtype)
+    loader = PlanLoader(file, cfg, dtype)
     if cfg.mtp_num_hidden_layers != 1 or "mtp.fc.weight" not in loader.plan:
         raise ValueError(
             f"{file.name} has no MTP head (no mtp.* tensors): a GGUF carries it as "

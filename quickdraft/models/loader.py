@@ -21,11 +21,13 @@ from torch import Tensor, nn
 
 from quickdraft.hub.convert import GGUF_LINK
 from quickdraft.models.base import LanguageModel
+from quickdraft.models.gguf_gemma4_loader import load_gemma4_gguf
 from quickdraft.models.gguf_loader import GGUFTensorError, is_gguf_dir, load_gguf_model
 from quickdraft.models.gguf_qwen_loader import QWEN_TYPES, load_qwen_gguf
 from quickdraft.models.gpt_oss import GptOssLM, is_mxfp4, mxfp4_experts
 from quickdraft.models.hybrid_config import NameMap
 from quickdraft.models.registry import (
+    GEMMA4_TYPES,
     model_class,
     name_map,
     read_config,
@@ -46,13 +48,15 @@ def load_model(
     path = Path(path)
     if is_gguf_dir(path):
         cfg = read_config(path)
-        if cfg.model_type not in QWEN_TYPES:
+        if cfg.model_type not in (*QWEN_TYPES, *GEMMA4_TYPES):
             return load_gguf_model(path, dtype, device, quantization)
         if quantization != "none" or torch.device(device).type != "cpu":
             raise GGUFTensorError(
                 f"{cfg.model_type}: GGUF weights run as they are on the CPU only (no "
                 f"{quantization} copy, not on {device}); load with --dtype bf16"
             )
+        if cfg.model_type in GEMMA4_TYPES:
+            return load_gemma4_gguf(path / GGUF_LINK, cfg, dtype)  # type: ignore[return-value]
         return load_qwen_gguf(path / GGUF_LINK, cfg, dtype)  # type: ignore[return-value]
     cfg = read_config(path)
     cls = model_class(cfg.model_type)

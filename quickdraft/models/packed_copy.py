@@ -2,13 +2,15 @@
 later start reads one file (~ the GGUF's size) and repacks nothing.
 
 Stage: loading (models/gguf_loader.py for dense and Gemma 3 files, models/gguf_qwen_loader.py
-for Qwen3-MoE and the hybrids). Contract: `save_packed(model, file)` writes a safetensors file
-of every operand (`OperandModule.OPERANDS`; a MoE layer's routed experts, `Experts.operands`,
-one pair per expert), every parameter, the Gated DeltaNet head orders and the embedding's raw
-rows; `fill_packed(model, file)` puts them back into an empty model of the same config (what
-its constructor made) and returns it with the same weights, bit for bit. One copy per weight
-format (the GGUF's own, int8, int4), named by layout version: bump PACKED_VERSION when
-linear_gguf.py's or linear_int.py's layout or what is written here changes.
+for Qwen3-MoE and the hybrids, models/gguf_gemma4_loader.py). Contract: `save_packed(model,
+file)` writes a safetensors file of every operand (`OperandModule.OPERANDS`; a MoE layer's
+routed experts, `Experts.operands`, one pair per expert), every parameter, the Gated DeltaNet
+head orders and the embedding tables' raw rows (the token one, and others such as Gemma 4's
+per-layer one); `fill_packed(model, file)` puts them back into an empty model of the same
+config (what its constructor made) and returns it with the same weights, bit for bit. One
+copy per weight format (the GGUF's own, int8, int4), named by layout version: bump
+PACKED_VERSION when linear_gguf.py's or linear_int.py's layout or what is written here
+changes.
 """
 
 from __future__ import annotations
@@ -148,8 +150,11 @@ def save_packed(model: nn.Module, file: Path) -> None:
             tensors[f"param.{name}"] = param.detach()
     emb = model.get_submodule("model.embed_tokens")
     assert isinstance(emb, GGUFEmbedding)
-    tensors["embedding"] = torch.from_numpy(emb.raw)
-    meta["embedding"] = json.dumps([emb.qtype.name, emb.dim])
+    for name, module in model.named_modules():  # the token table, and others (Gemma 4's PLE)
+        if isinstance(module, GGUFEmbedding):
+            key = "embedding" if module is emb else f"embedding:{name}"
+            tensors[key] = torch.from_numpy(module.raw)
+            meta[key] = json.dumps([module.qtype.name, module.dim])
     tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
     try:
         _write_safetensors(tmp, tensors, meta)
@@ -209,9 +214,13 @@ def fill_packed(model: nn.Module, file: Path, dtype: torch.dtype) -> nn.Module:
         for name, param in model.named_parameters():
             if f"param.{name}" in tensors:
                 param.copy_(tensors.pop(f"param.{name}"))
-    qtype, dim = json.loads(meta["embedding"])
-    embedding = GGUFEmbedding(tensors.pop("embedding").numpy(), qtype, dim, dtype)
-    model.get_submodule("model").embed_tokens = embedding
+    for key in [k for k in meta if k == "embedding" or k.startswith("embedding:")]:
+        qtype, dim = json.loads(meta[key])
+        table = GGUFEmbedding(tensors.pop(key).numpy(), qtype, dim, dtype)
+        owner, _, attr = (
+            key[len("embedding:") :] if ":" in key else "model.embed_tokens"
+        ).rpartition(".")
+        setattr(model.get_submodule(owner), attr, table)
     release_fused_(model)
     return model
 

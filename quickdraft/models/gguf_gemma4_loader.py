@@ -1,0 +1,147 @@
+"""Run a Gemma 4 GGUF on its own quantized weights (`--dtype gguf`): every GEMM operand
+(q / k / v per layer shape, o, the dense MLP, each routed expert's gate + up rows and down
+rows, the router, the per-layer-embedding projections, the head) stays in its block format as
+a `GGUFWeight`, and both embedding tables (the token one and the per-layer one, 262144 rows of
+35 x 256 in E2B) stay in the file's blocks as `GGUFEmbedding`s; norms, scales and layer scalars
+are dequantized through the converter's plan (hub/gguf_gemma4.py), which also checks every
+tensor's presence and shape. A packed copy beside the link (models/packed_copy.py) makes later
+starts read one file.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from quickdraft.kernels.gemm import Weight
+from quickdraft.kernels.linear_gguf import GGUFWeight
+from quickdraft.models.gemma4 import DecoderLayer, Gemma4Config, Gemma4LM
+from quickdraft.models.gguf_loader import GGUFTensorError
+from quickdraft.models.gguf_qwen_loader import PlanLoader
+from quickdraft.models.layers import GGUFEmbedding, release_fused_
+from quickdraft.models.packed_copy import PACKED_NAME, packed_or_built
+
+log = logging.getLogger(__name__)
+
+# HF tensors read as operands (or embedding tables) here; the plan's others fill parameters
+_OPERANDS = re.compile(
+    r"_proj\.weight$|experts\.|^lm_head\.|embed_tokens|router\.proj\.|per_layer_input_gate\."
+    r"|per_layer_projection\.|per_layer_model_projection\."
+)
+
+
+def load_gemma4_gguf(file: Path, cfg: Gemma4Config, dtype: torch.dtype) -> Gemma4LM:
+    """The model of GGUF `file` (config record of its converted config.json): from the packed
+    copy beside it when there is one, else repacked from the file and that copy written."""
+    model = packed_or_built(
+        file.parent / PACKED_NAME,
+        lambda: Gemma4LM(cfg, dtype),
+        lambda: _from_gguf(file, cfg, dtype),
+        dtype,
+        log,
+    )
+    assert isinstance(model, Gemma4LM)
+    return model
+
+
+def _experts(loader: PlanLoader, blk: str, n: int, inter: int) -> list[tuple[Weight, Weight]]:
+    """Each expert's gate + up rows and down rows as its own operands (`ffn_gate_up_exps`, or
+    llama.cpp's split `ffn_gate_exps` / `ffn_up_exps`)."""
+    f, hidden = loader.f, loader.cfg.hidden_size
+    fused = f.has(blk + "ffn_gate_up_exps.weight")
+    parts = ["gate_up"] if fused else ["gate", "up"]
+    stacks = []
+    for part in [*parts, "down"]:
+        t = f.get(f"{blk}ffn_{part}_exps.weight")
+        rows = 2 * inter if part == "gate_up" else hidden if part == "down" else inter
+        stacks.append((t.tensor_type.name, np.asarray(t.data).reshape(n, rows, -1)))
+    floats = {"F32", "F16", "BF16"}
+    out: list[tuple[Weight, Weight]] = []
+    for e in range(n):
+        if {kind for kind, _ in stacks} <= floats:  # an unquantized file
+            gu = np.concatenate([rows[e] for _, rows in stacks[:-1]]).astype(np.float32)
+            down = stacks[-1][1][e].astype(np.float32)
+            out.append(
+                (torch.from_numpy(gu).to(loader.dtype), torch.from_numpy(down).to(loader.dtype))
+            )
+            continue
+        try:
+            gate_up = GGUFWeight.concat(
+                [GGUFWeight.from_raw(kind, rows[e], hidden) for kind, rows in stacks[:-1]]
+            )
+            out.append((gate_up, GGUFWeight.from_raw(stacks[-1][0], stacks[-1][1][e], inter)))
+        except ValueError as err:  # a block format without a kernel
+            raise GGUFTensorError(
+                f"{f.path.name}: {blk}ffn_*_exps: {err}; load with --dtype bf16"
+            ) from err
+    for part in [*parts, "down"]:
+        f.release(f"{blk}ffn_{part}_exps.weight")
+    return out
+
+
+def _layer(loader: PlanLoader, layer: DecoderLayer, blk: str) -> None:
+    cfg = loader.cfg
+    assert isinstance(cfg, Gemma4Config)
+    hidden, attn = cfg.hidden_size, layer.self_attn
+    d, heads, kv = attn.head_dim, attn.num_heads, attn.num_kv_heads
+    qkv = [(blk + "attn_q.weight", heads * d, 0)]
+    if attn.own:
+        qkv.append((blk + "attn_k.weight", kv * d, 0))
+        if not attn.shares_v:
+            qkv.append((blk + "attn_v.weight", kv * d, 0))
+    attn.qkv = loader.operand(qkv, hidden)
+    attn.o = loader.operand([(blk + "attn_output.weight", hidden, 0)], heads * d)
+    inter = layer.mlp.down_proj.weight.shape[1]
+    mlp = [(blk + "ffn_gate.weight", inter, 0), (blk + "ffn_up.weight", inter, 0)]
+    layer.mlp.gate_up = loader.operand(mlp, hidden)
+    layer.mlp.down = loader.operand([(blk + "ffn_down.weight", hidden, 0)], inter)
+    if layer.ple:
+        size = cfg.ple_size
+        gate = loader.operand([(blk + "inp_gate.weight", size, 0)], hidden)
+        layer.per_layer_input_gate.op = gate
+        layer.per_layer_projection.op = loader.operand([(blk + "proj.weight", hidden, 0)], size)
+    if layer.moe:
+        n = cfg.num_experts
+        layer.router.proj.op = loader.operand([(blk + "ffn_gate_inp.weight", n, 0)], hidden)
+        experts = layer.experts
+        experts.operands = _experts(loader, blk, n, cfg.moe_intermediate_size)
+        experts.gate_up_proj = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        experts.down_proj = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+
+def _table(loader: PlanLoader, name: str, rows: int, dim: int) -> GGUFEmbedding:
+    """A lookup table left in its blocks (a copy: the model holds no view of the mapping)."""
+    qtype, table = loader.f.rows(name, (rows, dim))
+    return GGUFEmbedding(np.array(table), qtype, dim, loader.dtype)
+
+
+def _from_gguf(file: Path, cfg: Gemma4Config, dtype: torch.dtype) -> Gemma4LM:
+    loader = PlanLoader(file, cfg, dtype)
+    model = Gemma4LM(cfg, dtype)
+    hidden, vocab = cfg.hidden_size, cfg.vocab_size
+    with torch.no_grad():
+        layers = tqdm(model.decoder_layers, desc=f"repacking {file.name}", disable=None)
+        for i, layer in enumerate(layers):
+            _layer(loader, layer, f"blk.{i}.")
+        head = "output.weight" if loader.f.has("output.weight") else "token_embd.weight"
+        model.head = loader.operand([(head, vocab, 0)], hidden)
+        inner = model.model
+        inner.embed_tokens = _table(loader, "token_embd.weight", vocab, hidden)
+        if cfg.ple_size:
+            size = cfg.num_hidden_layers * cfg.ple_size
+            proj = [("per_layer_model_proj.weight", size, 0)]
+            inner.per_layer_model_projection.op = loader.operand(proj, hidden)
+            inner.embed_tokens_per_layer = _table(
+                loader, "per_layer_token_embd.weight", cfg.ple_vocab, size
+            )
+        filled = loader.fill(model, "", operands=_OPERANDS)
+    release_fused_(model)
+    # what the operands replaced is empty now: every other parameter came from the file
+    left = [n for n, p in model.named_parameters() if p.numel() and n not in filled]
+    assert not left, f"parameters the plan did not fill: {left[:4]}"
+    return model
