@@ -228,7 +228,7 @@ def test_ngram_speculation_equals_plain_decoding(
 def test_gelu_rows_are_batch_invariant() -> None:
     """The MLP's gelu: a row's bits alone equal its bits among M rows, for a width whose
     tail torch handles by position (2053); torch's whole-tensor gelu fails this here."""
-    from quickdraft.models.gemma3 import gelu_tanh_rows
+    from quickdraft.kernels.pointwise import gelu_tanh_rows
 
     x = torch.randn(9, 2 * 2053, generator=torch.Generator().manual_seed(0))[:, :2053]
     rows = gelu_tanh_rows(x)

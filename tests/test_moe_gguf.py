@@ -17,9 +17,9 @@ from quickdraft.kernels.gemm import Weight, project
 from quickdraft.kernels.linear_bf16 import PanelWeight
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.kernels.moe_gguf import grouped_experts, reference_experts
-from quickdraft.kernels.pointwise import sigmoid
+from quickdraft.kernels.pointwise import gelu_mul, sigmoid
 from quickdraft.models.gpt_oss import GptOssConfig, GptOssMoE
-from quickdraft.models.moe import RoutedMoE, SparseMoE, route
+from quickdraft.models.moe import Experts, RoutedMoE, SparseMoE, route
 
 pytestmark = [pytest.mark.usefixtures("kernels_enabled"), needs_kernel]
 
@@ -143,6 +143,33 @@ def test_grouped_gpt_oss_experts_equal_the_reference(
     )
     for m in (1, 2, 5, 16):
         assert torch.equal(kernel.forward(x[:m], idx[:m], weight[:m]), alone[:m]), f"M={m}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["xfp32", "xbf16"])
+@pytest.mark.parametrize("mix", [MIXES[0], MIXES[3]], ids=lambda m: "+".join(m))
+def test_grouped_gemma4_experts_equal_the_reference(
+    mix: tuple[str, str, str], dtype: torch.dtype, gguf_tile: str
+) -> None:
+    """Gemma 4's experts (the GeGLU, gelu row by row) in one grouped call: the bits of the
+    per-expert loop with pointwise.gelu_mul, and a row's bits alone; moe.Experts with that
+    activation takes the kernel."""
+    ops = experts(mix)
+    kernel = grouped_experts(ops, H, gelu=True)
+    assert kernel is not None
+    x, idx, weight = routing(16, 4, dtype, seed=21)
+    out = kernel.forward(x, idx, weight)
+    assert torch.equal(out, reference_experts(x, idx, weight, ops, gelu_mul))
+    assert not torch.equal(out, reference_experts(x, idx, weight, ops))  # not silu's
+    alone = torch.cat(
+        [kernel.forward(x[i : i + 1], idx[i : i + 1], weight[i : i + 1]) for i in range(16)]
+    )
+    for m in (1, 3, 16):
+        assert torch.equal(kernel.forward(x[:m], idx[:m], weight[:m]), alone[:m]), f"M={m}"
+    block = Experts(E, H, INTER, dtype, torch.device("cpu"), gelu_mul)
+    block.operands = ops
+    before = kernel_calls()
+    assert torch.equal(block(x, idx, weight), out)
+    assert kernel_calls() == before + 1
 
 
 def test_grouped_takes_widths_of_32_block_formats() -> None:

@@ -120,6 +120,18 @@ at::Tensor swiglu_oai(const at::Tensor& h, double alpha, double limit) {
   return (up + 1) * (gate * at::sigmoid(gate * alpha));
 }
 
+// Gemma's GeGLU of gate_up [A, 2I]: gelu_tanh(gate) * up, the gelu one row at a time as
+// kernels/pointwise.py gelu_mul does (ATen's vector / scalar split then depends on I only, so a
+// row's bits do not depend on the rows around it).
+at::Tensor gelu_mul(const at::Tensor& h) {
+  const int64_t A = h.size(0), I = h.size(1) / 2;
+  at::Tensor gate = at::empty({A, I}, h.options());
+  for (int64_t r = 0; r < A; ++r) {
+    gate[r].copy_(at::gelu(h[r].narrow(0, 0, I), "tanh"));
+  }
+  return gate * h.narrow(1, I, I);
+}
+
 class QdMoEGGUF {
  public:
   QdMoEGGUF(std::vector<std::vector<at::Tensor>> gate_up, std::vector<int64_t> gate_up_fmts,
@@ -136,7 +148,8 @@ class QdMoEGGUF {
         act_(act),
         alpha_(alpha),
         limit_(limit) {
-    TORCH_CHECK(act == 0 || act == 1, "quickdraft MoEGGUF: act 0 (silu_mul) or 1 (swiglu_oai)");
+    TORCH_CHECK(act >= 0 && act <= 2,
+                "quickdraft MoEGGUF: act 0 (silu_mul), 1 (swiglu_oai) or 2 (gelu_mul)");
     const int64_t E = static_cast<int64_t>(gu_.packed.size());
     TORCH_CHECK(!gu_bias_.defined() || (gu_bias_.dim() == 2 && gu_bias_.size(0) == E &&
                                         gu_bias_.size(1) == gu_.N),
@@ -221,8 +234,10 @@ class QdMoEGGUF {
       return gathered[block_size(f) == 256];
     });
 
-    // down: silu(gate) * up (the kernel's own op) or gpt-oss's, quantized per assignment
-    const at::Tensor act = act_ == 0 ? qd_silu_mul(h) : swiglu_oai(h, alpha_, limit_).contiguous();
+    // down: silu(gate) * up (the kernel's own op), gpt-oss's or Gemma's, quantized per assignment
+    const at::Tensor act = act_ == 0   ? qd_silu_mul(h)
+                           : act_ == 1 ? swiglu_oai(h, alpha_, limit_).contiguous()
+                                       : gelu_mul(h);
     const Acts down_acts = quantize(act, down_block, buf);
     at::Tensor y = at::empty({A, H}, x.options());  // [A, H]
     run(down_, used, start, y, down_bias_, [&](int) -> const Acts& { return down_acts; });

@@ -59,6 +59,7 @@ def grouped_experts(
     hidden: int,
     biases: tuple[Tensor, Tensor] | None = None,  # gate_up [E, 2I], down [E, H] (gpt-oss)
     swiglu: tuple[float, float] | None = None,  # gpt-oss's (alpha, limit) act, not silu_mul
+    gelu: bool = False,  # Gemma 4's experts: pointwise.gelu_mul, not silu_mul
 ) -> Any:
     """The extension's MoEGGUF over these experts, or None where it cannot run them: no
     extension, an expert not in GGUF blocks (an unquantized file's tensors), or experts whose
@@ -93,7 +94,7 @@ def grouped_experts(
         hidden=hidden,
         gate_up_bias=None if biases is None else biases[0],
         down_bias=None if biases is None else biases[1],
-        act=0 if swiglu is None else 1,
+        act=2 if gelu else 0 if swiglu is None else 1,
         alpha=alpha,
         limit=limit,
     )

@@ -131,6 +131,20 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return out
 
 
+def gelu_tanh_rows(x: Tensor) -> Tensor:
+    """gelu(x, tanh approximation) of `[N, I]`, one row at a time: torch's elementwise kernels
+    pick a vector path or a scalar tail (and thread splits) by an element's place in the
+    whole tensor, so a row computed inside a verify could get other bits than alone."""
+    return torch.stack([F.gelu(row, approximate="tanh") for row in x.unbind(0)])
+
+
+def gelu_mul(gate_up: Tensor) -> Tensor:
+    """gelu_tanh(gate) * up of a fused [N, 2I] gate/up projection -> [N, I] (Gemma's GeGLU),
+    the gelu row by row (`gelu_tanh_rows`); kernels/moe_gguf.cpp's act 2 gives these bits."""
+    inter = gate_up.shape[-1] // 2
+    return gelu_tanh_rows(gate_up[:, :inter]) * gate_up[:, inter:]
+
+
 def reference_gated_rms_norm(x: Tensor, weight: Tensor, z: Tensor, eps: float) -> Tensor:
     return (reference_rms_norm(x, weight.float(), eps) * F.silu(z.float())).to(z.dtype)
 

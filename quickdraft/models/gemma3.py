@@ -23,13 +23,12 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from quickdraft.config import ModelConfig, read_hf_config
 from quickdraft.kernels.attention import attend
 from quickdraft.kernels.gemm import Weight, project, to_panels
-from quickdraft.kernels.pointwise import add_rms_norm, rms_norm
+from quickdraft.kernels.pointwise import add_rms_norm, gelu_tanh_rows, rms_norm
 from quickdraft.kernels.pointwise import rope as apply_rope
 from quickdraft.models.base import ForwardOutput, ImageRows, packed_positions, refuse_images
 from quickdraft.models.kv_cache import KVCache
@@ -117,13 +116,6 @@ class GemmaRMSNorm(RMSNorm):
 
     def add_forward(self, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
         return add_rms_norm(x, delta, self.weight, self.eps, offset=1.0)
-
-
-def gelu_tanh_rows(x: Tensor) -> Tensor:
-    """gelu(x, tanh approximation) of `[N, I]`, one row at a time: torch's elementwise kernels
-    pick a vector path or a scalar tail (and thread splits) by an element's place in the
-    whole tensor, so a row computed inside a verify could get other bits than alone."""
-    return torch.stack([F.gelu(row, approximate="tanh") for row in x.unbind(0)])
 
 
 class Attention(OperandModule):

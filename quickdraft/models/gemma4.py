@@ -43,10 +43,9 @@ from quickdraft.config import ModelConfig, read_hf_config
 from quickdraft.kernels.attention import attend
 from quickdraft.kernels.gemm import Weight, project, to_panels
 from quickdraft.kernels.linear_int import Q4_GROUP
-from quickdraft.kernels.pointwise import rms_norm
+from quickdraft.kernels.pointwise import gelu_mul, gelu_tanh_rows, rms_norm
 from quickdraft.kernels.pointwise import rope as apply_rope
 from quickdraft.models.base import ForwardOutput, ImageRows, packed_positions, refuse_images
-from quickdraft.models.gemma3 import gelu_tanh_rows
 from quickdraft.models.hybrid_config import NameMap
 from quickdraft.models.kv_cache import GroupedKVCache
 from quickdraft.models.layers import (
@@ -176,12 +175,6 @@ class Gemma4Config(ModelConfig):
             i if i < self.first_shared else self.store_layer(t)
             for i, t in enumerate(self.layer_types)
         )
-
-
-def gelu_mul(gate_up: Tensor) -> Tensor:
-    """[N, 2I] (gate columns, then up) -> gelu_tanh(gate) * up [N, I], row by row."""
-    inter = gate_up.shape[-1] // 2
-    return gelu_tanh_rows(gate_up[:, :inter]) * gate_up[:, inter:]
 
 
 class Attention(OperandModule):

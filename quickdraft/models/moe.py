@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from quickdraft.kernels.gemm import Weight, project
 from quickdraft.kernels.moe_gguf import grouped_experts, moe_block, reference_experts
-from quickdraft.kernels.pointwise import sigmoid, silu_mul
+from quickdraft.kernels.pointwise import gelu_mul, sigmoid, silu_mul
 from quickdraft.models.layers import LinearView, OperandModule, fused_projections
 
 
@@ -81,14 +81,15 @@ class Experts(nn.Module):
         return reference_experts(x, top_idx, top_weight, operands, self.act)
 
     def _grouped_kernel(self) -> Any:
-        """The extension's grouped call for `operands`, built once per operand list (its
-        activation is silu_mul: None for another)."""
-        if self.act is not silu_mul:
+        """The extension's grouped call for `operands`, built once per operand list (for the
+        activations it has: silu_mul and gelu_mul)."""
+        if self.act not in (silu_mul, gelu_mul):
             return None
         if self._grouped_for is not self.operands:
             self._grouped_for = self.operands
-            ops = self.operands
-            self._grouped = None if ops is None else grouped_experts(ops, ops[0][1].shape[0])
+            ops, gelu = self.operands, self.act is gelu_mul
+            hidden = 0 if ops is None else ops[0][1].shape[0]
+            self._grouped = None if ops is None else grouped_experts(ops, hidden, gelu=gelu)
         return self._grouped
 
 
