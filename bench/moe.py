@@ -2,8 +2,9 @@
 
 No MoE weights exist offline, so the files are random weights at the real per-layer widths of
 Qwen3.6-35B-A3B (`qwen35moe`: hybrid Gated DeltaNet + gated attention, 256 experts top 8 + a
-shared expert), Qwen3-30B-A3B (`qwen3moe`: 128 experts top 8) and gpt-oss-20b (`gpt-oss`: 32
-experts top 4 with biases, sinks, alternating windows), with layers, experts and the
+shared expert), Qwen3-30B-A3B (`qwen3moe`: 128 experts top 8), gpt-oss-20b (`gpt-oss`: 32
+experts top 4 with biases, sinks, alternating windows) and Gemma-4-26B-A4B (`gemma4`: a GeGLU
+MLP beside 128 experts top 8, local and global layers of other shapes), with layers, experts and the
 vocabulary cut so that the files fit (stated in the report). Each is written as llama.cpp's
 converter lays it out (hub/gguf_write.py), F32, then quantized by llama.cpp's own quantizer
 (the `peers` extra) to Q4_K_M, gpt-oss to MXFP4_MOE (its uploads' type: MXFP4 experts), so
@@ -59,6 +60,7 @@ from quickdraft.hub.gguf_write import (
 )
 from quickdraft.kernels.linear_gguf import FORMATS
 from quickdraft.loading import load
+from quickdraft.models.gemma4 import Gemma4Config, Gemma4LM
 from quickdraft.models.gpt_oss import GptOssConfig, GptOssLM
 from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.llama import CausalLM
@@ -90,6 +92,8 @@ def write_file(arch: str, directory: Path) -> Path:
         model = HybridLM(HybridConfig.from_dict(cfg), torch.bfloat16)
     elif arch == "gpt-oss":
         model = GptOssLM(GptOssConfig.from_dict(cfg), torch.bfloat16)
+    elif arch == "gemma4":
+        model = Gemma4LM(Gemma4Config.from_dict(cfg), torch.bfloat16)
     else:
         model = CausalLM(ModelConfig.from_dict(cfg), torch.bfloat16)
     init_(model, 0, 1.0)

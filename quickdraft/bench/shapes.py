@@ -1,6 +1,7 @@
 """Random-weight models of real shapes for the benchmarks that have no real weights offline:
 Qwen3.5-0.8B's language model (the hybrid Gated DeltaNet family, vocabulary cut to 32k), the
-sparse MoE models' configs (Qwen3.6-35B-A3B, Qwen3-30B-A3B, gpt-oss-20b) and their cuts, and
+sparse MoE models' configs (Qwen3.6-35B-A3B, Qwen3-30B-A3B, gpt-oss-20b, Gemma-4-26B-A4B) and
+their cuts, and
 how weights are drawn (`init_`). bench/hybrid.py, bench/prefix_cache.py and the vision set
 (quickdraft/bench/vision.py) build on them."""
 
@@ -108,6 +109,43 @@ MOE_REAL: dict[str, dict[str, Any]] = {
             "original_max_position_embeddings": 4096,
         },
     ),
+    # Gemma-4-26B-A4B's language model: 30 layers, 5 local (1024-key window, 8 KV heads of
+    # 256) to 1 global (2 KV heads of 512, values = keys); 16 query heads; a GeGLU MLP of 2112
+    # beside 128 experts top 8 of 704; soft-capped logits, the head tied
+    "gemma4": dict(
+        model_type="gemma4_text",
+        vocab_size=262144,
+        hidden_size=2816,
+        num_hidden_layers=30,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        num_global_key_value_heads=2,
+        head_dim=256,
+        global_head_dim=512,
+        attention_k_eq_v=True,
+        intermediate_size=2112,
+        enable_moe_block=True,
+        num_experts=128,
+        top_k_experts=8,
+        num_experts_per_tok=8,
+        moe_intermediate_size=704,
+        sliding_window=1024,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        final_logit_softcapping=30.0,
+        hidden_size_per_layer_input=0,
+        num_kv_shared_layers=0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        rope_parameters={
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1e6,
+            },
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
 }
 # what bench/moe.py cuts so that its random-weight files fit here (1.15 GiB and 0.47 GiB in
 # Q4_K_M); bench/hybrid.py --shape qwen35moe runs the same cut
@@ -116,6 +154,8 @@ MOE_CUTS: dict[str, dict[str, Any]] = {
     "qwen3moe": dict(num_hidden_layers=4, num_experts=32, vocab_size=32000),
     # an F32 source of all 32 experts would take 32 GB per 8 layers: 8 experts, 4 layers
     "gpt-oss": dict(num_hidden_layers=4, num_experts=8, num_local_experts=8, vocab_size=32000),
+    # one 5:1 period of layers (an F32 source of 128 experts takes 3 GB a layer): 32 experts
+    "gemma4": dict(num_hidden_layers=6, num_experts=32, vocab_size=32000),
 }
 
 

@@ -453,7 +453,9 @@ class Gemma4LM(HeadLogits, OperandModule):
         if not cap:
             return logits
         capped = torch.stack([torch.tanh(row / cap) * cap for row in logits.unbind(0)])
-        return capped.masked_fill_(logits == float("-inf"), float("-inf"))
+        if self.vocab is None:
+            return capped
+        return capped.masked_fill_(logits == float("-inf"), float("-inf"))  # ids not scored
 
     @torch.inference_mode()
     def forward(

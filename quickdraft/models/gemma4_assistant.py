@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,10 +35,18 @@ from torch import Tensor, nn
 
 from quickdraft.config import read_hf_config
 from quickdraft.kernels.gemm import project
-from quickdraft.models.gemma4 import FULL, DecoderLayer, DecoderModel, Gemma4Config, Matrix
+from quickdraft.models.gemma4 import (
+    FULL,
+    DecoderLayer,
+    DecoderModel,
+    Gemma4Config,
+    Gemma4LM,
+    Matrix,
+)
 from quickdraft.models.kv_cache import GroupedKVCache
 from quickdraft.models.layers import Rope
 from quickdraft.models.llama import Embedding
+from quickdraft.models.loader import load_weights
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +98,22 @@ class AssistantConfig:
         )
 
 
+def _no_target(*args: Any) -> Any:
+    raise ValueError("this assistant was built without its target")
+
+
+def load_assistant(target: nn.Module, path: str | Path) -> Gemma4Assistant:
+    """The assistant in checkpoint dir `path` for `target`, bound to it; a clear error for a
+    target that is not Gemma 4 or an assistant made for another one."""
+    if not isinstance(target, Gemma4LM):
+        kind = getattr(getattr(target, "config", None), "model_type", type(target).__name__)
+        raise ValueError(f"{path}: a Gemma 4 assistant drafts for Gemma 4 targets, not {kind}")
+    cfg = AssistantConfig.from_hf(path, target.config)
+    head = Gemma4Assistant(cfg, target.dtype, target.device, target)
+    load_weights(head, sorted(Path(path).glob("*.safetensors")))
+    return head
+
+
 def is_assistant_dir(path: str | Path) -> bool:
     config = Path(path) / "config.json"
     return config.is_file() and json.loads(config.read_text()).get("model_type") == (
@@ -137,12 +162,24 @@ class _TargetKV:
 
 
 class Gemma4Assistant(nn.Module):
-    """HF's Gemma4AssistantForCausalLM (parameter names alike)."""
+    """HF's Gemma4AssistantForCausalLM (parameter names alike), bound to its target: the
+    target's embedding lookup (`embed_target`) and cache maker (`target_cache`)."""
 
-    def __init__(self, cfg: AssistantConfig, dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self,
+        cfg: AssistantConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        target: Gemma4LM | None = None,
+    ):
         super().__init__()
         device = torch.device(device)
         self.config, self.dtype, self.device = cfg, dtype, device
+        # the target's methods, not the module (its parameters stay its own)
+        self.embed_target: Callable[[Tensor], Tensor] = target.embed if target else _no_target
+        self.target_cache: Callable[[int], GroupedKVCache] = (
+            target.new_cache if target else _no_target
+        )
         text = cfg.text
         self.hidden_size = cfg.backbone_hidden_size  # what it reads and hands back
         self.vocab_size = text.vocab_size

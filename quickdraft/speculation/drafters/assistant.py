@@ -25,10 +25,8 @@ import torch
 from torch import Tensor
 
 from quickdraft.models.base import LanguageModel, module_of
-from quickdraft.models.gemma4 import Gemma4LM
-from quickdraft.models.gemma4_assistant import AssistantConfig, Gemma4Assistant
+from quickdraft.models.gemma4_assistant import Gemma4Assistant, load_assistant
 from quickdraft.models.kv_cache import GroupedKVCache
-from quickdraft.models.loader import load_weights
 from quickdraft.speculation.cost import StepShape, settle
 from quickdraft.speculation.drafters.base import Draft, DraftJob, draft_position
 
@@ -43,8 +41,8 @@ class AssistantDrafter:
     needs_hidden = True
     hidden_layers: tuple[int, ...] = ()
 
-    def __init__(self, head: Gemma4Assistant, target: Gemma4LM) -> None:
-        self.head, self.target = head, target
+    def __init__(self, head: Gemma4Assistant) -> None:
+        self.head = head
         self.forwards: list[StepShape] = []
 
     def new_state(self, prompt_ids: list[int], tenant: str = "") -> AssistantState:
@@ -57,7 +55,7 @@ class AssistantDrafter:
     def _step(
         self, ids: list[int], hidden: Tensor, caches: list[GroupedKVCache], rows: list[int]
     ) -> tuple[Tensor, Tensor]:
-        embeds = self.target.embed(torch.tensor(ids, device=self.head.device))
+        embeds = self.head.embed_target(torch.tensor(ids, device=self.head.device))
         self.forwards.append(StepShape(len(ids), len(ids), 0))
         logits, back = self.head(embeds, hidden, caches, rows)
         return logits, back
@@ -103,23 +101,13 @@ class AssistantDrafter:
 def assistant_drafter(model: LanguageModel, path: str | Path) -> AssistantDrafter:
     """The drafter for Gemma 4 target `model` from the assistant checkpoint dir `path`; a clear
     error for another target or an assistant made for another Gemma 4."""
-    target = module_of(model)
-    if not isinstance(target, Gemma4LM):
-        raise ValueError(
-            f"{path}: a Gemma 4 assistant drafts for Gemma 4 targets, not "
-            f"{getattr(target.config, 'model_type', type(target).__name__)}"
-        )
-    cfg = AssistantConfig.from_hf(path, target.config)
-    head = Gemma4Assistant(cfg, model.dtype, model.device)
-    files = sorted(Path(path).glob("*.safetensors"))
-    load_weights(head, files)
-    return AssistantDrafter(head, target)
+    return AssistantDrafter(load_assistant(module_of(model), path))
 
 
 def assistant_step_seconds(drafter: AssistantDrafter, context: int = 16, reps: int = 3) -> float:
     """Seconds of one single-row assistant step over `context` target rows (best of reps)."""
-    target, head = drafter.target, drafter.head
-    cache = target.new_cache(context)
+    head = drafter.head
+    cache = head.target_cache(context)
     cache.reserve(context)
     for group in cache.groups:
         group.k.zero_()
