@@ -60,7 +60,8 @@ from quickdraft.hub.gguf_write import (
 )
 from quickdraft.kernels.linear_gguf import FORMATS
 from quickdraft.loading import load
-from quickdraft.models.gemma4 import Gemma4Config, Gemma4LM
+from quickdraft.models.gemma4 import Gemma4LM
+from quickdraft.models.gemma4_config import Gemma4Config
 from quickdraft.models.gpt_oss import GptOssConfig, GptOssLM
 from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.llama import CausalLM

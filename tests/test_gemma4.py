@@ -25,7 +25,8 @@ from quickdraft.engine.core import EngineCore
 from quickdraft.engine.prefix_cache import PrefixCacheConfig
 from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.loading import LoadedModel, load
-from quickdraft.models.gemma4 import Gemma4Config, Gemma4LM
+from quickdraft.models.gemma4 import Gemma4LM
+from quickdraft.models.gemma4_config import Gemma4Config
 from quickdraft.models.kv_cache import GroupedKVCache
 from quickdraft.models.loader import load_model
 from quickdraft.request import SamplingParams

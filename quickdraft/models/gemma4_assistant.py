@@ -35,16 +35,9 @@ from torch import Tensor, nn
 
 from quickdraft.config import read_hf_config
 from quickdraft.kernels.gemm import project
-from quickdraft.models.gemma4 import (
-    FULL,
-    DecoderLayer,
-    DecoderModel,
-    Gemma4Config,
-    Gemma4LM,
-    Matrix,
-)
+from quickdraft.models.gemma4 import DecoderLayer, DecoderModel, Gemma4LM, Matrix, ropes
+from quickdraft.models.gemma4_config import Gemma4Config
 from quickdraft.models.kv_cache import GroupedKVCache
-from quickdraft.models.layers import Rope
 from quickdraft.models.llama import Embedding
 from quickdraft.models.loader import load_weights
 
@@ -198,13 +191,7 @@ class Gemma4Assistant(nn.Module):
         self.masked_embedding = (
             MaskedEmbedding(cfg, dtype, device) if cfg.use_ordered_embeddings else None
         )
-        global_dim = next(
-            (d for d, t in zip(text.head_dims, text.layer_types, strict=True) if t == FULL),
-            text.head_dim,
-        )
-        glob = Rope(global_dim, text.rope_theta, device)
-        glob.inv_freq[int(text.rope_partial * global_dim // 2) :] = 0.0
-        self.ropes = {True: Rope(text.head_dim, text.rope_local_theta, device), False: glob}
+        self.ropes = ropes(text, device)
         self.requires_grad_(False)
 
     @torch.inference_mode()

@@ -20,7 +20,8 @@ from tqdm.auto import tqdm
 
 from quickdraft.kernels.gemm import Weight
 from quickdraft.kernels.linear_gguf import GGUFWeight
-from quickdraft.models.gemma4 import DecoderLayer, Gemma4Config, Gemma4LM
+from quickdraft.models.gemma4 import DecoderLayer, Gemma4LM
+from quickdraft.models.gemma4_config import Gemma4Config
 from quickdraft.models.gguf_loader import GGUFTensorError
 from quickdraft.models.gguf_qwen_loader import PlanLoader
 from quickdraft.models.layers import GGUFEmbedding, release_fused_

@@ -14,7 +14,8 @@ from torch import nn
 
 from quickdraft.config import ModelConfig
 from quickdraft.models.gemma3 import Gemma3Config, Gemma3LM
-from quickdraft.models.gemma4 import Gemma4Config, Gemma4LM, gemma4_name_map
+from quickdraft.models.gemma4 import Gemma4LM, gemma4_name_map
+from quickdraft.models.gemma4_config import Gemma4Config
 from quickdraft.models.gpt_oss import GptOssConfig, GptOssLM
 from quickdraft.models.hybrid_config import (
     HYBRID_TYPES,
