@@ -6,7 +6,8 @@ file (real per-layer widths, cut to 6 layers / 32 experts / a 32k vocabulary; Q4
 llama.cpp's quantizer) run on its own blocks; the assistant is a random one of the released
 26B-A4B assistant's shape (4 query-only layers [local x 3, global] of hidden 1024, MLP 8192,
 16 heads, k = v global layers; the tied 262144-row head cut to the target's 32k vocabulary),
-in bf16 as the checkpoint ships. Measured, 2 threads, best of rounds:
+in bf16 panels as the checkpoint ships and in int4 (`--draft-quantization`'s CPU default, as
+draft models run). Measured, 2 threads, best of rounds:
   target step     one row at context 64 (`bench/moe.py`'s one-row step)
   verify          k + 1 rows at context 64
   assistant step  one chained step at context 64 (speculation/drafters/assistant.py)
@@ -38,10 +39,12 @@ import torch
 
 from quickdraft.bench.report import bar_chart, machine, table, write
 from quickdraft.bench.shapes import init_
+from quickdraft.kernels.gemm import to_panels
 from quickdraft.loading import load
-from quickdraft.models.gemma4 import Gemma4LM
+from quickdraft.models.gemma4 import Gemma4LM, quantizer
 from quickdraft.models.gemma4_assistant import AssistantConfig, Gemma4Assistant
 from quickdraft.models.gemma4_config import Gemma4Config
+from quickdraft.models.layers import convert_operands_
 from quickdraft.speculation.drafters.assistant import AssistantDrafter, assistant_step_seconds
 
 # the released gemma-4-26B-A4B-it-assistant's text config (its config.json)
@@ -88,7 +91,7 @@ def forward_s(model: Gemma4LM, rows: int, context: int = 64, reps: int = 5) -> f
     return best
 
 
-def assistant_for(target: Gemma4LM) -> Gemma4Assistant:
+def assistant_for(target: Gemma4LM, quantization: str) -> Gemma4Assistant:
     text = Gemma4Config.from_dict({**ASSISTANT_TEXT, "vocab_size": target.config.vocab_size})
     sources = tuple(target.config.store_layer(t) for t in text.layer_types)
     text = replace(text, kv_sources=sources, num_kv_shared_layers=0)
@@ -96,6 +99,8 @@ def assistant_for(target: Gemma4LM) -> Gemma4Assistant:
     head = Gemma4Assistant(cfg, torch.bfloat16, "cpu", target)
     init_(head, 1, 1.0)
     head.lm_head.op = head.lm_head.weight.detach()
+    convert = quantizer(quantization)  # as load_assistant: --draft-quantization, else panels
+    convert_operands_(head, convert if convert is not None else to_panels)
     return head
 
 
@@ -114,30 +119,34 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = load(str(args.files / "gemma4-Q4_K_M-model"), "gguf", progress=False).model
     assert isinstance(model, Gemma4LM)
-    drafter = AssistantDrafter(assistant_for(model))
     forward_s(model, 1)  # warm
     step = forward_s(model, 1)
     verify = forward_s(model, K + 1)
-    draft = min(assistant_step_seconds(drafter, 64) for _ in range(3))
     cfg = model.config
     grow = 262144 / cfg.vocab_size  # the real vocabulary over the cut one
     head_s = head_seconds(model._logits, cfg.hidden_size, model.dtype)
-    a_head = head_seconds(drafter.head.lm_head, 1024, torch.bfloat16)
     full = (step - head_s) * 30 / cfg.num_hidden_layers + head_s * grow
-    draft_full = draft - a_head + a_head * grow
-    rows = []
-    cases = (("cut (measured)", step, draft), ("full size (estimated)", full, draft_full))
-    for name, target, assistant in cases:
-        ratio = assistant / target
-        rows.append(
-            [
-                name,
-                round(target * 1e3, 2),
-                round(assistant * 1e3, 2),
-                round(ratio, 3),
-                round(speedup(ACCEPTANCE, K, ratio, verify / step), 2),
-            ]
-        )
+    rows, drafts = [], {}
+    for quantization in ("none", "int4"):  # bf16 panels as the checkpoint ships; the default
+        drafter = AssistantDrafter(assistant_for(model, quantization))
+        draft = min(assistant_step_seconds(drafter, 64) for _ in range(3))
+        a_head = head_seconds(drafter.head.lm_head, 1024, torch.bfloat16)
+        draft_full = draft - a_head + a_head * grow
+        drafts[quantization] = {"step_ms": round(draft * 1e3, 2), "head_ms": round(a_head * 1e3, 2)}
+        weights = "bf16" if quantization == "none" else quantization
+        cases = (("cut (measured)", step, draft), ("full size (estimated)", full, draft_full))
+        for name, target, assistant in cases:
+            ratio = assistant / target
+            rows.append(
+                [
+                    f"{weights}, {name}",
+                    round(target * 1e3, 2),
+                    round(assistant * 1e3, 2),
+                    round(ratio, 3),
+                    round(speedup(ACCEPTANCE, K, ratio, verify / step), 2),
+                ]
+            )
+        del drafter
     report = {
         "machine": machine(),
         "threads": args.threads,
@@ -145,9 +154,8 @@ def main() -> None:
         "k": K,
         "target_step_ms": round(step * 1e3, 2),
         "verify_ms": round(verify * 1e3, 2),
-        "assistant_step_ms": round(draft * 1e3, 2),
+        "assistant": drafts,
         "target_head_ms": round(head_s * 1e3, 2),
-        "assistant_head_ms": round(a_head * 1e3, 2),
         "full_size_step_ms_estimate": round(full * 1e3, 2),
         "rows": rows,
     }

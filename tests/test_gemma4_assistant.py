@@ -121,6 +121,11 @@ def test_drafts_equal_transformers_candidates(shape: str, ordered: bool, tmp_pat
     assert hidden is not None
     logits, _ = drafter.head(ours.embed(torch.tensor([first])), hidden[-1:], [cache], [20])
     torch.testing.assert_close(logits[0], candidate_logits[0, 0], atol=3e-4, rtol=1e-4)
+    # int4 operands (the CPU default for drafters): the centroid mask still reads its rows
+    small = assistant_drafter(ours, tmp_path / "assistant", "int4")
+    assert type(small.head.pre_projection.op).__name__ == "Int4Weight"  # 128 wide
+    small.commit(state, tokens, hidden)
+    assert len(small.propose([job])[0].tokens) == 4
 
 
 def test_an_assistant_for_another_target_is_refused(tmp_path: Path) -> None:

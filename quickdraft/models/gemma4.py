@@ -31,7 +31,7 @@ mapped onto `model.`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -58,7 +58,7 @@ from quickdraft.models.layers import (
     fused_projections,
     tapped_layers,
 )
-from quickdraft.models.llama import _QUANTIZERS, Embedding
+from quickdraft.models.llama import _QUANTIZERS, Embedding, operand_converter
 from quickdraft.models.moe import Experts
 
 
@@ -273,6 +273,21 @@ class DecoderModel(nn.Module):
         return (proj + table) * 2.0**-0.5
 
 
+def quantizer(fmt: str) -> Callable[[Weight], Weight] | None:
+    """`operand_converter(fmt)` that leaves an operand narrower than an int4 group as it is
+    (the per-layer-embedding projections are 256 wide in E2B: tiny, and none in the released
+    assistants); None for "none"."""
+    convert = operand_converter(fmt)
+    if convert is None:
+        return None
+    full = convert
+
+    def each(w: Weight) -> Weight:
+        return w if fmt == "int4" and w.shape[1] % Q4_GROUP else full(w)
+
+    return each
+
+
 def ropes(cfg: Gemma4Config, device: torch.device) -> dict[bool, Rope]:
     """The RoPE tables by layer kind (True: local): the local layers' default RoPE, the global
     ones' "proportional" RoPE (the frequencies past the rotated share are 0)."""
@@ -307,16 +322,12 @@ class Gemma4LM(HeadLogits, OperandModule):
         self.requires_grad_(False)
 
     def quantize_(self, fmt: str) -> None:
-        """GEMM operands -> "int8" / "int4" (see llama.CausalLM.quantize_); a per-layer
-        embedding projection narrower than an int4 group stays as it is (it is tiny)."""
+        """GEMM operands -> "int8" / "int4" (see llama.CausalLM.quantize_ and `quantizer`)."""
         if fmt not in _QUANTIZERS:
             raise ValueError(f"unknown weight format {fmt!r}; supported: {', '.join(_QUANTIZERS)}")
-        convert = _QUANTIZERS[fmt]
-
-        def each(w: Weight) -> Weight:
-            return w if fmt == "int4" and w.shape[1] % Q4_GROUP else convert(w)
-
-        convert_operands_(self, each)
+        convert = quantizer(fmt)
+        assert convert is not None
+        convert_operands_(self, convert)
 
     def pack_(self) -> None:
         """bf16 projection operands -> PanelWeight (see llama.CausalLM.pack_)."""

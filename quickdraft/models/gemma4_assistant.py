@@ -34,10 +34,18 @@ import torch
 from torch import Tensor, nn
 
 from quickdraft.config import read_hf_config
-from quickdraft.kernels.gemm import project
-from quickdraft.models.gemma4 import DecoderLayer, DecoderModel, Gemma4LM, Matrix, ropes
+from quickdraft.kernels.gemm import panels_apply, project, to_panels
+from quickdraft.models.gemma4 import (
+    DecoderLayer,
+    DecoderModel,
+    Gemma4LM,
+    Matrix,
+    quantizer,
+    ropes,
+)
 from quickdraft.models.gemma4_config import Gemma4Config
 from quickdraft.models.kv_cache import GroupedKVCache
+from quickdraft.models.layers import convert_operands_
 from quickdraft.models.llama import Embedding
 from quickdraft.models.loader import load_weights
 
@@ -95,15 +103,25 @@ def _no_target(*args: Any) -> Any:
     raise ValueError("this assistant was built without its target")
 
 
-def load_assistant(target: nn.Module, path: str | Path) -> Gemma4Assistant:
+def load_assistant(
+    target: nn.Module, path: str | Path, quantization: str = "none"
+) -> Gemma4Assistant:
     """The assistant in checkpoint dir `path` for `target`, bound to it; a clear error for a
-    target that is not Gemma 4 or an assistant made for another one."""
+    target that is not Gemma 4 or an assistant made for another one. `quantization` "int8" /
+    "int4" (CPU kernels): its projections and head in that format (as draft models run; the
+    centroid-masked head of the E2B / E4B assistants reads its rows by id from `head_rows`,
+    kept as loaded), else bf16 panels on the CPU."""
     if not isinstance(target, Gemma4LM):
         kind = getattr(getattr(target, "config", None), "model_type", type(target).__name__)
         raise ValueError(f"{path}: a Gemma 4 assistant drafts for Gemma 4 targets, not {kind}")
     cfg = AssistantConfig.from_hf(path, target.config)
     head = Gemma4Assistant(cfg, target.dtype, target.device, target)
     load_weights(head, sorted(Path(path).glob("*.safetensors")))
+    convert = quantizer(quantization)
+    if convert is not None:
+        convert_operands_(head, convert)
+    elif panels_apply(head.dtype, head.device):
+        convert_operands_(head, to_panels)
     return head
 
 
@@ -120,7 +138,7 @@ class MaskedEmbedding(nn.Module):
         vocab = cfg.text.vocab_size
         if vocab % cfg.num_centroids:
             raise ValueError(f"vocab {vocab} is not a multiple of {cfg.num_centroids} centroids")
-        self.top_k = cfg.centroid_top_k
+        self.top_k, self.num_centroids = cfg.centroid_top_k, cfg.num_centroids
         self.centroids = Matrix(cfg.num_centroids, cfg.text.hidden_size, dtype, device)
         self.token_ordering = nn.Parameter(
             torch.zeros(vocab, dtype=torch.int64, device=device), requires_grad=False
@@ -130,7 +148,7 @@ class MaskedEmbedding(nn.Module):
         """h [B, H] final-norm rows -> [B, vocab] fp32: the chosen clusters' tokens scored by
         `head` [vocab, H] (rows in the model dtype), every other token the row's least such
         logit minus 1."""
-        clusters = self.token_ordering.view(self.centroids.weight.shape[0], -1)
+        clusters = self.token_ordering.view(self.num_centroids, -1)
         top = torch.topk(self.centroids(h), self.top_k, dim=-1).indices
         out = []
         for row, chosen in zip(h, top, strict=True):
@@ -186,6 +204,9 @@ class Gemma4Assistant(nn.Module):
             assert isinstance(self.model.embed_tokens, Embedding)
             self.lm_head.weight = self.model.embed_tokens.weight
             self.lm_head.op = self.lm_head.weight.detach()
+        # the head's rows as loaded (a view filled by the load), what the centroid mask reads
+        # by id whatever form the `lm_head` operand takes
+        self.head_rows = self.lm_head.weight.detach()
         self.pre_projection = Matrix(text.hidden_size, 2 * self.hidden_size, dtype, device)
         self.post_projection = Matrix(self.hidden_size, text.hidden_size, dtype, device)
         self.masked_embedding = (
@@ -213,7 +234,7 @@ class Gemma4Assistant(nn.Module):
             x = layer(x, None, ropes[layer.sliding], views, ones)
         h = self.model.norm(x)
         if self.masked_embedding is not None:
-            logits = self.masked_embedding.logits(h, self.lm_head.weight)
+            logits = self.masked_embedding.logits(h, self.head_rows)
         else:
             logits = self.lm_head(h).float()
         return logits, self.post_projection(h)

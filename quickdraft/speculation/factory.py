@@ -167,7 +167,8 @@ def _assistant(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, Cos
             "--speculative-method assistant needs the Gemma 4 assistant checkpoint: "
             "--draft-model DIR"
         )
-    drafter = assistant_drafter(lm.model, config.draft_model)
+    # --draft-quantization (int4 by default on the CPU) as for draft models
+    drafter = assistant_drafter(lm.model, config.draft_model, _draft_format(lm, config))
 
     def table() -> StepCost:  # priced like the MTP head: one chained step, the target's curve
         target = model_cost(lm.model)

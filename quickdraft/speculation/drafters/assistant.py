@@ -98,10 +98,13 @@ class AssistantDrafter:
         state.hidden = None
 
 
-def assistant_drafter(model: LanguageModel, path: str | Path) -> AssistantDrafter:
-    """The drafter for Gemma 4 target `model` from the assistant checkpoint dir `path`; a clear
-    error for another target or an assistant made for another Gemma 4."""
-    return AssistantDrafter(load_assistant(module_of(model), path))
+def assistant_drafter(
+    model: LanguageModel, path: str | Path, quantization: str = "none"
+) -> AssistantDrafter:
+    """The drafter for Gemma 4 target `model` from the assistant checkpoint dir `path` (its
+    weights in `quantization`, models/gemma4_assistant.py `load_assistant`); a clear error for
+    another target or an assistant made for another Gemma 4."""
+    return AssistantDrafter(load_assistant(module_of(model), path, quantization))
 
 
 def assistant_step_seconds(drafter: AssistantDrafter, context: int = 16, reps: int = 3) -> float:
