@@ -212,11 +212,11 @@ def served(hf_dir: tuple[Any, Path]) -> LoadedModel:
 
 
 @needs_kernel
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
 def test_speculation_equals_plain_decoding(
     served: LoadedModel, hf_dir: tuple[Any, Path], method: str
 ) -> None:
-    """bf16 through the engine: greedy speculation (n-gram; the model as its own draft,
+    """bf16 through the engine: greedy speculation (n-gram, suffix; the model as its own draft,
     which agrees with every token) gives the tokens of plain decoding, drafts accepted."""
     draft = str(hf_dir[1]) if method == "draft" else None
     spec = make_speculation(
