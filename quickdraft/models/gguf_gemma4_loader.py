@@ -18,11 +18,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from quickdraft.kernels.gemm import Weight
-from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.models.gemma4 import DecoderLayer, Gemma4LM
 from quickdraft.models.gemma4_config import Gemma4Config
-from quickdraft.models.gguf_loader import GGUFTensorError
 from quickdraft.models.gguf_qwen_loader import PlanLoader
 from quickdraft.models.layers import GGUFEmbedding, release_fused_
 from quickdraft.models.packed_copy import PACKED_NAME, packed_or_built
@@ -50,41 +47,6 @@ def load_gemma4_gguf(file: Path, cfg: Gemma4Config, dtype: torch.dtype) -> Gemma
     return model
 
 
-def _experts(loader: PlanLoader, blk: str, n: int, inter: int) -> list[tuple[Weight, Weight]]:
-    """Each expert's gate + up rows and down rows as its own operands (`ffn_gate_up_exps`, or
-    llama.cpp's split `ffn_gate_exps` / `ffn_up_exps`)."""
-    f, hidden = loader.f, loader.cfg.hidden_size
-    fused = f.has(blk + "ffn_gate_up_exps.weight")
-    parts = ["gate_up"] if fused else ["gate", "up"]
-    stacks = []
-    for part in [*parts, "down"]:
-        t = f.get(f"{blk}ffn_{part}_exps.weight")
-        rows = 2 * inter if part == "gate_up" else hidden if part == "down" else inter
-        stacks.append((t.tensor_type.name, np.asarray(t.data).reshape(n, rows, -1)))
-    floats = {"F32", "F16", "BF16"}
-    out: list[tuple[Weight, Weight]] = []
-    for e in range(n):
-        if {kind for kind, _ in stacks} <= floats:  # an unquantized file
-            gu = np.concatenate([rows[e] for _, rows in stacks[:-1]]).astype(np.float32)
-            down = stacks[-1][1][e].astype(np.float32)
-            out.append(
-                (torch.from_numpy(gu).to(loader.dtype), torch.from_numpy(down).to(loader.dtype))
-            )
-            continue
-        try:
-            gate_up = GGUFWeight.concat(
-                [GGUFWeight.from_raw(kind, rows[e], hidden) for kind, rows in stacks[:-1]]
-            )
-            out.append((gate_up, GGUFWeight.from_raw(stacks[-1][0], stacks[-1][1][e], inter)))
-        except ValueError as err:  # a block format without a kernel
-            raise GGUFTensorError(
-                f"{f.path.name}: {blk}ffn_*_exps: {err}; load with --dtype bf16"
-            ) from err
-    for part in [*parts, "down"]:
-        f.release(f"{blk}ffn_{part}_exps.weight")
-    return out
-
-
 def _layer(loader: PlanLoader, layer: DecoderLayer, blk: str) -> None:
     cfg = loader.cfg
     assert isinstance(cfg, Gemma4Config)
@@ -109,10 +71,7 @@ def _layer(loader: PlanLoader, layer: DecoderLayer, blk: str) -> None:
     if layer.moe:
         n = cfg.num_experts
         layer.router.proj.op = loader.operand([(blk + "ffn_gate_inp.weight", n, 0)], hidden)
-        experts = layer.experts
-        experts.operands = _experts(loader, blk, n, cfg.moe_intermediate_size)
-        experts.gate_up_proj = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-        experts.down_proj = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        loader.experts(layer.experts, blk)  # fused or split gate / up
 
 
 def _table(loader: PlanLoader, name: str, rows: int, dim: int) -> GGUFEmbedding:

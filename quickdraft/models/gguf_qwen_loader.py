@@ -179,29 +179,29 @@ class PlanLoader:
 
     def stacks(self, blk: str, n: int, inter: int) -> tuple[list[Weight], list[Weight]]:
         """Each of the `n` experts' gate + up rows and down rows as its own operands
-        (GGUFWeights; model-dtype tensors from an unquantized file), the file's pages of them
-        released once repacked."""
+        (GGUFWeights; model-dtype tensors from an unquantized file), from `ffn_gate_exps` and
+        `ffn_up_exps` or one `ffn_gate_up_exps` (Gemma 4's), the file's pages of them released
+        once repacked."""
         hidden = self.cfg.hidden_size
-        stacks = {}
-        for part, count in (("gate", inter), ("up", inter), ("down", hidden)):
+        fused = self.f.has(f"{blk}ffn_gate_up_exps.weight")
+        rows = {"gate_up": 2 * inter} if fused else {"gate": inter, "up": inter}
+        stacks = []  # (type, [n, rows, row bytes]) of the gate / up parts, then of down
+        for part, count in (*rows.items(), ("down", hidden)):
             t = self.f.get(f"{blk}ffn_{part}_exps.weight")
-            stacks[part] = (t.tensor_type.name, np.asarray(t.data).reshape(n, count, -1))
-        (gate_t, gate), (up_t, up), (down_t, down) = (stacks[p] for p in ("gate", "up", "down"))
+            stacks.append((t.tensor_type.name, np.asarray(t.data).reshape(n, count, -1)))
+        *parts, (down_t, down) = stacks
         gate_ups: list[Weight] = []
         downs: list[Weight] = []
         for e in range(n):
-            if {gate_t, up_t, down_t} <= {"F32", "F16", "BF16"}:  # an unquantized file
-                rows = np.concatenate([gate[e], up[e]]).astype(np.float32)
-                gate_ups.append(torch.from_numpy(rows).to(self.dtype))
+            if {kind for kind, _ in stacks} <= {"F32", "F16", "BF16"}:  # an unquantized file
+                gu = np.concatenate([part[e] for _, part in parts]).astype(np.float32)
+                gate_ups.append(torch.from_numpy(gu).to(self.dtype))
                 downs.append(torch.from_numpy(down[e].astype(np.float32)).to(self.dtype))
                 continue
             try:
                 gate_ups.append(
                     GGUFWeight.concat(
-                        [
-                            GGUFWeight.from_raw(gate_t, gate[e], hidden),
-                            GGUFWeight.from_raw(up_t, up[e], hidden),
-                        ]
+                        [GGUFWeight.from_raw(kind, part[e], hidden) for kind, part in parts]
                     )
                 )
                 downs.append(GGUFWeight.from_raw(down_t, down[e], inter))
@@ -209,7 +209,7 @@ class PlanLoader:
                 raise GGUFTensorError(
                     f"{self.f.path.name}: {blk}ffn_*_exps: {err}; load with --dtype bf16"
                 ) from err
-        for part in ("gate", "up", "down"):  # repacked: drop the file's pages from this process
+        for part in (*rows, "down"):  # repacked: drop the file's pages from this process
             self.f.release(f"{blk}ffn_{part}_exps.weight")
         return gate_ups, downs
 
