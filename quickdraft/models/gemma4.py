@@ -384,12 +384,7 @@ class Gemma4LM(HeadLogits, OperandModule):
             if i in wanted:
                 taps[i] = h
         layers = tapped_layers(taps, hidden_layers, len(self.decoder_layers), self.model.norm)
-        if logit_rows is None:
-            logit_rows = torch.tensor(list(num_new), device=self.device).cumsum(0) - 1
-        if return_hidden:
-            hidden = self.model.norm(h)  # [N, hidden] post-norm
-            return ForwardOutput(self._logits(hidden[logit_rows]), hidden, layers)
-        return ForwardOutput(self._logits(self.model.norm(h[logit_rows])), None, layers)
+        return self.head_outputs(h, self.model.norm, num_new, logit_rows, return_hidden, layers)
 
 
 def gemma4_name_map(cfg: Any) -> NameMap:

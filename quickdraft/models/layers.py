@@ -24,6 +24,7 @@ from quickdraft.images import ImageRows
 from quickdraft.kernels.gemm import Weight, dequantized_rows, panel_rows, project
 from quickdraft.kernels.linear_bf16 import PANEL
 from quickdraft.kernels.pointwise import add_rms_norm, rms_norm
+from quickdraft.models.base import ForwardOutput
 
 
 class OperandModule(nn.Module):
@@ -368,6 +369,24 @@ class HeadLogits:
     def vocab_kept(self) -> int | None:
         """Token ids the head scores when restricted (`restrict_vocab_`), else None."""
         return None if self.vocab is None else self.vocab.kept
+
+    def head_outputs(
+        self,
+        h: Tensor,  # [N, hidden] the last layer's output
+        norm: Callable[[Tensor], Tensor],  # the final norm
+        num_new: Sequence[int],
+        logit_rows: Tensor | None,  # rows of N to score; None: the last row of each sequence
+        return_hidden: bool,
+        layers: Tensor | None,  # tapped_layers' stack
+    ) -> ForwardOutput:
+        """The end of a forward whose last layer hands over its output: the final norm (of the
+        scored rows only, unless the post-norm hidden of every row is asked for) and logits."""
+        if logit_rows is None:
+            logit_rows = torch.tensor(list(num_new), device=h.device).cumsum(0) - 1
+        if return_hidden:
+            hidden = norm(h)  # [N, hidden] post-norm
+            return ForwardOutput(self._logits(hidden[logit_rows]), hidden, layers)
+        return ForwardOutput(self._logits(norm(h[logit_rows])), None, layers)
 
     def _logits(self, x: Tensor) -> Tensor:
         """[n, hidden] final-norm rows -> [n, vocab] fp32 logits."""

@@ -371,9 +371,4 @@ class HybridLM(HeadLogits, OperandModule):
             if i in wanted:
                 taps[i] = x
         layers = tapped_layers(taps, hidden_layers, len(self.model.layers), self.model.norm)
-        if logit_rows is None:
-            logit_rows = torch.tensor(list(num_new), device=self.device).cumsum(0) - 1
-        if return_hidden:
-            hidden = self.model.norm(x)  # [N, hidden]
-            return ForwardOutput(self._logits(hidden[logit_rows]), hidden, layers)
-        return ForwardOutput(self._logits(self.model.norm(x[logit_rows])), None, layers)
+        return self.head_outputs(x, self.model.norm, num_new, logit_rows, return_hidden, layers)
