@@ -31,50 +31,31 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from quickdraft.bench.report import bar_chart, machine, table, write
-from quickdraft.bench.shapes import init_
+from quickdraft.bench.shapes import MOE_REAL, init_
 from quickdraft.kernels.gemm import to_panels
 from quickdraft.loading import load
 from quickdraft.models.gemma4 import Gemma4LM, quantizer
 from quickdraft.models.gemma4_assistant import AssistantConfig, Gemma4Assistant
-from quickdraft.models.gemma4_config import Gemma4Config
 from quickdraft.models.layers import convert_operands_
 from quickdraft.speculation.drafters.assistant import AssistantDrafter, assistant_step_seconds
 
-# the released gemma-4-26B-A4B-it-assistant's text config (its config.json)
-ASSISTANT_TEXT: dict[str, Any] = dict(
-    model_type="gemma4_text",
-    hidden_size=1024,
-    intermediate_size=8192,
-    num_hidden_layers=4,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    num_global_key_value_heads=2,
-    head_dim=256,
-    global_head_dim=512,
-    attention_k_eq_v=True,
-    sliding_window=1024,
-    layer_types=["sliding_attention"] * 3 + ["full_attention"],
-    num_kv_shared_layers=4,
-    hidden_size_per_layer_input=0,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-    rms_norm_eps=1e-6,
-    rope_parameters={
-        "full_attention": {
-            "rope_type": "proportional",
-            "partial_rotary_factor": 0.25,
-            "rope_theta": 1e6,
-        },
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-    },
-)
+# the released gemma-4-26B-A4B-it-assistant's text config (its config.json): the target's
+# attention shapes, window and RoPE, 4 query-only layers of its own widths
+ASSISTANT_TEXT: dict[str, Any] = {
+    **MOE_REAL["gemma4"],
+    "hidden_size": 1024,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 4,
+    "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+    "num_kv_shared_layers": 4,
+    "enable_moe_block": False,
+}
 ACCEPTANCE, K = 0.68, 4
 
 
@@ -92,10 +73,12 @@ def forward_s(model: Gemma4LM, rows: int, context: int = 64, reps: int = 5) -> f
 
 
 def assistant_for(target: Gemma4LM, quantization: str) -> Gemma4Assistant:
-    text = Gemma4Config.from_dict({**ASSISTANT_TEXT, "vocab_size": target.config.vocab_size})
-    sources = tuple(target.config.store_layer(t) for t in text.layer_types)
-    text = replace(text, kv_sources=sources, num_kv_shared_layers=0)
-    cfg = AssistantConfig(text, target.config.hidden_size, False, 2048, 32)
+    raw = {
+        "model_type": "gemma4_assistant",
+        "backbone_hidden_size": target.config.hidden_size,
+        "text_config": {**ASSISTANT_TEXT, "vocab_size": target.config.vocab_size},
+    }
+    cfg = AssistantConfig.from_dict(raw, {}, target.config)
     head = Gemma4Assistant(cfg, torch.bfloat16, "cpu", target)
     init_(head, 1, 1.0)
     head.lm_head.op = head.lm_head.weight.detach()

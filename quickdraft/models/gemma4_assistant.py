@@ -62,7 +62,13 @@ class AssistantConfig:
     def from_hf(cls, path: str | Path, target: Gemma4Config) -> AssistantConfig:
         """`path`'s config.json, checked against the target it drafts for (a clear error for
         an assistant of another target)."""
-        raw, gen = read_hf_config(path)
+        return cls.from_dict(*read_hf_config(path), target, str(path))
+
+    @classmethod
+    def from_dict(
+        cls, raw: dict[str, Any], gen: dict[str, Any], target: Gemma4Config, path: str = ""
+    ) -> AssistantConfig:
+        """A config.json dict (from `path`, named in errors) checked against the target."""
         if raw.get("model_type") != "gemma4_assistant":
             raise ValueError(f"{path}: model_type {raw.get('model_type')!r}, not gemma4_assistant")
         text = Gemma4Config.from_dict(raw["text_config"], gen)
