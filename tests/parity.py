@@ -101,3 +101,23 @@ def packed_propose_equals_alone(
         assert (a.p_draft is None) == (b.p_draft is None)
         if a.p_draft is not None and b.p_draft is not None:
             assert (a.p_draft - b.p_draft).abs().max().item() < 1e-5
+
+
+def verify_rows_and_steps(model: Any, ids: Any, prefix: int) -> tuple[Any, list[Any]]:
+    """`model`'s logits of ids[prefix:] after ids[:prefix], as one verify forward (its rows)
+    and as one decode step each: the two a target must give the same bits."""
+    import torch
+
+    n = len(ids) - prefix
+    decode = model.new_cache(len(ids) + 8)
+    model(ids[:prefix], [decode], [prefix])
+    decode.commit(prefix)
+    steps = []
+    for j in range(n):
+        steps.append(model(ids[prefix + j : prefix + j + 1], [decode], [1]).logits[-1])
+        decode.commit(prefix + j + 1)
+    verify = model.new_cache(len(ids) + 8)
+    model(ids[:prefix], [verify], [prefix])
+    verify.commit(prefix)
+    rows = model(ids[prefix:], [verify], [n], logit_rows=torch.arange(n)).logits
+    return rows, steps

@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import write_tiny_tokenizer
 from kernel_checks import needs_kernel
+from parity import verify_rows_and_steps
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import stream
@@ -163,17 +164,7 @@ def test_verify_rows_equal_decode_steps(hf_dir: tuple[Any, Path]) -> None:
     assert isinstance(ours, Gemma4LM)
     ours.pack_()
     ids = torch.randint(0, VOCAB, (14,), generator=torch.Generator().manual_seed(3))
-    decode = ours.new_cache(32)
-    ours(ids[:9], [decode], [9])
-    decode.commit(9)
-    steps = []
-    for j in range(5):
-        steps.append(ours(ids[9 + j : 10 + j], [decode], [1]).logits[-1])
-        decode.commit(10 + j)
-    verify = ours.new_cache(32)
-    ours(ids[:9], [verify], [9])
-    verify.commit(9)
-    rows = ours(ids[9:14], [verify], [5], logit_rows=torch.arange(5)).logits
+    rows, steps = verify_rows_and_steps(ours, ids, 9)
     for j in range(5):
         assert torch.equal(rows[j], steps[j]), f"row {j}"
 

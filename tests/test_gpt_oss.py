@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from kernel_checks import needs_kernel
+from parity import verify_rows_and_steps
 from test_gguf_loader import PROMPT, all_logits, logits_agree_with_llama_cpp
 from test_reasoning import HARMONY_SPECIALS
 
@@ -138,17 +139,7 @@ def test_verify_rows_equal_decode_steps(hf_dir: tuple[torch.nn.Module, Path]) ->
     ours = load_model(hf_dir[1], torch.bfloat16)
     assert isinstance(ours, GptOssLM)
     ids = torch.randint(0, 300, (14,), generator=torch.Generator().manual_seed(3))
-    decode = ours.new_cache(32)
-    ours(ids[:9], [decode], [9])
-    decode.commit(9)
-    steps = []
-    for j in range(5):
-        steps.append(ours(ids[9 + j : 10 + j], [decode], [1]).logits[-1])
-        decode.commit(10 + j)
-    verify = ours.new_cache(32)
-    ours(ids[:9], [verify], [9])
-    verify.commit(9)
-    rows = ours(ids[9:14], [verify], [5], logit_rows=torch.arange(5)).logits
+    rows, steps = verify_rows_and_steps(ours, ids, 9)
     for j in range(5):
         assert torch.equal(rows[j], steps[j]), f"row {j}"
 

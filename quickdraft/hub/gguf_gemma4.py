@@ -17,6 +17,7 @@ converter wrote (conversion/gemma.py there, `Gemma4Model`):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -264,8 +265,6 @@ def gemma4_tensors(state: dict[str, Tensor], cfg: dict[str, Any]) -> dict[str, T
     """A transformers Gemma 4 state dict as llama.cpp's converter writes it (fp32, torch
     order): its names, the head left out when tied, and `rope_freqs` for the global layers'
     proportional RoPE."""
-    import re
-
     out: dict[str, Tensor] = {}
     for name, t in state.items():
         t = t.detach().float().clone()
