@@ -37,7 +37,7 @@ _PANEL, _INT8, _INT4, _GGUF, _ROWS = 1, 2, 3, 4, 5
 Operand = tuple[int, list[Tensor], Tensor, list[int], list[int]]
 
 
-def _operand(
+def layer_operand(
     ext: Any, weight: Weight, dtype: torch.dtype, bias: Tensor | None = None
 ) -> Operand | None:
     """The operand as the C++ layer takes it, if it can run it, else None (eligibility
@@ -83,7 +83,9 @@ def dense_layer(
     ext = extension()
     if ext is None or dtype not in (torch.bfloat16, torch.float32) or head_dim % 32:
         return None
-    ops = [_operand(ext, w, dtype, qkv_bias if i == 0 else None) for i, w in enumerate(operands)]
+    ops = [
+        layer_operand(ext, w, dtype, qkv_bias if i == 0 else None) for i, w in enumerate(operands)
+    ]
     if any(op is None for op in ops):
         return None
     kinds, packed, scales, ns, fmts = zip(*ops, strict=True)

@@ -123,7 +123,7 @@ at::Tensor swiglu_oai(const at::Tensor& h, double alpha, double limit) {
 // Gemma's GeGLU of gate_up [A, 2I]: gelu_tanh(gate) * up, the gelu one row at a time as
 // kernels/pointwise.py gelu_mul does (ATen's vector / scalar split then depends on I only, so a
 // row's bits do not depend on the rows around it).
-at::Tensor gelu_mul(const at::Tensor& h) {
+at::Tensor qd_gelu_mul(const at::Tensor& h) {
   const int64_t A = h.size(0), I = h.size(1) / 2;
   at::Tensor gate = at::empty({A, I}, h.options());
   for (int64_t r = 0; r < A; ++r) {
@@ -237,7 +237,7 @@ class QdMoEGGUF {
     // down: silu(gate) * up (the kernel's own op), gpt-oss's or Gemma's, quantized per assignment
     const at::Tensor act = act_ == 0   ? qd_silu_mul(h)
                            : act_ == 1 ? swiglu_oai(h, alpha_, limit_).contiguous()
-                                       : gelu_mul(h);
+                                       : qd_gelu_mul(h);
     const Acts down_acts = quantize(act, down_block, buf);
     at::Tensor y = at::empty({A, H}, x.options());  // [A, H]
     run(down_, used, start, y, down_bias_, [&](int) -> const Acts& { return down_acts; });
@@ -399,6 +399,15 @@ class QdMoEBlock {
   c10::optional<at::Tensor> shared_gate_;
   int64_t shared_gate_panel_n_;  // -1: shared_gate_ is a plain tensor; else its panels' rows
 };
+
+std::shared_ptr<const QdMoEGGUF> qd_moe_gguf_of(const py::handle& experts) {
+  return std::make_shared<const QdMoEGGUF>(experts.cast<const QdMoEGGUF&>());
+}
+
+at::Tensor qd_moe_gguf_forward(const QdMoEGGUF& experts, const at::Tensor& x,
+                               const at::Tensor& top_idx, const at::Tensor& top_weight) {
+  return experts.forward(x, top_idx, top_weight);
+}
 
 void qd_register_moe_gguf(py::module_& m) {
   py::class_<QdMoEGGUF>(m, "MoEGGUF")

@@ -4,6 +4,7 @@
 
 #include <torch/extension.h>
 
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -76,4 +77,12 @@ at::Tensor qd_attend_paged(const at::Tensor& q, const at::Tensor& k, const at::T
 // dense_layer.cpp
 void qd_register_dense_layer(py::module_& m);
 // moe_gguf.cpp
+class QdMoEGGUF;
+// a copy of a Python-side MoEGGUF (call with the GIL held), for a C++ layer to keep
+std::shared_ptr<const QdMoEGGUF> qd_moe_gguf_of(const py::handle& experts);
+at::Tensor qd_moe_gguf_forward(const QdMoEGGUF& experts, const at::Tensor& x,
+                               const at::Tensor& top_idx, const at::Tensor& top_weight);
+at::Tensor qd_gelu_mul(const at::Tensor& gate_up);  // Gemma's GeGLU, the gelu row by row
 void qd_register_moe_gguf(py::module_& m);
+// gemma4_layer.cpp
+void qd_register_gemma4_layer(py::module_& m);

@@ -39,13 +39,14 @@ from torch import Tensor, nn
 
 from quickdraft.kernels.attention import attend
 from quickdraft.kernels.gemm import Weight, project, to_panels
+from quickdraft.kernels.gemma4_layer import gemma4_layer
 from quickdraft.kernels.linear_int import Q4_GROUP
 from quickdraft.kernels.pointwise import gelu_mul, gelu_tanh_rows, rms_norm
 from quickdraft.kernels.pointwise import rope as apply_rope
 from quickdraft.models.base import ForwardOutput, ImageRows, packed_positions, refuse_images
 from quickdraft.models.gemma4_config import FULL, SLIDING, Gemma4Config
 from quickdraft.models.hybrid_config import NameMap
-from quickdraft.models.kv_cache import GroupedKVCache
+from quickdraft.models.kv_cache import GroupedKVCache, kv_slots
 from quickdraft.models.layers import (
     GGUFEmbedding,
     HeadLogits,
@@ -240,6 +241,62 @@ class DecoderLayer(nn.Module):
         return h * self.layer_scalar
 
 
+def _fused_layer(layer: DecoderLayer, slot: int, dtype: torch.dtype) -> Any:
+    """`layer` as the extension's C++ Gemma4Layer (kernels/gemma4_layer.py), or None where it
+    cannot run; `slot`: its KV source's slot in that layer's KV group."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = {
+        "input": layer.input_layernorm.weight,
+        "q": attn.q_norm.weight,
+        "unit": attn.unit,
+        "post_attention": layer.post_attention_layernorm.weight,
+        "pre_feedforward": layer.pre_feedforward_layernorm.weight,
+        "post_feedforward": layer.post_feedforward_layernorm.weight,
+        "layer_scalar": layer.layer_scalar,
+    }
+    if attn.own:
+        norms["k"] = attn.k_norm.weight
+    operands: dict[str, Weight] = {
+        "qkv": attn.qkv,
+        "o": attn.o,
+        "gate_up": mlp.gate_up,
+        "down": mlp.down,
+    }
+    experts, top_k, root = None, 0, 0.0
+    if layer.moe:
+        router = layer.router
+        norms |= {
+            "post_feedforward_1": layer.post_feedforward_layernorm_1.weight,
+            "post_feedforward_2": layer.post_feedforward_layernorm_2.weight,
+            "pre_feedforward_2": layer.pre_feedforward_layernorm_2.weight,
+            "router_unit": router.unit,
+            "router_scale": router.scale,
+            "per_expert_scale": router.per_expert_scale,
+        }
+        operands["router"] = router.proj.op
+        experts, top_k, root = layer.experts.grouped_kernel(), router.top_k, router.root
+    if layer.ple:
+        norms["post_per_layer_input"] = layer.post_per_layer_input_norm.weight
+        operands["ple_gate"] = layer.per_layer_input_gate.op
+        operands["ple_projection"] = layer.per_layer_projection.op
+    return gemma4_layer(
+        slot=slot,
+        own=attn.own,
+        shares_v=attn.shares_v,
+        heads=attn.num_heads,
+        kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim,
+        window=attn.window,
+        eps=attn.eps,
+        norms=norms,
+        operands=operands,
+        experts=experts,
+        top_k=top_k,
+        router_root=root,
+        dtype=dtype,
+    )
+
+
 class DecoderModel(nn.Module):
     """HF's `model.` submodule: embeddings (and per-layer ones), layers, final norm."""
 
@@ -320,6 +377,12 @@ class Gemma4LM(HeadLogits, OperandModule):
         self.ropes = ropes(cfg, device)
         self.vocab: VocabSubset | None = None  # as a draft model, a restricted vocabulary
         self.requires_grad_(False)
+        # every layer's KV slot (group, layer in the group) in its caches, and the group of
+        # the KV each layer reads (its own or its source's)
+        _, self.kv_slots = kv_slots(self.kv_shapes())
+        self.kv_groups = [self.kv_slots[src][0] for src in cfg.kv_source]
+        # the layers as C++ Gemma4Layers once built (`_fused_layers`); False: they cannot be
+        self._fused: list[Any] | bool | None = None
 
     def quantize_(self, fmt: str) -> None:
         """GEMM operands -> "int8" / "int4" (see llama.CausalLM.quantize_ and `quantizer`)."""
@@ -328,10 +391,26 @@ class Gemma4LM(HeadLogits, OperandModule):
         convert = quantizer(fmt)
         assert convert is not None
         convert_operands_(self, convert)
+        self._fused = None
 
     def pack_(self) -> None:
         """bf16 projection operands -> PanelWeight (see llama.CausalLM.pack_)."""
         convert_operands_(self, to_panels)
+        self._fused = None
+
+    def _fused_layers(self) -> list[Any] | None:
+        """Every layer as a C++ Gemma4Layer (kernels/gemma4_layer.py), or None when the
+        kernels are off or some layer cannot run there (operands not yet in a kernel format,
+        MoE experts without the grouped kernel). Built on first use after loading, `pack_`
+        or `quantize_`."""
+        if self._fused is None:
+            slots = [self.kv_slots[src] for src in self.config.kv_source]
+            layers = [
+                _fused_layer(layer, slot, self.dtype) if self.device.type == "cpu" else None
+                for layer, (_, slot) in zip(self.decoder_layers, slots, strict=True)
+            ]
+            self._fused = False if any(f is None for f in layers) else layers
+        return self._fused if isinstance(self._fused, list) else None
 
     def kv_shapes(self) -> list[tuple[int, int] | None]:
         """(kv heads, head_dim) of every layer; None for a layer that reads another's KV."""
@@ -379,8 +458,24 @@ class Gemma4LM(HeadLogits, OperandModule):
         ple = self.model.per_layer_inputs(input_ids, h) if self.config.ple_size else None
         wanted = set(hidden_layers)
         taps: dict[int, Tensor] = {}  # layer -> its output [N, hidden]
+        fused = self._fused_layers()
+        if fused is not None and any(g.base for c in caches for g in c.groups):
+            fused = None  # shared blocks read in place: the Python layers' paged path
+        counts, starts = list(num_new), [c.length for c in caches]
+        tables = {local: (cos[:, 0], sin[:, 0]) for local, (cos, sin) in ropes.items()}
+        groups = len(caches[0].groups)
+        kv = [
+            ([c.groups[g].k for c in caches], [c.groups[g].v for c in caches])
+            for g in range(groups)
+        ]
         for i, layer in enumerate(self.decoder_layers):
-            h = layer(h, None if ple is None else ple[:, i], ropes[layer.sliding], caches, num_new)
+            p = None if ple is None else ple[:, i]
+            if fused is None:
+                h = layer(h, p, ropes[layer.sliding], caches, num_new)
+            else:
+                ks, vs = kv[self.kv_groups[i]]
+                cos, sin = tables[layer.sliding]
+                h = fused[i].forward(h, p, cos, sin, ks, vs, starts, counts)
             if i in wanted:
                 taps[i] = h
         layers = tapped_layers(taps, hidden_layers, len(self.decoder_layers), self.model.norm)

@@ -166,6 +166,24 @@ class KVCache:
         return None  # attention only: the KV rows are the whole state
 
 
+def kv_slots(
+    shapes: Sequence[tuple[int, int] | None],
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(the distinct (kv heads, head_dim) shapes in layer order, every layer's slot (group,
+    layer within the group); (-1, -1) for a layer without KV of its own)."""
+    kinds = list(dict.fromkeys(s for s in shapes if s is not None))
+    counts = [0] * len(kinds)
+    slots: list[tuple[int, int]] = []
+    for shape in shapes:
+        if shape is None:
+            slots.append((-1, -1))
+            continue
+        g = kinds.index(shape)
+        slots.append((g, counts[g]))
+        counts[g] += 1
+    return kinds, slots
+
+
 class GroupedKVCache:
     """The KV of one sequence for a model whose layers' KV differ in shape (Gemma 4's local
     and global layers: other head counts and sizes): one KVCache per shape, one length.
@@ -186,16 +204,8 @@ class GroupedKVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> None:
-        kinds = list(dict.fromkeys(s for s in shapes if s is not None))  # in layer order
-        counts = [0] * len(kinds)
-        self.slots: list[tuple[int, int]] = []
-        for shape in shapes:
-            if shape is None:
-                self.slots.append((-1, -1))
-                continue
-            g = kinds.index(shape)
-            self.slots.append((g, counts[g]))
-            counts[g] += 1
+        kinds, self.slots = kv_slots(shapes)
+        counts = [sum(1 for g, _ in self.slots if g == kind) for kind in range(len(kinds))]
         self.groups = [
             KVCache(n, heads, dim, capacity, dtype, device)
             for (heads, dim), n in zip(kinds, counts, strict=True)

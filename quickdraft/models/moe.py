@@ -73,14 +73,14 @@ class Experts(nn.Module):
         """x [N, hidden], top_idx / top_weight [N, top_k] -> the weighted sum of each row's
         chosen experts (kernels/moe_gguf.py: one grouped call when the experts are in GGUF
         blocks, else one GEMM pair per chosen expert)."""
-        grouped = self._grouped_kernel() if x.is_cpu else None
+        grouped = self.grouped_kernel() if x.is_cpu else None
         if grouped is not None:
             out: Tensor = grouped.forward(x, top_idx, top_weight)
             return out
         operands = self.operands if self.operands is not None else _Stacked(self)
         return reference_experts(x, top_idx, top_weight, operands, self.act)
 
-    def _grouped_kernel(self) -> Any:
+    def grouped_kernel(self) -> Any:
         """The extension's grouped call for `operands`, built once per operand list (for the
         activations it has: silu_mul and gelu_mul)."""
         if self.act not in (silu_mul, gelu_mul):
@@ -144,7 +144,7 @@ class _OneCall:
             a is not b for a, b in zip(key, self.built_for, strict=True)
         ):
             self.built_for = key
-            self.kernel = moe_block(experts._grouped_kernel(), router, top_k, norm_topk, shared)
+            self.kernel = moe_block(experts.grouped_kernel(), router, top_k, norm_topk, shared)
         return self.kernel
 
 
