@@ -7,6 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import stream
 from quickdraft.loading import LoadedModel
@@ -121,3 +124,37 @@ def verify_rows_and_steps(model: Any, ids: Any, prefix: int) -> tuple[Any, list[
     verify.commit(prefix)
     rows = model(ids[prefix:], [verify], [n], logit_rows=torch.arange(n)).logits
     return rows, steps
+
+
+def c_layers_equal_python_layers(model: Any, tapped: int = 1) -> None:
+    """A model's C++ layers (`_fused_layers`: kernels/dense_layer.py, kernels/gemma4_layer.py)
+    give its Python layers' bits: logits, a tapped layer and every KV row, over two sequences'
+    prompts packed in one step, then a step of 1 and 3 rows at other lengths."""
+    assert model._fused_layers() is not None, "every layer runs as one C++ call"
+
+    def run(fused: bool) -> tuple[list[Tensor], list[Tensor]]:
+        saved = model._fused
+        model._fused = None if fused else False
+        try:
+            caches, outs = [model.new_cache(32), model.new_cache(32)], []
+            for step, counts in enumerate(([9, 5], [1, 3])):
+                ids = (torch.arange(sum(counts)) * 7 + step) % model.config.vocab_size
+                rows = torch.arange(sum(counts))
+                out = model(ids, caches, counts, logit_rows=rows, hidden_layers=[tapped])
+                outs += [out.logits, out.layers]
+                for cache, n in zip(caches, counts, strict=True):
+                    cache.commit(cache.length + n)
+            kv = [
+                t[:, :, : c.length]
+                for c in caches
+                for g in getattr(c, "groups", [c])
+                for t in (g.k, g.v)
+            ]
+            return outs, kv
+        finally:
+            model._fused = saved
+
+    (fused, fused_kv), (python, python_kv) = run(True), run(False)
+    assert model._fused_layers() is not None
+    for a, b in zip(fused + fused_kv, python + python_kv, strict=True):
+        assert torch.equal(a, b)

@@ -17,9 +17,9 @@ import gguf
 import pytest
 import torch
 from kernel_checks import needs_kernel
+from parity import c_layers_equal_python_layers
 from test_gemma4 import hf_model
 from test_gguf_loader import PROMPT, all_logits, logits_agree_with_llama_cpp
-from torch import Tensor
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import stream
@@ -36,35 +36,6 @@ def write_gemma4(path: Path, shape: str, calm: bool = False) -> tuple[Any, Path]
     hf = hf_model(shape, calm=calm)
     cfg = hf.config.to_dict()
     return hf, write_gguf(path, "gemma4", cfg, llama_cpp_tensors(hf.state_dict(), "gemma4", cfg))
-
-
-def fused_equals_python_layers(model: Gemma4LM) -> None:
-    """The C++ layers (kernels/gemma4_layer.py) give the Python layers' bits: logits, a
-    tapped layer and every KV row, over two sequences' prompts packed in one step, then a
-    step of 1 and 3 rows at other lengths."""
-    assert model._fused_layers() is not None, "every layer runs as one C++ call"
-
-    def run(fused: bool) -> tuple[list[Tensor], list[Tensor]]:
-        saved = model._fused
-        model._fused = None if fused else False
-        try:
-            caches, outs = [model.new_cache(32), model.new_cache(32)], []
-            for step, counts in enumerate(([9, 5], [1, 3])):
-                ids = (torch.arange(sum(counts)) * 7 + step) % model.config.vocab_size
-                rows = torch.arange(sum(counts))
-                out = model(ids, caches, counts, logit_rows=rows, hidden_layers=[1])
-                outs += [out.logits, out.layers]
-                for cache, n in zip(caches, counts, strict=True):
-                    cache.commit(cache.length + n)
-            kv = [t[:, :, : c.length] for c in caches for g in c.groups for t in (g.k, g.v)]
-            return outs, kv
-        finally:
-            model._fused = saved
-
-    (fused, fused_kv), (python, python_kv) = run(True), run(False)
-    assert model._fused_layers() is not None
-    for a, b in zip(fused + fused_kv, python + python_kv, strict=True):
-        assert torch.equal(a, b)
 
 
 def generate(lm: LoadedModel, ids: list[int], n: int, spec: Any = None) -> list[int]:
@@ -120,7 +91,7 @@ def test_quantized_file_runs_natively_and_agrees_with_llama_cpp(
     if model.config.moe:
         assert layer.experts.operands is not None
         assert all(isinstance(w, GGUFWeight) for pair in layer.experts.operands for w in pair)
-    fused_equals_python_layers(model)
+    c_layers_equal_python_layers(model)
     ids = lm.tokenizer.encode(PROMPT)
     mine = all_logits(lm, torch.tensor(ids))
     logits_agree_with_llama_cpp(path, ids, mine)

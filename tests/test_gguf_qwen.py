@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from hybrid_models import copying_head, one_thread, randomize  # noqa: F401 (autouse fixture)
+from parity import c_layers_equal_python_layers
 from test_gguf_loader import PROMPT, all_logits, logits_agree_with_llama_cpp
 from torch import Tensor
 
@@ -199,6 +200,14 @@ def test_mtp_from_the_gguf_nextn_tensors_equals_plain(files: Files, which: str, 
         assert fast.output_ids == plain.output_ids, prompt
         accepted += fast.spec.accepted
     assert accepted > 0
+
+
+def test_qwen3moe_layers_run_as_one_c_call_each(files: Files) -> None:
+    """Qwen3-MoE in its Q8_0 blocks: every layer is one C++ call (attention, then the MoE
+    block's one call) with the Python layers' bits."""
+    if files.arch != "qwen3moe":
+        pytest.skip("the hybrids' layers are Python layers")
+    c_layers_equal_python_layers(load(str(files.q8), "gguf", progress=False).model)
 
 
 def test_mtp_head_from_the_f32_file_is_the_head_written(files: Files) -> None:

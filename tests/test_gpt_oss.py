@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from kernel_checks import needs_kernel
-from parity import verify_rows_and_steps
+from parity import c_layers_equal_python_layers, verify_rows_and_steps
 from test_gguf_loader import PROMPT, all_logits, logits_agree_with_llama_cpp
 from test_reasoning import HARMONY_SPECIALS
 
@@ -262,6 +262,7 @@ def test_mxfp4_file_runs_its_experts_in_their_blocks(
     assert isinstance(gate_up, GGUFWeight) and isinstance(down, GGUFWeight)
     assert {p.fmt.name for p in gate_up.parts + down.parts} == {"MXFP4"}
     assert bias.shape == (2 * 96,)
+    c_layers_equal_python_layers(lm.model)  # sinks, windows, biases, the MoE block's call
     ids = lm.tokenizer.encode(PROMPT)
     mine = all_logits(lm, torch.tensor(ids))
     logits_agree_with_llama_cpp(path, ids, mine)

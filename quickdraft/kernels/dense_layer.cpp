@@ -1,4 +1,5 @@
-// One dense decoder layer (Llama / Qwen2 / Qwen3) for the decode, verify and prompt rows of one
+// One decoder layer of the Llama family (Llama / Qwen2 / Qwen3 with a dense MLP; Qwen3-MoE and
+// gpt-oss with their MoE block as one MoEBlock call) for the decode, verify and prompt rows of one
 // sequence (`forward`) or of several packed in one step (`forward_many`), as a sequence of this
 // extension's kernels called from C++ (kernels/dense_layer.py owns the contract and when it
 // runs).
@@ -8,7 +9,8 @@
 // takes its kernel: the same kernels run in the same order on the same operands, so the
 // outputs are bitwise equal (tests/test_models.py checks it). The caller guarantees that path:
 // the new rows of KV-cache sequences, a head size the attention kernel takes, projection operands in
-// panels or int8 / int4 / GGUF blocks (kind 1 / 2 / 3 / 4 below), norm weights in h's dtype.
+// panels or int8 / int4 / GGUF blocks (kind 1 / 2 / 3 / 4 below), norm weights in h's dtype, and
+// for a MoE layer a block the Python layer runs as the same one call (kernels/moe_gguf.py).
 //
 // Why: a 0.5B draft step ran ~5.5 ms of Python and torch dispatch around ~13 ms of GEMMs
 // (24 layers x ~13 ops, ~230 us per layer); a C++ layer makes that one call per layer. A batched
@@ -26,14 +28,18 @@ using qd_layer::Operand;
 
 class QdDenseLayer {
  public:
-  // ops: qkv, o, gate_up, down, each (kind, packed, scale or empty, n); q_norm / k_norm
-  // undefined when the model has none (Qwen3 has them).
+  // ops: qkv, o[, gate_up, down] each (kind, packed, scale or empty, n), the last two absent
+  // for a MoE layer (moe: its MoEBlock; None: a dense MLP); q_norm / k_norm undefined when the
+  // model has none (Qwen3 has them); o_bias, window (0: none) and sinks (fp32 [heads]):
+  // gpt-oss's.
   QdDenseLayer(int64_t layer, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
                double scale, at::Tensor input_norm, at::Tensor post_norm,
                c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
                std::vector<int64_t> kinds, std::vector<std::vector<at::Tensor>> packed,
                std::vector<at::Tensor> scales, std::vector<std::vector<int64_t>> ns,
-               std::vector<std::vector<int64_t>> fmts, c10::optional<at::Tensor> qkv_bias)
+               std::vector<std::vector<int64_t>> fmts, c10::optional<at::Tensor> qkv_bias,
+               c10::optional<at::Tensor> o_bias, int64_t window, c10::optional<at::Tensor> sinks,
+               const py::object& moe)
       : layer_(layer),
         heads_(heads),
         kv_heads_(kv_heads),
@@ -43,13 +49,19 @@ class QdDenseLayer {
         input_norm_(std::move(input_norm)),
         post_norm_(std::move(post_norm)),
         q_norm_(std::move(q_norm)),
-        k_norm_(std::move(k_norm)) {
-    TORCH_CHECK(kinds.size() == 4 && packed.size() == 4 && scales.size() == 4 && ns.size() == 4 &&
-                    fmts.size() == 4,
-                "quickdraft DenseLayer: 4 operands (qkv, o, gate_up, down)");
-    for (int i = 0; i < 4; ++i)
+        k_norm_(std::move(k_norm)),
+        window_(window),
+        sinks_(std::move(sinks)) {
+    if (!moe.is_none()) moe_ = qd_moe_block_of(moe);
+    const size_t n = moe_ ? 2 : 4;
+    TORCH_CHECK(kinds.size() == n && packed.size() == n && scales.size() == n && ns.size() == n &&
+                    fmts.size() == n,
+                "quickdraft DenseLayer: 4 operands (qkv, o, gate_up, down); 2 with a MoE block");
+    for (size_t i = 0; i < n; ++i)
       ops_[i] = make_operand(kinds[i], packed[i], scales[i], ns[i], fmts[i],
-                             i == 0 ? qkv_bias : c10::optional<at::Tensor>());
+                             i == 0   ? qkv_bias
+                             : i == 1 ? o_bias
+                                      : c10::optional<at::Tensor>());
   }
 
   // h [n, hidden]: the previous layer's MLP output (the embedding for layer 0); residual: the
@@ -147,13 +159,14 @@ class QdDenseLayer {
     kc.narrow(1, own, n).copy_(k.transpose(0, 1));
     vc.narrow(1, own, n).copy_(v.transpose(0, 1));
     return qd_attend_paged(q, kc.narrow(1, 0, own + n), vc.narrow(1, 0, own + n), k_pages,
-                           v_pages, block, layer_, start, scale_);
+                           v_pages, block, layer_, start, scale_, window_, sinks_);
   }
 
-  // (mlp output, residual) after the attention: o projection, post norm, MLP
+  // (mlp output, residual) after the attention: o projection, post norm, MLP or MoE block
   std::tuple<at::Tensor, at::Tensor> mlp(const at::Tensor& res, const at::Tensor& attn) const {
     at::Tensor r, x;
     std::tie(r, x) = qd_add_rms_norm(res, ops_[1](attn), post_norm_, eps_, 0.0);
+    if (moe_) return {qd_moe_block_forward(*moe_, x), r};
     return {ops_[3](qd_silu_mul(ops_[2](x))), r};
   }
 
@@ -161,6 +174,9 @@ class QdDenseLayer {
   double eps_, scale_;
   at::Tensor input_norm_, post_norm_;
   c10::optional<at::Tensor> q_norm_, k_norm_;
+  int64_t window_;
+  c10::optional<at::Tensor> sinks_;
+  std::shared_ptr<const QdMoEBlock> moe_;  // null: a dense MLP (ops_[2], ops_[3])
   Operand ops_[4];
 };
 
@@ -170,11 +186,14 @@ void qd_register_dense_layer(py::module_& m) {
                     c10::optional<at::Tensor>, c10::optional<at::Tensor>, std::vector<int64_t>,
                     std::vector<std::vector<at::Tensor>>, std::vector<at::Tensor>,
                     std::vector<std::vector<int64_t>>, std::vector<std::vector<int64_t>>,
-                    c10::optional<at::Tensor>>(),
+                    c10::optional<at::Tensor>, c10::optional<at::Tensor>, int64_t,
+                    c10::optional<at::Tensor>, const py::object&>(),
            py::arg("layer"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
            py::arg("eps"), py::arg("scale"), py::arg("input_norm"), py::arg("post_norm"),
            py::arg("q_norm"), py::arg("k_norm"), py::arg("kinds"), py::arg("packed"),
-           py::arg("scales"), py::arg("ns"), py::arg("fmts"), py::arg("qkv_bias"))
+           py::arg("scales"), py::arg("ns"), py::arg("fmts"), py::arg("qkv_bias"),
+           py::arg("o_bias") = py::none(), py::arg("window") = 0, py::arg("sinks") = py::none(),
+           py::arg("moe") = py::none())
       .def("forward", &QdDenseLayer::forward, py::arg("h"), py::arg("residual"), py::arg("cos"),
            py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("start"),
            py::arg("k_pages") = py::none(), py::arg("v_pages") = py::none(),

@@ -75,16 +75,21 @@ def dense_layer(
     eps: float,
     scale: float,
     norms: tuple[Tensor, Tensor, Tensor | None, Tensor | None],  # input, post, q, k
-    operands: tuple[Weight, Weight, Weight, Weight],  # qkv, o, gate_up, down
+    operands: tuple[Weight, ...],  # qkv, o, gate_up, down; qkv, o with a MoE block
     qkv_bias: Tensor | None,
     dtype: torch.dtype,
+    o_bias: Tensor | None = None,
+    window: int = 0,  # a local layer's window (gpt-oss), 0: none
+    sinks: Tensor | None = None,  # fp32 [heads] (gpt-oss)
+    moe: Any = None,  # the layer's MoE block as one call (kernels/moe_gguf.py moe_block)
 ) -> Any:
     """The C++ layer for these norms and operands, or None (module docstring)."""
     ext = extension()
     if ext is None or dtype not in (torch.bfloat16, torch.float32) or head_dim % 32:
         return None
+    biases = (qkv_bias, o_bias)
     ops = [
-        layer_operand(ext, w, dtype, qkv_bias if i == 0 else None) for i, w in enumerate(operands)
+        layer_operand(ext, w, dtype, biases[i] if i < 2 else None) for i, w in enumerate(operands)
     ]
     if any(op is None for op in ops):
         return None
@@ -107,4 +112,8 @@ def dense_layer(
         ns=list(ns),
         fmts=list(fmts),
         qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        window=window,
+        sinks=sinks,
+        moe=moe,
     )

@@ -322,17 +322,22 @@ class QdMoEGGUF {
 // A whole MoE block over GGUF experts (RoutedMoE, or SparseMoE with its gated shared expert),
 // as the Python blocks in models/moe.py compute it with every op on its kernel: router logits
 // (the bf16 linear kernel), softmax in fp32, top k, renormalized in slot order, the grouped
-// experts, and sigmoid(shared_gate(x)) * shared(x) added in x's dtype. Same ops, same order,
-// same bits; one call per layer instead of ~15 torch ops from Python.
+// experts, and sigmoid(shared_gate(x)) * shared(x) added in x's dtype. `topk_first` is
+// gpt-oss's routing (models/gpt_oss.py GptOssMoE): logits with the router's bias, their top k,
+// a softmax in fp32 over those k, kept in fp32 for the experts' sum. Same ops, same order, same bits; one call per layer instead
+// of ~15 torch ops from Python.
 class QdMoEBlock {
  public:
   QdMoEBlock(QdMoEGGUF experts, at::Tensor router, int64_t top_k, bool norm_topk, int64_t max_m,
              std::vector<at::Tensor> shared_gate_up, std::vector<int64_t> shared_gate_up_fmts,
              std::vector<int64_t> shared_gate_up_ns, std::vector<at::Tensor> shared_down,
              std::vector<int64_t> shared_down_fmts, std::vector<int64_t> shared_down_ns,
-             c10::optional<at::Tensor> shared_gate, int64_t shared_gate_panel_n)
+             c10::optional<at::Tensor> shared_gate, int64_t shared_gate_panel_n,
+             c10::optional<at::Tensor> router_bias, bool topk_first)
       : experts_(std::move(experts)),
         router_(std::move(router)),
+        router_bias_(std::move(router_bias)),
+        topk_first_(topk_first),
         top_k_(top_k),
         norm_topk_(norm_topk),
         max_m_(max_m),
@@ -353,11 +358,18 @@ class QdMoEBlock {
   }
 
   at::Tensor forward(const at::Tensor& x) const {
-    const at::Tensor logits = qd_linear(x, router_, c10::nullopt, max_m_);  // [N, E]
-    const at::Tensor probs = at::softmax(logits.to(at::kFloat), -1);
-    auto [weight, idx] = at::topk(probs, top_k_, -1);  // [N, k]
+    const at::Tensor logits = qd_linear(x, router_, router_bias_, max_m_);  // [N, E]
+    at::Tensor weight, idx;  // [N, k]
+    if (topk_first_) {
+      at::Tensor top;
+      std::tie(top, idx) = at::topk(logits, top_k_, -1);
+      weight = at::softmax(top.to(at::kFloat), -1);
+    } else {
+      std::tie(weight, idx) = at::topk(at::softmax(logits.to(at::kFloat), -1), top_k_, -1);
+    }
     if (norm_topk_) renormalize(weight);
-    at::Tensor out = experts_.forward(x, idx, weight.to(x.scalar_type()));
+    // gpt-oss's block hands the experts its fp32 weights; the Qwen blocks round them to x's dtype
+    at::Tensor out = experts_.forward(x, idx, topk_first_ ? weight : weight.to(x.scalar_type()));
     if (sgu_.empty()) return out;
     const at::Tensor h = qd_linear_gguf(x, sgu_, sgu_fmts_, sgu_ns_, c10::nullopt);
     const at::Tensor shared = qd_linear_gguf(qd_silu_mul(h), sdown_, sdown_fmts_, sdown_ns_,
@@ -389,6 +401,8 @@ class QdMoEBlock {
 
   QdMoEGGUF experts_;
   at::Tensor router_;
+  c10::optional<at::Tensor> router_bias_;
+  bool topk_first_;
   int64_t top_k_;
   bool norm_topk_;
   int64_t max_m_;
@@ -409,6 +423,14 @@ at::Tensor qd_moe_gguf_forward(const QdMoEGGUF& experts, const at::Tensor& x,
   return experts.forward(x, top_idx, top_weight);
 }
 
+std::shared_ptr<const QdMoEBlock> qd_moe_block_of(const py::handle& block) {
+  return std::make_shared<const QdMoEBlock>(block.cast<const QdMoEBlock&>());
+}
+
+at::Tensor qd_moe_block_forward(const QdMoEBlock& block, const at::Tensor& x) {
+  return block.forward(x);
+}
+
 void qd_register_moe_gguf(py::module_& m) {
   py::class_<QdMoEGGUF>(m, "MoEGGUF")
       .def(py::init<std::vector<std::vector<at::Tensor>>, std::vector<int64_t>,
@@ -427,11 +449,12 @@ void qd_register_moe_gguf(py::module_& m) {
       .def(py::init<QdMoEGGUF, at::Tensor, int64_t, bool, int64_t, std::vector<at::Tensor>,
                     std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>,
                     std::vector<int64_t>, std::vector<int64_t>, c10::optional<at::Tensor>,
-                    int64_t>(),
+                    int64_t, c10::optional<at::Tensor>, bool>(),
            py::arg("experts"), py::arg("router"), py::arg("top_k"), py::arg("norm_topk"),
            py::arg("max_m"), py::arg("shared_gate_up"), py::arg("shared_gate_up_fmts"),
            py::arg("shared_gate_up_ns"), py::arg("shared_down"), py::arg("shared_down_fmts"),
-           py::arg("shared_down_ns"), py::arg("shared_gate"), py::arg("shared_gate_panel_n"))
+           py::arg("shared_down_ns"), py::arg("shared_gate"), py::arg("shared_gate_panel_n"),
+           py::arg("router_bias") = py::none(), py::arg("topk_first") = false)
       .def("forward", &QdMoEBlock::forward, py::arg("x"),
            py::call_guard<py::gil_scoped_release>());
 }

@@ -106,6 +106,8 @@ def moe_block(
     top_k: int,
     norm_topk: bool,
     shared: tuple[Weight, Weight, Weight] | None,  # gate_up, down, shared gate [1, H]
+    router_bias: Tensor | None = None,
+    topk_first: bool = False,  # gpt-oss: top k of the logits, softmax over them (fp32 weights)
 ) -> Any:
     """The extension's MoEBlock: routing, the grouped experts and the gated shared expert as
     one call with the Python block's bits (models/moe.py), or None where some operand is not
@@ -134,4 +136,6 @@ def moe_block(
             parts[at] = [p.packed for p in w.parts]
             parts[at + 1] = [p.fmt.code for p in w.parts]
             parts[at + 2] = [p.n for p in w.parts]
-    return ext.MoEBlock(experts, router, top_k, norm_topk, MAX_M, *parts, gate, panel_n)
+    return ext.MoEBlock(
+        experts, router, top_k, norm_topk, MAX_M, *parts, gate, panel_n, router_bias, topk_first
+    )

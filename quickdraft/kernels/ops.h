@@ -83,6 +83,9 @@ std::shared_ptr<const QdMoEGGUF> qd_moe_gguf_of(const py::handle& experts);
 at::Tensor qd_moe_gguf_forward(const QdMoEGGUF& experts, const at::Tensor& x,
                                const at::Tensor& top_idx, const at::Tensor& top_weight);
 at::Tensor qd_gelu_mul(const at::Tensor& gate_up);  // Gemma's GeGLU, the gelu row by row
+class QdMoEBlock;
+std::shared_ptr<const QdMoEBlock> qd_moe_block_of(const py::handle& block);  // as above
+at::Tensor qd_moe_block_forward(const QdMoEBlock& block, const at::Tensor& x);
 void qd_register_moe_gguf(py::module_& m);
 // gemma4_layer.cpp
 void qd_register_gemma4_layer(py::module_& m);

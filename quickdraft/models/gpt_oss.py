@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from quickdraft.config import ModelConfig, read_hf_config
 from quickdraft.kernels.gemm import Weight, project
 from quickdraft.kernels.linear_gguf import GGUFWeight
-from quickdraft.kernels.moe_gguf import grouped_experts, reference_experts
+from quickdraft.kernels.moe_gguf import grouped_experts, moe_block, reference_experts
 from quickdraft.models.layers import LinearView, RMSNorm, Rope
 from quickdraft.models.llama import Attention, CausalLM, DecoderLayer
 
@@ -164,6 +164,8 @@ class GptOssMoE(nn.Module):
         self.blocks: tuple[list[Weight], list[Weight]] | None = None
         self._grouped: Any = None  # the grouped kernel over `operands` (None: it cannot run)
         self._grouped_for: object = None  # the operand list it was built for
+        self._block: Any = None  # the whole block as one call over `_grouped`
+        self._block_for: object = None  # the grouped kernel and router it was built for
 
     def expert_operands(self) -> list[ExpertOperands]:
         if self.operands is None:
@@ -194,16 +196,30 @@ class GptOssMoE(nn.Module):
             )
         return self._grouped
 
+    def block(self) -> Any:
+        """The routing and the grouped experts as one C++ call (kernels/moe_gguf.py
+        `moe_block` with gpt-oss's routing), None where the grouped kernel cannot run."""
+        grouped = self.grouped_kernel()
+        key = (grouped, self.router.weight, self.router.bias)
+        built = self._block_for
+        if not isinstance(built, tuple) or any(a is not b for a, b in zip(key, built, strict=True)):
+            self._block_for = key
+            self._block = moe_block(
+                grouped, self.router.weight, self.top_k, False, None, self.router.bias, True
+            )
+        return self._block
+
     def forward(self, x: Tensor) -> Tensor:
-        """x [N, hidden] -> the weighted sum of each row's k experts [N, hidden]: one grouped
-        call when the experts are GGUF blocks, else `reference` (the same bits)."""
+        """x [N, hidden] -> the weighted sum of each row's k experts [N, hidden]: one call
+        when the experts are GGUF blocks, else the routing here and `reference` (the same
+        bits)."""
+        block = self.block() if x.is_cpu else None
+        if block is not None:
+            out: Tensor = block.forward(x)
+            return out
         logits = project(x, self.router.weight, self.router.bias)  # [N, E] in x's dtype
         top_value, top_idx = torch.topk(logits, self.top_k, dim=-1)
         weight = torch.softmax(top_value.float(), dim=-1)  # over the k chosen
-        grouped = self.grouped_kernel() if x.is_cpu else None
-        if grouped is not None:
-            out: Tensor = grouped.forward(x, top_idx, weight)
-            return out
         return self.reference(x, top_idx, weight)
 
     def reference(self, x: Tensor, top_idx: Tensor, weight: Tensor) -> Tensor:

@@ -201,10 +201,13 @@ class DecoderLayer(nn.Module):
 
 
 def _fused_layer(layer: DecoderLayer, dtype: torch.dtype) -> Any:
-    """`layer` as the extension's C++ DenseLayer, or None where it cannot run (MoE layers)."""
+    """`layer` as the extension's C++ DenseLayer, or None where it cannot run (a MoE layer
+    whose block is not one C++ call)."""
     attn, mlp = layer.self_attn, layer.mlp
-    if not isinstance(mlp, MLP):
+    moe = None if isinstance(mlp, MLP) else mlp.block()
+    if moe is None and not isinstance(mlp, MLP):
         return None
+    tail = (mlp.gate_up, mlp.down) if isinstance(mlp, MLP) else ()
     return dense_layer(
         attn.layer_idx,
         attn.num_heads,
@@ -218,9 +221,13 @@ def _fused_layer(layer: DecoderLayer, dtype: torch.dtype) -> Any:
             None if attn.q_norm is None else attn.q_norm.weight,
             None if attn.k_norm is None else attn.k_norm.weight,
         ),
-        (attn.qkv, attn.o, mlp.gate_up, mlp.down),
+        (attn.qkv, attn.o, *tail),
         attn.qkv_bias,
         dtype,
+        attn.o_bias,
+        attn.window,
+        None if attn.sinks is None else attn.sinks.float(),
+        moe,
     )
 
 

@@ -167,14 +167,16 @@ class RoutedMoE(nn.Module):
         self.experts = Experts(num_experts, hidden, inter, dtype, device)
         self._one_call = _OneCall()
 
+    def block(self) -> Any:
+        """The block as one C++ call (kernels/moe_gguf.py `moe_block`), None where it cannot
+        run (experts not in GGUF blocks)."""
+        return self._one_call.get(self.experts, self.gate.weight, self.top_k, self.norm_topk, None)
+
     def forward(self, x: Tensor) -> Tensor:
-        if x.is_cpu:
-            block = self._one_call.get(
-                self.experts, self.gate.weight, self.top_k, self.norm_topk, None
-            )
-            if block is not None:
-                out: Tensor = block.forward(x)
-                return out
+        block = self.block() if x.is_cpu else None
+        if block is not None:
+            out: Tensor = block.forward(x)
+            return out
         top_weight, top_idx = route(x, self.gate.weight, self.top_k, self.norm_topk)
         return self.experts(x, top_idx, top_weight.to(x.dtype))
 
