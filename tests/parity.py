@@ -127,9 +127,11 @@ def verify_rows_and_steps(model: Any, ids: Any, prefix: int) -> tuple[Any, list[
 
 
 def c_layers_equal_python_layers(model: Any, tapped: int = 1) -> None:
-    """A model's C++ layers (`_fused_layers`: kernels/dense_layer.py, kernels/gemma4_layer.py)
-    give its Python layers' bits: logits, a tapped layer and every KV row, over two sequences'
-    prompts packed in one step, then a step of 1 and 3 rows at other lengths."""
+    """A model's C++ layers (`_fused_layers`: kernels/dense_layer.py, gemma4_layer.py,
+    gdn_layer.py) give its Python layers' bits: logits, a tapped layer and every committed
+    state (KV rows; a hybrid's conv windows and SSM states), over two sequences' prompts packed
+    in one step, then steps of a few rows (verifies) at other lengths, each rolled back by 0,
+    1 or 2 rows."""
     assert model._fused_layers() is not None, "every layer runs as one C++ call"
 
     def run(fused: bool) -> tuple[list[Tensor], list[Tensor]]:
@@ -137,20 +139,16 @@ def c_layers_equal_python_layers(model: Any, tapped: int = 1) -> None:
         model._fused = None if fused else False
         try:
             caches, outs = [model.new_cache(32), model.new_cache(32)], []
-            for step, counts in enumerate(([9, 5], [1, 3])):
+            for step, counts in enumerate(([9, 5], [1, 3], [2, 1])):
                 ids = (torch.arange(sum(counts)) * 7 + step) % model.config.vocab_size
                 rows = torch.arange(sum(counts))
+                for cache, n in zip(caches, counts, strict=True):
+                    cache.reserve(n)
                 out = model(ids, caches, counts, logit_rows=rows, hidden_layers=[tapped])
                 outs += [out.logits, out.layers]
                 for cache, n in zip(caches, counts, strict=True):
-                    cache.commit(cache.length + n)
-            kv = [
-                t[:, :, : c.length]
-                for c in caches
-                for g in getattr(c, "groups", [c])
-                for t in (g.k, g.v)
-            ]
-            return outs, kv
+                    cache.commit(cache.length + n - min(step, n - 1))  # rolled back
+            return outs, [t for c in caches for t in _committed_state(c)]
         finally:
             model._fused = saved
 
@@ -158,3 +156,17 @@ def c_layers_equal_python_layers(model: Any, tapped: int = 1) -> None:
     assert model._fused_layers() is not None
     for a, b in zip(fused + fused_kv, python + python_kv, strict=True):
         assert torch.equal(a, b)
+
+
+def _committed_state(cache: Any) -> list[Tensor]:
+    """A cache's committed state: its KV rows, and a hybrid's conv windows and SSM states
+    with their pending updates applied."""
+    if hasattr(cache, "groups"):  # GroupedKVCache
+        return [t[:, :, : cache.length] for g in cache.groups for t in (g.k, g.v)]
+    if hasattr(cache, "ssm"):  # HybridCache
+        kv = cache.kv
+        out = [kv.k[:, :, : cache.length], kv.v[:, :, : cache.length]]
+        for layer in range(cache.ssm.shape[0]):
+            out += [t.clone() for t in cache.gdn_state(layer)]
+        return out
+    return [cache.k[:, :, : cache.length], cache.v[:, :, : cache.length]]

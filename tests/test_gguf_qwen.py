@@ -85,8 +85,9 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
         **_MOE,
     ),
     "qwen35": dict(model_type="qwen3_5_text", intermediate_size=96, **_BASE, **_GDN),
+    # its shared expert a whole Q8_0 block wide, so the MoE block is one C++ call
     "qwen35moe": dict(
-        model_type="qwen3_5_moe_text", shared_expert_intermediate_size=48, **_BASE, **_GDN, **_MOE
+        model_type="qwen3_5_moe_text", shared_expert_intermediate_size=32, **_BASE, **_GDN, **_MOE
     ),
 }
 
@@ -202,12 +203,15 @@ def test_mtp_from_the_gguf_nextn_tensors_equals_plain(files: Files, which: str, 
     assert accepted > 0
 
 
-def test_qwen3moe_layers_run_as_one_c_call_each(files: Files) -> None:
-    """Qwen3-MoE in its Q8_0 blocks: every layer is one C++ call (attention, then the MoE
-    block's one call) with the Python layers' bits."""
-    if files.arch != "qwen3moe":
-        pytest.skip("the hybrids' layers are Python layers")
-    c_layers_equal_python_layers(load(str(files.q8), "gguf", progress=False).model)
+def test_layers_run_as_one_c_call_each(files: Files) -> None:
+    """In their Q8_0 blocks: every Qwen3-MoE layer is one C++ call (attention, then the MoE
+    block's one call), every Gated DeltaNet layer of Qwen3.5 / Qwen3.5-MoE too, with the
+    Python layers' bits (Qwen3-Next's interleaved in-projection keeps its Python layers)."""
+    model = load(str(files.q8), "gguf", progress=False).model
+    if files.arch == "qwen3next":
+        assert model._fused_layers() is None
+        return
+    c_layers_equal_python_layers(model)
 
 
 def test_mtp_head_from_the_f32_file_is_the_head_written(files: Files) -> None:

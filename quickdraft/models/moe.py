@@ -208,15 +208,19 @@ class SparseMoE(OperandModule):
         self.shared_gate: Weight = self.shared_expert_gate.weight.detach()  # GEMM operand
         self._one_call = _OneCall()
 
+    def block(self) -> Any:
+        """The block as one C++ call (kernels/moe_gguf.py `moe_block`), None where it cannot
+        run (experts or the shared expert not in GGUF blocks)."""
+        shared = (self.shared_expert.gate_up, self.shared_expert.down, self.shared_gate)
+        return self._one_call.get(
+            self.experts, self.gate.weight, self.top_k, self.norm_topk, shared
+        )
+
     def forward(self, x: Tensor) -> Tensor:
-        if x.is_cpu:
-            shared = (self.shared_expert.gate_up, self.shared_expert.down, self.shared_gate)
-            block = self._one_call.get(
-                self.experts, self.gate.weight, self.top_k, self.norm_topk, shared
-            )
-            if block is not None:
-                out: Tensor = block.forward(x)
-                return out
+        block = self.block() if x.is_cpu else None
+        if block is not None:
+            out: Tensor = block.forward(x)
+            return out
         top_weight, top_idx = route(x, self.gate.weight, self.top_k, self.norm_topk)
         routed = self.experts(x, top_idx, top_weight.to(x.dtype))
         shared = sigmoid(project(x, self.shared_gate)) * self.shared_expert(x)

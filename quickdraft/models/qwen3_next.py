@@ -36,6 +36,7 @@ from quickdraft.kernels.gdn import (
     long_forward,
     recurrent_updates,
 )
+from quickdraft.kernels.gdn_layer import gdn_layer
 from quickdraft.kernels.gemm import Weight, project, to_panels
 from quickdraft.kernels.pointwise import add_rms_norm, gated_rms_norm, rms_norm, sigmoid
 from quickdraft.kernels.pointwise import rope as apply_rope
@@ -278,6 +279,41 @@ class HybridDecoderLayer(nn.Module):
         return x + self.mlp(h)
 
 
+def _fused_gdn_layer(layer: HybridDecoderLayer, dtype: torch.dtype) -> Any:
+    """A Gated DeltaNet `layer` as the extension's C++ GDNLayer (kernels/gdn_layer.py), or
+    None where it cannot run (Qwen3-Next's interleaved in-projection among others)."""
+    gdn, mlp = layer.linear_attn, layer.mlp
+    if gdn.interleaved:
+        return None
+    operands: dict[str, Weight] = {"inp": gdn.inp, "out": gdn.out}
+    moe = None
+    if isinstance(mlp, GatedMLP):
+        operands |= {"gate_up": mlp.gate_up, "down": mlp.down}
+    elif isinstance(mlp, SparseMoE):
+        moe = mlp.block()
+        if moe is None:
+            return None
+    else:
+        return None
+    return gdn_layer(
+        slot=gdn.gdn_index,
+        k_heads=gdn.k_heads,
+        v_heads=gdn.v_heads,
+        key_dim=gdn.dk,
+        value_dim=gdn.dv,
+        eps=gdn.eps,
+        norms=(layer.input_layernorm.weight, layer.post_attention_layernorm.weight),
+        conv_weight=gdn.conv1d.weight[:, 0],
+        a_log=gdn.A_log,
+        dt_bias=gdn.dt_bias,
+        norm=gdn.norm.weight,
+        out_heads=gdn.out_heads,
+        operands=operands,
+        moe=moe,
+        dtype=dtype,
+    )
+
+
 class HybridModel(nn.Module):
     """HF's `model.` submodule: embeddings, layers, final norm."""
 
@@ -293,6 +329,10 @@ class HybridModel(nn.Module):
             counts[kind] += 1
         self.layers = nn.ModuleList(layers)
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+
+# the HybridCache tensors a C++ GDN layer reads and writes, in GDNLayer.forward's order
+_STATE = ("conv", "ssm", "cp_inputs", "cp_k", "cp_d", "cp_g")
 
 
 class HybridLM(HeadLogits, OperandModule):
@@ -315,6 +355,8 @@ class HybridLM(HeadLogits, OperandModule):
         self.vocab: VocabSubset | None = None  # as a draft model, a restricted vocabulary
         self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, device)
         self.num_attention_layers = cfg.layer_types.count("full_attention")
+        kinds = cfg.layer_types  # each layer's slot among the GDN layers (their cache slots)
+        self.gdn_slots = [kinds[:i].count("linear_attention") for i in range(len(kinds))]
         self.gdn_shape = GDNStateShape(
             num_layers=cfg.layer_types.count("linear_attention"),
             conv_dim=2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
@@ -325,11 +367,30 @@ class HybridLM(HeadLogits, OperandModule):
             value_dim=cfg.linear_value_head_dim,
         )
         self.requires_grad_(False)
+        # the Gated DeltaNet layers as C++ GDNLayers (None for the attention layers) once
+        # built (`_fused_layers`); False: they cannot be
+        self._fused: list[Any] | bool | None = None
 
     def pack_(self) -> None:
         """bf16 projection operands -> PanelWeight (see CausalLM.pack_); routed MoE experts
         stay as they are (their kernel indexes stacked expert weights)."""
         convert_operands_(self, to_panels)
+        self._fused = None
+
+    def _fused_layers(self) -> list[Any] | None:
+        """Every Gated DeltaNet layer as a C++ GDNLayer (kernels/gdn_layer.py; None in the
+        attention layers' places), or None when the kernels are off or some GDN layer cannot
+        run there. Built on first use after loading or `pack_`."""
+        if self._fused is None:
+            layers: list[HybridDecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
+            gdn = [layer.layer_type == "linear_attention" for layer in layers]
+            fused = [
+                _fused_gdn_layer(layer, self.dtype) if g and self.device.type == "cpu" else None
+                for layer, g in zip(layers, gdn, strict=True)
+            ]
+            ok = all(f is not None for f, g in zip(fused, gdn, strict=True) if g)
+            self._fused = fused if ok else False
+        return self._fused if isinstance(self._fused, list) else None
 
     def quantize_(self, fmt: str) -> None:
         """Integer operands are for dense draft models (CausalLM.quantize_)."""
@@ -366,8 +427,21 @@ class HybridLM(HeadLogits, OperandModule):
         )
         wanted = set(hidden_layers)
         taps: dict[int, Tensor] = {}  # layer -> its output [N, hidden]
+        # a decode step or a verify (every token's checkpoint kept): the GDN layers' C++ calls
+        steps = all(isinstance(c, HybridCache) and c.keeps_checkpoints for c in caches)
+        fused = self._fused_layers() if steps else None
+        if fused is not None:
+            counts, slots = list(num_new), [c.committed for c in caches]
+            state = [[getattr(c, name) for c in caches] for name in _STATE]
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, caches, num_new)
+            if fused is None or fused[i] is None:
+                x = layer(x, rope, caches, num_new)
+            else:
+                gdn = self.gdn_slots[i]
+                pending = [c.pending[gdn] for c in caches]
+                x = fused[i].forward(x, counts, state[0], state[1], slots, pending, *state[2:])
+                for c in caches:
+                    c.pending[gdn] = 0  # applied (HybridCache.gdn_state_deferred)
             if i in wanted:
                 taps[i] = x
         layers = tapped_layers(taps, hidden_layers, len(self.model.layers), self.model.norm)
