@@ -128,7 +128,7 @@ def verify_rows_and_steps(model: Any, ids: Any, prefix: int) -> tuple[Any, list[
 
 def c_layers_equal_python_layers(model: Any, tapped: int = 1) -> None:
     """A model's C++ layers (`_fused_layers`: kernels/dense_layer.py, gemma4_layer.py,
-    gdn_layer.py) give its Python layers' bits: logits, a tapped layer and every committed
+    hybrid_layer.py) give its Python layers' bits: logits, a tapped layer and every committed
     state (KV rows; a hybrid's conv windows and SSM states), over two sequences' prompts packed
     in one step, then steps of a few rows (verifies) at other lengths, each rolled back by 0,
     1 or 2 rows."""

@@ -204,9 +204,9 @@ def test_mtp_from_the_gguf_nextn_tensors_equals_plain(files: Files, which: str, 
 
 
 def test_layers_run_as_one_c_call_each(files: Files) -> None:
-    """In their Q8_0 blocks: every Qwen3-MoE layer is one C++ call (attention, then the MoE
-    block's one call), every Gated DeltaNet layer of Qwen3.5 / Qwen3.5-MoE too, with the
-    Python layers' bits (Qwen3-Next's interleaved in-projection keeps its Python layers)."""
+    """In their Q8_0 blocks every layer is one C++ call with the Python layers' bits: Qwen3-MoE's
+    (attention, then the MoE block's one call), Qwen3.5's and Qwen3.5-MoE's Gated DeltaNet and
+    gated-attention layers (Qwen3-Next's interleaved in-projection keeps its Python layers)."""
     model = load(str(files.q8), "gguf", progress=False).model
     if files.arch == "qwen3next":
         assert model._fused_layers() is None

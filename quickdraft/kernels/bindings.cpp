@@ -10,7 +10,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   qd_register_dense_layer(m);
   qd_register_moe_gguf(m);
   qd_register_gemma4_layer(m);
-  qd_register_gdn_layer(m);
+  qd_register_hybrid_layers(m);
   // The GIL is released: the kernel touches no Python objects, and other Python threads
   // (an HTTP server loop) keep running during a forward.
   m.def("linear", &qd_linear, "x @ w.T (+ bias): the kernel when eligible, else at::linear",

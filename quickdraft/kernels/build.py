@@ -71,7 +71,7 @@ SOURCES = [
         "attention_avx512.cpp",
         "dense_layer.cpp",
         "gemma4_layer.cpp",
-        "gdn_layer.cpp",
+        "hybrid_layer.cpp",
     )
 ]
 BASELINE_FLAGS = frozenset({"avx2", "fma", "f16c"})  # what every source is compiled for

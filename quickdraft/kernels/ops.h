@@ -89,5 +89,5 @@ at::Tensor qd_moe_block_forward(const QdMoEBlock& block, const at::Tensor& x);
 void qd_register_moe_gguf(py::module_& m);
 // gemma4_layer.cpp
 void qd_register_gemma4_layer(py::module_& m);
-// gdn_layer.cpp
-void qd_register_gdn_layer(py::module_& m);
+// hybrid_layer.cpp
+void qd_register_hybrid_layers(py::module_& m);

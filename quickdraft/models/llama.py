@@ -365,7 +365,7 @@ class CausalLM(HeadLogits, OperandModule):
                 cache = caches[0]
                 k_pages, v_pages, block = cache.pages
             else:
-                many = _many_args(caches, num_new)
+                many = many_args(caches, num_new)
         for i, layer in enumerate(self.decoder_layers):
             if fused is not None and len(caches) == 1:
                 h, residual = fused[i].forward(
@@ -389,7 +389,7 @@ class CausalLM(HeadLogits, OperandModule):
         return ForwardOutput(self._logits(last), None, layers)
 
 
-def _many_args(caches: Sequence[Any], num_new: Sequence[int]) -> tuple[Any, ...]:
+def many_args(caches: Sequence[Any], num_new: Sequence[int]) -> tuple[Any, ...]:
     """`DenseLayer.forward_many`'s per-sequence arguments after (h, residual, cos, sin): the
     caches' k and v, committed lengths, row counts, shared blocks' page tables (an empty
     tensor: none) and block sizes."""

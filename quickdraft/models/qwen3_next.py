@@ -36,8 +36,8 @@ from quickdraft.kernels.gdn import (
     long_forward,
     recurrent_updates,
 )
-from quickdraft.kernels.gdn_layer import gdn_layer
 from quickdraft.kernels.gemm import Weight, project, to_panels
+from quickdraft.kernels.hybrid_layer import attention_layer, gdn_layer
 from quickdraft.kernels.pointwise import add_rms_norm, gated_rms_norm, rms_norm, sigmoid
 from quickdraft.kernels.pointwise import rope as apply_rope
 from quickdraft.models.base import ForwardOutput, ImageRows, packed_positions
@@ -53,7 +53,7 @@ from quickdraft.models.layers import (
     fused_projections,
     tapped_layers,
 )
-from quickdraft.models.llama import Embedding
+from quickdraft.models.llama import Embedding, many_args
 from quickdraft.models.moe import GatedMLP, SparseMoE
 from quickdraft.models.state_cache import GDNStateShape, HybridCache
 
@@ -279,21 +279,41 @@ class HybridDecoderLayer(nn.Module):
         return x + self.mlp(h)
 
 
-def _fused_gdn_layer(layer: HybridDecoderLayer, dtype: torch.dtype) -> Any:
-    """A Gated DeltaNet `layer` as the extension's C++ GDNLayer (kernels/gdn_layer.py), or
-    None where it cannot run (Qwen3-Next's interleaved in-projection among others)."""
-    gdn, mlp = layer.linear_attn, layer.mlp
-    if gdn.interleaved:
-        return None
-    operands: dict[str, Weight] = {"inp": gdn.inp, "out": gdn.out}
-    moe = None
+def _mlp_parts(mlp: nn.Module) -> tuple[dict[str, Weight], Any] | None:
+    """A hybrid layer's MLP as the C++ layers take it: (gate_up / down operands of a gated
+    MLP, None) or ({}, the MoE block's one call); None where it is not one call."""
     if isinstance(mlp, GatedMLP):
-        operands |= {"gate_up": mlp.gate_up, "down": mlp.down}
-    elif isinstance(mlp, SparseMoE):
-        moe = mlp.block()
-        if moe is None:
-            return None
-    else:
+        return {"gate_up": mlp.gate_up, "down": mlp.down}, None
+    block = mlp.block() if isinstance(mlp, SparseMoE) else None
+    return None if block is None else ({}, block)
+
+
+def _fused_layer(layer: HybridDecoderLayer, dtype: torch.dtype) -> Any:
+    """`layer` as the extension's C++ GDNLayer or HybridAttentionLayer
+    (kernels/hybrid_layer.py), or None where it cannot run (Qwen3-Next's interleaved
+    in-projection, an MLP that is not one call, ...)."""
+    mlp = _mlp_parts(layer.mlp)
+    if mlp is None:
+        return None
+    tail, moe = mlp
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    if layer.layer_type != "linear_attention":
+        attn = layer.self_attn
+        return attention_layer(
+            layer=attn.kv_index,
+            heads=attn.heads,
+            kv_heads=attn.kv_heads,
+            head_dim=attn.head_dim,
+            eps=layer.input_layernorm.eps,
+            scale=attn.scale,
+            norms=(*norms, attn.q_norm.weight, attn.k_norm.weight),
+            operands={"qkv": attn.qkv, "o": attn.o, **tail},
+            qkv_bias=attn.qkv_bias,
+            moe=moe,
+            dtype=dtype,
+        )
+    gdn = layer.linear_attn
+    if gdn.interleaved:
         return None
     return gdn_layer(
         slot=gdn.gdn_index,
@@ -302,13 +322,13 @@ def _fused_gdn_layer(layer: HybridDecoderLayer, dtype: torch.dtype) -> Any:
         key_dim=gdn.dk,
         value_dim=gdn.dv,
         eps=gdn.eps,
-        norms=(layer.input_layernorm.weight, layer.post_attention_layernorm.weight),
+        norms=norms,
         conv_weight=gdn.conv1d.weight[:, 0],
         a_log=gdn.A_log,
         dt_bias=gdn.dt_bias,
         norm=gdn.norm.weight,
         out_heads=gdn.out_heads,
-        operands=operands,
+        operands={"inp": gdn.inp, "out": gdn.out, **tail},
         moe=moe,
         dtype=dtype,
     )
@@ -378,18 +398,16 @@ class HybridLM(HeadLogits, OperandModule):
         self._fused = None
 
     def _fused_layers(self) -> list[Any] | None:
-        """Every Gated DeltaNet layer as a C++ GDNLayer (kernels/gdn_layer.py; None in the
-        attention layers' places), or None when the kernels are off or some GDN layer cannot
-        run there. Built on first use after loading or `pack_`."""
+        """Every layer as a C++ GDNLayer or HybridAttentionLayer (kernels/hybrid_layer.py),
+        or None when the kernels are off or some layer cannot run there. Built on first use
+        after loading or `pack_`."""
         if self._fused is None:
-            layers: list[HybridDecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
-            gdn = [layer.layer_type == "linear_attention" for layer in layers]
-            fused = [
-                _fused_gdn_layer(layer, self.dtype) if g and self.device.type == "cpu" else None
-                for layer, g in zip(layers, gdn, strict=True)
+            typed: list[HybridDecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
+            layers = [
+                _fused_layer(layer, self.dtype) if self.device.type == "cpu" else None
+                for layer in typed
             ]
-            ok = all(f is not None for f, g in zip(fused, gdn, strict=True) if g)
-            self._fused = fused if ok else False
+            self._fused = False if any(f is None for f in layers) else layers
         return self._fused if isinstance(self._fused, list) else None
 
     def quantize_(self, fmt: str) -> None:
@@ -427,15 +445,19 @@ class HybridLM(HeadLogits, OperandModule):
         )
         wanted = set(hidden_layers)
         taps: dict[int, Tensor] = {}  # layer -> its output [N, hidden]
-        # a decode step or a verify (every token's checkpoint kept): the GDN layers' C++ calls
+        # a decode step or a verify (every token's checkpoint kept): the layers' C++ calls
         steps = all(isinstance(c, HybridCache) and c.keeps_checkpoints for c in caches)
         fused = self._fused_layers() if steps else None
         if fused is not None:
             counts, slots = list(num_new), [c.committed for c in caches]
             state = [[getattr(c, name) for c in caches] for name in _STATE]
+            kv = many_args([c.kv for c in caches], num_new)
+            cos, sin = rope[0][:, 0], rope[1][:, 0]
         for i, layer in enumerate(self.model.layers):
-            if fused is None or fused[i] is None:
+            if fused is None:
                 x = layer(x, rope, caches, num_new)
+            elif layer.layer_type != "linear_attention":
+                x = fused[i].forward(x, cos, sin, *kv)
             else:
                 gdn = self.gdn_slots[i]
                 pending = [c.pending[gdn] for c in caches]

@@ -1,7 +1,8 @@
-// One Gated DeltaNet decoder layer of a hybrid model (models/qwen3_next.py `HybridDecoderLayer`
-// of type "linear_attention", Qwen3.5 / Qwen3.5-MoE layout) for the decode and verify rows of
-// one or several sequences, as a sequence of this extension's kernels called from C++
-// (kernels/gdn_layer.py owns the contract and when it runs).
+// The decoder layers of a hybrid model (models/qwen3_next.py `HybridDecoderLayer`, Qwen3.5 /
+// Qwen3.5-MoE layout), each as a sequence of this extension's kernels called from C++ for the
+// decode and verify rows of one or several sequences (kernels/hybrid_layer.py owns the contracts
+// and when they run): GDNLayer for the Gated DeltaNet layers, AttentionLayer for the gated
+// full-attention ones.
 //
 // Contract: GDNLayer(...).forward(x, counts, convs, ssms, committed, pending, cp_inputs, cp_k,
 // cp_d, cp_g) returns exactly what the Python layer returns for the same inputs on a forward
@@ -9,13 +10,16 @@
 // `keeps_checkpoints`), and leaves each cache as the Python layer leaves it: the conv window
 // advanced by the pending inputs, the SSM state by the pending updates (in the delta rule's pass
 // over it), this forward's inputs and updates in the checkpoint slots. The caller then sets
-// the cache's pending count of this layer to 0, as `gdn_state_deferred` does. Same kernels, same
-// order, same bits (tests/test_gguf_qwen.py checks it).
+// the cache's pending count of this layer to 0, as `gdn_state_deferred` does.
+// AttentionLayer(...).forward(x, cos, sin, k_caches, v_caches, starts, counts, k_pages,
+// v_pages, blocks) returns what the Python layer returns, the new rows' keys and values written
+// as KVCache.write writes them (after any shared prefix blocks, which it reads in place). Same
+// kernels, same order, same bits (tests/test_gguf_qwen.py checks both).
 //
 // Why: a Gated DeltaNet layer is ~20 Python-level calls (the in-projection's split, gates,
 // conv, delta rule, checkpoint copies, gated norm, the head gather, the norms, the MoE block)
-// around 2 GEMMs and one MoE call: ~0.2 ms a layer, 40 layers a token at Qwen3.6-35B-A3B's
-// depth.
+// around 2 GEMMs and one MoE call, an attention layer ~15: ~0.2 ms a layer, 40 layers a token
+// at Qwen3.6-35B-A3B's depth.
 #include <torch/extension.h>
 
 #include <string>
@@ -41,6 +45,25 @@ Operand operand_of(const std::unordered_map<std::string, OperandArgs>& ops, cons
   return make_operand(kind, packed, scale, ns, fmts, c10::nullopt);
 }
 
+// The layer's MLP: its MoE block's one call, or a gated MLP (gate_up, down)
+struct Mlp {
+  std::shared_ptr<const QdMoEBlock> moe;
+  Operand gate_up, down;
+
+  Mlp(const std::unordered_map<std::string, OperandArgs>& ops, const py::object& block) {
+    if (!block.is_none()) {
+      moe = qd_moe_block_of(block);
+    } else {
+      gate_up = operand_of(ops, "gate_up");
+      down = operand_of(ops, "down");
+    }
+  }
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    return moe ? qd_moe_block_forward(*moe, x) : down(qd_silu_mul(gate_up(x)));
+  }
+};
+
 }  // namespace
 
 class QdGDNLayer {
@@ -61,15 +84,10 @@ class QdGDNLayer {
         eps_(eps),
         t_(std::move(tensors)),
         inp_(operand_of(ops, "inp")),
-        out_(operand_of(ops, "out")) {
+        out_(operand_of(ops, "out")),
+        mlp_(ops, moe) {
     for (const char* n : {"input_norm", "post_norm", "conv_weight", "a_log", "dt_bias", "norm"})
       TORCH_CHECK(t_.count(n) && t_.at(n).defined(), "quickdraft GDNLayer: no ", n);
-    if (!moe.is_none()) {
-      moe_ = qd_moe_block_of(moe);
-    } else {
-      gate_up_ = operand_of(ops, "gate_up");
-      down_ = operand_of(ops, "down");
-    }
     out_heads_ = t_.count("out_heads") ? c10::optional<at::Tensor>(t_.at("out_heads"))
                                        : c10::nullopt;
   }
@@ -90,7 +108,7 @@ class QdGDNLayer {
                                    cp_d, cp_g);
     at::Tensor res, y;
     std::tie(res, y) = qd_add_rms_norm(x, mixed, t_.at("post_norm"), eps_, 1.0);
-    return res + (moe_ ? qd_moe_block_forward(*moe_, y) : down_(qd_silu_mul(gate_up_(y))));
+    return res + mlp_(y);
   }
 
  private:
@@ -154,12 +172,104 @@ class QdGDNLayer {
   int64_t slot_, k_heads_, v_heads_, dk_, dv_;
   double eps_;
   std::unordered_map<std::string, at::Tensor> t_;
-  Operand inp_, out_, gate_up_, down_;
-  std::shared_ptr<const QdMoEBlock> moe_;  // null: a dense MLP (gate_up_, down_)
+  Operand inp_, out_;
+  Mlp mlp_;
   c10::optional<at::Tensor> out_heads_;
 };
 
-void qd_register_gdn_layer(py::module_& m) {
+class QdHybridAttentionLayer {
+ public:
+  // layer: its KV slot (among the attention layers); tensors: input_norm, post_norm, q_norm,
+  // k_norm (1 + w norms); ops: qkv (q and its gate interleaved per head, then k, v), o, and
+  // gate_up / down unless moe (the layer's MoEBlock) is given; qkv_bias optional.
+  QdHybridAttentionLayer(int64_t layer, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                         double eps, double scale,
+                         std::unordered_map<std::string, at::Tensor> tensors,
+                         const std::unordered_map<std::string, OperandArgs>& ops,
+                         c10::optional<at::Tensor> qkv_bias, const py::object& moe)
+      : layer_(layer),
+        heads_(heads),
+        kv_heads_(kv_heads),
+        d_(head_dim),
+        eps_(eps),
+        scale_(scale),
+        t_(std::move(tensors)),
+        o_(operand_of(ops, "o")),
+        mlp_(ops, moe) {
+    for (const char* n : {"input_norm", "post_norm", "q_norm", "k_norm"})
+      TORCH_CHECK(t_.count(n) && t_.at(n).defined(), "quickdraft AttentionLayer: no ", n);
+    const auto& [kind, packed, sc, ns, fmts] = ops.at("qkv");
+    qkv_ = make_operand(kind, packed, sc, ns, fmts, qkv_bias);
+  }
+
+  // x [N, hidden]; cos, sin [N, rotary_dim] fp32; per sequence its KVCache's k, v, committed
+  // length, new rows, shared blocks' page tables (an empty tensor: none) and block size
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                     const std::vector<at::Tensor>& k_caches,
+                     const std::vector<at::Tensor>& v_caches, const std::vector<int64_t>& starts,
+                     const std::vector<int64_t>& counts, const std::vector<at::Tensor>& k_pages,
+                     const std::vector<at::Tensor>& v_pages,
+                     const std::vector<int64_t>& blocks) const {
+    const size_t m = counts.size();
+    TORCH_CHECK(k_caches.size() == m && v_caches.size() == m && starts.size() == m &&
+                    k_pages.size() == m && v_pages.size() == m && blocks.size() == m,
+                "quickdraft AttentionLayer: one cache, start, page table and block per sequence");
+    const at::Tensor h = qd_rms_norm(x, t_.at("input_norm"), eps_, 1.0);
+    // models/qwen3_next.py GatedAttention.forward
+    const int64_t n = h.size(0), hh = heads_, hk = kv_heads_, d = d_;
+    const at::Tensor qkv = qkv_(h);
+    const at::Tensor q_gate = qkv.narrow(1, 0, 2 * hh * d).view({n, hh, 2 * d});
+    const at::Tensor gate = q_gate.narrow(2, d, d).reshape({n, hh * d});
+    const at::Tensor q = qd_rope(qd_rms_norm(q_gate.narrow(2, 0, d), t_.at("q_norm"), eps_, 1.0),
+                                 cos, sin);
+    const at::Tensor k = qd_rope(
+        qd_rms_norm(qkv.narrow(1, 2 * hh * d, hk * d).view({n, hk, d}), t_.at("k_norm"), eps_,
+                    1.0),
+        cos, sin);
+    const at::Tensor v = qkv.narrow(1, (2 * hh + hk) * d, hk * d).view({n, hk, d});
+    std::vector<at::Tensor> outs;
+    outs.reserve(m);
+    int64_t row = 0;
+    for (size_t i = 0; i < m; ++i) {
+      const int64_t c = counts[i];
+      TORCH_CHECK(c >= 0 && row + c <= n,
+                  "quickdraft AttentionLayer: counts must be >= 0 and sum to the rows");
+      if (c == 0) continue;
+      // KVCache.write, then attend (in place over the shared blocks, if any)
+      const bool paged = k_pages[i].defined() && k_pages[i].numel() > 0;
+      const int64_t shared = paged ? k_pages[i].size(0) * blocks[i] : 0;
+      const int64_t own = starts[i] - shared;
+      const at::Tensor kc = k_caches[i].select(0, layer_), vc = v_caches[i].select(0, layer_);
+      TORCH_CHECK(own >= 0 && own + c <= kc.size(1),
+                  "quickdraft AttentionLayer: reserve() before the forward");
+      kc.narrow(1, own, c).copy_(k.narrow(0, row, c).transpose(0, 1));
+      vc.narrow(1, own, c).copy_(v.narrow(0, row, c).transpose(0, 1));
+      const c10::optional<at::Tensor> kp = paged ? c10::optional<at::Tensor>(k_pages[i])
+                                                 : c10::nullopt;
+      const c10::optional<at::Tensor> vp = paged ? c10::optional<at::Tensor>(v_pages[i])
+                                                 : c10::nullopt;
+      outs.push_back(qd_attend_paged(q.narrow(0, row, c), kc.narrow(1, 0, own + c),
+                                     vc.narrow(1, 0, own + c), kp, vp, blocks[i], layer_,
+                                     starts[i], scale_));
+      row += c;
+    }
+    TORCH_CHECK(row == n, "quickdraft AttentionLayer: counts must sum to the rows");
+    const at::Tensor attn = outs.size() == 1 ? outs[0] : at::cat(outs);
+    const at::Tensor mixed = o_(attn * qd_sigmoid(gate));
+    at::Tensor res, y;
+    std::tie(res, y) = qd_add_rms_norm(x, mixed, t_.at("post_norm"), eps_, 1.0);
+    return res + mlp_(y);
+  }
+
+ private:
+  int64_t layer_, heads_, kv_heads_, d_;
+  double eps_, scale_;
+  std::unordered_map<std::string, at::Tensor> t_;
+  Operand qkv_, o_;
+  Mlp mlp_;
+};
+
+void qd_register_hybrid_layers(py::module_& m) {
   py::class_<QdGDNLayer>(m, "GDNLayer")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double,
                     std::unordered_map<std::string, at::Tensor>,
@@ -170,5 +280,17 @@ void qd_register_gdn_layer(py::module_& m) {
       .def("forward", &QdGDNLayer::forward, py::arg("x"), py::arg("counts"), py::arg("convs"),
            py::arg("ssms"), py::arg("committed"), py::arg("pending"), py::arg("cp_inputs"),
            py::arg("cp_k"), py::arg("cp_d"), py::arg("cp_g"),
+           py::call_guard<py::gil_scoped_release>());
+  py::class_<QdHybridAttentionLayer>(m, "HybridAttentionLayer")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double,
+                    std::unordered_map<std::string, at::Tensor>,
+                    const std::unordered_map<std::string, OperandArgs>&,
+                    c10::optional<at::Tensor>, const py::object&>(),
+           py::arg("layer"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
+           py::arg("eps"), py::arg("scale"), py::arg("tensors"), py::arg("ops"),
+           py::arg("qkv_bias"), py::arg("moe"))
+      .def("forward", &QdHybridAttentionLayer::forward, py::arg("x"), py::arg("cos"),
+           py::arg("sin"), py::arg("k_caches"), py::arg("v_caches"), py::arg("starts"),
+           py::arg("counts"), py::arg("k_pages"), py::arg("v_pages"), py::arg("blocks"),
            py::call_guard<py::gil_scoped_release>());
 }
