@@ -109,6 +109,7 @@ def _row_ops(dtype: torch.dtype) -> dict[str, Callable[[Tensor], Tensor]]:
             x[i, : heads * d].reshape(len(i), heads, d), cos[i], sin[i]
         ).reshape(len(i), -1),
         "silu_mul": lambda i: pointwise.silu_mul(x[i]),
+        "gelu_mul": lambda i: pointwise.gelu_mul(x[i]),
         "gated_rms_norm": lambda i: pointwise.gated_rms_norm(core[i], wd, z[i], 1e-6).reshape(
             len(i), -1
         ),
@@ -123,6 +124,7 @@ ROW_OPS = [
     "add_rms_norm",
     "rope",
     "silu_mul",
+    "gelu_mul",
     "gated_rms_norm",
     "sigmoid",
     "sigmoid_column",

@@ -281,7 +281,7 @@ def test_truncated_file_names_the_tensor_it_cuts(files: Files, tmp_path: Path) -
 def test_second_load_reads_the_packed_copy(files: Files) -> None:
     """The first --dtype gguf load writes the packed copy (routed experts, Gated DeltaNet head
     orders and all); the second reads it, repacks nothing and gives the same logits bit for
-    bit; a damaged copy is ignored and rewritten."""
+    bit; a damaged copy is ignored and rewritten, and an older layout's copy removed."""
     first = load(str(files.q8), "gguf", progress=False)
     packed = first.path / PACKED_NAME
     before = packed.stat()
@@ -294,9 +294,12 @@ def test_second_load_reads_the_packed_copy(files: Files) -> None:
     assert bool(experts) == (files.arch in MOE_ARCHS)
     assert all(isinstance(m.operands[0][0], GGUFWeight) for m in experts)  # type: ignore[index]
     packed.write_bytes(packed.read_bytes()[:-100])
+    stale = packed.with_name("packed-v1.safetensors")  # an older layout's copy: no start reads it
+    stale.write_bytes(b"old")
     third = load(str(files.q8), "gguf", progress=False)
     assert torch.equal(all_logits(third, ids), all_logits(first, ids))
     assert packed.stat().st_size == before.st_size
+    assert not stale.exists()
 
 
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:

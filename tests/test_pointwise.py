@@ -111,6 +111,23 @@ def test_silu_mul_matches_reference(rows: int, dtype: torch.dtype) -> None:
 
 @needs_kernel
 @FUSED_DTYPES
+@pytest.mark.parametrize("rows", [1, 5, 9])
+def test_gelu_mul_matches_reference(rows: int, dtype: torch.dtype) -> None:
+    """Gemma's GeGLU: close to torch's gelu(tanh) * up, saturated ends included, and a row's
+    bits alone are its bits in the batch (the tail runs the vector code too)."""
+    g = torch.Generator().manual_seed(rows)
+    inter = 44  # not a multiple of 8: the padded tail runs too
+    gate_up = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -7.0])
+    out = pointwise.gelu_mul(gate_up)
+    assert out.dtype == dtype and out.shape == (rows, inter)
+    torch.testing.assert_close(out, pointwise.reference_gelu_mul(gate_up), **fused_tol(dtype))
+    alone = torch.cat([pointwise.gelu_mul(gate_up[i : i + 1]) for i in range(rows)])
+    assert torch.equal(out, alone)
+
+
+@needs_kernel
+@FUSED_DTYPES
 def test_gated_rms_norm_matches_reference_on_strided_z(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(3)
     n, heads, d = 5, 3, 20  # d not a multiple of 8

@@ -63,6 +63,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("cos"), py::arg("sin"), py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &qd_silu_mul, "silu(gate_up[:, :I]) * gate_up[:, I:]", py::arg("gate_up"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("gelu_mul", &qd_gelu_mul, "gelu_tanh(gate_up[:, :I]) * gate_up[:, I:]",
+        py::arg("gate_up"), py::call_guard<py::gil_scoped_release>());
   m.def("sigmoid", &qd_sigmoid, "elementwise sigmoid, the same bits wherever an element is",
         py::arg("x"), py::call_guard<py::gil_scoped_release>());
   m.def("gdn_gates", &qd_gdn_gates, "Gated DeltaNet log decay g and beta, fp32",

@@ -1,8 +1,9 @@
-// Fused CPU ops of the hybrid (Gated DeltaNet) layers and the gated MLP, for decode steps and
-// short verifies. Bound in bindings.cpp; Python-facing contract and torch references in
+// Fused CPU ops of the hybrid (Gated DeltaNet) layers and the gated MLPs (SwiGLU, Gemma's GeGLU),
+// for decode steps and short verifies. Bound in bindings.cpp; Python-facing contract and torch references in
 // quickdraft/kernels/pointwise.py and quickdraft/kernels/gdn.py.
 //
 //   silu_mul(gate_up [N, 2I])                   -> silu(gate_up[:, :I]) * gate_up[:, I:]  [N, I]
+//   gelu_mul(gate_up [N, 2I])                   -> gelu_tanh(gate_up[:, :I]) * gate_up[:, I:]
 //   gated_rms_norm(x [N, H, D] fp32, w [D], z [N, H, D], eps)
 //                                               -> rms_norm(x) * w * silu(z)  [N, H, D], z dtype
 //   causal_conv_silu(x [T, C], window [K-1, C], weight [C, K]) -> silu(causal conv)  [T, C] fp32
@@ -71,6 +72,38 @@ void silu_mul_rows(const T* in, int64_t ld, T* out, int64_t N, int64_t I) {
     int64_t i = 0;
     for (; i + 8 <= I; i += 8) store8(o + i, _mm256_mul_ps(silu8(load8(g + i)), load8(u + i)));
     for (; i < I; ++i) store1(o + i, silu1(load1(g + i)) * load1(u + i));
+  }
+}
+
+// ---- gelu_tanh(gate) * up (Gemma's GeGLU) -----------------------------------------------------
+
+// gelu_tanh(x) = 0.5 x (1 + tanh(z)) = x / (1 + exp(-2z)), z = sqrt(2 / pi) (x + 0.044715 x^3)
+inline __m256 gelu8(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 k = _mm256_set1_ps(-2.0f * 0.7978845608028654f), c = _mm256_set1_ps(0.044715f);
+  const __m256 t = _mm256_mul_ps(_mm256_mul_ps(k, x), _mm256_fmadd_ps(c, _mm256_mul_ps(x, x), one));
+  return _mm256_div_ps(x, _mm256_add_ps(one, exp8(t)));
+}
+
+// Every element through the same 8-lane code (a row's tail padded into a vector), so a row's
+// bits depend on that row only; one rounding of gelu(g) * u.
+template <class T>
+void gelu_mul_rows(const T* in, int64_t ld, T* out, int64_t N, int64_t I) {
+  for (int64_t n = 0; n < N; ++n) {
+    const T* g = in + n * ld;
+    const T* u = g + I;
+    T* o = out + n * I;
+    int64_t i = 0;
+    for (; i + 8 <= I; i += 8) store8(o + i, _mm256_mul_ps(gelu8(load8(g + i)), load8(u + i)));
+    if (i < I) {
+      alignas(32) float gb[8] = {0, 0, 0, 0, 0, 0, 0, 0}, ub[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t j = i; j < I; ++j) {
+        gb[j - i] = load1(g + j);
+        ub[j - i] = load1(u + j);
+      }
+      _mm256_store_ps(gb, _mm256_mul_ps(gelu8(_mm256_load_ps(gb)), _mm256_load_ps(ub)));
+      for (int64_t j = i; j < I; ++j) store1(o + j, gb[j - i]);
+    }
   }
 }
 
@@ -226,8 +259,36 @@ at::Tensor qd_silu_mul(const at::Tensor& gate_up) {
   at::Tensor out = at::empty({N, I}, gate_up.options());
   dispatch_dtype(gate_up, [&](auto tag) {
     using T = decltype(tag);
-    silu_mul_rows<T>(static_cast<const T*>(gate_up.data_ptr()), gate_up.stride(0),
-                     static_cast<T*>(out.data_ptr()), N, I);
+    const T* in = static_cast<const T*>(gate_up.data_ptr());
+    T* o = static_cast<T*>(out.data_ptr());
+    // rows split between threads once there are enough of them (a prompt chunk); each row is
+    // computed alike wherever it runs
+    at::parallel_for(0, N, std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(I, 1)),
+                     [&](int64_t r0, int64_t r1) {
+                       silu_mul_rows<T>(in + r0 * gate_up.stride(0), gate_up.stride(0),
+                                         o + r0 * I, r1 - r0, I);
+                     });
+  });
+  return out;
+}
+
+at::Tensor qd_gelu_mul(const at::Tensor& gate_up) {
+  check_float_cpu(gate_up, "gelu_mul");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.stride(1) == 1,
+              "gelu_mul: gate_up must be [N, 2I] with a contiguous last dim");
+  const int64_t N = gate_up.size(0), I = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({N, I}, gate_up.options());
+  dispatch_dtype(gate_up, [&](auto tag) {
+    using T = decltype(tag);
+    const T* in = static_cast<const T*>(gate_up.data_ptr());
+    T* o = static_cast<T*>(out.data_ptr());
+    // rows split between threads once there are enough of them (a prompt chunk); each row is
+    // computed alike wherever it runs
+    at::parallel_for(0, N, std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(I, 1)),
+                     [&](int64_t r0, int64_t r1) {
+                       gelu_mul_rows<T>(in + r0 * gate_up.stride(0), gate_up.stride(0),
+                                         o + r0 * I, r1 - r0, I);
+                     });
   });
   return out;
 }

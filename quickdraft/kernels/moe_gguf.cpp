@@ -120,18 +120,6 @@ at::Tensor swiglu_oai(const at::Tensor& h, double alpha, double limit) {
   return (up + 1) * (gate * at::sigmoid(gate * alpha));
 }
 
-// Gemma's GeGLU of gate_up [A, 2I]: gelu_tanh(gate) * up, the gelu one row at a time as
-// kernels/pointwise.py gelu_mul does (ATen's vector / scalar split then depends on I only, so a
-// row's bits do not depend on the rows around it).
-at::Tensor qd_gelu_mul(const at::Tensor& h) {
-  const int64_t A = h.size(0), I = h.size(1) / 2;
-  at::Tensor gate = at::empty({A, I}, h.options());
-  for (int64_t r = 0; r < A; ++r) {
-    gate[r].copy_(at::gelu(h[r].narrow(0, 0, I), "tanh"));
-  }
-  return gate * h.narrow(1, I, I);
-}
-
 class QdMoEGGUF {
  public:
   QdMoEGGUF(std::vector<std::vector<at::Tensor>> gate_up, std::vector<int64_t> gate_up_fmts,

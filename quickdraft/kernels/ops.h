@@ -23,6 +23,7 @@ std::tuple<at::Tensor, at::Tensor> qd_add_rms_norm(const at::Tensor& x, const at
 at::Tensor qd_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 // gdn_ops.cpp
 at::Tensor qd_silu_mul(const at::Tensor& gate_up);
+at::Tensor qd_gelu_mul(const at::Tensor& gate_up);  // Gemma's GeGLU
 at::Tensor qd_sigmoid(const at::Tensor& x);
 std::tuple<at::Tensor, at::Tensor> qd_gdn_gates(const at::Tensor& a, const at::Tensor& b,
                                                 const at::Tensor& a_log, const at::Tensor& dt_bias);
@@ -82,7 +83,6 @@ class QdMoEGGUF;
 std::shared_ptr<const QdMoEGGUF> qd_moe_gguf_of(const py::handle& experts);
 at::Tensor qd_moe_gguf_forward(const QdMoEGGUF& experts, const at::Tensor& x,
                                const at::Tensor& top_idx, const at::Tensor& top_weight);
-at::Tensor qd_gelu_mul(const at::Tensor& gate_up);  // Gemma's GeGLU, the gelu row by row
 class QdMoEBlock;
 std::shared_ptr<const QdMoEBlock> qd_moe_block_of(const py::handle& block);  // as above
 at::Tensor qd_moe_block_forward(const QdMoEBlock& block, const at::Tensor& x);

@@ -9,6 +9,7 @@ Contract (each op = its `reference_*` function up to fp32 rounding; outputs in x
         dims of every head (the rest pass through); x may be a strided view (last dim contiguous)
     rope_rows(x, cos, signed_sin(sin)) -> rope with rot = d, in four torch ops (the GPU path)
     silu_mul(gate_up [N, 2I]) -> silu(gate_up[:, :I]) * gate_up[:, I:]   [N, I]
+    gelu_mul(gate_up [N, 2I]) -> gelu_tanh(gate_up[:, :I]) * gate_up[:, I:]   [N, I]
     gated_rms_norm(x [N, H, D] fp32, weight [D], z [N, H, D], eps)
         -> rms_norm(x) * weight * silu(z) in z's dtype (z may be a strided view)
     sigmoid(x) -> sigmoid(x) in x's dtype, every element through the same code (torch's own
@@ -138,11 +139,22 @@ def gelu_tanh_rows(x: Tensor) -> Tensor:
     return torch.stack([F.gelu(row, approximate="tanh") for row in x.unbind(0)])
 
 
-def gelu_mul(gate_up: Tensor) -> Tensor:
-    """gelu_tanh(gate) * up of a fused [N, 2I] gate/up projection -> [N, I] (Gemma's GeGLU),
-    the gelu row by row (`gelu_tanh_rows`); kernels/moe_gguf.cpp's act 2 gives these bits."""
+def reference_gelu_mul(gate_up: Tensor) -> Tensor:
     inter = gate_up.shape[-1] // 2
-    return gelu_tanh_rows(gate_up[:, :inter]) * gate_up[:, inter:]
+    gate, up = gate_up[:, :inter].float(), gate_up[:, inter:].float()
+    return (F.gelu(gate, approximate="tanh") * up).to(gate_up.dtype)
+
+
+def gelu_mul(gate_up: Tensor) -> Tensor:
+    """gelu_tanh(gate) * up of a fused [N, 2I] gate/up projection -> [N, I] (Gemma's GeGLU):
+    the C++ kernel (gdn_ops.cpp: x / (1 + exp(-2z)), every element through the same 8-lane
+    code, one rounding; the grouped MoE kernel's act 2 and the Gemma 4 layer call it too), else
+    `reference_gelu_mul`."""
+    ext = extension() if _fast(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1 else None
+    if ext is None:
+        return reference_gelu_mul(gate_up)
+    out: Tensor = ext.gelu_mul(gate_up)
+    return out
 
 
 def reference_gated_rms_norm(x: Tensor, weight: Tensor, z: Tensor, eps: float) -> Tensor:

@@ -157,11 +157,13 @@ def save_packed(model: nn.Module, file: Path) -> None:
             meta[key] = json.dumps([module.qtype.name, module.dim])
     tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
     try:
-        _write_safetensors(tmp, tensors, meta)
-        os.replace(tmp, file)
-        for old in file.parent.glob("packed-*.safetensors"):  # other layout versions' copies
+        # other layout versions' copies go first: no start reads them, and a model's copy is
+        # as big as the model (a stale 20 GiB copy left no room on disk for its successor)
+        for old in file.parent.glob("packed-*.safetensors"):
             if not old.name.endswith(f"v{PACKED_VERSION}.safetensors"):
                 old.unlink(missing_ok=True)
+        _write_safetensors(tmp, tensors, meta)
+        os.replace(tmp, file)
     except OSError as e:  # a read-only model directory: run, repack again next time
         log.warning("could not write %s (%s); the next start repacks again", file, e)
     finally:
