@@ -214,6 +214,33 @@ def test_layers_run_as_one_c_call_each(files: Files) -> None:
     c_layers_equal_python_layers(model)
 
 
+def test_mtp_head_layer_is_one_c_call(files: Files) -> None:
+    """The GGUF nextn head in its Q8_0 blocks runs its layer as one C++ call with the Python
+    layer's bits: two chained steps over two sequences (logits, outputs, KV rows)."""
+    if files.arch not in ("qwen35", "qwen35moe"):  # qwen3next: its 48-wide shared expert
+        pytest.skip(f"{files.arch}: no head, or its MoE block is not one call here")
+    lm = load(str(files.q8), "gguf", progress=False)
+    head = load_mtp_head(lm.model, lm.path)
+    assert head._fused_layer() is not None
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(7, HF_CONFIGS[files.arch]["hidden_size"], generator=g)
+
+    def run(fused: bool) -> list[Tensor]:
+        head._fused = None if fused else False
+        caches, outs = [head.new_cache(16), head.new_cache(16)], []
+        for counts in ([4, 3], [1, 2]):
+            n = sum(counts)
+            ids = torch.arange(n) * 5 % VOCAB
+            outs += head(ids, hidden[:n], caches, counts, torch.arange(n))
+            for c, k in zip(caches, counts, strict=True):
+                c.commit(c.length + k)
+        return outs + [t[:, :, : c.length] for c in caches for t in (c.k, c.v)]
+
+    for a, b in zip(run(True), run(False), strict=True):
+        assert torch.equal(a, b)
+    head._fused = None
+
+
 def test_mtp_head_from_the_f32_file_is_the_head_written(files: Files) -> None:
     """The F32 file's nextn block, converted, gives back every `mtp.*` tensor written (to the
     fp32 rounding of the norms' 1 + w). A writer that stored eh_proj shifted by 1 like the

@@ -42,8 +42,8 @@ from quickdraft.models.draft_vocab import DraftVocab
 from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.kv_cache import KVCache
 from quickdraft.models.layers import LinearView, OperandModule, RMSNorm, Rope, convert_operands_
-from quickdraft.models.llama import DecoderLayer, operand_converter
-from quickdraft.models.qwen3_next import HybridDecoderLayer, OffsetRMSNorm
+from quickdraft.models.llama import DecoderLayer, many_args, operand_converter
+from quickdraft.models.qwen3_next import HybridDecoderLayer, OffsetRMSNorm, fused_layer
 
 STANDALONE_ARCHITECTURE = "MTPHead"
 
@@ -129,6 +129,8 @@ class MTPHead(OperandModule):
         self.vocab: DraftVocab | None = None  # a reduced draft vocabulary (restrict_vocab_)
         self.quantized: str | None = None  # "int8" / "int4" after quantize_
         self.requires_grad_(False)
+        # its layer as a C++ call (qwen3_next.fused_layer) once built; False: it cannot be
+        self._fused: Any = None
 
     def restrict_vocab_(self, ids: Tensor) -> None:
         """Score only token ids `ids` (a trained head's `d2t`, models/draft_vocab.py): the head
@@ -148,11 +150,24 @@ class MTPHead(OperandModule):
         shared = self.lm_head_weight
         convert_operands_(self, lambda w: w if w is shared else convert(w))
         self.quantized = fmt
+        self._fused = None
 
     def pack_(self) -> None:
         """bf16 operands -> PanelWeight, as the target's `pack_` (a target head that is already
         packed is shared as it is)."""
         convert_operands_(self, to_panels)
+        self._fused = None
+
+    def _fused_layer(self) -> Any:
+        """The head's layer as one C++ call (kernels/hybrid_layer.py, the Python layer's
+        bits), None where it cannot run (operands not in a kernel format, a MoE block that is
+        not one call, a head off the CPU). Built on first use after loading or conversion."""
+        if self._fused is None:
+            layer, kernel = self.layers[0], None
+            if self.device.type == "cpu" and isinstance(layer, HybridDecoderLayer):
+                kernel = fused_layer(layer, self.dtype)
+            self._fused = False if kernel is None else kernel
+        return self._fused or None
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(1, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)
@@ -185,7 +200,12 @@ class MTPHead(OperandModule):
         x = project(
             torch.cat([emb, self.pre_fc_norm_hidden(hidden.to(self.dtype))], -1), self.fc_weight
         )
-        x = self.layers[0](x, rope, caches, num_new)
+        fused = self._fused_layer()
+        if fused is not None:
+            cos, sin = rope[0][:, 0], rope[1][:, 0]
+            x = fused.forward(x, cos, sin, *many_args(caches, num_new))
+        else:
+            x = self.layers[0](x, rope, caches, num_new)
         out = self.norm(x)  # [N, H]
         logits = project(out[logit_rows], self.lm_head_weight).float()
         return logits if self.vocab is None else self.vocab.full(logits), x, out

@@ -288,7 +288,7 @@ def _mlp_parts(mlp: nn.Module) -> tuple[dict[str, Weight], Any] | None:
     return None if block is None else ({}, block)
 
 
-def _fused_layer(layer: HybridDecoderLayer, dtype: torch.dtype) -> Any:
+def fused_layer(layer: HybridDecoderLayer, dtype: torch.dtype) -> Any:
     """`layer` as the extension's C++ GDNLayer or HybridAttentionLayer
     (kernels/hybrid_layer.py), or None where it cannot run (Qwen3-Next's interleaved
     in-projection, an MLP that is not one call, ...)."""
@@ -404,7 +404,7 @@ class HybridLM(HeadLogits, OperandModule):
         if self._fused is None:
             typed: list[HybridDecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
             layers = [
-                _fused_layer(layer, self.dtype) if self.device.type == "cpu" else None
+                fused_layer(layer, self.dtype) if self.device.type == "cpu" else None
                 for layer in typed
             ]
             self._fused = False if any(f is None for f in layers) else layers
