@@ -459,15 +459,14 @@ class Gemma4LM(HeadLogits, OperandModule):
         wanted = set(hidden_layers)
         taps: dict[int, Tensor] = {}  # layer -> its output [N, hidden]
         fused = self._fused_layers()
-        if fused is not None and any(g.base for c in caches for g in c.groups):
-            fused = None  # shared blocks read in place: the Python layers' paged path
-        counts, starts = list(num_new), [c.length for c in caches]
-        tables = {local: (cos[:, 0], sin[:, 0]) for local, (cos, sin) in ropes.items()}
-        groups = len(caches[0].groups)
-        kv = [
-            ([c.groups[g].k for c in caches], [c.groups[g].v for c in caches])
-            for g in range(groups)
-        ]
+        if fused is not None:  # the C++ layers: each cache's rows from token 0 (imports copy)
+            assert not any(g.base for c in caches for g in c.groups)
+            counts, starts = list(num_new), [c.length for c in caches]
+            tables = {local: (cos[:, 0], sin[:, 0]) for local, (cos, sin) in ropes.items()}
+            kv = [
+                ([c.groups[g].k for c in caches], [c.groups[g].v for c in caches])
+                for g in range(len(caches[0].groups))
+            ]
         for i, layer in enumerate(self.decoder_layers):
             p = None if ple is None else ple[:, i]
             if fused is None:

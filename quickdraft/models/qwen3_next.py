@@ -387,8 +387,8 @@ class HybridLM(HeadLogits, OperandModule):
             value_dim=cfg.linear_value_head_dim,
         )
         self.requires_grad_(False)
-        # the Gated DeltaNet layers as C++ GDNLayers (None for the attention layers) once
-        # built (`_fused_layers`); False: they cannot be
+        # every layer as a C++ GDNLayer / HybridAttentionLayer once built (`_fused_layers`);
+        # False: they cannot be
         self._fused: list[Any] | bool | None = None
 
     def pack_(self) -> None:
