@@ -1,5 +1,7 @@
-"""One dense decoder layer (Llama / Qwen2 / Qwen3) as a single C++ call, for the decode,
-verify and prompt rows of one sequence or of several packed in one batched step.
+"""One decoder layer of the Llama family (Llama / Qwen2 / Qwen3 with a dense MLP; Qwen3-MoE and
+gpt-oss with their MoE block's one call, gpt-oss's o bias, windows and sinks) as a single C++
+call, for the decode, verify and prompt rows of one sequence or of several packed in one
+batched step.
 
 Contract: `dense_layer(...)` returns the extension's `DenseLayer` (dense_layer.cpp) for a
 layer's norms and operands, or None where it cannot run them: no extension, an operand format

@@ -211,8 +211,8 @@ class GptOssMoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x [N, hidden] -> the weighted sum of each row's k experts [N, hidden]: one call
-        when the experts are GGUF blocks, else the routing here and `reference` (the same
-        bits)."""
+        when the experts are GGUF blocks (the whole block, else the routing here and the
+        grouped experts), else `reference` (the same bits)."""
         block = self.block() if x.is_cpu else None
         if block is not None:
             out: Tensor = block.forward(x)
@@ -220,6 +220,10 @@ class GptOssMoE(nn.Module):
         logits = project(x, self.router.weight, self.router.bias)  # [N, E] in x's dtype
         top_value, top_idx = torch.topk(logits, self.top_k, dim=-1)
         weight = torch.softmax(top_value.float(), dim=-1)  # over the k chosen
+        grouped = self.grouped_kernel() if x.is_cpu else None
+        if grouped is not None:
+            routed: Tensor = grouped.forward(x, top_idx, weight)
+            return routed
         return self.reference(x, top_idx, weight)
 
     def reference(self, x: Tensor, top_idx: Tensor, weight: Tensor) -> Tensor:
