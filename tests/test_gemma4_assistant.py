@@ -21,12 +21,15 @@ import torch
 from conftest import make_tiny_hf_model, write_tiny_tokenizer
 from kernel_checks import needs_kernel
 from test_gemma4 import VOCAB, WINDOW, hf_model
+from torch import Tensor
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import stream
 from quickdraft.engine.core import EngineCore
 from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.loading import LoadedModel, load
+from quickdraft.models.gemma4 import Gemma4LM
+from quickdraft.models.gemma4_assistant import load_assistant
 from quickdraft.models.loader import load_model
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.drafters.assistant import AssistantState, assistant_drafter
@@ -215,6 +218,34 @@ def test_greedy_speculation_equals_plain_decoding(
         assert fast.output_ids == generate(lm, ids, greedy).output_ids
         drafted, accepted = drafted + fast.spec.drafted, accepted + fast.spec.accepted
     assert accepted > 0 and drafted > accepted  # accepted, and rejected (rollback) too
+
+
+@needs_kernel
+def test_assistant_layers_run_as_one_c_call_each(pair: tuple[LoadedModel, Path]) -> None:
+    """The int4 assistant's query-only layers run as C++ Gemma4Layers over the target's KV
+    (its source layers' slots) with the Python layers' bits: logits and the chained hidden of
+    two sequences at other lengths."""
+    lm, path = pair
+    target = lm.model
+    assert isinstance(target, Gemma4LM)
+    assistant = load_assistant(target, path, "int4")
+    caches, rows = [target.new_cache(32), target.new_cache(32)], [9, 5]
+    for cache, n in zip(caches, rows, strict=True):
+        target(torch.arange(n) * 3 % target.config.vocab_size, [cache], [n])
+        cache.commit(n)
+    g = torch.Generator().manual_seed(3)
+    embeds = target.embed(torch.tensor([4, 7]))
+    hidden = torch.randn(2, embeds.shape[1], generator=g).to(embeds.dtype)
+
+    def run(fused: bool) -> tuple[Tensor, Tensor]:
+        assistant._fused = None if fused else False
+        out: tuple[Tensor, Tensor] = assistant(embeds, hidden, caches, rows)
+        return out
+
+    fast = run(True)
+    assert assistant._fused_layers(caches[0]) is not None
+    slow = run(False)
+    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
 
 
 @needs_kernel

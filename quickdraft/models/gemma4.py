@@ -241,7 +241,7 @@ class DecoderLayer(nn.Module):
         return h * self.layer_scalar
 
 
-def _fused_layer(layer: DecoderLayer, slot: int, dtype: torch.dtype) -> Any:
+def fused_layer(layer: DecoderLayer, slot: int, dtype: torch.dtype) -> Any:
     """`layer` as the extension's C++ Gemma4Layer (kernels/gemma4_layer.py), or None where it
     cannot run; `slot`: its KV source's slot in that layer's KV group."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -406,7 +406,7 @@ class Gemma4LM(HeadLogits, OperandModule):
         if self._fused is None:
             slots = [self.kv_slots[src] for src in self.config.kv_source]
             layers = [
-                _fused_layer(layer, slot, self.dtype) if self.device.type == "cpu" else None
+                fused_layer(layer, slot, self.dtype) if self.device.type == "cpu" else None
                 for layer, (_, slot) in zip(self.decoder_layers, slots, strict=True)
             ]
             self._fused = False if any(f is None for f in layers) else layers

@@ -40,6 +40,7 @@ from quickdraft.models.gemma4 import (
     DecoderModel,
     Gemma4LM,
     Matrix,
+    fused_layer,
     quantizer,
     ropes,
 )
@@ -220,6 +221,24 @@ class Gemma4Assistant(nn.Module):
         )
         self.ropes = ropes(text, device)
         self.requires_grad_(False)
+        # its layers as C++ Gemma4Layers over the target's KV slots once built
+        # (`_fused_layers`, from the first cache it reads); False: they cannot be
+        self._fused: list[Any] | bool | None = None
+        self._kv_groups: list[int] = []  # per layer, the target cache group it reads
+
+    def _fused_layers(self, cache: GroupedKVCache) -> list[Any] | None:
+        """Every layer as a C++ Gemma4Layer (kernels/gemma4_layer.py, the Python layers'
+        bits) reading its source layer's slot of `cache` (a target cache: every one of the
+        target's has the same slots), or None where some layer cannot run there."""
+        if self._fused is None:
+            where = [cache.slots[layer.self_attn.source] for layer in self.decoder_layers]
+            layers = [
+                fused_layer(layer, slot, self.dtype) if self.device.type == "cpu" else None
+                for layer, (_, slot) in zip(self.decoder_layers, where, strict=True)
+            ]
+            self._kv_groups = [g for g, _ in where]
+            self._fused = False if any(f is None for f in layers) else layers
+        return self._fused if isinstance(self._fused, list) else None
 
     @torch.inference_mode()
     def forward(
@@ -236,8 +255,21 @@ class Gemma4Assistant(nn.Module):
         ropes = {local: r.tables(positions, self.dtype) for local, r in self.ropes.items()}
         views: Any = [_TargetKV(c, n) for c, n in zip(caches, rows, strict=True)]
         ones = [1] * len(rows)
-        for layer in self.decoder_layers:
-            x = layer(x, None, ropes[layer.sliding], views, ones)
+        fused = self._fused_layers(caches[0]) if caches else None
+        if fused is not None:  # each query at position L - 1 over the target's rows [0, L)
+            starts = [n - 1 for n in rows]
+            tables = {local: (cos[:, 0], sin[:, 0]) for local, (cos, sin) in ropes.items()}
+            kv = {
+                g: ([c.groups[g].k for c in caches], [c.groups[g].v for c in caches])
+                for g in set(self._kv_groups)
+            }
+        for i, layer in enumerate(self.decoder_layers):
+            if fused is None:
+                x = layer(x, None, ropes[layer.sliding], views, ones)
+            else:
+                cos, sin = tables[layer.sliding]
+                ks, vs = kv[self._kv_groups[i]]
+                x = fused[i].forward(x, None, cos, sin, ks, vs, starts, ones)
         h = self.model.norm(x)
         if self.masked_embedding is not None:
             logits = self.masked_embedding.logits(h, self.head_rows)
