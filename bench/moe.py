@@ -18,6 +18,9 @@ Measured in interleaved rounds (these machines are noisy), threads fixed for eve
   llama.cpp      mainline's llama-bench (--llama-bench; built from the llama.cpp source that
                  llama-cpp-python vendors)
   ik_llama.cpp   its llama-bench with -fmoe 1 -rtr 1 (--ik-bench)
+`--rows`: a forward's cost by rows 1..8 (a decode step, then verifies of k = 1..7) from an
+empty cache, ours against each peer's `llama-bench -p N` on the same file (ms = N / its tok/s),
+with ours also at context 64, in interleaved rounds.
 Weights streamed per decoded token: every tensor's bytes, the routed experts' times top_k / E,
 one row of the embedding table; GB/s = that times tok/s. The markdown has the row
 `decode vs best peer | N.NNx`.
@@ -318,6 +321,49 @@ def run_full(
     return out
 
 
+ROWS = range(1, 9)  # a decode step and verifies of k = 1..7
+
+
+def rows_cost(
+    arch: str, work: Path, peers: dict[str, tuple[Path, list[str]]], threads: int, rounds: int
+) -> dict[str, Any]:
+    """A forward's ms by rows (ROWS) on `arch`'s cut file: ours from an empty cache and at
+    context 64, each peer's llama-bench `-p N` (one forward of N rows from an empty cache), the
+    median of `rounds` interleaved rounds."""
+    path = write_file(arch, work)
+    ours = Ours(path, work)
+    ours.forward_s(8)  # warm
+    runs: dict[str, list[list[float]]] = {"quickdraft": [], "quickdraft at 64": []}
+    runs |= {name: [] for name in peers}
+    prompts = ",".join(str(n) for n in ROWS)
+    for _ in range(rounds):
+        runs["quickdraft"].append([min(ours.forward_s(n) for _ in range(3)) * 1e3 for n in ROWS])
+        runs["quickdraft at 64"].append(
+            [statistics.median(ours.forward_s(n, 64) for _ in range(3)) * 1e3 for n in ROWS]
+        )
+        for name, (binary, extra) in peers.items():
+            got = llama_bench(binary, path, threads, 0, extra, prompts=prompts)
+            runs[name].append([n / got[f"pp{n}_tps"] * 1e3 for n in ROWS])
+    ms = {
+        k: [round(statistics.median(r[i] for r in v), 3) for i in range(len(ROWS))]
+        for k, v in runs.items()
+    }
+    return {"file": path.name, "rows": list(ROWS), "ms": ms, "rounds": runs}
+
+
+def markdown_rows(report: dict[str, Any]) -> str:
+    out = ["# A forward's cost by rows (a decode step, then verifies): quickdraft vs llama-bench\n"]
+    for arch, r in report["rows"].items():
+        header = ["engine", *(f"{n} rows ms" for n in r["rows"]), "8 rows / 1"]
+        rows = [[k, *v, round(v[-1] / v[0], 2)] for k, v in r["ms"].items()]
+        out.append(
+            f"\n## {arch} ({r['file']}), median of {report['rounds']} interleaved rounds, "
+            f"{report['threads']} threads; peers: `llama-bench -p 1,...,8` (from an empty "
+            "cache, like ours without a context)\n\n" + table(header, rows)
+        )
+    return "".join(out)
+
+
 def narrow_overhead(work: Path, tokens: int, rounds: int) -> dict[str, Any]:
     """The full qwen35moe structure (40 layers: 30 Gated DeltaNet + 10 attention, 256 experts
     top 8 + a shared expert, each a MoE block) at widths where every GEMM is tiny (hidden 256):
@@ -363,6 +409,7 @@ def main() -> None:
     ap.add_argument(
         "--narrow", action="store_true", help="the per-layer work of a 40-layer qwen35moe step"
     )
+    ap.add_argument("--rows", action="store_true", help="a forward's cost by rows 1..8")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.ours:
@@ -390,6 +437,16 @@ def main() -> None:
             md,
             bar_chart("narrow step", "ms", [str(i) for i in range(len(n["ms_per_token"]))], series),
         )
+        return
+    if args.rows:
+        report["rows"] = {
+            a: rows_cost(a, args.files, peers, args.threads, args.rounds) for a in args.arch
+        }
+        first = report["rows"][args.arch[0]]
+        chart = bar_chart(
+            f"{args.arch[0]}: forward ms by rows", "ms", [str(n) for n in ROWS], first["ms"]
+        )
+        write(args.name, report, markdown_rows(report), chart)
         return
     if args.full:
         report["full"] = {
