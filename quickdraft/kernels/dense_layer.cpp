@@ -20,7 +20,7 @@
 #include <tuple>
 #include <vector>
 
-#include "layer_operand.h"
+#include "layer_parts.h"
 #include "ops.h"
 
 using qd_layer::make_operand;
@@ -148,18 +148,8 @@ class QdDenseLayer {
                         const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t start,
                         const c10::optional<at::Tensor>& k_pages,
                         const c10::optional<at::Tensor>& v_pages, int64_t block) const {
-    const int64_t n = q.size(0);
-    const int64_t shared =
-        k_pages.has_value() && k_pages->defined() && k_pages->numel() > 0 ? k_pages->size(0) * block
-                                                                           : 0;
-    const int64_t own = start - shared;  // the first new row's index in the own rows
-    const at::Tensor kc = k_cache.select(0, layer_), vc = v_cache.select(0, layer_);
-    TORCH_CHECK(own >= 0 && own + n <= kc.size(1),
-                "quickdraft DenseLayer: reserve() before the forward");
-    kc.narrow(1, own, n).copy_(k.transpose(0, 1));
-    vc.narrow(1, own, n).copy_(v.transpose(0, 1));
-    return qd_attend_paged(q, kc.narrow(1, 0, own + n), vc.narrow(1, 0, own + n), k_pages,
-                           v_pages, block, layer_, start, scale_, window_, sinks_);
+    return qd_layer::write_and_attend(q, k, v, k_cache, v_cache, layer_, start, k_pages, v_pages,
+                                      block, scale_, window_, sinks_);
   }
 
   // (mlp output, residual) after the attention: o projection, post norm, MLP or MoE block

@@ -69,6 +69,15 @@ def layer_operand(
     return op if ok else None
 
 
+def layer_operands(
+    ext: Any, operands: dict[str, Weight], dtype: torch.dtype, biases: dict[str, Tensor | None]
+) -> dict[str, Operand] | None:
+    """`layer_operand` of each named operand (with its bias from `biases`, if any), or None
+    where any one cannot run (the C++ layers take their operands by name)."""
+    ops = {name: layer_operand(ext, w, dtype, biases.get(name)) for name, w in operands.items()}
+    return None if any(op is None for op in ops.values()) else ops  # type: ignore[return-value]
+
+
 def dense_layer(
     layer: int,
     heads: int,

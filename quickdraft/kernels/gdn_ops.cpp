@@ -251,46 +251,42 @@ std::tuple<at::Tensor, at::Tensor> qd_gdn_gates(const at::Tensor& a_in, const at
   return {g, beta};
 }
 
-at::Tensor qd_silu_mul(const at::Tensor& gate_up) {
-  check_float_cpu(gate_up, "silu_mul");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.stride(1) == 1,
-              "silu_mul: gate_up must be [N, 2I] with a contiguous last dim");
-  const int64_t N = gate_up.size(0), I = gate_up.size(1) / 2;
+namespace {
+
+// act(gate) * up of gate_up [N, 2I] by `rows` (silu_mul_rows / gelu_mul_rows), the rows split
+// between threads once there are enough of them (a prompt chunk); each row is computed alike
+// wherever it runs
+template <class Rows>
+at::Tensor glu(const at::Tensor& gate_up, const char* what, const Rows& rows) {
+  check_float_cpu(gate_up, what);
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.stride(1) == 1, what,
+              ": gate_up must be [N, 2I] with a contiguous last dim");
+  const int64_t N = gate_up.size(0), I = gate_up.size(1) / 2, ld = gate_up.stride(0);
   at::Tensor out = at::empty({N, I}, gate_up.options());
   dispatch_dtype(gate_up, [&](auto tag) {
     using T = decltype(tag);
     const T* in = static_cast<const T*>(gate_up.data_ptr());
     T* o = static_cast<T*>(out.data_ptr());
-    // rows split between threads once there are enough of them (a prompt chunk); each row is
-    // computed alike wherever it runs
     at::parallel_for(0, N, std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(I, 1)),
                      [&](int64_t r0, int64_t r1) {
-                       silu_mul_rows<T>(in + r0 * gate_up.stride(0), gate_up.stride(0),
-                                         o + r0 * I, r1 - r0, I);
+                       rows(in + r0 * ld, ld, o + r0 * I, r1 - r0, I);
                      });
   });
   return out;
 }
 
-at::Tensor qd_gelu_mul(const at::Tensor& gate_up) {
-  check_float_cpu(gate_up, "gelu_mul");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.stride(1) == 1,
-              "gelu_mul: gate_up must be [N, 2I] with a contiguous last dim");
-  const int64_t N = gate_up.size(0), I = gate_up.size(1) / 2;
-  at::Tensor out = at::empty({N, I}, gate_up.options());
-  dispatch_dtype(gate_up, [&](auto tag) {
-    using T = decltype(tag);
-    const T* in = static_cast<const T*>(gate_up.data_ptr());
-    T* o = static_cast<T*>(out.data_ptr());
-    // rows split between threads once there are enough of them (a prompt chunk); each row is
-    // computed alike wherever it runs
-    at::parallel_for(0, N, std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(I, 1)),
-                     [&](int64_t r0, int64_t r1) {
-                       gelu_mul_rows<T>(in + r0 * gate_up.stride(0), gate_up.stride(0),
-                                         o + r0 * I, r1 - r0, I);
-                     });
+}  // namespace
+
+at::Tensor qd_silu_mul(const at::Tensor& gate_up) {
+  return glu(gate_up, "silu_mul", [](const auto* in, int64_t ld, auto* o, int64_t n, int64_t I) {
+    silu_mul_rows(in, ld, o, n, I);
   });
-  return out;
+}
+
+at::Tensor qd_gelu_mul(const at::Tensor& gate_up) {
+  return glu(gate_up, "gelu_mul", [](const auto* in, int64_t ld, auto* o, int64_t n, int64_t I) {
+    gelu_mul_rows(in, ld, o, n, I);
+  });
 }
 
 at::Tensor qd_gated_rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, const at::Tensor& z,

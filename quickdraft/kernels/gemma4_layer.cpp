@@ -19,27 +19,13 @@
 #include <unordered_map>
 #include <vector>
 
-#include "layer_operand.h"
+#include "layer_parts.h"
 #include "ops.h"
 
-using qd_layer::make_operand;
+using qd_layer::NamedOperands;
 using qd_layer::Operand;
+using qd_layer::operand_of;
 
-namespace {
-
-// (kind, packed per part, scale, out features per part, format per part): dense_layer.py's
-// operand tuple
-using OperandArgs = std::tuple<int64_t, std::vector<at::Tensor>, at::Tensor,
-                               std::vector<int64_t>, std::vector<int64_t>>;
-
-Operand operand_of(const std::unordered_map<std::string, OperandArgs>& ops, const char* name) {
-  const auto it = ops.find(name);
-  TORCH_CHECK(it != ops.end(), "quickdraft Gemma4Layer: no operand ", name);
-  const auto& [kind, packed, scale, ns, fmts] = it->second;
-  return make_operand(kind, packed, scale, ns, fmts, c10::nullopt);
-}
-
-}  // namespace
 
 class QdGemma4Layer {
  public:
@@ -52,7 +38,7 @@ class QdGemma4Layer {
   QdGemma4Layer(int64_t slot, bool own, bool shares_v, int64_t heads, int64_t kv_heads,
                 int64_t head_dim, int64_t window, double eps,
                 std::unordered_map<std::string, at::Tensor> norms,
-                const std::unordered_map<std::string, OperandArgs>& ops,
+                const NamedOperands& ops,
                 const py::object& experts, int64_t top_k, double router_root)
       : slot_(slot),
         own_(own),
@@ -209,7 +195,7 @@ void qd_register_gemma4_layer(py::module_& m) {
   py::class_<QdGemma4Layer>(m, "Gemma4Layer")
       .def(py::init<int64_t, bool, bool, int64_t, int64_t, int64_t, int64_t, double,
                     std::unordered_map<std::string, at::Tensor>,
-                    const std::unordered_map<std::string, OperandArgs>&, const py::object&,
+                    const NamedOperands&, const py::object&,
                     int64_t, double>(),
            py::arg("slot"), py::arg("own"), py::arg("shares_v"), py::arg("heads"),
            py::arg("kv_heads"), py::arg("head_dim"), py::arg("window"), py::arg("eps"),

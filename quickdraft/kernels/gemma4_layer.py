@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from quickdraft.kernels.build import extension
-from quickdraft.kernels.dense_layer import layer_operand
+from quickdraft.kernels.dense_layer import layer_operands
 from quickdraft.kernels.gemm import Weight
 
 # the norm weights the layer runs through the norm kernel (in the activations' dtype)
@@ -70,8 +70,8 @@ def gemma4_layer(
         return None
     if ("router" in operands) != (experts is not None):
         return None  # a MoE layer whose experts have no grouped kernel
-    ops = {name: layer_operand(ext, w, dtype) for name, w in operands.items()}
-    if any(op is None for op in ops.values()):
+    ops = layer_operands(ext, operands, dtype, {})
+    if ops is None:
         return None
     return ext.Gemma4Layer(
         slot=slot,

@@ -27,30 +27,21 @@
 #include <unordered_map>
 #include <vector>
 
-#include "layer_operand.h"
+#include "layer_parts.h"
 #include "ops.h"
 
-using qd_layer::make_operand;
+using qd_layer::NamedOperands;
 using qd_layer::Operand;
+using qd_layer::operand_of;
 
 namespace {
-
-using OperandArgs = std::tuple<int64_t, std::vector<at::Tensor>, at::Tensor,
-                               std::vector<int64_t>, std::vector<int64_t>>;
-
-Operand operand_of(const std::unordered_map<std::string, OperandArgs>& ops, const char* name) {
-  const auto it = ops.find(name);
-  TORCH_CHECK(it != ops.end(), "quickdraft GDNLayer: no operand ", name);
-  const auto& [kind, packed, scale, ns, fmts] = it->second;
-  return make_operand(kind, packed, scale, ns, fmts, c10::nullopt);
-}
 
 // The layer's MLP: its MoE block's one call, or a gated MLP (gate_up, down)
 struct Mlp {
   std::shared_ptr<const QdMoEBlock> moe;
   Operand gate_up, down;
 
-  Mlp(const std::unordered_map<std::string, OperandArgs>& ops, const py::object& block) {
+  Mlp(const NamedOperands& ops, const py::object& block) {
     if (!block.is_none()) {
       moe = qd_moe_block_of(block);
     } else {
@@ -75,7 +66,7 @@ class QdGDNLayer {
   // layer's MoEBlock) is given.
   QdGDNLayer(int64_t slot, int64_t k_heads, int64_t v_heads, int64_t dk, int64_t dv, double eps,
              std::unordered_map<std::string, at::Tensor> tensors,
-             const std::unordered_map<std::string, OperandArgs>& ops, const py::object& moe)
+             const NamedOperands& ops, const py::object& moe)
       : slot_(slot),
         k_heads_(k_heads),
         v_heads_(v_heads),
@@ -91,6 +82,8 @@ class QdGDNLayer {
     out_heads_ = t_.count("out_heads") ? c10::optional<at::Tensor>(t_.at("out_heads"))
                                        : c10::nullopt;
   }
+
+  int64_t slot() const { return slot_; }
 
   at::Tensor forward(const at::Tensor& x, const std::vector<int64_t>& counts,
                      const std::vector<at::Tensor>& convs, const std::vector<at::Tensor>& ssms,
@@ -185,7 +178,7 @@ class QdHybridAttentionLayer {
   QdHybridAttentionLayer(int64_t layer, int64_t heads, int64_t kv_heads, int64_t head_dim,
                          double eps, double scale,
                          std::unordered_map<std::string, at::Tensor> tensors,
-                         const std::unordered_map<std::string, OperandArgs>& ops,
+                         const NamedOperands& ops,
                          c10::optional<at::Tensor> qkv_bias, const py::object& moe)
       : layer_(layer),
         heads_(heads),
@@ -194,12 +187,11 @@ class QdHybridAttentionLayer {
         eps_(eps),
         scale_(scale),
         t_(std::move(tensors)),
+        qkv_(operand_of(ops, "qkv", qkv_bias)),
         o_(operand_of(ops, "o")),
         mlp_(ops, moe) {
     for (const char* n : {"input_norm", "post_norm", "q_norm", "k_norm"})
       TORCH_CHECK(t_.count(n) && t_.at(n).defined(), "quickdraft AttentionLayer: no ", n);
-    const auto& [kind, packed, sc, ns, fmts] = ops.at("qkv");
-    qkv_ = make_operand(kind, packed, sc, ns, fmts, qkv_bias);
   }
 
   // x [N, hidden]; cos, sin [N, rotary_dim] fp32; per sequence its KVCache's k, v, committed
@@ -235,22 +227,9 @@ class QdHybridAttentionLayer {
       TORCH_CHECK(c >= 0 && row + c <= n,
                   "quickdraft AttentionLayer: counts must be >= 0 and sum to the rows");
       if (c == 0) continue;
-      // KVCache.write, then attend (in place over the shared blocks, if any)
-      const bool paged = k_pages[i].defined() && k_pages[i].numel() > 0;
-      const int64_t shared = paged ? k_pages[i].size(0) * blocks[i] : 0;
-      const int64_t own = starts[i] - shared;
-      const at::Tensor kc = k_caches[i].select(0, layer_), vc = v_caches[i].select(0, layer_);
-      TORCH_CHECK(own >= 0 && own + c <= kc.size(1),
-                  "quickdraft AttentionLayer: reserve() before the forward");
-      kc.narrow(1, own, c).copy_(k.narrow(0, row, c).transpose(0, 1));
-      vc.narrow(1, own, c).copy_(v.narrow(0, row, c).transpose(0, 1));
-      const c10::optional<at::Tensor> kp = paged ? c10::optional<at::Tensor>(k_pages[i])
-                                                 : c10::nullopt;
-      const c10::optional<at::Tensor> vp = paged ? c10::optional<at::Tensor>(v_pages[i])
-                                                 : c10::nullopt;
-      outs.push_back(qd_attend_paged(q.narrow(0, row, c), kc.narrow(1, 0, own + c),
-                                     vc.narrow(1, 0, own + c), kp, vp, blocks[i], layer_,
-                                     starts[i], scale_));
+      outs.push_back(qd_layer::write_and_attend(
+          q.narrow(0, row, c), k.narrow(0, row, c), v.narrow(0, row, c), k_caches[i],
+          v_caches[i], layer_, starts[i], k_pages[i], v_pages[i], blocks[i], scale_));
       row += c;
     }
     TORCH_CHECK(row == n, "quickdraft AttentionLayer: counts must sum to the rows");
@@ -273,10 +252,11 @@ void qd_register_hybrid_layers(py::module_& m) {
   py::class_<QdGDNLayer>(m, "GDNLayer")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double,
                     std::unordered_map<std::string, at::Tensor>,
-                    const std::unordered_map<std::string, OperandArgs>&, const py::object&>(),
+                    const NamedOperands&, const py::object&>(),
            py::arg("slot"), py::arg("k_heads"), py::arg("v_heads"), py::arg("key_dim"),
            py::arg("value_dim"), py::arg("eps"), py::arg("tensors"), py::arg("ops"),
            py::arg("moe"))
+      .def_property_readonly("slot", &QdGDNLayer::slot)
       .def("forward", &QdGDNLayer::forward, py::arg("x"), py::arg("counts"), py::arg("convs"),
            py::arg("ssms"), py::arg("committed"), py::arg("pending"), py::arg("cp_inputs"),
            py::arg("cp_k"), py::arg("cp_d"), py::arg("cp_g"),
@@ -284,7 +264,7 @@ void qd_register_hybrid_layers(py::module_& m) {
   py::class_<QdHybridAttentionLayer>(m, "HybridAttentionLayer")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double,
                     std::unordered_map<std::string, at::Tensor>,
-                    const std::unordered_map<std::string, OperandArgs>&,
+                    const NamedOperands&,
                     c10::optional<at::Tensor>, const py::object&>(),
            py::arg("layer"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
            py::arg("eps"), py::arg("scale"), py::arg("tensors"), py::arg("ops"),

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from quickdraft.kernels.build import extension
-from quickdraft.kernels.dense_layer import layer_operand
+from quickdraft.kernels.dense_layer import layer_operands
 from quickdraft.kernels.gemm import Weight
 
 
@@ -56,13 +56,10 @@ def gdn_layer(
         return None
     if key_dim % 8 or value_dim % 8 or any(w.dtype != dtype for w in norms):
         return None
-    if conv_weight.dtype not in (torch.bfloat16, torch.float32) or norm.dtype not in (
-        torch.bfloat16,
-        torch.float32,
-    ):
+    if any(t.dtype not in (torch.bfloat16, torch.float32) for t in (conv_weight, norm)):
         return None
-    ops = {name: layer_operand(ext, w, dtype) for name, w in operands.items()}
-    if any(op is None for op in ops.values()) or (moe is None) != ("gate_up" in ops):
+    ops = layer_operands(ext, operands, dtype, {})
+    if ops is None or (moe is None) != ("gate_up" in ops):
         return None
     tensors = {
         "input_norm": norms[0],
@@ -107,11 +104,8 @@ def attention_layer(
         return None
     if any(w.dtype != dtype for w in norms):
         return None
-    ops = {
-        name: layer_operand(ext, w, dtype, qkv_bias if name == "qkv" else None)
-        for name, w in operands.items()
-    }
-    if any(op is None for op in ops.values()) or (moe is None) != ("gate_up" in ops):
+    ops = layer_operands(ext, operands, dtype, {"qkv": qkv_bias})
+    if ops is None or (moe is None) != ("gate_up" in ops):
         return None
     names = ("input_norm", "post_norm", "q_norm", "k_norm")
     return ext.HybridAttentionLayer(

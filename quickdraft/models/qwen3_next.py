@@ -375,8 +375,6 @@ class HybridLM(HeadLogits, OperandModule):
         self.vocab: VocabSubset | None = None  # as a draft model, a restricted vocabulary
         self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, device)
         self.num_attention_layers = cfg.layer_types.count("full_attention")
-        kinds = cfg.layer_types  # each layer's slot among the GDN layers (their cache slots)
-        self.gdn_slots = [kinds[:i].count("linear_attention") for i in range(len(kinds))]
         self.gdn_shape = GDNStateShape(
             num_layers=cfg.layer_types.count("linear_attention"),
             conv_dim=2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
@@ -459,7 +457,7 @@ class HybridLM(HeadLogits, OperandModule):
             elif layer.layer_type != "linear_attention":
                 x = fused[i].forward(x, cos, sin, *kv)
             else:
-                gdn = self.gdn_slots[i]
+                gdn = fused[i].slot  # its HybridCache slot
                 pending = [c.pending[gdn] for c in caches]
                 x = fused[i].forward(x, counts, state[0], state[1], slots, pending, *state[2:])
                 for c in caches:
