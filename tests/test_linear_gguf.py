@@ -545,3 +545,33 @@ def test_smollm2_tensors(tensor: str, rows: int | None, qtype: str) -> None:
         out = linear_gguf(x, w)
         assert_matches_reference(out, w.reference_linear(x))
         assert_near_dequantized(out, x, ref, None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_rows_equal_the_gguf_package(qtype: str) -> None:
+    """Embedding rows dequantized by the kernel (any bytes: d may be inf or NaN) have the
+    gguf package's bits, in the order the ids ask for them."""
+    ext = extension()
+    t = GGMLQuantizationType[qtype]
+    assert int(t) in ext.gguf_rows_formats()
+    values, size = GGML_QUANT_SIZES[t]
+    dim = 2 * 256
+    raw = np.random.default_rng(int(t)).integers(0, 256, (40, dim // values * size), np.uint8)
+    with np.errstate(invalid="ignore", over="ignore"):
+        ref = np.asarray(dequantize(raw, t), np.float32).reshape(40, dim)
+    ids = torch.tensor([7, 0, 39, 7, 12])
+    got = ext.gguf_rows(torch.from_numpy(raw), ids, int(t), dim).numpy()
+    assert np.array_equal(got.view(np.uint32), ref[ids.numpy()].view(np.uint32))
+
+
+@needs_kernel
+def test_gguf_rows_refuse_what_they_cannot_read() -> None:
+    ext = extension()
+    raw = torch.zeros(4, 144, dtype=torch.uint8)  # one Q4_K block a row
+    with pytest.raises(RuntimeError, match="id 4 outside"):
+        ext.gguf_rows(raw, torch.tensor([4]), int(GGMLQuantizationType.Q4_K), 256)
+    with pytest.raises(RuntimeError, match="is not 512 values"):
+        ext.gguf_rows(raw, torch.tensor([0]), int(GGMLQuantizationType.Q4_K), 512)
+    with pytest.raises(RuntimeError, match="not one of gguf_rows_formats"):
+        ext.gguf_rows(raw, torch.tensor([0]), int(GGMLQuantizationType.IQ4_XS), 256)

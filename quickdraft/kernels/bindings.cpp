@@ -36,6 +36,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("eligible_gguf", &qd_linear_gguf_eligible, "whether `linear_gguf` accepts these inputs",
         py::arg("x"), py::arg("packed"), py::arg("fmts"), py::arg("ns"), py::arg("bias"));
+  m.def("gguf_rows", &qd_gguf_rows,
+        "rows `ids` of a GGUF table raw [V, row bytes] of ggml type `type`, dequantized to fp32",
+        py::arg("raw"), py::arg("ids"), py::arg("type"), py::arg("dim"));
+  m.def("gguf_rows_formats", &qd_gguf_rows_formats, "the ggml types gguf_rows dequantizes");
   m.def("set_prefetch_bytes", &qd_set_prefetch_bytes,
         "how far ahead the panel kernels (int8, int4, GGUF) prefetch their weight stream, in "
         "bytes (0: no software prefetch); returns it",

@@ -63,6 +63,7 @@ SOURCES = [
         "linear_q4.cpp",
         "linear_gguf.cpp",
         "linear_gguf_avx512.cpp",
+        "gguf_rows.cpp",
         "moe_gguf.cpp",
         "norm_rope.cpp",
         "gdn_ops.cpp",

@@ -11,6 +11,7 @@ reference.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from quickdraft.images import ImageRows
+from quickdraft.kernels.build import extension
 from quickdraft.kernels.gemm import Weight, dequantized_rows, panel_rows, project
 from quickdraft.kernels.linear_bf16 import PANEL
 from quickdraft.kernels.pointwise import add_rms_norm, rms_norm
@@ -55,11 +57,12 @@ class RMSNorm(nn.Module):
 
 
 class GGUFEmbedding(nn.Module):
-    """An embedding table left in its GGUF format: a lookup dequantizes the rows it reads
-    (the gguf package's reference dequantization) to the model dtype. `raw` [vocab, row
+    """An embedding table left in its GGUF format: a lookup dequantizes the rows it reads to
+    the model dtype, by the extension's `gguf_rows` where it takes the format (the same bits
+    as the gguf package's reference dequantization, which runs the others). `raw` [vocab, row
     bytes] may be a view of the mapped file. The last CACHED_ROWS rows read stay dequantized:
-    the gguf package spent ~0.1 ms on each one-token lookup (a decode step, each MTP head
-    step), about 2 % of a SmolLM2 step."""
+    the gguf package spent 0.1-0.4 ms on each one-token lookup (a decode step, each MTP head
+    step), 2-4 % of a SmolLM2 or cut-MoE step."""
 
     CACHED_ROWS = 4096
 
@@ -70,11 +73,20 @@ class GGUFEmbedding(nn.Module):
         self.raw, self.dim, self.dtype = raw, dim, dtype
         self.qtype = GGMLQuantizationType[qtype]
         self._rows: OrderedDict[int, Tensor] = OrderedDict()  # id -> [dim], least recent first
+        self._table: Tensor | None = None  # raw as a tensor, for the kernel
 
     def dequantize(self, ids: Sequence[int]) -> Tensor:
         """Rows `ids` [n, dim] in the model dtype, dequantized from the file."""
         from gguf.quants import dequantize
 
+        ext = extension()
+        if ext is not None and int(self.qtype) in ext.gguf_rows_formats():
+            if self._table is None:
+                with warnings.catch_warnings():  # a read-only mapping: the kernel only reads
+                    warnings.simplefilter("ignore", UserWarning)
+                    self._table = torch.from_numpy(self.raw)
+            picked = torch.tensor(list(ids), dtype=torch.int64)
+            return ext.gguf_rows(self._table, picked, int(self.qtype), self.dim).to(self.dtype)
         rows = self.raw[np.asarray(ids, dtype=np.int64)]
         w = np.asarray(dequantize(rows, self.qtype), dtype=np.float32).reshape(len(rows), self.dim)
         return torch.from_numpy(w).to(self.dtype)
