@@ -17,7 +17,7 @@ from quickdraft.speculation.cost import (
     measure_step_cost,
 )
 from quickdraft.speculation.drafters.ngram import NgramDrafter
-from quickdraft.speculation.policy import BatchPolicy, Candidate
+from quickdraft.speculation.policy import BatchPolicy, Candidate, DraftPlanner
 from quickdraft.speculation.state import FIRST_ALPHA, Acceptance, Speculation
 
 # Shapes like the ones measured on this CPU: flat up to 5 rows (weights streamed once), then
@@ -368,3 +368,21 @@ def test_drafts_stop_where_one_more_token_costs_more_than_plain_decoding_earns()
     assert policy.min_probs(lookup, [8], [None], StepShape(1, 1)) == [0.0]
     forced = [Candidate(acceptance(0.9), 8, adaptive=False, drafter=1)]
     assert policy.min_probs(forced, [8], [None, cheap], StepShape(1, 1)) == [0.0]
+
+
+def test_policy_prices_the_steps_work_outside_the_forward() -> None:
+    """A draft row adds 0.15 of a forward; at alpha 0.5 two drafts pay best when a step is its
+    forward alone, three once the step's fixed work (as long as the forward) is counted: more
+    tokens per step spread it thinner. The planner measures that work as the step's wall time
+    less its forwards."""
+    cost = StepCost((1, 9), (1.0, 2.2))
+    cands = [Candidate(acceptance(0.5), 5)]
+    policy = BatchPolicy(cost)
+    assert policy.choose(cands, [None], StepShape(1, 1), 64) == [2]
+    planner = DraftPlanner(lambda: cost)
+    for _ in range(40):
+        planner.policy.observe(1, 1, 0, 1.0)  # steps as long as the table says
+        planner.observe(StepShape(1, 1), 1.0, [], 0.0)
+        planner.observe_step(2.0)
+    assert planner.policy.overhead == pytest.approx(1.0)
+    assert planner.policy.choose(cands, [None], StepShape(1, 1), 64) == [3]

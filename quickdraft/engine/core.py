@@ -134,6 +134,8 @@ class EngineCore:
             done = self._run(plan)
         except Exception as exc:  # nothing committed yet: find the culprit by running alone
             done = self._isolate(plan, exc)
+        else:  # the step's work around its forwards prices drafting too (policy.py)
+            self.scheduler.planner.observe_step(time.perf_counter() - t0)
         st = self.stats
         st.steps += 1
         st.rows += plan.num_rows

@@ -18,6 +18,10 @@ The rule (`BatchPolicy.choose`):
   buys cheap drafting for the rest of the request, so it is charged spread over the steps the
   request can still draft (min(tokens left, CATCH_UP_HORIZON) / (1 + alpha)), except in a step
   that also prefills, whose batch is about to grow: there it is charged whole.
+* Overhead. A step also spends time outside its forwards (scheduling, sampling, verify,
+  commit, detokenizing), about the same whatever is drafted: a running mean of what steps
+  measured is added to every step's seconds, plain decoding's too, so drafts that spread it
+  over more tokens are priced at what they save.
 * Choice. B decoding requests emit B tokens in the plain-decode step; an allocation D adds
   gain(D) tokens for its extra seconds. Draft counts grow one token at a time, always the token
   with the highest chain gain (gains are non-increasing per request), every total is scored by
@@ -49,7 +53,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from quickdraft.speculation.adaptive import EXPLORE_K, Pricing, pick
-from quickdraft.speculation.cost import Calibration, DraftCost, StepCost, StepShape
+from quickdraft.speculation.cost import (
+    Calibration,
+    DraftCost,
+    StepCost,
+    StepShape,
+    running_mean,
+)
 from quickdraft.speculation.state import Acceptance, SpecState
 
 CATCH_UP_HORIZON = 128  # tokens over which a draft catch-up is spread (at most what is left)
@@ -95,6 +105,11 @@ class BatchPolicy:
     probe_budget: float = 0.02  # share of step time all probes together may cost
     probes: int = field(default=0)  # probes issued (telemetry)
     calibration: Calibration = field(default_factory=Calibration)
+    # seconds of a step outside the target forward and the drafters' (scheduling, sampling,
+    # verify, commit, detokenizing): a running mean of what steps measured
+    overhead: float = 0.0
+    overhead_seen: int = 0
+    overhead_window: int = 32
 
     def seconds(self, rows: int, seqs: int, masked: int) -> float:
         """The step-cost table's forward seconds for this shape, calibrated by what steps of
@@ -104,6 +119,20 @@ class BatchPolicy:
     def observe(self, rows: int, seqs: int, masked: int, seconds: float) -> None:
         """One step's target forward: `rows` over `seqs` sequences, `masked` with > 1 row."""
         self.calibration.observe(rows, seqs, masked, seconds, self.cost(rows, seqs, masked))
+
+    def observe_overhead(self, seconds: float) -> None:
+        """One step's wall time outside its target and drafter forwards."""
+        if seconds < 0.0:
+            return
+        self.overhead_seen += 1
+        self.overhead = running_mean(
+            self.overhead, self.overhead_seen, seconds, self.overhead_window
+        )
+
+    def plain_seconds(self, num_dec: int) -> float:
+        """A step of plain decoding over `num_dec` requests, end to end: its forward and the
+        step's work around it."""
+        return self.seconds(num_dec, num_dec, 0) + self.overhead
 
     def catch_up_seconds(
         self, cand: Candidate, draft_cost: DraftCost | None, spread: bool = True
@@ -133,7 +162,7 @@ class BatchPolicy:
         # per request, the expected tokens its drafts 1 .. k_max add (Acceptance.chain)
         chains = [c.acceptance.chain(max(c.k_max, 1)) for c in cands]
         num_dec = len(cands)
-        t_dec = self.seconds(num_dec, num_dec, 0)  # the step of plain decoding: num_dec tokens
+        t_dec = self.plain_seconds(num_dec)  # the step of plain decoding: num_dec tokens
         t_base = self.seconds(base.rows, base.seqs, base.masked)
         # A step that prefills (base.masked: its chunks) has a batch about to grow: a catch-up
         # there is charged whole (module docstring).
@@ -211,7 +240,7 @@ class BatchPolicy:
         # what a draft row adds to the verify, on average over the allocation: the table's
         # steps between row counts must not make the last row look dear or free
         verify_row = max(0.0, step - self.seconds(base.rows, base.seqs, base.masked)) / drafts
-        rate = len(cands) / self.seconds(len(cands), len(cands), 0)  # plain decoding
+        rate = len(cands) / self.plain_seconds(len(cands))  # plain decoding
         sharing: dict[int, int] = {}  # drafter -> requests drafting with it (one packed forward)
         for c, k in zip(cands, ks, strict=True):
             if k > 0:
@@ -251,7 +280,7 @@ class BatchPolicy:
                 continue
             cost = draft_costs[c.drafter]
             catch_up = 0.0 if cost is None else cost(StepShape(max(c.catch_up, 1), 1, 1))
-            fraction = (extra_row + catch_up) / step
+            fraction = (extra_row + catch_up) / (step + self.overhead)
             if acc.idle_steps >= math.ceil(len(cands) * fraction / self.probe_budget):
                 ks[i] = 1
                 budget -= 1
@@ -278,6 +307,7 @@ class DraftPlanner:
     def __init__(self, target_cost: Callable[[], StepCost]) -> None:
         self.target_cost = target_cost
         self._policy: BatchPolicy | None = None
+        self._inside = 0.0  # the last step's forward and draft seconds (`observe`)
 
     @property
     def policy(self) -> BatchPolicy:
@@ -325,7 +355,7 @@ class DraftPlanner:
             return explore
         policy = self.policy
         num_dec = len(decoding)
-        t_share = policy.seconds(num_dec, num_dec, 0) / num_dec
+        t_share = policy.plain_seconds(num_dec) / num_dec
         t_base = policy.seconds(base.rows, base.seqs, base.masked)
 
         def verify_extra(k: int) -> float:
@@ -351,6 +381,7 @@ class DraftPlanner:
         drafts than asked) took `forward_s`, calibrating the step-cost table; the requests in
         `drafted` drafted in a phase of `draft_s`, which calibrates their drafter's table when
         they share one drafter with a cost (a phase cannot be split between drafters)."""
+        self._inside = forward_s + draft_s
         if self._policy is None:
             return  # only forced requests so far: they never read costs
         self._policy.observe(forward.rows, forward.seqs, forward.masked, forward_s)
@@ -360,3 +391,9 @@ class DraftPlanner:
             cost = spec.speculation.draft_cost
             assert cost is not None
             cost.observe(spec.drafter.forwards, draft_s)
+
+    def observe_step(self, seconds: float) -> None:
+        """The whole step that `observe` described took `seconds`: what it spent outside its
+        forwards prices every step's fixed work (`BatchPolicy.overhead`)."""
+        if self._policy is not None:
+            self._policy.observe_overhead(seconds - self._inside)
