@@ -110,7 +110,7 @@ def _add_spec_args(p: argparse.ArgumentParser, paired_default: bool) -> None:
         default=None,
         help="draft model (same tokenizer as target); for dflash the DFlash checkpoint dir; "
         "for eagle3 the EAGLE-3 head dir; for mtp a head trained apart (train-drafter --kind "
-        "mtp; default: the model's own)",
+        "mtp; default: the model's own) or a Gemma 4 assistant (dir or GGUF)",
     )
     p.add_argument(
         "--draft-quantization",

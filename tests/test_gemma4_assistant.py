@@ -273,3 +273,55 @@ def test_requests_drafting_together_equal_each_alone(pair: tuple[LoadedModel, Pa
     sampled = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, seed=3)
     out = generate(lm, prompts[0], sampled, spec)
     assert len(out.output_ids) == 24 and out.spec.drafted > 0
+
+
+def write_assistant_gguf(assistant: Any, path: Path, qtype: str = "F32") -> Path:
+    """The assistant as llama.cpp's converter writes it (`gemma4-assistant`)."""
+    from quickdraft.hub.gguf_gemma4 import ASSISTANT_ARCH, assistant_tensors
+    from quickdraft.hub.gguf_write import write_gguf
+
+    text = assistant.config.text_config.to_dict()
+    cfg = {**text, "backbone_hidden_size": assistant.config.backbone_hidden_size}
+    tensors = assistant_tensors(assistant.state_dict(), text)
+    return write_gguf(path, ASSISTANT_ARCH, cfg, tensors, qtype, chat_template=None)
+
+
+def test_an_assistant_gguf_drafts_as_its_checkpoint(tmp_path: Path) -> None:
+    """llama.cpp's gemma4-assistant GGUF (file, or a directory holding it) loads as the
+    checkpoint it was written from: F32 gives the same first logits and drafts, Q8_0 runs in
+    its draft format; serving it as a model says it is a drafter."""
+    from quickdraft.hub.convert import convert_gguf
+    from quickdraft.hub.errors import HubError
+
+    hf_model("e2b-moe").save_pretrained(tmp_path / "target")
+    target = load_model(tmp_path / "target", torch.float32)
+    assistant = hf_assistant(False)
+    assistant.save_pretrained(tmp_path / "assistant")
+    (tmp_path / "gguf").mkdir()
+    file = write_assistant_gguf(assistant, tmp_path / "gguf" / "assistant.gguf")
+    ids = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(2))
+    cache = target.new_cache(32)
+    hidden = target(ids, [cache], [20], return_hidden=True).hidden
+    cache.commit(20)
+    assert hidden is not None
+    tokens = [*ids.tolist(), 5]
+
+    def drafts(path: Path, quantization: str = "none") -> tuple[list[int], Tensor]:
+        drafter = assistant_drafter(target, path, quantization)
+        state = AssistantState()
+        drafter.commit(state, tokens, hidden)
+        job = DraftJob(state, tokens, 4, SamplingParams(temperature=0), torch.Generator(), None)
+        job.target_cache = cache
+        first, _ = drafter.head(target.embed(torch.tensor([5])), hidden[-1:], [cache], [20])
+        return drafter.propose([job])[0].tokens, first
+
+    want, logits = drafts(tmp_path / "assistant")
+    for path in (file, tmp_path / "gguf"):
+        got, got_logits = drafts(path)
+        assert got == want and torch.equal(got_logits, logits)
+    q8 = write_assistant_gguf(assistant, tmp_path / "assistant-q8.gguf", "Q8_0")
+    got, got_logits = drafts(q8)
+    torch.testing.assert_close(got_logits, logits, atol=0.1, rtol=0.05)  # |logits| <= ~2
+    assert len(drafts(q8, "int8")[0]) == 4
+    with pytest.raises(HubError, match="drafts for its target"):
+        convert_gguf(file, tmp_path / "served", "gguf")

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from quickdraft.config import GGUF_DTYPE, parse_dtype
 from quickdraft.hub.errors import HubError, UnsupportedArchitectureError
-from quickdraft.hub.gguf_gemma4 import gemma4_config, gemma4_plan, per_layer
+from quickdraft.hub.gguf_gemma4 import ASSISTANT_ARCH, gemma4_config, gemma4_plan, per_layer
 from quickdraft.hub.gguf_gpt_oss import gpt_oss_config, gpt_oss_plan
 from quickdraft.hub.gguf_qwen import HYBRID_ARCHS, QWEN_ARCHS, Planned, qwen_config, qwen_plan
 from quickdraft.memory import trim_heap
@@ -153,13 +153,17 @@ def _f32(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def _hf_config(reader: Any, arch: str, dtype: torch.dtype) -> tuple[dict[str, Any], list[int]]:
-    """(config.json dict, eos ids for generation_config.json) from GGUF metadata."""
+def _hf_config(
+    reader: Any, arch: str, dtype: torch.dtype, family: str = ""
+) -> tuple[dict[str, Any], list[int]]:
+    """(config.json dict, eos ids for generation_config.json) from GGUF metadata; `family`:
+    the architecture whose fields `arch`'s keys hold (the Gemma 4 assistant's: gemma4's)."""
+    prefix, arch = arch, family or arch
 
     def meta(key: str, default: Any = None, required: bool = False) -> Any:
-        value = _metadata(reader, f"{arch}.{key}", default)
+        value = _metadata(reader, f"{prefix}.{key}", default)
         if value is None and required:
-            raise HubError(f"GGUF metadata lacks {arch}.{key}")
+            raise HubError(f"GGUF metadata lacks {prefix}.{key}")
         return value
 
     hidden, heads = (
@@ -369,6 +373,16 @@ def _write_tokenizer(gguf_path: Path, out: Path, chat_template: str | None, arch
     cfg_path.write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
 
 
+def assistant_config(reader: Any) -> tuple[dict[str, Any], int]:
+    """A Gemma 4 assistant GGUF's (llama.cpp `gemma4-assistant`) text config.json dict and
+    the target width it reads (`embedding_length_out`)."""
+    cfg, _ = _hf_config(reader, ASSISTANT_ARCH, torch.float32, family="gemma4")
+    backbone = _metadata(reader, f"{ASSISTANT_ARCH}.embedding_length_out")
+    if backbone is None:
+        raise HubError(f"GGUF metadata lacks {ASSISTANT_ARCH}.embedding_length_out")
+    return cfg, int(backbone)
+
+
 def convert_gguf(
     gguf_path: Path, out_dir: Path, dtype: str = "bf16", progress: bool = True
 ) -> Path:
@@ -385,6 +399,11 @@ def convert_gguf(
     except Exception as e:  # the reader raises bare ValueErrors (reshape, struct) on bad files
         raise HubError(f"{gguf_path}: not a readable GGUF file (truncated or damaged?): {e}") from e
     arch = _metadata(reader, "general.architecture")
+    if arch == ASSISTANT_ARCH:
+        raise UnsupportedArchitectureError(
+            f"{gguf_path.name}: a Gemma 4 assistant drafts for its target: serve the target "
+            f"with --speculative-method assistant --draft-model {gguf_path}"
+        )
     if arch not in _ARCHS:
         raise UnsupportedArchitectureError(
             f"{gguf_path.name}: architecture {arch!r} is not supported "

@@ -29,6 +29,14 @@ from quickdraft.hub.errors import HubError
 from quickdraft.hub.gguf_qwen import Planned, Planner
 
 ARCH = "gemma4"
+# llama.cpp's `gemma4-assistant`: the assistant drafter (conversion/gemma.py there,
+# `Gemma4AssistantModel`): gemma4's metadata and layer tensors (queries only: every layer reads
+# the target's KV), `embedding_length_out` the target's width, `nextn.pre_projection` /
+# `nextn.post_projection` its projections in and out; the centroid mask of the E2B / E4B
+# assistants is left out by that converter (`masked_embd_*` when another wrote it): llama.cpp
+# scores the whole vocabulary with the tied embedding, and so do we from such a file
+ASSISTANT_ARCH = "gemma4-assistant"
+_PRE, _POST = "nextn.pre_projection.weight", "nextn.post_projection.weight"
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
@@ -205,6 +213,36 @@ def gemma4_plan(shapes: dict[str, tuple[int, ...]], cfg: dict[str, Any]) -> list
     if extra:
         raise HubError(f"{ARCH} GGUF tensors with no place in the model: {extra[:8]}")
     return p.plan
+
+
+def assistant_plan(
+    shapes: dict[str, tuple[int, ...]], cfg: dict[str, Any], backbone: int
+) -> list[Planned]:
+    """Every HF tensor of a Gemma 4 assistant (its text config `cfg`; `backbone`: the
+    target's hidden size) from a gemma4-assistant file's tensors `shapes`."""
+    hidden = cfg["hidden_size"]
+    ours = {n: s for n, s in shapes.items() if n not in (_PRE, _POST)}
+    ours = {n: s for n, s in ours.items() if not n.startswith("masked_embd_")}
+    # query-only layers: no k / v of their own, whatever the file says it shares
+    plan = gemma4_plan(ours, {**cfg, "num_kv_shared_layers": cfg["num_hidden_layers"]})
+    p = Planner(shapes, ASSISTANT_ARCH)
+    p.add("pre_projection.weight", (hidden, 2 * backbone), [(_PRE, (hidden, 2 * backbone))])
+    p.add("post_projection.weight", (backbone, hidden), [(_POST, (backbone, hidden))])
+    return plan + p.plan
+
+
+def assistant_tensors(state: dict[str, Tensor], cfg: dict[str, Any]) -> dict[str, Tensor]:
+    """A transformers Gemma 4 assistant's state dict as llama.cpp's converter writes it (its
+    text config `cfg`): gemma4's names, the projections as `nextn.*`, no centroid mask."""
+    own = {"pre_projection.weight": _PRE, "post_projection.weight": _POST}
+    rest = {
+        n: t
+        for n, t in state.items()
+        if n not in own and not n.startswith("masked_embedding.") and n != "lm_head.weight"
+    }
+    out = gemma4_tensors(rest, {**cfg, "tie_word_embeddings": True})
+    out.update({own[n]: state[n].detach().float().clone() for n in own})
+    return out
 
 
 # HF module path in a layer -> llama.cpp tensor kind (the writer's side of `gemma4_plan`)

@@ -30,7 +30,7 @@ import torch
 from gguf.quants import quantize
 from torch import Tensor
 
-from quickdraft.hub.gguf_gemma4 import add_gemma4_metadata, gemma4_tensors
+from quickdraft.hub.gguf_gemma4 import ASSISTANT_ARCH, add_gemma4_metadata, gemma4_tensors
 from quickdraft.hub.gguf_qwen import (
     HYBRID_ARCHS,
     QWEN3VL_PROJECTOR,
@@ -285,8 +285,11 @@ def _metadata(
     w.add_head_count(cfg["num_attention_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    if arch == "gemma4":  # per-layer shapes, two RoPE bases
+    if arch in ("gemma4", ASSISTANT_ARCH):  # per-layer shapes, two RoPE bases
         add_gemma4_metadata(w, cfg)
+        if arch == ASSISTANT_ARCH:  # the target's width; every layer a draft (nextn) layer
+            w.add_embedding_length_out(cfg["backbone_hidden_size"])
+            w.add_nextn_predict_layers(cfg["num_hidden_layers"])
     else:
         w.add_head_count_kv(cfg["num_key_value_heads"])
         w.add_key_length(head_dim)
@@ -305,7 +308,7 @@ def _metadata(
             w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
             w.add_rope_scaling_factor(rope["factor"])
             w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    elif "num_experts" in cfg and arch != "gemma4":
+    elif "num_experts" in cfg and arch not in ("gemma4", ASSISTANT_ARCH):
         w.add_expert_count(cfg["num_experts"])
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])

@@ -19,6 +19,8 @@ The head: the assistant's (tied) lm_head, or with `use_ordered_embeddings` a cen
 `centroids` scores `num_centroids` token clusters (`token_ordering` lists each cluster's
 ids), only the top `centroid_intermediate_top_k` clusters' tokens are scored by the lm_head and
 every other token gets the row's least such logit minus 1 (HF's, per row).
+Checkpoints: a Hugging Face directory, or llama.cpp's `gemma4-assistant` GGUF (hub/gguf_gemma4.py
+`assistant_plan`; its converter drops the centroid mask, so the whole vocabulary is scored).
 """
 
 from __future__ import annotations
@@ -27,13 +29,18 @@ import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from quickdraft.config import read_hf_config
+from quickdraft.hub.convert import assistant_config
+from quickdraft.hub.gguf_gemma4 import ASSISTANT_ARCH, assistant_plan
+from quickdraft.hub.gguf_read import read_gguf
 from quickdraft.kernels.gemm import panels_apply, project, to_panels
 from quickdraft.models.gemma4 import (
     DecoderLayer,
@@ -48,7 +55,7 @@ from quickdraft.models.gemma4_config import Gemma4Config
 from quickdraft.models.kv_cache import GroupedKVCache
 from quickdraft.models.layers import convert_operands_
 from quickdraft.models.llama import Embedding
-from quickdraft.models.loader import load_weights
+from quickdraft.models.loader import TensorEntries, fill_weights, load_weights
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,17 +120,23 @@ def _no_target(*args: Any) -> Any:
 def load_assistant(
     target: nn.Module, path: str | Path, quantization: str = "none"
 ) -> Gemma4Assistant:
-    """The assistant in checkpoint dir `path` for `target`, bound to it; a clear error for a
-    target that is not Gemma 4 or an assistant made for another one. `quantization` "int8" /
-    "int4" (CPU kernels): its projections and head in that format (as draft models run; the
-    centroid-masked head of the E2B / E4B assistants reads its rows by id from `head_rows`,
-    kept as loaded), else bf16 panels on the CPU."""
+    """The assistant at `path` (a checkpoint dir or a gemma4-assistant GGUF) for `target`,
+    bound to it; a clear error for a target that is not Gemma 4 or an assistant made for
+    another one. `quantization` "int8" / "int4" (CPU kernels): its projections and head in
+    that format (as draft models run; the centroid-masked head of the E2B / E4B assistants
+    reads its rows by id from `head_rows`, kept as loaded), else bf16 panels on the CPU."""
     if not isinstance(target, Gemma4LM):
         kind = getattr(getattr(target, "config", None), "model_type", type(target).__name__)
         raise ValueError(f"{path}: a Gemma 4 assistant drafts for Gemma 4 targets, not {kind}")
-    cfg = AssistantConfig.from_hf(path, target.config)
-    head = Gemma4Assistant(cfg, target.dtype, target.device, target)
-    load_weights(head, sorted(Path(path).glob("*.safetensors")))
+    file = assistant_gguf(path)
+    if file is not None:
+        cfg, entries = _from_gguf(file, target.config)
+        head = Gemma4Assistant(cfg, target.dtype, target.device, target)
+        fill_weights(head, entries)
+    else:
+        cfg = AssistantConfig.from_hf(path, target.config)
+        head = Gemma4Assistant(cfg, target.dtype, target.device, target)
+        load_weights(head, sorted(Path(path).glob("*.safetensors")))
     convert = quantizer(quantization)
     if convert is not None:
         convert_operands_(head, convert)
@@ -132,11 +145,63 @@ def load_assistant(
     return head
 
 
+def _from_gguf(file: Path, target: Gemma4Config) -> tuple[AssistantConfig, TensorEntries]:
+    """A llama.cpp gemma4-assistant GGUF's config (checked against `target`) and its tensors
+    under HF names, dequantized to fp32 as they are read (a drafter of ~80M weights: its
+    projections then take the draft format, as a Hugging Face assistant's do)."""
+    from gguf.quants import dequantize
+
+    reader = read_gguf(file)
+    text, backbone = assistant_config(reader)
+    raw = {
+        "model_type": "gemma4_assistant",
+        "text_config": text,
+        "backbone_hidden_size": backbone,
+        "use_ordered_embeddings": False,  # llama.cpp scores the whole vocabulary
+    }
+    cfg = AssistantConfig.from_dict(raw, {}, target, str(file))
+    tensors = {t.name: t for t in reader.tensors}
+    shapes = {n: tuple(int(d) for d in reversed(t.shape)) for n, t in tensors.items()}
+    if "output.weight" in shapes:
+        raise ValueError(f"{file}: an assistant's head is its embedding (tied); output.weight")
+    plan = assistant_plan(shapes, text, backbone)
+
+    def fp32(name: str) -> Tensor:
+        t = tensors[name]
+        values = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        return torch.from_numpy(values).reshape(shapes[name])
+
+    entries = [
+        (file.name, item.name, partial(lambda it: it.build([fp32(n) for n in it.sources]), item))
+        for item in plan
+    ]
+    return cfg, entries
+
+
+def assistant_gguf(path: str | Path) -> Path | None:
+    """The llama.cpp `gemma4-assistant` GGUF at `path` (the file, or a directory holding one
+    and no config.json), else None."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.gguf"))
+        if (path / "config.json").is_file() or len(files) != 1:
+            return None
+        path = files[0]
+    if path.suffix != ".gguf" or not path.is_file():
+        return None
+    try:
+        arch = read_gguf(path).fields["general.architecture"].contents()
+    except (KeyError, ValueError):
+        return None
+    return path if arch == ASSISTANT_ARCH else None
+
+
 def is_assistant_dir(path: str | Path) -> bool:
+    """Whether `path` is a Gemma 4 assistant: a checkpoint directory or llama.cpp's GGUF."""
     config = Path(path) / "config.json"
-    return config.is_file() and json.loads(config.read_text()).get("model_type") == (
-        "gemma4_assistant"
-    )
+    if config.is_file():
+        return json.loads(config.read_text()).get("model_type") == "gemma4_assistant"
+    return assistant_gguf(path) is not None
 
 
 class MaskedEmbedding(nn.Module):

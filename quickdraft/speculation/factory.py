@@ -165,7 +165,7 @@ def _assistant(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, Cos
     if config.draft_model is None:
         raise ValueError(
             "--speculative-method assistant needs the Gemma 4 assistant checkpoint: "
-            "--draft-model DIR"
+            "--draft-model DIR (or llama.cpp's gemma4-assistant GGUF)"
         )
     # --draft-quantization (int4 by default on the CPU) as for draft models
     drafter = assistant_drafter(lm.model, config.draft_model, _draft_format(lm, config))

@@ -101,9 +101,10 @@ class AssistantDrafter:
 def assistant_drafter(
     model: LanguageModel, path: str | Path, quantization: str = "none"
 ) -> AssistantDrafter:
-    """The drafter for Gemma 4 target `model` from the assistant checkpoint dir `path` (its
-    weights in `quantization`, models/gemma4_assistant.py `load_assistant`); a clear error for
-    another target or an assistant made for another Gemma 4."""
+    """The drafter for Gemma 4 target `model` from the assistant at `path` (a checkpoint dir
+    or llama.cpp's GGUF; its weights in `quantization`, models/gemma4_assistant.py
+    `load_assistant`); a clear error for another target or an assistant made for another
+    Gemma 4."""
     return AssistantDrafter(load_assistant(module_of(model), path, quantization))
 
 
