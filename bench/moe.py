@@ -63,6 +63,7 @@ from quickdraft.hub.gguf_write import (
 )
 from quickdraft.kernels.linear_gguf import FORMATS
 from quickdraft.loading import load
+from quickdraft.memory import freeze_loaded
 from quickdraft.models.gemma4 import Gemma4LM
 from quickdraft.models.gemma4_config import Gemma4Config
 from quickdraft.models.gpt_oss import GptOssConfig, GptOssLM
@@ -190,6 +191,7 @@ class Ours:
         t = time.perf_counter()
         self.model: Any = load(str(model_dir), "gguf", progress=False).model
         self.load_s = time.perf_counter() - t
+        freeze_loaded()  # as `quickdraft serve` does after loading
         self.vocab = self.model.config.vocab_size
         self.rss_mb = _rss_mb()
 

@@ -29,6 +29,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from quickdraft.config import DEFAULT_DTYPE, DEFAULT_MODEL, PrefixCacheConfig, SpeculativeConfig
+from quickdraft.memory import freeze_loaded
 from quickdraft.server.app import create_app
 from quickdraft.server.settings import SpeculationSettings, load_settings
 from quickdraft.server.state import ServerConfig, ServerState
@@ -72,6 +73,7 @@ def serve(opts: ServeOptions, config: ServerConfig) -> None:
         max_waiting=config.max_concurrency,
         prefix_cache=opts.prefix_cache,
     )
+    freeze_loaded()
     engine.start()
     try:
         app = create_app(engine, config, saved)
