@@ -287,6 +287,7 @@ class HiddenRecorder:
 
     name = "hidden-recorder"
     needs_hidden = True
+    hidden_history = True
     hidden_layers: tuple[int, ...] = ()  # the post-final-norm hidden
 
     def __init__(self) -> None:

@@ -325,3 +325,35 @@ def test_an_assistant_gguf_drafts_as_its_checkpoint(tmp_path: Path) -> None:
     assert len(drafts(q8, "int8")[0]) == 4
     with pytest.raises(HubError, match="drafts for its target"):
         convert_gguf(file, tmp_path / "served", "gguf")
+
+
+@needs_kernel
+def test_a_prefix_cache_hit_is_used_while_the_assistant_drafts(
+    pair: tuple[LoadedModel, Path],
+) -> None:
+    """The assistant reads only the target's KV and its newest hidden row, so a request whose
+    prompt is cached skips those blocks' prefill and drafts from the copied-in KV: greedy
+    outputs with the cache equal those without it, drafts accepted."""
+    from quickdraft.config import PrefixCacheConfig
+
+    lm, assistant = pair
+    spec = make_speculation(
+        lm,
+        SpeculativeConfig(
+            method="assistant", num_draft_tokens=3, draft_model=str(assistant), adaptive=False
+        ),
+    )
+    greedy = SamplingParams(max_tokens=16, ignore_eos=True)
+    shared = lm.tokenizer.encode(PROMPTS[0] * 3)
+    prompts = [shared + lm.tokenizer.encode(tail) for tail in (" one", " two and three")]
+    expected = [generate(lm, ids, greedy).output_ids for ids in prompts]
+    core = EngineCore(lm, SchedulerConfig(max_running=1), PrefixCacheConfig(block_size=8))
+    reqs = [lm.new_request(ids, greedy) for ids in prompts]
+    seqs = []
+    for req in reqs:  # one after the other: the second finds the first's blocks
+        seqs.append(core.add(req, spec))
+        while core.has_work:
+            core.step()
+    assert [r.output_ids for r in reqs] == expected
+    assert seqs[1].cached_tokens >= len(shared) // 8 * 8 > 0
+    assert reqs[1].spec.accepted > 0

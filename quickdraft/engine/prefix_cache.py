@@ -30,8 +30,9 @@ chunked or batched, and an output with the cache equals the output without it bi
   admit(prompt, cache, spec, tenant) -> cursor
         the longest run of whole prompt blocks in the tenant's tree, leaving the prompt's last
         token to run (its logits give the first output token); recurrent targets: up to the
-        deepest snapshot in it; a drafter that reads the target's hidden states (MTP): only
-        blocks that carry its part too (it cannot catch up on positions the target skipped).
+        deepest snapshot in it; a drafter that keeps state over the target's hidden states of
+        every position (MTP): only blocks that carry its part too (it cannot catch up on
+        positions the target skipped; the Gemma 4 assistant reads only the newest row).
         Gives them to `cache` and the drafter state, and locks them.
   extend(cursor, tokens, cache, spec)
         after a commit: the sequence's newly whole blocks join the tree (nodes other requests
@@ -215,7 +216,10 @@ class PrefixCache:
             while drafted < len(path) and key in path[drafted].drafts:
                 drafted += 1
         usable = len(path)
-        if spec is not None and any(a.speculation.drafter.needs_hidden for a in spec.arms):
+        if spec is not None and any(
+            a.speculation.drafter.needs_hidden and a.speculation.drafter.hidden_history
+            for a in spec.arms
+        ):
             usable = drafted  # it could not catch up on positions the target skips
         if cache.recurrent:  # resume from the deepest state snapshot
             usable = max((i + 1 for i in range(usable) if path[i].state is not None), default=0)

@@ -39,6 +39,7 @@ class AssistantState:
 
 class AssistantDrafter:
     needs_hidden = True
+    hidden_history = False  # the newest row only: prefix-cache hits need nothing
     hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, head: Gemma4Assistant) -> None:

@@ -121,6 +121,10 @@ def draft_position(
 
 class Drafter(Protocol):
     needs_hidden: bool  # commit() gets the target's hidden states (see module docstring)
+    # with needs_hidden: whether it keeps state over every committed position's rows (MTP,
+    # EAGLE-3, DFlash: their own KV over them), so a prefix-cache hit needs its share of the
+    # cached blocks; False: it reads only the newest row (the Gemma 4 assistant)
+    hidden_history: bool
     # with needs_hidden: the target layers its rows are the outputs of; (): post-final-norm
     hidden_layers: tuple[int, ...]
     forwards: list[StepShape]  # the forwards of the last propose (see module docstring)

@@ -100,6 +100,7 @@ class DFlashState:
 
 class DFlashDrafter:
     needs_hidden = True
+    hidden_history = True
 
     def __init__(
         self,

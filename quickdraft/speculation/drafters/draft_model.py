@@ -62,6 +62,7 @@ def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
 
 class DraftModelDrafter:
     needs_hidden = False
+    hidden_history = False
     hidden_layers: tuple[int, ...] = ()
 
     def __init__(

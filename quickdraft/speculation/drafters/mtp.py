@@ -163,6 +163,7 @@ class MTPState:
 
 class MTPDrafter:
     needs_hidden = True
+    hidden_history = True
     hidden_layers: tuple[int, ...] = ()
 
     def __init__(

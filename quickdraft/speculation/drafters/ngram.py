@@ -126,6 +126,7 @@ class SharedIndex:
 
 class NgramDrafter:
     needs_hidden = False
+    hidden_history = False
     hidden_layers: tuple[int, ...] = ()
 
     def __init__(

@@ -277,6 +277,7 @@ class SharedTree:
 
 class SuffixDrafter:
     needs_hidden = False
+    hidden_history = False
     hidden_layers: tuple[int, ...] = ()  # reads no hidden states
 
     def __init__(
