@@ -163,7 +163,10 @@ def _from_gguf(file: Path, target: Gemma4Config) -> tuple[AssistantConfig, Tenso
     tensors = {t.name: t for t in reader.tensors}
     shapes = {n: tuple(int(d) for d in reversed(t.shape)) for n, t in tensors.items()}
     if "output.weight" in shapes:
-        raise ValueError(f"{file}: an assistant's head is its embedding (tied); output.weight")
+        raise ValueError(
+            f"{file}: has output.weight, but a gemma4-assistant's head is its token_embd "
+            "(llama.cpp ties them): not a file its converter wrote"
+        )
     plan = assistant_plan(shapes, text, backbone)
 
     def fp32(name: str) -> Tensor:
