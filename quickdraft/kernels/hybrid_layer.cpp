@@ -158,7 +158,7 @@ class QdGDNLayer {
     }
     TORCH_CHECK(row == n, "quickdraft GDNLayer: counts must sum to the rows");
     at::Tensor out = qd_gated_rms_norm(core, t_.at("norm"), z, eps_);
-    if (out_heads_.has_value()) out = out.index({at::indexing::Slice(), *out_heads_});
+    if (out_heads_.has_value()) out = out.index_select(1, *out_heads_);
     return out_(out.reshape({n, -1}));
   }
 
