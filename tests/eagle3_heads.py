@@ -321,3 +321,27 @@ def save_gguf_head(file: Path, spec: HeadSpec, tensors: dict[str, Tensor], taps:
     w.write_tensors_to_file()
     w.close()
     return file
+
+
+def random_drafter_config(
+    method: str, directory: Path, target: Path, layers: int, vocab: int
+) -> dict[str, Any]:
+    """SpeculativeConfig fields (forced k = 4) for `method` on a 64-wide target of `layers`
+    layers and `vocab` tokens at `target` (a dir or GGUF): a random EAGLE-3 head or DFlash
+    drafter of its shape saved under `directory`, the target as its own draft model, or a
+    lookup drafter. Random heads draft badly: their greedy tokens are mostly rejected and
+    rolled back, which is what losslessness tests want to exercise."""
+    from test_dflash import dflash_config, random_tensors, write_dflash
+
+    fields: dict[str, Any] = {"method": method, "num_draft_tokens": 4, "adaptive": False}
+    taps = sorted({1, max(1, layers // 2), layers - 1})
+    if method == "eagle3":
+        spec = HeadSpec(vocab=vocab, taps=taps, num_taps=len(taps))
+        fields["draft_model"] = str(save_head(directory, spec, random_head(spec, 3), "speculators"))
+    elif method == "dflash":
+        cfg = dflash_config(layers, [0, layers - 1], vocab_size=vocab)
+        cfg["dflash_config"]["mask_token_id"] = vocab - 1  # a token of this vocabulary
+        fields["draft_model"] = str(write_dflash(directory, cfg, random_tensors(cfg, 4)))
+    elif method == "draft":
+        fields["draft_model"] = str(target)
+    return fields

@@ -203,25 +203,28 @@ def served(hf_dir: tuple[Any, Path]) -> LoadedModel:
 
 
 @needs_kernel
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft", "eagle3", "dflash"])
 def test_speculation_equals_plain_decoding(
-    served: LoadedModel, hf_dir: tuple[Any, Path], method: str
+    served: LoadedModel, hf_dir: tuple[Any, Path], method: str, tmp_path: Path
 ) -> None:
     """bf16 through the engine: greedy speculation (n-gram, suffix; the model as its own draft,
-    which agrees with every token) gives the tokens of plain decoding, drafts accepted."""
-    draft = str(hf_dir[1]) if method == "draft" else None
-    spec = make_speculation(
-        served,
-        SpeculativeConfig(method=method, num_draft_tokens=4, draft_model=draft, adaptive=False),
-    )
+    which agrees with every token; random EAGLE-3 and DFlash heads of its shape, whose drafts
+    are mostly rejected and rolled back) gives the tokens of plain decoding."""
+    from eagle3_heads import random_drafter_config
+
+    layers = served.model.config.num_hidden_layers  # type: ignore[union-attr]
+    fields = random_drafter_config(method, tmp_path / method, hf_dir[1], layers, VOCAB)
+    spec = make_speculation(served, SpeculativeConfig(**fields))
     assert spec is not None
-    accepted = 0
+    accepted = drafted = 0
     for prompt in ("the cat sat on the mat. the cat sat on", "Hello world, this is a test."):
         ids = served.tokenizer.encode(prompt)
         fast = generate(served, ids, 32, spec)
         assert fast.output_ids == generate(served, ids, 32).output_ids
-        accepted += fast.spec.accepted
-    assert accepted > 0
+        accepted, drafted = accepted + fast.spec.accepted, drafted + fast.spec.drafted
+    assert drafted > 0
+    if method in ("ngram", "suffix", "draft"):
+        assert accepted > 0
 
 
 @needs_kernel

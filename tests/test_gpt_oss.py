@@ -451,3 +451,27 @@ def test_mxfp4_checkpoint_missing_or_truncated_tensor_is_named(
     with pytest.raises(ValueError, match=re.escape(name)) as err:
         load_model(broken, torch.float32)
     assert damage == "missing" or "model.safetensors" in str(err.value)
+
+
+@needs_kernel
+@pytest.mark.parametrize("method", ["suffix", "draft", "eagle3", "dflash"])
+def test_every_drafter_equals_plain_decoding(
+    gguf_pair: tuple[Any, Path], method: str, tmp_path: Path
+) -> None:
+    """The gpt-oss file on its own blocks: greedy speculation with each kind of drafter (the
+    file as its own draft model, random EAGLE-3 and DFlash heads of its shape, whose drafts
+    are mostly rejected and rolled back) gives plain decoding's tokens."""
+    from eagle3_heads import random_drafter_config
+
+    _, path = gguf_pair
+    lm = load(str(path), "gguf", progress=False)
+    layers = lm.model.config.num_hidden_layers  # type: ignore[union-attr]
+    fields = random_drafter_config(method, tmp_path / method, path, layers, VOCAB)
+    spec = make_speculation(lm, SpeculativeConfig(**fields))
+    drafted = 0
+    for prompt in (PROMPT, "the cat sat on the mat. the cat sat on"):
+        ids = lm.tokenizer.encode(prompt)
+        fast = generate(lm, ids, 24, spec)
+        assert fast.output_ids == generate(lm, ids, 24).output_ids
+        drafted += fast.spec.drafted
+    assert drafted > 0

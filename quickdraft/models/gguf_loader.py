@@ -53,6 +53,11 @@ class GGUFTensorError(ValueError):
     """A GGUF tensor that cannot be loaded: missing, misshapen or in an unsupported type."""
 
 
+class GGUFFormatError(GGUFTensorError):
+    """A GGUF model whose family runs on its own blocks only, asked for another format (an
+    int8 / int4 copy) or device."""
+
+
 def is_gguf_dir(path: Path) -> bool:
     return (path / GGUF_LINK).is_file()
 

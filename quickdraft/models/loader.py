@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from quickdraft.hub.convert import GGUF_LINK
 from quickdraft.models.base import LanguageModel
 from quickdraft.models.gguf_gemma4_loader import load_gemma4_gguf
-from quickdraft.models.gguf_loader import GGUFTensorError, is_gguf_dir, load_gguf_model
+from quickdraft.models.gguf_loader import GGUFFormatError, is_gguf_dir, load_gguf_model
 from quickdraft.models.gguf_qwen_loader import QWEN_TYPES, load_qwen_gguf
 from quickdraft.models.gpt_oss import GptOssLM, is_mxfp4, mxfp4_experts
 from quickdraft.models.hybrid_config import NameMap
@@ -51,7 +51,7 @@ def load_model(
         if cfg.model_type not in (*QWEN_TYPES, *GEMMA4_TYPES):
             return load_gguf_model(path, dtype, device, quantization)
         if quantization != "none" or torch.device(device).type != "cpu":
-            raise GGUFTensorError(
+            raise GGUFFormatError(
                 f"{cfg.model_type}: GGUF weights run as they are on the CPU only (no "
                 f"{quantization} copy, not on {device}); load with --dtype bf16"
             )

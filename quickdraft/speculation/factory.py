@@ -16,6 +16,7 @@ request picks among them per step (speculation/adaptive.py).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable
 
@@ -24,6 +25,7 @@ from quickdraft.image_encoder import ImageEncoder
 from quickdraft.loading import LoadedModel, load
 from quickdraft.memory import trim_heap
 from quickdraft.models.gemma4_assistant import is_assistant_dir
+from quickdraft.models.gguf_loader import GGUFFormatError
 from quickdraft.speculation.cost import DraftCost, StepCost, model_cost
 from quickdraft.speculation.drafters.assistant import assistant_drafter, assistant_step_seconds
 from quickdraft.speculation.drafters.base import Drafter
@@ -34,6 +36,8 @@ from quickdraft.speculation.drafters.mtp import head_step_seconds, mtp_drafter
 from quickdraft.speculation.drafters.ngram import NgramDrafter
 from quickdraft.speculation.drafters.suffix import SuffixDrafter
 from quickdraft.speculation.state import AdaptiveSpeculation, AnySpeculation, Speculation
+
+log = logging.getLogger(__name__)
 
 CostTable = Callable[[], StepCost] | None  # measures a drafter's forwards; None: free
 
@@ -72,13 +76,23 @@ def _draft_format(lm: LoadedModel, config: SpeculativeConfig) -> str:
 def _draft_model(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable]:
     assert config.draft_model is not None
     device = lm.model.device
-    draft = load(
-        config.draft_model,
-        lm.dtype_name,
-        str(device),
-        progress=True,
-        quantization=_draft_format(lm, config),
-    )
+    quantization = _draft_format(lm, config)
+    try:
+        draft = load(
+            config.draft_model, lm.dtype_name, str(device), progress=True, quantization=quantization
+        )
+    except GGUFFormatError as e:
+        if quantization == "none":
+            raise
+        # a GGUF of a family that runs on its own blocks (MoE, hybrid, Gemma 4, gpt-oss):
+        # already 4-8 bits a weight, it drafts as it is
+        log.info(
+            "draft model %s runs on its own GGUF blocks, not %s (%s)",
+            config.draft_model,
+            quantization,
+            e,
+        )
+        draft = load(config.draft_model, lm.dtype_name, str(device), progress=True)
     if draft.tokenizer.fingerprint() != lm.tokenizer.fingerprint():
         raise ValueError(
             f"draft model {config.draft_model!r} does not share the target's tokenizer "
