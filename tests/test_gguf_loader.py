@@ -620,3 +620,29 @@ def test_restricted_vocab_keeps_the_gguf_head_rows(built: Built) -> None:
     assert torch.equal(mine.logits[:, :64], logits[:, :64])
     assert bool((mine.logits[:, 64 : VOCAB - 1] == float("-inf")).all())
     torch.testing.assert_close(mine.logits[:, -1], logits[:, -1], atol=0.1, rtol=0.05)
+
+
+def test_gguf_architecture_reads_the_header_only(tmp_path: Path) -> None:
+    """`gguf_architecture` finds general.architecture after fields of every kind (strings,
+    numbers, arrays of numbers and of strings) and says None for a file that is not GGUF."""
+    import struct
+
+    from quickdraft.hub.gguf_read import gguf_architecture
+
+    def text(s: str) -> bytes:
+        return struct.pack("<Q", len(s)) + s.encode()
+
+    fields = [
+        text("general.name") + struct.pack("<I", 8) + text("tiny"),
+        text("x.count") + struct.pack("<IQ", 10, 7),
+        text("x.flags") + struct.pack("<IIQ", 9, 7, 3) + bytes([1, 0, 1]),
+        text("x.tokens") + struct.pack("<IIQ", 9, 8, 2) + text("a") + text("bc"),
+        text("general.architecture") + struct.pack("<I", 8) + text("gemma4-assistant"),
+    ]
+    path = tmp_path / "header.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(fields)) + b"".join(fields))
+    assert gguf_architecture(path) == "gemma4-assistant"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(fields) - 1) + b"".join(fields[:-1]))
+    assert gguf_architecture(path) is None
+    (tmp_path / "not.gguf").write_text("hello")
+    assert gguf_architecture(tmp_path / "not.gguf") is None

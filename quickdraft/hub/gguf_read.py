@@ -56,3 +56,47 @@ class _CheckedReader(GGUFReader):
 def read_gguf(path: Path | str) -> GGUFReader:
     """The file's reader (module docstring); GGUFDataError names a tensor the file cannot hold."""
     return _CheckedReader(str(path))
+
+
+# GGUF value types (gguf's GGUFValueType) -> fixed sizes in bytes; 8 is a string, 9 an array
+_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def gguf_architecture(path: Path | str) -> str | None:
+    """The file's `general.architecture`, read from the header's key-value pairs up to that
+    key (the writers put it first), without the reader's pass over every field and tensor: that
+    took ~7 s for a 151k-token vocabulary. None for a file that is not GGUF or lacks the key."""
+    import struct
+
+    def skip(f: Any, kind: int) -> None:
+        if kind == 8:
+            (n,) = struct.unpack("<Q", f.read(8))
+            f.seek(n, 1)
+        elif kind == 9:
+            elem, count = struct.unpack("<IQ", f.read(12))
+            if elem in _SIZES:
+                f.seek(count * _SIZES[elem], 1)
+            else:
+                for _ in range(count):
+                    skip(f, elem)
+        elif kind in _SIZES:
+            f.seek(_SIZES[kind], 1)
+        else:
+            raise ValueError(f"GGUF value type {kind}")
+
+    try:
+        with open(path, "rb") as f:
+            magic, _version, _tensors, pairs = struct.unpack("<4sIQQ", f.read(24))
+            if magic != b"GGUF":
+                return None
+            for _ in range(pairs):
+                (n,) = struct.unpack("<Q", f.read(8))
+                key = f.read(n).decode("utf-8", errors="replace")
+                (kind,) = struct.unpack("<I", f.read(4))
+                if key == "general.architecture" and kind == 8:
+                    (n,) = struct.unpack("<Q", f.read(8))
+                    return f.read(n).decode("utf-8", errors="replace")
+                skip(f, kind)
+    except (OSError, ValueError, struct.error):
+        return None
+    return None

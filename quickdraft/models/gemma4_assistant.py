@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from quickdraft.config import read_hf_config
 from quickdraft.hub.convert import assistant_config
 from quickdraft.hub.gguf_gemma4 import ASSISTANT_ARCH, assistant_plan
-from quickdraft.hub.gguf_read import read_gguf
+from quickdraft.hub.gguf_read import gguf_architecture, read_gguf
 from quickdraft.kernels.gemm import panels_apply, project, to_panels
 from quickdraft.models.gemma4 import (
     DecoderLayer,
@@ -192,11 +192,7 @@ def assistant_gguf(path: str | Path) -> Path | None:
         path = files[0]
     if path.suffix != ".gguf" or not path.is_file():
         return None
-    try:
-        arch = read_gguf(path).fields["general.architecture"].contents()
-    except (KeyError, ValueError):
-        return None
-    return path if arch == ASSISTANT_ARCH else None
+    return path if gguf_architecture(path) == ASSISTANT_ARCH else None
 
 
 def is_assistant_dir(path: str | Path) -> bool:
