@@ -51,11 +51,14 @@ from gguf import GGUFReader
 from quickdraft.bench.peers import llama_cpp_quantize
 from quickdraft.bench.report import bars, machine, peak_rss_mb, table, write
 from quickdraft.bench.shapes import HYBRID_CONFIG, MOE_CUTS, MOE_REAL, init_
+from quickdraft.config import SpeculativeConfig
+from quickdraft.engine.core import EngineCore
+from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.hub.convert import convert_gguf
 from quickdraft.hub.gguf_write import WRITABLE, llama_cpp_tensors, write_gguf
 from quickdraft.kernels import PanelWeight, Weight, panels_apply, project
 from quickdraft.kernels.linear_gguf import GGUFWeight
-from quickdraft.loading import load
+from quickdraft.loading import LoadedModel, load
 from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.moe import GatedMLP
 from quickdraft.models.mtp import MTPHead, hybrid_mtp_parts
@@ -63,6 +66,7 @@ from quickdraft.models.qwen3_next import GatedAttention, GatedDeltaNet, HybridLM
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.drafters.base import DraftJob
 from quickdraft.speculation.drafters.mtp import MTPDrafter, head_step_seconds, load_mtp_head
+from quickdraft.speculation.factory import make_speculation
 from quickdraft.speculation.verify import verify_greedy
 
 # --shape: the model's config, GGUF architecture and a description. qwen35: Qwen3.5-0.8B's
@@ -117,7 +121,7 @@ def build(
 
 def build_gguf(
     out_scale: float, qtype: str, directory: Path, config: dict[str, Any], arch: str
-) -> tuple[HybridLM, MTPHead, int, int, dict[str, Any]]:
+) -> tuple[HybridLM, MTPHead, int, int, dict[str, Any], LoadedModel]:
     """The same model and head written into `directory` as a qwen35 GGUF laid out as
     llama.cpp's converter writes one (the head as blk.24.nextn.*), its matrices in `qtype`
     (gguf-py writes the formats in WRITABLE; any other llama.cpp file type, e.g. Q4_K_M, comes
@@ -148,7 +152,51 @@ def build_gguf(
         "file_mb": round(path.stat().st_size / 2**20, 1),
         "tensors_by_format": dict(formats.most_common()),
     }
-    return lm.model, load_mtp_head(lm.model, lm.path), params, head_params, written
+    return lm.model, load_mtp_head(lm.model, lm.path), params, head_params, written, lm
+
+
+def engine_tps(
+    lm: LoadedModel, spec: Any, prompts: list[list[int]], tokens: int, concurrency: int
+) -> tuple[float, list[list[int]]]:
+    """Output tok/s of `prompts` served by the engine `concurrency` at a time (prefills
+    included, as a server runs them), greedy, and their outputs."""
+    core = EngineCore(lm, SchedulerConfig(max_running=concurrency))
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    reqs = [lm.new_request(p, params) for p in prompts]
+    t = time.perf_counter()
+    for req in reqs:
+        core.add(req, spec)
+    while core.has_work:
+        core.step()
+    seconds = time.perf_counter() - t
+    return sum(len(r.output_ids) for r in reqs) / seconds, [r.output_ids for r in reqs]
+
+
+def engine_rows(lm: LoadedModel, k: int, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+    """MTP with the cost model choosing k (<= `k`) through the engine, against speculation off,
+    at concurrency 1 and 4 (issue 56: never below speculation off at 4), methods alternating
+    per round."""
+    spec = make_speculation(lm, SpeculativeConfig(method="mtp", num_draft_tokens=k))
+    out: dict[str, Any] = {}
+    for c in (1, 4):
+        batch = [p for _ in range(c) for p in prompts][: max(c, len(prompts))]
+        rounds: dict[str, list[float]] = {"off": [], "mtp": []}
+        same = True
+        for _ in range(2):
+            off, plain = engine_tps(lm, None, batch, tokens, c)
+            on, fast = engine_tps(lm, spec, batch, tokens, c)
+            rounds["off"].append(off)
+            rounds["mtp"].append(on)
+            same &= plain == fast
+        off_tps, on_tps = statistics.median(rounds["off"]), statistics.median(rounds["mtp"])
+        out[str(c)] = {
+            "requests": len(batch),
+            "off_tok_s": round(off_tps, 2),
+            "mtp_policy_tok_s": round(on_tps, 2),
+            "speedup": round(on_tps / off_tps, 3),
+            "identical_outputs": same,
+        }
+    return out
 
 
 def median_ms(samples: list[float]) -> float:
@@ -349,17 +397,24 @@ def main() -> None:
         "(--dtype gguf); writes hybrid-gguf.*",
     )
     ap.add_argument("--shape", choices=list(SHAPES), default="qwen35")
+    ap.add_argument(
+        "--engine",
+        action="store_true",
+        help="with --gguf: also MTP with the cost model through the engine at concurrency 1 "
+        "and 4 against speculation off",
+    )
     args = ap.parse_args()
     config, arch, shape = SHAPES[args.shape]
     torch.manual_seed(0)
     t = time.perf_counter()
     written: dict[str, Any] | None = None
+    lm: LoadedModel | None = None
     if args.gguf is None:
         model, head, params, head_params = build(args.out_scale, config)
     else:  # the directory goes at exit: the model maps its file until then
         directory = Path(tempfile.mkdtemp(prefix="quickdraft-hybrid-gguf-"))
         atexit.register(shutil.rmtree, directory, ignore_errors=True)
-        model, head, params, head_params, written = build_gguf(
+        model, head, params, head_params, written, lm = build_gguf(
             args.out_scale, args.gguf, directory, config, arch
         )
     build_s = time.perf_counter() - t
@@ -446,6 +501,12 @@ def main() -> None:
             "identical_outputs": f"{identical}/{len(prompts)}",
             "divergences": divergences,
         },
+        # through the engine with the cost model (GGUF runs: a LoadedModel to serve)
+        **(
+            {"engine": engine_rows(lm, k, prompts, args.tokens)}
+            if lm is not None and args.engine
+            else {}
+        ),
         "memory": {
             # committed + spare slot (a prompt chunk's final state)
             "gdn_state_mb_per_seq": round((cache.ssm.nbytes + cache.conv.nbytes) / 2**20, 2),
@@ -528,7 +589,30 @@ def markdown(result: dict[str, Any]) -> str:
             )
         ],
     )
-    return head + figures + "\n" + commits
+    rows = ""
+    if "engine" in result:
+        rows = "\n" + table(
+            [
+                "concurrency",
+                "requests",
+                "off tok/s",
+                "MTP (cost model) tok/s",
+                "speedup",
+                "identical",
+            ],
+            [
+                [
+                    c,
+                    e["requests"],
+                    e["off_tok_s"],
+                    e["mtp_policy_tok_s"],
+                    f"{e['speedup']}x",
+                    e["identical_outputs"],
+                ]
+                for c, e in result["engine"].items()
+            ],
+        )
+    return head + figures + "\n" + commits + rows
 
 
 def plot(result: dict[str, Any]) -> Any:
