@@ -179,7 +179,7 @@ def engine_rows(lm: LoadedModel, k: int, prompts: list[list[int]], tokens: int) 
     spec = make_speculation(lm, SpeculativeConfig(method="mtp", num_draft_tokens=k))
     out: dict[str, Any] = {}
     for c in (1, 4):
-        batch = [p for _ in range(c) for p in prompts][: max(c, len(prompts))]
+        batch = prompts if len(prompts) >= c else (prompts * c)[:c]
         rounds: dict[str, list[float]] = {"off": [], "mtp": []}
         same = True
         for _ in range(2):

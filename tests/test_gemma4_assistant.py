@@ -188,6 +188,15 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[LoadedModel, Path]:
     return load(str(root / "target"), "bf16", progress=False), root / "assistant"
 
 
+def assistant_spec(lm: LoadedModel, path: Path, method: str = "assistant", k: int = 3) -> Any:
+    """Forced-k speculation with the assistant at `path` (`method`: "assistant" or vLLM's
+    "mtp")."""
+    config = SpeculativeConfig(
+        method=method, num_draft_tokens=k, draft_model=str(path), adaptive=False
+    )
+    return make_speculation(lm, config)
+
+
 def generate(lm: LoadedModel, ids: list[int], params: SamplingParams, spec: Any = None) -> Any:
     req = lm.new_request(ids, params)
     for _ in stream(lm, req, spec):
@@ -204,12 +213,7 @@ def test_greedy_speculation_equals_plain_decoding(
     pair: tuple[LoadedModel, Path], method: str
 ) -> None:
     lm, assistant = pair
-    spec = make_speculation(
-        lm,
-        SpeculativeConfig(
-            method=method, num_draft_tokens=4, draft_model=str(assistant), adaptive=False
-        ),
-    )
+    spec = assistant_spec(lm, assistant, method, 4)
     greedy = SamplingParams(max_tokens=32, ignore_eos=True)
     drafted = accepted = 0
     for prompt in PROMPTS:
@@ -254,12 +258,7 @@ def test_requests_drafting_together_equal_each_alone(pair: tuple[LoadedModel, Pa
     step per position over both targets' caches) and get the tokens each gets alone;
     sampled requests run on the same path."""
     lm, assistant = pair
-    spec = make_speculation(
-        lm,
-        SpeculativeConfig(
-            method="mtp", num_draft_tokens=3, draft_model=str(assistant), adaptive=False
-        ),
-    )
+    spec = assistant_spec(lm, assistant, "mtp")
     greedy = SamplingParams(max_tokens=24, ignore_eos=True)
     prompts = [lm.tokenizer.encode(p) for p in PROMPTS]
     alone = [generate(lm, ids, greedy).output_ids for ids in prompts]
@@ -337,12 +336,7 @@ def test_a_prefix_cache_hit_is_used_while_the_assistant_drafts(
     from quickdraft.config import PrefixCacheConfig
 
     lm, assistant = pair
-    spec = make_speculation(
-        lm,
-        SpeculativeConfig(
-            method="assistant", num_draft_tokens=3, draft_model=str(assistant), adaptive=False
-        ),
-    )
+    spec = assistant_spec(lm, assistant)
     greedy = SamplingParams(max_tokens=16, ignore_eos=True)
     shared = lm.tokenizer.encode(PROMPTS[0] * 3)
     prompts = [shared + lm.tokenizer.encode(tail) for tail in (" one", " two and three")]

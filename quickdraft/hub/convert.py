@@ -313,7 +313,7 @@ def _write_safetensors(
     """Stream tensors into a safetensors file: header first (shapes are known), then one
     tensor at a time, built from its dequantized GGUF sources: memory holds those in fp32
     and the cast copy at most."""
-    from gguf.quants import dequantize
+    from quickdraft.hub.gguf_read import gguf_fp32
 
     itemsize = torch.empty((), dtype=dtype).element_size()
     tensors = {t.name: t for t in reader.tensors}
@@ -330,19 +330,10 @@ def _write_safetensors(
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format wants the data 8-byte aligned
 
-    def fp32(name: str) -> torch.Tensor:
-        t = tensors[name]
-        arr = dequantize(t.data, t.tensor_type)
-        if not arr.flags.writeable:  # unquantized tensors come back as the read-only mmap
-            arr = arr.copy()
-        return torch.from_numpy(arr).reshape(
-            [int(d) for d in reversed(t.shape)]
-        )  # ggml: fastest first
-
     with path.open("wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
         for item in tqdm(plan, desc=f"dequantize {label}", disable=not progress):
-            w = item.build([fp32(n) for n in item.sources])
+            w = item.build([gguf_fp32(tensors[n]) for n in item.sources])
             assert tuple(w.shape) == item.shape, (item.name, tuple(w.shape), item.shape)
             f.write(w.to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy().data)
             del w

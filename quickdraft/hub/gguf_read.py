@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
 
@@ -51,6 +52,17 @@ class _CheckedReader(GGUFReader):
                     f"has {size:,} bytes: truncated (an incomplete download?)"
                 )
         super()._build_tensors(start_offs, fields)
+
+
+def gguf_fp32(t: Any) -> torch.Tensor:
+    """Reader tensor `t` dequantized to fp32 in torch order (ggml lists dimensions fastest
+    first); a copy only where the values would otherwise be the read-only mapping."""
+    from gguf.quants import dequantize
+
+    arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    if not arr.flags.writeable:  # unquantized tensors come back as the mapping itself
+        arr = arr.copy()
+    return torch.from_numpy(arr).reshape([int(d) for d in reversed(t.shape)])
 
 
 def read_gguf(path: Path | str) -> GGUFReader:

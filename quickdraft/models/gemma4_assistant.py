@@ -33,14 +33,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from quickdraft.config import read_hf_config
 from quickdraft.hub.convert import assistant_config
 from quickdraft.hub.gguf_gemma4 import ASSISTANT_ARCH, assistant_plan
-from quickdraft.hub.gguf_read import gguf_architecture, read_gguf
+from quickdraft.hub.gguf_read import gguf_architecture, gguf_fp32, read_gguf
 from quickdraft.kernels.gemm import panels_apply, project, to_panels
 from quickdraft.models.gemma4 import (
     DecoderLayer,
@@ -149,8 +148,6 @@ def _from_gguf(file: Path, target: Gemma4Config) -> tuple[AssistantConfig, Tenso
     """A llama.cpp gemma4-assistant GGUF's config (checked against `target`) and its tensors
     under HF names, dequantized to fp32 as they are read (a drafter of ~80M weights: its
     projections then take the draft format, as a Hugging Face assistant's do)."""
-    from gguf.quants import dequantize
-
     reader = read_gguf(file)
     text, backbone = assistant_config(reader)
     raw = {
@@ -169,13 +166,12 @@ def _from_gguf(file: Path, target: Gemma4Config) -> tuple[AssistantConfig, Tenso
         )
     plan = assistant_plan(shapes, text, backbone)
 
-    def fp32(name: str) -> Tensor:
-        t = tensors[name]
-        values = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        return torch.from_numpy(values).reshape(shapes[name])
-
     entries = [
-        (file.name, item.name, partial(lambda it: it.build([fp32(n) for n in it.sources]), item))
+        (
+            file.name,
+            item.name,
+            partial(lambda it: it.build([gguf_fp32(tensors[n]) for n in it.sources]), item),
+        )
         for item in plan
     ]
     return cfg, entries

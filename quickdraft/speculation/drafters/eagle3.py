@@ -172,12 +172,12 @@ _GGUF_LAYER = {
 def _gguf_tensor(t: Any, heads: int) -> Tensor:
     """A GGUF tensor as fp32 (d2t as int64), q/k rows unpermuted when `heads` > 0."""
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+
+    from quickdraft.hub.gguf_read import gguf_fp32
 
     if t.tensor_type == GGMLQuantizationType.I64:
         return torch.from_numpy(np.array(t.data, dtype=np.int64)).reshape(-1)
-    arr = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
-    w = torch.from_numpy(arr).reshape([int(d) for d in reversed(t.shape)])  # ggml: fastest first
+    w = gguf_fp32(t)
     return unpermute_rows(w, heads) if heads else w
 
 
