@@ -283,11 +283,23 @@ def test_recurrent_updates_with_pending_equals_advance_then_read(
 
 
 @needs_kernel
-@pytest.mark.parametrize("t", [34, 64, 150])
-def test_long_forward_equals_decode_steps_bitwise(t: int) -> None:
-    """A prompt chunk through long_forward: every output and the final state equal t decode
-    steps' (one-token recurrent_updates, each committed by advance_state), bit for bit."""
-    k_heads, v_heads, dk, dv = 2, 4, 32, 32
+@pytest.mark.parametrize(
+    ("t", "shape"),
+    [
+        (34, (2, 4, 32, 32)),
+        (64, (2, 4, 32, 32)),
+        (150, (2, 4, 32, 32)),
+        (1, (2, 4, 32, 32)),
+        (70, (2, 4, 128, 128)),
+        (33, (1, 3, 16, 24)),
+    ],
+)
+def test_long_forward_equals_decode_steps_bitwise(t: int, shape: tuple[int, ...]) -> None:
+    """A prompt chunk through long_forward (gdn_prefill: the state stepped in place, each
+    step reading the next token's S^T k, S^T q as it writes): every output and the final state
+    equal t decode steps' (one-token recurrent_updates, each committed by advance_state), bit
+    for bit; the real head size (128 x 128) and a dv that is not a multiple of 16 included."""
+    k_heads, v_heads, dk, dv = shape
     gen = torch.Generator().manual_seed(t)
     y = torch.randn(t, 2 * k_heads * dk + v_heads * dv, generator=gen)
     g = -2.0 * torch.rand(t, v_heads, generator=gen)

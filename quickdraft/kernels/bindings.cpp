@@ -88,6 +88,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdn_advance", &qd_gdn_advance, "apply kept delta-rule updates to a state, in place",
         py::arg("state"), py::arg("k"), py::arg("d"), py::arg("g"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("gdn_prefill", &qd_gdn_prefill,
+        "gated delta rule over a prompt chunk of any length: out; the state advanced in place",
+        py::arg("y"), py::arg("g"), py::arg("beta"), py::arg("state"), py::arg("k_heads"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("attend", &qd_attend, "causal GQA of n new queries over a KV cache (decode / verify)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("start"), py::arg("scale"),
         py::arg("window") = 0, py::arg("sinks") = py::none(),

@@ -31,8 +31,9 @@ never writes it (a rejected draft must cost nothing):
       invariance). The torch functions are its reference and its fallback (no extension),
       which is not batch-invariant (its verify takes the chunk form).
   long_forward(y, g, beta, state, final, k_heads) -> out; final <- the state after the last
-      token: a prompt chunk of any length, through recurrent_updates + advance_state per
-      CHUNK_SIZE tokens (the same bits as decode steps), else the chunk form.
+      token: a prompt chunk of any length, by the C++ kernel gdn_prefill (final advanced in
+      place token by token, one pass over it a token) or on a GPU through recurrent_updates +
+      advance_state per CHUNK_SIZE tokens (the same bits as decode steps), else the chunk form.
 On a GPU where triton runs, `recurrent_updates` and `advance_state` are kernels/triton_ops.py's
 gdn_delta and gdn_advance (token by token too, so long_forward takes the same chunk loop).
 Unlike transformers, every multi-token path starts from the given state (a verify continues
@@ -329,14 +330,17 @@ def long_forward(
     k_heads: int,
 ) -> Tensor:
     """A forward too long to keep every token's update (a prompt chunk): out [T, H, dv] fp32,
-    and the state after its last token written to `final`. With the kernels: chunks of
-    CHUNK_SIZE tokens through `recurrent_updates`, each committed into `final` by
-    `advance_state`, which is what decode steps compute token by token, so a prompt prefilled
-    in one forward, in several or token by token leaves the same bits (batch invariance: the
-    scheduler chunks a prompt around other requests' rows). Without them: the chunk form."""
+    and the state after its last token written to `final`. On the CPU: the C++ kernel
+    `gdn_prefill` advances `final` token by token in place with decode steps' instructions (one
+    pass over the state a token, reading S^T k and S^T q for the next token as it writes); on
+    a GPU: chunks of CHUNK_SIZE tokens through `recurrent_updates`, each committed into `final`
+    by `advance_state`. Both are what decode steps compute token by token, so a prompt
+    prefilled in one forward, in several or token by token leaves the same bits (batch
+    invariance: the scheduler chunks a prompt around other requests' rows). Without the
+    kernels: the chunk form."""
     t_len, (heads, dk, dv) = y.shape[0], state.shape
-    cpu_kernels = extension() is not None and dk % 8 == 0 and dv % 8 == 0 and y.is_cpu
-    if not cpu_kernels and not _on_triton(state):
+    ext = extension() if y.is_cpu and dk % 8 == 0 and dv % 8 == 0 else None
+    if ext is None and not _on_triton(state):
         kd = k_heads * dk
         q, k = prepare_qk(
             y[:, :kd].view(t_len, k_heads, dk), y[:, kd : 2 * kd].view(t_len, k_heads, dk), heads
@@ -344,8 +348,10 @@ def long_forward(
         v = y[:, 2 * kd :].view(t_len, heads, dv)
         dest: list[Tensor | None] = [None] * (t_len - 1) + [final]
         return gated_delta_rule_chunked(q, k, v, g.float(), beta.float(), state, dest)
-    out = torch.empty(t_len, heads, dv, dtype=torch.float32, device=y.device)
     final.copy_(state)
+    if ext is not None:
+        return ext.gdn_prefill(y.float(), g.float(), beta.float(), final, k_heads)
+    out = torch.empty(t_len, heads, dv, dtype=torch.float32, device=y.device)
     for c0 in range(0, t_len, CHUNK_SIZE):
         c1 = min(c0 + CHUNK_SIZE, t_len)
         out[c0:c1], updates = recurrent_updates(

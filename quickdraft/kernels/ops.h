@@ -38,6 +38,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qd_gdn_delta(
     const c10::optional<at::Tensor>& pending_d, const c10::optional<at::Tensor>& pending_g);
 void qd_gdn_advance(at::Tensor state, const at::Tensor& k, const at::Tensor& d,
                     const at::Tensor& g);
+at::Tensor qd_gdn_prefill(const at::Tensor& y, const at::Tensor& g, const at::Tensor& beta,
+                          at::Tensor state, int64_t k_heads);
 // linear_q4.cpp
 bool qd_linear_q4_eligible(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                            const c10::optional<at::Tensor>& bias);
