@@ -165,14 +165,15 @@ void gated_norm_rows(const float* x, const WT* w, const T* z, int64_t zs0, int64
 
 // ---- causal depthwise conv + silu -----------------------------------------------------------
 
+// channels [c0, c1) of every row (c0 a multiple of 8; c1 = C or a multiple of 8)
 template <class T, class WT>
 void conv_rows(const T* x, int64_t ldx, const T* win, const WT* w, float* out, int64_t Tn,
-               int64_t C, int64_t K) {
+               int64_t C, int64_t K, int64_t c0, int64_t c1) {
   // row r of [window ; x]: r < K-1 from the window, else x row r-(K-1)
   auto row = [&](int64_t r) -> const T* { return r < K - 1 ? win + r * C : x + (r - K + 1) * ldx; };
   std::vector<float> wt(K * 8);
-  int64_t c = 0;
-  for (; c + 8 <= C; c += 8) {
+  int64_t c = c0;
+  for (; c + 8 <= c1; c += 8) {
     if (K == 4) {  // the 8 channels' 4 taps are 32 consecutive values: a 4x8 transpose
       const __m256 v0 = load8(w + c * 4), v1 = load8(w + c * 4 + 8);  // channels 0-1, 2-3
       const __m256 v2 = load8(w + c * 4 + 16), v3 = load8(w + c * 4 + 24);  // 4-5, 6-7
@@ -196,7 +197,7 @@ void conv_rows(const T* x, int64_t ldx, const T* win, const WT* w, float* out, i
       _mm256_storeu_ps(out + t * C + c, silu8(acc));
     }
   }
-  for (; c < C; ++c)
+  for (; c < c1; ++c)
     for (int64_t t = 0; t < Tn; ++t) {
       float acc = 0.0f;
       for (int64_t i = 0; i < K; ++i) acc += load1(row(t + i) + c) * load1(w + c * K + i);
@@ -332,9 +333,17 @@ at::Tensor qd_causal_conv_silu(const at::Tensor& x, const at::Tensor& window_in,
     using T = decltype(tag);
     dispatch_dtype(w, [&](auto wtag) {
       using WT = decltype(wtag);
-      conv_rows<T, WT>(static_cast<const T*>(x.data_ptr()), x.stride(0),
-                       static_cast<const T*>(win.data_ptr()), static_cast<const WT*>(w.data_ptr()),
-                       out.data_ptr<float>(), Tn, C, K);
+      // a prompt chunk's channels split over the threads in blocks of 8 (a decode step's
+      // few microseconds stay on one: a fork/join would cost more)
+      const int64_t blocks = (C + 7) / 8;
+      at::parallel_for(0, blocks, std::max<int64_t>(1, (int64_t{1} << 15) / (8 * std::max<int64_t>(Tn, 1))),
+                       [&](int64_t b0, int64_t b1) {
+                         conv_rows<T, WT>(static_cast<const T*>(x.data_ptr()), x.stride(0),
+                                          static_cast<const T*>(win.data_ptr()),
+                                          static_cast<const WT*>(w.data_ptr()),
+                                          out.data_ptr<float>(), Tn, C, K, b0 * 8,
+                                          std::min(C, b1 * 8));
+                       });
     });
   });
   return out;
