@@ -38,9 +38,12 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -199,6 +202,70 @@ inline void normalise_qk(const float* q, const float* k, int64_t dk, float scale
 
 }  // namespace
 
+void qd_gdn_delta_raw(const QdDeltaIO& io, int64_t H, int64_t dk, int64_t dv, int64_t Tn,
+                      int64_t k_heads) {
+  const int64_t C = io.C, kd = k_heads * dk, group = H / k_heads, m = io.m;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  const bool pending = m > 0;
+  // A one-token step over small heads is ~1 us of work per head: a second thread's fork/join
+  // costs more; past ~1 MiB of state (or with a pass to advance it) two threads stream it.
+  const int64_t grain = Tn == 1 && !pending && H * dk * dv < (int64_t{1} << 18) ? H : 1;
+  at::parallel_for(0, H, grain, [&](int64_t h0, int64_t h1) {
+    // this token's and the next one's normalised q and k, the update's d: written to the
+    // outputs only after the head's pending updates (which may share their rows) are read
+    std::vector<float> qn(2 * dk), kn(2 * dk), ks(dv), qs(dv), dt(dv);
+    std::vector<float> work(Tn > 1 ? dk * dv : 0);  // the state inside the chunk
+    float e[kMaxAdvance];
+    const float* kj_p[kMaxAdvance];
+    const float* dj_p[kMaxAdvance];
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t hk = h / group;
+      float* S0 = io.state + h * dk * dv;
+      auto norm = [&](int64_t t) {
+        normalise_qk(io.y + t * C + hk * dk, io.y + t * C + kd + hk * dk, dk, scale,
+                     qn.data() + (t % 2) * dk, kn.data() + (t % 2) * dk);
+      };
+      norm(0);
+      if (pending) {  // gdn_advance's step for this head, in place, then token 0's read
+        for (int64_t j = 0; j < m; ++j) {
+          e[j] = std::exp(io.pg[h * io.pg_hs + j]);
+          kj_p[j] = io.pk + h * io.pk_hs + j * dk;
+          dj_p[j] = io.pd + h * io.pd_hs + j * dv;
+        }
+        step_read_any(S0, S0, dk, dv, static_cast<int>(m), e, kj_p, dj_p, kn.data(), qn.data(),
+                      ks.data(), qs.data());
+      } else {
+        const float* coef[2] = {kn.data(), qn.data()};
+        float* res[2] = {ks.data(), qs.data()};
+        read_state(S0, dk, dv, coef, res, 2);
+      }
+      const float* S = S0;
+      for (int64_t t = 0; t < Tn; ++t) {
+        const float* knt = kn.data() + (t % 2) * dk;
+        const float* qt = qn.data() + (t % 2) * dk;
+        const float gt = io.g[t * H + h];
+        const float et = std::exp(gt), bt = io.beta[t * H + h];
+        const float kq = dot(qt, knt, dk);
+        const float* v = io.y + t * C + 2 * kd + h * dv;
+        float* o = io.out + t * io.out_ts + h * dv;
+        for (int64_t i = 0; i < dv; ++i) dt[i] = (v[i] - et * ks[i]) * bt;
+        for (int64_t i = 0; i < dv; ++i) o[i] = et * qs[i] + kq * dt[i];
+        std::memcpy(io.k + h * io.k_hs + t * dk, knt, dk * sizeof(float));
+        std::memcpy(io.d + h * io.d_hs + t * dv, dt.data(), dv * sizeof(float));
+        io.gout[h * io.gout_hs + t] = gt;
+        if (t + 1 < Tn) {  // S_t, the state the next token reads, and its read
+          norm(t + 1);
+          const float* kj[1] = {knt};
+          const float* dj[1] = {dt.data()};
+          step_read_any(S, work.data(), dk, dv, 1, &et, kj, dj, kn.data() + ((t + 1) % 2) * dk,
+                        qn.data() + ((t + 1) % 2) * dk, ks.data(), qs.data());
+          S = work.data();
+        }
+      }
+    }
+  });
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qd_gdn_delta(
     const at::Tensor& y_in, const at::Tensor& g_in, const at::Tensor& beta_in,
     const at::Tensor& state_in, int64_t k_heads, const c10::optional<at::Tensor>& pending_k,
@@ -215,7 +282,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qd_gdn_delta(
   TORCH_CHECK(y_in.size(1) == 2 * kd + H * dv, "gdn_delta: y must be [T, 2 Hk dk + H dv]");
   TORCH_CHECK(g_in.sizes() == beta_in.sizes() && g_in.size(0) == Tn && g_in.size(1) == H,
               "gdn_delta: g and beta must be [T, H]");
-  const at::Tensor y = y_in.contiguous(), beta = beta_in.contiguous();
+  const at::Tensor y = y_in.contiguous(), g = g_in.contiguous(), beta = beta_in.contiguous();
   const bool pending = pending_g.has_value() && pending_g->size(1) > 0;
   TORCH_CHECK(pending_k.has_value() == pending_g.has_value() &&
                   pending_d.has_value() == pending_g.has_value(),
@@ -237,68 +304,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qd_gdn_delta(
   }
   auto opts = y.options();
   at::Tensor out = at::empty({Tn, H, dv}, opts), k_out = at::empty({H, Tn, dk}, opts);
-  at::Tensor d_out = at::empty({H, Tn, dv}, opts), g_out = g_in.t().contiguous();  // [H, T]
-  const float* yp = y.data_ptr<float>();
-  const float* gp = g_out.data_ptr<float>();
-  const float* bp = beta.data_ptr<float>();
-  float* sp = state.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  float* kp = k_out.data_ptr<float>();
-  float* dp = d_out.data_ptr<float>();
-  const int64_t C = y.size(1), group = H / k_heads;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(dk));
-  // A one-token step over small heads is ~1 us of work per head: a second thread's fork/join
-  // costs more; past ~1 MiB of state (or with a pass to advance it) two threads stream it.
-  const int64_t grain = Tn == 1 && !pending && H * dk * dv < (int64_t{1} << 18) ? H : 1;
-  at::parallel_for(0, H, grain, [&](int64_t h0, int64_t h1) {
-    std::vector<float> qn(2 * dk), ks(dv), qs(dv);  // this token's and the next one's q
-    std::vector<float> work(Tn > 1 ? dk * dv : 0);  // the state inside the chunk
-    float e[kMaxAdvance];
-    const float* kj_p[kMaxAdvance];
-    const float* dj_p[kMaxAdvance];
-    for (int64_t h = h0; h < h1; ++h) {
-      const int64_t hk = h / group;
-      float* S0 = sp + h * dk * dv;
-      auto norm = [&](int64_t t) {  // normalised keys go straight to the updates
-        normalise_qk(yp + t * C + hk * dk, yp + t * C + kd + hk * dk, dk, scale,
-                     qn.data() + (t % 2) * dk, kp + (h * Tn + t) * dk);
-      };
-      norm(0);
-      if (pending) {  // gdn_advance's step for this head, in place, then token 0's read
-        for (int64_t j = 0; j < m; ++j) {
-          e[j] = std::exp(pg.data_ptr<float>()[h * m + j]);
-          kj_p[j] = pk.data_ptr<float>() + (h * m + j) * dk;
-          dj_p[j] = pd.data_ptr<float>() + (h * m + j) * dv;
-        }
-        step_read_any(S0, S0, dk, dv, static_cast<int>(m), e, kj_p, dj_p, kp + h * Tn * dk,
-                      qn.data(), ks.data(), qs.data());
-      } else {
-        const float* coef[2] = {kp + h * Tn * dk, qn.data()};
-        float* res[2] = {ks.data(), qs.data()};
-        read_state(S0, dk, dv, coef, res, 2);
-      }
-      const float* S = S0;
-      for (int64_t t = 0; t < Tn; ++t) {
-        const float* kn = kp + (h * Tn + t) * dk;
-        const float* qt = qn.data() + (t % 2) * dk;
-        const float et = std::exp(gp[h * Tn + t]), bt = bp[t * H + h];
-        const float kq = dot(qt, kn, dk);
-        const float* v = yp + t * C + 2 * kd + h * dv;
-        float* dt = dp + (h * Tn + t) * dv;
-        float* o = op + (t * H + h) * dv;
-        for (int64_t i = 0; i < dv; ++i) dt[i] = (v[i] - et * ks[i]) * bt;
-        for (int64_t i = 0; i < dv; ++i) o[i] = et * qs[i] + kq * dt[i];
-        if (t + 1 < Tn) {  // S_t, the state the next token reads, and its read
-          norm(t + 1);
-          const float* kj[1] = {kn};
-          const float* dj[1] = {dt};
-          step_read_any(S, work.data(), dk, dv, 1, &et, kj, dj, kn + dk,
-                        qn.data() + ((t + 1) % 2) * dk, ks.data(), qs.data());
-          S = work.data();
-        }
-      }
-    }
-  });
+  at::Tensor d_out = at::empty({H, Tn, dv}, opts), g_out = at::empty({H, Tn}, opts);
+  QdDeltaIO io;
+  io.y = y.data_ptr<float>();
+  io.C = y.size(1);
+  io.g = g.data_ptr<float>();
+  io.beta = beta.data_ptr<float>();
+  io.state = state.data_ptr<float>();
+  io.m = m;
+  if (pending) {
+    io.pk = pk.data_ptr<float>(), io.pk_hs = m * dk;
+    io.pd = pd.data_ptr<float>(), io.pd_hs = m * dv;
+    io.pg = pg.data_ptr<float>(), io.pg_hs = m;
+  }
+  io.out = out.data_ptr<float>(), io.out_ts = H * dv;
+  io.k = k_out.data_ptr<float>(), io.k_hs = Tn * dk;
+  io.d = d_out.data_ptr<float>(), io.d_hs = Tn * dv;
+  io.gout = g_out.data_ptr<float>(), io.gout_hs = Tn;
+  qd_gdn_delta_raw(io, H, dk, dv, Tn, k_heads);
   return {out, k_out, d_out, g_out};
 }
 

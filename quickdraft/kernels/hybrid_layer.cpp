@@ -22,6 +22,8 @@
 // at Qwen3.6-35B-A3B's depth.
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <unordered_map>
@@ -54,6 +56,30 @@ struct Mlp {
     return moe ? qd_moe_block_forward(*moe, x) : down(qd_silu_mul(gate_up(x)));
   }
 };
+
+// HybridCache.gdn_state_deferred's conv window: the last `taps` rows of [window ; ins[:p]]
+// (conv_window), in place; window [taps, C] contiguous, ins [slots, C], one dtype
+void advance_window(const at::Tensor& window, const at::Tensor& ins, int64_t p) {
+  if (p == 0) return;
+  const int64_t taps = window.size(0);
+  const size_t row = static_cast<size_t>(window.size(1) * window.element_size());
+  const size_t in_row = static_cast<size_t>(ins.stride(0) * ins.element_size());
+  char* w = static_cast<char*>(window.data_ptr());
+  const char* in = static_cast<const char*>(ins.data_ptr());
+  if (p < taps) std::memmove(w, w + p * row, (taps - p) * row);
+  const int64_t from = std::max<int64_t>(0, p - taps), kept = p - from;
+  for (int64_t r = 0; r < kept; ++r)
+    std::memcpy(w + (taps - kept + r) * row, in + (from + r) * in_row, row);
+}
+
+// rows [0, src.size(0)) of dst = src, rows of one dtype and length (contiguous within a row)
+void copy_rows(const at::Tensor& dst, const at::Tensor& src) {
+  const size_t row = static_cast<size_t>(src.size(1) * src.element_size());
+  for (int64_t r = 0; r < src.size(0); ++r)
+    std::memcpy(static_cast<char*>(dst.data_ptr()) + r * dst.stride(0) * dst.element_size(),
+                static_cast<const char*>(src.data_ptr()) + r * src.stride(0) * src.element_size(),
+                row);
+}
 
 }  // namespace
 
@@ -121,6 +147,7 @@ class QdGDNLayer {
     std::tie(g, beta) = qd_gdn_gates(a, b, t_.at("a_log"), t_.at("dt_bias"));
     const at::Tensor& conv_w = t_.at("conv_weight");
     at::Tensor core = at::empty({n, hv, dv_}, h.options().dtype(at::kFloat));
+    const at::Tensor gc = g.contiguous(), bc = beta.contiguous();
     int64_t row = 0;
     for (size_t i = 0; i < counts.size(); ++i) {
       const int64_t t = counts[i];
@@ -132,28 +159,38 @@ class QdGDNLayer {
       const at::Tensor ins = cp_inputs[i].select(0, slot_), ks = cp_k[i].select(0, slot_),
                        ds = cp_d[i].select(0, slot_), gs = cp_g[i].select(0, slot_);
       TORCH_CHECK(t <= ins.size(0), "quickdraft GDNLayer: reserve() before the forward");
+      TORCH_CHECK(state.is_contiguous() && window.is_contiguous() && ins.stride(1) == 1 &&
+                      ins.scalar_type() == window.scalar_type() &&
+                      mixed.scalar_type() == window.scalar_type() &&
+                      ks.stride(2) == 1 && ks.stride(1) == dk_ && ds.stride(2) == 1 &&
+                      ds.stride(1) == dv_ && gs.stride(1) == 1 &&
+                      state.scalar_type() == at::kFloat && ks.scalar_type() == at::kFloat &&
+                      ds.scalar_type() == at::kFloat && gs.scalar_type() == at::kFloat,
+                  "quickdraft GDNLayer: the HybridCache's layout");
       const int64_t p = pending[i];
-      c10::optional<at::Tensor> pk, pd, pg;
-      if (p) {
-        const int64_t taps = window.size(0);
-        const at::Tensor joined = at::cat({window, ins.narrow(0, 0, p).to(window.scalar_type())});
-        window.copy_(joined.narrow(0, joined.size(0) - taps, taps));
-        pk = ks.narrow(1, 0, p);
-        pd = ds.narrow(1, 0, p);
-        pg = gs.narrow(1, 0, p);
-      }
-      TORCH_CHECK(state.is_contiguous(), "quickdraft GDNLayer: a contiguous state");
+      advance_window(window, ins, p);
       const at::Tensor seg = mixed.narrow(0, row, t);
       const at::Tensor y = qd_causal_conv_silu(seg, window, conv_w);
-      at::Tensor out, k, d, cum;
-      std::tie(out, k, d, cum) = qd_gdn_delta(y, g.narrow(0, row, t), beta.narrow(0, row, t),
-                                              state, k_heads_, pk, pd, pg);
-      core.narrow(0, row, t).copy_(out);
-      // HybridCache.keep_checkpoints
-      ins.narrow(0, 0, t).copy_(seg);
-      ks.narrow(1, 0, t).copy_(k);
-      ds.narrow(1, 0, t).copy_(d);
-      gs.narrow(1, 0, t).copy_(cum);
+      // the delta rule, its kept updates written straight into the checkpoint slots
+      // (HybridCache.keep_checkpoints) over the pending ones it consumes first
+      QdDeltaIO io;
+      io.y = y.data_ptr<float>();
+      io.C = y.size(1);
+      io.g = gc.data_ptr<float>() + row * hv;
+      io.beta = bc.data_ptr<float>() + row * hv;
+      io.state = state.data_ptr<float>();
+      io.m = p;
+      io.pk = io.k = ks.data_ptr<float>(), io.pk_hs = io.k_hs = ks.stride(0);
+      io.pd = io.d = ds.data_ptr<float>(), io.pd_hs = io.d_hs = ds.stride(0);
+      io.pg = io.gout = gs.data_ptr<float>(), io.pg_hs = io.gout_hs = gs.stride(0);
+      io.out = core.data_ptr<float>() + row * hv * dv_, io.out_ts = hv * dv_;
+      TORCH_CHECK(y.is_contiguous() && p <= ks.size(1) && t <= ks.size(1),
+                  "quickdraft GDNLayer: the checkpoint slots");
+      if (t > 0)
+        qd_gdn_delta_raw(io, hv, dk_, dv_, t, k_heads_);
+      else if (p > 0)  // no rows: the pending updates still go into the state
+        qd_gdn_advance(state, ks.narrow(1, 0, p), ds.narrow(1, 0, p), gs.narrow(1, 0, p));
+      copy_rows(ins, seg);  // HybridCache.keep_checkpoints' inputs
       row += t;
     }
     TORCH_CHECK(row == n, "quickdraft GDNLayer: counts must sum to the rows");

@@ -38,6 +38,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qd_gdn_delta(
     const c10::optional<at::Tensor>& pending_d, const c10::optional<at::Tensor>& pending_g);
 void qd_gdn_advance(at::Tensor state, const at::Tensor& k, const at::Tensor& d,
                     const at::Tensor& g);
+// gdn_delta on raw rows (hybrid_layer.cpp writes a decode step's updates straight into its
+// checkpoint slots): y [T, C], g and beta [T, H], state [H, dk, dv] contiguous (advanced in
+// place by the m pending updates first); per head h: pending k at pk + h pk_hs (+ j dk), d at
+// pd + h pd_hs (+ j dv), g at pg + h pg_hs (+ j); out row t of head h at out + t out_ts + h dv,
+// the kept updates at k + h k_hs + t dk, d + h d_hs + t dv, gout + h gout_hs + t. The outputs
+// may share rows with the pending updates (a head's are read before its outputs are written).
+struct QdDeltaIO {
+  const float* y = nullptr;
+  int64_t C = 0;
+  const float* g = nullptr;
+  const float* beta = nullptr;
+  float* state = nullptr;
+  int64_t m = 0;
+  const float *pk = nullptr, *pd = nullptr, *pg = nullptr;
+  int64_t pk_hs = 0, pd_hs = 0, pg_hs = 0;
+  float* out = nullptr;
+  int64_t out_ts = 0;
+  float *k = nullptr, *d = nullptr, *gout = nullptr;
+  int64_t k_hs = 0, d_hs = 0, gout_hs = 0;
+};
+void qd_gdn_delta_raw(const QdDeltaIO& io, int64_t H, int64_t dk, int64_t dv, int64_t T,
+                      int64_t k_heads);
 at::Tensor qd_gdn_prefill(const at::Tensor& y, const at::Tensor& g, const at::Tensor& beta,
                           at::Tensor state, int64_t k_heads);
 // linear_q4.cpp

@@ -45,6 +45,7 @@ from torch import Tensor
 
 from quickdraft.kernels.attention import Paged
 from quickdraft.kernels.gdn import DeltaUpdates, advance_state, conv_window
+from quickdraft.kernels.linear_bf16 import streamed_zeros
 from quickdraft.models.base import KVBlock, StateSnapshot
 from quickdraft.models.kv_cache import KVCache
 
@@ -98,8 +99,8 @@ class HybridCache:
         self.conv: Tensor = torch.zeros(
             s.num_layers, 2, s.conv_kernel - 1, s.conv_dim, dtype=dtype, device=device
         )
-        self.ssm: Tensor = torch.zeros(
-            s.num_layers, 2, s.num_heads, s.key_dim, s.value_dim, dtype=f32, device=device
+        self.ssm: Tensor = streamed_zeros(
+            (s.num_layers, 2, s.num_heads, s.key_dim, s.value_dim), f32, device
         )
         self.committed = 0  # slot of conv / ssm holding the committed state
         slots = 1 + 4  # a decode step and a verify of k = 4 without growing
