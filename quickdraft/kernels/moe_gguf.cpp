@@ -10,7 +10,8 @@
 //
 // Why: the per-expert loop is ~8 torch calls and two fork/joins per chosen expert, 8 experts a
 // layer, 40-48 layers: at decode those calls cost as much as streaming the experts' weights.
-// Here a layer is one call with two parallel regions (gate/up, then down). Rows are grouped by
+// Here a layer is one call with two parallel regions (gate/up, then down; a MoEBlock's shared
+// expert runs in the same two). Rows are grouped by
 // expert, so each chosen expert's panels are streamed once per forward whatever the number of
 // rows (a verify, a prompt chunk), and x is quantized to int8 once for all its experts. The
 // threads split the (expert, panel) work into contiguous ranges of equal estimated cost.
@@ -39,11 +40,12 @@ struct Proj {
   int64_t K = 0, N = 0;                         // in and out features
   std::vector<int64_t> panels;                  // per part: ceil(n / 16)
   int64_t unit_panels = 0;                      // panels per expert, all parts
+  std::vector<int64_t> col;                     // per part: its first output column
 };
 
 Proj make_proj(std::vector<std::vector<at::Tensor>> packed, std::vector<int64_t> fmts,
                std::vector<int64_t> ns, int64_t K, const char* what) {
-  Proj p{std::move(packed), std::move(fmts), std::move(ns), K, 0, {}, 0};
+  Proj p{std::move(packed), std::move(fmts), std::move(ns), K, 0, {}, 0, {}};
   TORCH_CHECK(!p.packed.empty() && !p.fmts.empty() && p.fmts.size() == p.ns.size(),
               "quickdraft MoEGGUF: ", what, ": experts and one format and row count per part");
   for (size_t i = 0; i < p.fmts.size(); ++i) {
@@ -54,6 +56,7 @@ Proj make_proj(std::vector<std::vector<at::Tensor>> packed, std::vector<int64_t>
                 " columns are not whole blocks of format ", f);
     p.panels.push_back((p.ns[i] + kPanel - 1) / kPanel);
     p.unit_panels += p.panels.back();
+    p.col.push_back(p.N);
     p.N += p.ns[i];
   }
   for (size_t e = 0; e < p.packed.size(); ++e) {
@@ -109,7 +112,97 @@ __attribute__((optimize("fp-contract=off"))) void weighted_sum(
   for (int64_t c = 0; c < H; ++c) qd_simd::store1(out + c, acc[c]);
 }
 
+// One GEMM's share of a grouped parallel region: the row parts `packed` (one format and row
+// count each, `panels` per part) times M rows of `acts` (by block size: [0] for 32, [1] for
+// 256, already at the segment's first row) into y (`base`'s layout at the segment's first
+// row; part i's columns from col[i]), plus `bias` (the row of this segment, or null).
+struct Seg {
+  const std::vector<at::Tensor>* packed;
+  const std::vector<int64_t>* fmts;
+  const std::vector<int64_t>* ns;
+  const std::vector<int64_t>* panels;
+  const std::vector<int64_t>* col;
+  int64_t K, M;
+  Acts acts[2];
+  qd_panel::Epilogue base;  // y and bias at the segment's first row, column 0
+  size_t y_elem, bias_elem;
+};
+
+// Every segment's panels in one parallel region, cut into one contiguous range of (segment,
+// panel) units per thread of about equal cost (a panel's bytes times 2 plus its rows).
+void run_segs(const std::vector<Seg>& segs) {
+  std::vector<int64_t> first(segs.size() + 1, 0);
+  for (size_t s = 0; s < segs.size(); ++s) {
+    int64_t u = 0;
+    for (int64_t q : *segs[s].panels) u += q;
+    first[s + 1] = first[s] + u;
+  }
+  const int64_t U = first.back();
+  if (U == 0) return;
+  std::vector<double> cost(U + 1, 0.0);  // prefix sums
+  for (size_t s = 0, u = 0; s < segs.size(); ++s) {
+    const Seg& g = segs[s];
+    for (size_t i = 0; i < g.fmts->size(); ++i) {
+      const int f = static_cast<int>((*g.fmts)[i]);
+      const double bytes = static_cast<double>(g.K / block_size(f) * block_bytes(f));
+      for (int64_t q = 0; q < (*g.panels)[i]; ++q, ++u)
+        cost[u + 1] = cost[u] + bytes * (2.0 + static_cast<double>(g.M));
+    }
+  }
+  const int64_t threads = std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(cost[U] / (64 << 10))));
+  std::vector<int64_t> cut(threads + 1, U);
+  cut[0] = 0;
+  for (int64_t t = 1; t < threads; ++t)
+    cut[t] = std::lower_bound(cost.begin(), cost.end(), cost[U] * t / threads) - cost.begin();
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      size_t s = std::upper_bound(first.begin(), first.end(), cut[t]) - first.begin() - 1;
+      for (int64_t u = cut[t]; u < cut[t + 1];) {
+        while (u >= first[s + 1]) ++s;
+        const Seg& g = segs[s];
+        // this segment's part holding unit u, and the run of its panels within the range
+        int64_t q = u - first[s];
+        size_t part = 0;
+        while (q >= (*g.panels)[part]) q -= (*g.panels)[part++];
+        const int64_t len = std::min(cut[t + 1] - u, (*g.panels)[part] - q);
+        const int f = static_cast<int>((*g.fmts)[part]);
+        const int64_t c = (*g.col)[part];
+        qd_panel::Epilogue ep = g.base;
+        ep.y = static_cast<char*>(ep.y) + c * static_cast<int64_t>(g.y_elem);
+        if (ep.bias) ep.bias = static_cast<const char*>(ep.bias) + c * static_cast<int64_t>(g.bias_elem);
+        part_panels(g.acts[block_size(f) == 256], g.M, g.K, f,
+                    (*g.packed)[part].data_ptr<uint8_t>(), (*g.ns)[part], ep, q, q + len);
+        u += len;
+      }
+    }
+  });
+}
+
+// Per part: ceil(n / 16) panels, and its first output column.
+void part_layout(const std::vector<int64_t>& ns, std::vector<int64_t>& panels,
+                 std::vector<int64_t>& col) {
+  panels.clear();
+  col.clear();
+  int64_t c = 0;
+  for (int64_t n : ns) {
+    panels.push_back((n + kPanel - 1) / kPanel);
+    col.push_back(c);
+    c += n;
+  }
+}
+
 }  // namespace
+
+// A shared expert run inside the routed experts' two parallel regions (QdMoEBlock): gate_up
+// and down as row parts over every row, silu(gate) * up between them, as linear_gguf and
+// silu_mul compute them.
+struct QdSharedExpert {
+  std::vector<at::Tensor> gu, down;
+  std::vector<int64_t> gu_fmts, gu_ns, down_fmts, down_ns;
+  std::vector<int64_t> gu_panels, gu_col, down_panels, down_col;
+  int64_t H = 0, I2 = 0;  // in features, gate_up's rows
+};
 
 // gpt-oss's activation of gate_up [A, 2I] (gate columns, then up): (u + 1) * g * sigmoid(alpha g)
 // with g = min(gate, limit), u = clamp(up, -limit, limit), op for op as models/gpt_oss.py.
@@ -154,8 +247,11 @@ class QdMoEGGUF {
 
   int64_t experts() const { return static_cast<int64_t>(gu_.packed.size()); }
 
+  // sh: a shared expert to run in the same two parallel regions, its output [N, H] (x's
+  // dtype) in *shared_out
   at::Tensor forward(const at::Tensor& x, const at::Tensor& top_idx,
-                     const at::Tensor& top_weight) const {
+                     const at::Tensor& top_weight, const QdSharedExpert* sh = nullptr,
+                     at::Tensor* shared_out = nullptr) const {
     const int64_t H = gu_.K, I = gu_.N / 2, E = experts();
     TORCH_CHECK(x.dim() == 2 && x.size(1) == H && x.device().is_cpu() &&
                     (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
@@ -165,9 +261,11 @@ class QdMoEGGUF {
                     top_idx.scalar_type() == at::kLong && top_weight.sizes() == top_idx.sizes(),
                 "quickdraft MoEGGUF: top_idx int64 and top_weight of one shape [N, k]");
     const int64_t k = top_idx.size(1), A = N * k;
+    TORCH_CHECK(!sh || (sh->H == H && shared_out),
+                "quickdraft MoEGGUF: a shared expert of the experts' width, and its output");
     at::Tensor out = at::empty({N, H}, x.options());
     qd_count_kernel_call();
-    if (A == 0) return out.zero_();
+    if (A == 0 && !sh) return out.zero_();
     const at::Tensor xc = x.contiguous();
     const at::Tensor idx = top_idx.contiguous();
     const at::Tensor w = top_weight.to(at::kFloat).contiguous();
@@ -193,42 +291,82 @@ class QdMoEGGUF {
       where[i] = a;
     }
 
-    // gate/up: x quantized once per block size, its rows gathered in assignment order
-    int blocks[2] = {0, 0};
+    // gate/up: x quantized once per block size, its rows gathered in assignment order (the
+    // shared expert reads x's own rows)
+    int blocks[2] = {0, 0}, own_blocks[2] = {0, 0}, shared_down[2] = {0, 0};
     for (int64_t f : gu_.fmts) {
       const int b = block_size(static_cast<int>(f));
-      blocks[b == 256] = b;
+      blocks[b == 256] = own_blocks[b == 256] = b;
+    }
+    if (sh) {
+      for (int64_t f : sh->gu_fmts) {
+        const int b = block_size(static_cast<int>(f));
+        own_blocks[b == 256] = b;
+      }
+      for (int64_t f : sh->down_fmts) {
+        const int b = block_size(static_cast<int>(f));
+        shared_down[b == 256] = b;
+      }
     }
     int64_t floats = 0;
-    for (int b : blocks)
-      if (b) floats += acts_floats(N, H, b) + acts_floats(A, H, b);
+    for (int which = 0; which < 2; ++which) {
+      if (own_blocks[which]) floats += acts_floats(N, H, own_blocks[which]);
+      if (blocks[which]) floats += acts_floats(A, H, blocks[which]);
+      if (shared_down[which]) floats += acts_floats(N, sh->I2 / 2, shared_down[which]);
+    }
     const int down_block = block_size(static_cast<int>(down_.fmts[0]));
     for (int64_t f : down_.fmts)
       TORCH_CHECK(block_size(static_cast<int>(f)) == down_block,
                   "quickdraft MoEGGUF: down's parts need one block size");
     floats += acts_floats(A, I, down_block);
     float* buf = qd_simd::scratch(static_cast<size_t>(floats));
-    Acts gathered[2];
+    Acts own[2] = {}, gathered[2] = {};
     for (int which = 0; which < 2; ++which) {
+      if (!own_blocks[which]) continue;
+      own[which] = quantize(xc, own_blocks[which], buf);
+      buf += acts_floats(N, H, own_blocks[which]);
       if (!blocks[which]) continue;
-      const Acts own = quantize(xc, blocks[which], buf);
-      buf += acts_floats(N, H, blocks[which]);
       gathered[which] = acts_at(buf, A, H, blocks[which]);
       buf += acts_floats(A, H, blocks[which]);
-      gather(own, rows, H, blocks[which], gathered[which]);
+      gather(own[which], rows, H, blocks[which], gathered[which]);
     }
     at::Tensor h = at::empty({A, 2 * I}, x.options());  // [A, 2I] gate | up per assignment
-    run(gu_, used, start, h, gu_bias_, [&](int f) -> const Acts& {
-      return gathered[block_size(f) == 256];
-    });
+    at::Tensor hs = sh ? at::empty({N, sh->I2}, x.options()) : at::Tensor();
+    std::vector<Seg> segs;
+    for (int64_t e : used)
+      segs.push_back(expert_seg(gu_, e, start, gathered, h, gu_bias_));
+    if (sh)
+      segs.push_back(shared_seg(sh->gu, sh->gu_fmts, sh->gu_ns, sh->gu_panels, sh->gu_col, H, N,
+                                own, hs));
+    run_segs(segs);
 
     // down: silu(gate) * up (the kernel's own op), gpt-oss's or Gemma's, quantized per assignment
     const at::Tensor act = act_ == 0   ? qd_silu_mul(h)
                            : act_ == 1 ? swiglu_oai(h, alpha_, limit_).contiguous()
                                        : qd_gelu_mul(h);
-    const Acts down_acts = quantize(act, down_block, buf);
+    Acts down_acts[2] = {};
+    down_acts[down_block == 256] = quantize(act, down_block, buf);
+    buf += acts_floats(A, I, down_block);
     at::Tensor y = at::empty({A, H}, x.options());  // [A, H]
-    run(down_, used, start, y, down_bias_, [&](int) -> const Acts& { return down_acts; });
+    at::Tensor sy;
+    Acts sacts[2] = {};
+    if (sh) {
+      const at::Tensor sact = qd_silu_mul(hs);
+      for (int which = 0; which < 2; ++which) {
+        if (!shared_down[which]) continue;
+        sacts[which] = quantize(sact, shared_down[which], buf);
+        buf += acts_floats(N, sh->I2 / 2, shared_down[which]);
+      }
+      sy = at::empty({N, H}, x.options());
+    }
+    segs.clear();
+    for (int64_t e : used)
+      segs.push_back(expert_seg(down_, e, start, down_acts, y, down_bias_));
+    if (sh)
+      segs.push_back(shared_seg(sh->down, sh->down_fmts, sh->down_ns, sh->down_panels,
+                                sh->down_col, sh->I2 / 2, N, sacts, sy));
+    run_segs(segs);
+    if (sh) *shared_out = sy;
 
     // the weighted sums, each row over its slots in order
     const float* wp = w.data_ptr<float>();
@@ -252,58 +390,32 @@ class QdMoEGGUF {
   int64_t act_;
   double alpha_, limit_;
 
-  // Every used expert's panels of `p` times its rows of the activations (`acts(format)`, in
-  // assignment order) into y [A, p.N], plus expert e's row of `bias` [E, p.N] where defined:
-  // the (expert, panel) units cut into one contiguous range per thread of about equal cost
-  // (the panels' bytes plus a share per row).
-  template <class ActsOf>
-  void run(const Proj& p, const std::vector<int64_t>& used, const std::vector<int64_t>& start,
-           at::Tensor& y, const at::Tensor& bias, const ActsOf& acts) const {
-    const int64_t U = static_cast<int64_t>(used.size()) * p.unit_panels;
-    std::vector<double> cost(U + 1, 0.0);  // prefix sums
-    std::vector<int64_t> part_of(p.unit_panels), panel_of(p.unit_panels), col_of(p.fmts.size());
-    for (size_t i = 0, u = 0, col = 0; i < p.fmts.size(); col += p.ns[i], ++i) {
-      col_of[i] = static_cast<int64_t>(col);
-      for (int64_t q = 0; q < p.panels[i]; ++q, ++u) {
-        part_of[u] = static_cast<int64_t>(i);
-        panel_of[u] = q;
-      }
+  // expert e's rows [start[e], start[e + 1]) of `acts` (at row 0) times its parts of `p`, into
+  // the same rows of y, plus its row of `bias` [E, p.N] where defined
+  static Seg expert_seg(const Proj& p, int64_t e, const std::vector<int64_t>& start,
+                        const Acts* acts, at::Tensor& y, const at::Tensor& bias) {
+    const int64_t a0 = start[e], M = start[e + 1] - start[e];
+    Seg g{&p.packed[e], &p.fmts, &p.ns, &p.panels, &p.col, p.K, M, {}, {}, 0, 0};
+    for (int which = 0; which < 2; ++which)
+      if (acts[which].xq) g.acts[which] = offset(acts[which], a0, p.K, which ? 256 : 32);
+    g.base = qd_panel::epilogue(nullptr, bias, y);
+    g.y_elem = y.element_size();
+    g.base.y = static_cast<char*>(g.base.y) + a0 * y.size(1) * static_cast<int64_t>(g.y_elem);
+    if (bias.defined()) {
+      g.bias_elem = bias.element_size();
+      g.base.bias = static_cast<const char*>(g.base.bias) + e * p.N * static_cast<int64_t>(g.bias_elem);
     }
-    for (int64_t u = 0; u < U; ++u) {
-      const int64_t e = used[u / p.unit_panels];
-      const int f = static_cast<int>(p.fmts[part_of[u % p.unit_panels]]);
-      const double bytes = static_cast<double>(p.K / block_size(f) * block_bytes(f));
-      cost[u + 1] = cost[u] + bytes * (2.0 + static_cast<double>(start[e + 1] - start[e]));
-    }
-    const int64_t threads = std::max<int64_t>(
-        1, std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(cost[U] / (64 << 10))));
-    std::vector<int64_t> cut(threads + 1, U);
-    cut[0] = 0;
-    for (int64_t t = 1; t < threads; ++t)
-      cut[t] = std::lower_bound(cost.begin(), cost.end(), cost[U] * t / threads) - cost.begin();
-    const qd_panel::Epilogue base = qd_panel::epilogue(nullptr, bias, y);
-    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        for (int64_t u = cut[t]; u < cut[t + 1];) {
-          // a run of panels of one (expert, part) within this range
-          const int64_t ue = u / p.unit_panels, uu = u % p.unit_panels;
-          const int64_t part = part_of[uu];
-          const int64_t last = std::min(cut[t + 1], ue * p.unit_panels + uu + p.panels[part] -
-                                                        panel_of[uu]);
-          const int64_t e = used[ue], a0 = start[e], M = start[e + 1] - start[e];
-          const int f = static_cast<int>(p.fmts[part]);
-          qd_panel::Epilogue ep = base;
-          ep.y = static_cast<char*>(y.data_ptr()) + (a0 * y.size(1) + col_of[part]) * y.element_size();
-          if (bias.defined())
-            ep.bias = static_cast<const char*>(bias.data_ptr()) +
-                      (e * p.N + col_of[part]) * bias.element_size();
-          part_panels(offset(acts(f), a0, p.K, block_size(f)), M, p.K, f,
-                      p.packed[e][part].data_ptr<uint8_t>(), p.ns[part], ep, panel_of[uu],
-                      panel_of[uu] + (last - u));
-          u = last;
-        }
-      }
-    });
+    return g;
+  }
+
+  static Seg shared_seg(const std::vector<at::Tensor>& packed, const std::vector<int64_t>& fmts,
+                        const std::vector<int64_t>& ns, const std::vector<int64_t>& panels,
+                        const std::vector<int64_t>& col, int64_t K, int64_t M, const Acts* acts,
+                        at::Tensor& y) {
+    Seg g{&packed, &fmts, &ns, &panels, &col, K, M, {acts[0], acts[1]}, {}, 0, 0};
+    g.base = qd_panel::epilogue(nullptr, at::Tensor(), y);
+    g.y_elem = y.element_size();
+    return g;
   }
 };
 
@@ -343,6 +455,25 @@ class QdMoEBlock {
                 top_k_, " of ", experts_.experts(), " experts");
     TORCH_CHECK(sgu_.empty() == sdown_.empty() && sgu_.empty() == !shared_gate_.has_value(),
                 "quickdraft MoEBlock: a shared expert needs gate_up, down and its gate");
+    if (!sgu_.empty()) {
+      TORCH_CHECK(sgu_.size() == sgu_fmts_.size() && sgu_.size() == sgu_ns_.size() &&
+                      sdown_.size() == sdown_fmts_.size() && sdown_.size() == sdown_ns_.size(),
+                  "quickdraft MoEBlock: the shared expert's parts, formats and row counts");
+      shared_.gu = sgu_, shared_.down = sdown_;
+      shared_.gu_fmts = sgu_fmts_, shared_.gu_ns = sgu_ns_;
+      shared_.down_fmts = sdown_fmts_, shared_.down_ns = sdown_ns_;
+      part_layout(sgu_ns_, shared_.gu_panels, shared_.gu_col);
+      part_layout(sdown_ns_, shared_.down_panels, shared_.down_col);
+      shared_.H = sgu_[0].size(1) * block_size(static_cast<int>(sgu_fmts_[0]));
+      shared_.I2 = 0;
+      for (int64_t n : sgu_ns_) shared_.I2 += n;
+      int64_t down_n = 0;
+      for (int64_t n : sdown_ns_) down_n += n;
+      TORCH_CHECK(shared_.I2 % 2 == 0 && down_n == shared_.H &&
+                      sdown_[0].size(1) * block_size(static_cast<int>(sdown_fmts_[0])) ==
+                          shared_.I2 / 2,
+                  "quickdraft MoEBlock: the shared expert's gate_up [2I, H] and down [H, I]");
+    }
   }
 
   at::Tensor forward(const at::Tensor& x) const {
@@ -357,17 +488,19 @@ class QdMoEBlock {
     }
     if (norm_topk_) renormalize(weight);
     // gpt-oss's block hands the experts its fp32 weights; the Qwen blocks round them to x's dtype
-    at::Tensor out = experts_.forward(x, idx, topk_first_ ? weight : weight.to(x.scalar_type()));
-    if (sgu_.empty()) return out;
-    const at::Tensor h = qd_linear_gguf(x, sgu_, sgu_fmts_, sgu_ns_, c10::nullopt);
-    const at::Tensor shared = qd_linear_gguf(qd_silu_mul(h), sdown_, sdown_fmts_, sdown_ns_,
-                                             c10::nullopt);
+    const at::Tensor w = topk_first_ ? weight : weight.to(x.scalar_type());
+    if (sgu_.empty()) return experts_.forward(x, idx, w);
+    // the shared expert's gate_up and down in the routed experts' two parallel regions (the
+    // bits of linear_gguf and silu_mul on it)
+    at::Tensor shared;
+    const at::Tensor xc = x.contiguous();
+    at::Tensor out = experts_.forward(xc, idx, w, &shared_, &shared);
     // the gate [1, H]: a plain tensor (the bf16 linear kernel) or packed in a panel
     const at::Tensor gate = qd_sigmoid(
         shared_gate_panel_n_ < 0
-            ? qd_linear(x, *shared_gate_, c10::nullopt, max_m_)
-            : qd_linear_panel(x, *shared_gate_, shared_gate_panel_n_, c10::nullopt));
-    return out + gate * shared;
+            ? qd_linear(xc, *shared_gate_, c10::nullopt, max_m_)
+            : qd_linear_panel(xc, *shared_gate_, shared_gate_panel_n_, c10::nullopt));
+    return add_gated(out, gate, shared);
   }
 
  private:
@@ -387,6 +520,44 @@ class QdMoEBlock {
     }
   }
 
+  // out + gate * shared, as those two torch ops round in x's dtype (bf16: the product
+  // rounded to bf16, then the sum), in place of out
+  __attribute__((optimize("fp-contract=off"))) static at::Tensor add_gated(
+      at::Tensor out, const at::Tensor& gate, const at::Tensor& shared) {
+    const bool plain = out.is_contiguous() && shared.is_contiguous() && gate.is_contiguous() &&
+                       gate.dim() == 2 && gate.size(1) == 1 && gate.size(0) == out.size(0) &&
+                       shared.sizes() == out.sizes() &&
+                       gate.scalar_type() == out.scalar_type() &&
+                       shared.scalar_type() == out.scalar_type() &&
+                       (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat);
+    if (!plain) return out + gate * shared;
+    const int64_t N = out.size(0), H = out.size(1);
+    if (out.scalar_type() == at::kFloat) {
+      float* o = out.data_ptr<float>();
+      const float* g = gate.data_ptr<float>();
+      const float* sv = shared.data_ptr<float>();
+      for (int64_t r = 0; r < N; ++r)
+        for (int64_t c = 0; c < H; ++c) {
+          const float prod = g[r] * sv[r * H + c];
+          o[r * H + c] = o[r * H + c] + prod;
+        }
+      return out;
+    }
+    using qd_bf16::bf16_to_f32;
+    using qd_bf16::f32_to_bf16;
+    auto* o = static_cast<uint16_t*>(out.data_ptr());
+    const auto* g = static_cast<const uint16_t*>(gate.data_ptr());
+    const auto* sv = static_cast<const uint16_t*>(shared.data_ptr());
+    for (int64_t r = 0; r < N; ++r) {
+      const float gr = bf16_to_f32(g[r]);
+      for (int64_t c = 0; c < H; ++c) {
+        const float prod = bf16_to_f32(f32_to_bf16(gr * bf16_to_f32(sv[r * H + c])));
+        o[r * H + c] = f32_to_bf16(bf16_to_f32(o[r * H + c]) + prod);
+      }
+    }
+    return out;
+  }
+
   QdMoEGGUF experts_;
   at::Tensor router_;
   c10::optional<at::Tensor> router_bias_;
@@ -400,6 +571,7 @@ class QdMoEBlock {
   std::vector<int64_t> sdown_fmts_, sdown_ns_;
   c10::optional<at::Tensor> shared_gate_;
   int64_t shared_gate_panel_n_;  // -1: shared_gate_ is a plain tensor; else its panels' rows
+  QdSharedExpert shared_;
 };
 
 std::shared_ptr<const QdMoEGGUF> qd_moe_gguf_of(const py::handle& experts) {
@@ -431,8 +603,12 @@ void qd_register_moe_gguf(py::module_& m) {
            py::arg("gate_up_bias") = py::none(), py::arg("down_bias") = py::none(),
            py::arg("act") = 0, py::arg("alpha") = 1.702, py::arg("limit") = 7.0)
       .def("experts", &QdMoEGGUF::experts)
-      .def("forward", &QdMoEGGUF::forward, py::arg("x"), py::arg("top_idx"),
-           py::arg("top_weight"), py::call_guard<py::gil_scoped_release>());
+      .def(
+          "forward",
+          [](const QdMoEGGUF& self, const at::Tensor& x, const at::Tensor& top_idx,
+             const at::Tensor& top_weight) { return self.forward(x, top_idx, top_weight); },
+          py::arg("x"), py::arg("top_idx"), py::arg("top_weight"),
+          py::call_guard<py::gil_scoped_release>());
   py::class_<QdMoEBlock>(m, "MoEBlock")
       .def(py::init<QdMoEGGUF, at::Tensor, int64_t, bool, int64_t, std::vector<at::Tensor>,
                     std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>,
