@@ -292,13 +292,14 @@ def test_recurrent_updates_with_pending_equals_advance_then_read(
         (1, (2, 4, 32, 32)),
         (70, (2, 4, 128, 128)),
         (33, (1, 3, 16, 24)),
+        (20, (2, 2, 16, 48)),
     ],
 )
 def test_long_forward_equals_decode_steps_bitwise(t: int, shape: tuple[int, ...]) -> None:
     """A prompt chunk through long_forward (gdn_prefill: the state stepped in place, each
     step reading the next token's S^T k, S^T q as it writes): every output and the final state
     equal t decode steps' (one-token recurrent_updates, each committed by advance_state), bit
-    for bit; the real head size (128 x 128) and a dv that is not a multiple of 16 included."""
+    for bit; the real head size (128 x 128), and dv taking each column block (32, 16, 8)."""
     k_heads, v_heads, dk, dv = shape
     gen = torch.Generator().manual_seed(t)
     y = torch.randn(t, 2 * k_heads * dk + v_heads * dv, generator=gen)

@@ -180,10 +180,41 @@ void step_read(const float* src, float* dst, int64_t dk, int64_t dv, int m, cons
   }
 }
 
+// step_read row by row (each row's columns in turn, the column sums kept in memory, in L1)
+void step_read_rows(const float* src, float* dst, int64_t dk, int64_t dv, int m, const float* e,
+                    const float* const* k, const float* const* d, const float* kn,
+                    const float* qn, float* ks, float* qs) {
+  for (int64_t c = 0; c < dv; c += 8) {
+    _mm256_storeu_ps(ks + c, _mm256_setzero_ps());
+    _mm256_storeu_ps(qs + c, _mm256_setzero_ps());
+  }
+  for (int64_t i = 0; i < dk; ++i) {
+    const __m256 kni = _mm256_set1_ps(kn[i]), qni = _mm256_set1_ps(qn[i]);
+    for (int64_t c = 0; c < dv; c += 8) {
+      __m256 sv = _mm256_loadu_ps(src + i * dv + c);
+      for (int u = 0; u < m; ++u)
+        sv = _mm256_fmadd_ps(_mm256_set1_ps(k[u][i]), _mm256_loadu_ps(d[u] + c),
+                             _mm256_mul_ps(_mm256_set1_ps(e[u]), sv));
+      _mm256_storeu_ps(dst + i * dv + c, sv);
+      _mm256_storeu_ps(ks + c, _mm256_fmadd_ps(kni, sv, _mm256_loadu_ps(ks + c)));
+      _mm256_storeu_ps(qs + c, _mm256_fmadd_ps(qni, sv, _mm256_loadu_ps(qs + c)));
+    }
+  }
+}
+// step_read's instructions in the order that suits where the state is: a state coming from
+// memory row by row, sequentially (`step_read_rows`: a decode step's pending commit streams
+// the layer's 2 MiB from DRAM, 84 against 164 us with column blocks of 16, 24 states in
+// alternation); one in L2 (a verify's or a prompt's next token) in column blocks of 32 with the
+// sums in registers (6.7 against 8.6 ms for 256 prompt tokens of 32 heads of 128 x 128). Every
+// order gives the same bits: each element and each column's sum sees the same operations.
 void step_read_any(const float* src, float* dst, int64_t dk, int64_t dv, int m, const float* e,
                    const float* const* k, const float* const* d, const float* kn,
-                   const float* qn, float* ks, float* qs) {
-  if (dv % 16 == 0)
+                   const float* qn, float* ks, float* qs, bool from_memory) {
+  if (from_memory)
+    step_read_rows(src, dst, dk, dv, m, e, k, d, kn, qn, ks, qs);
+  else if (dv % 32 == 0)
+    step_read<4>(src, dst, dk, dv, m, e, k, d, kn, qn, ks, qs);
+  else if (dv % 16 == 0)
     step_read<2>(src, dst, dk, dv, m, e, k, d, kn, qn, ks, qs);
   else
     step_read<1>(src, dst, dk, dv, m, e, k, d, kn, qn, ks, qs);
@@ -233,7 +264,7 @@ void qd_gdn_delta_raw(const QdDeltaIO& io, int64_t H, int64_t dk, int64_t dv, in
           dj_p[j] = io.pd + h * io.pd_hs + j * dv;
         }
         step_read_any(S0, S0, dk, dv, static_cast<int>(m), e, kj_p, dj_p, kn.data(), qn.data(),
-                      ks.data(), qs.data());
+                      ks.data(), qs.data(), true);
       } else {
         const float* coef[2] = {kn.data(), qn.data()};
         float* res[2] = {ks.data(), qs.data()};
@@ -258,7 +289,7 @@ void qd_gdn_delta_raw(const QdDeltaIO& io, int64_t H, int64_t dk, int64_t dv, in
           const float* kj[1] = {knt};
           const float* dj[1] = {dt.data()};
           step_read_any(S, work.data(), dk, dv, 1, &et, kj, dj, kn.data() + ((t + 1) % 2) * dk,
-                        qn.data() + ((t + 1) % 2) * dk, ks.data(), qs.data());
+                        qn.data() + ((t + 1) % 2) * dk, ks.data(), qs.data(), false);
           S = work.data();
         }
       }
@@ -416,7 +447,7 @@ at::Tensor qd_gdn_prefill(const at::Tensor& y_in, const at::Tensor& g_in, const 
         const float* kj[1] = {kc};
         const float* dj[1] = {d.data()};
         step_read_any(S, S, dk, dv, 1, &et, kj, dj, kn.data() + nxt, qn.data() + nxt, ks.data(),
-                      qs.data());
+                      qs.data(), false);
       }
     }
   });
