@@ -550,9 +550,18 @@ class QdMoEBlock {
     const auto* sv = static_cast<const uint16_t*>(shared.data_ptr());
     for (int64_t r = 0; r < N; ++r) {
       const float gr = bf16_to_f32(g[r]);
-      for (int64_t c = 0; c < H; ++c) {
-        const float prod = bf16_to_f32(f32_to_bf16(gr * bf16_to_f32(sv[r * H + c])));
-        o[r * H + c] = f32_to_bf16(bf16_to_f32(o[r * H + c]) + prod);
+      const __m256 gv = _mm256_set1_ps(gr);
+      uint16_t* orow = o + r * H;
+      const uint16_t* srow = sv + r * H;
+      int64_t c = 0;
+      for (; c + 8 <= H; c += 8) {  // the product rounded to bf16 (store8), then the sum
+        alignas(16) uint16_t prod[8];
+        qd_simd::store8(prod, _mm256_mul_ps(gv, qd_simd::load8(srow + c)));
+        qd_simd::store8(orow + c, _mm256_add_ps(qd_simd::load8(orow + c), qd_simd::load8(prod)));
+      }
+      for (; c < H; ++c) {
+        const float prod = bf16_to_f32(f32_to_bf16(gr * bf16_to_f32(srow[c])));
+        orow[c] = f32_to_bf16(bf16_to_f32(orow[c]) + prod);
       }
     }
     return out;
