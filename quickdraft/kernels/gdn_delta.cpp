@@ -7,8 +7,9 @@
 //       -> out [T, H, dv], k [H, T, dk], d [H, T, dv], g [H, T]   (all fp32)
 //   With pending updates (the last forward's kept ones, not yet committed into the state)
 //   each head's state is first advanced by them in place, as gdn_advance does, then read:
-//   the bits of gdn_advance followed by gdn_delta, with one pass over the state from DRAM
-//   instead of two (the head's 64 KiB stay in L2 between them).
+//   the bits of gdn_advance followed by gdn_delta, in one pass over the state from DRAM that
+//   also reads token 0's S^T k and S^T q (step_read_rows). qd_gdn_delta_raw (ops.h) is the
+//   same on raw rows: hybrid_layer.cpp writes the kept updates straight into the cache.
 //   gdn_advance(state [H, dk, dv] fp32, k [H, m, dk], d [H, m, dv], g [H, m])   in place
 //   gdn_prefill(y [T, C], g [T, H], beta [T, H], state [H, dk, dv], k_heads) -> out [T, H, dv]
 //   A prompt chunk of any length: the state advanced in place token by token (the bits of T
@@ -23,11 +24,12 @@
 // gdn_delta is kernels/gdn.py's delta_rule_updates after prepare_qk, for one chunk of T tokens,
 // as the recurrence itself, token by token: with q, k L2-normalised (q also scaled by
 // dk^-0.5), e_t = exp(g_t) and S the state before token t (S0, the committed state, for t = 0),
-//   a = S^T k_t,  b = S^T q_t                    (read_state: two vectors, one pass)
+//   a = S^T k_t,  b = S^T q_t                    (read_state: two vectors, one pass; for
+//                                                  t > 0 read in the pass that made S)
 //   d_t   = beta_t (v_t - e_t a)
 //   out_t = e_t b + (q_t . k_t) d_t               (= S_t^T q_t)
-//   S_t   = e_t S + k_t d_t^T                     (step_rows, into a scratch copy: S0 is
-//                                                  never written)
+//   S_t   = e_t S + k_t d_t^T                     (step_read: step_rows' instructions, into
+//                                                  a scratch copy: S0 is never written)
 // gdn_advance applies the first m kept (k, d, g) to the committed state with the same
 // step_rows. So token t of a verify reads bitwise the state that t decode steps (each
 // committing one token) leave, and computes from it with the same code: a verify's rows equal
@@ -201,6 +203,7 @@ void step_read_rows(const float* src, float* dst, int64_t dk, int64_t dv, int m,
     }
   }
 }
+
 // step_read's instructions in the order that suits where the state is: a state coming from
 // memory row by row, sequentially (`step_read_rows`: a decode step's pending commit streams
 // the layer's 2 MiB from DRAM, 84 against 164 us with column blocks of 16, 24 states in

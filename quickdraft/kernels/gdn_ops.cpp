@@ -336,14 +336,13 @@ at::Tensor qd_causal_conv_silu(const at::Tensor& x, const at::Tensor& window_in,
       // a prompt chunk's channels split over the threads in blocks of 8 (a decode step's
       // few microseconds stay on one: a fork/join would cost more)
       const int64_t blocks = (C + 7) / 8;
-      at::parallel_for(0, blocks, std::max<int64_t>(1, (int64_t{1} << 15) / (8 * std::max<int64_t>(Tn, 1))),
-                       [&](int64_t b0, int64_t b1) {
-                         conv_rows<T, WT>(static_cast<const T*>(x.data_ptr()), x.stride(0),
-                                          static_cast<const T*>(win.data_ptr()),
-                                          static_cast<const WT*>(w.data_ptr()),
-                                          out.data_ptr<float>(), Tn, C, K, b0 * 8,
-                                          std::min(C, b1 * 8));
-                       });
+      const int64_t grain =
+          std::max<int64_t>(1, (int64_t{1} << 15) / (8 * std::max<int64_t>(Tn, 1)));
+      at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+        conv_rows<T, WT>(static_cast<const T*>(x.data_ptr()), x.stride(0),
+                         static_cast<const T*>(win.data_ptr()), static_cast<const WT*>(w.data_ptr()),
+                         out.data_ptr<float>(), Tn, C, K, b0 * 8, std::min(C, b1 * 8));
+      });
     });
   });
   return out;

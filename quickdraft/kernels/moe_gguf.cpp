@@ -39,13 +39,12 @@ struct Proj {
   std::vector<int64_t> fmts, ns;                // per part
   int64_t K = 0, N = 0;                         // in and out features
   std::vector<int64_t> panels;                  // per part: ceil(n / 16)
-  int64_t unit_panels = 0;                      // panels per expert, all parts
   std::vector<int64_t> col;                     // per part: its first output column
 };
 
 Proj make_proj(std::vector<std::vector<at::Tensor>> packed, std::vector<int64_t> fmts,
                std::vector<int64_t> ns, int64_t K, const char* what) {
-  Proj p{std::move(packed), std::move(fmts), std::move(ns), K, 0, {}, 0, {}};
+  Proj p{std::move(packed), std::move(fmts), std::move(ns), K, 0, {}, {}};
   TORCH_CHECK(!p.packed.empty() && !p.fmts.empty() && p.fmts.size() == p.ns.size(),
               "quickdraft MoEGGUF: ", what, ": experts and one format and row count per part");
   for (size_t i = 0; i < p.fmts.size(); ++i) {
@@ -55,7 +54,6 @@ Proj make_proj(std::vector<std::vector<at::Tensor>> packed, std::vector<int64_t>
     TORCH_CHECK(K % block_size(static_cast<int>(f)) == 0, "quickdraft MoEGGUF: ", what, ": ", K,
                 " columns are not whole blocks of format ", f);
     p.panels.push_back((p.ns[i] + kPanel - 1) / kPanel);
-    p.unit_panels += p.panels.back();
     p.col.push_back(p.N);
     p.N += p.ns[i];
   }
@@ -114,8 +112,8 @@ __attribute__((optimize("fp-contract=off"))) void weighted_sum(
 
 // One GEMM's share of a grouped parallel region: the row parts `packed` (one format and row
 // count each, `panels` per part) times M rows of `acts` (by block size: [0] for 32, [1] for
-// 256, already at the segment's first row) into y (`base`'s layout at the segment's first
-// row; part i's columns from col[i]), plus `bias` (the row of this segment, or null).
+// 256, already at the segment's first row) into y, plus a bias row where `base` has one
+// (`base`: y and the bias at the segment's first row; part i's columns from col[i]).
 struct Seg {
   const std::vector<at::Tensor>* packed;
   const std::vector<int64_t>* fmts;
@@ -170,7 +168,8 @@ void run_segs(const std::vector<Seg>& segs) {
         const int64_t c = (*g.col)[part];
         qd_panel::Epilogue ep = g.base;
         ep.y = static_cast<char*>(ep.y) + c * static_cast<int64_t>(g.y_elem);
-        if (ep.bias) ep.bias = static_cast<const char*>(ep.bias) + c * static_cast<int64_t>(g.bias_elem);
+        if (ep.bias)
+          ep.bias = static_cast<const char*>(ep.bias) + c * static_cast<int64_t>(g.bias_elem);
         part_panels(g.acts[block_size(f) == 256], g.M, g.K, f,
                     (*g.packed)[part].data_ptr<uint8_t>(), (*g.ns)[part], ep, q, q + len);
         u += len;
@@ -403,7 +402,8 @@ class QdMoEGGUF {
     g.base.y = static_cast<char*>(g.base.y) + a0 * y.size(1) * static_cast<int64_t>(g.y_elem);
     if (bias.defined()) {
       g.bias_elem = bias.element_size();
-      g.base.bias = static_cast<const char*>(g.base.bias) + e * p.N * static_cast<int64_t>(g.bias_elem);
+      g.base.bias = static_cast<const char*>(g.base.bias) +
+                    e * p.N * static_cast<int64_t>(g.bias_elem);
     }
     return g;
   }
