@@ -15,11 +15,13 @@ changes.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import struct
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -170,27 +172,58 @@ def save_packed(model: nn.Module, file: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+READ_THREADS = 4  # readers of a packed copy, each a contiguous quarter of its bytes
+
+
 def _read_packed(file: Path) -> tuple[dict[str, str], dict[str, Tensor]]:
     """(metadata, tensors) of a safetensors file written by `save_packed`, read with plain
     file reads into fresh buffers (the panels on huge pages, `streamed_empty`): mapping the
-    file and copying out of it would hold both copies resident at the peak."""
+    file and copying out of it would hold both copies resident at the peak. READ_THREADS
+    threads read contiguous ranges of it at once (`os.preadv` releases the GIL): from a cold
+    page cache one reader took 44 s for the full-size 35B-A3B copy (21.5 GB in 31k tensors,
+    0.5 GB/s), where this disk gives 1.2 GB/s to one stream and 2.4 to four."""
     dtypes = {v: k for k, v in _ST_DTYPES.items()}
     out: dict[str, Tensor] = {}
+    jobs: list[tuple[int, str, Any]] = []  # (file offset, name, destination bytes)
     with file.open("rb") as fh:
         (size,) = struct.unpack("<Q", fh.read(8))
         header = json.loads(fh.read(size))
-        meta = header.pop("__metadata__", {}) or {}
-        base = 8 + size
-        for name, info in header.items():
-            start, end = info["data_offsets"]
-            t = streamed_empty(tuple(info["shape"]), dtypes[info["dtype"]])
-            view = t.view(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
-            if end - start != view.nbytes:
-                raise ValueError(f"{file.name}: tensor {name} has {end - start} bytes")
-            fh.seek(base + start)
-            if fh.readinto(memoryview(view)) != view.nbytes:  # type: ignore[arg-type]
-                raise ValueError(f"{file.name}: truncated at tensor {name}")
-            out[name] = t
+    meta = header.pop("__metadata__", {}) or {}
+    base = 8 + size
+    for name, info in header.items():
+        start, end = info["data_offsets"]
+        t = streamed_empty(tuple(info["shape"]), dtypes[info["dtype"]])
+        view = t.view(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+        if end - start != view.nbytes:
+            raise ValueError(f"{file.name}: tensor {name} has {end - start} bytes")
+        jobs.append((base + start, name, view))
+        out[name] = t
+    jobs.sort(key=lambda j: j[0])
+    total = sum(j[2].nbytes for j in jobs)
+    cuts = [0]
+    done = 0
+    for i, job in enumerate(jobs):  # contiguous ranges of about equal bytes
+        done += job[2].nbytes
+        if done * READ_THREADS >= total * len(cuts) and len(cuts) < READ_THREADS:
+            cuts.append(i + 1)
+    cuts.append(len(jobs))
+    fd = os.open(file, os.O_RDONLY)
+    try:
+
+        def read(lo: int, hi: int) -> None:
+            for offset, name, view in jobs[lo:hi]:
+                got = 0
+                while got < view.nbytes:  # preadv may return short reads
+                    n = os.preadv(fd, [memoryview(view[got:])], offset + got)
+                    if n <= 0:
+                        raise ValueError(f"{file.name}: truncated at tensor {name}")
+                    got += n
+
+        with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
+            for f in [pool.submit(read, lo, hi) for lo, hi in itertools.pairwise(cuts)]:
+                f.result()
+    finally:
+        os.close(fd)
     return meta, out
 
 
