@@ -235,6 +235,7 @@ class Ours:
 
 
 def _rss_mb() -> float:
+    """Resident memory in MiB (the report's `*_mb` fields are MiB, as ru_maxrss / 1024)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return round(int(line.split()[1]) / 1024, 1)
@@ -528,7 +529,7 @@ def markdown(report: dict[str, Any]) -> str:
             + "\n"
             + table(["quickdraft", "ratio"], extra)
             + f"\nTensors by format: {f['tensors_by_format']}. quickdraft loaded in "
-            f"{f['quickdraft_load_s']} s, RSS {f['quickdraft_rss_mb']} MB.\n"
+            f"{f['quickdraft_load_s']} s, RSS {f['quickdraft_rss_mb']} MiB.\n"
         )
     return "".join(out)
 
@@ -573,8 +574,8 @@ def markdown_full(report: dict[str, Any]) -> str:
                     "GB/s",
                     "pp512 tok/s",
                     "start s",
-                    "RSS MB",
-                    "peak RSS MB",
+                    "RSS MiB",
+                    "peak RSS MiB",
                 ],
                 rows,
             )
