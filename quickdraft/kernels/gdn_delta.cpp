@@ -14,9 +14,10 @@
 //   gdn_prefill(y [T, C], g [T, H], beta [T, H], state [H, dk, dv], k_heads) -> out [T, H, dv]
 //   A prompt chunk of any length: the state advanced in place token by token (the bits of T
 //   decode steps, each committed by gdn_advance), each token's update and the next token's
-//   read of the state in one pass (step_read). Before it, a prompt ran gdn_delta per 64
-//   tokens into a scratch state and then gdn_advance over the same updates: the state was
-//   stepped twice and read once a token; a qwen35moe pp512 spent ~18 % of its samples there.
+//   read of the state in one pass (step_read; qd_gdn_delta_raw's commit mode). Before it, a
+//   prompt ran gdn_delta per 64 tokens into a scratch state and then gdn_advance over the
+//   same updates: the state was stepped twice and read once a token; a qwen35moe pp512 spent
+//   ~18 % of its samples there.
 //
 // Why: a verify's delta rule in torch is ~40 ops (cat, bmm, a triangular solve...) on tensors
 // of a few KB, each costing its dispatch, not its arithmetic. All math fp32.
@@ -248,7 +249,8 @@ void qd_gdn_delta_raw(const QdDeltaIO& io, int64_t H, int64_t dk, int64_t dv, in
     // this token's and the next one's normalised q and k, the update's d: written to the
     // outputs only after the head's pending updates (which may share their rows) are read
     std::vector<float> qn(2 * dk), kn(2 * dk), ks(dv), qs(dv), dt(dv);
-    std::vector<float> work(Tn > 1 ? dk * dv : 0);  // the state inside the chunk
+    // the state inside the chunk (a commit steps the state itself)
+    std::vector<float> work(Tn > 1 && !io.commit ? dk * dv : 0);
     float e[kMaxAdvance];
     const float* kj_p[kMaxAdvance];
     const float* dj_p[kMaxAdvance];
@@ -284,38 +286,55 @@ void qd_gdn_delta_raw(const QdDeltaIO& io, int64_t H, int64_t dk, int64_t dv, in
         float* o = io.out + t * io.out_ts + h * dv;
         for (int64_t i = 0; i < dv; ++i) dt[i] = (v[i] - et * ks[i]) * bt;
         for (int64_t i = 0; i < dv; ++i) o[i] = et * qs[i] + kq * dt[i];
-        std::memcpy(io.k + h * io.k_hs + t * dk, knt, dk * sizeof(float));
-        std::memcpy(io.d + h * io.d_hs + t * dv, dt.data(), dv * sizeof(float));
-        io.gout[h * io.gout_hs + t] = gt;
+        if (io.k) {
+          std::memcpy(io.k + h * io.k_hs + t * dk, knt, dk * sizeof(float));
+          std::memcpy(io.d + h * io.d_hs + t * dv, dt.data(), dv * sizeof(float));
+          io.gout[h * io.gout_hs + t] = gt;
+        }
+        const float* kj[1] = {knt};
+        const float* dj[1] = {dt.data()};
         if (t + 1 < Tn) {  // S_t, the state the next token reads, and its read
           norm(t + 1);
-          const float* kj[1] = {knt};
-          const float* dj[1] = {dt.data()};
-          step_read_any(S, work.data(), dk, dv, 1, &et, kj, dj, kn.data() + ((t + 1) % 2) * dk,
+          float* next = io.commit ? S0 : work.data();
+          step_read_any(S, next, dk, dv, 1, &et, kj, dj, kn.data() + ((t + 1) % 2) * dk,
                         qn.data() + ((t + 1) % 2) * dk, ks.data(), qs.data(), false);
-          S = work.data();
+          S = next;
+        } else if (io.commit) {  // the last token's update alone
+          step_rows(S0, S0, dk, dv, 1, &et, kj, dj);
         }
       }
     }
   });
 }
 
+namespace {
+
+// gdn_delta's and gdn_prefill's inputs: y [T, 2 Hk dk + H dv], g and beta [T, H], state
+// [H, dk, dv], all CPU fp32
+void check_inputs(const char* fn, const at::Tensor& y, const at::Tensor& g,
+                  const at::Tensor& beta, const at::Tensor& state, int64_t k_heads) {
+  for (const at::Tensor* t : {&y, &g, &beta, &state})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat, fn,
+                ": CPU fp32 tensors only");
+  TORCH_CHECK(state.dim() == 3 && y.dim() == 2 && g.dim() == 2, fn,
+              ": y [T, C], g / beta [T, H], state [H, dk, dv]");
+  const int64_t H = state.size(0), dk = state.size(1), dv = state.size(2);
+  TORCH_CHECK(k_heads > 0 && H % k_heads == 0 && dk % 8 == 0 && dv % 8 == 0, fn,
+              ": heads must group evenly and head dims be multiples of 8");
+  TORCH_CHECK(y.size(1) == 2 * k_heads * dk + H * dv, fn, ": y must be [T, 2 Hk dk + H dv]");
+  TORCH_CHECK(g.sizes() == beta.sizes() && g.size(0) == y.size(0) && g.size(1) == H, fn,
+              ": g and beta must be [T, H]");
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qd_gdn_delta(
     const at::Tensor& y_in, const at::Tensor& g_in, const at::Tensor& beta_in,
     const at::Tensor& state_in, int64_t k_heads, const c10::optional<at::Tensor>& pending_k,
     const c10::optional<at::Tensor>& pending_d, const c10::optional<at::Tensor>& pending_g) {
-  for (const auto* t : {&y_in, &g_in, &beta_in, &state_in})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat,
-                "gdn_delta: CPU fp32 tensors only");
-  TORCH_CHECK(state_in.dim() == 3 && y_in.dim() == 2 && g_in.dim() == 2,
-              "gdn_delta: y [T, C], g / beta [T, H], state [H, dk, dv]");
+  check_inputs("gdn_delta", y_in, g_in, beta_in, state_in, k_heads);
   const int64_t H = state_in.size(0), dk = state_in.size(1), dv = state_in.size(2);
-  const int64_t Tn = y_in.size(0), kd = k_heads * dk;
-  TORCH_CHECK(k_heads > 0 && H % k_heads == 0 && dk % 8 == 0 && dv % 8 == 0,
-              "gdn_delta: heads must group evenly and head dims be multiples of 8");
-  TORCH_CHECK(y_in.size(1) == 2 * kd + H * dv, "gdn_delta: y must be [T, 2 Hk dk + H dv]");
-  TORCH_CHECK(g_in.sizes() == beta_in.sizes() && g_in.size(0) == Tn && g_in.size(1) == H,
-              "gdn_delta: g and beta must be [T, H]");
+  const int64_t Tn = y_in.size(0);
   const at::Tensor y = y_in.contiguous(), g = g_in.contiguous(), beta = beta_in.contiguous();
   const bool pending = pending_g.has_value() && pending_g->size(1) > 0;
   TORCH_CHECK(pending_k.has_value() == pending_g.has_value() &&
@@ -396,63 +415,20 @@ void qd_gdn_advance(at::Tensor state, const at::Tensor& k_in, const at::Tensor& 
 
 at::Tensor qd_gdn_prefill(const at::Tensor& y_in, const at::Tensor& g_in, const at::Tensor& beta_in,
                           at::Tensor state, int64_t k_heads) {
-  for (const at::Tensor* t : {&y_in, &g_in, &beta_in, static_cast<const at::Tensor*>(&state)})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat,
-                "gdn_prefill: CPU fp32 tensors only");
-  TORCH_CHECK(state.dim() == 3 && state.is_contiguous() && y_in.dim() == 2 && g_in.dim() == 2,
-              "gdn_prefill: y [T, C], g / beta [T, H], state [H, dk, dv] contiguous");
-  const int64_t H = state.size(0), dk = state.size(1), dv = state.size(2);
-  const int64_t Tn = y_in.size(0), kd = k_heads * dk;
-  TORCH_CHECK(k_heads > 0 && H % k_heads == 0 && dk % 8 == 0 && dv % 8 == 0,
-              "gdn_prefill: heads must group evenly and head dims be multiples of 8");
-  TORCH_CHECK(y_in.size(1) == 2 * kd + H * dv, "gdn_prefill: y must be [T, 2 Hk dk + H dv]");
-  TORCH_CHECK(g_in.sizes() == beta_in.sizes() && g_in.size(0) == Tn && g_in.size(1) == H,
-              "gdn_prefill: g and beta must be [T, H]");
+  check_inputs("gdn_prefill", y_in, g_in, beta_in, state, k_heads);
+  TORCH_CHECK(state.is_contiguous(), "gdn_prefill: the state (advanced in place) contiguous");
+  const int64_t H = state.size(0), dk = state.size(1), dv = state.size(2), Tn = y_in.size(0);
   const at::Tensor y = y_in.contiguous(), g = g_in.contiguous(), beta = beta_in.contiguous();
   at::Tensor out = at::empty({Tn, H, dv}, y.options());
   if (Tn == 0) return out;
-  const float* yp = y.data_ptr<float>();
-  const float* gp = g.data_ptr<float>();
-  const float* bp = beta.data_ptr<float>();
-  float* sp = state.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t C = y.size(1), group = H / k_heads;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(dk));
-  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
-    // this token's and the next one's normalised q, k; S^T k and S^T q of the state it reads
-    std::vector<float> qn(2 * dk), kn(2 * dk), ks(dv), qs(dv), d(dv);
-    for (int64_t h = h0; h < h1; ++h) {
-      const int64_t hk = h / group;
-      float* S = sp + h * dk * dv;
-      normalise_qk(yp + hk * dk, yp + kd + hk * dk, dk, scale, qn.data(), kn.data());
-      {
-        const float* coef[2] = {kn.data(), qn.data()};
-        float* res[2] = {ks.data(), qs.data()};
-        read_state(S, dk, dv, coef, res, 2);
-      }
-      for (int64_t t = 0; t < Tn; ++t) {
-        const int64_t cur = (t % 2) * dk, nxt = dk - cur;
-        const float et = std::exp(gp[t * H + h]), bt = bp[t * H + h];
-        const float kq = dot(qn.data() + cur, kn.data() + cur, dk);
-        const float* v = yp + t * C + 2 * kd + h * dv;
-        float* o = op + (t * H + h) * dv;
-        for (int64_t i = 0; i < dv; ++i) d[i] = (v[i] - et * ks[i]) * bt;
-        for (int64_t i = 0; i < dv; ++i) o[i] = et * qs[i] + kq * d[i];
-        const float* kc = kn.data() + cur;
-        if (t + 1 == Tn) {  // the last token: its update alone
-          const float* kj[1] = {kc};
-          const float* dj[1] = {d.data()};
-          step_rows(S, S, dk, dv, 1, &et, kj, dj);
-          break;
-        }
-        normalise_qk(yp + (t + 1) * C + hk * dk, yp + (t + 1) * C + kd + hk * dk, dk, scale,
-                     qn.data() + nxt, kn.data() + nxt);
-        const float* kj[1] = {kc};
-        const float* dj[1] = {d.data()};
-        step_read_any(S, S, dk, dv, 1, &et, kj, dj, kn.data() + nxt, qn.data() + nxt, ks.data(),
-                      qs.data(), false);
-      }
-    }
-  });
+  QdDeltaIO io;
+  io.y = y.data_ptr<float>();
+  io.C = y.size(1);
+  io.g = g.data_ptr<float>();
+  io.beta = beta.data_ptr<float>();
+  io.state = state.data_ptr<float>();
+  io.commit = true;
+  io.out = out.data_ptr<float>(), io.out_ts = H * dv;
+  qd_gdn_delta_raw(io, H, dk, dv, Tn, k_heads);
   return out;
 }

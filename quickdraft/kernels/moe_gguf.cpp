@@ -441,39 +441,36 @@ class QdMoEBlock {
         top_k_(top_k),
         norm_topk_(norm_topk),
         max_m_(max_m),
-        sgu_(std::move(shared_gate_up)),
-        sgu_fmts_(std::move(shared_gate_up_fmts)),
-        sgu_ns_(std::move(shared_gate_up_ns)),
-        sdown_(std::move(shared_down)),
-        sdown_fmts_(std::move(shared_down_fmts)),
-        sdown_ns_(std::move(shared_down_ns)),
         shared_gate_(std::move(shared_gate)),
         shared_gate_panel_n_(shared_gate_panel_n) {
     TORCH_CHECK(router_.dim() == 2 && router_.size(0) == experts_.experts(),
                 "quickdraft MoEBlock: the router needs one row per expert");
     TORCH_CHECK(top_k_ >= 1 && top_k_ <= experts_.experts(), "quickdraft MoEBlock: top_k ",
                 top_k_, " of ", experts_.experts(), " experts");
-    TORCH_CHECK(sgu_.empty() == sdown_.empty() && sgu_.empty() == !shared_gate_.has_value(),
+    TORCH_CHECK(shared_gate_up.empty() == shared_down.empty() &&
+                    shared_gate_up.empty() == !shared_gate_.has_value(),
                 "quickdraft MoEBlock: a shared expert needs gate_up, down and its gate");
-    if (!sgu_.empty()) {
-      TORCH_CHECK(sgu_.size() == sgu_fmts_.size() && sgu_.size() == sgu_ns_.size() &&
-                      sdown_.size() == sdown_fmts_.size() && sdown_.size() == sdown_ns_.size(),
-                  "quickdraft MoEBlock: the shared expert's parts, formats and row counts");
-      shared_.gu = sgu_, shared_.down = sdown_;
-      shared_.gu_fmts = sgu_fmts_, shared_.gu_ns = sgu_ns_;
-      shared_.down_fmts = sdown_fmts_, shared_.down_ns = sdown_ns_;
-      part_layout(sgu_ns_, shared_.gu_panels, shared_.gu_col);
-      part_layout(sdown_ns_, shared_.down_panels, shared_.down_col);
-      shared_.H = sgu_[0].size(1) * block_size(static_cast<int>(sgu_fmts_[0]));
-      shared_.I2 = 0;
-      for (int64_t n : sgu_ns_) shared_.I2 += n;
-      int64_t down_n = 0;
-      for (int64_t n : sdown_ns_) down_n += n;
-      TORCH_CHECK(shared_.I2 % 2 == 0 && down_n == shared_.H &&
-                      sdown_[0].size(1) * block_size(static_cast<int>(sdown_fmts_[0])) ==
-                          shared_.I2 / 2,
-                  "quickdraft MoEBlock: the shared expert's gate_up [2I, H] and down [H, I]");
-    }
+    if (shared_gate_up.empty()) return;
+    TORCH_CHECK(shared_gate_up.size() == shared_gate_up_fmts.size() &&
+                    shared_gate_up.size() == shared_gate_up_ns.size() &&
+                    shared_down.size() == shared_down_fmts.size() &&
+                    shared_down.size() == shared_down_ns.size(),
+                "quickdraft MoEBlock: the shared expert's parts, formats and row counts");
+    QdSharedExpert& sh = shared_;
+    sh.gu = std::move(shared_gate_up), sh.down = std::move(shared_down);
+    sh.gu_fmts = std::move(shared_gate_up_fmts), sh.gu_ns = std::move(shared_gate_up_ns);
+    sh.down_fmts = std::move(shared_down_fmts), sh.down_ns = std::move(shared_down_ns);
+    part_layout(sh.gu_ns, sh.gu_panels, sh.gu_col);
+    part_layout(sh.down_ns, sh.down_panels, sh.down_col);
+    sh.H = sh.gu[0].size(1) * block_size(static_cast<int>(sh.gu_fmts[0]));
+    sh.I2 = 0;
+    for (int64_t n : sh.gu_ns) sh.I2 += n;
+    int64_t down_n = 0;
+    for (int64_t n : sh.down_ns) down_n += n;
+    TORCH_CHECK(sh.I2 % 2 == 0 && down_n == sh.H &&
+                    sh.down[0].size(1) * block_size(static_cast<int>(sh.down_fmts[0])) ==
+                        sh.I2 / 2,
+                "quickdraft MoEBlock: the shared expert's gate_up [2I, H] and down [H, I]");
   }
 
   at::Tensor forward(const at::Tensor& x) const {
@@ -489,7 +486,7 @@ class QdMoEBlock {
     if (norm_topk_) renormalize(weight);
     // gpt-oss's block hands the experts its fp32 weights; the Qwen blocks round them to x's dtype
     const at::Tensor w = topk_first_ ? weight : weight.to(x.scalar_type());
-    if (sgu_.empty()) return experts_.forward(x, idx, w);
+    if (shared_.gu.empty()) return experts_.forward(x, idx, w);
     // the shared expert's gate_up and down in the routed experts' two parallel regions (the
     // bits of linear_gguf and silu_mul on it)
     at::Tensor shared;
@@ -574,13 +571,9 @@ class QdMoEBlock {
   int64_t top_k_;
   bool norm_topk_;
   int64_t max_m_;
-  std::vector<at::Tensor> sgu_;
-  std::vector<int64_t> sgu_fmts_, sgu_ns_;
-  std::vector<at::Tensor> sdown_;
-  std::vector<int64_t> sdown_fmts_, sdown_ns_;
   c10::optional<at::Tensor> shared_gate_;
   int64_t shared_gate_panel_n_;  // -1: shared_gate_ is a plain tensor; else its panels' rows
-  QdSharedExpert shared_;
+  QdSharedExpert shared_;  // its parts empty when the block has none
 };
 
 std::shared_ptr<const QdMoEGGUF> qd_moe_gguf_of(const py::handle& experts) {

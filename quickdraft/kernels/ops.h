@@ -42,8 +42,10 @@ void qd_gdn_advance(at::Tensor state, const at::Tensor& k, const at::Tensor& d,
 // checkpoint slots): y [T, C], g and beta [T, H], state [H, dk, dv] contiguous (advanced in
 // place by the m pending updates first); per head h: pending k at pk + h pk_hs (+ j dk), d at
 // pd + h pd_hs (+ j dv), g at pg + h pg_hs (+ j); out row t of head h at out + t out_ts + h dv,
-// the kept updates at k + h k_hs + t dk, d + h d_hs + t dv, gout + h gout_hs + t. The outputs
-// may share rows with the pending updates (a head's are read before its outputs are written).
+// the kept updates at k + h k_hs + t dk, d + h d_hs + t dv, gout + h gout_hs + t (none where
+// k is null). The outputs may share rows with the pending updates (a head's are read before its
+// outputs are written). `commit` (gdn_prefill): the state itself advanced through every token,
+// the last one's update included, instead of a scratch copy for the tokens after the first.
 struct QdDeltaIO {
   const float* y = nullptr;
   int64_t C = 0;
@@ -57,6 +59,7 @@ struct QdDeltaIO {
   int64_t out_ts = 0;
   float *k = nullptr, *d = nullptr, *gout = nullptr;
   int64_t k_hs = 0, d_hs = 0, gout_hs = 0;
+  bool commit = false;
 };
 void qd_gdn_delta_raw(const QdDeltaIO& io, int64_t H, int64_t dk, int64_t dv, int64_t T,
                       int64_t k_heads);
