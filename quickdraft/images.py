@@ -1,5 +1,6 @@
 """Image input, from bytes to what the target's forward reads: decoding (Pillow, bounded),
 the Qwen2-VL / Qwen3.5 preprocessing (smart resize, rescale, normalize, patches in merge-block
+order) and Gemma 4's (a resize to a budget of placeholder tokens, rescale, patches in raster
 order), and a prompt's image layout (which token rows are an image's placeholders, and every
 prompt row's multimodal RoPE position).
 
@@ -7,7 +8,8 @@ Stage: the input stage of a vision-language request, beside the tokenizer: the s
 and preprocesses (`load_image`), the prompt is tokenized with one placeholder per image and
 `ImageLayout.build` expands each to the image's token count; the engine encodes each image once
 (by content digest) and hands the forward `ImageRows` (models/base.py). The rules are
-transformers' `Qwen2VLImageProcessorPil` and `Qwen3_5Model.get_rope_index` (tests compare).
+transformers' `Qwen2VLImageProcessorPil`, `Gemma4ImageProcessorPil`, `Gemma4Processor` and
+`Qwen3_5Model.get_rope_index` (tests compare).
 """
 
 from __future__ import annotations
@@ -41,8 +43,13 @@ class ImageError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ImageProcessing:
-    """A checkpoint's preprocessing (preprocessor_config.json; Qwen3.5's values by default)."""
+    """A checkpoint's preprocessing (preprocessor_config.json; Qwen3.5's values by default).
+    `kind` is the tower family's (models/vision.py VisionConfig.kind): "gemma4" resizes to
+    `max_soft_tokens` placeholders of merge x merge patches and lays patches out in raster
+    order, (row, column, channel) within each; the Qwen families smart-resize and lay them
+    out in merge-block order, (channel, time, row, column) within each."""
 
+    kind: str = "qwen3_5"
     patch_size: int = 16
     temporal_patch_size: int = 2
     merge_size: int = 2
@@ -50,6 +57,7 @@ class ImageProcessing:
     max_pixels: int = 16777216  # size.longest_edge
     image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    max_soft_tokens: int = 0  # gemma4: the placeholder budget an image is resized to
 
     @classmethod
     def from_dir(cls, path: Path, kind: str = "qwen3_5") -> ImageProcessing:
@@ -65,6 +73,17 @@ class ImageProcessing:
     ) -> ImageProcessing:
         size = raw.get("size") or {}
         base = base or cls()
+        if base.kind == "gemma4":
+            plain = raw.get("do_normalize") is False  # Gemma 4's: rescaled only
+            return cls(
+                kind="gemma4",
+                patch_size=int(raw.get("patch_size", base.patch_size)),
+                temporal_patch_size=1,
+                merge_size=int(raw.get("pooling_kernel_size", base.merge_size)),
+                image_mean=(0.0, 0.0, 0.0) if plain else _three(raw.get("image_mean", (0,) * 3)),
+                image_std=(1.0, 1.0, 1.0) if plain else _three(raw.get("image_std", (1,) * 3)),
+                max_soft_tokens=int(raw.get("max_soft_tokens", base.max_soft_tokens)),
+            )
         return cls(
             patch_size=int(raw.get("patch_size", base.patch_size)),
             temporal_patch_size=int(raw.get("temporal_patch_size", base.temporal_patch_size)),
@@ -77,13 +96,16 @@ class ImageProcessing:
 
     def resized(self, height: int, width: int) -> tuple[int, int]:
         """transformers' `smart_resize`: both sides multiples of patch x merge, the area within
-        [min_pixels, max_pixels], the aspect ratio kept as closely as that allows."""
+        [min_pixels, max_pixels], the aspect ratio kept as closely as that allows (Gemma 4:
+        `budget_resize`)."""
         factor = self.patch_size * self.merge_size
         if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
             raise ImageError(
                 f"image aspect ratio {max(height, width) / min(height, width):.0f} is over "
                 f"{MAX_ASPECT_RATIO}"
             )
+        if self.kind == "gemma4":
+            return self.budget_resize(height, width)
         h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
         if h_bar * w_bar > self.max_pixels:
             beta = math.sqrt(height * width / self.max_pixels)
@@ -93,6 +115,24 @@ class ImageProcessing:
             beta = math.sqrt(self.min_pixels / (height * width))
             h_bar = math.ceil(height * beta / factor) * factor
             w_bar = math.ceil(width * beta / factor) * factor
+        return h_bar, w_bar
+
+    def budget_resize(self, height: int, width: int) -> tuple[int, int]:
+        """Gemma 4's `get_aspect_ratio_preserving_size`: the largest size of the image's aspect
+        ratio within `max_soft_tokens` x merge^2 patches, both sides multiples of patch x
+        merge (a very long image keeps one placeholder row or column)."""
+        side = self.patch_size * self.merge_size
+        max_patches = self.max_soft_tokens * self.merge_size**2
+        factor = math.sqrt(max_patches * self.patch_size**2 / (height * width))
+        h_bar = math.floor(factor * height / side) * side
+        w_bar = math.floor(factor * width / side) * side
+        longest = (max_patches // self.merge_size**2) * side
+        if h_bar == 0 and w_bar == 0:
+            raise ImageError(f"image of {width} x {height} pixels resizes to nothing")
+        if h_bar == 0:
+            h_bar, w_bar = side, min(width // height * side, longest)
+        elif w_bar == 0:
+            h_bar, w_bar = min(height // width * side, longest), side
         return h_bar, w_bar
 
 
@@ -105,6 +145,15 @@ PROCESSING = {
         max_pixels=12845056,
         image_mean=(0.48145466, 0.4578275, 0.40821073),
         image_std=(0.26862954, 0.26130258, 0.27577711),
+    ),
+    "gemma4": ImageProcessing(  # Gemma4ImageProcessor's: rescale only, 280 placeholders
+        kind="gemma4",
+        patch_size=16,
+        temporal_patch_size=1,
+        merge_size=3,
+        image_mean=(0.0, 0.0, 0.0),
+        image_std=(1.0, 1.0, 1.0),
+        max_soft_tokens=280,
     ),
 }
 
@@ -153,17 +202,24 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Ima
 
 def preprocess(image: Image.Image, proc: ImageProcessing) -> ImageInput:
     """Resize (bicubic, as the PIL processor), rescale to [0, 1], normalize, and cut into
-    patches `[h w, C * temporal * p * p]` (a still image repeated over the temporal patch)."""
+    patches `[h w, C * temporal * p * p]` (a still image repeated over the temporal patch;
+    Gemma 4: `[h w, p * p * C]` in raster order)."""
     height, width = proc.resized(image.height, image.width)
     rgb = image.convert("RGB").resize((width, height), Image.Resampling.BICUBIC)
     raw = np.asarray(rgb, dtype=np.uint8)  # [H, W, C]
     digest = hashlib.sha256(raw.tobytes() + f"{height}x{width}".encode()).hexdigest()
+    p = proc.patch_size
+    gh, gw = height // p, width // p
+    if proc.kind == "gemma4":  # rescaled in float64 as transformers' `rescale`, then fp32
+        x = (raw.astype(np.float64) * (1 / 255)).astype(np.float32)
+        x = x.reshape(gh, p, gw, p, 3).transpose(0, 2, 1, 3, 4)  # [gh, gw, p, p, C]
+        pixels = torch.from_numpy(np.ascontiguousarray(x).reshape(gh * gw, p * p * 3))
+        return ImageInput(pixels, (1, gh, gw), digest)
     x = raw.astype(np.float32) * np.float32(1 / 255)
     mean = np.asarray(proc.image_mean, dtype=np.float32)
     std = np.asarray(proc.image_std, dtype=np.float32)
     x = ((x - mean) / std).transpose(2, 0, 1)  # [C, H, W]
-    p, m, tp = proc.patch_size, proc.merge_size, proc.temporal_patch_size
-    gh, gw = height // p, width // p
+    m, tp = proc.merge_size, proc.temporal_patch_size
     x = x.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
     x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], tp, p, p))
     pixels = torch.from_numpy(np.ascontiguousarray(x).reshape(gh * gw, 3 * tp * p * p))
@@ -186,6 +242,10 @@ class ImageRows:
     rows: Tensor  # [M] rows of the packed batch, long
     embeds: Tensor  # [M, hidden]
     positions: Tensor  # [3, num_tokens] long: every packed row's (t, h, w) position
+    # [num_tokens] long, or None: every packed row's key end (exclusive, a position in its
+    # sequence) where some image of this forward is seen both ways (Gemma 4's local layers:
+    # an image row sees its whole image); a text row's is its position + 1
+    ends: Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,12 +261,15 @@ class ImageSpan:
 class ImageLayout:
     """A prompt's images: their placeholder spans, every prompt row's M-RoPE position, and the
     offset of the rows after the prompt (position = index + delta, all three streams). The
-    encoder output of each span is filled in by the engine (`embeds`, by span)."""
+    encoder output of each span is filled in by the engine (`embeds`, by span). `two_way`:
+    an image's rows attend to each other both ways (Gemma 4's local layers), so a forward
+    that runs some of them runs all of those after (`chunk`)."""
 
     spans: list[ImageSpan]
     positions: Tensor  # [3, prompt tokens] long
     delta: int  # max(position) + 1 - prompt tokens
     embeds: list[Tensor | None] = field(default_factory=list)  # per span [length, hidden]
+    two_way: bool = False
 
     @classmethod
     def build(
@@ -215,9 +278,16 @@ class ImageLayout:
         images: Sequence[ImageInput],
         image_token_id: int,
         merge_size: int,
+        around: tuple[int, int] | None = None,
+        mrope: bool = True,
+        two_way: bool = False,
     ) -> tuple[list[int], ImageLayout]:
         """Expand each single `image_token_id` of `prompt_ids` (one per image, in order) into
-        that image's placeholder count; returns the expanded ids and their layout."""
+        that image's placeholder count, between the ids `around` (Gemma 4's begin / end of
+        image; the Qwen templates write theirs); returns the expanded ids and their layout.
+        Without `mrope` every row's position is its index (all three streams); `around`
+        goes without it."""
+        assert around is None or not mrope, "begin / end ids around an image: no M-RoPE"
         slots = [i for i, t in enumerate(prompt_ids) if t == image_token_id]
         if len(slots) != len(images):
             raise ImageError(
@@ -230,13 +300,22 @@ class ImageLayout:
         streams: list[Tensor] = []
         pos, last = 0, 0
         for slot, image in zip(slots, images, strict=True):
-            text = slot - last
             ids.extend(prompt_ids[last:slot])
+            if around is not None:
+                ids.append(around[0])
+            text = slot - last + (around is not None)
             streams.append(torch.arange(pos, pos + text).expand(3, text))
             pos += text
             count = image.num_tokens(merge_size)
             spans.append(ImageSpan(len(ids), count, image))
             ids.extend([image_token_id] * count)
+            if around is not None:
+                ids.append(around[1])
+            if not mrope:
+                streams.append(torch.arange(pos, len(ids)).expand(3, -1))
+                pos = len(ids)
+                last = slot + 1
+                continue
             t, h, w = image.grid
             gh, gw = h // merge_size, w // merge_size
             tt, hh, ww = torch.meshgrid(
@@ -250,7 +329,19 @@ class ImageLayout:
         streams.append(torch.arange(pos, pos + tail).expand(3, tail))
         positions = torch.cat(streams, dim=1)
         delta = int(positions.max()) + 1 - len(ids) if len(ids) else 0
-        return ids, cls(spans, positions, delta, [None] * len(spans))
+        return ids, cls(spans, positions, delta, [None] * len(spans), two_way)
+
+    def chunk(self, start: int, rows: int) -> int:
+        """Prompt rows a forward from row `start` runs, for a wish of `rows`: a two-way image
+        that the wish would cut is left whole to the next forward (it starts after `start`)
+        or finished in this one (it started at or before)."""
+        end = start + rows
+        for span in self.spans if self.two_way else ():
+            if span.start < end < span.start + span.length:
+                return (
+                    span.start - start if span.start > start else span.start + span.length - start
+                )
+        return rows
 
     def rows(self, start: int, count: int) -> Tensor:
         """M-RoPE positions `[3, count]` of the sequence's rows [start, start + count): the
@@ -297,18 +388,29 @@ def pack_image_rows(
     positions: list[Tensor] = []
     rows: list[Tensor] = []
     embeds: list[Tensor] = []
+    ends: list[Tensor] = []
     row = 0
     for layout, start, n in zip(layouts, starts, num_new, strict=True):
+        end = torch.arange(start + 1, start + n + 1)
+        ends.append(end)
         if layout is None:
             positions.append(torch.arange(start, start + n).expand(3, n))
-        else:
-            positions.append(layout.rows(start, n))
-            for offset, emb in layout.image_rows(start + shift, n):
-                rows.append(torch.arange(row + offset, row + offset + emb.shape[0]))
-                embeds.append(emb)
+            continue
+        positions.append(layout.rows(start, n))
+        for offset, emb in layout.image_rows(start + shift, n):
+            rows.append(torch.arange(row + offset, row + offset + emb.shape[0]))
+            embeds.append(emb)
+        if layout.two_way and not shift:
+            for span in layout.spans:
+                lo, hi = max(start, span.start), span.start + span.length
+                if lo < min(hi, start + n):
+                    assert hi <= start + n, "a two-way image runs whole (ImageLayout.chunk)"
+                    end[lo - start : hi - start] = hi
         row += n
+    two_way = any(layout is not None and layout.two_way for layout in layouts) and not shift
     return ImageRows(
         torch.cat(rows).to(device) if rows else torch.zeros(0, dtype=torch.long, device=device),
         torch.cat(embeds).to(device) if embeds else torch.zeros(0, hidden, device=device),
         torch.cat(positions, dim=1).to(device),
+        torch.cat(ends).to(device) if two_way else None,
     )

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,13 +31,14 @@ from quickdraft.images import (
 )
 from quickdraft.kernels import kernels_available, panels_apply
 from quickdraft.models.base import LanguageModel
+from quickdraft.models.gemma4_config import Gemma4Config
 from quickdraft.models.gguf_gpu import runs_on_device
 from quickdraft.models.gguf_loader import is_gguf_dir
 from quickdraft.models.gguf_vision import load_mmproj
 from quickdraft.models.graphs import for_device
 from quickdraft.models.loader import load_model, load_vision
 from quickdraft.models.registry import model_class, read_config
-from quickdraft.models.vision import ImageTower
+from quickdraft.models.vision import ImageTower, VisionConfig
 from quickdraft.request import Request, SamplingError, SamplingParams
 from quickdraft.tokenizer import Tokenizer
 
@@ -136,11 +138,16 @@ class LoadedModel:
         if images:
             if self.vision is None or self.image_processing is None:
                 raise ImageError(f"model {self.name!r} takes no image input (text only)")
+            vc = self.vision.config
+            gemma = vc.kind == "gemma4"  # begin / end of image ids around, plain positions
             prompt_ids, layout = ImageLayout.build(
                 prompt_ids,
                 images,
-                self.vision.config.image_token_id,
-                self.vision.config.spatial_merge_size,
+                vc.image_token_id,
+                vc.spatial_merge_size,
+                around=(vc.vision_start_token_id, vc.vision_end_token_id) if gemma else None,
+                mrope=not gemma,
+                two_way=gemma and bool(getattr(self.model.config, "two_way_images", False)),
             )
         self.room(len(prompt_ids), params.max_tokens)
         vocab = self.model.config.vocab_size
@@ -149,6 +156,14 @@ class LoadedModel:
         if params.grammar is not None:
             self.grammar_compiler().compile(params.grammar)  # GrammarError: refused here
         return Request(prompt_ids, params, self.tokenizer, self.eos_ids, request_id, tenant, layout)
+
+
+def _takes_images(cfg: Any, vision: VisionConfig) -> bool:
+    """Whether a language model of config `cfg` reads a `vision` tower's rows: Gemma 4's
+    decoder a Gemma 4 tower's; the Qwen families' (with M-RoPE) theirs."""
+    if vision.kind == "gemma4":
+        return isinstance(cfg, Gemma4Config)
+    return bool(getattr(cfg, "mrope_section", ()))
 
 
 # the placeholder tokens of the Qwen-VL chat templates (Qwen2.5-VL, Qwen3.5) around an image
@@ -259,8 +274,11 @@ def load(
     else:
         vision = None if is_gguf_dir(path) else load_vision(path, tower_dtype, where)
         processing = None if vision is None else ImageProcessing.from_dir(path, vision.config.kind)
-    if vision is not None and not getattr(net.config, "mrope_section", ()):
-        raise ValueError(f"{model}: {net.config.model_type} takes no image input (no M-RoPE)")
+    if vision is not None and not _takes_images(net.config, vision.config):
+        raise ValueError(
+            f"{model}: {net.config.model_type} takes no image input from a "
+            f"{vision.config.kind} vision tower"
+        )
     if vision is not None and vision.config.out_hidden_size != net.config.hidden_size:
         raise ValueError(
             f"{model}: the vision tower's output ({vision.config.out_hidden_size} wide) does "

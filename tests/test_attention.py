@@ -196,6 +196,32 @@ def test_sliding_window_matches_reference_and_rows_are_independent(
     assert torch.equal(torch.cat(chunks), out)
 
 
+@needs_kernel
+@DTYPES
+@pytest.mark.parametrize("window", [0, 5])
+def test_two_way_block_rows_see_their_block(window: int, dtype: torch.dtype, tile: str) -> None:
+    """`ends` (Gemma 4's image rows): rows 3..9 of a call see keys to the block's end, on top of
+    their window; they match the masked reference, every other row keeps its causal bits,
+    and a block row's bits do not depend on which rows share its call (rows 3..9 and the rows
+    after them, in one call or two)."""
+    n, heads, kv_heads, d, start = 14, 4, 2, 64, 21
+    q, k, v = inputs(n, heads, kv_heads, d, start, dtype, seed=7 + window)
+    ends = torch.arange(n) + start + 1
+    ends[3:10] = start + 10
+    out = attend(q, k, v, start, d**-0.5, window, ends=ends)
+    ref = reference_attend(q.float(), k.float(), v.float(), start, d**-0.5, window, ends=ends)
+    tol = {"atol": 2e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 8e-3, "rtol": 8e-3}
+    torch.testing.assert_close(out.float(), ref, **tol)
+    causal = attend(q, k, v, start, d**-0.5, window)
+    plain = [i for i in range(n) if not 3 <= i < 9]  # row 9's block ends at itself
+    assert torch.equal(out[plain], causal[plain])
+    assert not torch.allclose(out[3:9].float(), causal[3:9].float(), atol=1e-3)
+    tail = attend(q[3:], k, v, start + 3, d**-0.5, window, ends=ends[3:])
+    assert torch.equal(tail, out[3:])
+    with pytest.raises(RuntimeError, match="ends"):  # a key end before the row's own key
+        attend(q, k, v, start, d**-0.5, window, ends=ends - 1)
+
+
 def paged(
     cache: torch.Tensor, shared: int, block: int, layer: int, end: int, runs: int = 1
 ) -> tuple[list[torch.Tensor], Paged]:

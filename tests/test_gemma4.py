@@ -57,14 +57,9 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def hf_model(shape: str, seed: int = 0, calm: bool = False) -> Any:
-    """`calm`: q and k norm weights 0.3 (soft attention: with Gemma 4's unit-norm q, k and
-    no scaling, random norms near 1 make every softmax nearly one-hot) and a decisive router
-    (std 3): rounding differences between engines then move logits a little, not which key
-    or expert wins."""
-    import transformers
-
-    cfg = transformers.Gemma4TextConfig(
+def text_config(shape: str) -> dict[str, Any]:
+    """Gemma4TextConfig's arguments for the tiny `shape`."""
+    return dict(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=96,
@@ -81,6 +76,16 @@ def hf_model(shape: str, seed: int = 0, calm: bool = False) -> Any:
         eos_token_id=2,
         **SHAPES[shape],
     )
+
+
+def hf_model(shape: str, seed: int = 0, calm: bool = False) -> Any:
+    """`calm`: q and k norm weights 0.3 (soft attention: with Gemma 4's unit-norm q, k and
+    no scaling, random norms near 1 make every softmax nearly one-hot) and a decisive router
+    (std 3): rounding differences between engines then move logits a little, not which key
+    or expert wins."""
+    import transformers
+
+    cfg = transformers.Gemma4TextConfig(**text_config(shape))
     torch.manual_seed(seed)
     model = transformers.Gemma4ForCausalLM(cfg).eval()
     with torch.no_grad():  # away from the tiny init: norms and scales near 1, layer scalars 0.9

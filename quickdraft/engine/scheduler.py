@@ -171,11 +171,13 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Prompt rows `seq` feeds this step: its pending rows within `budget` (up to a state
-        snapshot boundary of the prefix cache's)."""
+        snapshot boundary of the prefix cache's), an image whose rows attend both ways never
+        cut (images.py `ImageLayout.chunk`: it may take the step past `budget`)."""
         rows = min(seq.pending, budget)
-        if self.prefix is None or seq.cache is None:
-            return rows
-        return self.prefix.chunk(seq.cache, seq.num_computed, rows)
+        if self.prefix is not None and seq.cache is not None:
+            rows = self.prefix.chunk(seq.cache, seq.num_computed, rows)
+        images = seq.request.images
+        return rows if images is None else images.chunk(seq.num_computed, rows)
 
     def _choose_drafts(self, plan: StepPlan, budget: int) -> None:
         decoding = [i for i in plan.items if i.num_tokens == 1 and i.samples]

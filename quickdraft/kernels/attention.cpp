@@ -9,7 +9,10 @@
 //   softmax(scale * q.k) weighted sum of v; q, k, v all bf16 or all fp32, any strides with a
 //   contiguous last dim; output in q's dtype. fp32 math, one rounding. With `sinks` (fp32 [H],
 //   gpt-oss's learned per-head logits) each head's softmax also counts one key of score
-//   sinks[h] and value 0: the denominator gains exp(sinks[h] - max).
+//   sinks[h] and value 0: the denominator gains exp(sinks[h] - max). With `ends` (int64 [n],
+//   start + i + 1 <= ends[i] <= start + n) query i sees keys lo .. ends[i] - 1: past its own
+//   position to the end of a block it attends to both ways (Gemma 4's image rows); the
+//   window's lo stays p's.
 //
 // Why: torch's SDPA costs ~0.25 ms per layer for one query row here (dispatch, threading and
 // its flash-kernel setup for a few KFLOP), and with the causal mask a verify needs, ~0.55 ms
@@ -263,7 +266,7 @@ void key_pointers(const T* own, int64_t s0, int64_t s1, const int64_t* pages, co
 template <class T>
 void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Pages& pg,
                  int64_t start, float scale, int64_t window, const float* sinks,
-                 at::Tensor& out) {
+                 const int64_t* ends, at::Tensor& out) {
   using R = Row16<T>;
   const int64_t n = q.size(0), H = q.size(1), d = q.size(2);
   const int64_t Hkv = k.size(0), group = H / Hkv;
@@ -296,8 +299,8 @@ void attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       for (int r = 0; r < nr; ++r) {
         const int64_t g = (r0 + r) / n, i = (r0 + r) % n, head = h * group + g;
         head_of[r] = head;
-        limit[r] = start + i + 1;
-        lo[r] = window > 0 ? std::max<int64_t>(0, limit[r] - window) : 0;
+        lo[r] = window > 0 ? std::max<int64_t>(0, start + i + 1 - window) : 0;
+        limit[r] = ends ? ends[i] : start + i + 1;
         keys = std::max(keys, limit[r]);
         first = std::min(first, lo[r]);
         qrow[r] = qb + i * qs0 + head * qs1;
@@ -393,7 +396,8 @@ at::Tensor qd_attend_paged(const at::Tensor& q, const at::Tensor& k, const at::T
                            const c10::optional<at::Tensor>& k_pages,
                            const c10::optional<at::Tensor>& v_pages, int64_t block, int64_t layer,
                            int64_t start, double scale, int64_t window,
-                           const c10::optional<at::Tensor>& sinks) {
+                           const c10::optional<at::Tensor>& sinks,
+                           const c10::optional<at::Tensor>& ends) {
   TORCH_CHECK(window >= 0, "quickdraft attend: window must be >= 0 (0: none)");
   const bool has_sinks = sinks.has_value() && sinks->defined();
   TORCH_CHECK(!has_sinks || (sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat &&
@@ -420,15 +424,30 @@ at::Tensor qd_attend_paged(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(qd_attend_eligible(q, k, v, start, pg.shared),
               "quickdraft attend: q [n, H, d], k and v [Hkv, start + n - shared, d] of one float "
               "dtype (bf16/fp32) on the CPU, d % 32 == 0, H % Hkv == 0, contiguous last dims");
-  at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
+  const bool has_ends = ends.has_value() && ends->defined();
+  const int64_t n = q.size(0);
+  const int64_t* end_ptr = nullptr;
+  if (has_ends) {
+    TORCH_CHECK(ends->device().is_cpu() && ends->scalar_type() == at::kLong && ends->dim() == 1 &&
+                    ends->size(0) == n && ends->is_contiguous(),
+                "quickdraft attend: ends: contiguous int64 [n] on the CPU");
+    end_ptr = ends->data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i)
+      TORCH_CHECK(end_ptr[i] >= start + i + 1 && end_ptr[i] <= start + n,
+                  "quickdraft attend: ends[i] must lie in [start + i + 1, start + n]");
+  }
+  at::Tensor out = at::empty({n, q.size(1) * q.size(2)}, q.options());
+  const float sc = static_cast<float>(scale);
   if (q.scalar_type() == at::kFloat)
-    attend_impl<float>(q, k, v, pg, start, static_cast<float>(scale), window, sink_ptr, out);
+    attend_impl<float>(q, k, v, pg, start, sc, window, sink_ptr, end_ptr, out);
   else
-    attend_impl<u16>(q, k, v, pg, start, static_cast<float>(scale), window, sink_ptr, out);
+    attend_impl<u16>(q, k, v, pg, start, sc, window, sink_ptr, end_ptr, out);
   return out;
 }
 
 at::Tensor qd_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
-                     double scale, int64_t window, const c10::optional<at::Tensor>& sinks) {
-  return qd_attend_paged(q, k, v, c10::nullopt, c10::nullopt, 1, 0, start, scale, window, sinks);
+                     double scale, int64_t window, const c10::optional<at::Tensor>& sinks,
+                     const c10::optional<at::Tensor>& ends) {
+  return qd_attend_paged(q, k, v, c10::nullopt, c10::nullopt, 1, 0, start, scale, window, sinks,
+                         ends);
 }

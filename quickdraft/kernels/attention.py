@@ -97,13 +97,17 @@ def attend(
     scale: float,
     window: int = 0,
     sinks: Tensor | None = None,
+    ends: Tensor | None = None,
 ) -> Tensor:
     """Causal grouped-query attention of n new queries at positions [start, start + n).
 
     q `[n, heads, head_dim]`; k, v `[kv_heads, start + n, head_dim]` -> `[n, heads * head_dim]`:
     query i sees keys 0 .. start + i (window 0), or the last `window` of them. `sinks` (fp32
     `[heads]`, gpt-oss): each head's softmax also counts a key of score sinks[h] and value 0,
-    which every query sees whatever the window (HF's `s_aux`). The C++
+    which every query sees whatever the window (HF's `s_aux`). `ends` (int64 `[n]`, each in
+    [start + i + 1, start + n]): query i sees keys up to ends[i] - 1, past its own position
+    (Gemma 4's image rows, which see their whole image); the window's start stays its
+    position's. The C++
     kernel (kernels/attention.cpp: fp32 math, rows independent of n) when it accepts the
     inputs, else `reference_attend` (SDPA). Prompt chunks take the kernel too: it is
     batch-invariant and, measured with bench-sized shapes (12 heads over 2 kv heads, d 128,
@@ -114,13 +118,15 @@ def attend(
         assert isinstance(k, Paged) and isinstance(v, Paged), "keys and values alike"
         if ext is not None and ext.attend_eligible(q, k.own, v.own, start, k.shared):
             pages = (k.addresses, v.addresses, k.block, k.layer)
-            paged: Tensor = ext.attend_paged(q, k.own, v.own, *pages, start, scale, window, sinks)
+            paged: Tensor = ext.attend_paged(
+                q, k.own, v.own, *pages, start, scale, window, sinks, ends
+            )
             return paged
-        return reference_attend(q, k.dense(), v.dense(), start, scale, window, sinks)
+        return reference_attend(q, k.dense(), v.dense(), start, scale, window, sinks, ends)
     if ext is not None and ext.attend_eligible(q, k, v, start):
-        out: Tensor = ext.attend(q, k, v, start, scale, window, sinks)
+        out: Tensor = ext.attend(q, k, v, start, scale, window, sinks, ends)
         return out
-    return reference_attend(q, k, v, start, scale, window, sinks)
+    return reference_attend(q, k, v, start, scale, window, sinks, ends)
 
 
 def reference_attend(
@@ -131,13 +137,14 @@ def reference_attend(
     scale: float,
     window: int = 0,
     sinks: Tensor | None = None,
+    ends: Tensor | None = None,
 ) -> Tensor:
     """`attend` by torch's SDPA. The query heads sharing a kv head are folded into the
     query-row dimension (`[1, kv_heads, group * n, d]`): SDPA then takes its fast fused CPU
     kernel in bf16 as well (its enable_gqa and per-head bmm paths are 4-20x slower here) and the
     cache is never repeated. With `sinks` the softmax is spelled out instead (`_sink_attend`)."""
     if sinks is not None:
-        return _sink_attend(q, k, v, start, scale, window, sinks)
+        return _sink_attend(q, k, v, start, scale, window, sinks, ends)
     n, heads, d = q.shape
     kv_heads = k.shape[0]
     group = heads // kv_heads
@@ -146,17 +153,33 @@ def reference_attend(
     if n > 1 or (window and k.shape[1] > window):
         # row (g, i) is query i at absolute position start + i: it sees keys 0..start + i
         # (the last `window` of them in a sliding-window layer)
-        rows = torch.arange(n, device=q.device).repeat(group)[:, None] + start
-        keys = torch.arange(k.shape[1], device=q.device)[None, :]
-        mask = keys <= rows  # [group * n, S]
-        if window:
-            mask &= keys > rows - window
+        mask = _mask(n, k.shape[1], start, window, ends, q.device).repeat(group, 1)
     out = F.scaled_dot_product_attention(qg, k[None], v[None], attn_mask=mask, scale=scale)
     return out[0].view(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
 
 
+def _mask(
+    n: int, keys: int, start: int, window: int, ends: Tensor | None, device: torch.device
+) -> Tensor:
+    """`[n, keys]`: which keys query i (position start + i) sees (`attend`'s contract)."""
+    rows = torch.arange(n, device=device)[:, None] + start
+    cols = torch.arange(keys, device=device)[None, :]
+    last = rows if ends is None else ends.to(device)[:, None] - 1
+    mask = cols <= last
+    if window:
+        mask &= cols > rows - window
+    return mask
+
+
 def _sink_attend(
-    q: Tensor, k: Tensor, v: Tensor, start: int, scale: float, window: int, sinks: Tensor
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    start: int,
+    scale: float,
+    window: int,
+    sinks: Tensor,
+    ends: Tensor | None = None,
 ) -> Tensor:
     """`attend` with sinks spelled out in fp32: scores, the sink as one more column, softmax,
     the sink's column dropped (transformers' eager gpt-oss attention)."""
@@ -165,11 +188,7 @@ def _sink_attend(
     kf = k.float().repeat_interleave(group, dim=0)  # [heads, S, d]
     vf = v.float().repeat_interleave(group, dim=0)
     scores = torch.einsum("nhd,hsd->hns", q.float(), kf) * scale  # [heads, n, S]
-    rows = torch.arange(n, device=q.device)[:, None] + start
-    keys = torch.arange(k.shape[1], device=q.device)[None, :]
-    mask = keys <= rows
-    if window:
-        mask &= keys > rows - window
+    mask = _mask(n, k.shape[1], start, window, ends, q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
     sink = sinks.float().view(heads, 1, 1).expand(heads, n, 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]

@@ -94,7 +94,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("attend", &qd_attend, "causal GQA of n new queries over a KV cache (decode / verify)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("start"), py::arg("scale"),
-        py::arg("window") = 0, py::arg("sinks") = py::none(),
+        py::arg("window") = 0, py::arg("sinks") = py::none(), py::arg("ends") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("attend_paged", &qd_attend_paged,
         "`attend` over a sequence whose first keys lie in shared blocks (k_pages, v_pages: int64 "
@@ -102,7 +102,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "k, v",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_pages"), py::arg("v_pages"),
         py::arg("block"), py::arg("layer"), py::arg("start"), py::arg("scale"),
-        py::arg("window") = 0, py::arg("sinks") = py::none(),
+        py::arg("window") = 0, py::arg("sinks") = py::none(), py::arg("ends") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("attend_isa", &qd_attend_isa,
         "the attention kernel's tiles: -1 the best this CPU runs, 0 AVX2, 1 AVX-512 (+ BF16); "

@@ -2,12 +2,14 @@
 // sequences packed in one step, as a sequence of this extension's kernels and ATen ops called
 // from C++ (kernels/gemma4_layer.py owns the contract and when it runs).
 //
-// Contract: Gemma4Layer(...).forward(h, ple, cos, sin, k_groups, v_groups, starts, counts)
-// returns exactly what `DecoderLayer.forward` returns for the same inputs when every op there
-// takes its kernel: the same kernels and ATen ops in the same order on the same operands, so
-// the output is bitwise equal (tests/test_gemma4_gguf.py checks it). k_groups[i] / v_groups[i]
-// are sequence i's KV tensors [layers, kv_heads, capacity, head_dim] of the group holding this
-// layer's KV (its source's, for a layer that reads another's); its rows start at token 0.
+// Contract: Gemma4Layer(...).forward(h, ple, cos, sin, k_groups, v_groups, starts, counts,
+// ends) returns exactly what `DecoderLayer.forward` returns for the same inputs when every op
+// there takes its kernel: the same kernels and ATen ops in the same order on the same
+// operands, so the output is bitwise equal (tests/test_gemma4_gguf.py checks it).
+// k_groups[i] / v_groups[i] are sequence i's KV tensors [layers, kv_heads, capacity, head_dim]
+// of the group holding this layer's KV (its source's, for a layer that reads another's); its
+// rows start at token 0. `ends` (int64 [N] or None): every row's key end for a local layer
+// (an image row sees its whole image; kernels/attention.py `attend`).
 //
 // Why: a Gemma 4 layer is ~40 Python-level ops (11 norms, the router's softmax / top-k /
 // renormalisation, the per-sequence attention loop) around 5 GEMMs and one grouped-experts
@@ -82,9 +84,10 @@ class QdGemma4Layer {
                      const at::Tensor& cos, const at::Tensor& sin,
                      const std::vector<at::Tensor>& k_groups,
                      const std::vector<at::Tensor>& v_groups, const std::vector<int64_t>& starts,
-                     const std::vector<int64_t>& counts) const {
+                     const std::vector<int64_t>& counts,
+                     const c10::optional<at::Tensor>& ends) const {
     const at::Tensor attn = attention(norm(h, "input"), cos, sin, k_groups, v_groups, starts,
-                                      counts);
+                                      counts, ends);
     at::Tensor residual, x;
     std::tie(residual, x) = qd_add_rms_norm(h, norm(attn, "post_attention"),
                                             norms_.at("pre_feedforward"), eps_, 0.0);
@@ -137,7 +140,8 @@ class QdGemma4Layer {
                        const std::vector<at::Tensor>& k_groups,
                        const std::vector<at::Tensor>& v_groups,
                        const std::vector<int64_t>& starts,
-                       const std::vector<int64_t>& counts) const {
+                       const std::vector<int64_t>& counts,
+                       const c10::optional<at::Tensor>& ends) const {
     const size_t m = counts.size();
     TORCH_CHECK(k_groups.size() == m && v_groups.size() == m && starts.size() == m,
                 "quickdraft Gemma4Layer: one KV group and start per sequence");
@@ -173,7 +177,11 @@ class QdGemma4Layer {
                        values = vc.narrow(1, 0, start + c);
       TORCH_CHECK(qd_attend_eligible(qs, keys, values, start),
                   "quickdraft Gemma4Layer: the attention kernel refuses these rows");
-      outs.push_back(qd_attend(qs, keys, values, start, 1.0, window_));
+      // a local layer's image rows see their whole image (`ends`, models/gemma4.py)
+      const bool two_way = window_ > 0 && ends.has_value() && ends->defined();
+      outs.push_back(qd_attend(qs, keys, values, start, 1.0, window_, c10::nullopt,
+                               two_way ? c10::optional<at::Tensor>(ends->narrow(0, row, c))
+                                       : c10::nullopt));
       row += c;
     }
     TORCH_CHECK(row == n, "quickdraft Gemma4Layer: counts must sum to the rows");
@@ -202,5 +210,6 @@ void qd_register_gemma4_layer(py::module_& m) {
            py::arg("norms"), py::arg("ops"), py::arg("experts"), py::arg("top_k"), py::arg("router_root"))
       .def("forward", &QdGemma4Layer::forward, py::arg("h"), py::arg("ple"), py::arg("cos"),
            py::arg("sin"), py::arg("k_groups"), py::arg("v_groups"), py::arg("starts"),
-           py::arg("counts"), py::call_guard<py::gil_scoped_release>());
+           py::arg("counts"), py::arg("ends") = py::none(),
+           py::call_guard<py::gil_scoped_release>());
 }

@@ -99,12 +99,14 @@ bool qd_attend_eligible(const at::Tensor& q, const at::Tensor& k, const at::Tens
 int64_t qd_attend_isa(int64_t level);
 at::Tensor qd_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
                      double scale, int64_t window = 0,
-                     const c10::optional<at::Tensor>& sinks = c10::nullopt);
+                     const c10::optional<at::Tensor>& sinks = c10::nullopt,
+                     const c10::optional<at::Tensor>& ends = c10::nullopt);
 at::Tensor qd_attend_paged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const c10::optional<at::Tensor>& k_pages,
                            const c10::optional<at::Tensor>& v_pages, int64_t block, int64_t layer,
                            int64_t start, double scale, int64_t window = 0,
-                           const c10::optional<at::Tensor>& sinks = c10::nullopt);
+                           const c10::optional<at::Tensor>& sinks = c10::nullopt,
+                           const c10::optional<at::Tensor>& ends = c10::nullopt);
 // dense_layer.cpp
 void qd_register_dense_layer(py::module_& m);
 // moe_gguf.cpp

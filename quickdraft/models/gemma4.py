@@ -24,7 +24,11 @@ What differs from Gemma 3 (models/gemma3.py):
   side on the same residual and are summed; the router normalises x without a weight, scales
   it by a learned vector / sqrt(hidden), takes a softmax's top k renormalised, times a learned
   per-expert scale;
-- the final logits are soft-capped: cap * tanh(logits / cap).
+- the final logits are soft-capped: cap * tanh(logits / cap);
+- images (models/vision_gemma4.py encodes them): an image row's embedding is the tower's, its
+  per-layer input the pad token's; where `two_way_images` (26B-A4B, 31B) the local layers let
+  an image's rows see each other both ways (`ImageRows.ends`: a row's keys run to its image's
+  end; images.py keeps an image in one forward), the global layers stay causal.
 Parameter names are Hugging Face's (`model.language_model.` of the multimodal checkpoints is
 mapped onto `model.`).
 """
@@ -43,7 +47,7 @@ from quickdraft.kernels.gemma4_layer import gemma4_layer
 from quickdraft.kernels.linear_int import Q4_GROUP
 from quickdraft.kernels.pointwise import gelu_mul, gelu_tanh_rows, rms_norm
 from quickdraft.kernels.pointwise import rope as apply_rope
-from quickdraft.models.base import ForwardOutput, ImageRows, packed_positions, refuse_images
+from quickdraft.models.base import ForwardOutput, ImageRows, packed_positions
 from quickdraft.models.gemma4_config import FULL, SLIDING, Gemma4Config
 from quickdraft.models.hybrid_config import NameMap
 from quickdraft.models.kv_cache import GroupedKVCache, kv_slots
@@ -102,6 +106,7 @@ class Attention(OperandModule):
         rope: tuple[Tensor, Tensor],  # cos, sin [N, 1, head_dim] of this layer's type
         caches: Sequence[GroupedKVCache],
         num_new: Sequence[int],
+        ends: Tensor | None = None,  # [N] key ends of image rows seen both ways (local layers)
     ) -> Tensor:
         n, d, h, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         qkv = project(x, self.qkv)  # [N, (H [+ Hkv [+ Hkv]]) * d]
@@ -122,7 +127,8 @@ class Attention(OperandModule):
                 )
             else:  # the source layer wrote these rows earlier in this forward
                 keys, values = cache.read(self.source, cache.length + count)
-            outs.append(attend(q[seg], keys, values, cache.length, 1.0, self.window))
+            two_way = None if ends is None or not self.window else ends[seg]
+            outs.append(attend(q[seg], keys, values, cache.length, 1.0, self.window, ends=two_way))
             start += count
         out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, H * d]
         return project(out, self.o)
@@ -222,8 +228,9 @@ class DecoderLayer(nn.Module):
         rope: tuple[Tensor, Tensor],
         caches: Sequence[GroupedKVCache],
         num_new: Sequence[int],
+        ends: Tensor | None = None,
     ) -> Tensor:
-        attn = self.self_attn(self.input_layernorm(h), rope, caches, num_new)
+        attn = self.self_attn(self.input_layernorm(h), rope, caches, num_new, ends)
         residual, x = self.pre_feedforward_layernorm.add_forward(
             h, self.post_attention_layernorm(attn)
         )
@@ -449,13 +456,16 @@ class Gemma4LM(HeadLogits, OperandModule):
         images: ImageRows | None = None,
     ) -> ForwardOutput:
         assert input_ids.dim() == 1 and sum(num_new) == input_ids.shape[0]
-        refuse_images(self, images)
-        positions = packed_positions(
-            caches, num_new, self.config.max_position_embeddings, self.device
-        )
+        cfg = self.config
+        positions = packed_positions(caches, num_new, cfg.max_position_embeddings, self.device)
         ropes = {local: r.tables(positions, self.dtype) for local, r in self.ropes.items()}
         h = self.embed(input_ids)  # [N, hidden]
-        ple = self.model.per_layer_inputs(input_ids, h) if self.config.ple_size else None
+        ple_ids, ends = input_ids, None
+        if images is not None:  # image rows: the tower's embeddings, per-layer inputs of pad
+            h = h.index_copy(0, images.rows, images.embeds.to(h.dtype))
+            ple_ids = input_ids.index_fill(0, images.rows, cfg.pad_token_id)
+            ends = images.ends if cfg.two_way_images else None
+        ple = self.model.per_layer_inputs(ple_ids, h) if cfg.ple_size else None
         wanted = set(hidden_layers)
         taps: dict[int, Tensor] = {}  # layer -> its output [N, hidden]
         fused = self._fused_layers()
@@ -470,11 +480,11 @@ class Gemma4LM(HeadLogits, OperandModule):
         for i, layer in enumerate(self.decoder_layers):
             p = None if ple is None else ple[:, i]
             if fused is None:
-                h = layer(h, p, ropes[layer.sliding], caches, num_new)
+                h = layer(h, p, ropes[layer.sliding], caches, num_new, ends)
             else:
                 ks, vs = kv[self.kv_groups[i]]
                 cos, sin = tables[layer.sliding]
-                h = fused[i].forward(h, p, cos, sin, ks, vs, starts, counts)
+                h = fused[i].forward(h, p, cos, sin, ks, vs, starts, counts, ends)
             if i in wanted:
                 taps[i] = h
         layers = tapped_layers(taps, hidden_layers, len(self.decoder_layers), self.model.norm)

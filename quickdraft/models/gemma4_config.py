@@ -32,6 +32,10 @@ class Gemma4Config(ModelConfig):
     # per layer, the TARGET layer whose KV it reads (an assistant drafter, all layers); ():
     # from num_kv_shared_layers
     kv_sources: tuple[int, ...] = ()
+    # use_bidirectional_attention "vision": an image's rows see each other both ways in the
+    # local layers (the 26B-A4B and 31B; causal in E2B / E4B)
+    two_way_images: bool = False
+    pad_token_id: int = 0  # what an image row's per-layer input is looked up as
 
     @classmethod
     def from_hf(cls, path: str | Path) -> Gemma4Config:
@@ -99,6 +103,8 @@ class Gemma4Config(ModelConfig):
             ple_size=int(raw.get("hidden_size_per_layer_input") or 0),
             ple_vocab=int(raw.get("vocab_size_per_layer_input") or 0),
             moe=moe,
+            two_way_images=raw.get("use_bidirectional_attention") == "vision",
+            pad_token_id=int(raw.get("pad_token_id") or 0),
         )
 
     @property

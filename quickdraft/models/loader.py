@@ -83,19 +83,26 @@ def load_vision(
     path = Path(path)
     cfg = VisionConfig.from_dict(json.loads((path / "config.json").read_text()))
     files = sorted(path.glob("*.safetensors"))
-    prefix = next((p for p in _VISION_PREFIXES if any(_has_prefix(f, p) for f in files)), None)
+    kind = "gemma4" if cfg is not None and cfg.kind == "gemma4" else "qwen"
+    prefixes = _VISION_PREFIXES[kind]
+    prefix = next((p for p in prefixes if any(_has_prefix(f, p) for f in files)), None)
     if cfg is None or prefix is None:
         return None
     tower = vision_tower(cfg, dtype, device)
 
     def names(name: str) -> tuple[str, tuple[int | slice, ...]] | None:
-        return (name[len(prefix) :], ()) if name.startswith(prefix) else None
+        if name.startswith(prefix):
+            return name[len(prefix) :], ()
+        if kind == "gemma4" and name.startswith("model.embed_vision."):
+            return name[len("model.") :], ()
+        return None
 
     load_weights(tower, files, names)
     return tower
 
 
-_VISION_PREFIXES = ("model.visual.", "visual.")
+# where a checkpoint keeps its tower, by family (Gemma 4's embedder: `model.embed_vision.`)
+_VISION_PREFIXES = {"qwen": ("model.visual.", "visual."), "gemma4": ("model.vision_tower.",)}
 
 
 def _has_prefix(file: Path, prefix: str) -> bool:

@@ -27,6 +27,7 @@ from quickdraft.models.llama import CausalLM
 from quickdraft.models.mtp import MTPParts, hybrid_mtp_parts, llama_mtp_parts
 from quickdraft.models.qwen3_next import HybridLM
 from quickdraft.models.vision import ImageTower, VisionConfig, VisionTower
+from quickdraft.models.vision_gemma4 import Gemma4VisionTower
 from quickdraft.models.vision_qwen25 import Qwen25VisionTower
 
 DENSE_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # CausalLM (qwen3_moe: routed experts)
@@ -66,7 +67,11 @@ MTP_PARTS: dict[str, Callable[..., MTPParts]] = {
 
 
 # vision tower family (VisionConfig.kind) -> its class
-TOWERS: dict[str, type[ImageTower]] = {"qwen3_5": VisionTower, "qwen2_5_vl": Qwen25VisionTower}
+TOWERS: dict[str, type[ImageTower]] = {
+    "qwen3_5": VisionTower,
+    "qwen2_5_vl": Qwen25VisionTower,
+    "gemma4": Gemma4VisionTower,
+}
 
 
 def vision_tower(cfg: VisionConfig, dtype: torch.dtype, device: torch.device | str) -> ImageTower:

@@ -26,8 +26,10 @@ from torch import Tensor, nn
 @dataclass(frozen=True, slots=True)
 class VisionConfig:
     """`vision_config` of a composite vision-language config, plus the placeholder ids around
-    it. `kind` is the tower's family: "qwen3_5" (this module) or "qwen2_5_vl"
-    (models/vision_qwen25.py: windowed attention, no position table)."""
+    it. `kind` is the tower's family: "qwen3_5" (this module), "qwen2_5_vl"
+    (models/vision_qwen25.py: windowed attention, no position table) or "gemma4"
+    (models/vision_gemma4.py: its `spatial_merge_size` is the pooling kernel, its
+    `vision_start` / `vision_end` ids the begin / end of image tokens)."""
 
     depth: int
     hidden_size: int
@@ -47,6 +49,11 @@ class VisionConfig:
     kind: str = "qwen3_5"
     window_size: int = 0  # qwen2_5_vl: a window's side in pixels
     fullatt_block_indexes: tuple[int, ...] = ()  # qwen2_5_vl: the blocks that see the image
+    num_kv_heads: int = 0  # gemma4 (0: num_heads)
+    head_size: int = 0  # gemma4: its own head_dim (0: hidden_size / num_heads)
+    rms_norm_eps: float = 1e-6  # gemma4
+    standardize: bool = False  # gemma4: the pooled features shifted and scaled (std_bias...)
+    clipped_linears: bool = False  # gemma4: projections clamp their inputs and outputs
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> VisionConfig | None:
@@ -54,6 +61,8 @@ class VisionConfig:
         vision = raw.get("vision_config")
         if not isinstance(vision, dict):
             return None
+        if raw.get("model_type") == "gemma4":
+            return cls._gemma4(raw, vision)
         kind = "qwen2_5_vl" if raw.get("model_type") == "qwen2_5_vl" else "qwen3_5"
         base = _DEFAULTS[kind]
         rope = vision.get("rope_parameters") or {}
@@ -93,9 +102,44 @@ class VisionConfig:
             fullatt_block_indexes=tuple(int(i) for i in get("fullatt_block_indexes")),
         )
 
+    @classmethod
+    def _gemma4(cls, raw: dict[str, Any], vision: dict[str, Any]) -> VisionConfig:
+        """A `gemma4` config's tower (transformers' Gemma4VisionConfig defaults)."""
+        rope = vision.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise ValueError(f"gemma4 vision rope type {rope['rope_type']!r} is not supported")
+        act = str(vision.get("hidden_activation", "gelu_pytorch_tanh"))
+        if act not in ACTIVATIONS:
+            raise ValueError(f"vision hidden_activation {act!r} is not supported")
+        heads = int(vision.get("num_attention_heads", 12))
+        text = raw.get("text_config") or {}
+        return cls(
+            depth=int(vision.get("num_hidden_layers", 16)),
+            hidden_size=int(vision.get("hidden_size", 768)),
+            intermediate_size=int(vision.get("intermediate_size", 3072)),
+            num_heads=heads,
+            in_channels=3,
+            patch_size=int(vision.get("patch_size", 16)),
+            temporal_patch_size=1,
+            spatial_merge_size=int(vision.get("pooling_kernel_size", 3)),
+            out_hidden_size=int(text.get("hidden_size", 2304)),
+            num_position_embeddings=int(vision.get("position_embedding_size", 10240)),
+            hidden_act=act,
+            rope_theta=float(rope.get("rope_theta", 100.0)),
+            image_token_id=int(raw.get("image_token_id", 258880)),
+            vision_start_token_id=int(raw.get("boi_token_id", 255999)),
+            vision_end_token_id=int(raw.get("eoi_token_id", 258882)),
+            kind="gemma4",
+            num_kv_heads=int(vision.get("num_key_value_heads", heads)),
+            head_size=int(vision.get("head_dim", 64)),
+            rms_norm_eps=float(vision.get("rms_norm_eps", 1e-6)),
+            standardize=bool(vision.get("standardize", False)),
+            clipped_linears=bool(vision.get("use_clipped_linears", False)),
+        )
+
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_size or self.hidden_size // self.num_heads
 
     @property
     def patch_dim(self) -> int:

@@ -111,7 +111,11 @@ class DraftModelDrafter:
             return
         target = job.images
         state.layout = ImageLayout(
-            target.spans, target.positions, target.delta, [None] * len(target.spans)
+            target.spans,
+            target.positions,
+            target.delta,
+            [None] * len(target.spans),
+            target.two_way,
         )
         self.encoder.fill(state.layout)
 
