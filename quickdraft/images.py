@@ -212,6 +212,9 @@ def preprocess(image: Image.Image, proc: ImageProcessing) -> ImageInput:
     gh, gw = height // p, width // p
     if proc.kind == "gemma4":  # rescaled in float64 as transformers' `rescale`, then fp32
         x = (raw.astype(np.float64) * (1 / 255)).astype(np.float32)
+        if proc.image_mean != (0.0, 0.0, 0.0) or proc.image_std != (1.0, 1.0, 1.0):
+            mean = np.asarray(proc.image_mean, dtype=np.float32)
+            x = ((x - mean) / np.asarray(proc.image_std, dtype=np.float32)).astype(np.float32)
         x = x.reshape(gh, p, gw, p, 3).transpose(0, 2, 1, 3, 4)  # [gh, gw, p, p, C]
         pixels = torch.from_numpy(np.ascontiguousarray(x).reshape(gh * gw, p * p * 3))
         return ImageInput(pixels, (1, gh, gw), digest)

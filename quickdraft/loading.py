@@ -34,7 +34,7 @@ from quickdraft.models.base import LanguageModel
 from quickdraft.models.gemma4_config import Gemma4Config
 from quickdraft.models.gguf_gpu import runs_on_device
 from quickdraft.models.gguf_loader import is_gguf_dir
-from quickdraft.models.gguf_vision import load_mmproj
+from quickdraft.models.gguf_vision import load_mmproj, placeholders
 from quickdraft.models.graphs import for_device
 from quickdraft.models.loader import load_model, load_vision
 from quickdraft.models.registry import model_class, read_config
@@ -166,16 +166,15 @@ def _takes_images(cfg: Any, vision: VisionConfig) -> bool:
     return bool(getattr(cfg, "mrope_section", ()))
 
 
-# the placeholder tokens of the Qwen-VL chat templates (Qwen2.5-VL, Qwen3.5) around an image
-VISION_TOKENS = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")
-
-
-def _vision_ids(tokenizer: Tokenizer, mmproj: str) -> tuple[int, int, int]:
-    ids = [tokenizer.token_id(text) for text in VISION_TOKENS]
+def _vision_ids(
+    tokenizer: Tokenizer, mmproj: str, texts: tuple[str, str, str]
+) -> tuple[int, int, int]:
+    """The target's ids of the mmproj's placeholder `texts` (image, begin, end)."""
+    ids = [tokenizer.token_id(text) for text in texts]
     if None in ids:
         raise ValueError(
-            f"--mmproj {mmproj}: the model's tokenizer lacks {VISION_TOKENS}: not a Qwen-VL "
-            "vision-language model (Qwen2.5-VL, Qwen3.5)"
+            f"--mmproj {mmproj}: the model's tokenizer lacks {texts}: not the vision-language "
+            "model this projector belongs to"
         )
     a, b, c = (int(i) for i in ids if i is not None)
     return a, b, c
@@ -270,7 +269,8 @@ def load(
     vision: ImageTower | None
     processing: ImageProcessing | None
     if mmproj is not None:
-        vision, processing = load_mmproj(mmproj, _vision_ids(tokenizer, mmproj), tower_dtype, where)
+        ids = _vision_ids(tokenizer, mmproj, placeholders(mmproj))
+        vision, processing = load_mmproj(mmproj, ids, tower_dtype, where)
     else:
         vision = None if is_gguf_dir(path) else load_vision(path, tower_dtype, where)
         processing = None if vision is None else ImageProcessing.from_dir(path, vision.config.kind)

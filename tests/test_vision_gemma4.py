@@ -24,14 +24,16 @@ from kernel_checks import needs_kernel
 from PIL import Image
 from test_gemma4 import text_config
 from test_gemma4_assistant import hf_assistant
-from vision_models import png
+from vision_models import language_model_state, png
 
 from quickdraft.config import PrefixCacheConfig, SpeculativeConfig
 from quickdraft.engine import Engine, EngineCore, ServedModel, stream
 from quickdraft.engine.scheduler import SchedulerConfig
+from quickdraft.hub.gguf_write import llama_cpp_tensors, write_gguf, write_mmproj
 from quickdraft.images import ImageInput, ImageLayout, ImageProcessing, pack_image_rows, preprocess
 from quickdraft.loading import LoadedModel, load
 from quickdraft.models.gemma4 import Gemma4LM
+from quickdraft.models.gguf_vision import load_mmproj, placeholders
 from quickdraft.request import Request, SamplingParams
 from quickdraft.server import ServerConfig, create_app
 from quickdraft.server.main import BackgroundServer
@@ -116,16 +118,18 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return hf, load(str(directory), dtype="fp32", progress=False)
 
 
-def hf_processor() -> Any:
+def hf_processor(budget: int = 70) -> Any:
+    """transformers' processor with the tiny patches and `budget` placeholders an image."""
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
-    return Gemma4ImageProcessorPil(**{k: v for k, v in PREPROCESSOR.items() if k != "do_normalize"})
+    kwargs = {k: v for k, v in PREPROCESSOR.items() if k != "do_normalize"}
+    return Gemma4ImageProcessorPil(**kwargs | {"max_soft_tokens": budget})
 
 
-def hf_pixels(images: list[bytes]) -> dict[str, torch.Tensor]:
+def hf_pixels(images: list[bytes], budget: int = 70) -> dict[str, torch.Tensor]:
     """transformers' processor output for `images` (pixel_values, image_position_ids)."""
     pil = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
-    out = hf_processor()(pil, return_tensors="pt")
+    out = hf_processor(budget)(pil, return_tensors="pt")
     return {"pixel_values": out["pixel_values"], "image_position_ids": out["image_position_ids"]}
 
 
@@ -139,9 +143,10 @@ def expand(lm: LoadedModel, ids: list[int], images: list[ImageInput]) -> tuple[l
     return request.prompt_ids, request.images
 
 
-def hf_inputs(ids: list[int], pngs: list[bytes]) -> dict[str, Any]:
+def hf_inputs(ids: list[int], pngs: list[bytes], budget: int = 70) -> dict[str, Any]:
     ids_t = torch.tensor([ids])
-    return dict(input_ids=ids_t, mm_token_type_ids=(ids_t == IMAGE).int(), **hf_pixels(pngs))
+    pixels = hf_pixels(pngs, budget)
+    return dict(input_ids=ids_t, mm_token_type_ids=(ids_t == IMAGE).int(), **pixels)
 
 
 def forward(lm: LoadedModel, ids: list[int], layout: Any, two_way: bool = True) -> Any:
@@ -429,3 +434,60 @@ def test_images_are_pixels_in_zero_one() -> None:
     assert torch.allclose(image.pixels, torch.full_like(image.pixels, 0.2))
     ids, _ = ImageLayout.build([1, IMAGE, 2], [image], IMAGE, 2, around=(BOI, EOI), mrope=False)
     assert ids == [1, BOI] + [IMAGE] * image.num_tokens(2) + [EOI, 2]
+
+
+# the GGUF tokenizer's specials from id 257: Gemma 4's image tokens land on the checkpoint's
+GGUF_SPECIALS = ("<s>", "</s>", "<|im_start|>", "<|image>", "<image|>", "<|image|>", "<|im_end|>")
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_mmproj_tower_equals_the_checkpoints(pair: Any, qtype: str, tmp_path: Path) -> None:
+    """llama.cpp's `gemma4v` mmproj as its converter writes it (the patch embedding as a
+    Conv2d, the clamps' scalars as tensors): the F32 file's tower gives the checkpoint's bits,
+    a Q8_0 file's is close; the ids and preprocessing are Gemma 4's."""
+    hf, lm = pair
+    config = json.loads((lm.path / "config.json").read_text())
+    path = write_mmproj(tmp_path / "mmproj.gguf", config, PREPROCESSOR, hf.state_dict(), qtype)
+    assert placeholders(path) == SPECIALS[::-1][:1] + SPECIALS[:2]
+    tower, proc = load_mmproj(path, (IMAGE, BOI, EOI), torch.float32)
+    assert (proc.kind, proc.merge_size, proc.max_soft_tokens) == ("gemma4", 2, 280)
+    image = lm.load_image(png(14, 40, 56))
+    mine, theirs = (
+        tower.encode(image.pixels, image.grid),
+        lm.vision.encode(image.pixels, image.grid),
+    )
+    if qtype == "F32":
+        assert torch.equal(mine, theirs)
+    else:
+        assert (mine - theirs).abs().max().item() < 0.05 * theirs.abs().max().item()
+
+
+def test_gguf_target_with_mmproj_equals_transformers(tmp_path: Path, home: Path) -> None:
+    """The two-way layout as llama.cpp users bring it: the language model's GGUF (its
+    two-way image rows read from the missing per-layer embeddings) and the mmproj. Logits over
+    an image prompt equal transformers'; n-gram speculation equals plain decoding."""
+    hf, directory = make_dir(tmp_path / "hf", "dense")
+    config = json.loads((directory / "config.json").read_text())
+    text = hf.config.text_config.to_dict()
+    state = language_model_state(hf)
+    gguf = write_gguf(
+        tmp_path / "g4.gguf",
+        "gemma4",
+        text,
+        llama_cpp_tensors(state, "gemma4", text),
+        specials=GGUF_SPECIALS,
+    )
+    mmproj = write_mmproj(tmp_path / "mmproj.gguf", config, PREPROCESSOR, hf.state_dict())
+    lm = load(str(gguf), dtype="fp32", progress=False, mmproj=str(mmproj))
+    assert lm.vision is not None and lm.model.config.two_way_images
+    data = png(15, 40, 56)
+    ids = [5, 17, IMAGE, 99, 3]
+    full, layout = expand(lm, ids, [lm.load_image(data)])
+    assert layout.two_way and full[2] == BOI
+    logits, _ = forward(lm, full, layout)
+    with torch.no_grad():
+        ref = hf(**hf_inputs(full, [data], budget=280)).logits[0]  # the mmproj's default
+    assert (logits - ref).abs().max().item() < 1e-4
+    image = lm.load_image(data)
+    cfg = SpeculativeConfig(method="ngram", num_draft_tokens=4, adaptive=False)
+    assert run(lm, ids, [image], cfg, 24).output_ids == run(lm, ids, [image], None, 24).output_ids

@@ -103,7 +103,10 @@ def gemma4_config(
                 "rope_theta": float(meta("rope.freq_base_swa", 10000.0)),
             },
         },
-        "use_bidirectional_attention": None,
+        # an image's rows see each other both ways in the local layers of the checkpoints
+        # without per-layer embeddings (26B-A4B, 31B; their configs say "vision"), not in
+        # E2B / E4B: the file keeps no key for it (llama.cpp's mtmd goes by the width)
+        "use_bidirectional_attention": None if ple else "vision",
     }
     if experts:
         out |= {
@@ -360,3 +363,49 @@ def add_gemma4_metadata(w: Any, cfg: dict[str, Any]) -> None:
         w.add_expert_count(cfg["num_experts"])
         w.add_expert_used_count(cfg["top_k_experts"])
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+
+
+# llama.cpp's multimodal projector file ("mmproj") of a Gemma 4: the vision tower, projector
+# type `gemma4v` (conversion/gemma.py `Gemma4VisionAudioModel`)
+GEMMA4V_PROJECTOR = "gemma4v"
+GEMMA4V_TOKENS = ("<|image|>", "<|image>", "<image|>")  # image, begin, end (llama.cpp's mtmd)
+_VISION_LINEARS = (
+    ("self_attn.q_proj", "attn_q"),
+    ("self_attn.k_proj", "attn_k"),
+    ("self_attn.v_proj", "attn_v"),
+    ("self_attn.o_proj", "attn_out"),
+    ("mlp.gate_proj", "ffn_gate"),
+    ("mlp.up_proj", "ffn_up"),
+    ("mlp.down_proj", "ffn_down"),
+)
+CLAMPS = ("input_min", "input_max", "output_min", "output_max")
+
+
+def gemma4_mmproj_names(depth: int, clipped: bool, standardize: bool) -> dict[str, str]:
+    """The Gemma 4 tower's parameter names (ours: the checkpoint's under `model.vision_tower.`,
+    `embed_vision.` for `model.embed_vision.`) -> its mmproj tensor names; all but the patch
+    embedding, which the file holds as a Conv2d `[E, 3, p, p]` (`v.patch_embd.weight`), and
+    each clipped projection's bounds, 1-element tensors beside its weight
+    (`v.blk.N.attn_q.input_min`, ...)."""
+    names = {
+        "patch_embedder.position_embedding_table": "v.position_embd.weight",
+        "embed_vision.embedding_projection.weight": "mm.input_projection.weight",
+    }
+    if standardize:
+        names |= {"std_bias": "v.std_bias", "std_scale": "v.std_scale"}
+    for i in range(depth):
+        ours, theirs = f"encoder.layers.{i}.", f"v.blk.{i}."
+        for norm, name in (
+            ("input_layernorm", "ln1"),
+            ("post_attention_layernorm", "attn_post_norm"),
+            ("pre_feedforward_layernorm", "ln2"),
+            ("post_feedforward_layernorm", "ffn_post_norm"),
+            ("self_attn.q_norm", "attn_q_norm"),
+            ("self_attn.k_norm", "attn_k_norm"),
+        ):
+            names[f"{ours}{norm}.weight"] = f"{theirs}{name}.weight"
+        for linear, name in _VISION_LINEARS:
+            names[f"{ours}{linear}.linear.weight"] = f"{theirs}{name}.weight"
+            for bound in CLAMPS if clipped else ():
+                names[f"{ours}{linear}.{bound}"] = f"{theirs}{name}.{bound}"
+    return names

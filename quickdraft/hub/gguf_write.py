@@ -30,7 +30,13 @@ import torch
 from gguf.quants import quantize
 from torch import Tensor
 
-from quickdraft.hub.gguf_gemma4 import ASSISTANT_ARCH, add_gemma4_metadata, gemma4_tensors
+from quickdraft.hub.gguf_gemma4 import (
+    ASSISTANT_ARCH,
+    GEMMA4V_PROJECTOR,
+    add_gemma4_metadata,
+    gemma4_mmproj_names,
+    gemma4_tensors,
+)
 from quickdraft.hub.gguf_qwen import (
     HYBRID_ARCHS,
     QWEN3VL_PROJECTOR,
@@ -362,12 +368,15 @@ def write_mmproj(
     state: dict[str, Tensor],  # a transformers state dict (its model.visual.* part)
     qtype: str = "F32",
 ) -> Path:
-    """The vision tower of a Qwen3.5 or Qwen2.5-VL checkpoint as llama.cpp's converter writes
-    its mmproj file: `clip.*` keys, projector `qwen3vl_merger` / `qwen2.5vl_merger`, the Conv3d
-    patch embedding split into two temporal slices (Qwen2.5-VL's fused qkv into three);
+    """The vision tower of a Qwen3.5, Qwen2.5-VL or Gemma 4 checkpoint as llama.cpp's
+    converter writes its mmproj file: `clip.*` keys, projector `qwen3vl_merger` /
+    `qwen2.5vl_merger` / `gemma4v`, the Conv3d patch embedding split into two temporal slices
+    (Qwen2.5-VL's fused qkv into three; Gemma 4's linear patch embedding as a Conv2d);
     matrices in `qtype` where their rows are whole blocks, the rest F32."""
     if qtype not in WRITABLE:
         raise ValueError(f"gguf-py cannot write {qtype!r}: choose one of {WRITABLE}")
+    if config.get("model_type") == "gemma4":
+        return _write_gemma4_mmproj(path, config, preprocessor, state, qtype)
     vision, text = config["vision_config"], config["text_config"]
     qwen25 = config.get("model_type") == "qwen2_5_vl"
     depth, patch = int(vision["depth"]), int(vision["patch_size"])
@@ -409,6 +418,53 @@ def write_mmproj(
         raise ValueError("llama.cpp's mmproj holds a temporal patch of 2 as two slices")
     tensors["v.patch_embd.weight"] = conv[:, :, 0]
     tensors["v.patch_embd.weight.1"] = conv[:, :, 1]
+    _write_tensors(w, tensors, qtype, lambda name, v: v.ndim == 2 and "position_embd" not in name)
+    return path
+
+
+def _write_gemma4_mmproj(
+    path: Path,
+    config: dict[str, Any],
+    preprocessor: dict[str, Any],
+    state: dict[str, Tensor],
+    qtype: str,
+) -> Path:
+    """`write_mmproj` for Gemma 4 (llama.cpp's `Gemma4VisionAudioModel`): the tower's names
+    under `v.`, the embedder's projection `mm.input_projection`, the position table F32, the
+    clipped projections' bounds as 1-element tensors."""
+    vision, text = config["vision_config"], config["text_config"]
+    depth, width = int(vision["num_hidden_layers"]), int(vision["hidden_size"])
+    ours = {
+        k[len("model.vision_tower.") :]: v
+        for k, v in state.items()
+        if k.startswith("model.vision_tower.")
+    }
+    ours |= {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.embed_vision.")}
+    clipped, standardize = bool(vision.get("use_clipped_linears")), bool(vision.get("standardize"))
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_clip_projector_type(GEMMA4V_PROJECTOR)
+    w.add_clip_has_vision_encoder(True)
+    w.add_vision_projection_dim(int(text["hidden_size"]))
+    w.add_vision_patch_size(int(vision["patch_size"]))
+    w.add_vision_embedding_length(width)
+    w.add_vision_feed_forward_length(int(vision["intermediate_size"]))
+    w.add_vision_block_count(depth)
+    w.add_vision_head_count(int(vision["num_attention_heads"]))
+    w.add_vision_attention_layernorm_eps(float(vision.get("rms_norm_eps", 1e-6)))
+    w.add_vision_image_size(224)  # the converter's placeholder: llama.cpp sizes images itself
+    w.add_vision_projector_scale_factor(int(vision.get("pooling_kernel_size", 3)))
+    plain = preprocessor.get("do_normalize") is False
+    w.add_vision_image_mean([0.0] * 3 if plain else list(preprocessor.get("image_mean", [0.0] * 3)))
+    w.add_vision_image_std([1.0] * 3 if plain else list(preprocessor.get("image_std", [1.0] * 3)))
+    names = gemma4_mmproj_names(depth, clipped, standardize)
+    tensors = {
+        theirs: ours[name].reshape(-1) if ours[name].ndim == 0 else ours[name]
+        for name, theirs in names.items()
+    }
+    proj = ours["patch_embedder.input_proj.weight"]  # [E, p p 3] -> the Conv2d [E, 3, p, p]
+    p = int(vision["patch_size"])
+    tensors["v.patch_embd.weight"] = proj.reshape(width, p, p, 3).permute(0, 3, 1, 2).contiguous()
     _write_tensors(w, tensors, qtype, lambda name, v: v.ndim == 2 and "position_embd" not in name)
     return path
 

@@ -132,11 +132,13 @@ class _Layer(nn.Module):
         self.post_attention_layernorm = _Norm(size, eps, dtype, device)
         self.pre_feedforward_layernorm = _Norm(size, eps, dtype, device)
         self.post_feedforward_layernorm = _Norm(size, eps, dtype, device)
+        self.out_scale: Tensor | None = None  # an mmproj's `out_scale` (the layer's output x it)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         attn = self.self_attn(self.input_layernorm(x), cos, sin)
         x = x + self.post_attention_layernorm(attn)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x if self.out_scale is None else x * self.out_scale
 
 
 class _PatchEmbedder(nn.Module):
