@@ -491,3 +491,9 @@ def test_gguf_target_with_mmproj_equals_transformers(tmp_path: Path, home: Path)
     image = lm.load_image(data)
     cfg = SpeculativeConfig(method="ngram", num_draft_tokens=4, adaptive=False)
     assert run(lm, ids, [image], cfg, 24).output_ids == run(lm, ids, [image], None, 24).output_ids
+    # the projector beside a target whose tokenizer lacks Gemma 4's image tokens: named
+    plain = write_gguf(
+        tmp_path / "plain.gguf", "gemma4", text, llama_cpp_tensors(state, "gemma4", text)
+    )
+    with pytest.raises(ValueError, match=r"lacks .*<\|image\|>"):
+        load(str(plain), dtype="fp32", progress=False, mmproj=str(mmproj))

@@ -17,6 +17,7 @@ The placeholder ids come from the target's tokenizer, which the mmproj does not 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -196,9 +197,9 @@ def load_mmproj(
 
 def _gemma4v(
     path: Path,
-    meta: Any,
-    required: Any,
-    array: Any,
+    meta: Callable[..., Any],
+    required: Callable[[str], int],
+    array: Callable[[str], np.ndarray],
     names: set[str],
     token_ids: tuple[int, int, int],
     dtype: torch.dtype,
