@@ -653,6 +653,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         peers=None if args.peers is None else tuple(args.peers),
         dflash=args.dflash,
         mtp=args.mtp,
+        eagle3=args.eagle3,
         adaptive=None if spec.adaptive else False,
     )
     run(SpecBench(**_prompt_bench_fields(args, spec), **extra))
@@ -727,6 +728,13 @@ def _add_bench_args(b: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="also run this MTP head (train-drafter --kind mtp) as engine mtp",
+    )
+    b.add_argument(
+        "--eagle3",
+        default=None,
+        metavar="DIR",
+        help="also run this EAGLE-3 head (train-drafter --kind eagle3, or vLLM's layouts) as "
+        "engine eagle3",
     )
     peers_help = "engines run beside ours on the target's GGUF (the `peers` extra)"
     b.add_argument("--peers", nargs="*", default=None, choices=list(PEERS), help=peers_help)

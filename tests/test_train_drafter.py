@@ -46,6 +46,7 @@ from quickdraft.training.dflash import (
     trainer_for,
     vocab_coverage,
 )
+from quickdraft.training.eagle3 import eagle3_trainer_for
 from quickdraft.training.loop import (
     DraftTrainModel,
     TrainConfig,
@@ -482,18 +483,21 @@ def test_token_sequences_cut_and_join() -> None:
         token_sequences(Chars(), ["a"], 8, 100, eos=0)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "eagle3"])
 def test_bench_runs_a_trained_drafter(tiny_model_dir: Path, tmp_path: Path, kind: str) -> None:
-    """`quickdraft bench --dflash DIR` / `--mtp DIR`: the drafter runs as engine "dflash" /
-    "mtp" beside the others, its greedy output identical to speculation off (fp32; the tiny
-    Qwen2 target: q/k/v biases in the MTP head's layer)."""
+    """`quickdraft bench --dflash DIR` / `--mtp DIR` / `--eagle3 DIR`: the drafter runs as
+    engine "dflash" / "mtp" / "eagle3" beside the others, its greedy output identical to
+    speculation off (fp32; the tiny Qwen2 target: q/k/v biases in the MTP head's layer)."""
     lm = load(str(tiny_model_dir), "fp32")
     vocab = lm.model.config.vocab_size
-    model: DraftTrainModel = (
-        mtp_trainer_for(lm.model, 2, dtype=torch.float32)
-        if kind == "mtp"
-        else trainer_for(lm.model, 1, (0,), 4, vocab - 1, dtype=torch.float32)
-    )
+    model: DraftTrainModel
+    if kind == "mtp":
+        model = mtp_trainer_for(lm.model, 2, dtype=torch.float32)
+    elif kind == "eagle3":  # taps: the input of the tiny target's last layer, three times
+        last = lm.model.config.num_hidden_layers - 1
+        model = eagle3_trainer_for(lm.model, 2, (last,) * 3, dtype=torch.float32)
+    else:
+        model = trainer_for(lm.model, 1, (0,), 4, vocab - 1, dtype=torch.float32)
     out = tmp_path / kind
     save_checkpoint(model, torch.optim.AdamW(model.parameters()), 0, TrainConfig(), out, "tiny")
     report = run_bench(

@@ -22,10 +22,10 @@ engines runs the set on a prefix cache of its own, kept across the set's request
 keeps one by default (`prefix_cache=False`: every request prefills its whole prompt, as in the
 other sets, whose requests share nothing but the chat template's first tokens).
 
-Our engines (none, ngram, suffix, draft, adaptive; dflash and mtp when given a trained
-checkpoint) run every prompt of a set by default; the reference engines (the unquantized draft
-model and the three transformers baselines, 2-4x slower) run the first `reference_per_set`
-prompts, and every ratio between two engines is taken over the prompts both ran
+Our engines (none, ngram, suffix, draft, adaptive; dflash, mtp and eagle3 when given a
+trained checkpoint) run every prompt of a set by default; the reference engines (the
+unquantized draft model and the three transformers baselines, 2-4x slower) run the first
+`reference_per_set` prompts, and every ratio between two engines is taken over the prompts both ran
 (`Cell.summary`), so a comparison never mixes prompt subsets. Adaptive is also compared with the
 set's best single drafter, and every engine over all sets together.
 """
@@ -117,13 +117,14 @@ ENGINES = (
     "adaptive",
     "dflash",
     "mtp",
+    "eagle3",
     "draft_unquantized",
     "llama.cpp",
     "hf",
     "hf_prompt_lookup",
     "hf_assisted",
 )
-OURS = ("none", "ngram", "suffix", "draft", "adaptive", "dflash", "mtp")
+OURS = ("none", "ngram", "suffix", "draft", "adaptive", "dflash", "mtp", "eagle3")
 SINGLE = ("ngram", "suffix", "draft")  # the drafters adaptive picks among
 PEER_CONTEXT = 4096  # tokens of KV the peer allocates: the longest prompt + output fits
 REFERENCE_ENGINES = frozenset({"draft_unquantized", "hf", "hf_prompt_lookup", "hf_assisted"})
@@ -265,6 +266,9 @@ class SpecBench:
     # a standalone MTP head dir for the target (`quickdraft train-drafter --kind mtp`): runs as
     # engine "mtp", drafting up to k tokens per cycle
     mtp: str | None = None
+    # an EAGLE-3 head dir for the target (`quickdraft train-drafter --kind eagle3`, or one
+    # brought from vLLM / SpecForge): runs as engine "eagle3", drafting up to k tokens per cycle
+    eagle3: str | None = None
     # the agentic set on a prefix cache per engine (module docstring)
     prefix_cache: bool = True
     device: str = "auto"  # where our engines run (loading.resolve_device)
@@ -348,6 +352,13 @@ def run(opts: SpecBench) -> dict[str, Any]:
             lm,
             SpeculativeConfig(
                 method="mtp", draft_model=opts.mtp, num_draft_tokens=k, adaptive=cost_model
+            ),
+        )
+    if opts.eagle3 is not None:
+        specs["eagle3"] = make_speculation(
+            lm,
+            SpeculativeConfig(
+                method="eagle3", draft_model=opts.eagle3, num_draft_tokens=k, adaptive=cost_model
             ),
         )
     hf_models: dict[str, Any] = {}
@@ -437,7 +448,7 @@ def run(opts: SpecBench) -> dict[str, Any]:
             if name in parity:
                 row[name]["identical"] = sum(p is None for p in parity[name])
                 row[name]["divergences"] = [p for p in parity[name] if p is not None]
-        for name in ("suffix", "dflash", "mtp"):
+        for name in ("suffix", "dflash", "mtp", "eagle3"):
             if name in cells:
                 row[name]["speedup_vs_ngram"] = round(cells[name].ratio(cells["ngram"]), 3)
         if "adaptive" in cells:
