@@ -388,32 +388,39 @@ def pack_image_rows(
     position is the plain one and the model runs as for text)."""
     if all(layout is None for layout in layouts):
         return None
+    # key ends only where some image of the forward is seen both ways (not an MTP head's rows)
+    two_way = not shift and any(layout is not None and layout.two_way for layout in layouts)
     positions: list[Tensor] = []
     rows: list[Tensor] = []
     embeds: list[Tensor] = []
     ends: list[Tensor] = []
     row = 0
     for layout, start, n in zip(layouts, starts, num_new, strict=True):
-        end = torch.arange(start + 1, start + n + 1)
-        ends.append(end)
+        if two_way:
+            ends.append(torch.arange(start + 1, start + n + 1))
         if layout is None:
             positions.append(torch.arange(start, start + n).expand(3, n))
-            continue
-        positions.append(layout.rows(start, n))
-        for offset, emb in layout.image_rows(start + shift, n):
-            rows.append(torch.arange(row + offset, row + offset + emb.shape[0]))
-            embeds.append(emb)
-        if layout.two_way and not shift:
-            for span in layout.spans:
-                lo, hi = max(start, span.start), span.start + span.length
-                if lo < min(hi, start + n):
-                    assert hi <= start + n, "a two-way image runs whole (ImageLayout.chunk)"
-                    end[lo - start : hi - start] = hi
+        else:
+            positions.append(layout.rows(start, n))
+            for offset, emb in layout.image_rows(start + shift, n):
+                rows.append(torch.arange(row + offset, row + offset + emb.shape[0]))
+                embeds.append(emb)
+            if two_way and layout.two_way:
+                _two_way_ends(layout, start, n, ends[-1])
         row += n
-    two_way = any(layout is not None and layout.two_way for layout in layouts) and not shift
     return ImageRows(
         torch.cat(rows).to(device) if rows else torch.zeros(0, dtype=torch.long, device=device),
         torch.cat(embeds).to(device) if embeds else torch.zeros(0, hidden, device=device),
         torch.cat(positions, dim=1).to(device),
         torch.cat(ends).to(device) if two_way else None,
     )
+
+
+def _two_way_ends(layout: ImageLayout, start: int, n: int, end: Tensor) -> None:
+    """`end` (the key ends of a sequence's rows [start, start + n)) past each image row's own
+    position to its image's end: the image must run whole here (`ImageLayout.chunk`)."""
+    for span in layout.spans:
+        lo, hi = max(start, span.start), span.start + span.length
+        if lo < min(hi, start + n):
+            assert hi <= start + n, "a two-way image runs whole (ImageLayout.chunk)"
+            end[lo - start : hi - start] = hi

@@ -497,3 +497,17 @@ def test_gguf_target_with_mmproj_equals_transformers(tmp_path: Path, home: Path)
     )
     with pytest.raises(ValueError, match=r"lacks .*<\|image\|>"):
         load(str(plain), dtype="fp32", progress=False, mmproj=str(mmproj))
+
+
+def test_packed_image_rows_sit_after_the_sequences_before_them() -> None:
+    """A text-only sequence packed before a two-way image sequence: the image rows and their
+    key ends are the second sequence's, offset by the first one's rows; text rows keep their
+    causal ends."""
+    image = ImageInput(torch.zeros(16, 48), (1, 4, 4), "d")  # 4 placeholders at merge 2
+    ids, layout = ImageLayout.build([1, 2, IMAGE, 3], [image], IMAGE, 2, (BOI, EOI), False, True)
+    layout.embeds = [torch.ones(4, 8)]
+    packed = pack_image_rows([None, layout], [7, 0], [5, len(ids)], 8, torch.device("cpu"))
+    assert packed is not None and packed.ends is not None
+    assert packed.rows.tolist() == [5 + 3 + j for j in range(4)]  # after the 5 text rows
+    assert packed.ends[:5].tolist() == [8, 9, 10, 11, 12]
+    assert packed.ends[5:].tolist() == [1, 2, 3, 7, 7, 7, 7, 8, 9]
