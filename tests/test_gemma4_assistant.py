@@ -173,6 +173,14 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[LoadedModel, Path]:
                 p.mul_(0.1)
     hf.save_pretrained(root / "target")
     write_tiny_tokenizer(root / "target")
+    echoing_assistant(hf.model.embed_tokens.weight).save_pretrained(root / "assistant")
+    return load(str(root / "target"), "bf16", progress=False), root / "assistant"
+
+
+def echoing_assistant(table: Tensor) -> Any:
+    """An assistant (64 wide) for a target of embedding `table` that proposes the last token:
+    its layers write nothing, its input projection keeps the embedding, its head is the
+    target's table."""
     assistant = hf_assistant(False, hidden=64)
     with torch.no_grad():
         for name, p in assistant.named_parameters():
@@ -180,12 +188,11 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[LoadedModel, Path]:
                 p.zero_()
             elif "norm" in name:
                 p.fill_(1.0)
-        assistant.model.embed_tokens.weight.copy_(hf.model.embed_tokens.weight)
+        assistant.model.embed_tokens.weight.copy_(table)
         eye = torch.eye(64)
         assistant.pre_projection.weight.copy_(torch.cat([eye, torch.zeros(64, 64)], 1))
         assistant.post_projection.weight.copy_(eye)
-    assistant.save_pretrained(root / "assistant")
-    return load(str(root / "target"), "bf16", progress=False), root / "assistant"
+    return assistant
 
 
 def assistant_spec(lm: LoadedModel, path: Path, method: str = "assistant", k: int = 3) -> Any:

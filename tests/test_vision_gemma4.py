@@ -23,8 +23,8 @@ from conftest import write_tiny_tokenizer
 from kernel_checks import needs_kernel
 from PIL import Image
 from test_gemma4 import text_config
-from test_gemma4_assistant import hf_assistant
-from vision_models import language_model_state, png
+from test_gemma4_assistant import echoing_assistant
+from vision_models import assert_decode_steps_match, language_model_state, png
 
 from quickdraft.config import PrefixCacheConfig, SpeculativeConfig
 from quickdraft.engine import Engine, EngineCore, ServedModel, stream
@@ -222,17 +222,7 @@ def test_logits_and_decode_match_transformers(pair: Any) -> None:
     if layout.two_way:
         one_way, _ = forward(lm, ids, layout, two_way=False)
         assert (one_way - ref.logits[0]).abs().max().item() > 1e-3
-    past = ref.past_key_values
-    for _ in range(8):
-        token = int(ref.logits[0, -1].argmax())
-        with torch.no_grad():
-            ref = hf(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
-        past = ref.past_key_values
-        n = cache.length
-        rows = pack_image_rows([layout], [n], [1], 64, torch.device("cpu"))
-        step = lm.model(torch.tensor([token]), [cache], [1], images=rows)
-        cache.commit(n + 1)
-        assert (step.logits[0] - ref.logits[0, -1]).abs().max().item() < 1e-4
+    assert_decode_steps_match(hf, lm, ref, cache, layout)
 
 
 def test_greedy_generation_matches_transformers(pair: Any) -> None:
@@ -271,18 +261,8 @@ def quiet(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     token: its layers write nothing, its head is the target's table)."""
     root = tmp_path_factory.mktemp("g4v-quiet")
     hf, target = make_dir(root / "target", "dense", quiet=True)
-    assistant = hf_assistant(False, hidden=64)
-    with torch.no_grad():
-        for name, p in assistant.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.zero_()
-            elif "norm" in name:
-                p.fill_(1.0)
-        assistant.model.embed_tokens.weight.copy_(hf.model.language_model.embed_tokens.weight)
-        eye = torch.eye(64)
-        assistant.pre_projection.weight.copy_(torch.cat([eye, torch.zeros(64, 64)], 1))
-        assistant.post_projection.weight.copy_(eye)
-    assistant.save_pretrained(root / "assistant")
+    table = hf.model.language_model.embed_tokens.weight
+    echoing_assistant(table).save_pretrained(root / "assistant")
     return target, root / "assistant"
 
 

@@ -285,26 +285,29 @@ def hf_generate(hf: Any, ids: list[int], image: Any, tokens: int) -> list[int]:
 def assert_forward_and_decode_match(hf: Any, lm: Any, prompt: list[int], image: Any) -> None:
     """Every row's logits of our forward over `prompt` with its image, then 8 cached decode
     steps (their M-RoPE positions past the prompt), against transformers' (1e-4)."""
-    from quickdraft.images import ImageRows
-
     out, ids, layout, cache = image_forward(lm, prompt, image, room=16)
     cache.commit(len(ids))
     ref = hf_image_forward(hf, ids, image, use_cache=True)
     assert (out.logits - ref.logits[0]).abs().max().item() < 1e-4
+    assert_decode_steps_match(hf, lm, ref, cache, layout)
+
+
+def assert_decode_steps_match(hf: Any, lm: Any, ref: Any, cache: Any, layout: Any) -> None:
+    """From transformers' output `ref` over an image prompt (its cache in `ref`) and ours
+    (its committed `cache`, the prompt's `layout`): 8 greedy decode steps, each row's image
+    input as the engine packs it, every step's logits within 1e-4 of transformers'."""
+    from quickdraft.images import pack_image_rows
+
     past = ref.past_key_values
-    no_rows = torch.zeros(0, dtype=torch.long)
+    hidden = lm.model.config.hidden_size
     for _ in range(8):
         token = int(ref.logits[0, -1].argmax())
         with torch.no_grad():
             ref = hf(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
         past = ref.past_key_values
         n = cache.length
-        step = lm.model(
-            torch.tensor([token]),
-            [cache],
-            [1],
-            images=ImageRows(no_rows, layout.embeds[0][:0], layout.rows(n, 1)),
-        )
+        rows = pack_image_rows([layout], [n], [1], hidden, torch.device("cpu"))
+        step = lm.model(torch.tensor([token]), [cache], [1], images=rows)
         cache.commit(n + 1)
         assert (step.logits[0] - ref.logits[0, -1]).abs().max().item() < 1e-4
 

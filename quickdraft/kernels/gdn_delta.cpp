@@ -326,6 +326,18 @@ void check_inputs(const char* fn, const at::Tensor& y, const at::Tensor& g,
               ": g and beta must be [T, H]");
 }
 
+// The raw call's view of checked, contiguous inputs (the rest of QdDeltaIO left to the caller)
+QdDeltaIO io_of(const at::Tensor& y, const at::Tensor& g, const at::Tensor& beta,
+                const at::Tensor& state) {
+  QdDeltaIO io;
+  io.y = y.data_ptr<float>();
+  io.C = y.size(1);
+  io.g = g.data_ptr<float>();
+  io.beta = beta.data_ptr<float>();
+  io.state = state.data_ptr<float>();
+  return io;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qd_gdn_delta(
@@ -358,12 +370,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qd_gdn_delta(
   auto opts = y.options();
   at::Tensor out = at::empty({Tn, H, dv}, opts), k_out = at::empty({H, Tn, dk}, opts);
   at::Tensor d_out = at::empty({H, Tn, dv}, opts), g_out = at::empty({H, Tn}, opts);
-  QdDeltaIO io;
-  io.y = y.data_ptr<float>();
-  io.C = y.size(1);
-  io.g = g.data_ptr<float>();
-  io.beta = beta.data_ptr<float>();
-  io.state = state.data_ptr<float>();
+  QdDeltaIO io = io_of(y, g, beta, state);
   io.m = m;
   if (pending) {
     io.pk = pk.data_ptr<float>(), io.pk_hs = m * dk;
@@ -421,12 +428,7 @@ at::Tensor qd_gdn_prefill(const at::Tensor& y_in, const at::Tensor& g_in, const 
   const at::Tensor y = y_in.contiguous(), g = g_in.contiguous(), beta = beta_in.contiguous();
   at::Tensor out = at::empty({Tn, H, dv}, y.options());
   if (Tn == 0) return out;
-  QdDeltaIO io;
-  io.y = y.data_ptr<float>();
-  io.C = y.size(1);
-  io.g = g.data_ptr<float>();
-  io.beta = beta.data_ptr<float>();
-  io.state = state.data_ptr<float>();
+  QdDeltaIO io = io_of(y, g, beta, state);
   io.commit = true;
   io.out = out.data_ptr<float>(), io.out_ts = H * dv;
   qd_gdn_delta_raw(io, H, dk, dv, Tn, k_heads);

@@ -461,10 +461,11 @@ class Gemma4LM(HeadLogits, OperandModule):
         ropes = {local: r.tables(positions, self.dtype) for local, r in self.ropes.items()}
         h = self.embed(input_ids)  # [N, hidden]
         ple_ids, ends = input_ids, None
-        if images is not None:  # image rows: the tower's embeddings, per-layer inputs of pad
-            h = h.index_copy(0, images.rows, images.embeds.to(h.dtype))
+        if images is not None and images.rows.numel():  # the tower's rows; per-layer inputs
+            h = h.index_copy(0, images.rows, images.embeds.to(h.dtype))  # of the pad token
             ple_ids = input_ids.index_fill(0, images.rows, cfg.pad_token_id)
-            ends = images.ends if cfg.two_way_images else None
+        if images is not None and cfg.two_way_images:
+            ends = images.ends
         ple = self.model.per_layer_inputs(ple_ids, h) if cfg.ple_size else None
         wanted = set(hidden_layers)
         taps: dict[int, Tensor] = {}  # layer -> its output [N, hidden]

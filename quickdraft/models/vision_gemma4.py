@@ -21,7 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from quickdraft.models.vision import ACTIVATIONS, ImageTower, VisionConfig, _Tensors
+from quickdraft.models.vision import (
+    ACTIVATIONS,
+    ImageTower,
+    VisionConfig,
+    _Tensors,
+    check_patches,
+)
 
 
 class _Norm(nn.Module):
@@ -203,11 +209,9 @@ class Gemma4VisionTower(ImageTower):
         cfg = self.config
         t, h, w = grid
         k = cfg.spatial_merge_size
-        if t != 1 or pixels.shape != (h * w, cfg.patch_dim) or h % k or w % k:
-            raise ValueError(
-                f"image patches {tuple(pixels.shape)} do not fit grid {grid} "
-                f"(patch_dim {cfg.patch_dim}, pooling {k})"
-            )
+        if t != 1:
+            raise ValueError(f"image grid {grid}: Gemma 4's tower takes one frame")
+        check_patches(pixels, grid, cfg)  # the merge size is the pooling kernel here
         if max(h, w) > cfg.num_position_embeddings:
             raise ValueError(
                 f"image of {h} x {w} patches is past the tower's {cfg.num_position_embeddings} "
