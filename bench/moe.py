@@ -189,7 +189,10 @@ class Ours:
         if not model_dir.exists():
             convert_gguf(path, model_dir, "gguf", progress=False)
         t = time.perf_counter()
-        self.model: Any = load(str(model_dir), "gguf", progress=False).model
+        lm = load(str(model_dir), "gguf", progress=False)
+        self.model: Any = lm.model
+        self.eos_ids = lm.eos_ids
+        del lm
         self.load_s = time.perf_counter() - t
         freeze_loaded()  # as `quickdraft serve` does after loading
         self.vocab = self.model.config.vocab_size
@@ -324,6 +327,149 @@ def run_full(
     return out
 
 
+def ours_mtp(path: Path, work: Path, cuts: Sequence[int], rounds: int) -> dict[str, Any]:
+    """The MTP costs of `path` in this process (the child `--ours-mtp` runs): a forward's ms by
+    rows 1..8 at context 64 (median of 3 a round), and the file's MTP head (its nextn block)
+    one chained step with the whole vocabulary and cut to each of `cuts` first ids plus the
+    end-of-generation ids (`--draft-vocab`), `rounds` interleaved rounds, medians."""
+    from quickdraft.speculation.drafters.mtp import head_step_seconds, load_mtp_head
+
+    ours = Ours(path, work)
+    model_dir = work / f"{path.stem}-model"
+    head = load_mtp_head(ours.model, model_dir)
+    whole = head.lm_head_weight
+    heads: dict[str, tuple[Any, Any]] = {"all": (whole, None)}
+    for n in cuts:
+        head.lm_head_weight, head.vocab = whole, None
+        head.keep_first_(n, ours.eos_ids)
+        heads[str(n)] = (head.lm_head_weight, head.vocab)
+    ours.forward_s(8)  # warm
+    rows: list[list[float]] = []
+    steps: dict[str, list[float]] = {name: [] for name in heads}
+    for _ in range(rounds):
+        rows.append(
+            [statistics.median(ours.forward_s(n, 64) for _ in range(3)) * 1e3 for n in ROWS]
+        )
+        for name, (weight, vocab) in heads.items():
+            head.lm_head_weight, head.vocab = weight, vocab
+            steps[name].append(head_step_seconds(head, context=64, reps=5) * 1e3)
+    return {
+        "rows_ms": [round(statistics.median(r[i] for r in rows), 3) for i in range(len(ROWS))],
+        "head_step_ms": {k: round(statistics.median(v), 3) for k, v in steps.items()},
+        "rounds": {"rows_ms": rows, "head_step_ms": steps},
+        "rss_mb": _rss_mb(),
+    }
+
+
+STAGED = Path(__file__).parent / "results" / "hybrid-gguf-qwen35moe.json"
+
+
+def staged_survival(report: Path = STAGED) -> tuple[list[float], str]:
+    """P(a cycle accepts at least j drafts), j = 1..k, from the accepted-drafts histogram of
+    bench/hybrid.py's staged qwen35moe run (k drafts every cycle), and where it came from."""
+    run = json.loads(report.read_text())
+    hist = run["throughput"]["accepted_histogram"]
+    total = sum(hist)
+    survival = [round(sum(hist[j:]) / total, 4) for j in range(1, len(hist))]
+    rate = run["throughput"]["acceptance_rate"]
+    return survival, f"{report.name} (k = {run['k']}, acceptance rate {rate}, {total} cycles)"
+
+
+def project_mtp(
+    rows_ms: Sequence[float], head_ms: float, survival: Sequence[float]
+) -> list[dict[str, float]]:
+    """MTP at k = 1..len(survival) from measured costs: a cycle is k head steps and a (k+1)-row
+    verify, and yields 1 + sum_j P(>= j accepted) tokens; speedup = tokens x one-row step /
+    cycle. The engine's own per-cycle work is not in it."""
+    out = []
+    for k in range(1, len(survival) + 1):
+        tokens = 1 + sum(survival[:k])
+        cycle = rows_ms[k] + k * head_ms
+        out.append(
+            {
+                "k": k,
+                "tokens_per_cycle": round(tokens, 3),
+                "cycle_ms": round(cycle, 2),
+                "speedup": round(tokens * rows_ms[0] / cycle, 3),
+            }
+        )
+    return out
+
+
+def run_full_mtp(
+    work: Path,
+    peers: dict[str, tuple[Path, list[str]]],
+    threads: int,
+    cuts: Sequence[int],
+    rounds: int,
+) -> dict[str, Any]:
+    """MTP's costs on the full-size qwen35moe file (its nextn block random, so acceptance is
+    taken from the staged run): ours in a child process (`ours_mtp`), each peer's
+    `llama-bench -p 1,...,8` on the same file, and the projected speedup by k for the head
+    with the whole vocabulary and cut to each of `cuts`."""
+    path = write_full("qwen35moe", work)
+    child = [sys.executable, __file__, "--ours-mtp", str(path), "--files", str(work)]
+    child += ["--threads", str(threads), "--rounds", str(rounds)]
+    child += ["--mtp-cuts", *(str(n) for n in cuts)]
+    run = subprocess.run(child, capture_output=True, text=True, timeout=3600)
+    if run.returncode:
+        raise SystemExit(run.stderr[-3000:])
+    ours = json.loads(run.stdout.strip().splitlines()[-1])
+    prompts = ",".join(str(n) for n in ROWS)
+    peer_rows = {}
+    for name, (binary, extra) in peers.items():
+        got = llama_bench(binary, path, threads, 0, extra, prompts=prompts)
+        peer_rows[name] = [round(n / got[f"pp{n}_tps"] * 1e3, 3) for n in ROWS]
+    survival, source = staged_survival()
+    return {
+        "file": path.name,
+        "file_gib": round(path.stat().st_size / 2**30, 2),
+        "machine_memory_gib": round(
+            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1
+        ),
+        "ours": ours,
+        "peer_rows_ms": peer_rows,
+        "staged_survival": survival,
+        "staged_source": source,
+        "projected": {
+            name: project_mtp(ours["rows_ms"], ms, survival)
+            for name, ms in ours["head_step_ms"].items()
+        },
+    }
+
+
+def markdown_full_mtp(report: dict[str, Any]) -> str:
+    m = report["mtp"]
+    ours = m["ours"]
+    one = ours["rows_ms"][0]
+    rows = [["quickdraft at 64", *ours["rows_ms"], round(ours["rows_ms"][-1] / one, 2)]]
+    rows += [[k, *v, round(v[-1] / v[0], 2)] for k, v in m["peer_rows_ms"].items()]
+    heads = [[name, ms, round(ms / one, 3)] for name, ms in ours["head_step_ms"].items()]
+    proj = []
+    for name, ks in m["projected"].items():
+        best = max(ks, key=lambda r: r["speedup"])
+        proj.append([name, *(r["speedup"] for r in ks), best["k"], f"{best['speedup']}x"])
+    k_max = len(m["staged_survival"])
+    return (
+        "# MTP on the full-size qwen35moe file: verify cost by rows, the head's step, and the "
+        "projected speedup\n\n"
+        f"{m['file']} ({m['file_gib']} GiB Q4_K_M, random blocks; {m['machine_memory_gib']} GiB "
+        f"machine, nothing else running), {report['threads']} threads, {report['rounds']} "
+        "interleaved rounds (medians). The file's MTP head is its random nextn block, so "
+        "acceptance cannot be measured on it: it is taken from the staged run "
+        f"({m['staged_source']}): P(>= j drafts accepted) = {m['staged_survival']}.\n\n"
+        "## A forward's ms by rows (ours at context 64; peers `llama-bench -p N` from an "
+        "empty cache)\n\n"
+        + table(["engine", *(f"{n} rows" for n in ROWS), "8 rows / 1"], rows)
+        + "\n## The MTP head's one chained step (its layer and the head; `--draft-vocab N`: the "
+        "first N ids and the end-of-generation ids)\n\n"
+        + table(["head scores", "ms", "over a one-row target step"], heads)
+        + "\n## Projected MTP speedup over plain decoding by k (k head steps + a (k+1)-row "
+        "verify a cycle, the staged acceptance; the engine's own per-cycle work not counted)\n\n"
+        + table(["head scores", *(f"k = {k}" for k in range(1, k_max + 1)), "best k", "best"], proj)
+    )
+
+
 ROWS = range(1, 9)  # a decode step and verifies of k = 1..7
 
 
@@ -413,10 +559,20 @@ def main() -> None:
         "--narrow", action="store_true", help="the per-layer work of a 40-layer qwen35moe step"
     )
     ap.add_argument("--rows", action="store_true", help="a forward's cost by rows 1..8")
+    ap.add_argument(
+        "--mtp-cuts",
+        type=int,
+        nargs="+",
+        help="with --full: MTP's costs on the full file instead, the head cut to these ids too",
+    )
+    ap.add_argument("--ours-mtp", type=Path, help=argparse.SUPPRESS)  # the child of --mtp-cuts
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.ours:
         print(json.dumps(ours_once(args.ours, args.files, args.tokens)))
+        return
+    if args.ours_mtp:
+        print(json.dumps(ours_mtp(args.ours_mtp, args.files, args.mtp_cuts, args.rounds)))
         return
     report: dict[str, Any] = {"machine": machine(), "threads": args.threads, "rounds": args.rounds}
     report["read_gbs"] = round(read_bandwidth_gbs(), 1)
@@ -450,6 +606,17 @@ def main() -> None:
             f"{args.arch[0]}: forward ms by rows", "ms", [str(n) for n in ROWS], first["ms"]
         )
         write(args.name, report, markdown_rows(report), chart)
+        return
+    if args.full and args.mtp_cuts:
+        report["mtp"] = run_full_mtp(args.files, peers, args.threads, args.mtp_cuts, args.rounds)
+        proj = report["mtp"]["projected"]
+        chart = bar_chart(
+            "qwen35moe full size: projected MTP speedup",
+            "x plain",
+            [f"k={r['k']}" for r in next(iter(proj.values()))],
+            {name: [r["speedup"] for r in ks] for name, ks in proj.items()},
+        )
+        write(args.name, report, markdown_full_mtp(report), chart)
         return
     if args.full:
         report["full"] = {

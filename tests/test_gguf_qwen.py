@@ -11,6 +11,7 @@ on or off."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -239,6 +240,44 @@ def test_mtp_head_layer_is_one_c_call(files: Files) -> None:
     for a, b in zip(run(True), run(False), strict=True):
         assert torch.equal(a, b)
     head._fused = None
+
+
+def test_mtp_head_cut_to_the_first_ids_keeps_their_logits_and_greedy_output(
+    files: Files,
+) -> None:
+    """`--draft-vocab` on the GGUF nextn head (its Q8_0 blocks): the head is the target head's
+    first panels in their own blocks, so those ids' logits are the full head's bit for bit, the
+    end-of-generation id past them is dequantized beside (close), every other id is -inf; MTP
+    speculation with the cut head still equals plain decoding, with drafts accepted."""
+    if files.arch not in HYBRID:
+        pytest.skip("qwen3moe has no MTP head")
+    lm = load(str(files.q8), "gguf", progress=False)
+    full, cut = load_mtp_head(lm.model, lm.path), load_mtp_head(lm.model, lm.path)
+    cut.keep_first_(100, [300])  # 100 -> 112 ids (whole 16-row panels) and id 300
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(5, HF_CONFIGS[files.arch]["hidden_size"], generator=g)
+    ids = torch.tensor([3, 17, 42, 99, 250])
+
+    def logits(head: Any) -> Tensor:
+        return head(ids, hidden, [head.new_cache(8)], [5], torch.arange(5))[0]
+
+    a, b = logits(full), logits(cut)
+    assert b.shape == a.shape == (5, VOCAB)
+    assert torch.equal(b[:, :112], a[:, :112])
+    torch.testing.assert_close(b[:, 300], a[:, 300], atol=0.05, rtol=0.05)
+    others = torch.ones(VOCAB, dtype=torch.bool)
+    others[:112], others[300] = False, False
+    assert bool((b[:, others] == float("-inf")).all())
+
+    spec = make_speculation(lm, dataclasses.replace(MTP, draft_vocab=160))
+    assert spec is not None and spec.drafter.head.vocab is not None  # type: ignore[attr-defined]
+    accepted = 0
+    for prompt in (PROMPT, "the cat sat on the mat. the cat"):
+        prompt_ids = lm.tokenizer.encode(prompt)
+        plain, fast = generate(lm, prompt_ids, None, 48), generate(lm, prompt_ids, spec, 48)
+        assert fast.output_ids == plain.output_ids, prompt
+        accepted += fast.spec.accepted
+    assert accepted > 0
 
 
 def test_mtp_head_from_the_f32_file_is_the_head_written(files: Files) -> None:

@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from quickdraft.kernels.gemm import Weight, dequantized_rows, to_panels
+from quickdraft.kernels.gemm import Weight, dequantized_rows, project, to_panels
 from quickdraft.models.llama import operand_converter
 
 D2T = "d2t"  # a reduced draft vocabulary: logit column i is token i + d2t[i] (EAGLE-3's)
@@ -86,3 +86,8 @@ class DraftVocab:
     def full(self, logits: Tensor) -> Tensor:
         """[N, V_d] logits over the draft vocabulary -> [N, vocab], -inf on every other id."""
         return widen(logits, self.ids, self.vocab_size)
+
+    def logits(self, x: Tensor, head: Weight) -> Tensor:
+        """[N, hidden] final-norm rows -> [N, vocab] fp32; `head` is `weight`
+        (layers.VocabSubset's contract)."""
+        return self.full(project(x, head).float())

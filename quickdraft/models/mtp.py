@@ -14,7 +14,8 @@ A head trained apart from its target (`quickdraft train-drafter --kind mtp`, for
 that ships none) is a directory of its own: model.safetensors holding the `mtp.*` tensors, and
 a config.json whose `architectures` is [STANDALONE_ARCHITECTURE], with the target's
 `model_type`, `hidden_size` and `vocab_size` and the head's `num_nextn_predict_layers`; with
-`d2t` and `draft_vocab_size` it scores a reduced draft vocabulary (models/draft_vocab.py).
+`d2t` and `draft_vocab_size` it scores a reduced draft vocabulary (models/draft_vocab.py); any
+head can be cut to the vocabulary's first ids instead (`keep_first_`, `--draft-vocab`).
 
 Contract: `forward(token_ids [N], hidden [N, H], caches, num_new, logit_rows)` runs the rows
 x_i = fc([norm_e(embed(t_{i+1})) ; norm_h(h_i)]) of several requests packed, row i of a request
@@ -41,7 +42,15 @@ from quickdraft.kernels.gemm import Weight, project, to_panels
 from quickdraft.models.draft_vocab import DraftVocab
 from quickdraft.models.hybrid_config import HybridConfig
 from quickdraft.models.kv_cache import KVCache
-from quickdraft.models.layers import LinearView, OperandModule, RMSNorm, Rope, convert_operands_
+from quickdraft.models.layers import (
+    LinearView,
+    OperandModule,
+    RMSNorm,
+    Rope,
+    VocabSubset,
+    convert_operands_,
+    restrict_head,
+)
 from quickdraft.models.llama import DecoderLayer, many_args, operand_converter
 from quickdraft.models.qwen3_next import HybridDecoderLayer, OffsetRMSNorm, fused_layer
 
@@ -126,7 +135,8 @@ class MTPHead(OperandModule):
             lm_head_weight.detach() if isinstance(lm_head_weight, Tensor) else lm_head_weight
         )
         self.vocab_size = lm_head_weight.shape[0]
-        self.vocab: DraftVocab | None = None  # a reduced draft vocabulary (restrict_vocab_)
+        # a reduced draft vocabulary (restrict_vocab_ / keep_first_)
+        self.vocab: DraftVocab | VocabSubset | None = None
         self.quantized: str | None = None  # "int8" / "int4" after quantize_
         self.requires_grad_(False)
         # its layer as a C++ call (qwen3_next.fused_layer) once built; False: it cannot be
@@ -139,6 +149,17 @@ class MTPHead(OperandModule):
         `quantize_`."""
         self.vocab = DraftVocab(self.lm_head_weight, ids, self.dtype, self.quantized)
         self.lm_head_weight = self.vocab.weight
+
+    def keep_first_(self, keep: int, extra: Sequence[int] = ()) -> None:
+        """Score only the first `keep` token ids and the ids in `extra` (`--draft-vocab`, as a
+        draft model's `restrict_vocab_`): the head becomes the target head's first panels in
+        their own format (a GGUF head stays in its blocks, so the kept ids' logits are the full
+        head's bit for bit) plus the `extra` rows; every other id's logit is -inf. With a
+        248k-id vocabulary the head is most of a draft step (Qwen3.6-35B-A3B: 417 of ~460 MB),
+        so cutting it is what lets a draft step cost a few percent of the target's."""
+        self.lm_head_weight, self.vocab = restrict_head(
+            self.lm_head_weight, keep, extra, self.dtype
+        )
 
     def quantize_(self, fmt: str) -> None:
         """The head's own operands (fc, its layer's projections) -> "int8" / "int4" in place
@@ -207,5 +228,7 @@ class MTPHead(OperandModule):
         else:
             x = self.layers[0](x, rope, caches, num_new)
         out = self.norm(x)  # [N, H]
-        logits = project(out[logit_rows], self.lm_head_weight).float()
-        return logits if self.vocab is None else self.vocab.full(logits), x, out
+        rows = out[logit_rows]
+        if self.vocab is not None:
+            return self.vocab.logits(rows, self.lm_head_weight), x, out
+        return project(rows, self.lm_head_weight).float(), x, out

@@ -26,6 +26,7 @@ from quickdraft.loading import LoadedModel, load
 from quickdraft.memory import trim_heap
 from quickdraft.models.gemma4_assistant import is_assistant_dir
 from quickdraft.models.gguf_loader import GGUFFormatError
+from quickdraft.models.mtp import MTPHead
 from quickdraft.speculation.cost import DraftCost, StepCost, model_cost
 from quickdraft.speculation.drafters.assistant import assistant_drafter, assistant_step_seconds
 from quickdraft.speculation.drafters.base import Drafter
@@ -138,6 +139,13 @@ def _mtp(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable
     drafter = mtp_drafter(
         lm.model, config.draft_model or lm.path, quantization=_draft_format(lm, config)
     )
+    head = drafter.head
+    assert isinstance(head, MTPHead)
+    if 0 < config.draft_vocab < head.vocab_size:
+        if head.vocab is None:  # FR-Spec's cut (SGLang's --speculative-token-map)
+            head.keep_first_(config.draft_vocab, lm.eos_ids)
+        else:
+            log.warning("--draft-vocab ignored: the MTP head scores its own trained vocabulary")
 
     def table() -> StepCost:
         target = model_cost(lm.model)  # its 1-row step is the one the head step is compared with
