@@ -418,7 +418,10 @@ def run_full_mtp(
     prompts = ",".join(str(n) for n in ROWS)
     peer_rows = {}
     for name, (binary, extra) in peers.items():
-        got = llama_bench(binary, path, threads, 0, extra, prompts=prompts)
+        # mainline mmaps the file by default: 20 GiB of a 23.5 GiB machine then pages from disk
+        # in every forward (~0.5 s a row); read into memory instead (ik's -rtr does already)
+        load = ["-lm", "none"] if name == "llama.cpp" else []
+        got = llama_bench(binary, path, threads, 0, [*extra, *load], prompts=prompts)
         peer_rows[name] = [round(n / got[f"pp{n}_tps"] * 1e3, 3) for n in ROWS]
     survival, source = staged_survival()
     return {
@@ -459,7 +462,7 @@ def markdown_full_mtp(report: dict[str, Any]) -> str:
         "acceptance cannot be measured on it: it is taken from the staged run "
         f"({m['staged_source']}): P(>= j drafts accepted) = {m['staged_survival']}.\n\n"
         "## A forward's ms by rows (ours at context 64; peers `llama-bench -p N` from an "
-        "empty cache)\n\n"
+        "empty cache, mainline with `-lm none`: the file read into memory, not mmapped)\n\n"
         + table(["engine", *(f"{n} rows" for n in ROWS), "8 rows / 1"], rows)
         + "\n## The MTP head's one chained step (its layer and the head; `--draft-vocab N`: the "
         "first N ids and the end-of-generation ids)\n\n"
