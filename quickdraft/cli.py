@@ -655,6 +655,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         dflash=args.dflash,
         mtp=args.mtp,
         eagle3=args.eagle3,
+        draft_vocab=args.draft_vocab,
         adaptive=None if spec.adaptive else False,
     )
     run(SpecBench(**_prompt_bench_fields(args, spec), **extra))

@@ -49,6 +49,7 @@ from quickdraft.bench.report import RESULTS, bar_chart, machine, write
 from quickdraft.config import (
     BENCH_MAX_TOKENS,
     DEFAULT_DRAFT_QUANTIZATION,
+    DEFAULT_DRAFT_VOCAB,
     DEFAULT_DRAFTS,
     DEFAULT_DTYPE,
     DEFAULT_MODEL,
@@ -266,6 +267,8 @@ class SpecBench:
     # a standalone MTP head dir for the target (`quickdraft train-drafter --kind mtp`): runs as
     # engine "mtp", drafting up to k tokens per cycle
     mtp: str | None = None
+    # token ids the draft model and the MTP head score (`--draft-vocab`; 0: all)
+    draft_vocab: int = DEFAULT_DRAFT_VOCAB
     # an EAGLE-3 head dir for the target (`quickdraft train-drafter --kind eagle3`, or one
     # brought from vLLM / SpecForge): runs as engine "eagle3", drafting up to k tokens per cycle
     eagle3: str | None = None
@@ -321,6 +324,7 @@ def run(opts: SpecBench) -> dict[str, Any]:
                 num_draft_tokens=k,
                 draft_model=draft,
                 draft_quantization=quant,
+                draft_vocab=opts.draft_vocab,
                 adaptive=cost_model,
             ),
         )
@@ -351,7 +355,11 @@ def run(opts: SpecBench) -> dict[str, Any]:
         specs["mtp"] = make_speculation(
             lm,
             SpeculativeConfig(
-                method="mtp", draft_model=opts.mtp, num_draft_tokens=k, adaptive=cost_model
+                method="mtp",
+                draft_model=opts.mtp,
+                num_draft_tokens=k,
+                draft_vocab=opts.draft_vocab,
+                adaptive=cost_model,
             ),
         )
     if opts.eagle3 is not None:
