@@ -160,16 +160,18 @@ class GGUFFile:
             self.release(name)
         return self.convert(weight) if self.convert else weight
 
-    def release(self, name: str) -> None:
-        """Drop the mapped pages of tensor `name` from this process once it is repacked: they
-        stay in the page cache, but no longer count towards its memory (a first load read
-        every page of the file while the packed copy filled: 1.1 GB more at the peak)."""
+    def release(self, name: str, lo: int = 0, hi: int | None = None) -> None:
+        """Drop the mapped pages of tensor `name` (of its bytes [lo, hi), all by default) from
+        this process once it is repacked: they stay in the page cache, but no longer count
+        towards its memory (a first load read every page of the file while the packed copy
+        filled: 1.1 GB more at the peak)."""
         t = self.tensors[name]
         mm = getattr(self.reader.data, "_mmap", None)
         if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
-        start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE  # whole pages inside
-        end = (int(t.data_offset) + int(t.n_bytes)) // mmap.PAGESIZE * mmap.PAGESIZE
+        hi = int(t.n_bytes) if hi is None else hi
+        start = -(-(int(t.data_offset) + lo) // mmap.PAGESIZE) * mmap.PAGESIZE  # pages inside
+        end = (int(t.data_offset) + hi) // mmap.PAGESIZE * mmap.PAGESIZE
         if end > start:
             with contextlib.suppress(OSError, ValueError):  # an advice; never fatal
                 mm.madvise(mmap.MADV_DONTNEED, start, end - start)

@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 
 # the HF model_types of the files this loader runs
 QWEN_TYPES = (*(t for _, t in QWEN_ARCHS.values()), "gpt_oss")
+# experts repacked between two releases of their file pages: a 256-expert layer (~0.5 GB in
+# Q4_K) would otherwise sit in memory twice, mapped and repacked, until its last expert
+RELEASE_EVERY = 16
 # HF tensors that become GEMM operands here, from the GGUF's blocks: q/k/v/o, in_proj_*,
 # out_proj, gate/up/down (dense, shared expert, routed experts), the heads (the plan's other
 # tensors are dequantized into parameters)
@@ -192,7 +195,12 @@ class PlanLoader:
         *parts, (down_t, down) = stacks
         gate_ups: list[Weight] = []
         downs: list[Weight] = []
+        names = [f"{blk}ffn_{part}_exps.weight" for part in (*rows, "down")]
         for e in range(n):
+            if e and e % RELEASE_EVERY == 0:  # the experts repacked so far: drop their pages
+                for name, (_, stack) in zip(names, stacks, strict=True):
+                    per = stack[0].nbytes
+                    self.f.release(name, (e - RELEASE_EVERY) * per, e * per)
             if {kind for kind, _ in stacks} <= {"F32", "F16", "BF16"}:  # an unquantized file
                 gu = np.concatenate([part[e] for _, part in parts]).astype(np.float32)
                 gate_ups.append(torch.from_numpy(gu).to(self.dtype))
@@ -209,8 +217,8 @@ class PlanLoader:
                 raise GGUFTensorError(
                     f"{self.f.path.name}: {blk}ffn_*_exps: {err}; load with --dtype bf16"
                 ) from err
-        for part in (*rows, "down"):  # repacked: drop the file's pages from this process
-            self.f.release(f"{blk}ffn_{part}_exps.weight")
+        for name in names:  # repacked: drop the file's pages from this process
+            self.f.release(name)
         return gate_ups, downs
 
     def experts(self, experts: Experts, blk: str) -> None:
