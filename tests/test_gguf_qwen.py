@@ -246,14 +246,19 @@ def test_mtp_head_cut_to_the_first_ids_keeps_their_logits_and_greedy_output(
     files: Files,
 ) -> None:
     """`--draft-vocab` on the GGUF nextn head (its Q8_0 blocks): the head is the target head's
-    first panels in their own blocks, so those ids' logits are the full head's bit for bit, the
-    end-of-generation id past them is dequantized beside (close), every other id is -inf; MTP
-    speculation with the cut head still equals plain decoding, with drafts accepted."""
+    first panels in their own blocks (views of them), so those ids' logits are the full head's
+    bit for bit, the end-of-generation id past them is dequantized beside (close), every other
+    id is -inf; MTP speculation with the cut head still equals plain decoding, with drafts
+    accepted."""
     if files.arch not in HYBRID:
         pytest.skip("qwen3moe has no MTP head")
     lm = load(str(files.q8), "gguf", progress=False)
     full, cut = load_mtp_head(lm.model, lm.path), load_mtp_head(lm.model, lm.path)
     cut.keep_first_(100, [300])  # 100 -> 112 ids (whole 16-row panels) and id 300
+    # the kept panels are views of the target's head, which stays: no second copy
+    mine, target = cut.lm_head_weight, lm.model.head  # type: ignore[attr-defined]
+    assert isinstance(mine, GGUFWeight) and isinstance(target, GGUFWeight)
+    assert mine.parts[0].packed.data_ptr() == target.parts[0].packed.data_ptr()
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(5, HF_CONFIGS[files.arch]["hidden_size"], generator=g)
     ids = torch.tensor([3, 17, 42, 99, 250])

@@ -56,28 +56,32 @@ def to_panels(weight: Weight) -> Weight:
     return weight
 
 
-def panel_rows(weight: Weight, p0: int, p1: int) -> Weight:
+def panel_rows(weight: Weight, p0: int, p1: int, copy: bool = True) -> Weight:
     """Output rows [16 p0, 16 p1) (clipped to N) of an operand, in its own format: the packed
-    formats store rows in panels of 16, so whole panels slice exactly (a copy, so the rest of
-    the weight can be freed)."""
+    formats store rows in panels of 16, so whole panels slice exactly. A copy, so the rest of
+    the weight can be freed; `copy=False`: views of it, for a caller that keeps it anyway."""
+
+    def cut(t: Tensor, lo: int, hi: int) -> Tensor:
+        return t[lo:hi].clone() if copy else t[lo:hi]
+
     n = weight.shape[0]
     r0, r1 = p0 * PANEL, min(p1 * PANEL, n)
     if r0 >= r1:
         raise ValueError(f"rows [{r0}, {r1}) of a {n}-row weight")
     if isinstance(weight, Tensor):
-        return weight[r0:r1].clone()
+        return cut(weight, r0, r1)
     if isinstance(weight, PanelWeight):
-        return PanelWeight(weight.packed[p0:p1].clone(), r1 - r0)
+        return PanelWeight(cut(weight.packed, p0, p1), r1 - r0)
     if isinstance(weight, Int8Weight):
-        scale = weight.scale[r0:r1].clone()
-        return Int8Weight(weight.packed[p0:p1].clone(), scale, weight.in_features)
+        scale = cut(weight.scale, r0, r1)
+        return Int8Weight(cut(weight.packed, p0, p1), scale, weight.in_features)
     if isinstance(weight, Int4Weight):
-        return Int4Weight(weight.packed[p0:p1].clone(), r1 - r0, weight.in_features)
+        return Int4Weight(cut(weight.packed, p0, p1), r1 - r0, weight.in_features)
     if isinstance(weight, DeviceGGUFWeight):
-        return weight.row_range(r0, r1)
+        return weight.row_range(r0, r1, copy)
     if len(weight.parts) != 1:
         raise ValueError("rows of a fused GGUF operand (several formats) are not sliced")
-    part = GGUFPart(weight.parts[0].fmt, weight.parts[0].packed[p0:p1].clone(), r1 - r0)
+    part = GGUFPart(weight.parts[0].fmt, cut(weight.parts[0].packed, p0, p1), r1 - r0)
     return GGUFWeight((part,), weight.in_features)
 
 

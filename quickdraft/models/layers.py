@@ -348,16 +348,17 @@ class VocabSubset:
 
 
 def restrict_head(
-    head: Weight, keep: int, extra: Sequence[int], dtype: torch.dtype
+    head: Weight, keep: int, extra: Sequence[int], dtype: torch.dtype, copy: bool = True
 ) -> tuple[Weight, VocabSubset]:
     """A head operand cut to its first `keep` rows (rounded up to a whole panel, in its own
-    format, exactly) and the rows of the `extra` ids past them (dequantized to `dtype`)."""
+    format, exactly) and the rows of the `extra` ids past them (dequantized to `dtype`); the
+    kept panels a copy, or views of `head` (`copy=False`) where the caller keeps it."""
     vocab = head.shape[0]
     keep = min(vocab, -(-keep // PANEL) * PANEL)
     ids = sorted({i for i in extra if keep <= i < vocab})
     rows = dequantized_rows(head, ids).to(dtype) if ids else None
     extra_ids = torch.tensor(ids, device=rows.device) if rows is not None else None
-    return panel_rows(head, 0, keep // PANEL), VocabSubset(keep, vocab, extra_ids, rows)
+    return panel_rows(head, 0, keep // PANEL, copy), VocabSubset(keep, vocab, extra_ids, rows)
 
 
 class HeadLogits:
