@@ -74,6 +74,19 @@ def test_cost_table_is_measured_again_when_the_key_changes(
     assert len(list((home / "step-cost").glob("*.json"))) == 3
 
 
+def test_cost_key_changes_with_the_python_sources(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The key holds a digest of the package's Python sources: a table stored by other code
+    (an upgrade, an edit) is measured again."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "sub" / "b.py").write_text("y = 2\n")
+    before = cost.python_digest(tmp_path)
+    (tmp_path / "sub" / "b.py").write_text("y = 3\n")
+    cost.python_digest.cache_clear()
+    assert cost.python_digest(tmp_path) != before
+    assert cost_key(fresh(tiny_model_dir).model)["code"] == cost.python_digest()
+
+
 def test_cost_key_names_a_gguf_weights_block_formats(tiny_model_dir: Path) -> None:
     """Two GGUF models of one architecture in different block formats are different keys."""
 

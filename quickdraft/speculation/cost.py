@@ -11,6 +11,7 @@ measured to predicted seconds (`Calibration`, per step shape); a drafter's table
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -276,9 +277,24 @@ def _operand_format(weight: object) -> str:
     return name
 
 
+PACKAGE = Path(__file__).resolve().parents[1]  # quickdraft/
+
+
+@functools.cache
+def python_digest(root: Path = PACKAGE) -> str:
+    """A hash of the Python sources under `root` (the package): what runs around the kernels.
+    A table timed by other code is stale: one stored by an earlier version on this host priced
+    a second row at +1 % of a SmolLM2 step where the code then running paid +11-25 %."""
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def cost_key(model: LanguageModel) -> dict[str, Any]:
     """What a step's cost depends on: the model's architecture, dtype and weight formats, and
-    the host (ISA, threads, torch, the kernels' sources). Not the weights' values."""
+    the host (ISA, threads, torch, the kernels' sources and the Python around them). Not the
+    weights' values."""
     formats: Counter[str] = Counter()
     inner = getattr(model, "inner", model)  # a device wrapper's model (models/graphs.py)
     if isinstance(inner, nn.Module):
@@ -298,6 +314,7 @@ def cost_key(model: LanguageModel) -> dict[str, Any]:
         ),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "code": python_digest(),
         **(
             {"kernels": source_digest(), "prefetch": prefetch_bytes()}
             if extension() is not None
