@@ -11,6 +11,7 @@ measured to predicted seconds (`Calibration`, per step shape); a drafter's table
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import json
@@ -82,7 +83,7 @@ class StepCost:
                 return s[0] * m
             slope = (s[-1] - s[-2]) / (r[-1] - r[-2])
             return s[-1] + slope * (m - r[-1])
-        hi = next(i for i, x in enumerate(r) if x >= m)
+        hi = bisect.bisect_left(r, m)  # the first row count >= m
         lo = hi - 1
         frac = (m - r[lo]) / (r[hi] - r[lo])
         return s[lo] + frac * (s[hi] - s[lo])

@@ -110,15 +110,24 @@ class BatchPolicy:
     overhead: float = 0.0
     overhead_seen: int = 0
     overhead_window: int = 32
+    # `seconds` by shape until the calibration next moves (a step asks ~12 times, for a few
+    # shapes: the policy's Python is ~2 % of a small model's step)
+    _seconds: dict[tuple[int, int, int], float] = field(default_factory=dict)
 
     def seconds(self, rows: int, seqs: int, masked: int) -> float:
         """The step-cost table's forward seconds for this shape, calibrated by what steps of
         the same shape measured."""
-        return self.cost(rows, seqs, masked) * self.calibration.factor(rows, seqs, masked)
+        shape = (rows, seqs, masked)
+        got = self._seconds.get(shape)
+        if got is None:
+            got = self.cost(rows, seqs, masked) * self.calibration.factor(rows, seqs, masked)
+            self._seconds[shape] = got
+        return got
 
     def observe(self, rows: int, seqs: int, masked: int, seconds: float) -> None:
         """One step's target forward: `rows` over `seqs` sequences, `masked` with > 1 row."""
         self.calibration.observe(rows, seqs, masked, seconds, self.cost(rows, seqs, masked))
+        self._seconds.clear()
 
     def observe_overhead(self, seconds: float) -> None:
         """One step's wall time outside its target and drafter forwards."""
