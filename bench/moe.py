@@ -21,6 +21,10 @@ Measured in interleaved rounds (these machines are noisy), threads fixed for eve
 `--rows`: a forward's cost by rows 1..8 (a decode step, then verifies of k = 1..7) from an
 empty cache, ours against each peer's `llama-bench -p N` on the same file (ms = N / its tok/s),
 with ours also at context 64, in interleaved rounds.
+`--full --mtp-cuts N ...`: MTP's costs on the full-size qwen35moe file instead (a forward by
+rows 1..8 at context 64 beside each peer's `llama-bench -p N`, the file's nextn head one chained
+step with every id and cut to the first N ids, `--draft-vocab`), and the speedup by k projected
+at the acceptance of bench/hybrid.py's staged qwen35moe run (the file's head is random).
 Weights streamed per decoded token: every tensor's bytes, the routed experts' times top_k / E,
 one row of the embedding table; GB/s = that times tok/s. The markdown has the row
 `decode vs best peer | N.NNx`.
