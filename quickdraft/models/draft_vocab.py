@@ -88,6 +88,6 @@ class DraftVocab:
         return widen(logits, self.ids, self.vocab_size)
 
     def logits(self, x: Tensor, head: Weight) -> Tensor:
-        """[N, hidden] final-norm rows -> [N, vocab] fp32; `head` is `weight`
-        (layers.VocabSubset's contract)."""
+        """[N, hidden] final-norm rows -> [N, vocab] fp32, `head` being this vocabulary's
+        `weight` (the call layers.VocabSubset.logits has, so a head holds either)."""
         return self.full(project(x, head).float())

@@ -155,9 +155,9 @@ class MTPHead(OperandModule):
         draft model's `restrict_vocab_`): the head becomes the target head's first panels in
         their own format (a GGUF head stays in its blocks, so the kept ids' logits are the full
         head's bit for bit), views of the target's (which stays), plus the `extra` rows; every
-        other id's logit is -inf. With a
-        248k-id vocabulary the head is most of a draft step (Qwen3.6-35B-A3B: 417 of ~460 MB),
-        so cutting it is what lets a draft step cost a few percent of the target's."""
+        other id's logit is -inf. With a 248k-id vocabulary the head is most of a draft step
+        (Qwen3.6-35B-A3B: 417 of ~460 MB), so cutting it is what lets a draft step cost a few
+        percent of the target's."""
         self.lm_head_weight, self.vocab = restrict_head(
             self.lm_head_weight, keep, extra, self.dtype, copy=False
         )
