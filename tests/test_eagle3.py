@@ -38,7 +38,7 @@ from quickdraft.models.eagle3 import Eagle3Head
 from quickdraft.models.llama import CausalLM
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.drafters.base import DraftJob
-from quickdraft.speculation.drafters.eagle3 import Eagle3Drafter, eagle3_drafter
+from quickdraft.speculation.drafters.eagle3 import Eagle3Drafter, eagle3_drafter, load_eagle3
 from quickdraft.speculation.factory import make_speculation
 
 TARGET_LAYERS = 6  # default taps (2, 3, 3): inputs of layers 2 and 3
@@ -158,11 +158,17 @@ def nudging_dense(directory: Path, dtype: str = "fp32") -> tuple[LoadedModel, An
     return load(str(directory), dtype, progress=False), model
 
 
-def run_parity(lm: LoadedModel, head: Path, prompts: list[str], tokens: int = 40) -> list[Any]:
+def run_parity(
+    lm: LoadedModel, head: Path, prompts: list[str], tokens: int = 40, draft_vocab: int = 0
+) -> list[Any]:
     spec = make_speculation(
         lm,
         SpeculativeConfig(
-            method="eagle3", num_draft_tokens=K, adaptive=False, draft_model=str(head)
+            method="eagle3",
+            num_draft_tokens=K,
+            adaptive=False,
+            draft_model=str(head),
+            draft_vocab=draft_vocab,
         ),
     )
     assert spec is not None and isinstance(spec.drafter, Eagle3Drafter)
@@ -183,6 +189,19 @@ def test_eagle3_greedy_equals_plain_with_accepts(tmp_path: Path) -> None:
     assert accepted > 0.3 * drafted  # the pipeline delivers what the head was built to draft
     per_position = [r.spec.accepted_per_position for r in reqs]  # [i]: cycles accepting > i
     assert any(len(p) >= K and p[K - 1] > 0 for p in per_position)  # all K drafts accepted
+
+
+def test_eagle3_head_of_the_whole_vocabulary_takes_draft_vocab(tmp_path: Path) -> None:
+    """`--draft-vocab 160` on a head that scores the whole vocabulary with the target's head:
+    it scores ids 0..159 and the end-of-generation id, nothing else; greedy output still equals
+    plain decoding, with drafts accepted."""
+    lm, model = nudging_dense(tmp_path / "t")
+    head = agreeing_head(tmp_path / "h", model.get_parameter("model.norm.weight"))
+    cut, _ = load_eagle3(lm.model, head, keep=160, extra=lm.eos_ids)
+    assert cut.draft_ids is not None
+    assert cut.draft_ids.tolist() == sorted({*range(160), *lm.eos_ids})
+    reqs = run_parity(lm, head, PROMPTS, draft_vocab=160)
+    assert sum(r.spec.accepted for r in reqs) > 0
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])

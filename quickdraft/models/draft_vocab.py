@@ -52,6 +52,13 @@ def draft_ids(d2t: Tensor, vocab_size: int, where: str) -> Tensor:
     return ids
 
 
+def first_ids(keep: int, vocab_size: int, extra: Sequence[int] = ()) -> Tensor:
+    """The ascending ids [0, keep) and `extra` of a `vocab_size` vocabulary (`--draft-vocab`:
+    a BPE vocabulary lists its tokens roughly by frequency)."""
+    kept = {*range(min(keep, vocab_size)), *(i for i in extra if 0 <= i < vocab_size)}
+    return torch.tensor(sorted(kept))
+
+
 def widen(logits: Tensor, ids: Tensor, vocab_size: int) -> Tensor:
     """[N, V_d] logits over the draft vocabulary `ids` -> [N, vocab], -inf on every other id."""
     out = logits.new_full((logits.shape[0], vocab_size), float("-inf"))

@@ -160,7 +160,9 @@ def _eagle3(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTa
             "--speculative-method eagle3 needs the head: --draft-model DIR (config.json and "
             "safetensors in the EAGLE, SpecForge or speculators layout)"
         )
-    drafter = eagle3_drafter(lm.model, config.draft_model, _draft_format(lm, config))
+    drafter = eagle3_drafter(
+        lm.model, config.draft_model, _draft_format(lm, config), config.draft_vocab, lm.eos_ids
+    )
 
     def table() -> StepCost:  # priced like the MTP head: one chained head step
         target = model_cost(lm.model)

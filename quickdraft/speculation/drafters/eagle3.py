@@ -18,7 +18,8 @@ weights-only `pytorch_model.bin`), or a llama.cpp `eagle3` GGUF file (or a direc
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+import logging
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -31,12 +32,20 @@ from torch import Tensor
 from quickdraft.hub.convert import unpermute_rows
 from quickdraft.kernels.gemm import Weight, panels_apply
 from quickdraft.models.base import LanguageModel, module_of
-from quickdraft.models.draft_vocab import D2T, DraftVocab, check_declared, draft_ids
+from quickdraft.models.draft_vocab import (
+    D2T,
+    DraftVocab,
+    check_declared,
+    draft_ids,
+    first_ids,
+)
 from quickdraft.models.eagle3 import Eagle3Config, Eagle3Head
 from quickdraft.models.loader import fill_weights
 from quickdraft.speculation.drafters.mtp import MTPDrafter
 
 _SKIPPED = ("t2d",)  # t2d (target -> draft membership) is implied by d2t
+
+log = logging.getLogger(__name__)
 
 
 class HeadTensors:
@@ -191,10 +200,17 @@ def _safetensor(file: Path, name: str) -> Tensor:
 
 
 def load_eagle3(
-    model: LanguageModel, path: str | Path, quantization: str = "none"
+    model: LanguageModel,
+    path: str | Path,
+    quantization: str = "none",
+    keep: int = 0,
+    extra: Sequence[int] = (),
 ) -> tuple[Eagle3Head, tuple[int, ...]]:
     """The EAGLE-3 head at `path` for target `model`, and the target layers it taps; a clear
-    error naming the file and field for a head made for another target or a layout not ours."""
+    error naming the file and field for a head made for another target or a layout not ours.
+    `keep` > 0 (`--draft-vocab`): a head that scores the whole vocabulary with the target's
+    head scores only ids [0, keep) and `extra` (a head with its own draft vocabulary or its
+    own lm_head keeps what it has)."""
     target = module_of(model)
     shape: Any = target.config
     path = Path(path)
@@ -247,6 +263,11 @@ def load_eagle3(
             f"{path}: a head {h} wide for a {shape.hidden_size}-wide target needs its own "
             "embed_tokens.weight and lm_head.weight"
         )
+    if ids is None and 0 < keep < vocab:
+        if own_head:
+            log.warning("%s: --draft-vocab ignored: the head has its own lm_head", path)
+        else:
+            ids = first_ids(keep, vocab, extra)
     embed = None if own_embed else target.get_submodule("model.embed_tokens")
     quantized = quantization if quantization in ("int8", "int4") else None
     lm_head: Weight | None = None
@@ -283,7 +304,12 @@ class Eagle3Drafter(MTPDrafter):
 
 
 def eagle3_drafter(
-    model: LanguageModel, path: str | Path, quantization: str = "none"
+    model: LanguageModel,
+    path: str | Path,
+    quantization: str = "none",
+    keep: int = 0,
+    extra: Sequence[int] = (),
 ) -> Eagle3Drafter:
-    """The drafter for target `model` from the EAGLE-3 head at `path`."""
-    return Eagle3Drafter(*load_eagle3(model, path, quantization))
+    """The drafter for target `model` from the EAGLE-3 head at `path` (`keep`, `extra`: as
+    load_eagle3)."""
+    return Eagle3Drafter(*load_eagle3(model, path, quantization, keep, extra))
