@@ -122,9 +122,9 @@ def _add_spec_args(p: argparse.ArgumentParser, paired_default: bool) -> None:
         "--draft-vocab",
         type=int,
         default=None,
-        help=f"token ids the draft model, MTP or EAGLE-3 head scores: the vocabulary's first N and the "
-        f"end-of-generation ids (default {DEFAULT_DRAFT_VOCAB}; 0: all); never changes the "
-        "output",
+        help=f"token ids the draft model, MTP or EAGLE-3 head scores: the vocabulary's first "
+        f"N and the end-of-generation ids (default {DEFAULT_DRAFT_VOCAB}; 0: all); never "
+        "changes the output",
     )
     p.add_argument(
         "--ngram-min", type=int, default=None, help="shortest suffix the n-gram drafter matches"
