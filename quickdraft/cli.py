@@ -122,8 +122,8 @@ def _add_spec_args(p: argparse.ArgumentParser, paired_default: bool) -> None:
         "--draft-vocab",
         type=int,
         default=None,
-        help=f"token ids the draft model, MTP or EAGLE-3 head scores: the vocabulary's first "
-        f"N and the end-of-generation ids (default {DEFAULT_DRAFT_VOCAB}; 0: all); never "
+        help=f"token ids the draft model or an MTP / EAGLE-3 / DFlash head scores: the first "
+        f"N ids and the end-of-generation ids (default {DEFAULT_DRAFT_VOCAB}; 0: all); never "
         "changes the output",
     )
     p.add_argument(

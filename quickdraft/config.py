@@ -243,7 +243,8 @@ class SpeculativeConfig:
     draft_model: str | None = None
     # the draft model's weights (DRAFT_QUANTIZATION_HELP); "none" keeps the target's dtype
     draft_quantization: str = DEFAULT_DRAFT_QUANTIZATION
-    # token ids the draft model, MTP or EAGLE-3 head scores (DEFAULT_DRAFT_VOCAB); 0: all
+    # token ids the draft model or a learned head (MTP, EAGLE-3, DFlash) scores when it has no
+    # draft vocabulary of its own (DEFAULT_DRAFT_VOCAB); 0: all
     draft_vocab: int = DEFAULT_DRAFT_VOCAB
     ngram_min: int = NGRAM_MIN
     ngram_max: int = NGRAM_MAX

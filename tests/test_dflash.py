@@ -601,6 +601,30 @@ def test_dflash_greedy_equals_plain(kind: str, rigged: bool, tmp_path: Path) -> 
         assert sum(r.spec.drafted for r in reqs) >= 4 * 3 * 30
 
 
+def test_dflash_draft_vocab_cuts_a_whole_vocabulary_checkpoint(tmp_path: Path) -> None:
+    """`--draft-vocab 160` on a checkpoint without a draft vocabulary: the drafter scores ids
+    0..159 and the end-of-generation ids only; speculation still equals plain decoding, with
+    drafts accepted."""
+    lm, directory = target_and_drafter("dense", tmp_path, True)
+    cfg = SpeculativeConfig(
+        method="dflash",
+        draft_model=str(directory),
+        num_draft_tokens=3,
+        adaptive=False,
+        draft_vocab=160,
+    )
+    spec = make_speculation(lm, cfg)
+    assert spec is not None and isinstance(spec.drafter, DFlashDrafter)
+    vocab = spec.drafter.model.vocab
+    assert vocab is not None and vocab.ids.tolist() == sorted({*range(160), *lm.eos_ids})
+    accepted = 0
+    for prompt in PROMPTS[:3]:
+        plain, fast = generate(lm, prompt, None), generate(lm, prompt, spec)
+        assert fast.output_ids == plain.output_ids, prompt
+        accepted += fast.spec.accepted
+    assert accepted > 0
+
+
 def test_dflash_engine_batch_equals_alone(tmp_path: Path) -> None:
     """4 requests through the engine at once, their prompts in chunks of at most 16 rows
     beside other requests' verify rows (tap rows gathered chunk by chunk): each gets the

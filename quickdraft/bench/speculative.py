@@ -267,7 +267,7 @@ class SpecBench:
     # a standalone MTP head dir for the target (`quickdraft train-drafter --kind mtp`): runs as
     # engine "mtp", drafting up to k tokens per cycle
     mtp: str | None = None
-    # token ids the draft model and the MTP head score (`--draft-vocab`; 0: all)
+    # token ids the draft model and the learned heads score (`--draft-vocab`; 0: all)
     draft_vocab: int = DEFAULT_DRAFT_VOCAB
     # an EAGLE-3 head dir for the target (`quickdraft train-drafter --kind eagle3`, or one
     # brought from vLLM / SpecForge): runs as engine "eagle3", drafting up to k tokens per cycle

@@ -174,7 +174,12 @@ def _eagle3(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTa
 def _dflash(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable]:
     assert config.draft_model is not None
     drafter = dflash_drafter(
-        lm.model, config.draft_model, config.dflash_block_size, config.dflash_window
+        lm.model,
+        config.draft_model,
+        config.dflash_block_size,
+        config.dflash_window,
+        config.draft_vocab,
+        lm.eos_ids,
     )
 
     def table() -> StepCost:

@@ -36,7 +36,7 @@ from quickdraft.kernels.gemm import Weight
 from quickdraft.kernels.linear_bf16 import PanelWeight
 from quickdraft.models.base import LanguageModel, module_of
 from quickdraft.models.dflash import ContextCache, DFlashConfig, DFlashModel
-from quickdraft.models.draft_vocab import D2T, check_declared, read_draft_vocabulary
+from quickdraft.models.draft_vocab import D2T, check_declared, first_ids, read_draft_vocabulary
 from quickdraft.models.loader import load_weights
 from quickdraft.speculation.cost import StepShape, settle
 from quickdraft.speculation.drafters.base import Draft, DraftJob, draft_one
@@ -49,9 +49,13 @@ def _checkpoint_name(name: str) -> tuple[str, tuple[int | slice, ...]] | None:
     return None if name.startswith(_FOREIGN) or name == D2T else (name, ())
 
 
-def load_dflash(model: LanguageModel, path: str | Path) -> DFlashModel:
+def load_dflash(
+    model: LanguageModel, path: str | Path, keep: int = 0, extra: Sequence[int] = ()
+) -> DFlashModel:
     """The DFlash drafter in checkpoint dir `path` for target `model` (sharing its lm_head),
-    checked against the target: a clear error for a checkpoint it cannot run."""
+    checked against the target: a clear error for a checkpoint it cannot run. `keep` > 0
+    (`--draft-vocab`): a checkpoint without its own draft vocabulary scores only ids
+    [0, keep) and `extra`."""
     target = module_of(model)
     path = Path(path)
     cfg = DFlashConfig.from_dir(path)
@@ -86,6 +90,9 @@ def load_dflash(model: LanguageModel, path: str | Path) -> DFlashModel:
     vocab_ids = read_draft_vocabulary(files, shape.vocab_size)
     if vocab_ids is not None:
         check_declared(path, cfg.draft_vocab_size, vocab_ids)
+    elif 0 < keep < shape.vocab_size:
+        vocab_ids = first_ids(keep, shape.vocab_size, extra)
+    if vocab_ids is not None:
         drafter.restrict_vocab_(vocab_ids)
     return drafter
 
@@ -212,10 +219,16 @@ class DFlashDrafter:
 
 
 def dflash_drafter(
-    model: LanguageModel, path: str | Path, block_size: int = 0, window: int = 0
+    model: LanguageModel,
+    path: str | Path,
+    block_size: int = 0,
+    window: int = 0,
+    keep: int = 0,
+    extra: Sequence[int] = (),
 ) -> DFlashDrafter:
-    """The drafter for target `model` from the DFlash checkpoint dir `path`."""
-    drafter = load_dflash(model, path)
+    """The drafter for target `model` from the DFlash checkpoint dir `path` (`keep`, `extra`:
+    as load_dflash)."""
+    drafter = load_dflash(model, path, keep, extra)
     embed = module_of(model).get_submodule("model.embed_tokens")
     return DFlashDrafter(drafter, embed, block_size, window)
 
