@@ -348,6 +348,7 @@ def run(opts: SpecBench) -> dict[str, Any]:
                 method="dflash",
                 draft_model=opts.dflash,
                 num_draft_tokens=max(k, block - 1),
+                draft_vocab=opts.draft_vocab,
                 adaptive=cost_model,
             ),
         )
@@ -366,7 +367,11 @@ def run(opts: SpecBench) -> dict[str, Any]:
         specs["eagle3"] = make_speculation(
             lm,
             SpeculativeConfig(
-                method="eagle3", draft_model=opts.eagle3, num_draft_tokens=k, adaptive=cost_model
+                method="eagle3",
+                draft_model=opts.eagle3,
+                num_draft_tokens=k,
+                draft_vocab=opts.draft_vocab,
+                adaptive=cost_model,
             ),
         )
     hf_models: dict[str, Any] = {}
