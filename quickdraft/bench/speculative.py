@@ -352,28 +352,18 @@ def run(opts: SpecBench) -> dict[str, Any]:
                 adaptive=cost_model,
             ),
         )
-    if opts.mtp is not None:
-        specs["mtp"] = make_speculation(
-            lm,
-            SpeculativeConfig(
-                method="mtp",
-                draft_model=opts.mtp,
-                num_draft_tokens=k,
-                draft_vocab=opts.draft_vocab,
-                adaptive=cost_model,
-            ),
-        )
-    if opts.eagle3 is not None:
-        specs["eagle3"] = make_speculation(
-            lm,
-            SpeculativeConfig(
-                method="eagle3",
-                draft_model=opts.eagle3,
-                num_draft_tokens=k,
-                draft_vocab=opts.draft_vocab,
-                adaptive=cost_model,
-            ),
-        )
+    for method, head in (("mtp", opts.mtp), ("eagle3", opts.eagle3)):  # k drafts a cycle
+        if head is not None:
+            specs[method] = make_speculation(
+                lm,
+                SpeculativeConfig(
+                    method=method,
+                    draft_model=head,
+                    num_draft_tokens=k,
+                    draft_vocab=opts.draft_vocab,
+                    adaptive=cost_model,
+                ),
+            )
     hf_models: dict[str, Any] = {}
     if hf:
         import transformers

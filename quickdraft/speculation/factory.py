@@ -26,7 +26,6 @@ from quickdraft.loading import LoadedModel, load
 from quickdraft.memory import trim_heap
 from quickdraft.models.gemma4_assistant import is_assistant_dir
 from quickdraft.models.gguf_loader import GGUFFormatError
-from quickdraft.models.mtp import MTPHead
 from quickdraft.speculation.cost import DraftCost, StepCost, model_cost
 from quickdraft.speculation.drafters.assistant import assistant_drafter, assistant_step_seconds
 from quickdraft.speculation.drafters.base import Drafter
@@ -137,15 +136,12 @@ def _mtp(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, CostTable
     if config.draft_model is not None and is_assistant_dir(config.draft_model):
         return _assistant(lm, config)
     drafter = mtp_drafter(
-        lm.model, config.draft_model or lm.path, quantization=_draft_format(lm, config)
+        lm.model,
+        config.draft_model or lm.path,
+        quantization=_draft_format(lm, config),
+        keep=config.draft_vocab,
+        extra=lm.eos_ids,
     )
-    head = drafter.head
-    assert isinstance(head, MTPHead)
-    if 0 < config.draft_vocab < head.vocab_size:
-        if head.vocab is None:  # FR-Spec's cut (SGLang's --speculative-token-map)
-            head.keep_first_(config.draft_vocab, lm.eos_ids)
-        else:
-            log.warning("--draft-vocab ignored: the MTP head scores its own trained vocabulary")
 
     def table() -> StepCost:
         target = model_cost(lm.model)  # its 1-row step is the one the head step is compared with

@@ -27,6 +27,7 @@ and queues h_{n-1}, exactly where a request that ran the n tokens itself would b
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,6 +54,8 @@ from quickdraft.speculation.cost import StepShape, settle
 from quickdraft.speculation.drafters.base import Draft, DraftBlock, DraftJob, draft_position
 
 HiddenFeed = Literal["post_norm", "pre_norm"]
+
+log = logging.getLogger(__name__)
 
 
 def mtp_tensor_names(path: str | Path) -> list[str]:
@@ -310,10 +313,19 @@ def mtp_drafter(
     path: str | Path,
     feed: HiddenFeed = "post_norm",
     quantization: str = "none",
+    keep: int = 0,
+    extra: Sequence[int] = (),
 ) -> MTPDrafter:
     """The drafter for target `model` loaded from checkpoint dir `path` (its `mtp.*` head;
-    `quantization` as in load_mtp_head)."""
+    `quantization` as in load_mtp_head). `keep` > 0 (`--draft-vocab`): the head scores only
+    ids [0, keep) and `extra` (FR-Spec's cut, SGLang's --speculative-token-map), unless it
+    was trained with a draft vocabulary of its own."""
     head = load_mtp_head(model, path, quantization)
+    if 0 < keep < head.vocab_size:
+        if head.vocab is None:
+            head.keep_first_(keep, extra)
+        else:
+            log.warning("%s: --draft-vocab ignored: the MTP head has its own vocabulary", path)
     return MTPDrafter(head, module_of(model).get_submodule("model.norm"), feed)
 
 
