@@ -404,6 +404,35 @@ def test_wide_tile_q4_k_at_its_largest_sums_keeps_the_bits(wide: str) -> None:
             torch.testing.assert_close(a, w.reference_linear(x[: a.shape[0]]), rtol=1e-5, atol=0)
 
 
+@needs_kernel
+def test_mxfp4_every_exponent_keeps_the_bits() -> None:
+    """MXFP4's d = 2^(e - 128) for every E8M0 byte from 0 (2^-128: the block's terms are fp32
+    subnormals) to 230: every tile gives the same bits (AVX-512 applies d to dx by vscalefps,
+    AVX2 multiplies), and the reference's values."""
+    needs_extension()
+    ext = build.extension()
+    n, k = 231 * 2, 64  # two blocks a row, each row one exponent
+    raw = random_blocks("MXFP4", n, k, seed=5).reshape(n, k // 32, 17)
+    raw[..., 0] = np.repeat(np.arange(231, dtype=np.uint8), 2)[:, None]
+    w = GGUFWeight.from_raw("MXFP4", raw.reshape(n, -1), k)
+    x = inputs(6, k, torch.float32, seed=4)
+    outs = []
+    try:
+        for tile in cpu_tiles():
+            ext.gguf_isa(TILES[tile])
+            outs.append([linear_gguf(x[:m], w) for m in (1, 6)])
+    finally:
+        ext.gguf_isa(-1)
+    for same in zip(*outs, strict=True):
+        assert all(torch.equal(same[0], o) for o in same[1:])
+        assert bool(same[0][:, :4].eq(0).logical_not().any())  # the subnormal rows are not 0
+        ref = w.reference_linear(x[: same[0].shape[0]])
+        # each weight row has its own scale: 1e-5 of the sum of its terms' magnitudes
+        dense = gguf_dequantized("MXFP4", raw.reshape(n, -1))
+        tol = 1e-5 * (x[: ref.shape[0]].abs() @ dense.abs().T) + 1e-44
+        assert bool(((same[0] - ref).abs() <= tol).all())
+
+
 # every quant and scale byte at the value that makes the format's integer sums largest:
 # Q2_K u 3, sc and m 15; Q3_K u 7, sc 31; IQ4 index 0 (-127), IQ4_XS's ls 0 (sc -32); MXFP4
 # index 7 (12)

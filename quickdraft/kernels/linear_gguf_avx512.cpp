@@ -143,8 +143,11 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
     for (int i = 0; i < 16; ++i) lifted[i] = static_cast<uint8_t>(table_values<F>()[i] + 128);
     tbl = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(lifted)));
   }
-  if (init)
-    for (int i = 0; i < T * kPanel; ++i) acc[i] = 0.0f;
+  // the tokens' 16 row sums stay in registers across the blocks (stored once, at the end)
+  __m512 accv[T];
+  static_for<T>([&](auto t) {
+    accv[t] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + t * kPanel);
+  });
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = w + b * Tr::kBytes;
     const int8_t* sc = reinterpret_cast<const int8_t*>(wb + Tr::kScOff);  // [subs][16]
@@ -193,7 +196,17 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
         });
       });
     }
-    const __m512 d = load_d16<F>(wb + Tr::kDOff);
+    // MXFP4: d = 2^(e - 128) is applied to dx by vscalefps, the exact product rounded once as
+    // the multiply rounds it (one op for load_d16's six and the multiply)
+    __m512 d, e8;
+    if constexpr (Tr::kE8) {
+      e8 = _mm512_cvtepi32_ps(_mm512_sub_epi32(
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + Tr::kDOff))),
+          _mm512_set1_epi32(128)));
+      d = e8;
+    } else {
+      d = load_d16<F>(wb + Tr::kDOff);
+    }
     const __m512 dm = Tr::kHasDm ? load_d16<F>(wb + Tr::kDOff + Tr::kDBytes * kPanel) : d;
     // mins / offsets: sum_s m[s] bsum[t, s] per row, each pair of sub-blocks' m unpacked once
     // for all tokens (exact int32 sums: the order does not change the bits)
@@ -222,9 +235,8 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
         constexpr int m = F == kQ8_0 || Tr::kTable ? 128 : Tr::kMConst;
         msum = _mm512_set1_epi32(m * static_cast<int32_t>(bst[0]));
       }
-      float* a = acc + t * kPanel;
       const __m512 dxv = _mm512_set1_ps(dx[t * ldd + b]);
-      __m512 av = _mm512_loadu_ps(a);
+      __m512& av = accv[t];
       if constexpr (Tr::kHasDm) {
         // Q4_K: the two exact halves' sum rounds once, as converting their int32 sum does
         const __m512 sum = F == kQ4_K ? _mm512_add_ps(half[t], part[t]) : _mm512_cvtepi32_ps(s[t]);
@@ -232,11 +244,12 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
         av = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dm, dxv), av);
       } else {
         const __m512i tot = _mm512_sub_epi32(s[t], msum);
-        av = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(d, dxv), av);
+        const __m512 scale = Tr::kE8 ? _mm512_scalef_ps(dxv, e8) : _mm512_mul_ps(d, dxv);
+        av = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), scale, av);
       }
-      _mm512_storeu_ps(a, av);
     });
   }
+  static_for<T>([&](auto t) { _mm512_storeu_ps(acc + t * kPanel, accv[t]); });
 }
 
 using TileFn = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const float*, int64_t,
