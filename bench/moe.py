@@ -21,6 +21,9 @@ Measured in interleaved rounds (these machines are noisy), threads fixed for eve
 `--rows`: a forward's cost by rows 1..8 (a decode step, then verifies of k = 1..7) from an
 empty cache, ours against each peer's `llama-bench -p N` on the same file (ms = N / its tok/s),
 with ours also at context 64, in interleaved rounds.
+`--pairs N`: decode only, in N back-to-back pairs (ours, then each peer's `llama-bench -p 0`,
+the order swapped every pair), the ratio taken within each pair and its median reported: two
+runs seconds apart share the host's phase far more often than two a minute apart.
 `--full --mtp-cuts N ...`: MTP's costs on the full-size qwen35moe file instead (a forward by
 rows 1..8 at context 64 beside each peer's `llama-bench -p N`, the file's nextn head one chained
 step with every id and cut to the first N ids, `--draft-vocab`), and the speedup by k projected
@@ -520,6 +523,85 @@ def markdown_rows(report: dict[str, Any]) -> str:
     return "".join(out)
 
 
+def paired_decode(
+    arch: str,
+    work: Path,
+    peers: dict[str, tuple[Path, list[str]]],
+    threads: int,
+    tokens: int,
+    pairs: int,
+) -> dict[str, Any]:
+    """Decode only, in `pairs` back-to-back pairs: our `tokens` greedy steps and each peer's
+    `llama-bench -p 0 -n tokens`, the order swapped every pair. The host's phases move whole
+    runs by 30 % or more, and two runs seconds apart share a phase far more often than two a
+    minute apart, so the ratio within a pair is steadier than a ratio of medians."""
+    path = write_file(arch, work)
+    per_token, _ = streamed_bytes(path, config(arch))
+    ours = Ours(path, work)
+    ours.forward_s(8)  # warm
+    runs: dict[str, list[float]] = {"quickdraft": [], **{p: [] for p in peers}}
+
+    def run(name: str) -> None:
+        if name == "quickdraft":
+            steps = ours.decode_s(tokens)
+            runs[name].append(round(len(steps) / sum(steps), 2))
+        else:
+            binary, extra = peers[name]
+            got = llama_bench(binary, path, threads, tokens, extra, prompts="0")
+            runs[name].append(got["decode_tps"])
+
+    order = ["quickdraft", *peers]
+    for i in range(pairs):
+        for name in order if i % 2 == 0 else order[::-1]:
+            run(name)
+    ratios = {
+        p: [round(a / b, 3) for a, b in zip(runs["quickdraft"], runs[p], strict=True)]
+        for p in peers
+    }
+    return {
+        "file": path.name,
+        "weight_mb_per_token": round(per_token / 1e6, 1),
+        "tokens": tokens,
+        "decode_tps": runs,
+        "ratios": ratios,
+        "median_ratio": {p: statistics.median(r) for p, r in ratios.items()},
+        "median_gbs": {
+            n: round(statistics.median(v) * per_token / 1e9, 1) for n, v in runs.items()
+        },
+    }
+
+
+def markdown_pairs(report: dict[str, Any]) -> str:
+    out = ["# MoE decode in back-to-back pairs: quickdraft vs llama-bench on the same file\n"]
+    for arch, r in report["pairs"].items():
+        peers = list(r["ratios"])
+        rows = [
+            [
+                i + 1,
+                *(r["decode_tps"][n][i] for n in r["decode_tps"]),
+                *(r["ratios"][p][i] for p in peers),
+            ]
+            for i in range(len(r["decode_tps"]["quickdraft"]))
+        ]
+        header = ["pair", *(f"{n} tok/s" for n in r["decode_tps"]), *(f"vs {p}" for p in peers)]
+        worst = min(r["median_ratio"].values()) if peers else float("nan")
+        out.append(
+            f"\n## {arch} ({r['file']}, {r['weight_mb_per_token']} MB of weights a token), "
+            f"tg{r['tokens']}, {report['threads']} threads, the order swapped every pair; host "
+            f"read {report['read_gbs']} GB/s (torch sum) at the start\n\n"
+            + table(header, rows)
+            + "\n\nMedian GB/s: "
+            + ", ".join(f"{n} {v}" for n, v in r["median_gbs"].items())
+            + "\n\n"
+            + table(
+                ["quickdraft", "ratio"],
+                [["decode vs best peer (median of pair ratios)", f"{worst:.2f}x"]],
+            )
+            + "\n"
+        )
+    return "".join(out)
+
+
 def narrow_overhead(work: Path, tokens: int, rounds: int) -> dict[str, Any]:
     """The full qwen35moe structure (40 layers: 30 Gated DeltaNet + 10 attention, 256 experts
     top 8 + a shared expert, each a MoE block) at widths where every GEMM is tiny (hidden 256):
@@ -566,6 +648,7 @@ def main() -> None:
         "--narrow", action="store_true", help="the per-layer work of a 40-layer qwen35moe step"
     )
     ap.add_argument("--rows", action="store_true", help="a forward's cost by rows 1..8")
+    ap.add_argument("--pairs", type=int, help="decode only, in this many back-to-back pairs")
     ap.add_argument(
         "--mtp-cuts",
         type=int,
@@ -613,6 +696,20 @@ def main() -> None:
             f"{args.arch[0]}: forward ms by rows", "ms", [str(n) for n in ROWS], first["ms"]
         )
         write(args.name, report, markdown_rows(report), chart)
+        return
+    if args.pairs:
+        report["pairs"] = {
+            a: paired_decode(a, args.files, peers, args.threads, args.tokens, args.pairs)
+            for a in args.arch
+        }
+        pairs = report["pairs"]
+        chart = bar_chart(
+            "MoE decode, back-to-back pairs: quickdraft over each peer",
+            "x peer (median of pairs)",
+            list(pairs),
+            {p: [pairs[a]["median_ratio"][p] for a in pairs] for p in peers},
+        )
+        write(args.name, report, markdown_pairs(report), chart)
         return
     if args.full and args.mtp_cuts:
         report["mtp"] = run_full_mtp(args.files, peers, args.threads, args.mtp_cuts, args.rounds)
