@@ -64,9 +64,8 @@ from quickdraft.speculation.drafters.mtp import MTPDrafter
 from quickdraft.speculation.factory import make_speculation
 from quickdraft.speculation.state import Speculation
 
-HEAD_GAIN = (
-    1e6  # fc's pass-through gain (Q8_0 d = 7874, within fp16): its own layer adds next to nothing
-)
+# fc's pass-through gain (Q8_0 d = 7874, within fp16): the head's own layer adds next to nothing
+HEAD_GAIN = 1e6
 
 
 class GainEmbedding(torch.nn.Module):
@@ -84,13 +83,13 @@ class GainEmbedding(torch.nn.Module):
 def stage_target(model: HybridLM, gain: float, keep: int) -> None:
     """Token embeddings times `gain` into the residual stream; ids past `keep` score 0 (their
     head rows zeroed, still read). The MTP head keeps the plain lookup (it norms it anyway)."""
-    inner = model.model.embed_tokens
-    model.model.embed_tokens = GainEmbedding(inner, gain)  # type: ignore[assignment]
     head = model.head
     if not isinstance(head, GGUFWeight):
         raise SystemExit("the staged head expects the file's own blocks (--dtype gguf)")
     if keep % 16:
         raise SystemExit(f"--keep {keep}: a multiple of 16 (the head's panels)")
+    inner = model.model.embed_tokens
+    model.model.embed_tokens = GainEmbedding(inner, gain)  # type: ignore[assignment]
     row = 0
     with torch.no_grad():
         for part in head.parts:  # [panels, blocks, bytes]: 16 rows a panel
@@ -147,7 +146,7 @@ def serve(
     lm: LoadedModel, spec: Speculation | None, prompts: list[list[int]], tokens: int, c: int
 ) -> dict[str, Any]:
     """`prompts` served `c` at a time, greedy: output tok/s (prefills included), outputs,
-    acceptance (accepted / drafted) and target forwards per emitted token."""
+    drafts and accepted drafts, target forwards (steps) and tokens emitted."""
     core = EngineCore(lm, SchedulerConfig(max_running=c))
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     reqs = [lm.new_request(p, params) for p in prompts]
