@@ -64,19 +64,18 @@ inline __m512i halves(int lo, int hi) {  // 16-bit lanes: lo in the low 256 bits
                             _mm256_set1_epi16(static_cast<int16_t>(hi)), 1);
 }
 
-// 16 rows' d (or dm) of a panel block as fp32: fp16, or MXFP4's E8M0 bytes as 2^(e - 128)
-// (linear_gguf.cpp's load_d8, 16 wide).
-template <int F>
+// 16 rows' d (or dm) of a panel block as fp32 (fp16 in the panel).
 inline __m512 load_d16(const uint8_t* p) {
-  if constexpr (Traits<F>::kE8) {
-    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
-    const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
-    const __mmask16 small = _mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2));
-    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(small, normal, tiny));
-  } else {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// MXFP4: 16 rows' E8M0 bytes e as the fp32 exponents e - 128 of d = 2^(e - 128), which the
+// tile applies to dx by one vscalefps: the exact product rounded once, as linear_gguf.cpp's
+// multiply by d rounds it (subnormal results included), in two ops instead of making d in six
+// (load_d8) and multiplying.
+inline __m512 e8_exponents16(const uint8_t* p) {
+  const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(128)));
 }
 
 // Quad C of group g as 64 unsigned bytes: lane j (4 bytes) = row j's 4 values (the table
@@ -196,18 +195,9 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
         });
       });
     }
-    // MXFP4: d = 2^(e - 128) is applied to dx by vscalefps, the exact product rounded once as
-    // the multiply rounds it (one op for load_d16's six and the multiply)
-    __m512 d, e8;
-    if constexpr (Tr::kE8) {
-      e8 = _mm512_cvtepi32_ps(_mm512_sub_epi32(
-          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + Tr::kDOff))),
-          _mm512_set1_epi32(128)));
-      d = e8;
-    } else {
-      d = load_d16<F>(wb + Tr::kDOff);
-    }
-    const __m512 dm = Tr::kHasDm ? load_d16<F>(wb + Tr::kDOff + Tr::kDBytes * kPanel) : d;
+    // d, or for MXFP4 the exponents of d (e8_exponents16)
+    const __m512 d = Tr::kE8 ? e8_exponents16(wb + Tr::kDOff) : load_d16(wb + Tr::kDOff);
+    const __m512 dm = Tr::kHasDm ? load_d16(wb + Tr::kDOff + Tr::kDBytes * kPanel) : d;
     // mins / offsets: sum_s m[s] bsum[t, s] per row, each pair of sub-blocks' m unpacked once
     // for all tokens (exact int32 sums: the order does not change the bits)
     __m512i msums[T];
@@ -244,7 +234,7 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
         av = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dm, dxv), av);
       } else {
         const __m512i tot = _mm512_sub_epi32(s[t], msum);
-        const __m512 scale = Tr::kE8 ? _mm512_scalef_ps(dxv, e8) : _mm512_mul_ps(d, dxv);
+        const __m512 scale = Tr::kE8 ? _mm512_scalef_ps(dxv, d) : _mm512_mul_ps(d, dxv);
         av = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), scale, av);
       }
     });
