@@ -51,9 +51,8 @@ from gguf import GGUFReader
 from quickdraft.bench.peers import llama_cpp_quantize
 from quickdraft.bench.report import bars, machine, peak_rss_mb, table, write
 from quickdraft.bench.shapes import HYBRID_CONFIG, MOE_CUTS, MOE_REAL, init_
+from quickdraft.bench.speculative import serve_batch
 from quickdraft.config import SpeculativeConfig
-from quickdraft.engine.core import EngineCore
-from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.hub.convert import convert_gguf
 from quickdraft.hub.gguf_write import WRITABLE, llama_cpp_tensors, write_gguf
 from quickdraft.kernels import PanelWeight, Weight, panels_apply, project
@@ -155,23 +154,6 @@ def build_gguf(
     return lm.model, load_mtp_head(lm.model, lm.path), params, head_params, written, lm
 
 
-def engine_tps(
-    lm: LoadedModel, spec: Any, prompts: list[list[int]], tokens: int, concurrency: int
-) -> tuple[float, list[list[int]]]:
-    """Output tok/s of `prompts` served by the engine `concurrency` at a time (prefills
-    included, as a server runs them), greedy, and their outputs."""
-    core = EngineCore(lm, SchedulerConfig(max_running=concurrency))
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    reqs = [lm.new_request(p, params) for p in prompts]
-    t = time.perf_counter()
-    for req in reqs:
-        core.add(req, spec)
-    while core.has_work:
-        core.step()
-    seconds = time.perf_counter() - t
-    return sum(len(r.output_ids) for r in reqs) / seconds, [r.output_ids for r in reqs]
-
-
 def engine_rows(lm: LoadedModel, k: int, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
     """MTP with the cost model choosing k (<= `k`) through the engine, against speculation off,
     at concurrency 1 and 4 (issue 56: never below speculation off at 4), methods alternating
@@ -183,11 +165,11 @@ def engine_rows(lm: LoadedModel, k: int, prompts: list[list[int]], tokens: int) 
         rounds: dict[str, list[float]] = {"off": [], "mtp": []}
         same = True
         for _ in range(2):
-            off, plain = engine_tps(lm, None, batch, tokens, c)
-            on, fast = engine_tps(lm, spec, batch, tokens, c)
-            rounds["off"].append(off)
-            rounds["mtp"].append(on)
-            same &= plain == fast
+            off = serve_batch(lm, None, batch, tokens, c)
+            on = serve_batch(lm, spec, batch, tokens, c)
+            rounds["off"].append(off.tok_s)
+            rounds["mtp"].append(on.tok_s)
+            same &= off.outputs == on.outputs
         off_tps, on_tps = statistics.median(rounds["off"]), statistics.median(rounds["mtp"])
         out[str(c)] = {
             "requests": len(batch),

@@ -49,9 +49,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from quickdraft.bench.report import bar_chart, machine, read_bandwidth_gbs, table, write
+from quickdraft.bench.speculative import Batch, serve_batch
 from quickdraft.config import SpeculativeConfig
-from quickdraft.engine.core import EngineCore
-from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.hub.convert import convert_gguf
 from quickdraft.kernels import project
 from quickdraft.kernels.linear_gguf import GGUFWeight
@@ -59,7 +58,6 @@ from quickdraft.loading import LoadedModel, load
 from quickdraft.memory import freeze_loaded
 from quickdraft.models.mtp import MTPHead
 from quickdraft.models.qwen3_next import HybridLM
-from quickdraft.request import SamplingParams
 from quickdraft.speculation.drafters.mtp import MTPDrafter
 from quickdraft.speculation.factory import make_speculation
 from quickdraft.speculation.state import Speculation
@@ -142,32 +140,6 @@ def stage_head(head: MTPHead, model: HybridLM, temperature: float) -> None:
     head.fc_weight = identity_fc(head.hidden_size, HEAD_GAIN)
 
 
-def serve(
-    lm: LoadedModel, spec: Speculation | None, prompts: list[list[int]], tokens: int, c: int
-) -> dict[str, Any]:
-    """`prompts` served `c` at a time, greedy: output tok/s (prefills included), outputs,
-    drafts and accepted drafts, target forwards (steps) and tokens emitted."""
-    core = EngineCore(lm, SchedulerConfig(max_running=c))
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    reqs = [lm.new_request(p, params) for p in prompts]
-    t = time.perf_counter()
-    for req in reqs:
-        core.add(req, spec)
-    while core.has_work:
-        core.step()
-    seconds = time.perf_counter() - t
-    st = core.stats
-    emitted = sum(len(r.output_ids) for r in reqs)
-    return {
-        "tok_s": emitted / seconds,
-        "outputs": [list(r.output_ids) for r in reqs],
-        "drafted": st.draft_rows,
-        "accepted": st.accepted,
-        "steps": st.steps,
-        "emitted": emitted,
-    }
-
-
 def measure(
     lm: LoadedModel,
     specs: dict[str, Speculation | None],
@@ -177,29 +149,27 @@ def measure(
     rounds: int,
 ) -> dict[str, Any]:
     """Every method in `specs` over the same prompts, alternating per round; medians."""
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in specs}
+    runs: dict[str, list[Batch]] = {name: [] for name in specs}
     for _ in range(rounds):
         for name, spec in specs.items():
-            runs[name].append(serve(lm, spec, prompts, tokens, c))
+            runs[name].append(serve_batch(lm, spec, prompts, tokens, c))
     off = runs["off"]
     out: dict[str, Any] = {}
     for name, rs in runs.items():
-        tps = statistics.median(r["tok_s"] for r in rs)
-        drafted = sum(r["drafted"] for r in rs)
+        tps = statistics.median(r.tok_s for r in rs)
+        drafted = sum(r.stats.draft_rows for r in rs)
+        steps = sum(r.stats.steps for r in rs)
+        emitted = sum(len(o) for r in rs for o in r.outputs)
         out[name] = {
             "tok_s": round(tps, 2),
-            "tok_s_rounds": [round(r["tok_s"], 2) for r in rs],
-            "speedup": round(tps / statistics.median(r["tok_s"] for r in off), 3),
-            "acceptance_rate": round(sum(r["accepted"] for r in rs) / drafted, 3)
+            "tok_s_rounds": [round(r.tok_s, 2) for r in rs],
+            "speedup": round(tps / statistics.median(r.tok_s for r in off), 3),
+            "acceptance_rate": round(sum(r.stats.accepted for r in rs) / drafted, 3)
             if drafted
             else None,
-            "drafted_per_step": round(drafted / sum(r["steps"] for r in rs), 2),
-            "emitted_per_step": round(
-                sum(r["emitted"] for r in rs) / sum(r["steps"] for r in rs), 3
-            ),
-            "identical_outputs": all(
-                r["outputs"] == o["outputs"] for r, o in zip(rs, off, strict=True)
-            ),
+            "drafted_per_step": round(drafted / steps, 2),
+            "emitted_per_step": round(emitted / steps, 3),
+            "identical_outputs": all(r.outputs == o.outputs for r, o in zip(rs, off, strict=True)),
         }
     return out
 
@@ -257,7 +227,7 @@ def main() -> None:
         torch.randint(0, args.keep, (args.prompt_len,), generator=gen).tolist()
         for _ in range(args.prompts)
     ]
-    serve(lm, None, prompts[:1], 4, 1)  # warm
+    serve_batch(lm, None, prompts[:1], 4, 1)  # warm
     report["setup"] = {
         "file": args.file.name,
         "file_gib": round(args.file.stat().st_size / 2**30, 2),

@@ -22,7 +22,9 @@ from quickdraft.bench.speculative import (
     run,
     session_requests,
 )
+from quickdraft.config import SpeculativeConfig
 from quickdraft.loading import load
+from quickdraft.speculation.factory import make_speculation
 
 
 def tiny_run(model: Path, out_dir: Path, **fields: Any) -> dict[str, Any]:
@@ -214,3 +216,19 @@ def test_benchmark_runs_the_transformers_references_on_our_device(
     code = tiny_run(tiny_model_dir, tmp_path, hf=True, reference_per_set=1)["results"]["code"]
     for name in ("hf", "hf_prompt_lookup"):
         assert code[name]["identical"] == 1 and code[name]["tok_s"] > 0
+
+
+def test_serve_batch_serves_every_prompt_the_same_with_speculation(tiny_model_dir: Path) -> None:
+    """A closed batch served two at a time: every request gets its `tokens` ids, speculation
+    (n-gram, forced to draft) gives speculation off's outputs, and the core's counters come
+    back (drafted rows only with a drafter)."""
+    lm = load(str(tiny_model_dir), "fp32")
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 5, 6, 7], [9, 8, 9, 8, 9]]
+    spec = make_speculation(lm, SpeculativeConfig(method="ngram", adaptive=False))
+    off = speculative.serve_batch(lm, None, prompts, 10, 2)
+    on = speculative.serve_batch(lm, spec, prompts, 10, 2)
+    assert [len(o) for o in off.outputs] == [10, 10, 10]
+    assert on.outputs == off.outputs
+    assert off.tok_s > 0 and on.tok_s > 0
+    assert off.stats.steps > 0 and off.stats.draft_rows == 0
+    assert on.stats.draft_rows > 0

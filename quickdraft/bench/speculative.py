@@ -60,6 +60,7 @@ from quickdraft.config import (
     parse_dtype,
 )
 from quickdraft.engine import EngineCore, SchedulerConfig, stream
+from quickdraft.engine.core import StepStats
 from quickdraft.loading import LoadedModel, load
 from quickdraft.models.dflash import DFlashConfig
 from quickdraft.request import SamplingParams
@@ -207,6 +208,38 @@ def ours(
     return Run(
         req.output_ids, seconds, req.timing.ttft or 0.0, s.drafted, s.accepted, s.cycles, s.drafters
     )
+
+
+@dataclass
+class Batch:
+    """What `serve_batch` measured: output tok/s (prefills included), each request's output
+    ids, and the core's counters (steps, drafted and accepted rows, ...)."""
+
+    tok_s: float
+    outputs: list[list[int]]
+    stats: StepStats
+
+
+def serve_batch(
+    lm: LoadedModel,
+    spec: AnySpeculation | None,
+    prompts: list[list[int]],
+    tokens: int,
+    concurrency: int,
+) -> Batch:
+    """`prompts` (token ids) served `concurrency` at a time by a fresh EngineCore, greedy,
+    `tokens` each whatever the end-of-generation ids say."""
+    core = EngineCore(lm, SchedulerConfig(max_running=concurrency))
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    reqs = [lm.new_request(p, params) for p in prompts]
+    t = time.perf_counter()
+    for req in reqs:
+        core.add(req, spec)
+    while core.has_work:
+        core.step()
+    seconds = time.perf_counter() - t
+    outputs = [list(r.output_ids) for r in reqs]
+    return Batch(sum(len(o) for o in outputs) / seconds, outputs, core.stats)
 
 
 def hf_run(model: Any, ids: list[int], n: int, eos: tuple[int, ...], **kw: Any) -> Run:
