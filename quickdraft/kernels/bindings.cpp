@@ -45,8 +45,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bytes (0: no software prefetch); returns it",
         py::arg("bytes"));
   m.def("gguf_isa", &qd_gguf_isa,
-        "the GGUF kernel's tile: -1 the best this CPU runs, 0 AVX2, 1 AVX-512 VNNI; returns the "
-        "one in use",
+        "the GGUF kernel's tile: -1 the best this CPU runs, 0 AVX2, 1 AVX-512 VNNI, 2 that with "
+        "AVX512_VBMI; returns the one in use",
         py::arg("level"));
   m.def("panel_isa", &qd_panel_isa,
         "the bf16 panel kernel's tiles: -1 the best this CPU runs, 0 AVX2, 1 AVX512_BF16 (bf16 "

@@ -105,5 +105,9 @@ constexpr int kTmaxAvx512 = 8;  // tokens per pass on AVX-512: 2 x 8 accumulator
 void tile_avx512(int fmt, int T, const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx,
                  const float* dx, int64_t ldd, const int16_t* bs, int64_t ldb, float* acc,
                  bool init, const char* pf);
+// The same tile built with AVX512_VBMI too (linear_gguf_avx512vbmi.cpp): the same bits.
+void tile_avx512vbmi(int fmt, int T, const uint8_t* w, int64_t nb, const int8_t* xq,
+                     int64_t ldx, const float* dx, int64_t ldd, const int16_t* bs, int64_t ldb,
+                     float* acc, bool init, const char* pf);
 
 }  // namespace qd_gguf

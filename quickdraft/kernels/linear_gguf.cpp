@@ -338,9 +338,18 @@ bool cpu_has_avx512_vnni() {
   return ok;
 }
 
-int g_isa = -1;  // the tile in use: -1 the best this CPU runs, 0 AVX2, 1 AVX-512 VNNI
+bool cpu_has_avx512_vbmi() {
+  static const bool ok = cpu_has_avx512_vnni() && __builtin_cpu_supports("avx512vbmi");
+  return ok;
+}
 
-bool use_avx512() { return g_isa < 0 ? cpu_has_avx512_vnni() : g_isa == 1; }
+// the tile in use: -1 the best this CPU runs, 0 AVX2, 1 AVX-512 VNNI, 2 that with AVX512_VBMI
+int g_isa = -1;
+
+int isa_level() {
+  if (g_isa >= 0) return g_isa;
+  return cpu_has_avx512_vbmi() ? 2 : cpu_has_avx512_vnni() ? 1 : 0;
+}
 
 }  // namespace
 
@@ -385,7 +394,8 @@ void part_panels(const Acts& a, int64_t M, int64_t K, int f, const uint8_t* pack
   const int64_t subs = block / sub;
   const int64_t G = K / block;  // blocks per row
   const int64_t bytes = block_bytes(f);
-  const bool wide = use_avx512();
+  const int isa = isa_level();
+  const bool wide = isa > 0;
   qd_panel::run_range(
       packed, M, n, G, bytes, e,
       [&](int T, const uint8_t* w, int64_t g0, int64_t glen, int64_t m0, float* acc, bool init,
@@ -393,7 +403,9 @@ void part_panels(const Acts& a, int64_t M, int64_t K, int f, const uint8_t* pack
         const int8_t* xq = a.xq + m0 * K + g0 * block;
         const float* dx = a.dx + m0 * G + g0;
         const int16_t* bsm = bs + m0 * ldb + g0 * subs;
-        if (wide)
+        if (isa == 2)
+          tile_avx512vbmi(f, T, w, glen, xq, K, dx, G, bsm, ldb, acc, init, pf);
+        else if (isa == 1)
           tile_avx512(f, T, w, glen, xq, K, dx, G, bsm, ldb, acc, init, pf);
         else
           tile_for(f, T)(w, glen, xq, K, dx, G, bsm, ldb, acc, init, pf);
@@ -404,11 +416,13 @@ void part_panels(const Acts& a, int64_t M, int64_t K, int f, const uint8_t* pack
 }  // namespace qd_gguf
 
 int64_t qd_gguf_isa(int64_t level) {
-  TORCH_CHECK(level >= -1 && level <= 1, "quickdraft gguf_isa: -1 (best), 0 (AVX2), 1 (AVX-512)");
-  TORCH_CHECK(level != 1 || cpu_has_avx512_vnni(),
+  TORCH_CHECK(level >= -1 && level <= 2,
+              "quickdraft gguf_isa: -1 (best), 0 (AVX2), 1 (AVX-512), 2 (AVX-512 + VBMI)");
+  TORCH_CHECK(level < 1 || cpu_has_avx512_vnni(),
               "quickdraft gguf_isa: this CPU lacks AVX512F/BW/VL + AVX512_VNNI");
+  TORCH_CHECK(level != 2 || cpu_has_avx512_vbmi(), "quickdraft gguf_isa: this CPU lacks AVX512_VBMI");
   g_isa = static_cast<int>(level);
-  return use_avx512() ? 1 : 0;
+  return isa_level();
 }
 
 int64_t qd_set_prefetch_bytes(int64_t bytes) {

@@ -114,10 +114,11 @@ FORMATS: dict[str, Format] = {
 BY_CODE = {f.code: f for f in FORMATS.values()}
 
 # The kernel's tiles by the extension's `gguf_isa` level, and the CPU flags each needs.
-TILES = {"avx2": 0, "avx512": 1}
+TILES = {"avx2": 0, "avx512": 1, "avx512_vbmi": 2}
 TILE_FLAGS = {
     "avx2": frozenset(),
     "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
+    "avx512_vbmi": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"}),
 }
 
 

@@ -14,9 +14,11 @@
 // the halves' one rounded sum is the int32 sum converted, bit for bit (4-6 % less time per
 // 6-16 tokens, bench/kernels.py).
 //
-// Only this file is compiled for AVX-512 (the pragma below, after every include): it includes
-// no torch or standard header with code, so no inline function built for AVX-512 can be picked
-// by the linker for another file, and nothing here runs unless the CPU has the features.
+// The tile's body is gguf_tile_avx512.h, which linear_gguf_avx512vbmi.cpp builds again with
+// AVX512_VBMI. Only these two files are compiled for AVX-512 (the pragma below, after every
+// include): they include no torch or standard header with code, so no inline function built for
+// AVX-512 can be picked by the linker for another file, and nothing here runs unless the CPU
+// has the features.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -28,260 +30,17 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
 
+#define QD_GGUF_VBMI 0
+
 namespace qd_gguf {
 namespace {
-
-// Its own copy of linear_gguf.cpp's static_for: defined under the pragma, so that GCC inlines
-// the AVX-512 lambdas into it (a function built for less may not inline them: each would
-// become a call per quad and token).
-template <class Fn, int... I>
-inline void static_for_impl(Fn&& fn, std::integer_sequence<int, I...>) {
-  (fn(std::integral_constant<int, I>{}), ...);
-}
-template <int N, class Fn>
-inline void static_for(Fn&& fn) {
-  static_for_impl(fn, std::make_integer_sequence<int, N>{});
-}
-
-inline __m512i bcast32(const void* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-
-// 16 rows' sub-block scales (kShift 0) or mins (4) as int32: int8 each, or Q2_K's nibbles.
-template <int F, int kShift>
-inline __m512i scales16(const int8_t* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  if constexpr (Traits<F>::kPackedM)
-    return _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(v), kShift), _mm512_set1_epi32(15));
-  else
-    return _mm512_cvtepi8_epi32(v);
-}
-
-inline __m512i halves(int lo, int hi) {  // 16-bit lanes: lo in the low 256 bits, hi above
-  return _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(lo)),
-                            _mm256_set1_epi16(static_cast<int16_t>(hi)), 1);
-}
-
-// 16 rows' d (or dm) of a panel block as fp32 (fp16 in the panel).
-inline __m512 load_d16(const uint8_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// MXFP4: 16 rows' E8M0 bytes e as the fp32 exponents e - 128 of d = 2^(e - 128), which the
-// tile applies to dx by one vscalefps: the exact product rounded once, as linear_gguf.cpp's
-// multiply by d rounds it (subnormal results included), in two ops instead of making d in six
-// (load_d8) and multiplying.
-inline __m512 e8_exponents16(const uint8_t* p) {
-  const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(128)));
-}
-
-// Quad C of group g as 64 unsigned bytes: lane j (4 bytes) = row j's 4 values (the table
-// formats: v(u) + 128).
-template <int F, int C>
-inline __m512i unpack_quad(const uint8_t* wb, int g, __m512i tbl) {
-  using Tr = Traits<F>;
-  if constexpr (Tr::kBits == 8) {  // signed q -> q + 128
-    const __m512i v = _mm512_loadu_si512(wb + g * 512 + C * 64);
-    return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
-  } else if constexpr (Tr::kBits <= 3) {  // bits 2k, 2k + 1 of vector C / 2, k = 2 (C % 2) + h
-    const __m512i lb = _mm512_broadcast_i64x4(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 128 + (C / 2) * 32)));
-    constexpr int k0 = 2 * (C % 2), k1 = k0 + 1;
-    __m512i u = _mm512_and_si512(_mm512_srlv_epi16(lb, halves(2 * k0, 2 * k1)), _mm512_set1_epi8(3));
-    if constexpr (Tr::kBits == 3) {  // bit 2 (C % 4) + h of the 1-bit plane's vector C / 4
-      const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(wb + Tr::kLow + g * 64 + (C / 4) * 32)));
-      constexpr int j0 = 2 * (C % 4), j1 = j0 + 1;
-      const __m512i bit = _mm512_and_si512(_mm512_srlv_epi16(hb, halves(j0, j1)), _mm512_set1_epi8(1));
-      u = _mm512_or_si512(u, _mm512_slli_epi16(bit, 2));
-    }
-    return u;
-  } else {
-    const __m512i v = _mm512_broadcast_i64x4(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 256 + C * 32)));
-    __m512i u = _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFFFF0000u, v, 4),
-                                 _mm512_set1_epi8(0x0f));
-    if constexpr (Tr::kTable) return _mm512_shuffle_epi8(tbl, u);
-    if constexpr (Tr::kBits == 5) {  // bit 2 (C % 4) + h of vector C / 4 -> bit 4, per half h
-      const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(wb + Tr::kLow + g * 64 + (C / 4) * 32)));
-      constexpr int k0 = 2 * (C % 4), k1 = k0 + 1;
-      __m512i t;
-      if constexpr (k1 <= 4)
-        t = _mm512_sllv_epi16(hb, halves(4 - k0, 4 - k1));
-      else
-        t = _mm512_srlv_epi16(hb, halves(k0 > 4 ? k0 - 4 : 0, k1 - 4));
-      u = _mm512_or_si512(u, _mm512_and_si512(t, _mm512_set1_epi8(0x10)));
-    } else if constexpr (Tr::kBits == 6) {  // bits 2k, 2k + 1 of vector C / 2 -> bits 4, 5
-      const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(wb + Tr::kLow + g * 128 + (C / 2) * 32)));
-      constexpr int k0 = 2 * (C % 2), k1 = k0 + 1;
-      __m512i t;
-      if constexpr (k1 <= 2)
-        t = _mm512_sllv_epi16(hb, halves(4 - 2 * k0, 4 - 2 * k1));
-      else
-        t = _mm512_srlv_epi16(hb, halves(0, 2));
-      u = _mm512_or_si512(u, _mm512_and_si512(t, _mm512_set1_epi8(0x30)));
-    }
-    return u;
-  }
-}
-
-template <int F, int T>
-void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const float* dx,
-          int64_t ldd, const int16_t* bs, int64_t ldb, float* acc, bool init, const char* pf) {
-  using Tr = Traits<F>;
-  constexpr int kSubs = Tr::kBlock / Tr::kSub;
-  constexpr int kRun = Tr::kSub / 4;  // quads per sub-block
-  __m512i tbl = _mm512_setzero_si512();
-  if constexpr (Tr::kTable) {  // v(u) + 128 as bytes, in every 128-bit lane
-    alignas(16) uint8_t lifted[16];
-    for (int i = 0; i < 16; ++i) lifted[i] = static_cast<uint8_t>(table_values<F>()[i] + 128);
-    tbl = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(lifted)));
-  }
-  // the tokens' 16 row sums stay in registers across the blocks (stored once, at the end)
-  __m512 accv[T];
-  static_for<T>([&](auto t) {
-    accv[t] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + t * kPanel);
-  });
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* wb = w + b * Tr::kBytes;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(wb + Tr::kScOff);  // [subs][16]
-    __m512i s[T], run[T];
-    // Q4_K: the scaled runs summed in fp32, sub-blocks 0-3 in `half`, 4-7 in `part` (below)
-    __m512 half[T], part[T];
-    static_for<T>([&](auto t) {
-      s[t] = _mm512_setzero_si512();
-      half[t] = part[t] = _mm512_setzero_ps();
-    });
-    for (int g = 0; g < Tr::kGroups; ++g) {
-      const int8_t* xg = xq + b * Tr::kBlock + g * 32;
-      if (pf) prefetch_group<F>(pf + b * Tr::kBytes, g);
-      __m512i scale[2];
-      __m512 fscale = _mm512_setzero_ps();
-      if constexpr (Tr::kK) {
-        const int s0 = g * 32 / Tr::kSub, s1 = (g * 32 + 16) / Tr::kSub;
-        scale[0] = scales16<F, 0>(sc + s0 * kPanel);
-        scale[1] = scales16<F, 0>(sc + s1 * kPanel);
-        if constexpr (F == kQ4_K) fscale = _mm512_cvtepi32_ps(scale[0]);
-      }
-      if constexpr (F == kQ4_K)
-        if (g == Tr::kGroups / 2)
-          static_for<T>([&](auto t) {
-            half[t] = part[t];
-            part[t] = _mm512_setzero_ps();
-          });
-      static_for<8>([&](auto c) {
-        constexpr int C = decltype(c)::value;
-        const __m512i u = unpack_quad<F, C>(wb, g, tbl);
-        static_for<T>([&](auto t) {
-          const __m512i xb = bcast32(xg + t * ldx + C * 4);
-          if constexpr (F == kQ4_K) {
-            // The AVX2 tile's int32 sum, exactly, with one p0 uop less per token and run
-            // (vpmulld is two): |run| <= 32 * 15 * 128 and sc <= 63, so run * sc and any
-            // sum of four such products are integers below 2^24, exact in fp32.
-            run[t] = _mm512_dpbusd_epi32(C == 0 ? _mm512_setzero_si512() : run[t], u, xb);
-            if constexpr (C == 7) part[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(run[t]), fscale, part[t]);
-          } else if constexpr (Tr::kK) {
-            run[t] = _mm512_dpbusd_epi32(C % kRun == 0 ? _mm512_setzero_si512() : run[t], u, xb);
-            if constexpr (C % kRun == kRun - 1)
-              s[t] = _mm512_add_epi32(s[t], _mm512_mullo_epi32(run[t], scale[C / 4]));
-          } else {
-            s[t] = _mm512_dpbusd_epi32(s[t], u, xb);
-          }
-        });
-      });
-    }
-    // d, or for MXFP4 the exponents of d (e8_exponents16)
-    const __m512 d = Tr::kE8 ? e8_exponents16(wb + Tr::kDOff) : load_d16(wb + Tr::kDOff);
-    const __m512 dm = Tr::kHasDm ? load_d16(wb + Tr::kDOff + Tr::kDBytes * kPanel) : d;
-    // mins / offsets: sum_s m[s] bsum[t, s] per row, each pair of sub-blocks' m unpacked once
-    // for all tokens (exact int32 sums: the order does not change the bits)
-    __m512i msums[T];
-    static_for<T>([&](auto t) { msums[t] = _mm512_setzero_si512(); });
-    if constexpr (Tr::kK) {
-      const int8_t* mm = Tr::kHasM ? reinterpret_cast<const int8_t*>(wb + Tr::kMOff) : sc;
-      constexpr int kMShift = Tr::kPackedM ? 4 : 0;  // Q2_K: the min is the high nibble
-      static_for<kSubs / 2>([&](auto i) {
-        const __m512i lo = scales16<F, kMShift>(mm + 2 * i * kPanel);
-        const __m512i hi = scales16<F, kMShift>(mm + (2 * i + 1) * kPanel);
-        const __m512i mv = _mm512_mask_blend_epi16(0xAAAAAAAAu, lo, _mm512_slli_epi32(hi, 16));
-        static_for<T>([&](auto t) {
-          msums[t] = _mm512_dpwssd_epi32(msums[t], mv, bcast32(bs + t * ldb + b * kSubs + 2 * i));
-        });
-      });
-    }
-    static_for<T>([&](auto t) {
-      const int16_t* bst = bs + t * ldb + b * kSubs;
-      __m512i msum = msums[t];
-      if constexpr (Tr::kK) {
-        if constexpr (Tr::kMScShift > 0)  // m = 32 sc (Q6_K), 4 sc (Q3_K)
-          msum = _mm512_slli_epi32(msum, Tr::kMScShift);
-        if constexpr (Tr::kTable) msum = _mm512_slli_epi32(msum, 7);  // IQ4_XS: 128 sc
-      } else {  // Q8_0's q + 128 (and the tables' v + 128) bring 128 sum(x) to take off
-        constexpr int m = F == kQ8_0 || Tr::kTable ? 128 : Tr::kMConst;
-        msum = _mm512_set1_epi32(m * static_cast<int32_t>(bst[0]));
-      }
-      const __m512 dxv = _mm512_set1_ps(dx[t * ldd + b]);
-      __m512& av = accv[t];
-      if constexpr (Tr::kHasDm) {
-        // Q4_K: the two exact halves' sum rounds once, as converting their int32 sum does
-        const __m512 sum = F == kQ4_K ? _mm512_add_ps(half[t], part[t]) : _mm512_cvtepi32_ps(s[t]);
-        av = _mm512_fmadd_ps(sum, _mm512_mul_ps(d, dxv), av);
-        av = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dm, dxv), av);
-      } else {
-        const __m512i tot = _mm512_sub_epi32(s[t], msum);
-        const __m512 scale = Tr::kE8 ? _mm512_scalef_ps(dxv, d) : _mm512_mul_ps(d, dxv);
-        av = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), scale, av);
-      }
-    });
-  }
-  static_for<T>([&](auto t) { _mm512_storeu_ps(acc + t * kPanel, accv[t]); });
-}
-
-using TileFn = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const float*, int64_t,
-                        const int16_t*, int64_t, float*, bool, const char*);
-
-template <int F>
-TileFn pick(int T) {
-  switch (T) {
-    case 1: return &tile<F, 1>;
-    case 2: return &tile<F, 2>;
-    case 3: return &tile<F, 3>;
-    case 4: return &tile<F, 4>;
-    case 5: return &tile<F, 5>;
-    case 6: return &tile<F, 6>;
-    case 7: return &tile<F, 7>;
-    default: return &tile<F, 8>;
-  }
-}
-
+#include "gguf_tile_avx512.h"
 }  // namespace
 
 void tile_avx512(int fmt, int T, const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx,
                  const float* dx, int64_t ldd, const int16_t* bs, int64_t ldb, float* acc,
                  bool init, const char* pf) {
-  TileFn fn = nullptr;
-  switch (fmt) {
-    case kQ4_0: fn = pick<kQ4_0>(T); break;
-    case kQ4_1: fn = pick<kQ4_1>(T); break;
-    case kQ5_0: fn = pick<kQ5_0>(T); break;
-    case kQ5_1: fn = pick<kQ5_1>(T); break;
-    case kQ8_0: fn = pick<kQ8_0>(T); break;
-    case kQ4_K: fn = pick<kQ4_K>(T); break;
-    case kQ5_K: fn = pick<kQ5_K>(T); break;
-    case kQ6_K: fn = pick<kQ6_K>(T); break;
-    case kQ2_K: fn = pick<kQ2_K>(T); break;
-    case kQ3_K: fn = pick<kQ3_K>(T); break;
-    case kIQ4_NL: fn = pick<kIQ4_NL>(T); break;
-    case kIQ4_XS: fn = pick<kIQ4_XS>(T); break;
-    case kMXFP4: fn = pick<kMXFP4>(T); break;
-    default: return;
-  }
-  fn(w, nb, xq, ldx, dx, ldd, bs, ldb, acc, init, pf);
+  run_tile(fmt, T, w, nb, xq, ldx, dx, ldd, bs, ldb, acc, init, pf);
 }
 
 }  // namespace qd_gguf
