@@ -141,8 +141,8 @@ def main() -> None:
         "--isa",
         choices=list(ISAS),
         default="best",
-        help="the GGUF kernel's tile: the best this CPU runs, AVX2 or AVX-512 VNNI; with "
-        "--layout panels, the panel kernel's: AVX2 or AVX512_BF16",
+        help="the GGUF kernel's tile: the best this CPU runs, AVX2, AVX-512 VNNI or that with "
+        "AVX512_VBMI; with --layout panels, the panel kernel's: AVX2 or AVX512_BF16",
     )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     ap.add_argument("--hot", action="store_true", help="no weight rotation: cache-resident")
@@ -166,6 +166,8 @@ def main() -> None:
 
     gguf = FORMATS.get(args.layout)
     isa = module.gguf_isa(ISAS[args.isa])
+    if args.layout == "panels" and args.isa not in PANEL_ISAS:
+        sys.exit(f"--isa {args.isa}: the panel kernel's tiles are {', '.join(PANEL_ISAS)}")
     panel_tile = module.panel_isa(PANEL_ISAS[args.isa]) if args.layout == "panels" else None
 
     def ours(x: torch.Tensor, w: torch.Tensor | PanelWeight | GGUFWeight) -> torch.Tensor:
