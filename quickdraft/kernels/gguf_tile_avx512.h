@@ -167,7 +167,8 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
           if constexpr (F == kQ4_K) {
             // The AVX2 tile's int32 sum, exactly, with one p0 uop less per token and run
             // (vpmulld is two): |run| <= 32 * 15 * 128 and sc <= 63, so run * sc and any
-            // sum of four such products are integers below 2^24, exact in fp32.
+            // sum of four such products are integers below 2^24, exact in fp32; rows 8-15
+            // (16 u, unpack_quad) carry 16 times such integers, exact too.
             run[t] = _mm512_dpbusd_epi32(C == 0 ? _mm512_setzero_si512() : run[t], u, xb);
             if constexpr (C == 7) part[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(run[t]), fscale, part[t]);
           } else if constexpr (Tr::kK) {
