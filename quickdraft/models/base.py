@@ -121,6 +121,8 @@ def packed_positions(
                 f"sequence of {cache.length + n} tokens exceeds the model context ({context})"
             )
         cache.reserve(n)
+    if len(caches) == 1:
+        return torch.arange(caches[0].length, caches[0].length + num_new[0], device=device)
     return torch.cat(
         [
             torch.arange(c.length, c.length + n, device=device)

@@ -193,13 +193,19 @@ class Rope:
             self.inv_freq = 1.0 / (theta ** (exps / head_dim))
         self.cos = torch.empty(0, head_dim, device=device)
         self.sin = torch.empty(0, head_dim, device=device)
+        # the tables rounded per dtype (`_rounded`), made when first asked for at this size
+        self._by_dtype: dict[torch.dtype, tuple[Tensor, Tensor]] = {}
 
     def tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, sin `[num_tokens, 1, head_dim]` fp32 for `positions` `[num_tokens]`."""
         need = int(positions.max()) + 1
         if need > self.cos.shape[0]:
             self.cos, self.sin = self._angles(max(need, 2 * self.cos.shape[0], 256))
-        return self._rounded(self.cos[positions, None], self.sin[positions, None], dtype)
+            self._by_dtype = {}
+        if dtype not in self._by_dtype:  # rounding is row by row: rounded rows = rows rounded
+            self._by_dtype[dtype] = self._rounded(self.cos, self.sin, dtype)
+        cos, sin = self._by_dtype[dtype]
+        return cos[positions, None], sin[positions, None]
 
     def mrope_tables(
         self,
@@ -394,12 +400,16 @@ class HeadLogits:
     ) -> ForwardOutput:
         """The end of a forward whose last layer hands over its output: the final norm (of the
         scored rows only, unless the post-norm hidden of every row is asked for) and logits."""
-        if logit_rows is None:
+        if logit_rows is None and any(n != 1 for n in num_new):
             logit_rows = torch.tensor(list(num_new), device=h.device).cumsum(0) - 1
+        # still None: one row per sequence, each its last (a decode step), so no gather
         if return_hidden:
             hidden = norm(h)  # [N, hidden] post-norm
-            return ForwardOutput(self._logits(hidden[logit_rows]), hidden, layers)
-        return ForwardOutput(self._logits(norm(h[logit_rows])), None, layers)
+            scored = hidden if logit_rows is None else hidden[logit_rows]
+            return ForwardOutput(self._logits(scored), hidden, layers)
+        return ForwardOutput(
+            self._logits(norm(h if logit_rows is None else h[logit_rows])), None, layers
+        )
 
     def _logits(self, x: Tensor) -> Tensor:
         """[n, hidden] final-norm rows -> [n, vocab] fp32 logits."""
