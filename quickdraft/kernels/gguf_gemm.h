@@ -5,12 +5,7 @@
 
 #include <torch/extension.h>
 
-#include <ATen/Parallel.h>
-
-#include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <vector>
 
 #include "gguf_layout.h"
 #include "panel_driver.h"
@@ -42,30 +37,5 @@ Acts quantize(const at::Tensor& x2, int block, float* buf);
 // thread: what linear_gguf runs per thread, with the same bits for a row whatever M is.
 void part_panels(const Acts& a, int64_t M, int64_t K, int f, const uint8_t* packed, int64_t n,
                  const qd_panel::Epilogue& e, int64_t p0, int64_t p1);
-
-// Units [0, U) with prefix costs `cost` (U + 1 entries, cost[0] = 0) on `threads` threads, cut
-// into kChunksPerThread chunks a thread of about equal cost, each thread taking the next chunk
-// not yet taken until none is left: the threads end together however fast each one runs (two
-// vCPUs sharing one core, a thread that starts late), where equal static shares left one
-// waiting at the join. body(u0, u1) runs a chunk; which thread runs a unit never changes its
-// bits.
-inline constexpr int64_t kChunksPerThread = 4;
-
-template <class F>
-void run_chunked(const std::vector<double>& cost, int64_t threads, F&& body) {
-  const int64_t U = static_cast<int64_t>(cost.size()) - 1;
-  if (U <= 0) return;
-  const int64_t C = std::min<int64_t>(U, std::max<int64_t>(1, threads) * kChunksPerThread);
-  std::vector<int64_t> cut(C + 1, U);
-  cut[0] = 0;
-  for (int64_t c = 1; c < C; ++c)
-    cut[c] = std::lower_bound(cost.begin(), cost.end(), cost[U] * c / C) - cost.begin();
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::max<int64_t>(1, threads), 1, [&](int64_t, int64_t) {
-    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < C;
-         c = next.fetch_add(1, std::memory_order_relaxed))
-      if (cut[c] < cut[c + 1]) body(cut[c], cut[c + 1]);
-  });
-}
 
 }  // namespace qd_gguf

@@ -482,9 +482,8 @@ at::Tensor qd_linear_gguf(const at::Tensor& x, const std::vector<at::Tensor>& pa
   Acts acts[2];
   bool made[2] = {false, false};
   // every part's panels in one parallel region: the parts (q/k/v, gate/up, a Gated DeltaNet's
-  // four in-projections) are cut into chunks of panels of equal bytes that the threads take
-  // in turn, so a fused operand costs one fork/join, not one per part (small parts had one
-  // each)
+  // four in-projections) are cut into one contiguous range of panels per thread by bytes, so
+  // a fused operand costs one fork/join, not one per part (small parts had one each)
   std::vector<int64_t> first(packed.size() + 1, 0), col(packed.size(), 0);
   std::vector<double> bytes_before(packed.size() + 1, 0.0);
   for (size_t i = 0; i < packed.size(); ++i) {
@@ -501,23 +500,31 @@ at::Tensor qd_linear_gguf(const at::Tensor& x, const std::vector<at::Tensor>& pa
   const int64_t threads = std::max<int64_t>(
       1, std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(total / (128 << 10))));
   const int64_t units = first.back();
-  std::vector<double> cost(units + 1, 0.0);  // prefix sums of the panels' bytes
-  for (size_t i = 0, u = 0; i < packed.size(); ++i) {
+  // the panel at which thread t starts: equal shares of the bytes
+  auto cut = [&](int64_t t) -> int64_t {
+    if (t >= threads) return units;
+    const double target = total * static_cast<double>(t) / static_cast<double>(threads);
+    size_t i = 0;
+    while (i + 1 < packed.size() && bytes_before[i + 1] <= target) ++i;
     const double per_panel = (bytes_before[i + 1] - bytes_before[i]) /
                              static_cast<double>(first[i + 1] - first[i]);
-    for (int64_t q = first[i]; q < first[i + 1]; ++q, ++u) cost[u + 1] = cost[u] + per_panel;
-  }
-  run_chunked(cost, threads, [&](int64_t u0, int64_t u1) {
-    for (size_t i = 0; i < packed.size(); ++i) {
-      const int64_t p0 = std::max(u0, first[i]) - first[i];
-      const int64_t p1 = std::min(u1, first[i + 1]) - first[i];
-      if (p0 >= p1) continue;
-      const int f = static_cast<int>(fmts[i]);
-      qd_panel::Epilogue e = qd_panel::epilogue(nullptr, b, y);
-      e.y = static_cast<char*>(e.y) + col[i] * y.element_size();
-      if (e.bias) e.bias = static_cast<const char*>(e.bias) + col[i] * b.element_size();
-      part_panels(acts[block_size(f) == 256], M, K, f, packed[i].data_ptr<uint8_t>(), ns[i], e,
-                  p0, p1);
+    const int64_t p = static_cast<int64_t>((target - bytes_before[i]) / per_panel);
+    return std::min(first[i] + p, first[i + 1]);
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t u0 = cut(t), u1 = cut(t + 1);
+      for (size_t i = 0; i < packed.size(); ++i) {
+        const int64_t p0 = std::max(u0, first[i]) - first[i];
+        const int64_t p1 = std::min(u1, first[i + 1]) - first[i];
+        if (p0 >= p1) continue;
+        const int f = static_cast<int>(fmts[i]);
+        qd_panel::Epilogue e = qd_panel::epilogue(nullptr, b, y);
+        e.y = static_cast<char*>(e.y) + col[i] * y.element_size();
+        if (e.bias) e.bias = static_cast<const char*>(e.bias) + col[i] * b.element_size();
+        part_panels(acts[block_size(f) == 256], M, K, f, packed[i].data_ptr<uint8_t>(), ns[i], e,
+                    p0, p1);
+      }
     }
   });
   return y.view(out_shape);

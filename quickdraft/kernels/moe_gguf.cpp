@@ -126,8 +126,8 @@ struct Seg {
   size_t y_elem, bias_elem;
 };
 
-// Every segment's panels in one parallel region, cut into chunks of (segment, panel) units of
-// about equal cost (a panel's bytes times 2 plus its rows) that the threads take in turn.
+// Every segment's panels in one parallel region, cut into one contiguous range of (segment,
+// panel) units per thread of about equal cost (a panel's bytes times 2 plus its rows).
 void run_segs(const std::vector<Seg>& segs) {
   std::vector<int64_t> first(segs.size() + 1, 0);
   for (size_t s = 0; s < segs.size(); ++s) {
@@ -149,25 +149,31 @@ void run_segs(const std::vector<Seg>& segs) {
   }
   const int64_t threads = std::max<int64_t>(
       1, std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(cost[U] / (64 << 10))));
-  run_chunked(cost, threads, [&](int64_t u0, int64_t u1) {
-    size_t s = std::upper_bound(first.begin(), first.end(), u0) - first.begin() - 1;
-    for (int64_t u = u0; u < u1;) {
-      while (u >= first[s + 1]) ++s;
-      const Seg& g = segs[s];
-      // this segment's part holding unit u, and the run of its panels within the range
-      int64_t q = u - first[s];
-      size_t part = 0;
-      while (q >= (*g.panels)[part]) q -= (*g.panels)[part++];
-      const int64_t len = std::min(u1 - u, (*g.panels)[part] - q);
-      const int f = static_cast<int>((*g.fmts)[part]);
-      const int64_t c = (*g.col)[part];
-      qd_panel::Epilogue ep = g.base;
-      ep.y = static_cast<char*>(ep.y) + c * static_cast<int64_t>(g.y_elem);
-      if (ep.bias)
-        ep.bias = static_cast<const char*>(ep.bias) + c * static_cast<int64_t>(g.bias_elem);
-      part_panels(g.acts[block_size(f) == 256], g.M, g.K, f,
-                  (*g.packed)[part].data_ptr<uint8_t>(), (*g.ns)[part], ep, q, q + len);
-      u += len;
+  std::vector<int64_t> cut(threads + 1, U);
+  cut[0] = 0;
+  for (int64_t t = 1; t < threads; ++t)
+    cut[t] = std::lower_bound(cost.begin(), cost.end(), cost[U] * t / threads) - cost.begin();
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      size_t s = std::upper_bound(first.begin(), first.end(), cut[t]) - first.begin() - 1;
+      for (int64_t u = cut[t]; u < cut[t + 1];) {
+        while (u >= first[s + 1]) ++s;
+        const Seg& g = segs[s];
+        // this segment's part holding unit u, and the run of its panels within the range
+        int64_t q = u - first[s];
+        size_t part = 0;
+        while (q >= (*g.panels)[part]) q -= (*g.panels)[part++];
+        const int64_t len = std::min(cut[t + 1] - u, (*g.panels)[part] - q);
+        const int f = static_cast<int>((*g.fmts)[part]);
+        const int64_t c = (*g.col)[part];
+        qd_panel::Epilogue ep = g.base;
+        ep.y = static_cast<char*>(ep.y) + c * static_cast<int64_t>(g.y_elem);
+        if (ep.bias)
+          ep.bias = static_cast<const char*>(ep.bias) + c * static_cast<int64_t>(g.bias_elem);
+        part_panels(g.acts[block_size(f) == 256], g.M, g.K, f,
+                    (*g.packed)[part].data_ptr<uint8_t>(), (*g.ns)[part], ep, q, q + len);
+        u += len;
+      }
     }
   });
 }
