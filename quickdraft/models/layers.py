@@ -191,20 +191,21 @@ class Rope:
         else:
             exps = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float()
             self.inv_freq = 1.0 / (theta ** (exps / head_dim))
-        self.cos = torch.empty(0, head_dim, device=device)
-        self.sin = torch.empty(0, head_dim, device=device)
-        # the tables rounded per dtype (`_rounded`), made when first asked for at this size
-        self._by_dtype: dict[torch.dtype, tuple[Tensor, Tensor]] = {}
+        # per dtype asked for: cos, sin [size, head_dim] fp32 rounded to it (`_rounded`), grown
+        # on demand; rounding is per element, so their gathered rows are the rows rounded, and a
+        # model keeps one table, not an unrounded one beside it
+        self._tables: dict[torch.dtype, tuple[Tensor, Tensor]] = {}
+
+    def _table(self, need: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        have = self._tables.get(dtype)
+        if have is None or have[0].shape[0] < need:
+            size = max(need, 256 if have is None else 2 * have[0].shape[0])
+            have = self._tables[dtype] = self._rounded(*self._angles(size), dtype)
+        return have
 
     def tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, sin `[num_tokens, 1, head_dim]` fp32 for `positions` `[num_tokens]`."""
-        need = int(positions.max()) + 1
-        if need > self.cos.shape[0]:
-            self.cos, self.sin = self._angles(max(need, 2 * self.cos.shape[0], 256))
-            self._by_dtype = {}
-        if dtype not in self._by_dtype:  # rounding is row by row: rounded rows = rows rounded
-            self._by_dtype[dtype] = self._rounded(self.cos, self.sin, dtype)
-        cos, sin = self._by_dtype[dtype]
+        cos, sin = self._table(int(positions.max()) + 1, dtype)
         return cos[positions, None], sin[positions, None]
 
     def mrope_tables(
@@ -220,9 +221,7 @@ class Rope:
         (`interleaved=False`): the frequencies in contiguous chunks of `section`, chunk j
         reading stream j % 3. cos, sin `[num_tokens, 1, head_dim]`; a row whose three streams
         are equal gets `tables`' bits."""
-        need = int(positions.max()) + 1
-        if need > self.cos.shape[0]:
-            self.cos, self.sin = self._angles(max(need, 2 * self.cos.shape[0], 256))
+        table_cos, table_sin = self._table(int(positions.max()) + 1, dtype)
         half = self.inv_freq.shape[0]
         stream = torch.zeros(half, dtype=torch.long, device=positions.device)
         if interleaved:
@@ -235,9 +234,9 @@ class Rope:
                 start += size
         cols = torch.arange(half, device=positions.device)
         at = positions[stream].T  # [num_tokens, half]: each frequency's position
-        cos, sin = self.cos[at, cols], self.sin[at, cols]
+        cos, sin = table_cos[at, cols], table_sin[at, cols]
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-        return self._rounded(cos[:, None], sin[:, None], dtype)
+        return cos[:, None], sin[:, None]
 
     def with_images(
         self,
