@@ -6,7 +6,6 @@
 // results are the same bits.
 // No include guard and no includes: it is only ever included as above.
 
-
 // Its own copy of linear_gguf.cpp's static_for: defined under the pragma, so that GCC inlines
 // the AVX-512 lambdas into it (a function built for less may not inline them: each would
 // become a call per quad and token).
