@@ -407,8 +407,8 @@ def test_wide_tile_q4_k_at_its_largest_sums_keeps_the_bits(wide: str) -> None:
 @needs_kernel
 def test_mxfp4_every_exponent_keeps_the_bits() -> None:
     """MXFP4's d = 2^(e - 128) for every E8M0 byte from 0 (2^-128: the block's terms are fp32
-    subnormals) to 230: every tile gives the same bits (AVX-512 applies d to dx by vscalefps,
-    AVX2 multiplies), and the reference's values."""
+    subnormals) to 230: every tile gives the same bits (AVX-512 makes d by vscalefps, 2^-128
+    and 2^-127 subnormal, AVX2 otherwise), and the reference's values."""
     needs_extension()
     ext = build.extension()
     n, k = 231 * 2, 64  # two blocks a row, each row one exponent

@@ -44,10 +44,8 @@ inline __m512 load_d16(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// MXFP4: 16 rows' E8M0 bytes e as the fp32 exponents e - 128 of d = 2^(e - 128), which the
-// tile applies to dx by one vscalefps: the exact product rounded once, as linear_gguf.cpp's
-// multiply by d rounds it (subnormal results included), in two ops instead of making d in six
-// (load_d8) and multiplying.
+// MXFP4: 16 rows' E8M0 bytes e as the fp32 exponents e - 128 of d = 2^(e - 128), from which
+// the tile makes d exactly by one vscalefps a block (2^-128 and 2^-127 are subnormal but exact).
 inline __m512 e8_exponents16(const uint8_t* p) {
   const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(128)));
@@ -118,6 +116,9 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
   using Tr = Traits<F>;
   constexpr int kSubs = Tr::kBlock / Tr::kSub;
   constexpr int kRun = Tr::kSub / 4;  // quads per sub-block
+  // the 32-value formats' offset per x: Q8_0's q + 128 (and the tables' v + 128) bring
+  // 128 sum(x) to take off, Q4_0 / Q5_0 their 8 / 16, Q4_1 / Q5_1 (dm) 1
+  constexpr int kOffset = F == kQ8_0 || Tr::kTable ? 128 : Tr::kMConst;
   __m512i tbl = _mm512_setzero_si512();
   if constexpr (Tr::kTable) {  // v(u) + 128 as bytes, in every 128-bit lane
     alignas(16) uint8_t lifted[16];
@@ -138,7 +139,12 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
     // Q4_K: the scaled runs summed in fp32, sub-blocks 0-3 in `half`, 4-7 in `part` (below)
     __m512 half[T], part[T];
     static_for<T>([&](auto t) {
-      s[t] = _mm512_setzero_si512();
+      // the formats that subtract their offsets in integers (no dm) start each token's sum at
+      // its minus: one op a token and block instead of a sub (the same exact int32 sum)
+      if constexpr (!Tr::kK && !Tr::kHasDm)
+        s[t] = _mm512_set1_epi32(-kOffset * static_cast<int32_t>(bs[t * ldb + b * kSubs]));
+      else
+        s[t] = _mm512_setzero_si512();
       half[t] = part[t] = _mm512_setzero_ps();
     });
     for (int g = 0; g < Tr::kGroups; ++g) {
@@ -180,8 +186,10 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
         });
       });
     }
-    // d, or for MXFP4 the exponents of d (e8_exponents16)
-    const __m512 d = Tr::kE8 ? e8_exponents16(wb + Tr::kDOff) : load_d16(wb + Tr::kDOff);
+    // d; MXFP4's 2^(e - 128) made exactly by one vscalefps a block, not one a token (it runs at
+    // half vmulps's rate here, Zen 4), and d * dx rounds once, as scaling dx by 2^(e - 128) does
+    const __m512 d = Tr::kE8 ? _mm512_scalef_ps(_mm512_set1_ps(1.0f), e8_exponents16(wb + Tr::kDOff))
+                             : load_d16(wb + Tr::kDOff);
     const __m512 dm = Tr::kHasDm ? load_d16(wb + Tr::kDOff + Tr::kDBytes * kPanel) : d;
     // mins / offsets: sum_s m[s] bsum[t, s] per row, each pair of sub-blocks' m unpacked once
     // for all tokens (exact int32 sums: the order does not change the bits)
@@ -206,9 +214,8 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
         if constexpr (Tr::kMScShift > 0)  // m = 32 sc (Q6_K), 4 sc (Q3_K)
           msum = _mm512_slli_epi32(msum, Tr::kMScShift);
         if constexpr (Tr::kTable) msum = _mm512_slli_epi32(msum, 7);  // IQ4_XS: 128 sc
-      } else {  // Q8_0's q + 128 (and the tables' v + 128) bring 128 sum(x) to take off
-        constexpr int m = F == kQ8_0 || Tr::kTable ? 128 : Tr::kMConst;
-        msum = _mm512_set1_epi32(m * static_cast<int32_t>(bst[0]));
+      } else if constexpr (Tr::kHasDm) {
+        msum = _mm512_set1_epi32(kOffset * static_cast<int32_t>(bst[0]));
       }
       const __m512 dxv = _mm512_set1_ps(dx[t * ldd + b]);
       __m512& av = accv[t];
@@ -221,9 +228,9 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
         av = _mm512_fmadd_ps(sum, _mm512_mul_ps(d, dxv), av);
         av = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dm, dxv), av);
       } else {
-        const __m512i tot = _mm512_sub_epi32(s[t], msum);
-        const __m512 scale = Tr::kE8 ? _mm512_scalef_ps(dxv, d) : _mm512_mul_ps(d, dxv);
-        av = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), scale, av);
+        // s - m sum(x), or for the formats that started s at -kOffset sum(x), s itself
+        const __m512i tot = Tr::kK ? _mm512_sub_epi32(s[t], msum) : s[t];
+        av = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), _mm512_mul_ps(d, dxv), av);
       }
     });
   }
