@@ -119,9 +119,10 @@ def test_build_lock_clears_a_killed_builds_torch_lock(tmp_path: Path) -> None:
 
 @needs_kernel
 def test_prefetch_distance_never_changes_a_result() -> None:
-    """Every panel kernel (int8, int4, GGUF on each tile) gives the same bits with software
-    prefetch off, at the default distance and far past the end of the weight (a prefetch
-    never faults), and the setting is restored."""
+    """Every panel kernel (int8, int4, GGUF on each tile, a K-quant and a 32-value format)
+    gives the same bits with software prefetch off, at the default distances, far past the end
+    of the weight (a prefetch never faults) and with the two distances apart, and the settings
+    are restored."""
     from test_linear_gguf import random_blocks
 
     from quickdraft.kernels.linear_gguf import GGUFWeight, linear_gguf
@@ -139,7 +140,7 @@ def test_prefetch_distance_never_changes_a_result() -> None:
         ),
     ]
     tiles = [TILES[t] for t in cpu_tiles()]
-    default = build.prefetch_bytes()
+    default, default_32 = build.prefetch_bytes(), build.prefetch_bytes_32()
     try:
         for m in (1, 6):
             x = torch.randn(m, k).bfloat16()
@@ -147,15 +148,23 @@ def test_prefetch_distance_never_changes_a_result() -> None:
                 ext.gguf_isa(tile)
                 for fn, q in ops:
                     outs = []
-                    for distance in (0, 64, default, 65536):
-                        assert ext.set_prefetch_bytes(distance) == distance
+                    for distance, distance_32 in (
+                        (0, 0),
+                        (64, 4096),
+                        (default, default_32),
+                        (65536, 64),
+                        (4096, -1),
+                    ):
+                        assert ext.set_prefetch_bytes(distance, distance_32) == distance
                         outs.append(fn(x, q))
                     assert all(torch.equal(outs[0], o) for o in outs[1:]), (fn.__name__, m, tile)
     finally:
         ext.gguf_isa(-1)
-        ext.set_prefetch_bytes(default)
+        ext.set_prefetch_bytes(default, default_32)
     with pytest.raises(RuntimeError, match="multiple of 64"):
         ext.set_prefetch_bytes(100)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        ext.set_prefetch_bytes(default, -2)
 
 
 def test_prefetch_distance_setting(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -164,11 +173,17 @@ def test_prefetch_distance_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(build, "_prefetch_setting", None)
     vendor = build.cpu_vendor()
     assert build.prefetch_bytes() == build.PREFETCH_BYTES.get(vendor, build.DEFAULT_PREFETCH_BYTES)
+    assert build.prefetch_bytes_32() == build.PREFETCH_BYTES_32.get(vendor, build.prefetch_bytes())
+    for vendor, distance_32 in (("AuthenticAMD", 0), ("GenuineIntel", 1536), ("", 4096)):
+        monkeypatch.setattr(build, "cpu_vendor", lambda vendor=vendor: vendor)
+        assert build.prefetch_bytes_32() == distance_32
     monkeypatch.setattr(build, "_prefetch_setting", "0")
-    assert build.prefetch_bytes() == 0
+    assert build.prefetch_bytes() == build.prefetch_bytes_32() == 0
     monkeypatch.setattr(build, "_prefetch_setting", "8192")
-    assert build.prefetch_bytes() == 8192
+    assert build.prefetch_bytes() == build.prefetch_bytes_32() == 8192
     for bad in ("100", "-64", "1e3", "131072", ""):
         monkeypatch.setattr(build, "_prefetch_setting", bad)
         with pytest.raises(ValueError, match=build.PREFETCH_ENV):
             build.prefetch_bytes()
+        with pytest.raises(ValueError, match=build.PREFETCH_ENV):
+            build.prefetch_bytes_32()

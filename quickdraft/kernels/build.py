@@ -49,6 +49,11 @@ _prefetch_setting = os.environ.get(PREFETCH_ENV)
 # 25-28; 4 KiB is what the AMD EPYC hosts were tuned with, and stays theirs until measured.
 PREFETCH_BYTES = {"GenuineIntel": 1536}
 DEFAULT_PREFETCH_BYTES = 4096
+# The GGUF formats of 32-value blocks (Q4_0 ... Q8_0, IQ4_NL, MXFP4) apart, where measured: on
+# the AVX-512 EPYC (Zen 4) a decode step streamed them faster with no software prefetch (gpt-oss's
+# MXFP4 experts + Q8_0 1.08x, Gemma 4's Q5_0 / Q8_0 experts 1.05x) while the K-quants lost 22 %
+# without it (docs/benchmarks.md, "Prefetch distance on the AMX Xeon"). Elsewhere: PREFETCH_BYTES.
+PREFETCH_BYTES_32 = {"AuthenticAMD": 0}
 
 EXT_NAME = "quickdraft_cpu"
 _HERE = Path(__file__).resolve().parent
@@ -126,6 +131,14 @@ def cpu_flags() -> frozenset[str]:
 def cpu_vendor() -> str:
     """GenuineIntel, AuthenticAMD...; empty where /proc/cpuinfo cannot be read."""
     return _cpuinfo("vendor_id")
+
+
+def prefetch_bytes_32() -> int:
+    """The distance of the GGUF formats of 32-value blocks: `QUICKDRAFT_PREFETCH_BYTES` when
+    set (it sets both), else this CPU vendor's measured best for them, else `prefetch_bytes()`."""
+    if _prefetch_setting is None and cpu_vendor() in PREFETCH_BYTES_32:
+        return PREFETCH_BYTES_32[cpu_vendor()]
+    return prefetch_bytes()
 
 
 def prefetch_bytes() -> int:
@@ -229,7 +242,8 @@ def _load() -> Any:
         if _loaded:
             return _ext
         ext = None
-        distance = prefetch_bytes()  # a bad setting is the caller's error, not a failed build
+        # a bad setting is the caller's error, not a failed build
+        distance, distance_32 = prefetch_bytes(), prefetch_bytes_32()
         if cpu_supported():
             try:
                 from torch.utils import cpp_extension
@@ -247,7 +261,7 @@ def _load() -> Any:
                         build_directory=str(directory),
                         verbose=False,
                     )
-                ext.set_prefetch_bytes(distance)
+                ext.set_prefetch_bytes(distance, distance_32)
             except Exception as e:  # a missing compiler must never take the engine down
                 warnings.warn(
                     f"quickdraft: building the CPU kernels failed ({type(e).__name__}: {e}); "

@@ -384,6 +384,9 @@ Acts quantize(const at::Tensor& x2, int block, float* buf) {
   return a;
 }
 
+// The prefetch distance of the formats of 32-value blocks (Q4_0 ... Q8_0, IQ4_NL, MXFP4);
+// the 256-value ones use qd_panel::prefetch_bytes. build.py sets both at load.
+int64_t prefetch_bytes_32 = 4096;
 
 void part_panels(const Acts& a, int64_t M, int64_t K, int f, const uint8_t* packed, int64_t n,
                  const qd_panel::Epilogue& e, int64_t p0, int64_t p1) {
@@ -410,7 +413,8 @@ void part_panels(const Acts& a, int64_t M, int64_t K, int f, const uint8_t* pack
         else
           tile_for(f, T)(w, glen, xq, K, dx, G, bsm, ldb, acc, init, pf);
       },
-      p0, p1, std::max<int64_t>(1, 8192 / bytes), wide ? kTmaxAvx512 : qd_panel::kTmax);
+      p0, p1, std::max<int64_t>(1, 8192 / bytes), wide ? kTmaxAvx512 : qd_panel::kTmax,
+      block == 32 ? prefetch_bytes_32 : qd_panel::prefetch_bytes);
 }
 
 }  // namespace qd_gguf
@@ -425,10 +429,13 @@ int64_t qd_gguf_isa(int64_t level) {
   return isa_level();
 }
 
-int64_t qd_set_prefetch_bytes(int64_t bytes) {
-  TORCH_CHECK(bytes >= 0 && bytes <= (int64_t{1} << 16) && bytes % 64 == 0,
-              "quickdraft set_prefetch_bytes: a multiple of 64 in [0, 65536], got ", bytes);
+int64_t qd_set_prefetch_bytes(int64_t bytes, int64_t bytes_32) {
+  if (bytes_32 == -1) bytes_32 = bytes;
+  for (int64_t b : {bytes, bytes_32})
+    TORCH_CHECK(b >= 0 && b <= (int64_t{1} << 16) && b % 64 == 0,
+                "quickdraft set_prefetch_bytes: a multiple of 64 in [0, 65536], got ", b);
   qd_panel::prefetch_bytes = bytes;
+  qd_gguf::prefetch_bytes_32 = bytes_32;
   return qd_panel::prefetch_bytes;
 }
 

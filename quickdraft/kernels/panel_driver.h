@@ -58,10 +58,13 @@ inline Epilogue epilogue(const float* row_scale, const at::Tensor& bias, at::Ten
 
 // Panels [p0, p1) of `run` below on the calling thread: what each of its threads does with its
 // range. The grouped MoE kernel (moe_gguf.cpp) calls it for a range of one expert's panels.
+// `distance`: how far ahead the first pass prefetches (the GGUF kernel passes its own per
+// format, linear_gguf.cpp).
 template <class Tile>
 void run_range(const uint8_t* packed, int64_t M, int64_t N, int64_t G, int64_t group_bytes,
                const Epilogue& e, const Tile& tile, int64_t p0, int64_t p1,
-               int64_t block_groups = kBlockGroups, int64_t tmax = kTmax) {
+               int64_t block_groups = kBlockGroups, int64_t tmax = kTmax,
+               int64_t distance = prefetch_bytes) {
   const int64_t nch = (M + tmax - 1) / tmax;  // balanced token chunks
   const int64_t GB = nch == 1 ? G : block_groups;
   const int64_t panel_bytes = G * group_bytes;
@@ -78,9 +81,8 @@ void run_range(const uint8_t* packed, int64_t M, int64_t N, int64_t G, int64_t g
       for (int64_t c = 0; c < nch; ++c) {
         const int T = static_cast<int>(M / nch + (c < M % nch ? 1 : 0));
         // the first pass over a block streams it from DRAM: prefetch ahead on the stream
-        const char* pf = c == 0 && prefetch_bytes > 0
-                             ? reinterpret_cast<const char*>(wg) + prefetch_bytes
-                             : nullptr;
+        const char* pf = c == 0 && distance > 0 ? reinterpret_cast<const char*>(wg) + distance
+                                                : nullptr;
         tile(T, wg, g0, glen, m0, acc + m0 * kPanel, g0 == 0, pf);
         m0 += T;
       }

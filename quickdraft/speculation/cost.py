@@ -30,7 +30,13 @@ import torch
 from torch import nn
 
 from quickdraft.config import PREFILL_CHUNK, cache_dir
-from quickdraft.kernels.build import extension, isa, prefetch_bytes, source_digest
+from quickdraft.kernels.build import (
+    extension,
+    isa,
+    prefetch_bytes,
+    prefetch_bytes_32,
+    source_digest,
+)
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.kernels.triton_gguf import DeviceGGUFWeight
 from quickdraft.models.base import LanguageModel
@@ -317,7 +323,11 @@ def cost_key(model: LanguageModel) -> dict[str, Any]:
         "torch": torch.__version__,
         "code": python_digest(),
         **(
-            {"kernels": source_digest(), "prefetch": prefetch_bytes()}
+            {
+                "kernels": source_digest(),
+                "prefetch": prefetch_bytes(),
+                "prefetch_32": prefetch_bytes_32(),
+            }
             if extension() is not None
             else {"kernels": "none"}
         ),
