@@ -20,6 +20,7 @@
 #include <memory>
 
 #include "bf16.h"
+#include "simd.h"
 
 namespace qd_panel {
 
@@ -56,6 +57,29 @@ inline Epilogue epilogue(const float* row_scale, const at::Tensor& bias, at::Ten
                   y.scalar_type() == at::kBFloat16, y.size(-1)};
 }
 
+// y[m, n0 + j] for a whole panel's 16 rows, 8 lanes at a time: what run_range's scalar loop
+// writes, the same bits (a scale or a bias, not both: one rounding each, no contraction).
+template <class Y>
+inline void write_rows(const Epilogue& e, const float* acc, int64_t M, int64_t n0, Y* y) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t h = 0; h < kPanel; h += 8) {
+      __m256 v = _mm256_loadu_ps(acc + m * kPanel + h);
+      if (e.row_scale) v = _mm256_mul_ps(v, _mm256_loadu_ps(e.row_scale + n0 + h));
+      if (e.bias)
+        v = _mm256_add_ps(v, e.bias_bf16
+                                 ? qd_simd::load8(static_cast<const uint16_t*>(e.bias) + n0 + h)
+                                 : qd_simd::load8(static_cast<const float*>(e.bias) + n0 + h));
+      qd_simd::store8(y + m * e.ldy + n0 + h, v);
+    }
+}
+
+inline void write_panel(const Epilogue& e, const float* acc, int64_t M, int64_t n0) {
+  if (e.y_bf16)
+    write_rows(e, acc, M, n0, static_cast<uint16_t*>(e.y));
+  else
+    write_rows(e, acc, M, n0, static_cast<float*>(e.y));
+}
+
 // Panels [p0, p1) of `run` below on the calling thread: what each of its threads does with its
 // range. The grouped MoE kernel (moe_gguf.cpp) calls it for a range of one expert's panels.
 // `distance`: how far ahead the first pass prefetches (the GGUF kernel passes its own per
@@ -88,6 +112,10 @@ void run_range(const uint8_t* packed, int64_t M, int64_t N, int64_t G, int64_t g
       }
     }
     const int64_t rows = std::min<int64_t>(kPanel, N - pi * kPanel);
+    if (rows == kPanel && !(e.row_scale && e.bias)) {
+      write_panel(e, acc, M, pi * kPanel);
+      continue;
+    }
     for (int64_t m = 0; m < M; ++m)
       for (int64_t j = 0; j < rows; ++j) {
         const int64_t n = pi * kPanel + j;
