@@ -51,7 +51,7 @@ PREFETCH_BYTES = {"GenuineIntel": 1536}
 DEFAULT_PREFETCH_BYTES = 4096
 # The GGUF formats of 32-value blocks (Q4_0 ... Q8_0, IQ4_NL, MXFP4) apart, where measured: on
 # the AVX-512 EPYC (Zen 4) a decode step streamed them faster with no software prefetch (gpt-oss's
-# MXFP4 experts + Q8_0 1.08x, Gemma 4's Q5_0 / Q8_0 experts 1.05x) while the K-quants lost 22 %
+# MXFP4 experts + Q8_0 1.08-1.10x, Gemma 4's Q5_0 / Q8_0 experts 1.05x) while the K-quants lost 22 %
 # without it (docs/benchmarks.md, "Prefetch distance on the AMX Xeon"). Elsewhere: PREFETCH_BYTES.
 PREFETCH_BYTES_32 = {"AuthenticAMD": 0}
 
