@@ -14,7 +14,8 @@
 // extra multiply; the mins and Q4_0/Q5_0/Q6_K's offsets go through per-sub-block activation
 // sums, once per block. Q8_0 (signed) uses |q| x sign(x, q), as llama.cpp's AVX2 path does; the
 // non-linear formats (IQ4_NL, IQ4_XS, MXFP4) look their 4-bit indices up in a 16-byte table
-// (vpshufb) and go the same signed way.
+// (vpshufb); IQ4's values go the same signed way, MXFP4's (|v| <= 12) are looked up as v + 12,
+// unsigned, and take 12 sum(x) off once a block, as Q4_0 its 8: no sign op per token.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -154,18 +155,23 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
           int64_t ldd, const int16_t* bs, int64_t ldb, float* acc, bool init, const char* pf) {
   using Tr = Traits<F>;
   constexpr int kSubs = Tr::kBlock / Tr::kSub;  // sub-blocks per block
+  // MXFP4's values looked up as v + 12 in [0, 24] (unsigned), 12 sum(x) taken off per block
+  constexpr int kLift = F == kMXFP4 ? 12 : 0;
   // quads whose vpmaddubsw pairs add up in 16 bits before one vpmaddwd: a pair is at most
-  // 2 * max|v| * 127, so 8 / 4 / 2 of them fit in int16 for 4 / 5 / 6 bits (and MXFP4's |v| <=
-  // 12), one for IQ4's |v| <= 127; 2-3 bits: 4, a 16-value sub-block's quads
+  // 2 * max|u| * 127, so 8 / 4 / 2 of them fit in int16 for 4 / 5 / 6 bits, 4 for MXFP4's
+  // lifted u <= 24, one for IQ4's |v| <= 127; 2-3 bits: 4, a 16-value sub-block's quads
   constexpr int kRun = F == kIQ4_NL || F == kIQ4_XS ? 1
+                       : kLift > 0                  ? 4
                        : Tr::kBits == 4             ? 8
                        : Tr::kBits == 6             ? 2
                                                     : 4;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i tbl = _mm256_setzero_si256();
-  if constexpr (Tr::kTable)
-    tbl = _mm256_broadcastsi128_si256(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(table_values<F>())));
+  if constexpr (Tr::kTable) {
+    alignas(16) int8_t values[16];  // v(u) (+ kLift)
+    for (int i = 0; i < 16; ++i) values[i] = static_cast<int8_t>(table_values<F>()[i] + kLift);
+    tbl = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(values)));
+  }
   if (init) std::fill(acc, acc + T * kPanel, 0.0f);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = w + b * Tr::kBytes;
@@ -205,16 +211,19 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
         } else {
           __m256i u[2], v[2];
           unpack_quad<F, C>(wb, g, u);
-          if constexpr (Tr::kTable)  // signed values: |v| x sign(x, v), as Q8_0
+          constexpr bool kSigned = Tr::kTable && kLift == 0;
+          if constexpr (kSigned)  // signed values: |v| x sign(x, v), as Q8_0
             static_for<2>([&](auto h) {
               v[h] = _mm256_shuffle_epi8(tbl, u[h]);
               u[h] = _mm256_sign_epi8(v[h], v[h]);
             });
+          else if constexpr (Tr::kTable)  // lifted: v + kLift, unsigned
+            static_for<2>([&](auto h) { u[h] = _mm256_shuffle_epi8(tbl, u[h]); });
           static_for<T>([&](auto t) {
             const __m256i xb = bcast32(xg + t * ldx + C * 4);
             static_for<2>([&](auto h) {
               const __m256i p =
-                  _mm256_maddubs_epi16(u[h], Tr::kTable ? _mm256_sign_epi8(xb, v[h]) : xb);
+                  _mm256_maddubs_epi16(u[h], kSigned ? _mm256_sign_epi8(xb, v[h]) : xb);
               p16[t][h] = C % kRun == 0 ? p : _mm256_add_epi16(p16[t][h], p);
               if constexpr (C % kRun == kRun - 1)  // flush the run: times the scale, to 32 bits
                 s[t][h] = _mm256_add_epi32(s[t][h], _mm256_madd_epi16(p16[t][h], mul[C / 4][h]));
@@ -246,8 +255,9 @@ void tile(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t ldx, const flo
         });
         if constexpr (Tr::kMScShift > 0)  // m = 32 sc (Q6_K), 4 sc (Q3_K)
           static_for<2>([&](auto h) { msum[h] = _mm256_slli_epi32(msum[h], Tr::kMScShift); });
-      } else if constexpr (Tr::kMConst != 0) {
-        msum[0] = msum[1] = _mm256_set1_epi32(Tr::kMConst * static_cast<int32_t>(bst[0]));
+      } else if constexpr (Tr::kMConst != 0 || kLift != 0) {
+        constexpr int m = kLift != 0 ? kLift : Tr::kMConst;
+        msum[0] = msum[1] = _mm256_set1_epi32(m * static_cast<int32_t>(bst[0]));
       }
       float* a = acc + t * kPanel;
       const __m256 dxv = _mm256_set1_ps(dxt);
