@@ -21,7 +21,7 @@ Measured in interleaved rounds (these machines are noisy), threads fixed for eve
 `--rows`: a forward's cost by rows 1..8 (a decode step, then verifies of k = 1..7) from an
 empty cache, ours against each peer's `llama-bench -p N` on the same file (ms = N / its tok/s),
 with ours also at context 64, in interleaved rounds.
-`--pairs N`: decode only, in N back-to-back pairs (ours, then each peer's `llama-bench -p 0`,
+`--pairs N`: decode and pp512 in N back-to-back pairs (ours, then each peer's `llama-bench -p 512`,
 the order swapped every pair), the ratio taken within each pair and its median reported: two
 runs seconds apart share the host's phase far more often than two a minute apart.
 `--full --mtp-cuts N ...`: MTP's costs on the full-size qwen35moe file instead (a forward by
@@ -531,24 +531,28 @@ def paired_decode(
     tokens: int,
     pairs: int,
 ) -> dict[str, Any]:
-    """Decode only, in `pairs` back-to-back pairs: our `tokens` greedy steps and each peer's
-    `llama-bench -p 0 -n tokens`, the order swapped every pair. The host's phases move whole
-    runs by 30 % or more, and two runs seconds apart share a phase far more often than two a
-    minute apart, so the ratio within a pair is steadier than a ratio of medians."""
+    """Decode and pp512 in `pairs` back-to-back pairs: our `tokens` greedy steps and one
+    512-row forward, and each peer's `llama-bench -p 512 -n tokens`, the order swapped every
+    pair. The host's phases move whole runs by 30 % or more, and two runs seconds apart share a
+    phase far more often than two a minute apart, so the ratio within a pair is steadier than
+    a ratio of medians."""
     path = write_file(arch, work)
     per_token, _ = streamed_bytes(path, config(arch))
     ours = Ours(path, work)
     ours.forward_s(8)  # warm
     runs: dict[str, list[float]] = {"quickdraft": [], **{p: [] for p in peers}}
+    pp: dict[str, list[float]] = {"quickdraft": [], **{p: [] for p in peers}}
 
     def run(name: str) -> None:
         if name == "quickdraft":
             steps = ours.decode_s(tokens)
             runs[name].append(round(len(steps) / sum(steps), 2))
+            pp[name].append(round(512 / ours.forward_s(512), 1))
         else:
             binary, extra = peers[name]
-            got = llama_bench(binary, path, threads, tokens, extra, prompts="0")
+            got = llama_bench(binary, path, threads, tokens, extra, prompts="512")
             runs[name].append(got["decode_tps"])
+            pp[name].append(got["pp512_tps"])
 
     order = ["quickdraft", *peers]
     for i in range(pairs):
@@ -558,6 +562,9 @@ def paired_decode(
         p: [round(a / b, 3) for a, b in zip(runs["quickdraft"], runs[p], strict=True)]
         for p in peers
     }
+    pp_ratios = {
+        p: [round(a / b, 3) for a, b in zip(pp["quickdraft"], pp[p], strict=True)] for p in peers
+    }
     return {
         "file": path.name,
         "weight_mb_per_token": round(per_token / 1e6, 1),
@@ -565,6 +572,9 @@ def paired_decode(
         "decode_tps": runs,
         "ratios": ratios,
         "median_ratio": {p: statistics.median(r) for p, r in ratios.items()},
+        "pp512_tps": pp,
+        "pp512_ratios": pp_ratios,
+        "pp512_median_ratio": {p: statistics.median(r) for p, r in pp_ratios.items()},
         "median_gbs": {
             n: round(statistics.median(v) * per_token / 1e9, 1) for n, v in runs.items()
         },
@@ -572,7 +582,9 @@ def paired_decode(
 
 
 def markdown_pairs(report: dict[str, Any]) -> str:
-    out = ["# MoE decode in back-to-back pairs: quickdraft vs llama-bench on the same file\n"]
+    out = [
+        "# MoE decode and pp512 in back-to-back pairs: quickdraft vs llama-bench on the same file\n"
+    ]
     for arch, r in report["pairs"].items():
         peers = list(r["ratios"])
         rows = [
@@ -580,11 +592,20 @@ def markdown_pairs(report: dict[str, Any]) -> str:
                 i + 1,
                 *(r["decode_tps"][n][i] for n in r["decode_tps"]),
                 *(r["ratios"][p][i] for p in peers),
+                *(r["pp512_tps"][n][i] for n in r["pp512_tps"]),
+                *(r["pp512_ratios"][p][i] for p in peers),
             ]
             for i in range(len(r["decode_tps"]["quickdraft"]))
         ]
-        header = ["pair", *(f"{n} tok/s" for n in r["decode_tps"]), *(f"vs {p}" for p in peers)]
+        header = [
+            "pair",
+            *(f"{n} tok/s" for n in r["decode_tps"]),
+            *(f"vs {p}" for p in peers),
+            *(f"{n} pp512" for n in r["pp512_tps"]),
+            *(f"pp512 vs {p}" for p in peers),
+        ]
         worst = min(r["median_ratio"].values()) if peers else float("nan")
+        worst_pp = min(r["pp512_median_ratio"].values()) if peers else float("nan")
         out.append(
             f"\n## {arch} ({r['file']}, {r['weight_mb_per_token']} MB of weights a token), "
             f"tg{r['tokens']}, {report['threads']} threads, the order swapped every pair; host "
@@ -595,7 +616,10 @@ def markdown_pairs(report: dict[str, Any]) -> str:
             + "\n\n"
             + table(
                 ["quickdraft", "ratio"],
-                [["decode vs best peer (median of pair ratios)", f"{worst:.2f}x"]],
+                [
+                    ["decode vs best peer (median of pair ratios)", f"{worst:.2f}x"],
+                    ["pp512 vs best peer (median of pair ratios)", f"{worst_pp:.2f}x"],
+                ],
             )
             + "\n"
         )
@@ -648,7 +672,9 @@ def main() -> None:
         "--narrow", action="store_true", help="the per-layer work of a 40-layer qwen35moe step"
     )
     ap.add_argument("--rows", action="store_true", help="a forward's cost by rows 1..8")
-    ap.add_argument("--pairs", type=int, help="decode only, in this many back-to-back pairs")
+    ap.add_argument(
+        "--pairs", type=int, help="decode and pp512 only, in this many back-to-back pairs"
+    )
     ap.add_argument(
         "--mtp-cuts",
         type=int,
