@@ -42,8 +42,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_rows_formats", &qd_gguf_rows_formats, "the ggml types gguf_rows dequantizes");
   m.def("set_prefetch_bytes", &qd_set_prefetch_bytes,
         "how far ahead the panel kernels (int8, int4, GGUF) prefetch their weight stream, in "
-        "bytes (0: no software prefetch), bytes_32 for the GGUF formats of 32-value blocks "
-        "(-1: the same); returns bytes",
+        "bytes (0: no software prefetch), bytes_32 for the GGUF formats of 32-value blocks in a "
+        "one-row pass (-1: the same); returns bytes",
         py::arg("bytes"), py::arg("bytes_32") = -1);
   m.def("gguf_isa", &qd_gguf_isa,
         "the GGUF kernel's tile: -1 the best this CPU runs, 0 AVX2, 1 AVX-512 VNNI, 2 that with "

@@ -49,10 +49,11 @@ _prefetch_setting = os.environ.get(PREFETCH_ENV)
 # 25-28; 4 KiB is what the AMD EPYC hosts were tuned with, and stays theirs until measured.
 PREFETCH_BYTES = {"GenuineIntel": 1536}
 DEFAULT_PREFETCH_BYTES = 4096
-# The GGUF formats of 32-value blocks (Q4_0 ... Q8_0, IQ4_NL, MXFP4) apart, where measured: on
-# the AVX-512 EPYC (Zen 4) a decode step streamed them faster with no software prefetch (gpt-oss's
-# MXFP4 experts + Q8_0 1.08-1.10x, Gemma 4's Q5_0 / Q8_0 experts 1.05x) while the K-quants lost 22 %
-# without it (docs/benchmarks.md, "Prefetch distance on the AMX Xeon"). Elsewhere: PREFETCH_BYTES.
+# The GGUF formats of 32-value blocks (Q4_0 ... Q8_0, IQ4_NL, MXFP4) in one-row passes apart,
+# where measured: on the AVX-512 EPYC (Zen 4) a decode step streamed them faster with no software
+# prefetch (gpt-oss's MXFP4 experts + Q8_0 1.08-1.10x, Gemma 4's Q5_0 / Q8_0 experts 1.05x) while
+# the K-quants lost 22 % without it, and so did passes of more rows (an MXFP4 GEMM of 5 rows 27 %,
+# gpt-oss's 5-row forward 15 %): docs/benchmarks.md, "Prefetch distance on the AMX Xeon".
 PREFETCH_BYTES_32 = {"AuthenticAMD": 0}
 
 EXT_NAME = "quickdraft_cpu"
@@ -134,8 +135,9 @@ def cpu_vendor() -> str:
 
 
 def prefetch_bytes_32() -> int:
-    """The distance of the GGUF formats of 32-value blocks: `QUICKDRAFT_PREFETCH_BYTES` when
-    set (it sets both), else this CPU vendor's measured best for them, else `prefetch_bytes()`."""
+    """The distance of the GGUF formats of 32-value blocks in a one-row pass (a decode step's
+    GEMV; more rows take `prefetch_bytes()`): `QUICKDRAFT_PREFETCH_BYTES` when set (it sets
+    both), else this CPU vendor's measured best for them, else `prefetch_bytes()`."""
     if _prefetch_setting is None and cpu_vendor() in PREFETCH_BYTES_32:
         return PREFETCH_BYTES_32[cpu_vendor()]
     return prefetch_bytes()

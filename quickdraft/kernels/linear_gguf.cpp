@@ -394,8 +394,9 @@ Acts quantize(const at::Tensor& x2, int block, float* buf) {
   return a;
 }
 
-// The prefetch distance of the formats of 32-value blocks (Q4_0 ... Q8_0, IQ4_NL, MXFP4);
-// the 256-value ones use qd_panel::prefetch_bytes. build.py sets both at load.
+// The prefetch distance of the formats of 32-value blocks (Q4_0 ... Q8_0, IQ4_NL, MXFP4) in a
+// one-row pass (a decode step's GEMV, an expert's single row); more rows and the 256-value
+// formats use qd_panel::prefetch_bytes. build.py sets both at load.
 int64_t prefetch_bytes_32 = 4096;
 
 void part_panels(const Acts& a, int64_t M, int64_t K, int f, const uint8_t* packed, int64_t n,
@@ -424,7 +425,7 @@ void part_panels(const Acts& a, int64_t M, int64_t K, int f, const uint8_t* pack
           tile_for(f, T)(w, glen, xq, K, dx, G, bsm, ldb, acc, init, pf);
       },
       p0, p1, std::max<int64_t>(1, 8192 / bytes), wide ? kTmaxAvx512 : qd_panel::kTmax,
-      block == 32 ? prefetch_bytes_32 : qd_panel::prefetch_bytes);
+      block == 32 && M == 1 ? prefetch_bytes_32 : qd_panel::prefetch_bytes);
 }
 
 }  // namespace qd_gguf

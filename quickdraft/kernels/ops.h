@@ -81,7 +81,7 @@ int64_t qd_gguf_isa(int64_t level);
 // gguf_rows.cpp
 std::vector<int64_t> qd_gguf_rows_formats();
 at::Tensor qd_gguf_rows(const at::Tensor& raw, const at::Tensor& ids, int64_t type, int64_t dim);
-// panel_driver.h's, for every panel kernel; bytes_32 the GGUF formats of 32-value blocks' (-1: bytes)
+// panel_driver.h's, for every panel kernel; bytes_32 the 32-value GGUF formats' in one-row passes (-1: bytes)
 int64_t qd_set_prefetch_bytes(int64_t bytes, int64_t bytes_32);
 // linear_panel.cpp
 bool qd_linear_panel_eligible(const at::Tensor& x, const at::Tensor& packed, int64_t N,
