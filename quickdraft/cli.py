@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +42,13 @@ from quickdraft.config import (
 from quickdraft.images import DEFAULT_MAX_IMAGE_PIXELS
 from quickdraft.request import RelaxedThinking, SamplingParams
 from quickdraft.server.main import ServeOptions
-from quickdraft.server.media import DEFAULT_IMAGES_PER_PROMPT, MediaPolicy
+from quickdraft.server.media import (
+    DEFAULT_IMAGES_PER_PROMPT,
+    DEFAULT_VIDEOS_PER_PROMPT,
+    MediaPolicy,
+)
 from quickdraft.server.state import ServerConfig
+from quickdraft.videos import expand_videos
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome."
 DTYPE_CHOICES = ["gguf", "bf16", "fp32"]
@@ -269,12 +275,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     load_s = time.perf_counter() - t0
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     images = [lm.load_image(Path(file).read_bytes()) for file in args.image or []]
-    if images and not args.chat:
-        raise ValueError("--image needs --chat (the chat template places the image)")
+    videos = [lm.load_video(Path(file).read_bytes()) for file in args.video or []]
+    for given_, flag in ((images, "--image"), (videos, "--video")):
+        if given_ and not args.chat:
+            raise ValueError(f"{flag} needs --chat (the chat template places it)")
     if args.chat:
-        parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
-        content: str | list[dict[str, str]] = parts if images else prompt
-        ids = lm.tokenizer.encode_chat([{"role": "user", "content": content}])
+        parts = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos]
+        parts.append({"type": "text", "text": prompt})
+        content: str | list[dict[str, str]] = parts if images or videos else prompt
+        expand = None
+        if videos:
+            assert lm.video_processing is not None  # load_video refused it otherwise
+            placeholder = lm.video_processing.placeholder
+            expand = partial(expand_videos, videos=videos, placeholder=placeholder)
+        ids = lm.tokenizer.encode_chat([{"role": "user", "content": content}], None, expand)
+        images += [frame for video in videos for frame in video.frames]
     else:
         ids = lm.tokenizer.encode(prompt)
     req = lm.new_request(ids, params, images=images)
@@ -392,8 +407,9 @@ def serve_options(args: argparse.Namespace) -> tuple[ServeOptions, ServerConfig]
 
 
 def media_policy(args: argparse.Namespace) -> MediaPolicy:
-    """What image parts may be: the --allowed-media-domains / --allowed-local-media-path /
-    --max-image-pixels / --limit-images-per-prompt flags (unset: MediaPolicy's defaults)."""
+    """What image and video parts may be: the --allowed-media-domains /
+    --allowed-local-media-path / --max-image-pixels / --limit-images-per-prompt /
+    --limit-videos-per-prompt flags (unset: MediaPolicy's defaults)."""
     local = args.allowed_local_media_path
     if local is not None and not Path(local).is_dir():
         raise ValueError(f"--allowed-local-media-path {local!r} is not a directory")
@@ -405,6 +421,7 @@ def media_policy(args: argparse.Namespace) -> MediaPolicy:
             allowed_local_path=None if local is None else Path(local),
             max_image_pixels=args.max_image_pixels,
             images_per_prompt=args.limit_images_per_prompt,
+            videos_per_prompt=args.limit_videos_per_prompt,
         )
     )
 
@@ -507,6 +524,12 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help=f"most images in one request (default {DEFAULT_IMAGES_PER_PROMPT})",
+    )
+    s.add_argument(
+        "--limit-videos-per-prompt",
+        type=int,
+        default=None,
+        help=f"most videos in one request, Gemma 4 (default {DEFAULT_VIDEOS_PER_PROMPT})",
     )
     s.add_argument("--default-max-tokens", type=int, default=None, help="when a request gives none")
     s.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
@@ -901,6 +924,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help="an image file before the prompt (repeatable; a vision-language model, with --chat)",
+    )
+    g.add_argument(
+        "--video",
+        action="append",
+        default=None,
+        help="a video file after the images (repeatable; Gemma 4, with --chat)",
     )
     g.add_argument("prompt", nargs="?", default=None)
     g.set_defaults(func=cmd_generate)

@@ -284,17 +284,21 @@ class ImageLayout:
         around: tuple[int, int] | None = None,
         mrope: bool = True,
         two_way: bool = False,
+        video_token_id: int | None = None,
     ) -> tuple[list[int], ImageLayout]:
         """Expand each single `image_token_id` of `prompt_ids` (one per image, in order) into
         that image's placeholder count, between the ids `around` (Gemma 4's begin / end of
         image; the Qwen templates write theirs); returns the expanded ids and their layout.
         Without `mrope` every row's position is its index (all three streams); `around`
-        goes without it."""
+        goes without it. A video's frames are images here, each placeholder the
+        `video_token_id` (expanded with that id; videos.py writes one per frame)."""
         assert around is None or not mrope, "begin / end ids around an image: no M-RoPE"
-        slots = [i for i, t in enumerate(prompt_ids) if t == image_token_id]
+        marks = {image_token_id} if video_token_id is None else {image_token_id, video_token_id}
+        slots = [i for i, t in enumerate(prompt_ids) if t in marks]
         if len(slots) != len(images):
+            what = "image" if video_token_id is None else "image or video-frame"
             raise ImageError(
-                f"the prompt has {len(slots)} image placeholders for {len(images)} images "
+                f"the prompt has {len(slots)} {what} placeholders for {len(images)} images "
                 "(the model's chat template places one per image part; one that does not "
                 "handle image parts cannot take images)"
             )
@@ -311,7 +315,7 @@ class ImageLayout:
             pos += text
             count = image.num_tokens(merge_size)
             spans.append(ImageSpan(len(ids), count, image))
-            ids.extend([image_token_id] * count)
+            ids.extend([prompt_ids[slot]] * count)
             if around is not None:
                 ids.append(around[1])
             if not mrope:

@@ -21,6 +21,7 @@ import torch
 from quickdraft import hub
 from quickdraft.config import DEFAULT_DTYPE, GGUF_DTYPE, QUANTIZATIONS, parse_dtype
 from quickdraft.grammar import Grammar, GrammarCompiler, Matcher
+from quickdraft.hub.gguf_gemma4 import GEMMA4_VIDEO_TOKEN, GEMMA4V_TOKENS
 from quickdraft.images import (
     DEFAULT_MAX_IMAGE_PIXELS,
     ImageError,
@@ -41,6 +42,7 @@ from quickdraft.models.registry import model_class, read_config
 from quickdraft.models.vision import ImageTower, VisionConfig
 from quickdraft.request import Request, SamplingError, SamplingParams
 from quickdraft.tokenizer import Tokenizer
+from quickdraft.videos import VideoInput, VideoProcessing, load_video
 
 
 class ContextLengthError(ValueError):
@@ -80,6 +82,7 @@ class LoadedModel:
     eos_ids: tuple[int, ...]
     vision: ImageTower | None = None  # a vision-language target's image encoder
     image_processing: ImageProcessing | None = None  # its preprocessing (with `vision`)
+    video_processing: VideoProcessing | None = None  # a tower that takes video frames (Gemma 4)
     _grammars: GrammarCompiler | None = field(default=None, repr=False)
     _grammars_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -110,9 +113,11 @@ class LoadedModel:
     @property
     def image_token_ids(self) -> frozenset[int]:
         """Placeholder ids whose rows are image embeddings (lookup drafters never draft them)."""
-        return (
-            frozenset() if self.vision is None else frozenset({self.vision.config.image_token_id})
-        )
+        if self.vision is None:
+            return frozenset()
+        vc = self.vision.config
+        video = {vc.video_token_id} if self.video_processing is not None else set()
+        return frozenset({vc.image_token_id} | video)
 
     def load_image(self, data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ImageInput:
         """Image bytes -> this model's preprocessed input; ImageError for a text-only model,
@@ -120,6 +125,13 @@ class LoadedModel:
         if self.vision is None or self.image_processing is None:
             raise ImageError(f"model {self.name!r} takes no image input (text only)")
         return load_image(data, self.image_processing, max_pixels)
+
+    def load_video(self, data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> VideoInput:
+        """Video bytes -> this model's sampled, preprocessed frames; ImageError for a model
+        that takes no video or bytes that are no video."""
+        if self.video_processing is None:
+            raise ImageError(f"model {self.name!r} takes no video input")
+        return load_video(data, self.video_processing, max_pixels)
 
     def room(self, prompt_tokens: int, max_tokens: int | None = None) -> int:
         return context_room(self.context_length, prompt_tokens, max_tokens)
@@ -132,8 +144,8 @@ class LoadedModel:
         tenant: str = "",
         images: Sequence[ImageInput] = (),
     ) -> Request:
-        """`images`: one per image placeholder id in `prompt_ids`, in order (each placeholder
-        is expanded to its image's token count here)."""
+        """`images`: one per image or video-frame placeholder id in `prompt_ids`, in order
+        (each placeholder is expanded to its image's token count here)."""
         layout = None
         if images:
             if self.vision is None or self.image_processing is None:
@@ -148,6 +160,7 @@ class LoadedModel:
                 around=(vc.vision_start_token_id, vc.vision_end_token_id) if gemma else None,
                 mrope=not gemma,
                 two_way=gemma and bool(getattr(self.model.config, "two_way_images", False)),
+                video_token_id=vc.video_token_id if self.video_processing is not None else None,
             )
         self.room(len(prompt_ids), params.max_tokens)
         vocab = self.model.config.vocab_size
@@ -269,11 +282,19 @@ def load(
     vision: ImageTower | None
     processing: ImageProcessing | None
     if mmproj is not None:
-        ids = _vision_ids(tokenizer, mmproj, placeholders(mmproj))
-        vision, processing = load_mmproj(mmproj, ids, tower_dtype, where)
+        texts = placeholders(mmproj)
+        ids = _vision_ids(tokenizer, mmproj, texts)
+        video = tokenizer.token_id(GEMMA4_VIDEO_TOKEN) if texts == GEMMA4V_TOKENS else None
+        video_id = -1 if video is None else video
+        vision, processing = load_mmproj(mmproj, ids, tower_dtype, where, video_id)
     else:
         vision = None if is_gguf_dir(path) else load_vision(path, tower_dtype, where)
         processing = None if vision is None else ImageProcessing.from_dir(path, vision.config.kind)
+    videos = None
+    if vision is not None and processing is not None and vision.config.video_token_id >= 0:
+        placeholder = tokenizer.vocab_entry(vision.config.video_token_id)
+        if placeholder is not None:  # a tokenizer without the token: images only
+            videos = VideoProcessing.from_dir(path, processing, placeholder)
     if vision is not None and not _takes_images(net.config, vision.config):
         raise ValueError(
             f"{model}: {net.config.model_type} takes no image input from a "
@@ -284,4 +305,5 @@ def load(
             f"{model}: the vision tower's output ({vision.config.out_hidden_size} wide) does "
             f"not fit the language model ({net.config.hidden_size}): a projector of another model"
         )
-    return LoadedModel(model, path, dtype, net, tokenizer, tuple(sorted(eos)), vision, processing)
+    eos_ids = tuple(sorted(eos))
+    return LoadedModel(model, path, dtype, net, tokenizer, eos_ids, vision, processing, videos)

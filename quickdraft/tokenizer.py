@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -146,6 +147,11 @@ class Tokenizer:
         found: int | None = self._tok.token_to_id(text)
         return found
 
+    def vocab_entry(self, token_id: int) -> str | None:
+        """The vocabulary entry of `token_id` as spelled there (None past the vocabulary)."""
+        text: str | None = self._tok.id_to_token(token_id)
+        return text
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a logprobs entry's `bytes`): exact also for a token
         that holds part of a multi-byte character."""
@@ -201,12 +207,20 @@ class Tokenizer:
         )
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        expand: Callable[[str], str] | None = None,
     ) -> list[int]:
         """The chat's token ids: the template's special tokens as control tokens, the messages'
-        (and tool definitions') text as plain text (see the module docstring)."""
+        (and tool definitions') text as plain text (see the module docstring). `expand`
+        rewrites the rendered text before it is encoded (a video placeholder into its frames':
+        client text cannot spell a special token there, it is broken first)."""
         if not self._specials:
-            return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
+            rendered = self.render_chat(messages, tools=tools)
+            return self.encode(
+                rendered if expand is None else expand(rendered), add_special_tokens=False
+            )
         texts = _strings([messages, tools])
         fixed = [
             *self._specials,
@@ -222,6 +236,8 @@ class Tokenizer:
             _break_specials(messages, whole, marker),
             tools=None if tools is None else _break_specials(tools, whole, marker),
         )
+        if expand is not None:
+            rendered = expand(rendered)
         # Between two of the template's special tokens (and at either end): plain text where a
         # marker shows client text broke a token there; the rest encoded as one stretch.
         edges = [0, *(i for m in whole.finditer(rendered) for i in m.span()), len(rendered)]

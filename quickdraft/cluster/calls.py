@@ -19,6 +19,7 @@ from quickdraft.image_encoder import EncoderStats
 from quickdraft.images import ImageInput, ImageProcessing
 from quickdraft.request import SamplingParams
 from quickdraft.tokenizer import Tokenizer
+from quickdraft.videos import VideoProcessing
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,3 +70,4 @@ class ModelInfo:
     spec: SpeculativeConfig
     device: str = "cpu"  # loading.device_name of where the replica runs it
     image_processing: ImageProcessing | None = None  # a vision-language model's preprocessing
+    video_processing: VideoProcessing | None = None  # a model that takes video (Gemma 4)

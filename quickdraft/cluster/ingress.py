@@ -46,6 +46,7 @@ from quickdraft.server.metrics import PREFIX
 from quickdraft.server.settings import SpeculationSettings
 from quickdraft.server.state import ServerConfig
 from quickdraft.tokenizer import Tokenizer
+from quickdraft.videos import VideoProcessing
 
 log = logging.getLogger("quickdraft.server")
 REPLICA_HEADER = "x-quickdraft-replica"
@@ -84,6 +85,10 @@ class RemoteModel:
     @property
     def image_processing(self) -> ImageProcessing | None:
         return self.info.image_processing
+
+    @property
+    def video_processing(self) -> VideoProcessing | None:
+        return self.info.video_processing
 
     def room(self, prompt_tokens: int, max_tokens: int | None = None) -> int:
         return context_room(self.context_length, prompt_tokens, max_tokens)

@@ -62,6 +62,7 @@ class EngineReplica:
                 s.spec_config,
                 s.lm.device,
                 s.lm.image_processing,
+                s.lm.video_processing,
             )
             for name, s in self.engine.models.items()
         ]

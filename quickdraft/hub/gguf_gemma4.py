@@ -369,6 +369,7 @@ def add_gemma4_metadata(w: Any, cfg: dict[str, Any]) -> None:
 # type `gemma4v` (conversion/gemma.py `Gemma4VisionAudioModel`)
 GEMMA4V_PROJECTOR = "gemma4v"
 GEMMA4V_TOKENS = ("<|image|>", "<|image>", "<image|>")  # image, begin, end (llama.cpp's mtmd)
+GEMMA4_VIDEO_TOKEN = "<|video|>"  # a video frame's placeholder (transformers' Gemma4Processor)
 _VISION_LINEARS = (
     ("self_attn.q_proj", "attn_q"),
     ("self_attn.k_proj", "attn_k"),

@@ -54,6 +54,7 @@ class VisionConfig:
     rms_norm_eps: float = 1e-6  # gemma4
     standardize: bool = False  # gemma4: the pooled features shifted and scaled (std_bias...)
     clipped_linears: bool = False  # gemma4: projections clamp their inputs and outputs
+    video_token_id: int = -1  # gemma4: a video frame's placeholder (-1: no video input)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> VisionConfig | None:
@@ -135,6 +136,7 @@ class VisionConfig:
             rms_norm_eps=float(vision.get("rms_norm_eps", 1e-6)),
             standardize=bool(vision.get("standardize", False)),
             clipped_linears=bool(vision.get("use_clipped_linears", False)),
+            video_token_id=int(raw.get("video_token_id", 258884)),
         )
 
     @property

@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import uuid
+from functools import partial
 from typing import Any
 
 import jinja2
@@ -34,14 +35,14 @@ from starlette.types import Receive, Scope, Send
 
 from quickdraft.engine import Engine, EngineDeadError, QueueFullError
 from quickdraft.grammar import GrammarError
-from quickdraft.images import ImageInput
+from quickdraft.images import ImageError, ImageInput
 from quickdraft.loading import ContextLengthError
 from quickdraft.request import SamplingParams
 from quickdraft.server import admin
 from quickdraft.server.access import ApiKeyMiddleware, HostCheckMiddleware, tenant_of
 from quickdraft.server.backend import Backend, LocalBackend, ModelFront, ReplicaLostError
 from quickdraft.server.errors import BodyLimitMiddleware, error_response, install_error_handlers
-from quickdraft.server.media import read_images
+from quickdraft.server.media import read_media
 from quickdraft.server.metrics import now
 from quickdraft.server.protocol import (
     APIError,
@@ -58,6 +59,7 @@ from quickdraft.server.responses import (
 from quickdraft.server.settings import SpeculationSettings
 from quickdraft.server.state import ServerConfig, ServerState, Slot
 from quickdraft.server.tools import hermes_messages
+from quickdraft.videos import VideoInput, expand_videos
 
 log = logging.getLogger("quickdraft.server")
 # a completion prompt's route key covers this many leading tokens (a system prompt's worth)
@@ -127,8 +129,13 @@ def create_app(
         arrived = now()
         body.check()
         lm = _model(state, body.model)
-        image_parts = body.image_parts()
-        images = await read_images(image_parts, lm.image_processing, state.config.media, body.model)
+        media = await read_media(
+            body.media_parts(),
+            lm.image_processing,
+            lm.video_processing,
+            state.config.media,
+            body.model,
+        )
         messages, tools = body.chat(), body.tool_defs()
         if is_harmony(lm.tokenizer) and body.tool_grammar() is not None:
             # a forced call's grammar writes Hermes `<tool_call>` blocks, not harmony's channels
@@ -136,14 +143,24 @@ def create_app(
             raise APIError(400, msg, "tool_choice")
         if not lm.tokenizer.renders_tools and (tools or _mentions_tools(messages)):
             messages, tools = hermes_messages(messages, tools), None  # as plain turns
+        videos = [m for m in media if isinstance(m, VideoInput)]
+        expand = None
+        if videos:  # the template's placeholder of each video -> its frames'
+            assert lm.video_processing is not None
+            expand = partial(
+                expand_videos, videos=videos, placeholder=lm.video_processing.placeholder
+            )
         try:
-            prompt_ids = lm.tokenizer.encode_chat(messages, tools)
+            prompt_ids = lm.tokenizer.encode_chat(messages, tools, expand)
+        except ImageError as exc:  # a template that places no video placeholder
+            raise APIError(400, str(exc), "messages") from None
         except (ValueError, jinja2.TemplateError) as exc:  # no template / template refused
             raise APIError(400, f"cannot render the chat: {exc}", "messages") from None
         root = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
-        # the conversation's start (stays as it grows), its images by content
-        early = sum(len(m.image_urls()) for m in body.messages[: root + 1])
-        shared = [tools, messages[: root + 1], [im.digest for im in images[:early]]]
+        # the conversation's start (stays as it grows), its images and videos by content
+        early = sum(len(m.media_urls()) for m in body.messages[: root + 1])
+        shared = [tools, messages[: root + 1], [m.digest for m in media[:early]]]
+        images = [f for m in media for f in (m.frames if isinstance(m, VideoInput) else (m,))]
         return await _generate(state, request, body, prompt_ids, "chat", arrived, shared, images)
 
     @app.post("/v1/completions")

@@ -28,6 +28,7 @@ from quickdraft.image_encoder import EncoderStats
 from quickdraft.images import ImageInput, ImageProcessing
 from quickdraft.request import SamplingParams
 from quickdraft.tokenizer import Tokenizer
+from quickdraft.videos import VideoProcessing
 
 
 class ReplicaLostError(EngineDeadError):
@@ -54,6 +55,11 @@ class ModelFront(Protocol):
     @property
     def image_processing(self) -> ImageProcessing | None:
         """A vision-language model's image preprocessing; None: it takes text only."""
+        ...
+
+    @property
+    def video_processing(self) -> VideoProcessing | None:
+        """Its video preprocessing; None: it takes no video."""
         ...
 
     def room(self, prompt_tokens: int, max_tokens: int | None = None) -> int: ...

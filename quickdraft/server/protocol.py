@@ -116,19 +116,35 @@ class ImagePart(_Strict):
     image_url: ImageUrl
 
 
+class VideoUrl(_Strict):
+    url: Text  # data:video/...;base64,..., or an http(s) / file URL the operator allows
+
+
+class VideoPart(_Strict):
+    """vLLM's extension of OpenAI's content parts: a video (Gemma 4)."""
+
+    type: Literal["video_url"]
+    video_url: VideoUrl
+
+
+PART_TYPES = ("text", "image_url", "video_url")
+
+
 def _part_tag(value: Any) -> str | None:
     """The union member a content part is validated as (None: an unknown type, refused)."""
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return f"part[{kind}]" if kind in ("text", "image_url") else None
+    return f"part[{kind}]" if kind in PART_TYPES else None
 
 
 # Tags carry "[...]": server/errors.py drops union member names from an error's `param`
 ContentPart = Annotated[
-    Annotated[TextPart, Tag("part[text]")] | Annotated[ImagePart, Tag("part[image_url]")],
+    Annotated[TextPart, Tag("part[text]")]
+    | Annotated[ImagePart, Tag("part[image_url]")]
+    | Annotated[VideoPart, Tag("part[video_url]")],
     Discriminator(
         _part_tag,
         custom_error_type="content_part_type",
-        custom_error_message="a content part's type must be 'text' or 'image_url'",
+        custom_error_message="a content part's type must be 'text', 'image_url' or 'video_url'",
     ),
 ]
 
@@ -165,21 +181,31 @@ class ChatMessage(BaseModel):
 
     def image_urls(self) -> list[tuple[int, str]]:
         """(part index, URL) of the message's image parts."""
+        return [(j, url) for j, kind, url in self.media_urls() if kind == "image"]
+
+    def media_urls(self) -> list[tuple[int, str, str]]:
+        """(part index, "image" or "video", URL) of the message's image and video parts."""
         if not isinstance(self.content, list):
             return []
         return [
-            (j, p.image_url.url) for j, p in enumerate(self.content) if isinstance(p, ImagePart)
+            (j, "image", p.image_url.url)
+            if isinstance(p, ImagePart)
+            else (j, "video", p.video_url.url)
+            for j, p in enumerate(self.content)
+            if isinstance(p, ImagePart | VideoPart)
         ]
 
     def template_content(self) -> str | list[dict[str, str]]:
         """The content as chat templates read it: the text, or, where the message holds
-        images, its parts in order with each image as `{"type": "image"}` (the template puts
-        the model's image placeholder there)."""
-        if not self.image_urls():
+        images or videos, its parts in order with each as `{"type": "image"}` or
+        `{"type": "video"}` (the template puts the model's placeholder there)."""
+        if not self.media_urls():
             return self.text()
         assert isinstance(self.content, list)
         return [
-            {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+            {"type": "text", "text": p.text}
+            if isinstance(p, TextPart)
+            else {"type": "image" if isinstance(p, ImagePart) else "video"}
             for p in self.content
         ]
 
@@ -445,16 +471,17 @@ class ChatCompletionRequest(GenerateRequest):
                 why = " (or tool_calls in an assistant message)" if m.role == "assistant" else ""
                 msg = f"messages[{i}].content is required{why}"
                 raise APIError(400, msg, f"messages[{i}].content")
-            if m.image_urls() and m.role != "user":
-                msg = f"messages[{i}]: image parts are allowed in user messages only"
+            if m.media_urls() and m.role != "user":
+                msg = f"messages[{i}]: image and video parts are allowed in user messages only"
                 raise APIError(400, msg, f"messages[{i}].content")
 
-    def image_parts(self) -> list[tuple[str, str]]:
-        """(param, URL) of every image part of the conversation, in prompt order."""
+    def media_parts(self) -> list[tuple[str, str, str]]:
+        """(param, "image" or "video", URL) of every image and video part of the conversation,
+        in prompt order."""
         return [
-            (f"messages[{i}].content[{j}].image_url", url)
+            (f"messages[{i}].content[{j}].{kind}_url", kind, url)
             for i, m in enumerate(self.messages)
-            for j, url in m.image_urls()
+            for j, kind, url in m.media_urls()
         ]
 
     def requested_max_tokens(self) -> int | None:
