@@ -40,8 +40,8 @@ from quickdraft.bench.report import bar_chart, machine, table, write
 from quickdraft.bench.shapes import MOE_REAL, init_
 from quickdraft.kernels.gemm import to_panels
 from quickdraft.loading import load
-from quickdraft.models.gemma4 import Gemma4LM, quantizer
-from quickdraft.models.gemma4_assistant import AssistantConfig, Gemma4Assistant
+from quickdraft.models.families.gemma4 import Gemma4LM, quantizer
+from quickdraft.models.heads.gemma4_assistant import AssistantConfig, Gemma4Assistant
 from quickdraft.models.layers import convert_operands_
 from quickdraft.speculation.drafters.assistant import AssistantDrafter, assistant_step_seconds
 

@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 
 from quickdraft.bench.speculative import prompt_sets
 from quickdraft.loading import load
-from quickdraft.models.dflash import DFlashConfig
-from quickdraft.models.draft_vocab import read_draft_vocabulary
+from quickdraft.models.heads.dflash import DFlashConfig
+from quickdraft.models.heads.draft_vocab import read_draft_vocabulary
 from quickdraft.training.chat_data import answer, chat_corpus
 from quickdraft.training.corpus import load_corpus
 from quickdraft.training.dflash import trainer_for

@@ -362,8 +362,8 @@ def bench_hybrid(size: str, device: torch.device) -> dict[str, Any]:
     without graphs), with the Triton delta-rule kernels and with torch's ops."""
     import os
 
-    from quickdraft.models.hybrid_config import HybridConfig
-    from quickdraft.models.qwen3_next import HybridLM
+    from quickdraft.models.families.hybrid_config import HybridConfig
+    from quickdraft.models.families.qwen3_next import HybridLM
 
     dims = HYBRID_TEXT[size]
     layers = dims["num_hidden_layers"]

@@ -41,7 +41,7 @@ from quickdraft.bench.speculative import prompt_sets
 from quickdraft.config import SpeculativeConfig
 from quickdraft.kernels import triton_gguf, triton_linear, triton_ops
 from quickdraft.loading import LoadedModel, load
-from quickdraft.models.gguf_gpu import random_q4_k_m_, weight_bytes
+from quickdraft.models.formats.gguf_gpu import random_q4_k_m_, weight_bytes
 from quickdraft.models.graphs import GraphModel
 from quickdraft.speculation.cost import measure_step_cost, settle
 from quickdraft.speculation.factory import make_speculation

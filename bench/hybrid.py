@@ -58,10 +58,10 @@ from quickdraft.hub.gguf_write import WRITABLE, llama_cpp_tensors, write_gguf
 from quickdraft.kernels import PanelWeight, Weight, panels_apply, project
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.loading import LoadedModel, load
-from quickdraft.models.hybrid_config import HybridConfig
-from quickdraft.models.moe import GatedMLP
-from quickdraft.models.mtp import MTPHead, hybrid_mtp_parts
-from quickdraft.models.qwen3_next import GatedAttention, GatedDeltaNet, HybridLM
+from quickdraft.models.families.hybrid_config import HybridConfig
+from quickdraft.models.families.moe import GatedMLP
+from quickdraft.models.families.qwen3_next import GatedAttention, GatedDeltaNet, HybridLM
+from quickdraft.models.heads.mtp import MTPHead, hybrid_mtp_parts
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.drafters.base import DraftJob
 from quickdraft.speculation.drafters.mtp import MTPDrafter, head_step_seconds, load_mtp_head

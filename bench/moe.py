@@ -71,14 +71,14 @@ from quickdraft.hub.gguf_write import (
 from quickdraft.kernels.linear_gguf import FORMATS
 from quickdraft.loading import load
 from quickdraft.memory import freeze_loaded
-from quickdraft.models.gemma4 import Gemma4LM
-from quickdraft.models.gemma4_config import Gemma4Config
-from quickdraft.models.gpt_oss import GptOssConfig, GptOssLM
-from quickdraft.models.hybrid_config import HybridConfig
-from quickdraft.models.llama import CausalLM
-from quickdraft.models.mtp import MTPHead, hybrid_mtp_parts
-from quickdraft.models.packed_copy import PACKED_NAME
-from quickdraft.models.qwen3_next import HybridLM
+from quickdraft.models.families.gemma4 import Gemma4LM
+from quickdraft.models.families.gemma4_config import Gemma4Config
+from quickdraft.models.families.gpt_oss import GptOssConfig, GptOssLM
+from quickdraft.models.families.hybrid_config import HybridConfig
+from quickdraft.models.families.llama import CausalLM
+from quickdraft.models.families.qwen3_next import HybridLM
+from quickdraft.models.formats.packed_copy import PACKED_NAME
+from quickdraft.models.heads.mtp import MTPHead, hybrid_mtp_parts
 
 REAL, CUTS = MOE_REAL, MOE_CUTS  # quickdraft/bench/shapes.py
 

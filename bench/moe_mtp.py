@@ -56,8 +56,8 @@ from quickdraft.kernels import project
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.loading import LoadedModel, load
 from quickdraft.memory import freeze_loaded
-from quickdraft.models.mtp import MTPHead
-from quickdraft.models.qwen3_next import HybridLM
+from quickdraft.models.families.qwen3_next import HybridLM
+from quickdraft.models.heads.mtp import MTPHead
 from quickdraft.speculation.drafters.mtp import MTPDrafter
 from quickdraft.speculation.factory import make_speculation
 from quickdraft.speculation.state import Speculation

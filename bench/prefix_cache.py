@@ -10,7 +10,7 @@ warm-up excluded:
              a short question: median TTFT over --repeats questions on a core without the
              cache (cold) vs on a core whose cache already holds the prefix (one earlier request
              with another question put it there), the matched blocks read in place (the
-             default) and copied into the sequence's cache (models/kv_cache.py `IN_PLACE`
+             default) and copied into the sequence's cache (models/caches/kv_cache.py `IN_PLACE`
              False, as before 2026-11-27); cold and cached runs interleaved
   step       a decode step (1 row) and a verify (17 rows) after the --prefix-tokens prefix
              taken from the cache (as a request with it left it), blocks in place vs copied
@@ -50,8 +50,8 @@ from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.kernels import panels_apply
 from quickdraft.loading import LoadedModel, load
 from quickdraft.models import kv_cache
-from quickdraft.models.hybrid_config import HybridConfig
-from quickdraft.models.qwen3_next import HybridLM
+from quickdraft.models.families.hybrid_config import HybridConfig
+from quickdraft.models.families.qwen3_next import HybridLM
 from quickdraft.request import SamplingParams
 
 QUESTIONS = [

@@ -53,7 +53,7 @@ def read_hf_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """What the dense decoder (models/llama.py) needs. Field names follow Hugging Face."""
+    """What the dense decoder (models/families/llama.py) needs. Field names follow Hugging Face."""
 
     # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "qwen2_5_vl" (see models/registry.py)
     model_type: str

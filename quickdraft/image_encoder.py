@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from quickdraft.images import ImageLayout
-from quickdraft.models.vision import ImageTower
+from quickdraft.models.families.vision import ImageTower
 
 ENCODER_CACHE_BYTES = 256 << 20  # embeddings kept by digest, least recently used dropped first
 

@@ -44,7 +44,7 @@ class ImageError(ValueError):
 @dataclass(frozen=True, slots=True)
 class ImageProcessing:
     """A checkpoint's preprocessing (preprocessor_config.json; Qwen3.5's values by default).
-    `kind` is the tower family's (models/vision.py VisionConfig.kind): "gemma4" resizes to
+    `kind` is the tower family's (models/families/vision.py VisionConfig.kind): "gemma4" resizes to
     `max_soft_tokens` placeholders of merge x merge patches and lays patches out in raster
     order, (row, column, channel) within each; the Qwen families smart-resize and lay them
     out in merge-block order, (channel, time, row, column) within each."""
@@ -62,7 +62,7 @@ class ImageProcessing:
     @classmethod
     def from_dir(cls, path: Path, kind: str = "qwen3_5") -> ImageProcessing:
         """preprocessor_config.json of `path`, what it leaves out as the `kind` family's
-        (models/vision.py VisionConfig.kind) defaults."""
+        (models/families/vision.py VisionConfig.kind) defaults."""
         file = path / "preprocessor_config.json"
         base = PROCESSING[kind]
         return cls.from_config(json.loads(file.read_text()), base) if file.is_file() else base

@@ -32,14 +32,14 @@ from quickdraft.images import (
 )
 from quickdraft.kernels import kernels_available, panels_apply
 from quickdraft.models.base import LanguageModel
-from quickdraft.models.gemma4_config import Gemma4Config
-from quickdraft.models.gguf_gpu import runs_on_device
-from quickdraft.models.gguf_loader import is_gguf_dir
-from quickdraft.models.gguf_vision import load_mmproj, placeholders
+from quickdraft.models.families.gemma4_config import Gemma4Config
+from quickdraft.models.families.vision import ImageTower, VisionConfig
+from quickdraft.models.formats.gguf_gpu import runs_on_device
+from quickdraft.models.formats.gguf_loader import is_gguf_dir
+from quickdraft.models.formats.gguf_vision import load_mmproj, placeholders
+from quickdraft.models.formats.loader import load_model, load_vision
 from quickdraft.models.graphs import for_device
-from quickdraft.models.loader import load_model, load_vision
 from quickdraft.models.registry import model_class, read_config
-from quickdraft.models.vision import ImageTower, VisionConfig
 from quickdraft.request import Request, SamplingError, SamplingParams
 from quickdraft.tokenizer import Tokenizer
 from quickdraft.videos import VideoInput, VideoProcessing, load_video
@@ -247,7 +247,7 @@ def load(
     (kernels/triton_gguf.py; other GGUF families are dequantized to bf16 there) and a dense
     model runs behind models/graphs.py's GraphModel (CUDA graphs, static KV slots). `mmproj`:
     llama.cpp's multimodal projector file of a vision-language GGUF target
-    (models/gguf_vision.py); a Hugging Face directory brings its own vision tower."""
+    (models/formats/gguf_vision.py); a Hugging Face directory brings its own vision tower."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r}: choose one of {QUANTIZATIONS}")
     where = resolve_device(device)

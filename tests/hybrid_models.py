@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from quickdraft.models.hybrid_config import HybridConfig
-from quickdraft.models.mtp import MTPHead, hybrid_mtp_parts, llama_mtp_parts
-from quickdraft.models.qwen3_next import HybridLM
+from quickdraft.models.families.hybrid_config import HybridConfig
+from quickdraft.models.families.qwen3_next import HybridLM
+from quickdraft.models.heads.mtp import MTPHead, hybrid_mtp_parts, llama_mtp_parts
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -1,6 +1,6 @@
-"""DFlash block drafter (models/dflash.py, drafters/dflash.py) on tiny random checkpoints written
-in the public layout (no trained DFlash weights exist offline), beside tiny random dense (Qwen3)
-and hybrid (Qwen3.5) targets. Over 400 lines: the checkpoint writers, the rig and the naive
+"""DFlash block drafter (models/heads/dflash.py, drafters/dflash.py) on tiny random checkpoints
+written in the public layout (no trained DFlash weights exist offline), beside tiny random dense
+(Qwen3) and hybrid (Qwen3.5) targets. Over 400 lines: the checkpoint writers, the rig and the naive
 reference the other tests compare against live here with them.
 
 Structure: the config and tensor names round trip, refusals, the forward against a naive
@@ -43,9 +43,9 @@ from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.engine.spec_cycle import StepOutput
 from quickdraft.kernels import kernels_available
 from quickdraft.loading import LoadedModel, load
-from quickdraft.models.dflash import DFlashConfig, block_attention, default_target_layers
-from quickdraft.models.llama import CausalLM
-from quickdraft.models.qwen3_next import HybridLM
+from quickdraft.models.families.llama import CausalLM
+from quickdraft.models.families.qwen3_next import HybridLM
+from quickdraft.models.heads.dflash import DFlashConfig, block_attention, default_target_layers
 from quickdraft.request import Request, SamplingParams
 from quickdraft.speculation.drafters.base import DraftJob
 from quickdraft.speculation.drafters.dflash import DFlashDrafter, dflash_drafter, load_dflash

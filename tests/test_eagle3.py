@@ -1,9 +1,9 @@
-"""EAGLE-3 heads (models/eagle3.py, drafters/eagle3.py) on tiny random-weight heads saved in
-each layout users bring: the engine's head against the reference forward written from the
-formulas (tests/eagle3_heads.py), the taps read against transformers' hidden states by name,
-greedy speculation equal to speculation off on dense (fp32, bf16, GGUF), MoE and hybrid
-targets with a head built to agree (acceptances) and random heads (rejections), and a clear
-error for every head that does not fit."""
+"""EAGLE-3 heads (models/heads/eagle3.py, drafters/eagle3.py) on tiny random-weight heads saved in
+each layout users bring: the engine's head against the reference forward written from the formulas
+(tests/eagle3_heads.py), the taps read against transformers' hidden states by name, greedy
+speculation equal to speculation off on dense (fp32, bf16, GGUF), MoE and hybrid targets with a head
+built to agree (acceptances) and random heads (rejections), and a clear error for every head that
+does not fit."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ from test_mtp import DENSE_CONFIG, PROMPTS, K, generate
 
 from quickdraft.config import ModelConfig, SpeculativeConfig
 from quickdraft.loading import LoadedModel, load
-from quickdraft.models.eagle3 import Eagle3Head
-from quickdraft.models.llama import CausalLM
+from quickdraft.models.families.llama import CausalLM
+from quickdraft.models.heads.eagle3 import Eagle3Head
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.drafters.base import DraftJob
 from quickdraft.speculation.drafters.eagle3 import Eagle3Drafter, eagle3_drafter, load_eagle3
@@ -137,7 +137,7 @@ def test_eagle3_head_equals_the_reference_forward(
 
 
 def test_eagle3_default_taps_and_bounds() -> None:
-    from quickdraft.models.eagle3 import Eagle3Config
+    from quickdraft.models.heads.eagle3 import Eagle3Config
 
     cfg = Eagle3Config(ModelConfig.from_dict(dict(DENSE_CONFIG)), 64, None, None, "h")
     assert cfg.taps(36) == (2, 18, 33)  # Qwen3-8B's 36 layers

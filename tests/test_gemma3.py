@@ -1,4 +1,4 @@
-"""Gemma 3 (models/gemma3.py) from a GGUF file in llama.cpp's naming: a tiny random-weight
+"""Gemma 3 (models/families/gemma3.py) from a GGUF file in llama.cpp's naming: a tiny random-weight
 `gemma3` file (6 layers: 5 local with an 8-key sliding window, 1 global; norms stored as
 llama.cpp stores them, 1 + w) written with gguf-py. Checked: the fp32 model equals
 transformers' Gemma3ForCausalLM on the converted weights (logits, 32 greedy tokens) and
@@ -29,8 +29,8 @@ from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.hub.gguf_write import add_tiny_tokenizer
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.loading import LoadedModel, load
-from quickdraft.models.gguf_loader import GGUFTensorError
-from quickdraft.models.packed_copy import PACKED_NAME
+from quickdraft.models.formats.gguf_loader import GGUFTensorError
+from quickdraft.models.formats.packed_copy import PACKED_NAME
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.factory import make_speculation
 

@@ -1,13 +1,12 @@
-"""Gemma 4 (models/gemma4.py): tiny random Gemma4ForCausalLM models from transformers saved as
-Hugging Face directories, in two shapes: "e2b-moe" carries every feature of the family at once
-(local layers of 32-wide heads and a 6-key window, global layers of 64-wide heads with one KV
-head whose values are its keys' projection, per-layer embeddings, the last two layers reading
-the KV of earlier ones with double-wide MLPs, routed experts beside every MLP, soft-capped
-logits); "dense" is the 31B's layout (no PLE, no sharing, no experts). Checked: fp32 logits
-equal transformers' over a context past the window, greedy decoding equals transformers'
-generate, a verify's rows equal decode steps bit for bit in bf16, the grouped KV cache's
-blocks round-trip through the prefix cache, and speculation (n-gram, a draft model) equals
-plain decoding through the engine."""
+"""Gemma 4 (models/families/gemma4.py): tiny random Gemma4ForCausalLM models from transformers saved
+as Hugging Face directories, in two shapes: "e2b-moe" carries every feature of the family at once
+(local layers of 32-wide heads and a 6-key window, global layers of 64-wide heads with one KV head
+whose values are its keys' projection, per-layer embeddings, the last two layers reading the KV of
+earlier ones with double-wide MLPs, routed experts beside every MLP, soft-capped logits); "dense" is
+the 31B's layout (no PLE, no sharing, no experts). Checked: fp32 logits equal transformers' over a
+context past the window, greedy decoding equals transformers' generate, a verify's rows equal decode
+steps bit for bit in bf16, the grouped KV cache's blocks round-trip through the prefix cache, and
+speculation (n-gram, a draft model) equals plain decoding through the engine."""
 
 from __future__ import annotations
 
@@ -26,10 +25,10 @@ from quickdraft.engine.core import EngineCore
 from quickdraft.engine.prefix_cache import PrefixCacheConfig
 from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.loading import LoadedModel, load
-from quickdraft.models.gemma4 import Gemma4LM
-from quickdraft.models.gemma4_config import Gemma4Config
-from quickdraft.models.kv_cache import GroupedKVCache
-from quickdraft.models.loader import load_model
+from quickdraft.models.caches.kv_cache import GroupedKVCache
+from quickdraft.models.families.gemma4 import Gemma4LM
+from quickdraft.models.families.gemma4_config import Gemma4Config
+from quickdraft.models.formats.loader import load_model
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.factory import make_speculation
 

@@ -1,13 +1,13 @@
-"""The Gemma 4 assistant drafter (models/gemma4_assistant.py, speculation/drafters/assistant.py):
-tiny random Gemma4AssistantForCausalLM checkpoints from transformers for the tiny Gemma 4
-targets of tests/test_gemma4.py. Checked: its drafts after a prompt longer than the window
-equal transformers' own candidate generator's (SinglePositionMultiTokenCandidateGenerator), with
-and without the centroid-masked head, and its first logits equal; an assistant made for another
-target, or a target that is not Gemma 4, is refused by name; through the engine (a target whose
-layers only nudge its embedding, so it mostly repeats, and an assistant that proposes the last
-token again) greedy speculation as `mtp` (vLLM's name for it) and as `assistant` equals plain
-decoding with drafts accepted, two requests drafting in one call equal each alone, and sampled
-requests run."""
+"""The Gemma 4 assistant drafter (models/heads/gemma4_assistant.py,
+speculation/drafters/assistant.py): tiny random Gemma4AssistantForCausalLM checkpoints from
+transformers for the tiny Gemma 4 targets of tests/test_gemma4.py. Checked: its drafts after a
+prompt longer than the window equal transformers' own candidate generator's
+(SinglePositionMultiTokenCandidateGenerator), with and without the centroid-masked head, and its
+first logits equal; an assistant made for another target, or a target that is not Gemma 4, is
+refused by name; through the engine (a target whose layers only nudge its embedding, so it mostly
+repeats, and an assistant that proposes the last token again) greedy speculation as `mtp` (vLLM's
+name for it) and as `assistant` equals plain decoding with drafts accepted, two requests drafting in
+one call equal each alone, and sampled requests run."""
 
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ from quickdraft.engine import stream
 from quickdraft.engine.core import EngineCore
 from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.loading import LoadedModel, load
-from quickdraft.models.gemma4 import Gemma4LM
-from quickdraft.models.gemma4_assistant import load_assistant
-from quickdraft.models.loader import load_model
+from quickdraft.models.families.gemma4 import Gemma4LM
+from quickdraft.models.formats.loader import load_model
+from quickdraft.models.heads.gemma4_assistant import load_assistant
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.drafters.assistant import AssistantState, assistant_drafter
 from quickdraft.speculation.drafters.base import DraftJob

@@ -1,12 +1,12 @@
-"""Gemma 4 GGUF files (hub/gguf_gemma4.py, models/gguf_gemma4_loader.py) written here from the
-tiny transformers models of tests/test_gemma4.py as llama.cpp's converter writes them (per-layer
+"""Gemma 4 GGUF files (hub/gguf_gemma4.py, models/formats/gguf_gemma4_loader.py) written here from
+the tiny transformers models of tests/test_gemma4.py as llama.cpp's converter writes them (per-layer
 head sizes and KV heads, the k = v global layers without attn_v, rope_freqs, fused experts,
-per-layer embeddings), and through llama.cpp's own quantizer. Checked: the F32 file converted
-equals transformers and its greedy tokens equal llama.cpp's (llama-cpp-python) for both
-shapes; the quantized files run natively (--dtype gguf: every operand in its blocks, both
-embedding tables left in theirs) with logits that agree with llama.cpp's on the same file, the
-second start reads the packed copy (same bits), n-gram speculation equals plain decoding, and a
-file that lacks a tensor is refused naming it; the C++ layers give the Python layers' bits."""
+per-layer embeddings), and through llama.cpp's own quantizer. Checked: the F32 file converted equals
+transformers and its greedy tokens equal llama.cpp's (llama-cpp-python) for both shapes; the
+quantized files run natively (--dtype gguf: every operand in its blocks, both embedding tables left
+in theirs) with logits that agree with llama.cpp's on the same file, the second start reads the
+packed copy (same bits), n-gram speculation equals plain decoding, and a file that lacks a tensor is
+refused naming it; the C++ layers give the Python layers' bits."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from quickdraft.engine import stream
 from quickdraft.hub.gguf_write import llama_cpp_tensors, write_gguf
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.loading import LoadedModel, load
-from quickdraft.models.gemma4 import Gemma4LM
+from quickdraft.models.families.gemma4 import Gemma4LM
 from quickdraft.models.layers import GGUFEmbedding
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.factory import make_speculation

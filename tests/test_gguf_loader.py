@@ -1,13 +1,13 @@
 # ~500 lines on purpose: most of it writes the tiny GGUF files (tokenizer, three architectures,
 # mixed formats) that every loader test reads.
-"""Models run on a GGUF file's own quantized weights (models/gguf_loader.py, `--dtype gguf`):
-tiny random GGUF files written with gguf-py (qwen2: q/k/v biases, untied head; llama: tied
-embeddings and llama.cpp's permuted q/k rows; qwen3: per-head q/k RMSNorm), weights in a mix
-of block formats, loaded end to end through `quickdraft.loading.load` into a throw-away
-QUICKDRAFT_HOME. Checked: every operand holds the file's values, logits agree with the
-dequantized (bf16) model, the packed copy beside the model gives the same bits, damaged copies
-and bad files fail or recover clearly, the C++ layers run the GGUF operands batch-invariantly,
-and on F32 files the greedy tokens equal llama.cpp's (the `peers` extra)."""
+"""Models run on a GGUF file's own quantized weights (models/formats/gguf_loader.py, `--dtype
+gguf`): tiny random GGUF files written with gguf-py (qwen2: q/k/v biases, untied head; llama: tied
+embeddings and llama.cpp's permuted q/k rows; qwen3: per-head q/k RMSNorm), weights in a mix of
+block formats, loaded end to end through `quickdraft.loading.load` into a throw-away
+QUICKDRAFT_HOME. Checked: every operand holds the file's values, logits agree with the dequantized
+(bf16) model, the packed copy beside the model gives the same bits, damaged copies and bad files
+fail or recover clearly, the C++ layers run the GGUF operands batch-invariantly, and on F32 files
+the greedy tokens equal llama.cpp's (the `peers` extra)."""
 
 from __future__ import annotations
 
@@ -38,10 +38,10 @@ from quickdraft.kernels import PanelWeight
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
 from quickdraft.loading import LoadedModel, load
-from quickdraft.models.gguf_loader import GGUFTensorError
+from quickdraft.models.formats.gguf_loader import GGUFTensorError
+from quickdraft.models.formats.loader import load_model
+from quickdraft.models.formats.packed_copy import PACKED_NAME, packed_name
 from quickdraft.models.layers import GGUFEmbedding
-from quickdraft.models.loader import load_model
-from quickdraft.models.packed_copy import PACKED_NAME, packed_name
 from quickdraft.request import SamplingParams
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS, VOCAB = 256, 4, 2, 64, 512, 2, 300
@@ -81,7 +81,7 @@ TYPES: dict[str, dict[str, str]] = {
     ),
 }
 PROMPT = "Hello world, this is a test of a tiny model."
-LOGGER = "quickdraft.models.gguf_loader"
+LOGGER = "quickdraft.models.formats.gguf_loader"
 
 
 def write_tiny_gguf(path: Path, arch: str, types: dict[str, str], seed: int = 0) -> Path:

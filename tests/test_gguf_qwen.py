@@ -34,10 +34,10 @@ from quickdraft.hub.gguf_qwen import HYBRID_ARCHS, MOE_ARCHS
 from quickdraft.hub.gguf_write import add_tiny_tokenizer, llama_cpp_tensors, write_gguf
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.loading import LoadedModel, load
+from quickdraft.models.families.moe import Experts
+from quickdraft.models.families.qwen3_next import HybridLM
+from quickdraft.models.formats.packed_copy import PACKED_NAME
 from quickdraft.models.layers import GGUFEmbedding
-from quickdraft.models.moe import Experts
-from quickdraft.models.packed_copy import PACKED_NAME
-from quickdraft.models.qwen3_next import HybridLM
 from quickdraft.request import Request, SamplingParams
 from quickdraft.speculation.drafters.mtp import load_mtp_head
 from quickdraft.speculation.factory import make_speculation
@@ -114,7 +114,7 @@ def reference(arch: str, seed: int = 1, out_scale: float = 1.0) -> Any:
 def head_state(hf: Any, arch: str, directory: Path) -> dict[str, Tensor]:
     """`mtp.*` tensors of a head that agrees with the target often (tests/hybrid_models.py's
     copying head), built on our model class of the same weights."""
-    from quickdraft.models.loader import load_model
+    from quickdraft.models.formats.loader import load_model
 
     hf.save_pretrained(directory)
     ours = load_model(directory, torch.float32)

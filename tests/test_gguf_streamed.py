@@ -23,8 +23,8 @@ from quickdraft.hub.gguf_write import (
     write_gguf_streamed,
 )
 from quickdraft.loading import load
-from quickdraft.models.hybrid_config import HybridConfig
-from quickdraft.models.qwen3_next import HybridLM
+from quickdraft.models.families.hybrid_config import HybridConfig
+from quickdraft.models.families.qwen3_next import HybridLM
 
 pytestmark = pytest.mark.usefixtures("home")
 

@@ -1,5 +1,5 @@
-"""gpt-oss (models/gpt_oss.py): a tiny random GptOssForCausalLM from transformers (4 layers,
-local and full alternating with a 6-key window, 8 experts top-2, YaRN, sinks and biases set
+"""gpt-oss (models/families/gpt_oss.py): a tiny random GptOssForCausalLM from transformers (4
+layers, local and full alternating with a 6-key window, 8 experts top-2, YaRN, sinks and biases set
 away from zero) saved as a Hugging Face directory: our fp32 logits equal transformers' over a
 context past the window, greedy decoding through the engine equals transformers' generate, a
 verify's rows equal decode steps bit for bit, and the attention kernel's sinks equal the
@@ -29,8 +29,8 @@ from quickdraft.kernels.attention import TILES, attend, cpu_tiles, reference_att
 from quickdraft.kernels.build import extension
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.loading import LoadedModel, load
-from quickdraft.models.gpt_oss import GptOssConfig, GptOssLM, GptOssMoE
-from quickdraft.models.loader import load_model
+from quickdraft.models.families.gpt_oss import GptOssConfig, GptOssLM, GptOssMoE
+from quickdraft.models.formats.loader import load_model
 from quickdraft.request import SamplingParams
 from quickdraft.server.reasoning import HARMONY, parse_harmony
 from quickdraft.speculation.factory import make_speculation
@@ -347,7 +347,7 @@ def test_served_harmony_model_splits_channels_and_refuses_forced_calls(
 def ggml_to_hf_mxfp4(raw: np.ndarray, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ggml MXFP4 blocks [rows, nb * 17] -> an HF checkpoint's (`*_blocks` [rows, nb, 16] with
     byte k = values 2k | 2k + 1 << 4, `*_scales` [rows, nb]): the inverse of
-    models/gpt_oss.py's repacking, written here from the two layouts' definitions."""
+    models/families/gpt_oss.py's repacking, written here from the two layouts' definitions."""
     b = raw.reshape(rows, -1, 17)
     scales, qs = b[..., 0], b[..., 1:]
     v = np.concatenate([qs & 15, qs >> 4], axis=-1)  # ggml: values j, then j + 16

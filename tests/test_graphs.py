@@ -17,11 +17,11 @@ from parity import forced_draft, greedy_parity
 from quickdraft.config import SpeculativeConfig
 from quickdraft.loading import LoadedModel, load, resolve_device
 from quickdraft.models import graphs
+from quickdraft.models.caches.kv_cache import KVCache
+from quickdraft.models.caches.slot_cache import SlotCache
+from quickdraft.models.families.llama import CausalLM
+from quickdraft.models.formats.loader import load_model
 from quickdraft.models.graphs import GraphModel, Layout, for_device, graph_key
-from quickdraft.models.kv_cache import KVCache
-from quickdraft.models.llama import CausalLM
-from quickdraft.models.loader import load_model
-from quickdraft.models.slot_cache import SlotCache
 from quickdraft.request import SamplingParams
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from quickdraft.kernels import PanelWeight, kernels_available
-from quickdraft.models.llama import CausalLM
-from quickdraft.models.loader import load_model
+from quickdraft.models.families.llama import CausalLM
+from quickdraft.models.formats.loader import load_model
 
 
 def ref_logits(hf_model: Any, ids: list[int]) -> torch.Tensor:

@@ -18,8 +18,8 @@ from quickdraft.kernels.linear_bf16 import PanelWeight
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.kernels.moe_gguf import grouped_experts, reference_experts
 from quickdraft.kernels.pointwise import gelu_mul, sigmoid
-from quickdraft.models.gpt_oss import GptOssConfig, GptOssMoE
-from quickdraft.models.moe import Experts, RoutedMoE, SparseMoE, route
+from quickdraft.models.families.gpt_oss import GptOssConfig, GptOssMoE
+from quickdraft.models.families.moe import Experts, RoutedMoE, SparseMoE, route
 
 pytestmark = [pytest.mark.usefixtures("kernels_enabled"), needs_kernel]
 

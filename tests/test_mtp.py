@@ -1,9 +1,9 @@
-"""MTP self-speculation (drafters/mtp.py, models/mtp.py) on tiny random-weight checkpoints:
+"""MTP self-speculation (drafters/mtp.py, models/heads/mtp.py) on tiny random-weight checkpoints:
 greedy output token-identical to speculation off for each hybrid family and for a dense target
 carrying a head, with a random head (rejections) and with a head built to agree with the target
 (acceptances at every position, every rollback count); batched propose; the pre-norm feed;
-structural checks without real checkpoints: head weight names round trip, missing or
-unsupported head fails fast, the disable switch."""
+structural checks without real checkpoints: head weight names round trip, missing or unsupported
+head fails fast, the disable switch."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ from quickdraft.engine import Engine, ServedModel, stream
 from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.kernels import PanelWeight, kernels_available
 from quickdraft.loading import LoadedModel, load
-from quickdraft.models.llama import CausalLM
-from quickdraft.models.loader import load_model
+from quickdraft.models.families.llama import CausalLM
+from quickdraft.models.formats.loader import load_model
 from quickdraft.request import Request, SamplingParams
 from quickdraft.speculation.cost import model_cost
 from quickdraft.speculation.drafters.base import DraftJob

@@ -34,10 +34,10 @@ from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.engine.sequence import Sequence
 from quickdraft.loading import LoadedModel, load
 from quickdraft.models.base import SequenceCache
+from quickdraft.models.caches.kv_cache import KVCache
+from quickdraft.models.caches.state_cache import HybridCache
+from quickdraft.models.families.llama import CausalLM
 from quickdraft.models.graphs import GraphModel
-from quickdraft.models.kv_cache import KVCache
-from quickdraft.models.llama import CausalLM
-from quickdraft.models.state_cache import HybridCache
 from quickdraft.request import FinishReason, SamplingParams
 from quickdraft.speculation.factory import make_speculation
 from quickdraft.speculation.state import Speculation

@@ -1,6 +1,6 @@
-"""Hybrid models (models/qwen3_next.py) against transformers 5.x in fp32 on tiny random-weight
-configs of each family: prefill, 32 decode steps, and a multi-token verify that continues the
-cached state; packing; config parsing; checkpoint-name mapping."""
+"""Hybrid models (models/families/qwen3_next.py) against transformers 5.x in fp32 on tiny
+random-weight configs of each family: prefill, 32 decode steps, and a multi-token verify that
+continues the cached state; packing; config parsing; checkpoint-name mapping."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from hybrid_models import (
 )
 
 from quickdraft.kernels import kernels_available
-from quickdraft.models.hybrid_config import HybridConfig
-from quickdraft.models.loader import load_model
-from quickdraft.models.qwen3_next import HybridLM
+from quickdraft.models.families.hybrid_config import HybridConfig
+from quickdraft.models.families.qwen3_next import HybridLM
+from quickdraft.models.formats.loader import load_model
 
 FAMILIES = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
 

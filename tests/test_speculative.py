@@ -19,7 +19,7 @@ from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import stream
 from quickdraft.kernels import Int8Weight
 from quickdraft.loading import LoadedModel, load
-from quickdraft.models.llama import CausalLM
+from quickdraft.models.families.llama import CausalLM
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.cost import DraftCost, StepCost, known_cost, use_cost
 from quickdraft.speculation.drafters.base import Draft, Drafter, DraftJob

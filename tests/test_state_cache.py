@@ -13,8 +13,8 @@ from hybrid_models import (
 )
 
 from quickdraft.kernels.gdn import DeltaUpdates, conv_window
-from quickdraft.models.qwen3_next import HybridLM
-from quickdraft.models.state_cache import MAX_CHECKPOINTS, GDNStateShape, HybridCache
+from quickdraft.models.caches.state_cache import MAX_CHECKPOINTS, GDNStateShape, HybridCache
+from quickdraft.models.families.qwen3_next import HybridLM
 
 K = 4  # drafts per verify: forwards of K + 1 tokens
 

@@ -2,12 +2,12 @@
 training/mtp.py, training/run.py) on the tiny rigged dense target of test_dflash.py (no real
 drafter can be trained in a test's time).
 
-Structure: the training forward equals the serving forward (models/dflash.py) on the checkpoint
-it writes; which block rows carry a label (the corpus following the target's greedy chain);
-for each kind (a DFlash drafter, an MTP head) a short training run lowers the loss and raises
-acceptance in the real engine above the untrained drafter's, with greedy output still identical
-to speculation off; a run resumes where it stopped; the bench runs a trained drafter; the CLI
-end to end on a corpus file. tests/test_train_mtp.py: what is the MTP head's own.
+Structure: the training forward equals the serving forward (models/heads/dflash.py) on the
+checkpoint it writes; which block rows carry a label (the corpus following the target's greedy
+chain); for each kind (a DFlash drafter, an MTP head) a short training run lowers the loss and
+raises acceptance in the real engine above the untrained drafter's, with greedy output still
+identical to speculation off; a run resumes where it stopped; the bench runs a trained drafter; the
+CLI end to end on a corpus file. tests/test_train_mtp.py: what is the MTP head's own.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`quickdraft train-drafter --kind eagle3` (training/eagle3.py) on the tiny dense Qwen3 target
 of test_dflash.py: the training forward of every training-time-test step equals the serving
-EAGLE-3 head's (models/eagle3.py) on the checkpoint the trainer wrote, in vLLM's speculators
+EAGLE-3 head's (models/heads/eagle3.py) on the checkpoint the trainer wrote, in vLLM's speculators
 layout; the command line end to end (resume included), with greedy output through
 `--speculative-method eagle3 --draft-model DIR` identical to speculation off; the clear errors."""
 
@@ -18,7 +18,7 @@ from test_train_drafter import short_run
 
 from quickdraft.cli import main as cli_main
 from quickdraft.config import SpeculativeConfig
-from quickdraft.models.eagle3 import Eagle3Head
+from quickdraft.models.heads.eagle3 import Eagle3Head
 from quickdraft.speculation.drafters.eagle3 import load_eagle3
 from quickdraft.speculation.factory import make_speculation
 from quickdraft.training.corpus import run_target

@@ -2,9 +2,9 @@
 kernel's function (`GGUFWeight.reference_linear`) for every format, M = 1..33 and fused
 operands of mixed formats; a row's bits do not depend on the other rows; the table lookup gives
 the gguf package's values; the device layout holds the file's exact parts; and a tiny GGUF
-model moved to the device layout (models/gguf_gpu.py) runs behind GraphModel with the CPU
-model's logits, its verify rows equal to its decode steps bit for bit. Without a GPU the
-kernels run in Triton's interpreter on CPU tensors (conftest.py)."""
+model moved to the device layout (models/formats/gguf_gpu.py) runs behind GraphModel with the CPU
+model's logits, its verify rows equal to its decode steps bit for bit. Without a GPU the kernels run
+in Triton's interpreter on CPU tensors (conftest.py)."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ from quickdraft.kernels import triton_gguf, triton_ops
 from quickdraft.kernels.gemm import dequantized_rows, panel_rows, project
 from quickdraft.kernels.linear_gguf import FORMATS, GGUFWeight, decode, random_blocks
 from quickdraft.loading import load
-from quickdraft.models.gguf_gpu import random_q4_k_m_, to_device_, weight_bytes
+from quickdraft.models.families.llama import CausalLM
+from quickdraft.models.formats.gguf_gpu import random_q4_k_m_, to_device_, weight_bytes
+from quickdraft.models.formats.loader import load_model
 from quickdraft.models.graphs import GraphModel
 from quickdraft.models.layers import OperandModule
-from quickdraft.models.llama import CausalLM
-from quickdraft.models.loader import load_model
 
 pytestmark = pytest.mark.skipif(
     not triton_ops.installed(), reason="needs triton (CUDA torch wheels ship it)"

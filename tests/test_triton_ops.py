@@ -15,10 +15,10 @@ from hybrid_models import random_hybrid
 
 from quickdraft.kernels import gdn, pointwise, triton_linear, triton_ops
 from quickdraft.kernels.attention import reference_attend
-from quickdraft.models.gguf_gpu import random_q4_k_m_
+from quickdraft.models.families.llama import CausalLM
+from quickdraft.models.formats.gguf_gpu import random_q4_k_m_
+from quickdraft.models.formats.loader import load_model
 from quickdraft.models.graphs import GraphModel
-from quickdraft.models.llama import CausalLM
-from quickdraft.models.loader import load_model
 
 pytestmark = pytest.mark.skipif(
     not triton_ops.installed(), reason="needs triton (CUDA torch wheels ship it)"

@@ -1,9 +1,8 @@
 """Vision-language targets (over 400 lines: the whole image path against one reference model)
-(models/vision.py, images.py, the engine's image rows) against
-transformers 5.x in fp32 on a tiny random-weight Qwen3.5 checkpoint: preprocessing, the vision
-tower, M-RoPE positions, logits over image + text prompts and the decode steps after them, greedy
-generation; then speculation on image turns (lossless with every drafter), the image-keyed
-prefix cache and the encoder cache."""
+(models/families/vision.py, images.py, the engine's image rows) against transformers 5.x in fp32 on
+a tiny random-weight Qwen3.5 checkpoint: preprocessing, the vision tower, M-RoPE positions, logits
+over image + text prompts and the decode steps after them, greedy generation; then speculation on
+image turns (lossless with every drafter), the image-keyed prefix cache and the encoder cache."""
 
 from __future__ import annotations
 

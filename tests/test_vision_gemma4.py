@@ -1,11 +1,11 @@
-"""Gemma 4 with images (models/vision_gemma4.py, images.py's Gemma 4 preprocessing and layout,
-the decoder's image rows and two-way local attention) against transformers 5.x's
+"""Gemma 4 with images (models/families/vision_gemma4.py, images.py's Gemma 4 preprocessing and
+layout, the decoder's image rows and two-way local attention) against transformers 5.x's
 Gemma4ForConditionalGeneration in fp32, on tiny random-weight checkpoints in the family's two
-layouts: "dense" as the 26B-A4B / 31B (an image's rows see each other both ways in the local
-layers: `use_bidirectional_attention` "vision") and "e2b-moe" as E2B / E4B (per-layer inputs,
-KV sharing, routed experts, causal image rows). Then the engine: speculation on image turns
-equals plain decoding (n-gram, the assistant drafter; the C++ layers in bf16), chunked
-prefill never cuts an image, the prefix cache over image blocks, a real server."""
+layouts: "dense" as the 26B-A4B / 31B (an image's rows see each other both ways in the local layers:
+`use_bidirectional_attention` "vision") and "e2b-moe" as E2B / E4B (per-layer inputs, KV sharing,
+routed experts, causal image rows). Then the engine: speculation on image turns equals plain
+decoding (n-gram, the assistant drafter; the C++ layers in bf16), chunked prefill never cuts an
+image, the prefix cache over image blocks, a real server."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.hub.gguf_write import llama_cpp_tensors, write_gguf, write_mmproj
 from quickdraft.images import ImageInput, ImageLayout, ImageProcessing, pack_image_rows, preprocess
 from quickdraft.loading import LoadedModel, load
-from quickdraft.models.gemma4 import Gemma4LM
-from quickdraft.models.gguf_vision import load_mmproj, placeholders
+from quickdraft.models.families.gemma4 import Gemma4LM
+from quickdraft.models.formats.gguf_vision import load_mmproj, placeholders
 from quickdraft.request import Request, SamplingParams
 from quickdraft.server import ServerConfig, create_app
 from quickdraft.server.main import BackgroundServer

@@ -1,8 +1,8 @@
 """A Qwen3.5 vision-language model as llama.cpp runs it: the text model in a GGUF and the vision
-tower in an mmproj GGUF (models/gguf_vision.py), both written by the project's own writer
-(hub/gguf_write.py) from a tiny random-weight transformers checkpoint. The pair loads and equals
-the Hugging Face path (tower, logits over an image prompt), and on the GGUF's own quantized
-weights speculation with images in the prompt equals speculation off."""
+tower in an mmproj GGUF (models/formats/gguf_vision.py), both written by the project's own writer
+(hub/gguf_write.py) from a tiny random-weight transformers checkpoint. The pair loads and equals the
+Hugging Face path (tower, logits over an image prompt), and on the GGUF's own quantized weights
+speculation with images in the prompt equals speculation off."""
 
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import stream
 from quickdraft.hub.gguf_write import llama_cpp_tensors, write_gguf, write_mmproj
 from quickdraft.loading import load
-from quickdraft.models.gguf_vision import MMProjError, load_mmproj
-from quickdraft.models.loader import load_model
-from quickdraft.models.qwen3_next import HybridLM
+from quickdraft.models.families.qwen3_next import HybridLM
+from quickdraft.models.formats.gguf_vision import MMProjError, load_mmproj
+from quickdraft.models.formats.loader import load_model
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.factory import make_speculation
 

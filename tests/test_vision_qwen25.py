@@ -1,8 +1,8 @@
-"""Qwen2.5-VL, the dense vision-language family (models/vision_qwen25.py, CausalLM with M-RoPE)
-against transformers 5.x in fp32 on a tiny random-weight checkpoint: preprocessing, the
-windowed tower, positions, logits and decode steps, greedy generation; speculation on image
-turns with the lookups, a text-only draft model and a draft model that is itself a Qwen2.5-VL
-(its own tower encodes the image), in fp32 and bf16."""
+"""Qwen2.5-VL, the dense vision-language family (models/families/vision_qwen25.py, CausalLM with
+M-RoPE) against transformers 5.x in fp32 on a tiny random-weight checkpoint: preprocessing, the
+windowed tower, positions, logits and decode steps, greedy generation; speculation on image turns
+with the lookups, a text-only draft model and a draft model that is itself a Qwen2.5-VL (its own
+tower encodes the image), in fp32 and bf16."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from vision_models import (
 from quickdraft.config import SpeculativeConfig
 from quickdraft.images import ImageLayout, ImageProcessing, decode_image, preprocess
 from quickdraft.loading import LoadedModel, load
-from quickdraft.models.vision_qwen25 import Qwen25VisionTower, window_order
+from quickdraft.models.families.vision_qwen25 import Qwen25VisionTower, window_order
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.drafters.base import DraftJob
 from quickdraft.speculation.drafters.draft_model import DraftModelDrafter

@@ -26,8 +26,8 @@ from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import stream
 from quickdraft.hub.gguf_write import window_pattern
 from quickdraft.loading import load
-from quickdraft.models.gguf_vision import load_mmproj
-from quickdraft.models.vision_qwen25 import Qwen25VisionTower
+from quickdraft.models.families.vision_qwen25 import Qwen25VisionTower
+from quickdraft.models.formats.gguf_vision import load_mmproj
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.factory import make_speculation
 

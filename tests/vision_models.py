@@ -221,7 +221,7 @@ def add_copying_mtp_head(directory: Path) -> Path:
     from hybrid_models import copying_head, hf_names
     from safetensors.torch import save_file
 
-    from quickdraft.models.loader import load_model
+    from quickdraft.models.formats.loader import load_model
 
     model = load_model(directory, torch.float32)
     head = copying_head(model)  # type: ignore[arg-type]

@@ -62,7 +62,7 @@ from quickdraft.config import (
 from quickdraft.engine import EngineCore, SchedulerConfig, stream
 from quickdraft.engine.core import StepStats
 from quickdraft.loading import LoadedModel, load
-from quickdraft.models.dflash import DFlashConfig
+from quickdraft.models.heads.dflash import DFlashConfig
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.factory import make_speculation
 from quickdraft.speculation.state import AnySpeculation

@@ -46,7 +46,7 @@ from quickdraft.config import PrefixCacheConfig, SpeculativeConfig
 from quickdraft.engine.core import EngineCore
 from quickdraft.images import ImageInput
 from quickdraft.loading import LoadedModel, load
-from quickdraft.models.mtp import MTPHead
+from quickdraft.models.heads.mtp import MTPHead
 from quickdraft.request import Request, SamplingParams
 
 VISION = dict(  # Qwen3.5-0.8B's vision_config
@@ -122,7 +122,7 @@ def build(directory: Path, out_scale: float) -> tuple[Any, LoadedModel]:
 
 def staged_head(lm: LoadedModel) -> MTPHead:
     """bench/hybrid.py's head: fc passes norm_e(embed(t)) through, its layer adds nothing."""
-    from quickdraft.models.mtp import hybrid_mtp_parts
+    from quickdraft.models.heads.mtp import hybrid_mtp_parts
 
     model: Any = lm.model
     cfg = model.config

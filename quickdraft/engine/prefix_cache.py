@@ -17,15 +17,15 @@ its token ids, and holds immutable copies of
   drafts  per drafter that keeps per-position state (a draft model's KV, an MTP head's KV and
           hidden rows; drafters/base.py `PrefixDrafter`): its share of the block
 A hit hands the matched blocks to the new sequence's cache, which reads them in place where
-the attention kernel can (models/kv_cache.py: no copy; the kernel's page table gives each key's
-row, with the bits of one tensor) and copies them in elsewhere (a GPU). A sequence's committed
-blocks enter the tree as copies of its rows, the blocks of one commit in one `Piece` (a tensor
-each block is a token range of, so that a layer's rows of consecutive blocks lie together when
-read in place); a piece's memory counts until its last block leaves. Nothing ever writes into a
-cached block, so a rollback after a rejected draft (a shorter commit, never below the shared
-part, in the sequence's own rows) cannot reach one: copy-on-write is implicit.
-Because every kernel is batch-invariant, a block's KV does not depend on how its prompt was
-chunked or batched, and an output with the cache equals the output without it bit for bit.
+the attention kernel can (models/caches/kv_cache.py: no copy; the kernel's page table gives each
+key's row, with the bits of one tensor) and copies them in elsewhere (a GPU). A sequence's committed
+blocks enter the tree as copies of its rows, the blocks of one commit in one `Piece` (a tensor each
+block is a token range of, so that a layer's rows of consecutive blocks lie together when read in
+place); a piece's memory counts until its last block leaves. Nothing ever writes into a cached
+block, so a rollback after a rejected draft (a shorter commit, never below the shared part, in the
+sequence's own rows) cannot reach one: copy-on-write is implicit. Because every kernel is
+batch-invariant, a block's KV does not depend on how its prompt was chunked or batched, and an
+output with the cache equals the output without it bit for bit.
 
   admit(prompt, cache, spec, tenant) -> cursor
         the longest run of whole prompt blocks in the tenant's tree, leaving the prompt's last
@@ -283,8 +283,8 @@ class PrefixCache:
             if node is None:
                 # every later block is new too (its parent is): one copy for all of them, so
                 # that a layer's rows of consecutive blocks lie together when a sequence reads
-                # them in place (models/kv_cache.py); each block is a token range of it. Where
-                # the budget has no room for all of them, block by block as far as it goes
+                # them in place (models/caches/kv_cache.py); each block is a token range of it.
+                # Where the budget has no room for all of them, block by block as far as it goes
                 if not tried and whole - start > size:
                     tried = True
                     kv = cache.export_kv(start, whole)

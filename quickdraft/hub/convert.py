@@ -52,7 +52,7 @@ _ARCHS: dict[str, tuple[str, bool]] = {
     "qwen2": ("Qwen2ForCausalLM", False),
     "qwen3": ("Qwen3ForCausalLM", False),  # + per-head q/k RMSNorm (attn_q_norm, attn_k_norm)
     # Qwen2-VL / Qwen2.5-VL's language model: Qwen2 with M-RoPE sections (the tower is the
-    # mmproj file's, models/gguf_vision.py)
+    # mmproj file's, models/formats/gguf_vision.py)
     "qwen2vl": ("Qwen2_5_VLForConditionalGeneration", False),
     "gemma3": ("Gemma3ForCausalLM", False),  # text only; HF model_type "gemma3_text"
     # Qwen3-MoE and the hybrid Qwen3-Next / Qwen3.5 family: NEOX RoPE; layouts in gguf_qwen.py
@@ -379,7 +379,7 @@ def convert_gguf(
 ) -> Path:
     """Write a Hugging Face-format directory for `gguf_path` at `out_dir` (must not exist).
     dtype "gguf": config and tokenizer only, and a link to the GGUF file (its weights are
-    loaded as they are, models/gguf_loader.py); else the weights dequantized to `dtype`."""
+    loaded as they are, models/formats/gguf_loader.py); else the weights dequantized to `dtype`."""
     from quickdraft.hub.gguf_read import read_gguf
 
     torch_dtype = parse_dtype(dtype)

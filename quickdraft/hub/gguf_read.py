@@ -1,11 +1,11 @@
 """Reading a GGUF file's header with the gguf package, checked before any tensor is viewed.
 
-Stage: the first read of every GGUF (hub/convert.py, models/gguf_loader.py,
-models/gguf_vision.py). Contract: `read_gguf(path)` is the gguf package's `GGUFReader`, except
-that a tensor whose data would run past the end of the file (a truncated download), whose
-values are not whole blocks of its type, or whose type is unknown raises `GGUFDataError`
-naming that tensor, its type and shape, instead of the reader's bare reshape error about some
-array; nothing has been mapped into memory for the weights yet when it does.
+Stage: the first read of every GGUF (hub/convert.py, models/formats/gguf_loader.py,
+models/formats/gguf_vision.py). Contract: `read_gguf(path)` is the gguf package's `GGUFReader`,
+except that a tensor whose data would run past the end of the file (a truncated download), whose
+values are not whole blocks of its type, or whose type is unknown raises `GGUFDataError` naming that
+tensor, its type and shape, instead of the reader's bare reshape error about some array; nothing has
+been mapped into memory for the weights yet when it does.
 """
 
 from __future__ import annotations

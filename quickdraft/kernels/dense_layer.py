@@ -8,11 +8,11 @@ layer's norms and operands, or None where it cannot run them: no extension, an o
 without a kernel here (plain bf16 / fp32 tensors: pack them first), a head size the attention
 kernel does not take (% 32), or a shape or dtype some kernel refuses. Its
 `forward(h, residual, cos, sin, k_cache, v_cache, start)` returns exactly what the Python
-layer (models/llama.py `DecoderLayer.forward_residual`) returns when every op there takes its
-kernel: the same kernels in the same order on the same operands, so the outputs are bitwise
-equal. `forward_many(h, residual, cos, sin, k_caches, v_caches, starts, counts, k_pages,
-v_pages, blocks)` does the same for several sequences' rows packed in order, as the Python
-layer's loop over them does. The caller keeps to that path: KV-cache sequences.
+layer (models/families/llama.py `DecoderLayer.forward_residual`) returns when every op there takes
+its kernel: the same kernels in the same order on the same operands, so the outputs are bitwise
+equal. `forward_many(h, residual, cos, sin, k_caches, v_caches, starts, counts, k_pages, v_pages,
+blocks)` does the same for several sequences' rows packed in order, as the Python layer's loop over
+them does. The caller keeps to that path: KV-cache sequences.
 
 Why: a 0.5B int4 draft step spent ~5.5 ms of its ~18 ms in Python and torch dispatch around
 its GEMMs (24 layers x ~13 ops); one call per layer removes most of it. In a batched step the

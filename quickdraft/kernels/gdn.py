@@ -1,9 +1,9 @@
 """Gated DeltaNet math (Qwen3-Next / Qwen3.5 linear-attention layers), one sequence at a time.
 
-Stage: inside a GDN layer's forward (models/qwen3_next.py), between the input projections and
-the gated output norm. The state of a sequence is its conv window (the last K-1 conv inputs)
-and its delta-rule state S [H, dk, dv]; every function here reads the committed state and
-never writes it (a rejected draft must cost nothing):
+Stage: inside a GDN layer's forward (models/families/qwen3_next.py), between the input projections
+and the gated output norm. The state of a sequence is its conv window (the last K-1 conv inputs) and
+its delta-rule state S [H, dk, dv]; every function here reads the committed state and never writes
+it (a rejected draft must cost nothing):
 
   gates(a, b [T, H], A_log, dt_bias [H]) -> g (log decay), beta [T, H] fp32
   causal_conv1d(x [T, C], window [K-1, C], weight [C, K]) -> silu(conv) [T, C] fp32

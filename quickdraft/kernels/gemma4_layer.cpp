@@ -1,4 +1,4 @@
-// One Gemma 4 decoder layer (models/gemma4.py `DecoderLayer`) for the rows of one or several
+// One Gemma 4 decoder layer (models/families/gemma4.py `DecoderLayer`) for the rows of one or several
 // sequences packed in one step, as a sequence of this extension's kernels and ATen ops called
 // from C++ (kernels/gemma4_layer.py owns the contract and when it runs).
 //
@@ -121,7 +121,7 @@ class QdGemma4Layer {
     return out;
   }
 
-  // models/gemma4.py Router.forward: (top weights fp32 [N, k], top ids [N, k])
+  // models/families/gemma4.py Router.forward: (top weights fp32 [N, k], top ids [N, k])
   std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x) const {
     const at::Tensor xs = norm(x, "router_unit") * norms_.at("router_scale") * root_;
     const at::Tensor probs = at::softmax(router_(xs).to(at::kFloat), -1);
@@ -135,7 +135,7 @@ class QdGemma4Layer {
             idx};
   }
 
-  // models/gemma4.py Attention.forward after its input norm: [N, hidden]
+  // models/families/gemma4.py Attention.forward after its input norm: [N, hidden]
   at::Tensor attention(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                        const std::vector<at::Tensor>& k_groups,
                        const std::vector<at::Tensor>& v_groups,
@@ -177,7 +177,7 @@ class QdGemma4Layer {
                        values = vc.narrow(1, 0, start + c);
       TORCH_CHECK(qd_attend_eligible(qs, keys, values, start),
                   "quickdraft Gemma4Layer: the attention kernel refuses these rows");
-      // a local layer's image rows see their whole image (`ends`, models/gemma4.py)
+      // a local layer's image rows see their whole image (`ends`, models/families/gemma4.py)
       const bool two_way = window_ > 0 && ends.has_value() && ends->defined();
       outs.push_back(qd_attend(qs, keys, values, start, 1.0, window_, c10::nullopt,
                                two_way ? c10::optional<at::Tensor>(ends->narrow(0, row, c))

@@ -1,5 +1,5 @@
-"""One Gemma 4 decoder layer (models/gemma4.py `DecoderLayer`) as a single C++ call, for the
-rows of one sequence or of several packed in one step.
+"""One Gemma 4 decoder layer (models/families/gemma4.py `DecoderLayer`) as a single C++ call, for
+the rows of one sequence or of several packed in one step.
 
 Contract: `gemma4_layer(...)` returns the extension's `Gemma4Layer` (gemma4_layer.cpp) for a
 layer's norms, operands and grouped experts, or None where it cannot run them: no extension,

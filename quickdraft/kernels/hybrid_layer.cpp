@@ -1,4 +1,4 @@
-// The decoder layers of a hybrid model (models/qwen3_next.py `HybridDecoderLayer`, Qwen3.5 /
+// The decoder layers of a hybrid model (models/families/qwen3_next.py `HybridDecoderLayer`, Qwen3.5 /
 // Qwen3.5-MoE layout), each as a sequence of this extension's kernels called from C++ for the
 // decode and verify rows of one or several sequences (kernels/hybrid_layer.py owns the contracts
 // and when they run): GDNLayer for the Gated DeltaNet layers, AttentionLayer for the gated
@@ -131,7 +131,7 @@ class QdGDNLayer {
   }
 
  private:
-  // models/qwen3_next.py GatedDeltaNet.forward on the keeps-checkpoints path
+  // models/families/qwen3_next.py GatedDeltaNet.forward on the keeps-checkpoints path
   at::Tensor mixer(const at::Tensor& h, const std::vector<int64_t>& counts,
                    const std::vector<at::Tensor>& convs, const std::vector<at::Tensor>& ssms,
                    const std::vector<int64_t>& committed, const std::vector<int64_t>& pending,
@@ -244,7 +244,7 @@ class QdHybridAttentionLayer {
                     k_pages.size() == m && v_pages.size() == m && blocks.size() == m,
                 "quickdraft AttentionLayer: one cache, start, page table and block per sequence");
     const at::Tensor h = qd_rms_norm(x, t_.at("input_norm"), eps_, 1.0);
-    // models/qwen3_next.py GatedAttention.forward
+    // models/families/qwen3_next.py GatedAttention.forward
     const int64_t n = h.size(0), hh = heads_, hk = kv_heads_, d = d_;
     const at::Tensor qkv = qkv_(h);
     const at::Tensor q_gate = qkv.narrow(1, 0, 2 * hh * d).view({n, hh, 2 * d});

@@ -1,7 +1,6 @@
-"""The decoder layers of a hybrid model (models/qwen3_next.py, Qwen3.5 / Qwen3.5-MoE layout)
-as single C++ calls, for the decode and verify rows of one sequence or of several packed in
-one step: Gated DeltaNet layers (`gdn_layer`) and gated full-attention layers
-(`attention_layer`).
+"""The decoder layers of a hybrid model (models/families/qwen3_next.py, Qwen3.5 / Qwen3.5-MoE
+layout) as single C++ calls, for the decode and verify rows of one sequence or of several packed in
+one step: Gated DeltaNet layers (`gdn_layer`) and gated full-attention layers (`attention_layer`).
 
 Contract: each builder returns the extension's layer (hybrid_layer.cpp) for a layer's norms,
 operands (and the GDN's conv and gate parameters) and MLP, or None where it cannot run them:

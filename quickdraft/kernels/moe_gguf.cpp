@@ -5,7 +5,7 @@
 //   out[r] = sum over slots j in order of  w[r, j] * down_e(act(gate_up_e(x[r])))
 // with e = top_idx[r, j]: each GEMM output (plus expert e's bias where given, gpt-oss) rounded
 // to x's dtype as `project` rounds it, act silu_mul or gpt-oss's clamped swiglu (the same ATen
-// ops as models/gpt_oss.py), the products and the sum in fp32 (in slot order), rounded once. That is what the per-expert loop
+// ops as models/families/gpt_oss.py), the products and the sum in fp32 (in slot order), rounded once. That is what the per-expert loop
 // of kernels/moe_gguf.py computes, bit for bit, and a row's result depends on that row alone.
 //
 // Why: the per-expert loop is ~8 torch calls and two fork/joins per chosen expert, 8 experts a
@@ -204,7 +204,7 @@ struct QdSharedExpert {
 };
 
 // gpt-oss's activation of gate_up [A, 2I] (gate columns, then up): (u + 1) * g * sigmoid(alpha g)
-// with g = min(gate, limit), u = clamp(up, -limit, limit), op for op as models/gpt_oss.py.
+// with g = min(gate, limit), u = clamp(up, -limit, limit), op for op as models/families/gpt_oss.py.
 at::Tensor swiglu_oai(const at::Tensor& h, double alpha, double limit) {
   const int64_t I = h.size(1) / 2;
   const at::Tensor gate = h.narrow(1, 0, I).clamp_max(limit);
@@ -420,10 +420,10 @@ class QdMoEGGUF {
 };
 
 // A whole MoE block over GGUF experts (RoutedMoE, or SparseMoE with its gated shared expert),
-// as the Python blocks in models/moe.py compute it with every op on its kernel: router logits
+// as the Python blocks in models/families/moe.py compute it with every op on its kernel: router logits
 // (the bf16 linear kernel), softmax in fp32, top k, renormalized in slot order, the grouped
 // experts, and sigmoid(shared_gate(x)) * shared(x) added in x's dtype. `topk_first` is
-// gpt-oss's routing (models/gpt_oss.py GptOssMoE): logits with the router's bias, their top k,
+// gpt-oss's routing (models/families/gpt_oss.py GptOssMoE): logits with the router's bias, their top k,
 // a softmax in fp32 over those k, kept in fp32 for the experts' sum. Same ops, same order, same bits; one call per layer instead
 // of ~15 torch ops from Python.
 class QdMoEBlock {
@@ -501,7 +501,7 @@ class QdMoEBlock {
   }
 
  private:
-  // w[r, j] / (w[r, 0] + w[r, 1] + ... in slot order), in place: models/moe.py's route does
+  // w[r, j] / (w[r, 0] + w[r, 1] + ... in slot order), in place: models/families/moe.py's route does
   // the same fp32 adds and division as tensor ops (one op per slot); each IEEE operation
   // rounds alike, so the bits are the same
   static void renormalize(at::Tensor& weight) {

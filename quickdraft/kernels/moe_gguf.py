@@ -110,9 +110,9 @@ def moe_block(
     topk_first: bool = False,  # gpt-oss: top k of the logits, softmax over them (fp32 weights)
 ) -> Any:
     """The extension's MoEBlock: routing, the grouped experts and the gated shared expert as
-    one call with the Python block's bits (models/moe.py), or None where some operand is not
-    in a format it runs (the shared expert's projections must be GGUF blocks, the router a
-    plain tensor, the shared gate a plain tensor or a PanelWeight)."""
+    one call with the Python block's bits (models/families/moe.py), or None where some operand is
+    not in a format it runs (the shared expert's projections must be GGUF blocks, the router a plain
+    tensor, the shared gate a plain tensor or a PanelWeight)."""
     ext = extension()
     if ext is None or experts is None or not isinstance(router, Tensor):
         return None

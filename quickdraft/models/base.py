@@ -9,7 +9,7 @@ Committing fewer tokens than the forward wrote is the rollback, O(1) for every c
 
 For the prefix cache (engine/prefix_cache.py) a cache also hands the KV of committed tokens out
 (`export_kv`, an immutable `KVBlock`) and a fresh cache takes such blocks as its first tokens
-(`import_kv`: by reference where its attention reads blocks in place, models/kv_cache.py); a
+(`import_kv`: by reference where its attention reads blocks in place, models/caches/kv_cache.py); a
 recurrent cache cannot be cut back, so it also hands out the state after a recent position
 (`state_at`, a `StateSnapshot`) and resumes from one.
 """

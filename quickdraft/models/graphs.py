@@ -18,7 +18,7 @@ hidden-state reads run the same forward eagerly, unpadded; off CUDA it always ru
 which is what the CPU tests check against the model's own forward. Where triton runs
 (kernels/triton_ops.py) a layer is ~10 launches; with torch's ops, 19.
 
-The pool (models/slot_cache.py) grows by reallocation; captured graphs hold its old
+The pool (models/caches/slot_cache.py) grows by reallocation; captured graphs hold its old
 addresses, so growth drops them and the shapes are captured again.
 """
 
@@ -38,9 +38,9 @@ from quickdraft.kernels.gemm import project
 from quickdraft.kernels.pointwise import rope_rows, signed_sin
 from quickdraft.kernels.triton_gguf import DeviceGGUFWeight
 from quickdraft.models.base import ForwardOutput, ImageRows, refuse_images
+from quickdraft.models.caches.slot_cache import SlotCache, SlotPool
+from quickdraft.models.families.llama import MLP, Attention, CausalLM, DecoderLayer
 from quickdraft.models.layers import RMSNorm, tapped_layers
-from quickdraft.models.llama import MLP, Attention, CausalLM, DecoderLayer
-from quickdraft.models.slot_cache import SlotCache, SlotPool
 
 # rows per sequence a captured forward takes (a call is padded up to the next one): decode 1,
 # a verify of k drafts k + 1, a draft model's catch-up 2-3

@@ -13,25 +13,26 @@ import torch
 from torch import nn
 
 from quickdraft.config import ModelConfig
-from quickdraft.models.gemma3 import Gemma3Config, Gemma3LM
-from quickdraft.models.gemma4 import Gemma4LM, gemma4_name_map
-from quickdraft.models.gemma4_config import Gemma4Config
-from quickdraft.models.gpt_oss import GptOssConfig, GptOssLM
-from quickdraft.models.hybrid_config import (
+from quickdraft.models.families.gemma3 import Gemma3Config, Gemma3LM
+from quickdraft.models.families.gemma4 import Gemma4LM, gemma4_name_map
+from quickdraft.models.families.gemma4_config import Gemma4Config
+from quickdraft.models.families.gpt_oss import GptOssConfig, GptOssLM
+from quickdraft.models.families.hybrid_config import (
     HYBRID_TYPES,
     HybridConfig,
     NameMap,
     checkpoint_name_map,
 )
-from quickdraft.models.llama import CausalLM
-from quickdraft.models.mtp import MTPParts, hybrid_mtp_parts, llama_mtp_parts
-from quickdraft.models.qwen3_next import HybridLM
-from quickdraft.models.vision import ImageTower, VisionConfig, VisionTower
-from quickdraft.models.vision_gemma4 import Gemma4VisionTower
-from quickdraft.models.vision_qwen25 import Qwen25VisionTower
+from quickdraft.models.families.llama import CausalLM
+from quickdraft.models.families.qwen3_next import HybridLM
+from quickdraft.models.families.vision import ImageTower, VisionConfig, VisionTower
+from quickdraft.models.families.vision_gemma4 import Gemma4VisionTower
+from quickdraft.models.families.vision_qwen25 import Qwen25VisionTower
+from quickdraft.models.heads.mtp import MTPParts, hybrid_mtp_parts, llama_mtp_parts
 
 DENSE_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # CausalLM (qwen3_moe: routed experts)
-# dense vision-language models: CausalLM with M-RoPE, the tower beside it (models/vision_qwen25.py)
+# dense vision-language models: CausalLM with M-RoPE, the tower beside it
+# (models/families/vision_qwen25.py)
 DENSE_VL_TYPES = ("qwen2_5_vl",)
 GEMMA4_TYPES = ("gemma4_text", "gemma4")  # the text decoder alone, or in the multimodal model
 

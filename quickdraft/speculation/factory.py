@@ -24,8 +24,8 @@ from quickdraft.config import SpeculativeConfig
 from quickdraft.image_encoder import ImageEncoder
 from quickdraft.loading import LoadedModel, load
 from quickdraft.memory import trim_heap
-from quickdraft.models.gemma4_assistant import is_assistant_dir
-from quickdraft.models.gguf_loader import GGUFFormatError
+from quickdraft.models.formats.gguf_loader import GGUFFormatError
+from quickdraft.models.heads.gemma4_assistant import is_assistant_dir
 from quickdraft.speculation.cost import DraftCost, StepCost, model_cost
 from quickdraft.speculation.drafters.assistant import assistant_drafter, assistant_step_seconds
 from quickdraft.speculation.drafters.base import Drafter

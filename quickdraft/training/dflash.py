@@ -4,8 +4,8 @@ Stage: the DFlash half of `quickdraft train-drafter` (training/corpus.py makes i
 training/loop.py holds the labels, loss, AL estimate and loop it shares with training/mtp.py).
 Contract:
   DFlashTrainModel(shape, taps, block, mask, embed, head)
-        the DFlash forward (models/dflash.py) in plain differentiable torch, with its parameters
-        named as the public checkpoint names them; the target's embedding and lm_head are
+        the DFlash forward (models/heads/dflash.py) in plain differentiable torch, with its
+        parameters named as the public checkpoint names them; the target's embedding and lm_head are
         frozen inputs, never parameters.
   .block_hidden(ids, taps, anchors)
         many blocks per sequence in one pass: block n = [token at anchor a_n, MASK x (B-1)] at
@@ -110,7 +110,7 @@ class DFlashTrainModel(DraftTrainModel):
         return F.linear(self.norm(hidden).to(self.head.dtype), self.head).float()
 
     def config_json(self, target_name: str, steps: int) -> dict[str, Any]:
-        """config.json in the public layout (models/dflash.py reads it)."""
+        """config.json in the public layout (models/heads/dflash.py reads it)."""
         s = self.shape
         return {
             "architectures": ["DFlashDraftModel"],

@@ -7,15 +7,14 @@ the labels, loss, AL estimate and loop; the chained forward is training/mtp.py's
 `ChainTrainModel`, so every training-time-test step runs as the drafter runs it when serving).
 Contract:
   Eagle3TrainModel(shape, taps, steps, embed, head, seed, vocab_ids)
-        the head of models/eagle3.py in plain differentiable torch: g = fc(taps of the inputs
+        the head of models/heads/eagle3.py in plain differentiable torch: g = fc(taps of the inputs
         of target layers `taps`), a first layer over [input_layernorm(embed(t)), hidden_norm(g)]
-        with residual g, `norm`, an lm_head over the draft vocabulary (the target's rows,
-        frozen); step 1 reads the target's taps, each chained step the previous step's
-        pre-norm output (EAGLE-3's training-time test). `state_dict()` is the checkpoint, in
-        vLLM's `speculators` layout (`layers.0.*`, `fc`, `norm`, `lm_head`, `d2t`; no `t2d`,
-        which vLLM and we derive from `d2t`), and
-        `config_json` its config, which `--speculative-method eagle3 --draft-model DIR` (and
-        vLLM) load.
+        with residual g, `norm`, an lm_head over the draft vocabulary (the target's rows, frozen);
+        step 1 reads the target's taps, each chained step the previous step's pre-norm output
+        (EAGLE-3's training-time test). `state_dict()` is the checkpoint, in vLLM's `speculators`
+        layout (`layers.0.*`, `fc`, `norm`, `lm_head`, `d2t`; no `t2d`, which vLLM and we derive
+        from `d2t`), and `config_json` its config, which `--speculative-method eagle3
+        --draft-model DIR` (and vLLM) load.
   eagle3_trainer_for(target, steps, taps)   a fresh head for a loaded target.
   default_taps(L)   (2, L // 2, L - 3): the inputs of those layers, as vLLM taps them.
 The corpus stores layer OUTPUTS: the input of layer i is the output of layer i - 1
@@ -100,7 +99,7 @@ class Eagle3TrainModel(ChainTrainModel):
         return F.linear(self.norm(hidden).to(head.dtype), head).float()
 
     def config_json(self, target_name: str, steps: int) -> dict[str, Any]:
-        """vLLM `speculators` layout (models/eagle3.py reads it)."""
+        """vLLM `speculators` layout (models/heads/eagle3.py reads it)."""
         s = self.shape
         layer = {
             "model_type": "llama",

@@ -1,5 +1,5 @@
 """Differentiable decoder pieces for the trained drafters (training/dflash.py, training/mtp.py):
-the serving layers' math (models/llama.py) in plain torch, with the serving checkpoint's
+the serving layers' math (models/families/llama.py) in plain torch, with the serving checkpoint's
 parameter names, so that `state_dict()` is the checkpoint.
 
 Stage: the model half of `quickdraft train-drafter`. Contract: tensors carry a batch of

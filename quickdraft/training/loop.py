@@ -86,7 +86,7 @@ class DraftTrainModel(nn.Module, ABC):
     def scored_head(self, head: Tensor, vocab_ids: Tensor | None) -> Tensor:
         """The frozen head [vocab, H] cut to the draft vocabulary `vocab_ids` [V_d] (ascending;
         None: all ids), registering `t2d` and, for a reduced vocabulary, the checkpoint's `d2t`
-        (models/draft_vocab.py)."""
+        (models/heads/draft_vocab.py)."""
         vocab = head.shape[0]
         t2d = torch.arange(vocab)  # target id -> the drafter's logit column (-1: none)
         if vocab_ids is not None:

@@ -4,10 +4,10 @@ Stage: the MTP half of `quickdraft train-drafter --kind mtp` (training/corpus.py
 training/loop.py holds the labels, loss, AL estimate and loop it shares with training/dflash.py).
 Contract:
   MTPTrainModel(shape, steps, embed, head, seed, vocab_ids)
-        the MTP head's forward (models/mtp.py: x_i = fc([norm_e(embed(t_{i+1})); norm_h(h_i)]),
-        one decoder layer of the target's family, final norm, the target's lm_head, or its rows
-        of a reduced draft vocabulary) in plain differentiable torch; `state_dict()` is the
-        standalone head checkpoint (`mtp.*` tensors, and `d2t` for a reduced vocabulary) that
+        the MTP head's forward (models/heads/mtp.py: x_i = fc([norm_e(embed(t_{i+1}));
+        norm_h(h_i)]), one decoder layer of the target's family, final norm, the target's lm_head,
+        or its rows of a reduced draft vocabulary) in plain differentiable torch; `state_dict()` is
+        the standalone head checkpoint (`mtp.*` tensors, and `d2t` for a reduced vocabulary) that
         `--speculative-method mtp --draft-model DIR` loads.
   .rows_hidden(ids, taps, preds, anchors)   for an anchor a (the last token given), `steps`
         drafted rows, as the drafter runs them when serving (drafters/mtp.py):
@@ -40,8 +40,8 @@ from torch import Tensor, nn
 
 from quickdraft.config import ModelConfig
 from quickdraft.models.base import LanguageModel, module_of
+from quickdraft.models.heads.mtp import STANDALONE_ARCHITECTURE
 from quickdraft.models.layers import Rope
-from quickdraft.models.mtp import STANDALONE_ARCHITECTURE
 from quickdraft.models.registry import DENSE_TYPES
 from quickdraft.training.layers import Layer, Norm, frozen_target, init_stds, linear, rope_tables
 from quickdraft.training.loop import DraftTrainModel
@@ -167,7 +167,7 @@ class MTPTrainModel(ChainTrainModel):
         return F.linear(self.mtp.norm(hidden).to(self.head.dtype), self.head).float()
 
     def config_json(self, target_name: str, steps: int) -> dict[str, Any]:
-        """The standalone head's config.json (models/mtp.py)."""
+        """The standalone head's config.json (models/heads/mtp.py)."""
         s = self.shape
         return {
             "architectures": [STANDALONE_ARCHITECTURE],

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any, cast
 
 from quickdraft.loading import LoadedModel
-from quickdraft.models.dflash import default_target_layers
-from quickdraft.models.draft_vocab import read_draft_vocabulary
-from quickdraft.models.mtp import STANDALONE_ARCHITECTURE
+from quickdraft.models.heads.dflash import default_target_layers
+from quickdraft.models.heads.draft_vocab import read_draft_vocabulary
+from quickdraft.models.heads.mtp import STANDALONE_ARCHITECTURE
 from quickdraft.training.chat_data import answered_corpus, instructions, self_instructions
 from quickdraft.training.corpus import (
     TapCorpus,

@@ -1,5 +1,5 @@
 """Gemma 4 assistant drafter: the small model Gemma 4 ships beside each target
-(models/gemma4_assistant.py) proposes k tokens, chained, over the target's own KV.
+(models/heads/gemma4_assistant.py) proposes k tokens, chained, over the target's own KV.
 
 Per request the state is one row: the target's post-norm hidden state of the position before
 the last committed token (`commit` keeps the last row it is handed). `propose` runs, for every
@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from quickdraft.models.base import LanguageModel, module_of
-from quickdraft.models.gemma4_assistant import Gemma4Assistant, load_assistant
-from quickdraft.models.kv_cache import GroupedKVCache
+from quickdraft.models.caches.kv_cache import GroupedKVCache
+from quickdraft.models.heads.gemma4_assistant import Gemma4Assistant, load_assistant
 from quickdraft.speculation.cost import StepShape, settle
 from quickdraft.speculation.drafters.base import Draft, DraftJob, draft_position
 
@@ -103,7 +103,7 @@ def assistant_drafter(
     model: LanguageModel, path: str | Path, quantization: str = "none"
 ) -> AssistantDrafter:
     """The drafter for Gemma 4 target `model` from the assistant at `path` (a checkpoint dir
-    or llama.cpp's GGUF; its weights in `quantization`, models/gemma4_assistant.py
+    or llama.cpp's GGUF; its weights in `quantization`, models/heads/gemma4_assistant.py
     `load_assistant`); a clear error for another target or an assistant made for another
     Gemma 4."""
     return AssistantDrafter(load_assistant(module_of(model), path, quantization))

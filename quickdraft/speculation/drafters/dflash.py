@@ -1,9 +1,9 @@
 """DFlash drafter: a block-diffusion drafter (z-lab) proposes a whole block of drafts in ONE
 forward from the target's hidden states at a few tapped layers.
 
-Per request the state holds the drafter's context (models/dflash.py `ContextCache`): one K/V
-entry per committed token, made from the target's outputs at `hidden_layers` for that token,
-and the tap rows committed since the last propose:
+Per request the state holds the drafter's context (models/heads/dflash.py `ContextCache`): one K/V
+entry per committed token, made from the target's outputs at `hidden_layers` for that token, and the
+tap rows committed since the last propose:
   commit(tokens, hidden)   queue the tap rows of the newly committed positions
                            (`hidden` [n, len(taps) * H], positions [len - 1 - n, len - 1))
   propose(jobs)            the queued rows of every job become context entries (one packed
@@ -35,9 +35,14 @@ from quickdraft.config import PREFILL_CHUNK
 from quickdraft.kernels.gemm import Weight
 from quickdraft.kernels.linear_bf16 import PanelWeight
 from quickdraft.models.base import LanguageModel, module_of
-from quickdraft.models.dflash import ContextCache, DFlashConfig, DFlashModel
-from quickdraft.models.draft_vocab import D2T, check_declared, first_ids, read_draft_vocabulary
-from quickdraft.models.loader import load_weights
+from quickdraft.models.formats.loader import load_weights
+from quickdraft.models.heads.dflash import ContextCache, DFlashConfig, DFlashModel
+from quickdraft.models.heads.draft_vocab import (
+    D2T,
+    check_declared,
+    first_ids,
+    read_draft_vocabulary,
+)
 from quickdraft.speculation.cost import StepShape, settle
 from quickdraft.speculation.drafters.base import Draft, DraftJob, draft_one
 

@@ -10,11 +10,11 @@ requests streams the draft weights k times, not B x k times. No re-prefill, ever
 
 A draft model with recurrent layers (a small Qwen3.5 for a larger one) cannot commit its drafts
 one step at a time: its Gated-DeltaNet state rolls back only within the last forward
-(models/state_cache.py). Its chain therefore commits nothing: draft position j runs the j - 1
-drafts so far as one forward from the committed state (on a CPU as cheap as one row: the
-weights stream once), and after the verify `commit` keeps the accepted drafts out of that last
-forward in O(1); the next propose feeds the committed tokens the draft has not seen (the bonus
-token, or the last draft and the bonus) and commits them.
+(models/caches/state_cache.py). Its chain therefore commits nothing: draft position j runs the j - 1
+drafts so far as one forward from the committed state (on a CPU as cheap as one row: the weights
+stream once), and after the verify `commit` keeps the accepted drafts out of that last forward in
+O(1); the next propose feeds the committed tokens the draft has not seen (the bonus token, or the
+last draft and the bonus) and commits them.
 
 Image turns: a text-only draft model sees an image's rows as their placeholder ids at plain
 positions. A draft model that is a vision-language model of the target's family (a smaller

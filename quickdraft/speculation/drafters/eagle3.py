@@ -1,4 +1,4 @@
-"""EAGLE-3 drafter: a head as vLLM, SGLang and llama.cpp users bring it (models/eagle3.py)
+"""EAGLE-3 drafter: a head as vLLM, SGLang and llama.cpp users bring it (models/heads/eagle3.py)
 chains k drafts from the target's tapped residual stream, one head forward per draft.
 
 The bookkeeping is the MTP drafter's (drafters/mtp.py): per request the head's KV of rows run
@@ -32,15 +32,15 @@ from torch import Tensor
 from quickdraft.hub.convert import unpermute_rows
 from quickdraft.kernels.gemm import Weight, panels_apply
 from quickdraft.models.base import LanguageModel, module_of
-from quickdraft.models.draft_vocab import (
+from quickdraft.models.formats.loader import fill_weights
+from quickdraft.models.heads.draft_vocab import (
     D2T,
     DraftVocab,
     check_declared,
     draft_ids,
     first_ids,
 )
-from quickdraft.models.eagle3 import Eagle3Config, Eagle3Head
-from quickdraft.models.loader import fill_weights
+from quickdraft.models.heads.eagle3 import Eagle3Config, Eagle3Head
 from quickdraft.speculation.drafters.mtp import MTPDrafter
 
 _SKIPPED = ("t2d",)  # t2d (target -> draft membership) is implied by d2t
@@ -156,7 +156,7 @@ class HeadTensors:
         return name_of
 
 
-# llama.cpp's eagle3 tensor names -> the Hugging Face ones (models/eagle3.py's parameters)
+# llama.cpp's eagle3 tensor names -> the Hugging Face ones (models/heads/eagle3.py's parameters)
 _GGUF_NAMES = {
     "token_embd.weight": "embed_tokens.weight",
     "output_norm.weight": "norm.weight",

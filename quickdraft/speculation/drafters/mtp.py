@@ -17,12 +17,12 @@ before those norms; the target's is recovered exactly, up to the head's RMSNorm 
 post_norm / final-norm scale, because the head normalises it again with pre_fc_norm_hidden).
 Real checkpoints settle it by acceptance (bench/hybrid.py reports it).
 Where the head comes from: the target's own checkpoint (`mtp.*`), or a standalone head
-directory (models/mtp.py; `quickdraft train-drafter --kind mtp` trains one for a dense target,
-with the post_norm feed) given as `--draft-model`.
-Prefix cache (`PrefixDrafter`): a block of tokens [a, b) keeps the head's KV rows whose inputs
-lie in it, positions [a - 1, b - 1) (row i reads t_{i+1}), and the target hidden row h_{b-1}
-(kept from `commit` once the block size is known): a hit of n tokens restores rows [0, n - 1)
-and queues h_{n-1}, exactly where a request that ran the n tokens itself would be.
+directory (models/heads/mtp.py; `quickdraft train-drafter --kind mtp` trains one for a dense target,
+with the post_norm feed) given as `--draft-model`. Prefix cache (`PrefixDrafter`): a block of tokens
+[a, b) keeps the head's KV rows whose inputs lie in it, positions [a - 1, b - 1) (row i reads
+t_{i+1}), and the target hidden row h_{b-1} (kept from `commit` once the block size is known): a hit
+of n tokens restores rows [0, n - 1) and queues h_{n-1}, exactly where a request that ran the n
+tokens itself would be.
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ from quickdraft.hub.convert import GGUF_LINK
 from quickdraft.images import ImageLayout, ImageRows, pack_image_rows
 from quickdraft.kernels.gemm import Weight, panels_apply
 from quickdraft.models.base import LanguageModel, module_of
-from quickdraft.models.draft_vocab import check_declared, read_draft_vocabulary
-from quickdraft.models.gguf_loader import is_gguf_dir
-from quickdraft.models.gguf_qwen_loader import load_gguf_mtp_head
-from quickdraft.models.kv_cache import KVCache
-from quickdraft.models.loader import load_weights
-from quickdraft.models.mtp import MTPHead, standalone_head_config
+from quickdraft.models.caches.kv_cache import KVCache
+from quickdraft.models.formats.gguf_loader import is_gguf_dir
+from quickdraft.models.formats.gguf_qwen_loader import load_gguf_mtp_head
+from quickdraft.models.formats.loader import load_weights
+from quickdraft.models.heads.draft_vocab import check_declared, read_draft_vocabulary
+from quickdraft.models.heads.mtp import MTPHead, standalone_head_config
 from quickdraft.models.registry import mtp_parts, name_map
 from quickdraft.speculation.cost import StepShape, settle
 from quickdraft.speculation.drafters.base import Draft, DraftBlock, DraftJob, draft_position
@@ -133,7 +133,8 @@ def _check_fits(head: dict[str, Any], cfg: Any, path: Path) -> None:
 
 
 class ChainHead(Protocol):
-    """What the drafter runs: an MTP head (models/mtp.py) or an EAGLE-3 head (models/eagle3.py)."""
+    """What the drafter runs: an MTP head (models/heads/mtp.py) or an EAGLE-3 head
+    (models/heads/eagle3.py)."""
 
     hidden_size: int
     vocab_size: int

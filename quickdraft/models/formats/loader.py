@@ -21,11 +21,12 @@ from torch import Tensor, nn
 
 from quickdraft.hub.convert import GGUF_LINK
 from quickdraft.models.base import LanguageModel
-from quickdraft.models.gguf_gemma4_loader import load_gemma4_gguf
-from quickdraft.models.gguf_loader import GGUFFormatError, is_gguf_dir, load_gguf_model
-from quickdraft.models.gguf_qwen_loader import QWEN_TYPES, load_qwen_gguf
-from quickdraft.models.gpt_oss import GptOssLM, is_mxfp4, mxfp4_experts
-from quickdraft.models.hybrid_config import NameMap
+from quickdraft.models.families.gpt_oss import GptOssLM, is_mxfp4, mxfp4_experts
+from quickdraft.models.families.hybrid_config import NameMap
+from quickdraft.models.families.vision import ImageTower, VisionConfig
+from quickdraft.models.formats.gguf_gemma4_loader import load_gemma4_gguf
+from quickdraft.models.formats.gguf_loader import GGUFFormatError, is_gguf_dir, load_gguf_model
+from quickdraft.models.formats.gguf_qwen_loader import QWEN_TYPES, load_qwen_gguf
 from quickdraft.models.registry import (
     GEMMA4_TYPES,
     model_class,
@@ -34,7 +35,6 @@ from quickdraft.models.registry import (
     same_names,
     vision_tower,
 )
-from quickdraft.models.vision import ImageTower, VisionConfig
 
 
 def load_model(

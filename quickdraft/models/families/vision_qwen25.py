@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from quickdraft.models.vision import (
+from quickdraft.models.families.vision import (
     ACTIVATIONS,
     BiasLinear,
     ImageTower,

@@ -14,8 +14,8 @@ from quickdraft.kernels import triton_gguf
 from quickdraft.kernels.linear_bf16 import PanelWeight
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.kernels.triton_gguf import DeviceGGUFEmbedding
+from quickdraft.models.families.llama import CausalLM, Embedding
 from quickdraft.models.layers import GGUFEmbedding, OperandModule, release_fused_
-from quickdraft.models.llama import CausalLM, Embedding
 
 
 def runs_on_device(model_class: type, cfg: object) -> bool:

@@ -14,7 +14,7 @@ A head trained apart from its target (`quickdraft train-drafter --kind mtp`, for
 that ships none) is a directory of its own: model.safetensors holding the `mtp.*` tensors, and
 a config.json whose `architectures` is [STANDALONE_ARCHITECTURE], with the target's
 `model_type`, `hidden_size` and `vocab_size` and the head's `num_nextn_predict_layers`; with
-`d2t` and `draft_vocab_size` it scores a reduced draft vocabulary (models/draft_vocab.py); any
+`d2t` and `draft_vocab_size` it scores a reduced draft vocabulary (models/heads/draft_vocab.py); any
 head can be cut to the vocabulary's first ids instead (`keep_first_`, `--draft-vocab`).
 
 Contract: `forward(token_ids [N], hidden [N, H], caches, num_new, logit_rows)` runs the rows
@@ -39,9 +39,11 @@ from torch import Tensor, nn
 from quickdraft.config import ModelConfig
 from quickdraft.images import ImageRows
 from quickdraft.kernels.gemm import Weight, project, to_panels
-from quickdraft.models.draft_vocab import DraftVocab
-from quickdraft.models.hybrid_config import HybridConfig
-from quickdraft.models.kv_cache import KVCache
+from quickdraft.models.caches.kv_cache import KVCache
+from quickdraft.models.families.hybrid_config import HybridConfig
+from quickdraft.models.families.llama import DecoderLayer, many_args, operand_converter
+from quickdraft.models.families.qwen3_next import HybridDecoderLayer, OffsetRMSNorm, fused_layer
+from quickdraft.models.heads.draft_vocab import DraftVocab
 from quickdraft.models.layers import (
     LinearView,
     OperandModule,
@@ -51,8 +53,6 @@ from quickdraft.models.layers import (
     convert_operands_,
     restrict_head,
 )
-from quickdraft.models.llama import DecoderLayer, many_args, operand_converter
-from quickdraft.models.qwen3_next import HybridDecoderLayer, OffsetRMSNorm, fused_layer
 
 STANDALONE_ARCHITECTURE = "MTPHead"
 
@@ -143,8 +143,8 @@ class MTPHead(OperandModule):
         self._fused: Any = None
 
     def restrict_vocab_(self, ids: Tensor) -> None:
-        """Score only token ids `ids` (a trained head's `d2t`, models/draft_vocab.py): the head
-        becomes those rows of the target's, in the format of the head's own operands (after
+        """Score only token ids `ids` (a trained head's `d2t`, models/heads/draft_vocab.py): the
+        head becomes those rows of the target's, in the format of the head's own operands (after
         `quantize_`: int8 / int4); every other id's logit is -inf. Call after `pack_` or
         `quantize_`."""
         self.vocab = DraftVocab(self.lm_head_weight, ids, self.dtype, self.quantized)

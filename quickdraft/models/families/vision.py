@@ -27,8 +27,8 @@ from torch import Tensor, nn
 class VisionConfig:
     """`vision_config` of a composite vision-language config, plus the placeholder ids around
     it. `kind` is the tower's family: "qwen3_5" (this module), "qwen2_5_vl"
-    (models/vision_qwen25.py: windowed attention, no position table) or "gemma4"
-    (models/vision_gemma4.py: its `spatial_merge_size` is the pooling kernel, its
+    (models/families/vision_qwen25.py: windowed attention, no position table) or "gemma4"
+    (models/families/vision_gemma4.py: its `spatial_merge_size` is the pooling kernel, its
     `vision_start` / `vision_end` ids the begin / end of image tokens)."""
 
     depth: int

@@ -36,10 +36,10 @@ from torch import Tensor, nn
 from quickdraft.config import ModelConfig
 from quickdraft.images import ImageRows
 from quickdraft.kernels.gemm import Weight, project, to_panels
-from quickdraft.models.draft_vocab import widen
-from quickdraft.models.kv_cache import KVCache
+from quickdraft.models.caches.kv_cache import KVCache
+from quickdraft.models.families.llama import MLP, Attention, DecoderLayer, operand_converter
+from quickdraft.models.heads.draft_vocab import widen
 from quickdraft.models.layers import LinearView, OperandModule, RMSNorm, Rope, convert_operands_
-from quickdraft.models.llama import MLP, Attention, DecoderLayer, operand_converter
 
 # architectures naming an EAGLE-3 head in a flat config.json (EAGLE, SpecForge, vLLM, NVIDIA)
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3DraftModel")

@@ -1,7 +1,7 @@
 """gpt-oss (Hugging Face `gpt_oss`, GptOssForCausalLM; GGUF `gpt-oss`).
 
-Stage: the target model, the decoder of models/llama.py (CausalLM's forward, its packed rows,
-KV cache and head) with its own layers. What differs from the Llama family:
+Stage: the target model, the decoder of models/families/llama.py (CausalLM's forward, its packed
+rows, KV cache and head) with its own layers. What differs from the Llama family:
 - attention sinks: a learned logit per query head joins every row's softmax as a key of value
   0 (kernels/attention.py `sinks`, HF's `s_aux`); q, k, v and o carry biases;
 - sliding and full layers alternate (`layer_types`: the even layers see the last
@@ -38,8 +38,8 @@ from quickdraft.config import ModelConfig, read_hf_config
 from quickdraft.kernels.gemm import Weight, project
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.kernels.moe_gguf import grouped_experts, moe_block, reference_experts
+from quickdraft.models.families.llama import Attention, CausalLM, DecoderLayer
 from quickdraft.models.layers import LinearView, RMSNorm, Rope
-from quickdraft.models.llama import Attention, CausalLM, DecoderLayer
 
 SLIDING = "sliding_attention"
 

@@ -1,6 +1,6 @@
 """Gemma 4's text config (`gemma4_text`, or the `text_config` of `gemma4` and
-`gemma4_assistant`) as models/gemma4.py reads it: the per-layer shapes (head sizes, KV heads,
-which layer's KV each layer attends to) resolved once from either spelling transformers has
+`gemma4_assistant`) as models/families/gemma4.py reads it: the per-layer shapes (head sizes, KV
+heads, which layer's KV each layer attends to) resolved once from either spelling transformers has
 used (`per_layer_config`, or `global_head_dim` / `num_global_key_value_heads`)."""
 
 from __future__ import annotations

@@ -4,13 +4,13 @@ writes it).
 
 Each projection becomes a `GGUFWeight` (kernels/linear_gguf.py): the file's blocks repacked once
 into the kernel's panel layout, the same weight values its reference dequantization gives, and
-kept in the packed copy beside the link (models/packed_copy.py) that later starts read; fused
-q/k/v and gate/up operands join tensors of different formats part by part. Norms and biases
-are read as they are; the embedding table stays in the mapped file and a lookup dequantizes
-only the rows it reads (`GGUFEmbedding`). Unquantized 2-D tensors (F32 / F16 / BF16) load in
-the model dtype like any other. A tensor in a format without a kernel here, a missing tensor
-or a shape that does not match the config fails with an error that names it. Qwen3-MoE and
-the hybrid Qwen3-Next / Qwen3.5 files load through models/gguf_qwen_loader.py.
+kept in the packed copy beside the link (models/formats/packed_copy.py) that later starts read;
+fused q/k/v and gate/up operands join tensors of different formats part by part. Norms and biases
+are read as they are; the embedding table stays in the mapped file and a lookup dequantizes only the
+rows it reads (`GGUFEmbedding`). Unquantized 2-D tensors (F32 / F16 / BF16) load in the model dtype
+like any other. A tensor in a format without a kernel here, a missing tensor or a shape that does
+not match the config fails with an error that names it. Qwen3-MoE and the hybrid Qwen3-Next /
+Qwen3.5 files load through models/formats/gguf_qwen_loader.py.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ from quickdraft.kernels.gemm import Weight
 from quickdraft.kernels.linear_gguf import FORMATS, GGUFWeight
 from quickdraft.memory import trim_heap
 from quickdraft.models.base import LanguageModel
-from quickdraft.models.gemma3 import Gemma3LM
-from quickdraft.models.gguf_gpu import runs_on_device, to_device_
+from quickdraft.models.families.gemma3 import Gemma3LM
+from quickdraft.models.families.llama import CausalLM, operand_converter
+from quickdraft.models.formats.gguf_gpu import runs_on_device, to_device_
+from quickdraft.models.formats.packed_copy import packed_name, packed_or_built
 from quickdraft.models.layers import GGUFEmbedding, release_fused_
-from quickdraft.models.llama import CausalLM, operand_converter
-from quickdraft.models.packed_copy import packed_name, packed_or_built
 from quickdraft.models.registry import model_class, read_config
 
 log = logging.getLogger(__name__)

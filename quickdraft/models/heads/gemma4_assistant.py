@@ -41,7 +41,8 @@ from quickdraft.hub.convert import assistant_config
 from quickdraft.hub.gguf_gemma4 import ASSISTANT_ARCH, assistant_plan
 from quickdraft.hub.gguf_read import gguf_architecture, gguf_fp32, read_gguf
 from quickdraft.kernels.gemm import panels_apply, project, to_panels
-from quickdraft.models.gemma4 import (
+from quickdraft.models.caches.kv_cache import GroupedKVCache
+from quickdraft.models.families.gemma4 import (
     DecoderLayer,
     DecoderModel,
     Gemma4LM,
@@ -50,11 +51,10 @@ from quickdraft.models.gemma4 import (
     quantizer,
     ropes,
 )
-from quickdraft.models.gemma4_config import Gemma4Config
-from quickdraft.models.kv_cache import GroupedKVCache
+from quickdraft.models.families.gemma4_config import Gemma4Config
+from quickdraft.models.families.llama import Embedding
+from quickdraft.models.formats.loader import TensorEntries, fill_weights, load_weights
 from quickdraft.models.layers import convert_operands_
-from quickdraft.models.llama import Embedding
-from quickdraft.models.loader import TensorEntries, fill_weights, load_weights
 
 
 @dataclass(frozen=True, slots=True)

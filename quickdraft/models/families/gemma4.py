@@ -3,11 +3,11 @@ Gemma4ForCausalLM; GGUF `gemma4`): the dense 31B, the 26B-A4B MoE and the small 
 
 Stage: the target model, with the contract of models/base.py (one packed forward over the new
 tokens of several sequences, KV written past `cache.length`, the commit left to the caller).
-What differs from Gemma 3 (models/gemma3.py):
+What differs from Gemma 3 (models/families/gemma3.py):
 - local ("sliding_attention") and global layers differ in shape: a global layer's heads are
   `global_head_dim` wide (512) and, where `attention_k_eq_v`, it has fewer KV heads and its
   values are its keys' projection (normed apart); the cache keeps one KVCache per shape
-  (models/kv_cache.py `GroupedKVCache`);
+  (models/caches/kv_cache.py `GroupedKVCache`);
 - q and k are RMS-normed per head with a weight, v without one; attention is not scaled
   (scale 1); local RoPE is the default one, global RoPE "proportional": the first
   `partial_rotary_factor` of the frequencies (computed over the whole head), the rest 0, so
@@ -25,10 +25,10 @@ What differs from Gemma 3 (models/gemma3.py):
   it by a learned vector / sqrt(hidden), takes a softmax's top k renormalised, times a learned
   per-expert scale;
 - the final logits are soft-capped: cap * tanh(logits / cap);
-- images (models/vision_gemma4.py encodes them): an image row's embedding is the tower's, its
-  per-layer input the pad token's; where `two_way_images` (26B-A4B, 31B) the local layers let
-  an image's rows see each other both ways (`ImageRows.ends`: a row's keys run to its image's
-  end; images.py keeps an image in one forward), the global layers stay causal.
+- images (models/families/vision_gemma4.py encodes them): an image row's embedding is the
+  tower's, its per-layer input the pad token's; where `two_way_images` (26B-A4B, 31B) the local
+  layers let an image's rows see each other both ways (`ImageRows.ends`: a row's keys run to its
+  image's end; images.py keeps an image in one forward), the global layers stay causal.
 Parameter names are Hugging Face's (`model.language_model.` of the multimodal checkpoints is
 mapped onto `model.`).
 """
@@ -48,9 +48,11 @@ from quickdraft.kernels.linear_int import Q4_GROUP
 from quickdraft.kernels.pointwise import gelu_mul, gelu_tanh_rows, rms_norm
 from quickdraft.kernels.pointwise import rope as apply_rope
 from quickdraft.models.base import ForwardOutput, ImageRows, packed_positions
-from quickdraft.models.gemma4_config import FULL, SLIDING, Gemma4Config
-from quickdraft.models.hybrid_config import NameMap
-from quickdraft.models.kv_cache import GroupedKVCache, kv_slots
+from quickdraft.models.caches.kv_cache import GroupedKVCache, kv_slots
+from quickdraft.models.families.gemma4_config import FULL, SLIDING, Gemma4Config
+from quickdraft.models.families.hybrid_config import NameMap
+from quickdraft.models.families.llama import _QUANTIZERS, Embedding, operand_converter
+from quickdraft.models.families.moe import Experts
 from quickdraft.models.layers import (
     GGUFEmbedding,
     HeadLogits,
@@ -63,8 +65,6 @@ from quickdraft.models.layers import (
     fused_projections,
     tapped_layers,
 )
-from quickdraft.models.llama import _QUANTIZERS, Embedding, operand_converter
-from quickdraft.models.moe import Experts
 
 
 class Attention(OperandModule):

@@ -37,9 +37,9 @@ from quickdraft.hub.gguf_qwen import (
     qwen25_mmproj_names,
 )
 from quickdraft.images import PROCESSING, ImageProcessing
+from quickdraft.models.families.vision import ImageTower, VisionConfig
+from quickdraft.models.families.vision_gemma4 import Gemma4VisionTower
 from quickdraft.models.registry import vision_tower
-from quickdraft.models.vision import ImageTower, VisionConfig
-from quickdraft.models.vision_gemma4 import Gemma4VisionTower
 
 PROJECTORS = (QWEN3VL_PROJECTOR, QWEN25VL_PROJECTOR, GEMMA4V_PROJECTOR)
 # the target's tokens for an image, its begin and its end, by projector (the Qwen-VL chat
@@ -210,9 +210,9 @@ def _gemma4v(
     device: torch.device | str,
     video_token_id: int,
 ) -> tuple[ImageTower, ImageProcessing]:
-    """A `gemma4v` file's tower (models/vision_gemma4.py) and Gemma 4's preprocessing at the
-    model's default budget of 280 placeholders (llama.cpp's mtmd allows up to 1120 by
-    default, and resizes otherwise)."""
+    """A `gemma4v` file's tower (models/families/vision_gemma4.py) and Gemma 4's preprocessing at
+    the model's default budget of 280 placeholders (llama.cpp's mtmd allows up to 1120 by default,
+    and resizes otherwise)."""
     depth = required("clip.vision.block_count")
     hidden, heads = (
         required("clip.vision.embedding_length"),

@@ -1,5 +1,5 @@
 """Decoder-only transformers: Llama / SmolLM2, Qwen2 / Qwen2.5, Qwen3, and Qwen3-MoE (Qwen3 with
-routed experts in place of the MLP, models/moe.py).
+routed experts in place of the MLP, models/families/moe.py).
 
 Stage: the target (and draft) model. One `forward` runs N new tokens of one or more sequences
 packed together (prefill, decode, or a k+1-token verify): projections and MLPs run on all
@@ -27,7 +27,8 @@ from quickdraft.kernels.pointwise import rope as apply_rope
 from quickdraft.kernels.pointwise import silu_mul
 from quickdraft.kernels.triton_gguf import DeviceGGUFEmbedding
 from quickdraft.models.base import ForwardOutput, ImageRows, packed_positions
-from quickdraft.models.kv_cache import KVCache
+from quickdraft.models.caches.kv_cache import KVCache
+from quickdraft.models.families.moe import RoutedMoE
 from quickdraft.models.layers import (
     GGUFEmbedding,
     HeadLogits,
@@ -40,7 +41,6 @@ from quickdraft.models.layers import (
     fused_projections,
     tapped_layers,
 )
-from quickdraft.models.moe import RoutedMoE
 
 
 class Attention(OperandModule):
@@ -75,8 +75,8 @@ class Attention(OperandModule):
         # them), replaced by packed or quantized forms by `CausalLM.pack_` / `quantize_`.
         self.qkv: Weight = self.qkv_weight
         self.o: Weight = self.o_proj.weight.detach()
-        # what a family adds (models/gpt_oss.py): an o bias, a sliding window (0: none), per-head
-        # attention sinks (a Parameter there)
+        # what a family adds (models/families/gpt_oss.py): an o bias, a sliding window (0: none),
+        # per-head attention sinks (a Parameter there)
         self.o_bias: Tensor | None = None
         self.window = 0
         self.sinks: Tensor | None = None
@@ -250,10 +250,10 @@ class DecoderModel(nn.Module):
         cfg: ModelConfig,
         dtype: torch.dtype,
         device: torch.device,
-        layer: type[DecoderLayer] = DecoderLayer,  # a family's own (models/gpt_oss.py)
+        layer: type[DecoderLayer] = DecoderLayer,  # a family's own (models/families/gpt_oss.py)
     ) -> None:
         super().__init__()
-        # a GGUF model's stays in its file's format (models/gguf_loader.py)
+        # a GGUF model's stays in its file's format (models/formats/gguf_loader.py)
         self.embed_tokens: Embedding | GGUFEmbedding | DeviceGGUFEmbedding = Embedding(
             cfg.vocab_size, cfg.hidden_size, dtype, device
         )

@@ -12,7 +12,7 @@ bookkeeping). Checkpoint layout (config.json + *.safetensors, the public one):
               self_attn.{q,k}_norm, mlp.{gate,up,down}_proj}.weight (an optional `model.` prefix
               is dropped; an embed_tokens / lm_head copy is ignored: the target's are used);
               optional `d2t` [V_d] with `draft_vocab_size`: a reduced draft vocabulary
-              (models/draft_vocab.py; `DFlashModel.restrict_vocab_` scores only those ids)
+              (models/heads/draft_vocab.py; `DFlashModel.restrict_vocab_` scores only those ids)
 No embedding and no lm_head of its own: the block rows are the target's (raw) token embeddings,
 the logits the target's lm_head over this model's final norm.
 
@@ -46,8 +46,9 @@ from torch import Tensor, nn
 from quickdraft.config import ModelConfig, read_hf_config
 from quickdraft.kernels.gemm import Weight, project, to_panels
 from quickdraft.kernels.pointwise import rope as apply_rope
-from quickdraft.models.draft_vocab import DraftVocab
-from quickdraft.models.kv_cache import KVCache
+from quickdraft.models.caches.kv_cache import KVCache
+from quickdraft.models.families.llama import MLP, Attention
+from quickdraft.models.heads.draft_vocab import DraftVocab
 from quickdraft.models.layers import (
     LinearView,
     OperandModule,
@@ -55,7 +56,6 @@ from quickdraft.models.layers import (
     Rope,
     convert_operands_,
 )
-from quickdraft.models.llama import MLP, Attention
 
 # architectures this module runs; DFlash2 adds per-layer convolutions and a candidate selector
 DFLASH_ARCHITECTURES = ("DFlashDraftModel",)
@@ -199,8 +199,8 @@ def block_attention(
 
 
 class DFlashAttention(Attention):
-    """A dense attention layer's projections and norms (models/llama.py `Attention`), run as
-    DFlash runs them: k/v only for context rows, a non-causal block over the context."""
+    """A dense attention layer's projections and norms (models/families/llama.py `Attention`), run
+    as DFlash runs them: k/v only for context rows, a non-causal block over the context."""
 
     OPERANDS: ClassVar[tuple[str, ...]] = ("qkv", "kv", "o")
 

@@ -1,15 +1,15 @@
 """The packed copy of a GGUF model: every GEMM operand in the layout its kernel streams, so a
 later start reads one file (~ the GGUF's size) and repacks nothing.
 
-Stage: loading (models/gguf_loader.py for dense and Gemma 3 files, models/gguf_qwen_loader.py
-for Qwen3-MoE and the hybrids, models/gguf_gemma4_loader.py). Contract: `save_packed(model,
-file)` writes a safetensors file of every operand (`OperandModule.OPERANDS`; a MoE layer's
-routed experts, `Experts.operands`, one pair per expert), every parameter, the Gated DeltaNet
-head orders and the embedding tables' raw rows (the token one, and others such as Gemma 4's
-per-layer one); `fill_packed(model, file)` puts them back into an empty model of the same
-config (what its constructor made) and returns it with the same weights, bit for bit. One
-copy per weight format (the GGUF's own, int8, int4), named by layout version: bump
-PACKED_VERSION when linear_gguf.py's or linear_int.py's layout or what is written here
+Stage: loading (models/formats/gguf_loader.py for dense and Gemma 3 files,
+models/formats/gguf_qwen_loader.py for Qwen3-MoE and the hybrids,
+models/formats/gguf_gemma4_loader.py). Contract: `save_packed(model, file)` writes a safetensors
+file of every operand (`OperandModule.OPERANDS`; a MoE layer's routed experts, `Experts.operands`,
+one pair per expert), every parameter, the Gated DeltaNet head orders and the embedding tables' raw
+rows (the token one, and others such as Gemma 4's per-layer one); `fill_packed(model, file)` puts
+them back into an empty model of the same config (what its constructor made) and returns it with the
+same weights, bit for bit. One copy per weight format (the GGUF's own, int8, int4), named by layout
+version: bump PACKED_VERSION when linear_gguf.py's or linear_int.py's layout or what is written here
 changes.
 """
 
@@ -34,10 +34,10 @@ from quickdraft.kernels.linear_bf16 import streamed_empty
 from quickdraft.kernels.linear_gguf import FORMATS, GGUFPart, GGUFWeight
 from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
 from quickdraft.memory import trim_heap
-from quickdraft.models.gpt_oss import GptOssMoE
+from quickdraft.models.families.gpt_oss import GptOssMoE
+from quickdraft.models.families.moe import Experts
+from quickdraft.models.families.qwen3_next import GatedDeltaNet
 from quickdraft.models.layers import GGUFEmbedding, OperandModule, release_fused_
-from quickdraft.models.moe import Experts
-from quickdraft.models.qwen3_next import GatedDeltaNet
 
 log = logging.getLogger(__name__)
 

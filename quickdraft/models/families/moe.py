@@ -7,7 +7,7 @@ Parameter names and layouts are transformers 5.x's: `gate.weight` [E, hidden] (r
 `experts.gate_up_proj` [E, 2 * inter, hidden], `experts.down_proj` [E, hidden, inter],
 `shared_expert.{gate,up,down}_proj`, `shared_expert_gate` [1, hidden]. Checkpoints that store
 one tensor per expert (`experts.{e}.gate_proj.weight`, ...) are mapped onto the fused tensors
-by the loader's name map (models/qwen3_next.py: `checkpoint_name_map`).
+by the loader's name map (models/families/qwen3_next.py: `checkpoint_name_map`).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ rows, the router, the per-layer-embedding projections, the head) stays in its bl
 a `GGUFWeight`, and both embedding tables (the token one and the per-layer one, 262144 rows of
 35 x 256 in E2B) stay in the file's blocks as `GGUFEmbedding`s; norms, scales and layer scalars
 are dequantized through the converter's plan (hub/gguf_gemma4.py), which also checks every
-tensor's presence and shape. A packed copy beside the link (models/packed_copy.py) makes later
-starts read one file.
+tensor's presence and shape. A packed copy beside the link (models/formats/packed_copy.py) makes
+later starts read one file.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from quickdraft.models.gemma4 import DecoderLayer, Gemma4LM
-from quickdraft.models.gemma4_config import Gemma4Config
-from quickdraft.models.gguf_qwen_loader import PlanLoader
+from quickdraft.models.families.gemma4 import DecoderLayer, Gemma4LM
+from quickdraft.models.families.gemma4_config import Gemma4Config
+from quickdraft.models.formats.gguf_qwen_loader import PlanLoader
+from quickdraft.models.formats.packed_copy import PACKED_NAME, packed_or_built
 from quickdraft.models.layers import GGUFEmbedding, release_fused_
-from quickdraft.models.packed_copy import PACKED_NAME, packed_or_built
 
 log = logging.getLogger(__name__)
 

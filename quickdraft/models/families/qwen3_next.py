@@ -7,16 +7,16 @@ conv1d, gated delta rule, gated RMSNorm, out-projection; math in kernels/gdn.py)
 layer is attention with a sigmoid output gate, q/k RMSNorm and RoPE on the first
 `partial_rotary_factor` of each head. Every RMSNorm except the GDN output norm scales by
 (1 + w) (zero-centred weights). The MLP is dense or a sparse MoE with a gated shared expert
-(models/moe.py). Qwen3.5's multimodal RoPE (M-RoPE) reduces to plain RoPE for text, all three
-position streams being the token index; with images the caller passes every row's (t, h, w)
-positions and the image rows' embeddings (`ImageRows`; models/vision.py encodes them).
+(models/families/moe.py). Qwen3.5's multimodal RoPE (M-RoPE) reduces to plain RoPE for text, all
+three position streams being the token index; with images the caller passes every row's (t, h, w)
+positions and the image rows' embeddings (`ImageRows`; models/families/vision.py encodes them).
 
 Contract: as every `LanguageModel` (models/base.py): one forward over the packed new tokens of
 several sequences, attention per sequence against its KV, conv + delta rule per sequence from
 that sequence's committed state in its `HybridCache` (state_cache.py), which keeps every
 token's state update of a decode step or verify so that `commit` can keep any prefix in O(1).
-Parameter names are Hugging Face's; models/hybrid_config.py has the config record and maps the
-checkpoint variants (composite `model.language_model.` prefix, per-expert tensors) onto them.
+Parameter names are Hugging Face's; models/families/hybrid_config.py has the config record and maps
+the checkpoint variants (composite `model.language_model.` prefix, per-expert tensors) onto them.
 `mtp.*` (the MTP head) is loaded by drafters/mtp.py.
 """
 
@@ -41,7 +41,10 @@ from quickdraft.kernels.hybrid_layer import attention_layer, gdn_layer
 from quickdraft.kernels.pointwise import add_rms_norm, gated_rms_norm, rms_norm, sigmoid
 from quickdraft.kernels.pointwise import rope as apply_rope
 from quickdraft.models.base import ForwardOutput, ImageRows, packed_positions
-from quickdraft.models.hybrid_config import HybridConfig
+from quickdraft.models.caches.state_cache import GDNStateShape, HybridCache
+from quickdraft.models.families.hybrid_config import HybridConfig
+from quickdraft.models.families.llama import Embedding, many_args
+from quickdraft.models.families.moe import GatedMLP, SparseMoE
 from quickdraft.models.layers import (
     HeadLogits,
     LinearView,
@@ -53,9 +56,6 @@ from quickdraft.models.layers import (
     fused_projections,
     tapped_layers,
 )
-from quickdraft.models.llama import Embedding, many_args
-from quickdraft.models.moe import GatedMLP, SparseMoE
-from quickdraft.models.state_cache import GDNStateShape, HybridCache
 
 
 class OffsetRMSNorm(RMSNorm):

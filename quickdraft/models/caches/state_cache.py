@@ -1,7 +1,7 @@
 """Per-sequence cache of a hybrid model: attention KV + Gated DeltaNet state with checkpoints.
 
-Stage: the rollback primitive for recurrent layers (models/qwen3_next.py reads and writes it).
-Attention layers keep their KV in a `KVCache` (rollback = a length). A GDN layer overwrites its
+Stage: the rollback primitive for recurrent layers (models/families/qwen3_next.py reads and writes
+it). Attention layers keep their KV in a `KVCache` (rollback = a length). A GDN layer overwrites its
 state per token, so a rejected draft cannot be un-applied; instead a forward never touches the
 committed state and keeps, for each of its tokens, what it takes to reach the state after that
 token. Per GDN layer:
@@ -47,7 +47,7 @@ from quickdraft.kernels.attention import Paged
 from quickdraft.kernels.gdn import DeltaUpdates, advance_state, conv_window
 from quickdraft.kernels.linear_bf16 import streamed_zeros
 from quickdraft.models.base import KVBlock, StateSnapshot
-from quickdraft.models.kv_cache import KVCache
+from quickdraft.models.caches.kv_cache import KVCache
 
 # Largest forward whose every token can be committed: k + 1 for the largest k that
 # SpeculativeConfig allows (32). Longer forwards (prompt chunks) keep only their final state.

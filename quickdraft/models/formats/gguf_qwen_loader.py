@@ -35,20 +35,20 @@ from quickdraft.hub.gguf_gpt_oss import gpt_oss_plan
 from quickdraft.hub.gguf_qwen import QWEN_ARCHS, Planned, qwen_plan
 from quickdraft.kernels.gemm import Weight
 from quickdraft.kernels.linear_gguf import GGUFWeight
-from quickdraft.models.gguf_loader import GGUFFile, GGUFTensorError
-from quickdraft.models.gpt_oss import GptOssAttention, GptOssLayer, GptOssLM, GptOssMoE
-from quickdraft.models.hybrid_config import HybridConfig
-from quickdraft.models.layers import GGUFEmbedding, release_fused_
-from quickdraft.models.llama import MLP, Attention, CausalLM, DecoderLayer
-from quickdraft.models.moe import Experts, GatedMLP, RoutedMoE, SparseMoE
-from quickdraft.models.mtp import MTPHead, hybrid_mtp_parts
-from quickdraft.models.packed_copy import PACKED_NAME, packed_or_built
-from quickdraft.models.qwen3_next import (
+from quickdraft.models.families.gpt_oss import GptOssAttention, GptOssLayer, GptOssLM, GptOssMoE
+from quickdraft.models.families.hybrid_config import HybridConfig
+from quickdraft.models.families.llama import MLP, Attention, CausalLM, DecoderLayer
+from quickdraft.models.families.moe import Experts, GatedMLP, RoutedMoE, SparseMoE
+from quickdraft.models.families.qwen3_next import (
     GatedAttention,
     GatedDeltaNet,
     HybridDecoderLayer,
     HybridLM,
 )
+from quickdraft.models.formats.gguf_loader import GGUFFile, GGUFTensorError
+from quickdraft.models.formats.packed_copy import PACKED_NAME, packed_or_built
+from quickdraft.models.heads.mtp import MTPHead, hybrid_mtp_parts
+from quickdraft.models.layers import GGUFEmbedding, release_fused_
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,8 @@ _OPERAND = re.compile(r"_proj|^lm_head\.|^mtp\.fc\.")
 
 class PlanLoader:
     """A GGUF file read through its converter's plan (hub/): operands from the blocks, the
-    other tensors dequantized into parameters (also Gemma 4's, models/gguf_gemma4_loader.py)."""
+    other tensors dequantized into parameters (also Gemma 4's,
+    models/formats/gguf_gemma4_loader.py)."""
 
     def __init__(self, file: Path, cfg: HybridConfig | ModelConfig, dtype: torch.dtype) -> None:
         self.f = GGUFFile(file, permute=False)
@@ -288,7 +289,7 @@ def _empty_model(cfg: Any, dtype: torch.dtype) -> nn.Module:
 
 def load_qwen_gguf(file: Path, cfg: Any, dtype: torch.dtype) -> nn.Module:
     """The model of GGUF `file` (config record `cfg` of its converted config.json): from the
-    packed copy beside it when there is one (models/packed_copy.py), else repacked from the
+    packed copy beside it when there is one (models/formats/packed_copy.py), else repacked from the
     file and that copy written."""
     return packed_or_built(
         file.parent / PACKED_NAME,

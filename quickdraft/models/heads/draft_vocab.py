@@ -1,8 +1,8 @@
 """A drafter's reduced draft vocabulary (EAGLE-3's `d2t`): the drafter scores only some of the
 target's token ids with those rows of the target's lm_head, and every other id gets -inf.
 
-Stage: shared by the drafters that score over the target's head (models/dflash.py,
-models/mtp.py); training/loop.py writes it. Checkpoint layout: a tensor `d2t` [V_d] (logit
+Stage: shared by the drafters that score over the target's head (models/heads/dflash.py,
+models/heads/mtp.py); training/loop.py writes it. Checkpoint layout: a tensor `d2t` [V_d] (logit
 column i is token i + d2t[i], the ids ascending) and `draft_vocab_size` = V_d in config.json.
 Contract:
   read_draft_vocabulary(files, vocab_size)   the ids [V_d] of a checkpoint's `d2t`, checked;
@@ -24,7 +24,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from quickdraft.kernels.gemm import Weight, dequantized_rows, project, to_panels
-from quickdraft.models.llama import operand_converter
+from quickdraft.models.families.llama import operand_converter
 
 D2T = "d2t"  # a reduced draft vocabulary: logit column i is token i + d2t[i] (EAGLE-3's)
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from quickdraft.models.vision import (
+from quickdraft.models.families.vision import (
     ACTIVATIONS,
     ImageTower,
     VisionConfig,
@@ -184,7 +184,7 @@ class _Embedder(nn.Module):
 
 class Gemma4VisionTower(ImageTower):
     """Parameter names are the checkpoint's under `model.vision_tower.`, and `embed_vision.`
-    for its `model.embed_vision.` (models/loader.py `load_vision`)."""
+    for its `model.embed_vision.` (models/formats/loader.py `load_vision`)."""
 
     def __init__(
         self, cfg: VisionConfig, dtype: torch.dtype, device: torch.device | str = "cpu"

@@ -1,6 +1,6 @@
 """Configuration and checkpoint layout of the hybrid Gated-DeltaNet family (Qwen3-Next, Qwen3.5,
 Qwen3.5-MoE): the frozen config record read from config.json, and the map from checkpoint
-tensor names onto the parameters of models/qwen3_next.py.
+tensor names onto the parameters of models/families/qwen3_next.py.
 
 Contract: `HybridConfig.from_hf(dir)` reads config.json (+ generation_config.json); composite
 vision-language configs (`qwen3_5`, `qwen3_5_moe`) keep the language model in `text_config`.
@@ -146,8 +146,8 @@ _PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weigh
 def checkpoint_name_map(cfg: HybridConfig | ModelConfig) -> NameMap:
     """Composite Qwen3.5 / Qwen2.5-VL checkpoints prefix the language model with
     `model.language_model.` and carry a vision tower (`model.visual.`, or `visual.` in the
-    original Qwen2.5-VL release; skipped: models/loader.py `load_vision` loads it); Qwen3-Next
-    and Qwen3-MoE checkpoints store one tensor per expert, which go into the fused
+    original Qwen2.5-VL release; skipped: models/formats/loader.py `load_vision` loads it);
+    Qwen3-Next and Qwen3-MoE checkpoints store one tensor per expert, which go into the fused
     `experts.gate_up_proj` / `down_proj`."""
     inter = cfg.moe_intermediate_size
 

@@ -2,7 +2,7 @@
 
 Stage: the target model, with the contract of models/base.py (one packed forward over the new
 tokens of several sequences, KV written past `cache.length`, the commit left to the caller).
-What differs from the Llama family (models/llama.py):
+What differs from the Llama family (models/families/llama.py):
 - local and global layers (`layer_types`): a local ("sliding_attention") layer's query at
   position p attends to keys p - sliding_window + 1 .. p only, a global one to 0 .. p; each
   layer type has its own RoPE base. The cache keeps every key of every layer and `attend`
@@ -31,7 +31,8 @@ from quickdraft.kernels.gemm import Weight, project, to_panels
 from quickdraft.kernels.pointwise import add_rms_norm, gelu_tanh_rows, rms_norm
 from quickdraft.kernels.pointwise import rope as apply_rope
 from quickdraft.models.base import ForwardOutput, ImageRows, packed_positions, refuse_images
-from quickdraft.models.kv_cache import KVCache
+from quickdraft.models.caches.kv_cache import KVCache
+from quickdraft.models.families.llama import _QUANTIZERS, Embedding
 from quickdraft.models.layers import (
     GGUFEmbedding,
     HeadLogits,
@@ -44,7 +45,6 @@ from quickdraft.models.layers import (
     fused_projections,
     tapped_layers,
 )
-from quickdraft.models.llama import _QUANTIZERS, Embedding
 
 SLIDING = "sliding_attention"
 
