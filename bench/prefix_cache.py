@@ -49,7 +49,7 @@ from quickdraft.engine.core import EngineCore
 from quickdraft.engine.scheduler import SchedulerConfig
 from quickdraft.kernels import panels_apply
 from quickdraft.loading import LoadedModel, load
-from quickdraft.models import kv_cache
+from quickdraft.models.caches import kv_cache
 from quickdraft.models.families.hybrid_config import HybridConfig
 from quickdraft.models.families.qwen3_next import HybridLM
 from quickdraft.request import SamplingParams
