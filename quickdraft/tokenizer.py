@@ -211,16 +211,16 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         expand: Callable[[str], str] | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         """The chat's token ids: the template's special tokens as control tokens, the messages'
         (and tool definitions') text as plain text (see the module docstring). `expand`
         rewrites the rendered text before it is encoded (a video placeholder into its frames':
         client text cannot spell a special token there, it is broken first)."""
         if not self._specials:
-            rendered = self.render_chat(messages, tools=tools)
-            return self.encode(
-                rendered if expand is None else expand(rendered), add_special_tokens=False
-            )
+            rendered = self.render_chat(messages, add_generation_prompt, tools=tools)
+            rendered = rendered if expand is None else expand(rendered)
+            return self.encode(rendered, add_special_tokens=False)
         texts = _strings([messages, tools])
         fixed = [
             *self._specials,
@@ -234,6 +234,7 @@ class Tokenizer:
         whole = re.compile(f"(?<!{re.escape(marker)})(?:{alternatives})")
         rendered = self.render_chat(
             _break_specials(messages, whole, marker),
+            add_generation_prompt,
             tools=None if tools is None else _break_specials(tools, whole, marker),
         )
         if expand is not None:

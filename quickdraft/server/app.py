@@ -58,6 +58,13 @@ from quickdraft.server.responses import (
 )
 from quickdraft.server.settings import SpeculationSettings
 from quickdraft.server.state import ServerConfig, ServerState, Slot
+from quickdraft.server.tokens import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
 from quickdraft.server.tools import hermes_messages
 from quickdraft.videos import VideoInput, expand_videos
 
@@ -136,26 +143,7 @@ def create_app(
             state.config.media,
             body.model,
         )
-        messages, tools = body.chat(), body.tool_defs()
-        if is_harmony(lm.tokenizer) and body.tool_grammar() is not None:
-            # a forced call's grammar writes Hermes `<tool_call>` blocks, not harmony's channels
-            msg = f"{body.model} calls tools in harmony's format: tool_choice 'auto' or 'none' only"
-            raise APIError(400, msg, "tool_choice")
-        if not lm.tokenizer.renders_tools and (tools or _mentions_tools(messages)):
-            messages, tools = hermes_messages(messages, tools), None  # as plain turns
-        videos = [m for m in media if isinstance(m, VideoInput)]
-        expand = None
-        if videos:  # the template's placeholder of each video -> its frames'
-            assert lm.video_processing is not None
-            expand = partial(
-                expand_videos, videos=videos, placeholder=lm.video_processing.placeholder
-            )
-        try:
-            prompt_ids = lm.tokenizer.encode_chat(messages, tools, expand)
-        except ImageError as exc:  # a template that places no video placeholder
-            raise APIError(400, str(exc), "messages") from None
-        except (ValueError, jinja2.TemplateError) as exc:  # no template / template refused
-            raise APIError(400, f"cannot render the chat: {exc}", "messages") from None
+        prompt_ids, messages, tools = _chat_ids(lm, body, media)
         root = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
         # the conversation's start (stays as it grows), its images and videos by content
         early = sum(len(m.media_urls()) for m in body.messages[: root + 1])
@@ -178,6 +166,38 @@ def create_app(
             prompt_ids = list(prompt)
         shared = prompt_ids[:ROUTE_PREFIX_TOKENS]
         return await _generate(state, request, body, prompt_ids, "completion", arrived, shared)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        lm = _model(state, body.model)
+        if isinstance(body, TokenizeChatRequest):
+            body.check()
+            if body.media_parts():
+                param = body.media_parts()[0][0]
+                msg = "/tokenize takes text: image and video rows count in a completion's usage"
+                raise APIError(400, f"{param}: {msg}", param)
+            ids, _, _ = _chat_ids(lm, body, [], body.add_generation_prompt)
+            if body.add_special_tokens:  # the tokenizer's own additions (a BOS) in front
+                ids = lm.tokenizer.encode("", add_special_tokens=True) + ids
+        else:
+            text = body.prompt
+            ids = lm.tokenizer.encode(
+                text, body.add_special_tokens, parse_special=body.parse_special_tokens
+            )
+        strs = None
+        if body.return_token_strs:
+            strs = [lm.tokenizer.vocab_entry(t) or "" for t in ids]
+        return TokenizeResponse(
+            count=len(ids), max_model_len=lm.context_length, tokens=ids, token_strs=strs
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        lm = _model(state, body.model)
+        vocab = lm.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
+        return DetokenizeResponse(prompt=lm.tokenizer.decode(body.tokens, False))
 
     return app
 
@@ -303,6 +323,37 @@ def _refused(state: ServerState, exc: Exception) -> APIError:
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code="engine_dead")
     return APIError(400, str(exc), getattr(exc, "param", None))
+
+
+def _chat_ids(
+    lm: ModelFront,
+    body: ChatCompletionRequest,
+    media: list[ImageInput | VideoInput],
+    add_generation_prompt: bool = True,
+) -> tuple[list[int], list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The conversation's prompt ids as the model's template renders it (tools as the template
+    takes them, or as Hermes turns), each video's placeholder expanded to its frames'; with the
+    messages and tools rendered. APIError 400 where the chat cannot be rendered."""
+    messages, tools = body.chat(), body.tool_defs()
+    if is_harmony(lm.tokenizer) and body.tool_grammar() is not None:
+        # a forced call's grammar writes Hermes `<tool_call>` blocks, not harmony's channels
+        msg = f"{body.model} calls tools in harmony's format: tool_choice 'auto' or 'none' only"
+        raise APIError(400, msg, "tool_choice")
+    if not lm.tokenizer.renders_tools and (tools or _mentions_tools(messages)):
+        messages, tools = hermes_messages(messages, tools), None  # as plain turns
+    videos = [m for m in media if isinstance(m, VideoInput)]
+    expand = None
+    if videos:  # the template's placeholder of each video -> its frames'
+        assert lm.video_processing is not None
+        placeholder = lm.video_processing.placeholder
+        expand = partial(expand_videos, videos=videos, placeholder=placeholder)
+    try:
+        ids = lm.tokenizer.encode_chat(messages, tools, expand, add_generation_prompt)
+    except ImageError as exc:  # a template that places no video placeholder
+        raise APIError(400, str(exc), "messages") from None
+    except (ValueError, jinja2.TemplateError) as exc:  # no template / template refused
+        raise APIError(400, f"cannot render the chat: {exc}", "messages") from None
+    return ids, messages, tools
 
 
 def _mentions_tools(messages: list[dict[str, Any]]) -> bool:
