@@ -170,6 +170,9 @@ class ImageInput:
     pixels: Tensor  # [t h w, channels * temporal * patch * patch] fp32, merge-block order
     grid: tuple[int, int, int]  # (t, h, w) in patches
     digest: str  # sha256 of the resized RGB pixels and their size: equal digest, equal pixels
+    # M-RoPE time positions per temporal patch (a Qwen2.5-VL video's tokens a second x seconds
+    # a patch; 1 for an image)
+    time_interval: float = 1.0
 
     def num_tokens(self, merge_size: int) -> int:
         t, h, w = self.grid
@@ -325,9 +328,8 @@ class ImageLayout:
                 continue
             t, h, w = image.grid
             gh, gw = h // merge_size, w // merge_size
-            tt, hh, ww = torch.meshgrid(
-                torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij"
-            )
+            times = (torch.arange(t) * image.time_interval).long()  # get_vision_position_ids
+            tt, hh, ww = torch.meshgrid(times, torch.arange(gh), torch.arange(gw), indexing="ij")
             streams.append(torch.stack([tt, hh, ww]).reshape(3, -1) + pos)
             pos += max(gh, gw)
             last = slot + 1

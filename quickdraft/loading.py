@@ -36,13 +36,13 @@ from quickdraft.models.families.gemma4_config import Gemma4Config
 from quickdraft.models.families.vision import ImageTower, VisionConfig
 from quickdraft.models.formats.gguf_gpu import runs_on_device
 from quickdraft.models.formats.gguf_loader import is_gguf_dir
-from quickdraft.models.formats.gguf_vision import load_mmproj, placeholders
+from quickdraft.models.formats.gguf_vision import QWEN_VIDEO_TOKEN, load_mmproj, placeholders
 from quickdraft.models.formats.loader import load_model, load_vision
 from quickdraft.models.graphs import for_device
 from quickdraft.models.registry import model_class, read_config
 from quickdraft.request import Request, SamplingError, SamplingParams
 from quickdraft.tokenizer import Tokenizer
-from quickdraft.videos import VideoInput, VideoProcessing, load_video
+from quickdraft.videos import VIDEO_TOWERS, VideoInput, VideoProcessing, load_video
 
 
 class ContextLengthError(ValueError):
@@ -115,9 +115,8 @@ class LoadedModel:
         """Placeholder ids whose rows are image embeddings (lookup drafters never draft them)."""
         if self.vision is None:
             return frozenset()
-        vc = self.vision.config
-        video = {vc.video_token_id} if self.video_processing is not None else set()
-        return frozenset({vc.image_token_id} | video)
+        video = set() if self.video_processing is None else {self.video_processing.token_id}
+        return frozenset({self.vision.config.image_token_id} | video)
 
     def load_image(self, data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ImageInput:
         """Image bytes -> this model's preprocessed input; ImageError for a text-only model,
@@ -150,7 +149,7 @@ class LoadedModel:
         if images:
             if self.vision is None or self.image_processing is None:
                 raise ImageError(f"model {self.name!r} takes no image input (text only)")
-            vc = self.vision.config
+            vc, videos = self.vision.config, self.video_processing
             gemma = vc.kind == "gemma4"  # begin / end of image ids around, plain positions
             prompt_ids, layout = ImageLayout.build(
                 prompt_ids,
@@ -160,7 +159,7 @@ class LoadedModel:
                 around=(vc.vision_start_token_id, vc.vision_end_token_id) if gemma else None,
                 mrope=not gemma,
                 two_way=gemma and bool(getattr(self.model.config, "two_way_images", False)),
-                video_token_id=vc.video_token_id if self.video_processing is not None else None,
+                video_token_id=None if videos is None else videos.token_id,
             )
         self.room(len(prompt_ids), params.max_tokens)
         vocab = self.model.config.vocab_size
@@ -291,10 +290,16 @@ def load(
         vision = None if is_gguf_dir(path) else load_vision(path, tower_dtype, where)
         processing = None if vision is None else ImageProcessing.from_dir(path, vision.config.kind)
     videos = None
-    if vision is not None and processing is not None and vision.config.video_token_id >= 0:
-        placeholder = tokenizer.vocab_entry(vision.config.video_token_id)
-        if placeholder is not None:  # a tokenizer without the token: images only
-            videos = VideoProcessing.from_dir(path, processing, placeholder)
+    if vision is not None and processing is not None:
+        vc = vision.config
+        video_id = vc.video_token_id
+        if mmproj is not None and vc.kind == "qwen2_5_vl":  # the GGUF tokenizer's entry
+            video_id = tokenizer.token_id(QWEN_VIDEO_TOKEN) or -1
+        placeholder = tokenizer.vocab_entry(video_id) if video_id >= 0 else None
+        if placeholder is not None and vc.kind in VIDEO_TOWERS:  # else: images only
+            videos = VideoProcessing.from_dir(
+                path, vc.kind, processing, placeholder, video_id, vc.tokens_per_second
+            )
     if vision is not None and not _takes_images(net.config, vision.config):
         raise ValueError(
             f"{model}: {net.config.model_type} takes no image input from a "

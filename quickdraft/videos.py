@@ -1,23 +1,29 @@
-"""Video input (Gemma 4), from bytes to frames the image stage takes: decoding (PyAV, bounded),
-transformers' uniform frame sampling and timestamps, each sampled frame resized to the video's
-placeholder budget and cut into patches as an image, and the prompt text a video stands for.
+"""Video input, from bytes to what the image stage takes: decoding (PyAV, bounded), then each
+family's sampling and preprocessing, as transformers does it (tests compare):
 
-Stage: the input stage, beside images.py. A video becomes its frames' `ImageInput`s and a
-text that replaces the chat template's one video placeholder: per frame "mm:ss <video>",
-joined by spaces, whose single placeholder `ImageLayout.build` expands to the frame's rows
-between begin / end of image, as `Gemma4Processor.replace_video_token` writes it. From there a
-frame is an image to the engine (encoded once by content digest, prefix-cached by it, two-way
-in Gemma 4's local layers). The rules are transformers' `Gemma4VideoProcessor`,
-`default_sample_indices_fn` and `read_video_pyav` (tests compare), with one difference: a video
-of fewer frames than the budget keeps all of them where transformers raises.
+- Gemma 4 (`Gemma4VideoProcessor`, `Gemma4Processor.replace_video_token`): `num_frames`
+  sampled uniformly, each frame resized to the video's placeholder budget and cut into patches
+  as an image; the template's one video placeholder becomes "mm:ss <video>" per frame, joined
+  by spaces, each placeholder then the frame's rows between begin / end of image. A video of
+  fewer frames than the budget keeps all of them where transformers raises.
+- Qwen2.5-VL (`Qwen2VLVideoProcessor` with frame sampling and the per-frame pixel cap,
+  `get_rope_index`): `fps` frames a second, one grid of temporal patches of two frames; its one
+  placeholder expands to the grid's rows and its time is in the M-RoPE positions
+  (`ImageInput.time_interval`).
+
+Stage: the input stage, beside images.py: from here a frame (Gemma 4) or a grid (Qwen2.5-VL)
+is an image to the engine: encoded once by content digest, prefix-cached by it, two-way where
+images are.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,41 +31,100 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from quickdraft.images import DEFAULT_MAX_IMAGE_PIXELS, ImageError, ImageInput, ImageProcessing
 
 DEFAULT_MAX_VIDEO_FRAMES = 36_000  # decoded frames refused above this (20 minutes at 30 fps)
 DEFAULT_FPS = 24.0  # transformers' when a stream does not say its rate
+VIDEO_TOWERS = ("gemma4", "qwen2_5_vl")  # the vision towers that take video here
 
 
 @dataclass(frozen=True, slots=True)
 class VideoProcessing:
-    """A checkpoint's video preprocessing (video_preprocessor_config.json; Gemma4VideoProcessor's
-    defaults): `num_frames` sampled uniformly, each resized to `frame.max_soft_tokens`
-    placeholders and rescaled as `frame` says."""
+    """A checkpoint's video preprocessing (video_preprocessor_config.json, the family's
+    defaults where it says nothing). Gemma 4 ("gemma4"): `num_frames` sampled uniformly, each
+    frame an image of `frame.max_soft_tokens` placeholders with its timestamp in the prompt.
+    Qwen2.5-VL ("qwen2_5_vl"): `fps` frames a second (`min_frames` .. `max_frames`, an even
+    count), one grid of temporal patches of two frames, each frame resized within
+    [frame.min_pixels, frame.max_pixels] capped by the video's token budget, times in M-RoPE."""
 
+    kind: str
     frame: ImageProcessing
-    placeholder: str  # the token text the template writes for a video, and the prompt per frame
-    num_frames: int = 32
+    placeholder: str  # the token text the template writes for a video
+    token_id: int  # its id
+    num_frames: int = 32  # gemma4
     normalize: bool = True  # do_normalize: rescale and normalize fused; False: rescale only
+    fps: float = 2.0  # qwen2_5_vl
+    min_frames: int = 4
+    max_frames: int = 768
+    max_video_tokens: int = 128_000  # the pixel cap's budget (0: no cap)
+    tokens_per_second: float = 2.0  # M-RoPE time positions a second (the tower's config)
 
     @classmethod
-    def from_dir(cls, path: Path, image: ImageProcessing, placeholder: str) -> VideoProcessing:
-        """The video processor of the checkpoint at `path` (defaults where it has none: the
-        image processor's patch size and pooling, one tower, and 70 placeholders a frame)."""
+    def from_dir(
+        cls,
+        path: Path,
+        tower: str,
+        image: ImageProcessing,
+        placeholder: str,
+        token_id: int,
+        tokens_per_second: float = 2.0,
+    ) -> VideoProcessing:
+        """The video processor of the checkpoint at `path` for a `tower` ("gemma4",
+        "qwen2_5_vl"; VisionConfig.kind), the family's defaults where it has none and the image
+        processor's patch size and merge (one tower)."""
         file = path / "video_preprocessor_config.json"
         raw = json.loads(file.read_text()) if file.is_file() else {}
-        return cls.from_config(raw, image, placeholder)
+        return cls.from_config(raw, tower, image, placeholder, token_id, tokens_per_second)
 
     @classmethod
     def from_config(
-        cls, raw: dict[str, Any], image: ImageProcessing, placeholder: str
+        cls,
+        raw: dict[str, Any],
+        tower: str,
+        image: ImageProcessing,
+        placeholder: str,
+        token_id: int,
+        tokens_per_second: float = 2.0,
     ) -> VideoProcessing:
-        frame = ImageProcessing.from_config({"max_soft_tokens": 70, **raw}, image)
-        frames = raw.get("num_frames", 32)
-        if not isinstance(frames, int) or frames < 1:
-            raise ValueError(f"video num_frames must be a positive integer, got {frames!r}")
-        return cls(frame, placeholder, frames, raw.get("do_normalize") is not False)
+        def count(key: str, default: int) -> int:
+            value = raw.get(key, default)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"video {key} must be a positive integer, got {value!r}")
+            return value
+
+        normalize = raw.get("do_normalize") is not False
+        if tower == "gemma4":
+            frame = ImageProcessing.from_config({"max_soft_tokens": 70, **raw}, image)
+            return cls("gemma4", frame, placeholder, token_id, count("num_frames", 32), normalize)
+        if tower != "qwen2_5_vl":
+            raise ValueError(f"video input is not built for {tower} towers")
+        size = raw.get("size") or {}  # Qwen2VLVideoProcessor's pixel bounds a frame
+        bounds = {
+            "min_pixels": size.get("shortest_edge", raw.get("min_pixels", 128 * 28 * 28)),
+            "max_pixels": size.get("longest_edge", raw.get("max_pixels", 28 * 28 * 768)),
+        }
+        frame = ImageProcessing.from_config({**raw, "size": {}, **bounds}, image)
+        cap = raw.get("cap_pixels_per_frame", True) is not False
+        return cls(
+            "qwen2_5_vl",
+            frame,
+            placeholder,
+            token_id,
+            normalize=normalize,
+            fps=float(raw.get("fps", 2.0)),
+            min_frames=count("min_frames", 4),
+            max_frames=count("max_frames", 768),
+            max_video_tokens=count("max_video_tokens", 128_000) if cap else 0,
+            tokens_per_second=tokens_per_second,
+        )
+
+    def sample(self, total: int, fps: float) -> list[int]:
+        """The frame indices this family samples from `total` frames at `fps`."""
+        if self.kind == "gemma4":
+            return sample_indices(total, self.num_frames)
+        return qwen_indices(total, fps, self.fps, self.min_frames, self.max_frames, self.frame)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -72,7 +137,10 @@ class VideoInput:
 
     def prompt_text(self, placeholder: str) -> str:
         """What replaces the template's video placeholder: "mm:ss <placeholder>" per frame,
-        joined by spaces (each placeholder then expands to its frame's rows)."""
+        joined by spaces (each placeholder then expands to its frame's rows); the placeholder
+        itself for a video of one grid (Qwen2.5-VL: its times are in the positions)."""
+        if not self.timestamps:
+            return placeholder
         return " ".join(
             f"{int(t // 60):02d}:{int(t % 60):02d} {placeholder}" for t in self.timestamps
         )
@@ -104,15 +172,32 @@ def sample_indices(total: int, num_frames: int) -> list[int]:
     return [i * total // n for i in range(n)]
 
 
+def qwen_indices(
+    total: int, fps: float, want_fps: float, min_frames: int, max_frames: int, proc: ImageProcessing
+) -> list[int]:
+    """Qwen2VLVideoProcessor.sample_frames with `fps`: `want_fps` frames a second of the
+    stream's `fps`, at least `min_frames`, at most `max_frames` and the video's, a multiple of
+    the temporal patch; frames at total / n steps. A video shorter than one temporal patch
+    keeps its frames (transformers raises there; the last frame pads the patch)."""
+    tp = proc.temporal_patch_size
+    top = math.floor(min(max_frames, total) / tp) * tp
+    n = min(max(total / fps * want_fps, min_frames), top, total)
+    n = math.floor(n / tp) * tp
+    if n < 1:
+        return list(range(total))
+    return torch.arange(0, total, total / n).int().tolist()
+
+
 def decode_video(
     data: bytes,
-    num_frames: int,
+    pick: Callable[[int, float], list[int]],  # (frames, frame rate) -> the indices to keep
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     max_frames: int = DEFAULT_MAX_VIDEO_FRAMES,
-) -> tuple[list[np.ndarray], list[int], float]:
-    """Bytes -> the sampled frames as RGB `[H, W, 3]` uint8, their indices and the stream's
-    frame rate; ImageError for bytes that are no video, a frame over `max_pixels` (checked from
-    the stream header, before decoding) or a video of more than `max_frames` frames."""
+) -> tuple[list[np.ndarray], list[int], float, int]:
+    """Bytes -> the picked frames as RGB `[H, W, 3]` uint8, their indices, the stream's frame
+    rate and its frame count; ImageError for bytes that are no video, a frame over
+    `max_pixels` (checked from the stream header, before decoding) or a video of more than
+    `max_frames` frames."""
     import av  # PyAV: FFmpeg's decoders
 
     try:
@@ -134,7 +219,7 @@ def decode_video(
                 container.seek(0)
             if total > max_frames:
                 raise ImageError(f"the video has {total} frames, over the limit of {max_frames}")
-            wanted = sample_indices(total, num_frames) if total else []
+            wanted = pick(total, fps) if total else []
             picked: list[np.ndarray] = []
             kept: list[int] = []
             if wanted:
@@ -151,7 +236,7 @@ def decode_video(
         raise ImageError(f"the video data is not a readable video ({exc})") from None
     if not picked:
         raise ImageError("the video has no frames")
-    return picked, kept, fps
+    return picked, kept, fps, total
 
 
 def _frames(container: Any, limit: int) -> Iterator[Any]:
@@ -162,33 +247,74 @@ def _frames(container: Any, limit: int) -> Iterator[Any]:
         yield frame
 
 
-def preprocess_frame(rgb: np.ndarray, video: VideoProcessing) -> ImageInput:
-    """One frame `[H, W, 3]` uint8 -> patches `[h w, p * p * C]` in raster order, as
-    Gemma4VideoProcessor: torchvision's resize of a uint8 video on the CPU (bicubic with
-    antialias, on the uint8 values), then rescale and normalize fused into one division (or,
-    without do_normalize, the rescale's product)."""
+def _resized(frames: Tensor, height: int, width: int) -> Tensor:
+    """uint8 frames `[T, C, H, W]` resized as torchvision resizes a uint8 video on the CPU:
+    torch's bicubic antialiased kernel on the uint8 values (up to 8 levels from the float
+    path's result)."""
+    if frames.shape[-2:] == (height, width):
+        return frames
+    return F.interpolate(
+        frames, size=[height, width], mode="bicubic", align_corners=False, antialias=True
+    )
+
+
+def _normalized(raw: Tensor, video: VideoProcessing) -> Tensor:
+    """uint8 `[..., C, H, W]` -> fp32 as transformers' torchvision backend: rescale and
+    normalize fused into x - mean / (1 / 255) over std / (1 / 255), or the rescale's product
+    alone without do_normalize."""
     proc = video.frame
-    h0, w0 = rgb.shape[:2]
-    height, width = proc.resized(h0, w0)
+    if not video.normalize:
+        return raw * (1 / 255)  # uint8 x a float: fp32
+    mean = torch.tensor(proc.image_mean) * (1.0 / (1 / 255))
+    std = torch.tensor(proc.image_std) * (1.0 / (1 / 255))
+    return (raw.to(torch.float32) - mean[:, None, None]) / std[:, None, None]
+
+
+def _digest(raw: Tensor, extra: str = "") -> str:
+    """sha256 of resized uint8 pixels `[..., C, H, W]`, their shape and `extra` (what else the
+    rows' positions depend on: the prefix cache keys KV by it)."""
+    shape = "x".join(map(str, raw.shape)) + extra
+    return hashlib.sha256(raw.contiguous().numpy().tobytes() + shape.encode()).hexdigest()
+
+
+def preprocess_frame(rgb: np.ndarray, video: VideoProcessing) -> ImageInput:
+    """One Gemma 4 frame `[H, W, 3]` uint8 -> patches `[h w, p * p * C]` in raster order, as
+    Gemma4VideoProcessor: resized to the frame budget, rescaled (normalized)."""
+    proc = video.frame
+    height, width = proc.resized(*rgb.shape[:2])
     x = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1)[None]  # [1, C, H, W]
-    if (height, width) != (h0, w0):
-        x = F.interpolate(
-            x, size=[height, width], mode="bicubic", align_corners=False, antialias=True
-        )
-    raw = x[0]  # [C, H, W] uint8
-    digest = hashlib.sha256(
-        raw.permute(1, 2, 0).contiguous().numpy().tobytes() + f"{height}x{width}".encode()
-    ).hexdigest()
-    if video.normalize:  # transformers fuses the rescale into mean and std: x / (std / (1 / 255))
-        mean = torch.tensor(proc.image_mean) * (1.0 / (1 / 255))
-        std = torch.tensor(proc.image_std) * (1.0 / (1 / 255))
-        y = (raw.to(torch.float32) - mean[:, None, None]) / std[:, None, None]
-    else:
-        y = raw * (1 / 255)  # uint8 x a float: fp32
+    raw = _resized(x, height, width)[0]  # [C, H, W] uint8
+    y = _normalized(raw, video)
     p = proc.patch_size
     gh, gw = height // p, width // p
     pixels = y.reshape(3, gh, p, gw, p).permute(1, 3, 2, 4, 0).reshape(gh * gw, p * p * 3)
-    return ImageInput(pixels.contiguous(), (1, gh, gw), digest)
+    return ImageInput(pixels.contiguous(), (1, gh, gw), _digest(raw))
+
+
+def preprocess_grid(
+    frames: list[np.ndarray], video: VideoProcessing, interval: float
+) -> ImageInput:
+    """Qwen2.5-VL's sampled frames -> one grid `[t h w, C * tp * p * p]` in merge-block order,
+    as Qwen2VLVideoProcessor: each frame smart-resized within the pixel bounds (the upper one
+    capped so the video stays within `max_video_tokens`), normalized, the last frame repeated
+    to fill the last temporal patch; `interval` is its M-RoPE time step per temporal patch."""
+    proc = video.frame
+    p, m, tp = proc.patch_size, proc.merge_size, proc.temporal_patch_size
+    bounds = proc
+    if video.max_video_tokens:  # qwen-vl-utils' budget: 90 % of the tokens, spread over frames
+        budget = int(video.max_video_tokens * (p * m) ** 2 * 0.9)
+        top = max(min(proc.max_pixels, budget * tp // len(frames)), int(proc.min_pixels * 1.05))
+        bounds = dataclasses.replace(proc, max_pixels=top)
+    height, width = bounds.resized(*frames[0].shape[:2])
+    x = torch.from_numpy(np.ascontiguousarray(np.stack(frames))).permute(0, 3, 1, 2)
+    raw = _resized(x, height, width)  # [T, C, H, W] uint8
+    y = _normalized(raw, video)
+    if pad := -len(frames) % tp:
+        y = torch.cat([y, y[-1:].expand(pad, -1, -1, -1)])
+    gt, gh, gw = y.shape[0] // tp, height // p, width // p
+    y = y.view(gt, tp, 3, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    pixels = y.reshape(gt * gh * gw, 3 * tp * p * p).contiguous()
+    return ImageInput(pixels, (gt, gh, gw), _digest(raw, f"/{interval!r}"), interval)
 
 
 def load_video(
@@ -197,6 +323,12 @@ def load_video(
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     max_frames: int = DEFAULT_MAX_VIDEO_FRAMES,
 ) -> VideoInput:
-    frames, indices, fps = decode_video(data, proc.num_frames, max_pixels, max_frames)
-    inputs = tuple(preprocess_frame(f, proc) for f in frames)
-    return VideoInput(inputs, tuple(i / fps for i in indices))
+    frames, indices, fps, total = decode_video(data, proc.sample, max_pixels, max_frames)
+    if proc.kind == "gemma4":
+        inputs = tuple(preprocess_frame(f, proc) for f in frames)
+        return VideoInput(inputs, tuple(i / fps for i in indices))
+    # the M-RoPE time step of a temporal patch: tokens a second x seconds a patch, seconds a
+    # patch = temporal patch / the sampled rate (transformers' second_per_grid_ts)
+    sampled_fps = len(indices) / total * fps
+    interval = proc.tokens_per_second * proc.frame.temporal_patch_size / sampled_fps
+    return VideoInput((preprocess_grid(frames, proc, interval),), ())

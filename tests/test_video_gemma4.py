@@ -155,12 +155,12 @@ def test_decoding_and_sampling_match_transformers(tmp_path: Path) -> None:
     path.write_bytes(data)
     sampler = partial(default_sample_indices_fn, num_frames=4)
     theirs, meta = hf_load_video(str(path), backend="pyav", sample_indices_fn=sampler)
-    frames, indices, fps = decode_video(data, 4)
+    frames, indices, fps, _ = decode_video(data, uniform(4))
     assert indices == list(meta.frames_indices) == sample_indices(10, 4) == [0, 2, 5, 7]
     assert fps == meta.fps == 4.0
     assert np.array_equal(np.stack(frames), theirs)
     assert [i / fps for i in indices] == meta.timestamps
-    short, kept, _ = decode_video(mp4(3), 4)
+    short, kept, _, _ = decode_video(mp4(3), uniform(4))
     assert kept == [0, 1, 2] and len(short) == 3
     mkv = mp4(7, fps=4, container_format="matroska")  # counted by decoding: 7 frames
     import av
@@ -168,8 +168,8 @@ def test_decoding_and_sampling_match_transformers(tmp_path: Path) -> None:
     with av.open(io.BytesIO(mkv)) as container:
         assert container.streams.video[0].frames == 0
         every = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
-    frames, indices, fps = decode_video(mkv, 4)
-    assert indices == [0, 1, 3, 5] and fps == 4.0
+    frames, indices, fps, total = decode_video(mkv, uniform(4))
+    assert indices == [0, 1, 3, 5] and fps == 4.0 and total == 7
     assert all(np.array_equal(every[i], f) for i, f in zip(indices, frames, strict=True))
 
 
@@ -201,6 +201,11 @@ def test_prompt_matches_transformers_processor(pair: Any) -> None:
         assert ids_in == [BOI] + [VIDEO] * count + [EOI]
 
 
+def uniform(n: int) -> Any:
+    """Gemma 4's sampler of `n` frames, as decode_video takes it."""
+    return lambda total, fps: sample_indices(total, n)
+
+
 def _params() -> Any:
     from quickdraft.request import SamplingParams
 
@@ -210,7 +215,8 @@ def _params() -> Any:
 def test_frames_are_rescaled_pixels() -> None:
     """A flat frame of 51: patches of 51 / 255 = 0.2 (fused normalize with mean 0, std 1, as
     the rescale alone), resized to the budget (70 placeholders of 2 x 2 patches of 4)."""
-    proc = VideoProcessing.from_config(dict(PREPROCESSOR, do_normalize=True), _image(), "<v>")
+    raw = dict(PREPROCESSOR, do_normalize=True)
+    proc = VideoProcessing.from_config(raw, "gemma4", _image(), "<v>", VIDEO)
     frame = preprocess_frame(np.full((48, 64, 3), 51, dtype=np.uint8), proc)
     assert torch.equal(frame.pixels, torch.full_like(frame.pixels, 51 / 255))
     _, h, w = frame.grid
@@ -387,11 +393,11 @@ def test_bad_videos_are_refused() -> None:
     """No video, frames over the pixel limit, more frames than the limit: ImageError, before
     anything is decoded past the check."""
     with pytest.raises(ImageError, match="not a readable video"):
-        decode_video(b"RIFF" + bytes(200), 4)
+        decode_video(b"RIFF" + bytes(200), uniform(4))
     with pytest.raises(ImageError, match="over the limit of 100"):
-        decode_video(mp4(3), 4, max_pixels=100)
+        decode_video(mp4(3), uniform(4), max_pixels=100)
     with pytest.raises(ImageError, match="8 frames, over the limit of 5"):
-        decode_video(mp4(8), 4, max_frames=5)
+        decode_video(mp4(8), uniform(4), max_frames=5)
     with pytest.raises(ImageError, match="placed 0 video placeholders for 1 videos"):
         expand_videos("no placeholder here", [VideoInput((), ())], "<|video|>")
 

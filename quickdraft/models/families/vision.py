@@ -54,7 +54,8 @@ class VisionConfig:
     rms_norm_eps: float = 1e-6  # gemma4
     standardize: bool = False  # gemma4: the pooled features shifted and scaled (std_bias...)
     clipped_linears: bool = False  # gemma4: projections clamp their inputs and outputs
-    video_token_id: int = -1  # gemma4: a video frame's placeholder (-1: no video input)
+    video_token_id: int = -1  # a video's (gemma4: a frame's) placeholder (-1: no video input)
+    tokens_per_second: float = 2.0  # qwen2_5_vl: M-RoPE time positions a second of video
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> VisionConfig | None:
@@ -101,6 +102,9 @@ class VisionConfig:
             kind=kind,
             window_size=int(get("window_size")),
             fullatt_block_indexes=tuple(int(i) for i in get("fullatt_block_indexes")),
+            # video: Qwen2.5-VL's (one grid of temporal patches, times in M-RoPE)
+            video_token_id=int(raw.get("video_token_id", 151656)) if kind == "qwen2_5_vl" else -1,
+            tokens_per_second=float(vision.get("tokens_per_second", 2)),
         )
 
     @classmethod

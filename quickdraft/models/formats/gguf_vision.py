@@ -45,6 +45,7 @@ PROJECTORS = (QWEN3VL_PROJECTOR, QWEN25VL_PROJECTOR, GEMMA4V_PROJECTOR)
 # the target's tokens for an image, its begin and its end, by projector (the Qwen-VL chat
 # templates write the latter two themselves; Gemma 4's processor puts them around the image)
 QWEN_TOKENS = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")
+QWEN_VIDEO_TOKEN = "<|video_pad|>"  # Qwen2.5-VL's video placeholder (its chat template's)
 PLACEHOLDERS = {
     QWEN3VL_PROJECTOR: QWEN_TOKENS,
     QWEN25VL_PROJECTOR: QWEN_TOKENS,
