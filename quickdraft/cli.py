@@ -286,8 +286,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         expand = None
         if videos:
             assert lm.video_processing is not None  # load_video refused it otherwise
-            placeholder = lm.video_processing.placeholder
-            expand = partial(expand_videos, videos=videos, placeholder=placeholder)
+            expand = partial(expand_videos, videos=videos, proc=lm.video_processing)
         ids = lm.tokenizer.encode_chat([{"role": "user", "content": content}], None, expand)
         images += [frame for video in videos for frame in video.frames]
     else:

@@ -293,12 +293,16 @@ def load(
     if vision is not None and processing is not None:
         vc = vision.config
         video_id = vc.video_token_id
-        if mmproj is not None and vc.kind == "qwen2_5_vl":  # the GGUF tokenizer's entry
+        if mmproj is not None and vc.kind != "gemma4":  # the GGUF tokenizer's entry
             video_id = tokenizer.token_id(QWEN_VIDEO_TOKEN) or -1
         placeholder = tokenizer.vocab_entry(video_id) if video_id >= 0 else None
         if placeholder is not None and vc.kind in VIDEO_TOWERS:  # else: images only
+            around = (
+                tokenizer.vocab_entry(vc.vision_start_token_id) or "",
+                tokenizer.vocab_entry(vc.vision_end_token_id) or "",
+            )
             videos = VideoProcessing.from_dir(
-                path, vc.kind, processing, placeholder, video_id, vc.tokens_per_second
+                path, vc.kind, processing, placeholder, video_id, vc.tokens_per_second, around
             )
     if vision is not None and not _takes_images(net.config, vision.config):
         raise ValueError(

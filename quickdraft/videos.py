@@ -10,10 +10,13 @@ family's sampling and preprocessing, as transformers does it (tests compare):
   `get_rope_index`): `fps` frames a second, one grid of temporal patches of two frames; its one
   placeholder expands to the grid's rows and its time is in the M-RoPE positions
   (`ImageInput.time_interval`).
+- Qwen3.5 (Qwen3VLVideoProcessor and Qwen3VLProcessor, which its checkpoints name): `fps`
+  frames a second by linspace, one image of grid (1, h, w) per temporal patch, each behind its
+  "<t.t seconds>" and begin / end of vision in the prompt.
 
-Stage: the input stage, beside images.py: from here a frame (Gemma 4) or a grid (Qwen2.5-VL)
-is an image to the engine: encoded once by content digest, prefix-cached by it, two-way where
-images are.
+Stage: the input stage, beside images.py: from here a frame (Gemma 4), a grid (Qwen2.5-VL) or a
+temporal patch (Qwen3.5) is an image to the engine: encoded once by content digest,
+prefix-cached by it, two-way where images are.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from quickdraft.images import DEFAULT_MAX_IMAGE_PIXELS, ImageError, ImageInput, 
 
 DEFAULT_MAX_VIDEO_FRAMES = 36_000  # decoded frames refused above this (20 minutes at 30 fps)
 DEFAULT_FPS = 24.0  # transformers' when a stream does not say its rate
-VIDEO_TOWERS = ("gemma4", "qwen2_5_vl")  # the vision towers that take video here
+VIDEO_TOWERS = ("gemma4", "qwen2_5_vl", "qwen3_5")  # the vision towers that take video here
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,7 @@ class VideoProcessing:
     max_frames: int = 768
     max_video_tokens: int = 128_000  # the pixel cap's budget (0: no cap)
     tokens_per_second: float = 2.0  # M-RoPE time positions a second (the tower's config)
+    around: tuple[str, str] = ("", "")  # qwen3_5: the begin / end of vision texts per patch
 
     @classmethod
     def from_dir(
@@ -70,13 +74,14 @@ class VideoProcessing:
         placeholder: str,
         token_id: int,
         tokens_per_second: float = 2.0,
+        around: tuple[str, str] = ("", ""),
     ) -> VideoProcessing:
         """The video processor of the checkpoint at `path` for a `tower` ("gemma4",
-        "qwen2_5_vl"; VisionConfig.kind), the family's defaults where it has none and the image
-        processor's patch size and merge (one tower)."""
+        "qwen2_5_vl", "qwen3_5"; VisionConfig.kind), the family's defaults where it has none and
+        the image processor's patch size and merge (one tower)."""
         file = path / "video_preprocessor_config.json"
         raw = json.loads(file.read_text()) if file.is_file() else {}
-        return cls.from_config(raw, tower, image, placeholder, token_id, tokens_per_second)
+        return cls.from_config(raw, tower, image, placeholder, token_id, tokens_per_second, around)
 
     @classmethod
     def from_config(
@@ -87,6 +92,7 @@ class VideoProcessing:
         placeholder: str,
         token_id: int,
         tokens_per_second: float = 2.0,
+        around: tuple[str, str] = ("", ""),
     ) -> VideoProcessing:
         def count(key: str, default: int) -> int:
             value = raw.get(key, default)
@@ -98,17 +104,20 @@ class VideoProcessing:
         if tower == "gemma4":
             frame = ImageProcessing.from_config({"max_soft_tokens": 70, **raw}, image)
             return cls("gemma4", frame, placeholder, token_id, count("num_frames", 32), normalize)
-        if tower != "qwen2_5_vl":
+        if tower not in ("qwen2_5_vl", "qwen3_5"):
             raise ValueError(f"video input is not built for {tower} towers")
-        size = raw.get("size") or {}  # Qwen2VLVideoProcessor's pixel bounds a frame
+        # the pixel bounds: a frame's (Qwen2VLVideoProcessor) or all frames' (Qwen3VL's)
+        unit = image.patch_size * image.merge_size  # 28 and 32 in the releases
+        size = raw.get("size") or {}
         bounds = {
-            "min_pixels": size.get("shortest_edge", raw.get("min_pixels", 128 * 28 * 28)),
-            "max_pixels": size.get("longest_edge", raw.get("max_pixels", 28 * 28 * 768)),
+            "min_pixels": size.get("shortest_edge", raw.get("min_pixels", 128 * unit * unit)),
+            "max_pixels": size.get("longest_edge", raw.get("max_pixels", unit * unit * 768)),
         }
         frame = ImageProcessing.from_config({**raw, "size": {}, **bounds}, image)
         cap = raw.get("cap_pixels_per_frame", True) is not False
+        budget = 128_000 if tower == "qwen2_5_vl" else 768  # the whole video's / a frame's tokens
         return cls(
-            "qwen2_5_vl",
+            tower,
             frame,
             placeholder,
             token_id,
@@ -116,15 +125,33 @@ class VideoProcessing:
             fps=float(raw.get("fps", 2.0)),
             min_frames=count("min_frames", 4),
             max_frames=count("max_frames", 768),
-            max_video_tokens=count("max_video_tokens", 128_000) if cap else 0,
+            max_video_tokens=count("max_video_tokens", budget) if cap else 0,
             tokens_per_second=tokens_per_second,
+            around=around,
         )
 
     def sample(self, total: int, fps: float) -> list[int]:
         """The frame indices this family samples from `total` frames at `fps`."""
         if self.kind == "gemma4":
             return sample_indices(total, self.num_frames)
+        if self.kind == "qwen3_5":  # Qwen3VLVideoProcessor.sample_frames with fps
+            n = min(max(int(total / fps * self.fps), self.min_frames), self.max_frames, total)
+            return np.linspace(0, total - 1, n).round().astype(int).tolist()
         return qwen_indices(total, fps, self.fps, self.min_frames, self.max_frames, self.frame)
+
+    def prompt_text(self, video: VideoInput) -> str:
+        """What replaces the template's placeholder of `video`: Gemma 4 "mm:ss <video>" per
+        frame joined by spaces; Qwen3.5 "<t.t seconds><|vision_start|><video><|vision_end|>"
+        per temporal patch (Qwen3VLProcessor.replace_video_token); Qwen2.5-VL the placeholder
+        (its time is in the positions). Each placeholder then expands to its rows."""
+        ph = self.placeholder
+        if self.kind == "gemma4":
+            stamps = (f"{int(t // 60):02d}:{int(t % 60):02d}" for t in video.timestamps)
+            return " ".join(f"{stamp} {ph}" for stamp in stamps)
+        if self.kind == "qwen3_5":
+            start, end = self.around
+            return "".join(f"<{t:.1f} seconds>{start}{ph}{end}" for t in video.timestamps)
+        return ph
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -135,25 +162,15 @@ class VideoInput:
     frames: tuple[ImageInput, ...]
     timestamps: tuple[float, ...]
 
-    def prompt_text(self, placeholder: str) -> str:
-        """What replaces the template's video placeholder: "mm:ss <placeholder>" per frame,
-        joined by spaces (each placeholder then expands to its frame's rows); the placeholder
-        itself for a video of one grid (Qwen2.5-VL: its times are in the positions)."""
-        if not self.timestamps:
-            return placeholder
-        return " ".join(
-            f"{int(t // 60):02d}:{int(t % 60):02d} {placeholder}" for t in self.timestamps
-        )
-
     @property
     def digest(self) -> str:
         return hashlib.sha256("".join(f.digest for f in self.frames).encode()).hexdigest()
 
 
-def expand_videos(rendered: str, videos: list[VideoInput], placeholder: str) -> str:
-    """A rendered chat with the template's one `placeholder` per video replaced by that video's
-    frames' text (`VideoInput.prompt_text`); ImageError when the counts differ."""
-    pieces = rendered.split(placeholder)
+def expand_videos(rendered: str, videos: list[VideoInput], proc: VideoProcessing) -> str:
+    """A rendered chat with the template's one placeholder per video replaced by that video's
+    text (`VideoProcessing.prompt_text`); ImageError when the counts differ."""
+    pieces = rendered.split(proc.placeholder)
     if len(pieces) - 1 != len(videos):
         raise ImageError(
             f"the chat template placed {len(pieces) - 1} video placeholders for {len(videos)} "
@@ -161,7 +178,7 @@ def expand_videos(rendered: str, videos: list[VideoInput], placeholder: str) -> 
         )
     out = [pieces[0]]
     for video, piece in zip(videos, pieces[1:], strict=True):
-        out += [video.prompt_text(placeholder), piece]
+        out += [proc.prompt_text(video), piece]
     return "".join(out)
 
 
@@ -317,6 +334,69 @@ def preprocess_grid(
     return ImageInput(pixels, (gt, gh, gw), _digest(raw, f"/{interval!r}"), interval)
 
 
+def video_size(
+    frames: int, height: int, width: int, tp: int, factor: int, lo: int, hi: int
+) -> tuple[int, int]:
+    """Qwen3VL's smart_resize: sides multiples of `factor` (a side under it scaled up first),
+    the frames' pixels (frames rounded to temporal patches) within [lo, hi], the aspect ratio
+    kept as closely as that allows."""
+    if frames < tp:
+        raise ImageError(f"a video needs at least {tp} frames here, it has {frames}")
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise ImageError(
+            f"video aspect ratio {max(height, width) / min(height, width):.0f} is over 200"
+        )
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = round(frames / tp) * tp
+    if t_bar * h_bar * w_bar > hi:
+        beta = math.sqrt(frames * height * width / hi)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < lo:
+        beta = math.sqrt(lo / (frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def preprocess_patches(
+    frames: list[np.ndarray], indices: list[int], fps: float, video: VideoProcessing
+) -> tuple[tuple[ImageInput, ...], tuple[float, ...]]:
+    """Qwen3.5's sampled frames -> one image of grid (1, h, w) per temporal patch (its rows in
+    merge-block order, as Qwen3VLVideoProcessor's patchify lays the grid out), and each patch's
+    time: the mean of its two frames' (the last frame repeated to fill the last patch), as
+    Qwen3VLProcessor's timestamps. Frames resized within the video's pixel bounds, the upper
+    one capped at `max_video_tokens` a frame (qwen-vl-utils' cap)."""
+    proc = video.frame
+    p, m, tp = proc.patch_size, proc.merge_size, proc.temporal_patch_size
+    n, hi = len(frames), proc.max_pixels
+    if video.max_video_tokens:
+        cap = video.max_video_tokens * (p * m) ** 2  # a frame's pixels, then the frames'
+        hi = max(min(cap, hi // n), int(proc.min_pixels * 1.05)) * n
+    h0, w0 = frames[0].shape[:2]
+    height, width = video_size(n, h0, w0, tp, p * m, proc.min_pixels, hi)
+    x = torch.from_numpy(np.ascontiguousarray(np.stack(frames))).permute(0, 3, 1, 2)
+    raw = _resized(x, height, width)  # [T, C, H, W] uint8
+    y = _normalized(raw, video)
+    stamps = list(indices) + [indices[-1]] * (-n % tp)
+    if pad := -n % tp:
+        y = torch.cat([y, y[-1:].expand(pad, -1, -1, -1)])
+        raw = torch.cat([raw, raw[-1:].expand(pad, -1, -1, -1)])
+    gh, gw = height // p, width // p
+    patches, times = [], []
+    for i in range(y.shape[0] // tp):
+        part = y[i * tp : (i + 1) * tp].reshape(tp, 3, gh // m, m, p, gw // m, m, p)
+        part = part.permute(2, 5, 3, 6, 1, 0, 4, 7).reshape(gh * gw, 3 * tp * p * p)
+        digest = _digest(raw[i * tp : (i + 1) * tp])
+        patches.append(ImageInput(part.contiguous(), (1, gh, gw), digest))
+        pair = stamps[i * tp : (i + 1) * tp]
+        times.append((pair[0] / fps + pair[-1] / fps) / 2)
+    return tuple(patches), tuple(times)
+
+
 def load_video(
     data: bytes,
     proc: VideoProcessing,
@@ -327,6 +407,8 @@ def load_video(
     if proc.kind == "gemma4":
         inputs = tuple(preprocess_frame(f, proc) for f in frames)
         return VideoInput(inputs, tuple(i / fps for i in indices))
+    if proc.kind == "qwen3_5":
+        return VideoInput(*preprocess_patches(frames, indices, fps, proc))
     # the M-RoPE time step of a temporal patch: tokens a second x seconds a patch, seconds a
     # patch = temporal patch / the sampled rate (transformers' second_per_grid_ts)
     sampled_fps = len(indices) / total * fps

@@ -114,7 +114,7 @@ def video_chat(lm: LoadedModel, video: VideoInput, text: str, image: bool = Fals
     expanded to its frames' (the server's path)."""
     parts = [{"type": "image"}] * image + [{"type": "video"}, {"type": "text", "text": text}]
     assert lm.video_processing is not None
-    expand = partial(expand_videos, videos=[video], placeholder="<|video|>")
+    expand = partial(expand_videos, videos=[video], proc=lm.video_processing)
     return lm.tokenizer.encode_chat([{"role": "user", "content": parts}], None, expand)
 
 
@@ -357,7 +357,7 @@ def test_gguf_target_with_mmproj_takes_video(tmp_path: Path, home: Path) -> None
     assert proc is not None and (proc.num_frames, proc.frame.max_soft_tokens) == (32, 70)
     video = load_video(mp4(5, seed=9), proc)
     assert len(video.frames) == 5
-    frames = lm.tokenizer.encode(video.prompt_text("<|video|>"), add_special_tokens=False)
+    frames = lm.tokenizer.encode(proc.prompt_text(video), add_special_tokens=False)
     ids = [5, 17, *frames, 99, 3]
     req = lm.new_request(ids, _params(), images=list(video.frames))
     assert req.images is not None and len(req.images.spans) == 5
@@ -399,7 +399,8 @@ def test_bad_videos_are_refused() -> None:
     with pytest.raises(ImageError, match="8 frames, over the limit of 5"):
         decode_video(mp4(8), uniform(4), max_frames=5)
     with pytest.raises(ImageError, match="placed 0 video placeholders for 1 videos"):
-        expand_videos("no placeholder here", [VideoInput((), ())], "<|video|>")
+        proc = VideoProcessing.from_config({}, "gemma4", _image(), "<|video|>", VIDEO)
+        expand_videos("no placeholder here", [VideoInput((), ())], proc)
 
 
 def test_an_image_only_checkpoint_takes_no_video(tmp_path: Path) -> None:

@@ -345,8 +345,7 @@ def _chat_ids(
     expand = None
     if videos:  # the template's placeholder of each video -> its frames'
         assert lm.video_processing is not None
-        placeholder = lm.video_processing.placeholder
-        expand = partial(expand_videos, videos=videos, placeholder=placeholder)
+        expand = partial(expand_videos, videos=videos, proc=lm.video_processing)
     try:
         ids = lm.tokenizer.encode_chat(messages, tools, expand, add_generation_prompt)
     except ImageError as exc:  # a template that places no video placeholder

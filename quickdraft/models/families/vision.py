@@ -103,7 +103,7 @@ class VisionConfig:
             window_size=int(get("window_size")),
             fullatt_block_indexes=tuple(int(i) for i in get("fullatt_block_indexes")),
             # video: Qwen2.5-VL's (one grid of temporal patches, times in M-RoPE)
-            video_token_id=int(raw.get("video_token_id", 151656)) if kind == "qwen2_5_vl" else -1,
+            video_token_id=int(raw.get("video_token_id", base["video_token_id"])),
             tokens_per_second=float(vision.get("tokens_per_second", 2)),
         )
 
@@ -172,6 +172,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         num_position_embeddings=2304,
         hidden_act="gelu_pytorch_tanh",
         image_token_id=248056,
+        video_token_id=248057,
         vision_start_token_id=248053,
         vision_end_token_id=248054,
         window_size=0,
@@ -189,6 +190,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         num_position_embeddings=0,  # 2-D rotary only
         hidden_act="silu",
         image_token_id=151655,
+        video_token_id=151656,
         vision_start_token_id=151652,
         vision_end_token_id=151653,
         window_size=112,
