@@ -50,7 +50,9 @@ class VideoProcessing:
     frame an image of `frame.max_soft_tokens` placeholders with its timestamp in the prompt.
     Qwen2.5-VL ("qwen2_5_vl"): `fps` frames a second (`min_frames` .. `max_frames`, an even
     count), one grid of temporal patches of two frames, each frame resized within
-    [frame.min_pixels, frame.max_pixels] capped by the video's token budget, times in M-RoPE."""
+    [frame.min_pixels, frame.max_pixels] capped by the video's token budget, times in M-RoPE.
+    Qwen3.5 ("qwen3_5"): `fps` frames a second, all frames' pixels within those bounds with a
+    per-frame cap, one image per temporal patch behind its time in the text."""
 
     kind: str
     frame: ImageProcessing

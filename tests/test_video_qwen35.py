@@ -22,7 +22,7 @@ from hybrid_models import one_thread  # noqa: F401 (autouse fixture)
 from test_video_gemma4 import mp4
 from test_video_qwen25 import TEMPLATE, reference_patchify
 from test_vision import run
-from vision_models import IMAGE_PAD, VISION_SPECIALS, make_vlm_dir, png
+from vision_models import IMAGE_PAD, VISION_SPECIALS, add_copying_mtp_head, make_vlm_dir, png
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.images import ImageRows, pack_image_rows
@@ -47,6 +47,7 @@ VIDEO_CONFIG = {
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, LoadedModel]:
     hf, directory = make_vlm_dir(tmp_path_factory.mktemp("qwen35-video"), out_scale=0.1)
+    add_copying_mtp_head(directory)
     (directory / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_CONFIG))
     write_tiny_tokenizer(directory, (*VISION_SPECIALS, "<|video_pad|>"), TEMPLATE)
     return hf, load(str(directory), dtype="fp32", progress=False)
@@ -168,14 +169,19 @@ def test_video_logits_match_transformers(vlm: tuple[Any, LoadedModel]) -> None:
     assert (logits - ref).abs().max().item() < 1e-4
 
 
-def test_speculation_on_a_video_turn_equals_plain(vlm: tuple[Any, LoadedModel]) -> None:
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_speculation_on_a_video_turn_equals_plain(
+    vlm: tuple[Any, LoadedModel], method: str
+) -> None:
+    """n-gram, and the MTP head (which reads each patch's embeddings one row early): greedy
+    output with speculation equals speculation off's on a video turn, drafts accepted."""
     _, lm = vlm
     video = lm.load_video(mp4(10, fps=2, seed=8))
     ids = video_ids(lm, video, "the cat sat on the mat. the cat sat on the")
     plain = run(lm, ids, list(video.frames), max_tokens=32)
-    cfg = SpeculativeConfig(method="ngram", num_draft_tokens=4, adaptive=False)
+    cfg = SpeculativeConfig(method=method, num_draft_tokens=4, adaptive=False)
     fast = run(lm, ids, list(video.frames), cfg, max_tokens=32)
-    assert fast.output_ids == plain.output_ids
+    assert fast.output_ids == plain.output_ids and fast.spec.accepted > 0
 
 
 def test_a_one_frame_video_is_refused_by_name(vlm: tuple[Any, LoadedModel]) -> None:
