@@ -56,6 +56,7 @@ from quickdraft.server.responses import (
     ModelCard,
     ModelList,
 )
+from quickdraft.server.responses_api import ResponsesRequest, response_body, response_events
 from quickdraft.server.settings import SpeculationSettings
 from quickdraft.server.state import ServerConfig, ServerState, Slot
 from quickdraft.server.tokens import (
@@ -133,23 +134,17 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        arrived = now()
         body.check()
-        lm = _model(state, body.model)
-        media = await read_media(
-            body.media_parts(),
-            lm.image_processing,
-            lm.video_processing,
-            state.config.media,
-            body.model,
-        )
-        prompt_ids, messages, tools = _chat_ids(lm, body, media)
-        root = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
-        # the conversation's start (stays as it grows), its images and videos by content
-        early = sum(len(m.media_urls()) for m in body.messages[: root + 1])
-        shared = [tools, messages[: root + 1], [m.digest for m in media[:early]]]
-        images = [f for m in media for f in (m.frames if isinstance(m, VideoInput) else (m,))]
-        return await _generate(state, request, body, prompt_ids, "chat", arrived, shared, images)
+        return await _chat(state, body, request)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        answer = await _chat(state, body.to_chat(), request)
+        if isinstance(answer, StreamingResponse):  # the chat chunks become response events
+            answer.body_iterator = response_events(answer.body_iterator, body)
+            return answer
+        chat = json.loads(bytes(answer.body))
+        return JSONResponse(response_body(chat, body), headers=_placement_headers(answer))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -200,6 +195,31 @@ def create_app(
         return DetokenizeResponse(prompt=lm.tokenizer.decode(body.tokens, False))
 
     return app
+
+
+async def _chat(state: ServerState, body: ChatCompletionRequest, request: Request) -> Response:
+    """A checked chat request run: its media read, its prompt rendered, then `_generate`."""
+    arrived = now()
+    lm = _model(state, body.model)
+    media = await read_media(
+        body.media_parts(),
+        lm.image_processing,
+        lm.video_processing,
+        state.config.media,
+        body.model,
+    )
+    prompt_ids, messages, tools = _chat_ids(lm, body, media)
+    root = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
+    # the conversation's start (stays as it grows), its images and videos by content
+    early = sum(len(m.media_urls()) for m in body.messages[: root + 1])
+    shared = [tools, messages[: root + 1], [m.digest for m in media[:early]]]
+    images = [f for m in media for f in (m.frames if isinstance(m, VideoInput) else (m,))]
+    return await _generate(state, request, body, prompt_ids, "chat", arrived, shared, images)
+
+
+def _placement_headers(response: Response) -> dict[str, str]:
+    """The placement headers `_generate` set on a response (which replica ran it)."""
+    return {k: v for k, v in response.headers.items() if k.lower().startswith("x-")}
 
 
 def _model(state: ServerState, name: str) -> ModelFront:

@@ -1,0 +1,402 @@
+"""OpenAI's Responses API (POST /v1/responses) on the chat pipeline: a request becomes a chat
+request, runs as /v1/chat/completions runs it (speculation, images, reasoning, the prefix
+cache), and its answer or its chunks become a Response object or Responses stream events.
+
+Stage: the HTTP edge, beside app.py's routes. Taken: `input` as a string or as message items
+(roles user / system / developer / assistant; parts input_text, input_image, output_text),
+`instructions` (a system message first), max_output_tokens, temperature, top_p, stream, user,
+metadata (echoed), store (nothing is stored: `previous_response_id` is refused by name), and
+function `tools` with `tool_choice` (the chat path's tool calls, as function_call items;
+function_call and function_call_output items in `input` replay a conversation). Answered: a
+"message" item with one output_text part, a "reasoning" item first where the model writes
+one (gpt-oss's analysis channel), "function_call" items; status "incomplete" with reason
+max_output_tokens where the chat answer stopped at its length; usage in the Responses names.
+A stream sends response.created, then per item output_item.added, content_part.added, the
+text deltas and their done events, and response.completed with the usage.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from quickdraft.server.protocol import APIError, ChatCompletionRequest, Text
+
+
+class _Strict(BaseModel):  # as protocol.py's request bodies: no coercion, no unknown fields
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class InputText(_Strict):
+    type: Literal["input_text", "output_text"]
+    text: Text
+    annotations: list[Any] | None = None  # an output_text replayed from an earlier response
+
+
+class InputImage(_Strict):
+    type: Literal["input_image"]
+    image_url: Text
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class MessageItem(_Strict):
+    type: Literal["message"] | None = None
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Text | list[Annotated[InputText | InputImage, Field(discriminator="type")]]
+    id: Text | None = None  # replayed output items carry their ids and status
+    status: Text | None = None
+
+
+class FunctionCallItem(_Strict):
+    type: Literal["function_call"]
+    call_id: Text
+    name: Text
+    arguments: Text
+    id: Text | None = None
+    status: Text | None = None
+
+
+class FunctionOutputItem(_Strict):
+    type: Literal["function_call_output"]
+    call_id: Text
+    output: Text
+    id: Text | None = None
+    status: Text | None = None
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: Text
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesRequest(_Strict):
+    model: Text
+    input: Text | list[MessageItem | FunctionCallItem | FunctionOutputItem] = Field(min_length=1)
+    instructions: Text | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stream: bool | None = False
+    store: bool | None = None  # accepted: nothing is stored here
+    previous_response_id: Text | None = None  # refused: nothing is stored to continue from
+    user: Text | None = None
+    metadata: dict[str, Text] | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def to_chat(self) -> ChatCompletionRequest:
+        """The chat request this one is (APIError 400 naming the field it cannot be)."""
+        if self.previous_response_id is not None:
+            raise APIError(
+                400,
+                "previous_response_id: this server stores no responses; send the conversation "
+                "in `input`",
+                "previous_response_id",
+            )
+        messages: list[dict[str, Any]] = []
+        if self.instructions is not None:
+            messages.append({"role": "system", "content": self.instructions})
+        items = (
+            [MessageItem(role="user", content=self.input)]
+            if isinstance(self.input, str)
+            else self.input
+        )
+        for item in items:
+            if isinstance(item, MessageItem):
+                messages.append({"role": item.role, "content": _chat_content(item.content)})
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function"}
+                call["function"] = {"name": item.name, "arguments": item.arguments}  # type: ignore[assignment]
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            else:
+                messages.append(
+                    {"role": "tool", "tool_call_id": item.call_id, "content": item.output}
+                )
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "stream": bool(self.stream),
+            "user": self.user,
+        }
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        if self.tools:
+            body["tools"] = [
+                {
+                    "type": "function",
+                    "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True),
+                }
+                for t in self.tools
+            ]
+            body["tool_choice"] = self.tool_choice
+            body["parallel_tool_calls"] = self.parallel_tool_calls
+        try:
+            chat = ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise APIError(400, f"input: {where}: {first['msg']}", "input") from None
+        chat.check()
+        return chat
+
+    def echo(self) -> dict[str, Any]:
+        """The request fields a Response object repeats."""
+        return {
+            "instructions": self.instructions,
+            "max_output_tokens": self.max_output_tokens,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "metadata": self.metadata or {},
+            "tools": [t.model_dump(exclude_none=True) for t in self.tools or []],
+            "tool_choice": self.tool_choice or "auto",
+            "parallel_tool_calls": self.parallel_tool_calls is not False,
+            "store": False,
+            "user": self.user,
+        }
+
+
+def _chat_content(content: str | list[InputText | InputImage]) -> str | list[dict[str, Any]]:
+    if isinstance(content, str):
+        return content
+    return [
+        {"type": "text", "text": p.text}
+        if isinstance(p, InputText)
+        else {"type": "image_url", "image_url": {"url": p.image_url}}
+        for p in content
+    ]
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _usage(chat: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not chat:
+        return None
+    cached = (chat.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {
+        "input_tokens": chat["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": chat["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": chat["total_tokens"],
+    }
+
+
+def _envelope(
+    rid: str, model: str, req: ResponsesRequest, status: str, output: list[dict[str, Any]]
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": int(time.time()),
+        "model": model,
+        "status": status,
+        "output": output,
+        "error": None,
+        "incomplete_details": None,
+        "usage": None,
+        **req.echo(),
+    }
+
+
+def _message(text: str, status: str = "completed") -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {
+        "type": "message",
+        "id": _new_id("msg"),
+        "role": "assistant",
+        "status": status,
+        "content": [part],
+    }
+
+
+def _reasoning(text: str) -> dict[str, Any]:
+    return {
+        "type": "reasoning",
+        "id": _new_id("rs"),
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": "completed",
+    }
+
+
+def _function_call(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call["function"]
+    return {
+        "type": "function_call",
+        "id": _new_id("fc"),
+        "call_id": call["id"],
+        "name": fn["name"],
+        "arguments": fn["arguments"],
+        "status": "completed",
+    }
+
+
+def _finish(response: dict[str, Any], finish_reason: str | None) -> None:
+    if finish_reason == "length":
+        response["status"] = "incomplete"
+        response["incomplete_details"] = {"reason": "max_output_tokens"}
+    else:
+        response["status"] = "completed"
+
+
+def response_body(chat: dict[str, Any], req: ResponsesRequest) -> dict[str, Any]:
+    """A chat completion's JSON -> the Response object."""
+    choice = chat["choices"][0]
+    message = choice["message"]
+    output: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        output.append(_reasoning(message["reasoning_content"]))
+    if message.get("content") or not message.get("tool_calls"):
+        output.append(_message(message.get("content") or ""))
+    output += [_function_call(c) for c in message.get("tool_calls") or []]
+    response = _envelope(_new_id("resp"), chat["model"], req, "completed", output)
+    _finish(response, choice.get("finish_reason"))
+    response["usage"] = _usage(chat.get("usage"))
+    return response
+
+
+async def response_events(chunks: AsyncIterable[Any], req: ResponsesRequest) -> AsyncIterator[str]:
+    """A chat stream's SSE chunks -> Responses stream events (SSE)."""
+    stream = _Events(req)
+    yield stream.event("response.created", response=stream.response)
+    yield stream.event("response.in_progress", response=stream.response)
+    async for raw in chunks:
+        text = bytes(raw).decode() if isinstance(raw, bytes | memoryview) else str(raw)
+        for line in text.splitlines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for event in stream.feed(json.loads(line[6:])):
+                yield event
+    for event in stream.end():
+        yield event
+
+
+class _Events:
+    """The Responses events of one chat stream, item by item: the reasoning text and the
+    message text as they stream, function calls whole at the end."""
+
+    def __init__(self, req: ResponsesRequest) -> None:
+        self.response = _envelope(_new_id("resp"), req.model, req, "in_progress", [])
+        self.output: list[dict[str, Any]] = self.response["output"]
+        self.open: dict[str, Any] | None = None  # the item whose text is streaming
+        self.kind = ""  # its kind: "reasoning" or "message"
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.finish: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.seq = 0
+
+    def event(self, kind: str, **data: Any) -> str:
+        body = json.dumps({"type": kind, "sequence_number": self.seq, **data})
+        self.seq += 1
+        return f"event: {kind}\ndata: {body}\n\n"
+
+    def _at(self) -> dict[str, Any]:
+        """The open item's place, as its events name it."""
+        assert self.open is not None
+        return {"item_id": self.open["id"], "output_index": len(self.output) - 1}
+
+    def feed(self, chunk: dict[str, Any]) -> list[str]:
+        if "error" in chunk:  # the chat stream's error event: the response failed
+            self.response.update(status="failed", error=chunk["error"])
+            return [self.event("response.failed", response=self.response)]
+        out: list[str] = []
+        self.usage = chunk.get("usage") or self.usage
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            self.finish = choice.get("finish_reason") or self.finish
+            for kind, key in (("reasoning", "reasoning_content"), ("message", "content")):
+                piece = delta.get(key)
+                if not piece:
+                    continue
+                if self.kind != kind:
+                    out += self._start(kind)
+                assert self.open is not None
+                self.open["content"][0]["text"] += piece
+                extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+                name = f"response.{'output' if kind == 'message' else 'reasoning'}_text.delta"
+                out.append(self.event(name, **self._at(), content_index=0, delta=piece, **extra))
+            for call in delta.get("tool_calls") or []:
+                empty = {"id": "", "function": {"name": "", "arguments": ""}}
+                got = self.calls.setdefault(call["index"], empty)
+                got["id"] = call.get("id") or got["id"]
+                fn = call.get("function") or {}
+                got["function"]["name"] += fn.get("name") or ""
+                got["function"]["arguments"] += fn.get("arguments") or ""
+        return out
+
+    def _start(self, kind: str) -> list[str]:
+        out = self._close()
+        item = _message("", "in_progress") if kind == "message" else _reasoning("")
+        part = item["content"][0]
+        item.update(status="in_progress", content=[])
+        self.output.append(item)
+        index = len(self.output) - 1
+        out.append(self.event("response.output_item.added", output_index=index, item=item))
+        item["content"] = [part]
+        self.open, self.kind = item, kind
+        out.append(
+            self.event("response.content_part.added", **self._at(), content_index=0, part=part)
+        )
+        return out
+
+    def _close(self) -> list[str]:
+        if self.open is None:
+            return []
+        part = self.open["content"][0]
+        at = {**self._at(), "content_index": 0}
+        if self.kind == "message":
+            done = self.event("response.output_text.done", **at, text=part["text"], logprobs=[])
+        else:
+            done = self.event("response.reasoning_text.done", **at, text=part["text"])
+        self.open["status"] = "completed"
+        item = self.open
+        out = [done, self.event("response.content_part.done", **at, part=part)]
+        out.append(
+            self.event("response.output_item.done", output_index=at["output_index"], item=item)
+        )
+        self.open, self.kind = None, ""
+        return out
+
+    def end(self) -> list[str]:
+        out = self._close()
+        if not self.output and not self.calls:  # an empty answer is still one message
+            out += self._start("message") + self._close()
+        for i in sorted(self.calls):
+            item = _function_call(self.calls[i])
+            self.output.append(item)
+            index = len(self.output) - 1
+            added = {**item, "status": "in_progress"}
+            out.append(self.event("response.output_item.added", output_index=index, item=added))
+            args = {"arguments": item["arguments"], "name": item["name"]}
+            out.append(
+                self.event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    **args,
+                )
+            )
+            out.append(self.event("response.output_item.done", output_index=index, item=item))
+        _finish(self.response, self.finish)
+        self.response["usage"] = _usage(self.usage)
+        done = (
+            "response.completed"
+            if self.response["status"] == "completed"
+            else "response.incomplete"
+        )
+        out.append(self.event(done, response=self.response))
+        return out
