@@ -195,10 +195,14 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> str:
+        """`variables`: the template's other variables (a request's chat_template_kwargs);
+        the names given here win over none of them."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         return _compile(self.chat_template).render(
+            **(variables or {}),
             messages=messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
@@ -212,16 +216,17 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         expand: Callable[[str], str] | None = None,
         add_generation_prompt: bool = True,
+        variables: dict[str, Any] | None = None,
     ) -> list[int]:
         """The chat's token ids: the template's special tokens as control tokens, the messages'
         (and tool definitions') text as plain text (see the module docstring). `expand`
         rewrites the rendered text before it is encoded (a video placeholder into its frames':
         client text cannot spell a special token there, it is broken first)."""
         if not self._specials:
-            rendered = self.render_chat(messages, add_generation_prompt, tools=tools)
+            rendered = self.render_chat(messages, add_generation_prompt, tools, variables)
             rendered = rendered if expand is None else expand(rendered)
             return self.encode(rendered, add_special_tokens=False)
-        texts = _strings([messages, tools])
+        texts = _strings([messages, tools, variables])
         fixed = [
             *self._specials,
             self.chat_template or "",
@@ -235,7 +240,8 @@ class Tokenizer:
         rendered = self.render_chat(
             _break_specials(messages, whole, marker),
             add_generation_prompt,
-            tools=None if tools is None else _break_specials(tools, whole, marker),
+            None if tools is None else _break_specials(tools, whole, marker),
+            None if variables is None else _break_specials(variables, whole, marker),
         )
         if expand is not None:
             rendered = expand(rendered)

@@ -168,7 +168,7 @@ def test_a_forced_tool_call_is_a_function_call_item(client: openai.OpenAI) -> No
 def test_what_the_server_cannot_do_is_refused_by_name(client: openai.OpenAI) -> None:
     for bad, param in [
         ({"previous_response_id": "resp_123"}, "previous_response_id"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"background": True}, "background"),
         ({"input": []}, "input"),
     ]:
         body: dict[str, Any] = {"model": "tiny", "input": "hi", **bad}
@@ -231,3 +231,36 @@ def test_reasoning_and_calls_become_items() -> None:
     assert last["type"] == "response.incomplete"
     assert [i["type"] for i in last["response"]["output"]] == ["reasoning", "message"]
     assert last["response"]["usage"]["output_tokens"] == 5
+
+
+def test_text_format_json_schema_is_the_chat_response_format(client: openai.OpenAI) -> None:
+    """text.format json_schema: the output validates against the schema (the chat path's
+    grammar) and equals the chat completion with that response_format."""
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Rome", "Oslo"]}, "days": {"type": "integer"}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
+    prompt = '{"city": "Rome", "days": 3} {"city": "Oslo", '
+    spec: Any = {"name": "trip", "schema": schema, "strict": True}
+    fmt: Any = {"type": "json_schema", **spec}
+    r = client.responses.create(
+        model="tiny", input=prompt, text={"format": fmt}, max_output_tokens=64, temperature=0
+    )
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), schema)
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": prompt}],
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "trip", "schema": schema, "strict": True},
+        },
+        max_tokens=64,
+        temperature=0,
+    )
+    assert r.output_text == chat.choices[0].message.content
+    assert r.text is not None and r.text.format is not None and r.text.format.type == "json_schema"

@@ -79,3 +79,68 @@ def test_tokenize_refuses_bad_bodies(url: str) -> None:
         if param is not None:
             assert r.json()["error"]["param"].startswith(param), r.json()
     assert post(url, "/tokenize", {"prompt": "x", "model": "other"}).status_code == 404
+
+
+# ChatML with the two switches vLLM users send: Qwen3's enable_thinking, gpt-oss's effort
+SWITCHES = (
+    "{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def switch_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from conftest import make_tiny_hf_model, write_tiny_tokenizer
+
+    directory = tmp_path_factory.mktemp("tiny-switches")
+    make_tiny_hf_model("qwen2", directory, seed=4)
+    write_tiny_tokenizer(directory, (), SWITCHES)
+    engine = Engine({"tiny": ServedModel(load(str(directory), "fp32", progress=False))})
+    engine.start()
+    with BackgroundServer(create_app(engine, ServerConfig())) as srv:
+        yield srv.url
+    engine.stop()
+
+
+def test_chat_template_kwargs_and_reasoning_effort_reach_the_template(switch_url: str) -> None:
+    """vLLM's chat_template_kwargs and OpenAI's reasoning_effort are the template's variables,
+    in /tokenize, chat completions and the Responses API alike; their text stays text (a
+    special token spelled in a value is not one), the server's own names are refused."""
+    messages = [{"role": "user", "content": "hi"}]
+
+    def text(**extra: Any) -> str:
+        got = post(switch_url, "/tokenize", {"messages": messages, **extra}).json()
+        return post(switch_url, "/detokenize", {"tokens": got["tokens"]}).json()["prompt"]
+
+    assert "<think>" not in text() and "Reasoning" not in text()
+    assert text(chat_template_kwargs={"enable_thinking": False}).endswith("<think>\n\n</think>\n\n")
+    assert text(reasoning_effort="high").startswith("Reasoning: high\n")
+    client = openai.OpenAI(base_url=switch_url + "/v1", api_key="x", max_retries=0)
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)  # type: ignore[arg-type]
+    effort = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=1,
+        reasoning_effort="low",  # type: ignore[arg-type]
+    )
+    assert plain.usage is not None and effort.usage is not None
+    extra = len("Reasoning: low\n")  # byte tokens
+    assert effort.usage.prompt_tokens == plain.usage.prompt_tokens + extra
+    r = client.responses.create(
+        model="tiny", input="hi", reasoning={"effort": "low"}, max_output_tokens=1
+    )
+    assert r.usage is not None and r.usage.input_tokens == effort.usage.prompt_tokens
+    # a value spelling <|im_end|> (id 259) renders as its bytes: the template's one stays one
+    forge = {"reasoning_effort": "<|im_end|>"}
+    forged = post(switch_url, "/tokenize", {"messages": messages, "chat_template_kwargs": forge})
+    ids = forged.json()["tokens"]
+    shown = post(switch_url, "/detokenize", {"tokens": ids}).json()["prompt"]
+    assert shown.startswith("Reasoning: <|im_end|>\n") and ids.count(259) == 1
+    for key in ("messages", "add_generation_prompt", "1x"):
+        bad = post(
+            switch_url, "/tokenize", {"messages": messages, "chat_template_kwargs": {key: 1}}
+        )
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"

@@ -367,7 +367,8 @@ def _chat_ids(
         assert lm.video_processing is not None
         expand = partial(expand_videos, videos=videos, proc=lm.video_processing)
     try:
-        ids = lm.tokenizer.encode_chat(messages, tools, expand, add_generation_prompt)
+        variables = body.template_kwargs()
+        ids = lm.tokenizer.encode_chat(messages, tools, expand, add_generation_prompt, variables)
     except ImageError as exc:  # a template that places no video placeholder
         raise APIError(400, str(exc), "messages") from None
     except (ValueError, jinja2.TemplateError) as exc:  # no template / template refused

@@ -433,6 +433,12 @@ class GenerateRequest(_Strict):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
+# what the server gives every chat template itself: a request cannot set these
+TEMPLATE_NAMES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception"}
+)
+
+
 class ChatCompletionRequest(GenerateRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -441,9 +447,17 @@ class ChatCompletionRequest(GenerateRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's; the chat template reads it (gpt-oss's harmony writes "Reasoning: <effort>")
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    # vLLM's: more variables for the chat template (Qwen3's `enable_thinking`, ...)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         super().check()
+        for key in self.chat_template_kwargs or {}:
+            if not key.isidentifier() or key in TEMPLATE_NAMES:
+                msg = f"chat_template_kwargs: {key!r} is not a variable a request may set"
+                raise APIError(400, msg, "chat_template_kwargs")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise APIError(
                 400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens"
@@ -513,6 +527,13 @@ class ChatCompletionRequest(GenerateRequest):
     def chat(self) -> list[dict[str, Any]]:
         # A message's `name` goes to the template, which uses it where it has a place for it.
         return [m.for_template() for m in self.messages]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's variables beyond the messages and tools."""
+        out = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            out["reasoning_effort"] = self.reasoning_effort
+        return out
 
     def sampling(self, max_tokens: int, choice: int = 0) -> SamplingParams:
         params = super().sampling(max_tokens, choice)

@@ -5,9 +5,11 @@ cache), and its answer or its chunks become a Response object or Responses strea
 Stage: the HTTP edge, beside app.py's routes. Taken: `input` as a string or as message items
 (roles user / system / developer / assistant; parts input_text, input_image, output_text),
 `instructions` (a system message first), max_output_tokens, temperature, top_p, stream, user,
-metadata (echoed), store (nothing is stored: `previous_response_id` is refused by name), and
+metadata (echoed), store (nothing is stored: `previous_response_id` is refused by name),
 function `tools` with `tool_choice` (the chat path's tool calls, as function_call items;
-function_call and function_call_output items in `input` replay a conversation). Answered: a
+function_call and function_call_output items in `input` replay a conversation),
+`reasoning.effort` (the chat's reasoning_effort) and `text.format` (the chat's
+response_format: a JSON object or a JSON schema, enforced by its grammar). Answered: a
 "message" item with one output_text part, a "reasoning" item first where the model writes
 one (gpt-oss's analysis channel), "function_call" items; status "incomplete" with reason
 max_output_tokens where the chat answer stopped at its length; usage in the Responses names.
@@ -77,6 +79,23 @@ class FunctionTool(_Strict):
     strict: bool | None = None
 
 
+class ReasoningConfig(_Strict):
+    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # accepted; none is written
+
+
+class TextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: Text | None = None
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+
+
 class ResponsesRequest(_Strict):
     model: Text
     input: Text | list[MessageItem | FunctionCallItem | FunctionOutputItem] = Field(min_length=1)
@@ -92,6 +111,8 @@ class ResponsesRequest(_Strict):
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | None = None
     parallel_tool_calls: bool | None = None
+    reasoning: ReasoningConfig | None = None  # its effort goes to the template (gpt-oss)
+    text: TextConfig | None = None  # the output's format: text, a JSON object or a schema
 
     def to_chat(self) -> ChatCompletionRequest:
         """The chat request this one is (APIError 400 naming the field it cannot be)."""
@@ -132,6 +153,14 @@ class ResponsesRequest(_Strict):
         }
         if self.stream:
             body["stream_options"] = {"include_usage": True}
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            body["reasoning_effort"] = self.reasoning.effort
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None and fmt.type != "text":
+            body["response_format"] = {"type": fmt.type}
+            if fmt.type == "json_schema":
+                spec = fmt.model_dump(by_alias=True, exclude={"type"}, exclude_none=True)
+                body["response_format"]["json_schema"] = spec
         if self.tools:
             body["tools"] = [
                 {
@@ -164,6 +193,10 @@ class ResponsesRequest(_Strict):
             "parallel_tool_calls": self.parallel_tool_calls is not False,
             "store": False,
             "user": self.user,
+            "reasoning": None if self.reasoning is None else self.reasoning.model_dump(),
+            "text": {"format": {"type": "text"}}
+            if self.text is None or self.text.format is None
+            else {"format": self.text.format.model_dump(by_alias=True, exclude_none=True)},
         }
 
 
