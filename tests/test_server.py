@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+import quickdraft
 from quickdraft.config import SpeculativeConfig
 from quickdraft.engine import Engine, ServedModel
 from quickdraft.loading import LoadedModel, load
@@ -157,6 +158,12 @@ def test_server_models_and_health(served: tuple[BackgroundServer, Engine]) -> No
     health = httpx.get(srv.url + "/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     assert health.json()["devices"] == {"tiny": "cpu"}  # where each model runs
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+    one = client.models.retrieve("tiny")
+    assert one.id == "tiny" and one.model_dump(exclude_none=True) == models["data"][0]
+    with pytest.raises(openai.NotFoundError, match="serves"):
+        client.models.retrieve("other")
+    assert httpx.get(srv.url + "/version").json() == {"version": quickdraft.__version__}
 
 
 async def _concurrent(served: tuple[BackgroundServer, Engine], prompts: list[str]) -> list[str]:

@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from quickdraft import __version__
 from quickdraft.engine import Engine, EngineDeadError, QueueFullError
 from quickdraft.grammar import GrammarError
 from quickdraft.images import ImageError, ImageInput
@@ -119,18 +120,27 @@ def create_app(
         body = state.metrics.scrape(state.engine.num_running, state.engine.num_waiting)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def card(name: str) -> ModelCard:
+        served = state.engine.models[name]
+        return ModelCard(
+            id=name,
+            created=state.started,
+            max_model_len=served.lm.context_length,
+            speculative_method=served.spec_config.method,
+        )
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        cards = [
-            ModelCard(
-                id=name,
-                created=state.started,
-                max_model_len=served.lm.context_length,
-                speculative_method=served.spec_config.method,
-            )
-            for name, served in state.engine.models.items()
-        ]
-        return ModelList(data=cards)
+        return ModelList(data=[card(name) for name in state.engine.models])
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> ModelCard:
+        _model(state, name)  # 404 naming the served models
+        return card(name)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
