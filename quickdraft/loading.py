@@ -21,7 +21,7 @@ import torch
 from quickdraft import hub
 from quickdraft.config import DEFAULT_DTYPE, GGUF_DTYPE, QUANTIZATIONS, parse_dtype
 from quickdraft.grammar import Grammar, GrammarCompiler, Matcher
-from quickdraft.hub.gguf_gemma4 import GEMMA4_VIDEO_TOKEN, GEMMA4V_TOKENS
+from quickdraft.hub.gguf_gemma4 import GEMMA4_VIDEO_TOKEN
 from quickdraft.images import (
     DEFAULT_MAX_IMAGE_PIXELS,
     ImageError,
@@ -82,7 +82,7 @@ class LoadedModel:
     eos_ids: tuple[int, ...]
     vision: ImageTower | None = None  # a vision-language target's image encoder
     image_processing: ImageProcessing | None = None  # its preprocessing (with `vision`)
-    video_processing: VideoProcessing | None = None  # a tower that takes video frames (Gemma 4)
+    video_processing: VideoProcessing | None = None  # a tower that takes video (videos.py)
     _grammars: GrammarCompiler | None = field(default=None, repr=False)
     _grammars_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -192,6 +192,9 @@ def _vision_ids(
     return a, b, c
 
 
+# a GGUF target's video placeholder by tower (Qwen2.5-VL and Qwen3.5 share theirs)
+VIDEO_TOKENS = {"gemma4": GEMMA4_VIDEO_TOKEN}
+
 DEVICES = ("auto", "cpu", "cuda")  # what --device takes ("cuda:N" too)
 
 
@@ -281,11 +284,8 @@ def load(
     vision: ImageTower | None
     processing: ImageProcessing | None
     if mmproj is not None:
-        texts = placeholders(mmproj)
-        ids = _vision_ids(tokenizer, mmproj, texts)
-        video = tokenizer.token_id(GEMMA4_VIDEO_TOKEN) if texts == GEMMA4V_TOKENS else None
-        video_id = -1 if video is None else video
-        vision, processing = load_mmproj(mmproj, ids, tower_dtype, where, video_id)
+        ids = _vision_ids(tokenizer, mmproj, placeholders(mmproj))
+        vision, processing = load_mmproj(mmproj, ids, tower_dtype, where)
     else:
         vision = None if is_gguf_dir(path) else load_vision(path, tower_dtype, where)
         processing = None if vision is None else ImageProcessing.from_dir(path, vision.config.kind)
@@ -293,8 +293,9 @@ def load(
     if vision is not None and processing is not None:
         vc = vision.config
         video_id = vc.video_token_id
-        if mmproj is not None and vc.kind != "gemma4":  # the GGUF tokenizer's entry
-            video_id = tokenizer.token_id(QWEN_VIDEO_TOKEN) or -1
+        if mmproj is not None:  # a projector names no video token: the GGUF tokenizer's entry
+            found = tokenizer.token_id(VIDEO_TOKENS.get(vc.kind, QWEN_VIDEO_TOKEN))
+            video_id = -1 if found is None else found
         placeholder = tokenizer.vocab_entry(video_id) if video_id >= 0 else None
         if placeholder is not None and vc.kind in VIDEO_TOWERS:  # else: images only
             around = (

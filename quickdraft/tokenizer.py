@@ -197,8 +197,9 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         variables: dict[str, Any] | None = None,
     ) -> str:
-        """`variables`: the template's other variables (a request's chat_template_kwargs);
-        the names given here win over none of them."""
+        """`variables`: the template's other variables (a request's chat_template_kwargs and
+        reasoning_effort); the names set here are not among them (the request check refuses
+        those)."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         return _compile(self.chat_template).render(

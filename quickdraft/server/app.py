@@ -4,6 +4,8 @@ Stage: the HTTP edge. Routes turn a validated request into token ids (chat throu
 own chat template), submit it to the engine, and relay the engine's outputs either as one JSON
 body or as Server-Sent Events in OpenAI's chunk format. The event loop never touches tensors:
 the engine thread owns the models and hands back text deltas through each request's handle.
+/v1/responses runs as a chat request whose answer responses_api.py reshapes; /tokenize and
+/detokenize (tokens.py) use the same rendering and generate nothing.
 
 The routes talk to a `Backend` (backend.py): the one in-process engine, or engine replicas
 behind Ray (quickdraft/cluster/). Each request carries a route key, the prefix it shares with

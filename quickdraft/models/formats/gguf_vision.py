@@ -96,7 +96,6 @@ def load_mmproj(
     token_ids: tuple[int, int, int],  # the target's `placeholders(path)` ids
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
-    video_token_id: int = -1,  # Gemma 4: the target's video placeholder id (-1: none)
 ) -> tuple[ImageTower, ImageProcessing]:
     from gguf.quants import dequantize
 
@@ -127,10 +126,7 @@ def load_mmproj(
         return int(value)
 
     if projector == GEMMA4V_PROJECTOR:
-        present = set(tensors)
-        return _gemma4v(
-            path, meta, required, array, present, token_ids, dtype, device, video_token_id
-        )
+        return _gemma4v(path, meta, required, array, set(tensors), token_ids, dtype, device)
     qwen25 = projector == QWEN25VL_PROJECTOR
     depth = required("clip.vision.block_count")
     patch0 = array("v.patch_embd.weight")  # [E, C, p, p]: the first temporal slice
@@ -209,7 +205,6 @@ def _gemma4v(
     token_ids: tuple[int, int, int],
     dtype: torch.dtype,
     device: torch.device | str,
-    video_token_id: int,
 ) -> tuple[ImageTower, ImageProcessing]:
     """A `gemma4v` file's tower (models/families/vision_gemma4.py) and Gemma 4's preprocessing at
     the model's default budget of 280 placeholders (llama.cpp's mtmd allows up to 1120 by default,
@@ -247,7 +242,6 @@ def _gemma4v(
         rms_norm_eps=float(meta("clip.vision.attention.layer_norm_epsilon", 1e-6)),
         standardize=standardize,
         clipped_linears=clipped,
-        video_token_id=video_token_id,
     )
     tower = vision_tower(cfg, dtype, device)
     values = {
