@@ -66,7 +66,9 @@ class SamplingParams:
     position (speculation/logits.py): `logit_bias` ((token id, bias) pairs, added), then
     `repetition_penalty` (prompt and output tokens, 1 = off), `frequency_penalty` /
     `presence_penalty` (output tokens, 0 = off), then the `grammar` mask. `logprobs`: how many
-    top alternatives to report per output token (0: the chosen token's only; None: off).
+    top alternatives to report per output token (0: the chosen token's only; None: off);
+    `prompt_logprobs` the same for the prompt's tokens (the prefill then scores every row and
+    skips the prefix cache, whose rows were never scored).
     `relaxed_thinking`: this request's relaxed acceptance inside a reasoning block (None: the
     model's `SpeculativeConfig.relaxed_thinking`; `RelaxedThinking()`: off)."""
 
@@ -83,6 +85,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
     grammar: Grammar | None = None
     relaxed_thinking: RelaxedThinking | None = None
     skip_special_tokens: bool = True  # False: the text keeps them (gpt-oss's harmony markers)
@@ -113,8 +116,9 @@ class SamplingParams:
             "logit_bias",
             f"token ids >= 0 with biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
         )
-        lp = self.logprobs
-        check(lp is None or 0 <= lp <= MAX_TOP_LOGPROBS, "logprobs", f"in [0, {MAX_TOP_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            lp = getattr(self, name)
+            check(lp is None or 0 <= lp <= MAX_TOP_LOGPROBS, name, f"in [0, {MAX_TOP_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:
@@ -261,6 +265,8 @@ class Request:
         self.eos_ids = () if params.ignore_eos else eos_ids
         self.output_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []  # per output id, when params.logprobs is set
+        # per prompt id after the first, when params.prompt_logprobs is set (its prefill rows)
+        self.prompt_logprobs: list[TokenLogprob] = []
         self.text = ""
         self.sent = 0  # chars of `text` already handed out by stream_delta()
         self.finish_reason: FinishReason | None = None

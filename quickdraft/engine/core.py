@@ -179,7 +179,7 @@ class EngineCore:
         ):
             seq = item.seq
             try:
-                self.cycle.commit(item, verdict, out, out.row_start[idx])
+                self.cycle.commit(item, verdict, out, idx)
                 if seq.prefix is not None:  # the cache now also holds the accepted drafts
                     assert self.prefix is not None and seq.cache is not None
                     tokens = seq.request.key_ids + (verdict.tokens if verdict else [])

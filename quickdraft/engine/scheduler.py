@@ -140,7 +140,7 @@ class Scheduler:
         tenant is still prefilling: it then waits for that prefill and copies the blocks from
         the prefix cache instead of computing them a second time (n choices of one request, a
         burst of requests with one system prompt)."""
-        if self.prefix is None:
+        if self.prefix is None or seq.request.params.prompt_logprobs is not None:
             return False
         req, size = seq.request, self.prefix.size
         if len(req.prompt_ids) <= size:
@@ -161,7 +161,8 @@ class Scheduler:
         if speculation is not None:
             seq.spec = speculation.start(req.prompt_ids, req.tenant)
             req.spec.method = speculation.config.method
-        if self.prefix is not None:  # the cached blocks of the prompt: prefill skips them
+        scored = req.params.prompt_logprobs is not None  # every prompt row must run
+        if self.prefix is not None and not scored:  # cached blocks of the prompt: not prefilled
             seq.prefix = self.prefix.admit(
                 req.prompt_ids, seq.cache, seq.spec, req.tenant, req.prompt_keys
             )

@@ -22,12 +22,13 @@ a verify; post-final-norm rows, or the outputs of the target layers the drafter 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from quickdraft.engine.scheduler import ScheduledSeq, StepPlan
+from quickdraft.engine.sequence import Sequence
 from quickdraft.image_encoder import ImageEncoder
 from quickdraft.images import ImageRows, pack_image_rows
 from quickdraft.models.base import LanguageModel, SequenceCache
@@ -47,6 +48,8 @@ class StepOutput:
     logit_start: list[int]  # per plan item: its first row in `logits` (-1: does not sample)
     layers: Tensor | None = None  # [rows, len(layer_ids), hidden] tapped layer outputs
     layer_ids: tuple[int, ...] = ()  # the target layers in `layers`, in order
+    # per plan item: its first prompt-scoring row in `logits` and their count (-1, 0: none)
+    prompt_rows: list[tuple[int, int]] = field(default_factory=list)
 
     def hidden_rows(self, drafter: Drafter, start: int, n: int) -> Tensor:
         """The rows [start, start + n) as `drafter` reads them: post-final-norm `[n, hidden]`,
@@ -138,6 +141,7 @@ class SpecCycle:
         logit_start: list[int] = []
         want_hidden = False
         taps: set[int] = set()  # target layers some drafter reads
+        scored: list[tuple[int, int]] = []  # per item: its prompt-scoring rows (first, count)
         for item, draft in zip(plan.items, drafts, strict=True):
             seq = item.seq
             assert seq.cache is not None, "a scheduled sequence holds a cache"
@@ -150,6 +154,7 @@ class SpecCycle:
                 logit_rows.extend(range(last, last + 1 + len(draft.tokens)))
             else:
                 logit_start.append(-1)
+            scored.append(self._prompt_rows(seq, len(ids), len(fed)))
             ids.extend(fed)
             ids.extend(draft.tokens)
             caches.append(seq.cache)
@@ -158,6 +163,10 @@ class SpecCycle:
             if drafter is not None and drafter.needs_hidden:
                 taps.update(drafter.hidden_layers)
                 want_hidden |= not drafter.hidden_layers
+        prompt_rows = []  # the prompt rows that score their next prompt token, after the rest
+        for first, n in scored:
+            prompt_rows.append((len(logit_rows), n) if n else (-1, 0))
+            logit_rows.extend(range(first, first + n))
         device = self.model.device
         rows = torch.tensor(logit_rows or [len(ids) - 1], device=device)
         layer_ids = tuple(sorted(taps))
@@ -170,7 +179,18 @@ class SpecCycle:
             hidden_layers=layer_ids,
             images=self._images(plan, num_new),
         )
-        return StepOutput(out.logits, out.hidden, row_start, logit_start, out.layers, layer_ids)
+        return StepOutput(
+            out.logits, out.hidden, row_start, logit_start, out.layers, layer_ids, prompt_rows
+        )
+
+    @staticmethod
+    def _prompt_rows(seq: Sequence, first: int, fed: int) -> tuple[int, int]:
+        """(first packed row, count) of the fed rows whose next token is a prompt token, for a
+        request that asks for its prompt's logprobs; (0, 0) for any other."""
+        if seq.request.params.prompt_logprobs is None:
+            return 0, 0
+        start, prompt = seq.num_computed, len(seq.request.prompt_ids)
+        return first, max(0, min(fed, prompt - 1 - start))
 
     def _images(self, plan: StepPlan, num_new: list[int]) -> ImageRows | None:
         """The forward's image rows and M-RoPE positions (None: no sequence has images); the
@@ -225,11 +245,18 @@ class SpecCycle:
         return relaxed_ok(draft, logits, rows, relaxed.top_k, relaxed.delta)
 
     def commit(
-        self, item: ScheduledSeq, verdict: Verdict | None, out: StepOutput, row_start: int
+        self, item: ScheduledSeq, verdict: Verdict | None, out: StepOutput, idx: int
     ) -> None:
-        """Keep the fed tokens and the accepted drafts in the cache; sync the drafter."""
-        seq = item.seq
+        """Keep the fed tokens and the accepted drafts in the cache (item `idx` of the step's
+        plan); record the prompt rows' logprobs where asked; sync the drafter."""
+        seq, row_start = item.seq, out.row_start[idx]
         assert seq.cache is not None
+        first, n = out.prompt_rows[idx] if out.prompt_rows else (-1, 0)
+        if n:  # row i scores the prompt token after it
+            req, start = seq.request, seq.num_computed
+            nxt = req.prompt_ids[start + 1 : start + 1 + n]
+            top = req.params.prompt_logprobs or 0
+            req.prompt_logprobs += token_logprobs(out.logits[first : first + n], nxt, top)
         kept = item.num_tokens + (verdict.accepted if verdict is not None else 0)
         seq.cache.commit(seq.cache.length + kept)
         if verdict is not None and seq.controls is not None:

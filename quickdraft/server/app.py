@@ -318,7 +318,7 @@ async def _generate(
         for slot in slots:
             slot.release()
         raise
-    relay = Relay(slots, body, rid, lm.tokenizer)
+    relay = Relay(slots, body, rid, lm.tokenizer, prompt_ids)
     if body.stream:
         headers = {**_SSE_HEADERS, **where}
         return _SlotStreamingResponse(

@@ -556,8 +556,8 @@ class CompletionRequest(GenerateRequest):
 
     def check(self) -> None:
         super().check()
-        if self.echo:
-            raise APIError(400, "echo is not supported", "echo")
+        if self.echo and self.stream:
+            raise APIError(400, "echo cannot stream here: send it without stream", "echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
         if self.best_of is not None:
@@ -566,6 +566,12 @@ class CompletionRequest(GenerateRequest):
                 raise APIError(400, msg, "best_of")
             if self.stream and self.best_of > self.choices:
                 raise APIError(400, "best_of > n cannot stream", "best_of")
+
+    def sampling(self, max_tokens: int, choice: int = 0) -> SamplingParams:
+        params = super().sampling(max_tokens, choice)
+        if self.echo and self.logprobs is not None:  # the prompt's tokens are scored too
+            return dataclasses.replace(params, prompt_logprobs=self.logprobs)
+        return params
 
     @property
     def candidates(self) -> int:

@@ -61,6 +61,7 @@ class _Choice:
     track: RequestTrack
     parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None  # echo: the prompt's (first output's)
     last: RequestOutput | None = None
 
     @property
@@ -80,12 +81,14 @@ class Relay:
         body: GenerateRequest,
         rid: str,
         tokenizer: Tokenizer,
+        prompt_ids: list[int] | None = None,
     ) -> None:
         self.choices = [_Choice(s.handle, s.track) for s in slots]
         self.body = body
         self.rid = rid
         self.tok = tokenizer
         self.chat = isinstance(body, ChatCompletionRequest)
+        self.prompt_ids = prompt_ids  # echo: the completion's prompt
         # gpt-oss: the text keeps its harmony markers (app.py), split into channels here
         self.harmony = self.chat and is_harmony(tokenizer)
         self.created = int(time.time())
@@ -132,6 +135,8 @@ class Relay:
                 choice.track.finish(out, now())
             choice.parts.append(out.text)
             choice.logprobs.extend(out.logprobs)
+            if out.prompt_logprobs is not None:
+                choice.prompt_logprobs = out.prompt_logprobs
             choice.last = out
             yield out
 
@@ -208,11 +213,38 @@ class Relay:
 
     def _completion_choice(self, index: int, c: _Choice) -> CompletionChoice:
         assert c.last is not None
+        logprobs = self._completion_logprobs(c.logprobs)
+        text = c.text
+        if isinstance(self.body, CompletionRequest) and self.body.echo:  # the prompt first
+            assert self.prompt_ids is not None
+            prompt = self.body.single_prompt()
+            echo = prompt if isinstance(prompt, str) else self.tok.decode(prompt, False)
+            text = echo + text
+            if logprobs is not None:
+                logprobs = self._echoed(c.prompt_logprobs or [], logprobs)
         return CompletionChoice(
             index=index,
-            text=c.text,
+            text=text,
             finish_reason=str(c.last.finish_reason),
-            logprobs=self._completion_logprobs(c.logprobs),
+            logprobs=logprobs,
+        )
+
+    def _echoed(self, scored: list[TokenLogprob], out: CompletionLogprobs) -> CompletionLogprobs:
+        """`out` with the prompt's tokens in front: the first without a logprob (nothing
+        precedes it), the others with the prefill's; offsets over the prompt's text."""
+        assert self.prompt_ids is not None
+        tokens = [self.tok.token_text(t) for t in self.prompt_ids]
+        offsets, at = [], 0
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        top: list[dict[str, float] | None] = [None]
+        top += [{self.tok.token_text(t): v for t, v in lp.top} for lp in scored]
+        return CompletionLogprobs(
+            tokens=tokens + out.tokens,
+            token_logprobs=[None, *(lp.logprob for lp in scored), *out.token_logprobs],
+            top_logprobs=None if out.top_logprobs is None else top + list(out.top_logprobs),
+            text_offset=offsets + [at + o for o in out.text_offset],
         )
 
     def _usage(self, ran: list[_Choice]) -> Usage:
@@ -250,7 +282,9 @@ class Relay:
         for t in tokens:
             offsets.append(offset)
             offset += len(t)
-        tops = [{self.tok.token_text(t): v for t, v in lp.top} for lp in lps]
+        tops: list[dict[str, float] | None] = [
+            {self.tok.token_text(t): v for t, v in lp.top} for lp in lps
+        ]
         return CompletionLogprobs(
             tokens=tokens,
             token_logprobs=[lp.logprob for lp in lps],
