@@ -79,12 +79,35 @@ def test_echo_scores_the_prompt_as_a_plain_forward(client: openai.OpenAI, lm: Lo
     assert answers[0] == answers[1]
 
 
-def test_echo_without_logprobs_and_with_a_stream(client: openai.OpenAI) -> None:
+def test_echo_without_logprobs(client: openai.OpenAI) -> None:
     plain = client.completions.create(model="off", prompt=PROMPT, max_tokens=4, temperature=0)
     echoed = client.completions.create(
         model="off", prompt=PROMPT, max_tokens=4, temperature=0, echo=True
     )
     assert echoed.choices[0].text == PROMPT + plain.choices[0].text
     assert echoed.choices[0].logprobs is None
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        client.completions.create(model="off", prompt=PROMPT, max_tokens=4, echo=True, stream=True)
+
+
+def test_echo_streams_the_prompt_first(client: openai.OpenAI) -> None:
+    """Streamed, the prompt (with its logprobs) comes as the first chunk; the chunks add up to
+    the one-body answer: text, tokens, logprobs and offsets."""
+    args: dict[str, Any] = dict(model="ngram", prompt=PROMPT, max_tokens=6, temperature=0)
+    whole = client.completions.create(echo=True, logprobs=2, **args).choices[0]
+    chunks = [
+        c.choices[0]
+        for c in client.completions.create(echo=True, logprobs=2, stream=True, **args)
+        if c.choices
+    ]
+    assert chunks[0].text == PROMPT
+    assert "".join(c.text for c in chunks) == whole.text
+    assert whole.logprobs is not None
+    got: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for c in chunks:
+        if c.logprobs is not None:
+            for key in got:
+                got[key] += getattr(c.logprobs, key) or []
+    assert got["tokens"] == whole.logprobs.tokens
+    assert got["token_logprobs"] == whole.logprobs.token_logprobs
+    assert got["text_offset"] == whole.logprobs.text_offset
+    plain = client.completions.create(echo=True, stream=True, **args)
+    assert "".join(c.choices[0].text for c in plain if c.choices) == whole.text

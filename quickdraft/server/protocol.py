@@ -556,8 +556,6 @@ class CompletionRequest(GenerateRequest):
 
     def check(self) -> None:
         super().check()
-        if self.echo and self.stream:
-            raise APIError(400, "echo cannot stream here: send it without stream", "echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
         if self.best_of is not None:

@@ -216,10 +216,8 @@ class Relay:
         logprobs = self._completion_logprobs(c.logprobs)
         text = c.text
         if isinstance(self.body, CompletionRequest) and self.body.echo:  # the prompt first
-            assert self.prompt_ids is not None
-            prompt = self.body.single_prompt()
-            echo = prompt if isinstance(prompt, str) else self.tok.decode(prompt, False)
-            text = echo + text
+            prompt, _ = self._echo_part([])
+            text = prompt + text
             if logprobs is not None:
                 logprobs = self._echoed(c.prompt_logprobs or [], logprobs)
         return CompletionChoice(
@@ -228,6 +226,17 @@ class Relay:
             finish_reason=str(c.last.finish_reason),
             logprobs=logprobs,
         )
+
+    def _echo_part(self, scored: list[TokenLogprob]) -> tuple[str, CompletionLogprobs | None]:
+        """An echoed prompt's text, and its logprobs where the request asks for them."""
+        assert isinstance(self.body, CompletionRequest)
+        prompt = self.body.single_prompt()
+        text = prompt if isinstance(prompt, str) else self.tok.decode(prompt, False)
+        if self.body.logprobs is None:
+            return text, None
+        tops: list[dict[str, float] | None] | None = [] if self.body.logprobs > 0 else None
+        empty = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=tops, text_offset=[])
+        return text, self._echoed(scored, empty)
 
     def _echoed(self, scored: list[TokenLogprob], out: CompletionLogprobs) -> CompletionLogprobs:
         """`out` with the prompt's tokens in front: the first without a logprob (nothing
@@ -300,11 +309,18 @@ class Relay:
         channels = [HarmonyStream() for _ in range(n)]
         offsets = [0] * n
         finished = 0
+        echo = isinstance(self.body, CompletionRequest) and bool(self.body.echo)
+        echoed = [False] * n
         try:
             if self.chat:  # OpenAI opens with the role (lets clients render before token 1)
                 for i in range(n):
                     yield self._chunk(i, Delta(role="assistant", content=""))
             async for i, out in self.outputs():
+                if echo and not echoed[i]:  # the prompt first, as one chunk
+                    echoed[i] = True
+                    prompt, scored = self._echo_part(out.prompt_logprobs or [])
+                    yield self._chunk(i, Delta(), text=prompt, ready=scored)
+                    offsets[i] = len(prompt) if scored is None else sum(map(len, scored.tokens))
                 text, calls, reasoning = out.text, None, ""
                 if self.harmony:
                     reasoning, text, found = channels[i].push(text)
@@ -366,8 +382,10 @@ class Relay:
         spec: Speculative | None = None,
         logprobs: list[TokenLogprob] | None = None,
         offset: int = 0,
+        ready: CompletionLogprobs | None = None,
     ) -> str:
-        """One SSE event. `delta` None = the closing chunk (`choices: []`: usage, speculation)."""
+        """One SSE event. `delta` None = the closing chunk (`choices: []`: usage, speculation);
+        `ready`: a completion chunk's logprobs as they are (an echoed prompt's)."""
         chunk: BaseModel
         lps = logprobs or []
         if self.chat:
@@ -383,7 +401,9 @@ class Relay:
         else:
             c_choices = []
             if delta is not None and index is not None:
-                c_lps = self._completion_logprobs(lps, offset) if logprobs is not None else None
+                c_lps = ready
+                if logprobs is not None:
+                    c_lps = self._completion_logprobs(lps, offset)
                 c_choices = [
                     CompletionChoice(index=index, text=text, finish_reason=reason, logprobs=c_lps)
                 ]
