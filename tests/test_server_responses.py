@@ -144,6 +144,8 @@ def test_a_forced_tool_call_is_a_function_call_item(client: openai.OpenAI) -> No
     assert len(calls) == 1 and calls[0].name == "get_weather"
     assert json.loads(calls[0].arguments)["city"] in ("Paris", "Rome")
     events = list(client.responses.create(stream=True, **args))
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert "".join(deltas) == calls[0].arguments
     streamed = [e.item for e in events if e.type == "response.output_item.done"]
     assert [(i.name, i.arguments) for i in streamed if i.type == "function_call"] == [
         (calls[0].name, calls[0].arguments)

@@ -14,7 +14,8 @@ response_format: a JSON object or a JSON schema, enforced by its grammar). Answe
 one (gpt-oss's analysis channel), "function_call" items; status "incomplete" with reason
 max_output_tokens where the chat answer stopped at its length; usage in the Responses names.
 A stream sends response.created, then per item output_item.added, content_part.added, the
-text deltas and their done events, and response.completed with the usage.
+text deltas and their done events (a function call's arguments as one delta, parsed whole at
+the end), and response.completed with the usage.
 """
 
 from __future__ import annotations
@@ -415,14 +416,10 @@ class _Events:
             added = {**item, "status": "in_progress"}
             out.append(self.event("response.output_item.added", output_index=index, item=added))
             args = {"arguments": item["arguments"], "name": item["name"]}
-            out.append(
-                self.event(
-                    "response.function_call_arguments.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    **args,
-                )
-            )
+            at = {"item_id": item["id"], "output_index": index}
+            arguments = item["arguments"]  # one delta: the call is parsed whole at the end
+            out.append(self.event("response.function_call_arguments.delta", **at, delta=arguments))
+            out.append(self.event("response.function_call_arguments.done", **at, **args))
             out.append(self.event("response.output_item.done", output_index=index, item=item))
         _finish(self.response, self.finish)
         self.response["usage"] = _usage(self.usage)
