@@ -127,6 +127,21 @@ def test_cluster_greedy_outputs_equal_the_single_process_server(cluster: str, si
     c2 = want.completions.create(model=MODEL, prompt=prompt, **GREEDY)
     assert c1.choices[0].text == c2.choices[0].text
 
+    # the Responses API and /tokenize through the ingress: the chat path's answer and ids
+    r = got.responses.create(
+        model=MODEL,
+        input=messages[1]["content"],
+        instructions=SYSTEM,
+        max_output_tokens=GREEDY["max_tokens"],
+        temperature=0,
+    )
+    assert r.output_text == ref.choices[0].message.content
+    headers = {"Authorization": f"Bearer {KEY}"}
+    ids = httpx.post(
+        cluster + "/tokenize", json={"model": MODEL, "messages": messages}, headers=headers
+    ).json()
+    assert ids["count"] == ref.usage.prompt_tokens
+
 
 def test_cluster_routes_a_conversation_to_one_replica_and_reuses_its_cache(cluster: str) -> None:
     api = client(cluster)
