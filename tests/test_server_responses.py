@@ -266,3 +266,25 @@ def test_text_format_json_schema_is_the_chat_response_format(client: openai.Open
     )
     assert r.output_text == chat.choices[0].message.content
     assert r.text is not None and r.text.format is not None and r.text.format.type == "json_schema"
+
+
+def test_parallel_function_call_items_are_one_assistant_turn() -> None:
+    """Two function_call items in a row replay as one assistant message with both calls, their
+    outputs as two tool messages, in order."""
+    item: Any = {"type": "function_call", "name": "f", "arguments": "{}"}
+    body = {
+        "model": "m",
+        "input": [
+            {"role": "user", "content": "go"},
+            {**item, "call_id": "a"},
+            {**item, "call_id": "b"},
+            {"type": "function_call_output", "call_id": "a", "output": "1"},
+            {"type": "function_call_output", "call_id": "b", "output": "2"},
+        ],
+    }
+    chat = ResponsesRequest.model_validate(body).to_chat()
+    roles = [m.role for m in chat.messages]
+    assert roles == ["user", "assistant", "tool", "tool"]
+    calls = chat.messages[1].tool_calls
+    assert calls is not None and [c.id for c in calls] == ["a", "b"]
+    assert [m.tool_call_id for m in chat.messages[2:]] == ["a", "b"]

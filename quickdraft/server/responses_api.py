@@ -136,9 +136,13 @@ class ResponsesRequest(_Strict):
             if isinstance(item, MessageItem):
                 messages.append({"role": item.role, "content": _chat_content(item.content)})
             elif isinstance(item, FunctionCallItem):
-                call = {"id": item.call_id, "type": "function"}
-                call["function"] = {"name": item.name, "arguments": item.arguments}  # type: ignore[assignment]
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                fn = {"name": item.name, "arguments": item.arguments}
+                call: dict[str, Any] = {"id": item.call_id, "type": "function", "function": fn}
+                last = messages[-1] if messages else {}
+                if last.get("role") == "assistant" and last.get("tool_calls"):
+                    last["tool_calls"].append(call)  # parallel calls: one assistant turn
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             else:
                 messages.append(
                     {"role": "tool", "tool_call_id": item.call_id, "content": item.output}
