@@ -9,6 +9,7 @@ every subcommand's flags live here, so a flag shared by two subcommands is decla
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -412,6 +413,10 @@ def media_policy(args: argparse.Namespace) -> MediaPolicy:
     local = args.allowed_local_media_path
     if local is not None and not Path(local).is_dir():
         raise ValueError(f"--allowed-local-media-path {local!r} is not a directory")
+    images, videos = args.limit_images_per_prompt, args.limit_videos_per_prompt
+    if args.limit_mm_per_prompt is not None:  # vLLM's spelling of the two
+        limits = mm_limits(args.limit_mm_per_prompt)
+        images, videos = limits.get("image", images), limits.get("video", videos)
     return MediaPolicy(
         **given(
             allowed_domains=None
@@ -419,10 +424,26 @@ def media_policy(args: argparse.Namespace) -> MediaPolicy:
             else tuple(d.lower().rstrip(".") for d in allowed_hosts(args.allowed_media_domains)),
             allowed_local_path=None if local is None else Path(local),
             max_image_pixels=args.max_image_pixels,
-            images_per_prompt=args.limit_images_per_prompt,
-            videos_per_prompt=args.limit_videos_per_prompt,
+            images_per_prompt=images,
+            videos_per_prompt=videos,
         )
     )
+
+
+def mm_limits(text: str) -> dict[str, int]:
+    """vLLM's `--limit-mm-per-prompt '{"image": 4, "video": 1}'` -> the limits by modality."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--limit-mm-per-prompt {text!r} is not JSON ({exc})") from None
+    if not isinstance(raw, dict) or any(k not in ("image", "video") for k in raw):
+        raise ValueError(
+            f"--limit-mm-per-prompt {text!r}: give an object of image / video counts "
+            '(\'{"image": 4, "video": 1}\'; audio is not taken)'
+        )
+    if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in raw.values()):
+        raise ValueError(f"--limit-mm-per-prompt {text!r}: counts are integers >= 0")
+    return raw
 
 
 def allowed_hosts(given: list[str]) -> tuple[str, ...]:
@@ -523,6 +544,11 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help=f"most images in one request (default {DEFAULT_IMAGES_PER_PROMPT})",
+    )
+    s.add_argument(
+        "--limit-mm-per-prompt",
+        default=None,
+        help='vLLM\'s form of the two limits: \'{"image": 4, "video": 1}\' (over them)',
     )
     s.add_argument(
         "--limit-videos-per-prompt",

@@ -213,6 +213,13 @@ def test_cli_serve_media_flags(tmp_path: Path) -> None:
     argv = ["serve", "--allowed-local-media-path", str(tmp_path / "missing")]
     with pytest.raises(ValueError, match="not a directory"):
         serve_options(build_parser().parse_args(argv))
+    # vLLM's --limit-mm-per-prompt sets both limits (what it names), over the two flags
+    argv = ["serve", "--limit-videos-per-prompt", "3", "--limit-mm-per-prompt", '{"image": 5}']
+    media = serve_options(build_parser().parse_args(argv))[1].media
+    assert (media.images_per_prompt, media.videos_per_prompt) == (5, 3)
+    for bad in ('{"audio": 1}', "image=4", '{"video": -1}', '{"image": true}'):
+        with pytest.raises(ValueError, match="limit-mm-per-prompt"):
+            serve_options(build_parser().parse_args(["serve", "--limit-mm-per-prompt", bad]))
 
 
 def test_cli_generate_with_an_image(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
