@@ -145,6 +145,7 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int = 0  # 1 + the tokens more likely than it (0: not computed)
 
 
 class FinishReason(StrEnum):

@@ -111,3 +111,43 @@ def test_echo_streams_the_prompt_first(client: openai.OpenAI) -> None:
     assert got["text_offset"] == whole.logprobs.text_offset
     plain = client.completions.create(echo=True, stream=True, **args)
     assert "".join(c.choices[0].text for c in plain if c.choices) == whole.text
+
+
+def test_vllm_prompt_logprobs_extension(client: openai.OpenAI, lm: LoadedModel) -> None:
+    """vLLM's `prompt_logprobs` (extra body), on completions and chat, in one body and in the
+    first chunk of a stream: None first, then per prompt token its id's logprob and rank
+    (a plain forward's) beside its best alternatives."""
+    ids = lm.tokenizer.encode(PROMPT, parse_special=False)
+    cache = lm.model.new_cache(len(ids) + 1)
+    logits = lm.model(
+        torch.tensor(ids), [cache], [len(ids)], logit_rows=torch.arange(len(ids) - 1)
+    ).logits
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    extra = {"prompt_logprobs": 2}
+    r = client.completions.create(
+        model="ngram", prompt=PROMPT, max_tokens=2, temperature=0, extra_body=extra
+    )
+    got = r.choices[0].model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert got[0] is None and len(got) == len(ids)
+    for i, row in enumerate(got[1:]):
+        token = ids[i + 1]
+        mine = row[str(token)]
+        assert abs(mine["logprob"] - float(logp[i, token])) < 1e-5
+        assert mine["rank"] == int((logp[i] > logp[i, token]).sum()) + 1
+        best = logp[i].topk(2).indices.tolist()
+        assert {str(t) for t in best} <= set(row) and len(row) <= 3
+        assert row[str(best[0])]["rank"] == 1
+    stream = client.completions.create(
+        model="off", prompt=PROMPT, max_tokens=2, temperature=0, extra_body=extra, stream=True
+    )
+    first = next(iter(stream))
+    assert first.choices[0].model_extra["prompt_logprobs"] == got  # type: ignore[index]
+    chat = client.chat.completions.create(
+        model="off",
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=2,
+        temperature=0,
+        extra_body=extra,
+    )
+    rows = chat.choices[0].model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert chat.usage is not None and len(rows) == chat.usage.prompt_tokens and rows[0] is None

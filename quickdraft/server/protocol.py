@@ -315,6 +315,8 @@ class GenerateRequest(_Strict):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     structured_outputs: StructuredOutputs | None = None
     ignore_eos: bool = False
+    # vLLM's: each prompt token's logprob and its `prompt_logprobs` best alternatives
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # quickdraft extension: true / {"top_k", "delta"} / false; absent: the server's setting
     relaxed_thinking: bool | RelaxedThinkingBody | None = None
 
@@ -415,6 +417,7 @@ class GenerateRequest(_Strict):
             repetition_penalty=self.repetition_penalty or 1.0,
             logit_bias=self.bias(),
             logprobs=self.logprobs_count(),
+            prompt_logprobs=self.prompt_logprobs,
             grammar=self.grammar(),
             relaxed_thinking=self.relaxed(),
         )
@@ -568,7 +571,8 @@ class CompletionRequest(GenerateRequest):
     def sampling(self, max_tokens: int, choice: int = 0) -> SamplingParams:
         params = super().sampling(max_tokens, choice)
         if self.echo and self.logprobs is not None:  # the prompt's tokens are scored too
-            return dataclasses.replace(params, prompt_logprobs=self.logprobs)
+            top = max(self.logprobs, self.prompt_logprobs or 0)
+            return dataclasses.replace(params, prompt_logprobs=top)
         return params
 
     @property

@@ -182,6 +182,9 @@ class Relay:
         for choice in data["choices"]:  # reasoning_content only where a model reasons
             if choice.get("message", {}).get("reasoning_content", "") is None:
                 del choice["message"]["reasoning_content"]
+        if self.body.prompt_logprobs is not None:  # vLLM's extension, where asked
+            for choice, c in zip(data["choices"], kept, strict=True):
+                choice["prompt_logprobs"] = self._prompt_logprobs(c.prompt_logprobs)
         return data
 
     @property
@@ -247,14 +250,32 @@ class Relay:
         for t in tokens:
             offsets.append(at)
             at += len(t)
+        k = self.body.logprobs if isinstance(self.body, CompletionRequest) else None
         top: list[dict[str, float] | None] = [None]
-        top += [{self.tok.token_text(t): v for t, v in lp.top} for lp in scored]
+        top += [{self.tok.token_text(t): v for t, v in lp.top[:k]} for lp in scored]
         return CompletionLogprobs(
             tokens=tokens + out.tokens,
             token_logprobs=[None, *(lp.logprob for lp in scored), *out.token_logprobs],
             top_logprobs=None if out.top_logprobs is None else top + list(out.top_logprobs),
             text_offset=offsets + [at + o for o in out.text_offset],
         )
+
+    def _prompt_logprobs(self, scored: list[TokenLogprob] | None) -> list[Any] | None:
+        """vLLM's `prompt_logprobs` of a choice: None for the first prompt token, then per
+        token {id: {logprob, rank, decoded_token}} of it and its best alternatives."""
+        k = self.body.prompt_logprobs
+        if k is None or scored is None:
+            return None
+
+        def entry(token: int, logprob: float, rank: int) -> dict[str, Any]:
+            return {"logprob": logprob, "rank": rank, "decoded_token": self.tok.token_text(token)}
+
+        out: list[Any] = [None]
+        for lp in scored:
+            row = {str(t): entry(t, v, r + 1) for r, (t, v) in enumerate(lp.top[:k])}
+            row.setdefault(str(lp.token), entry(lp.token, lp.logprob, lp.rank))
+            out.append(row)
+        return out
 
     def _usage(self, ran: list[_Choice]) -> Usage:
         last = [c.last for c in ran if c.last is not None]
@@ -319,8 +340,12 @@ class Relay:
                 if echo and not echoed[i]:  # the prompt first, as one chunk
                     echoed[i] = True
                     prompt, scored = self._echo_part(out.prompt_logprobs or [])
-                    yield self._chunk(i, Delta(), text=prompt, ready=scored)
+                    yield self._chunk(
+                        i, Delta(), text=prompt, ready=scored, prompt=out.prompt_logprobs
+                    )
                     offsets[i] = len(prompt) if scored is None else sum(map(len, scored.tokens))
+                elif out.prompt_logprobs is not None and self.body.prompt_logprobs is not None:
+                    yield self._chunk(i, Delta(), prompt=out.prompt_logprobs)  # vLLM's, first
                 text, calls, reasoning = out.text, None, ""
                 if self.harmony:
                     reasoning, text, found = channels[i].push(text)
@@ -383,6 +408,7 @@ class Relay:
         logprobs: list[TokenLogprob] | None = None,
         offset: int = 0,
         ready: CompletionLogprobs | None = None,
+        prompt: list[TokenLogprob] | None = None,
     ) -> str:
         """One SSE event. `delta` None = the closing chunk (`choices: []`: usage, speculation);
         `ready`: a completion chunk's logprobs as they are (an echoed prompt's)."""
@@ -414,6 +440,8 @@ class Relay:
         for choice in data["choices"]:
             if "delta" in choice:  # OpenAI sends only the delta fields that are set
                 choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+            if prompt is not None and self.body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self._prompt_logprobs(prompt)
         # with include_usage every chunk carries "usage" (null until the last); otherwise none
         if self.body.include_usage:
             data["usage"] = None if usage is None else usage.model_dump()

@@ -155,11 +155,14 @@ def token_logprobs(raw: Tensor, tokens: list[int], top: int) -> list[TokenLogpro
     """raw `[len(tokens), vocab]` target rows (row i chose tokens[i]) -> per token its
     log-probability and the `top` most likely tokens of its row."""
     logp = torch.log_softmax(raw.float(), dim=-1)  # [n, vocab]
-    chosen = logp.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+    picked = logp.gather(1, torch.tensor(tokens)[:, None])  # [n, 1]
+    ranks = ((logp > picked).sum(dim=-1) + 1).tolist()
+    chosen = picked[:, 0].tolist()
     if top > 0:
         values, ids = logp.topk(top, dim=-1)
         pairs = zip(ids.tolist(), values.tolist(), strict=True)
         tops = [tuple(zip(i, v, strict=True)) for i, v in pairs]
     else:
         tops = [() for _ in tokens]
-    return [TokenLogprob(t, lp, tp) for t, lp, tp in zip(tokens, chosen, tops, strict=True)]
+    rows = zip(tokens, chosen, tops, ranks, strict=True)
+    return [TokenLogprob(t, lp, tp, r) for t, lp, tp, r in rows]
