@@ -32,7 +32,7 @@ from quickdraft.server.protocol import APIError
 from quickdraft.videos import DEFAULT_MAX_VIDEO_FRAMES, VideoInput, VideoProcessing, load_video
 
 DEFAULT_IMAGES_PER_PROMPT = 8
-DEFAULT_VIDEOS_PER_PROMPT = 1  # a video is up to 32 frames of images
+DEFAULT_VIDEOS_PER_PROMPT = 1  # a video is many images' rows (Gemma 4: 32 frames of 70)
 _DATA_URL = re.compile(
     r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^,;]*)*),(?P<data>.*)", re.S
 )
