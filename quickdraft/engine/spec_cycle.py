@@ -256,7 +256,8 @@ class SpecCycle:
             req, start = seq.request, seq.num_computed
             nxt = req.prompt_ids[start + 1 : start + 1 + n]
             top = req.params.prompt_logprobs or 0
-            req.prompt_logprobs += token_logprobs(out.logits[first : first + n], nxt, top)
+            rows = out.logits[first : first + n]
+            req.prompt_logprobs += token_logprobs(rows, nxt, top, ranks=True)
         kept = item.num_tokens + (verdict.accepted if verdict is not None else 0)
         seq.cache.commit(seq.cache.length + kept)
         if verdict is not None and seq.controls is not None:

@@ -93,34 +93,34 @@ def _unicode(value: str) -> str:
 Text = Annotated[str, AfterValidator(_unicode)]  # every free-text field of a request
 
 
-class _Strict(BaseModel):
+class StrictBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
-class TextPart(_Strict):
+class TextPart(StrictBody):
     type: Literal["text"]
     text: Text
 
 
-class ImageUrl(_Strict):
+class ImageUrl(StrictBody):
     url: Text  # data:image/...;base64,..., or an http(s) / file URL the operator allows
     detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's own sizing
 
 
-class ImagePart(_Strict):
+class ImagePart(StrictBody):
     type: Literal["image_url"]
     image_url: ImageUrl
 
 
-class VideoUrl(_Strict):
+class VideoUrl(StrictBody):
     url: Text  # data:video/...;base64,..., or an http(s) / file URL the operator allows
 
 
-class VideoPart(_Strict):
+class VideoPart(StrictBody):
     """vLLM's extension of OpenAI's content parts: a video (Gemma 4)."""
 
     type: Literal["video_url"]
@@ -240,28 +240,28 @@ def _json_or_text(call: ToolCall) -> Any:
         return call.function.arguments
 
 
-class FunctionDef(_Strict):
+class FunctionDef(StrictBody):
     name: Annotated[Text, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
     description: Text | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(StrictBody):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Strict):
+class NamedFunction(StrictBody):
     name: Text
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictBody):
     type: Literal["function"]
     function: NamedFunction
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictBody):
     name: Text = "response"
     description: Text | None = None
     # "schema" shadows a BaseModel attribute in pydantic, hence the alias
@@ -269,12 +269,12 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictBody):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(StrictBody):
     """Extension (vLLM's `structured_outputs`): exactly one of a JSON schema, a regex, an
     EBNF grammar (xgrammar's dialect, GBNF-like), or a list of choices."""
 
@@ -284,7 +284,7 @@ class StructuredOutputs(_Strict):
     choice: list[Text] | None = None
 
 
-class RelaxedThinkingBody(_Strict):
+class RelaxedThinkingBody(StrictBody):
     """Extension `relaxed_thinking`: lossy acceptance inside a reasoning block
     (speculation/relaxed.py); top_k 0 turns it off."""
 
@@ -292,7 +292,7 @@ class RelaxedThinkingBody(_Strict):
     delta: float = Field(default=RELAXED_DELTA, ge=0.0, le=1e4)
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(StrictBody):
     """The sampling fields chat and completions share."""
 
     model: Text

@@ -219,8 +219,7 @@ class Relay:
         logprobs = self._completion_logprobs(c.logprobs)
         text = c.text
         if isinstance(self.body, CompletionRequest) and self.body.echo:  # the prompt first
-            prompt, _ = self._echo_part([])
-            text = prompt + text
+            text = self._echo_text() + text
             if logprobs is not None:
                 logprobs = self._echoed(c.prompt_logprobs or [], logprobs)
         return CompletionChoice(
@@ -230,11 +229,16 @@ class Relay:
             logprobs=logprobs,
         )
 
+    def _echo_text(self) -> str:
+        """The completion's prompt as text (as sent, or its ids decoded, specials kept)."""
+        assert isinstance(self.body, CompletionRequest)
+        prompt = self.body.single_prompt()
+        return prompt if isinstance(prompt, str) else self.tok.decode(prompt, False)
+
     def _echo_part(self, scored: list[TokenLogprob]) -> tuple[str, CompletionLogprobs | None]:
         """An echoed prompt's text, and its logprobs where the request asks for them."""
         assert isinstance(self.body, CompletionRequest)
-        prompt = self.body.single_prompt()
-        text = prompt if isinstance(prompt, str) else self.tok.decode(prompt, False)
+        text = self._echo_text()
         if self.body.logprobs is None:
             return text, None
         tops: list[dict[str, float] | None] | None = [] if self.body.logprobs > 0 else None

@@ -26,28 +26,24 @@ import uuid
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
-from quickdraft.server.protocol import APIError, ChatCompletionRequest, Text
-
-
-class _Strict(BaseModel):  # as protocol.py's request bodies: no coercion, no unknown fields
-    model_config = ConfigDict(strict=True, extra="forbid")
+from quickdraft.server.protocol import APIError, ChatCompletionRequest, StrictBody, Text
 
 
-class InputText(_Strict):
+class InputText(StrictBody):
     type: Literal["input_text", "output_text"]
     text: Text
     annotations: list[Any] | None = None  # an output_text replayed from an earlier response
 
 
-class InputImage(_Strict):
+class InputImage(StrictBody):
     type: Literal["input_image"]
     image_url: Text
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class MessageItem(_Strict):
+class MessageItem(StrictBody):
     type: Literal["message"] | None = None
     role: Literal["user", "system", "developer", "assistant"]
     content: Text | list[Annotated[InputText | InputImage, Field(discriminator="type")]]
@@ -55,7 +51,7 @@ class MessageItem(_Strict):
     status: Text | None = None
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(StrictBody):
     type: Literal["function_call"]
     call_id: Text
     name: Text
@@ -64,7 +60,7 @@ class FunctionCallItem(_Strict):
     status: Text | None = None
 
 
-class FunctionOutputItem(_Strict):
+class FunctionOutputItem(StrictBody):
     type: Literal["function_call_output"]
     call_id: Text
     output: Text
@@ -72,7 +68,7 @@ class FunctionOutputItem(_Strict):
     status: Text | None = None
 
 
-class FunctionTool(_Strict):
+class FunctionTool(StrictBody):
     type: Literal["function"]
     name: Text
     description: Text | None = None
@@ -80,12 +76,12 @@ class FunctionTool(_Strict):
     strict: bool | None = None
 
 
-class ReasoningConfig(_Strict):
+class ReasoningConfig(StrictBody):
     effort: Literal["minimal", "low", "medium", "high"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None  # accepted; none is written
 
 
-class TextFormat(_Strict):
+class TextFormat(StrictBody):
     type: Literal["text", "json_object", "json_schema"]
     name: Text | None = None
     description: Text | None = None
@@ -93,11 +89,11 @@ class TextFormat(_Strict):
     strict: bool | None = None
 
 
-class TextConfig(_Strict):
+class TextConfig(StrictBody):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(StrictBody):
     model: Text
     input: Text | list[MessageItem | FunctionCallItem | FunctionOutputItem] = Field(min_length=1)
     instructions: Text | None = None

@@ -12,16 +12,12 @@ kept as text.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from quickdraft.server.protocol import ChatCompletionRequest, Text
-
-
-class _Strict(BaseModel):  # as protocol.py's request bodies: no coercion, no unknown fields
-    model_config = ConfigDict(strict=True, extra="forbid")
+from quickdraft.server.protocol import ChatCompletionRequest, StrictBody, Text
 
 
-class TokenizeCompletionRequest(_Strict):
+class TokenizeCompletionRequest(StrictBody):
     model: Text
     prompt: Text
     add_special_tokens: bool = True
@@ -44,7 +40,7 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictBody):
     model: Text
     tokens: list[int] = Field(max_length=1 << 20)
 

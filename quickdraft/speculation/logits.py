@@ -151,12 +151,15 @@ class LogitControls:
                 self.matcher.accept(t)
 
 
-def token_logprobs(raw: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+def token_logprobs(
+    raw: Tensor, tokens: list[int], top: int, ranks: bool = False
+) -> list[TokenLogprob]:
     """raw `[len(tokens), vocab]` target rows (row i chose tokens[i]) -> per token its
     log-probability and the `top` most likely tokens of its row."""
     logp = torch.log_softmax(raw.float(), dim=-1)  # [n, vocab]
     picked = logp.gather(1, torch.tensor(tokens)[:, None])  # [n, 1]
-    ranks = ((logp > picked).sum(dim=-1) + 1).tolist()
+    # `ranks`: each token's 1 + the tokens more likely (a pass over the vocabulary; 0: not asked)
+    rank = ((logp > picked).sum(dim=-1) + 1).tolist() if ranks else [0] * len(tokens)
     chosen = picked[:, 0].tolist()
     if top > 0:
         values, ids = logp.topk(top, dim=-1)
@@ -164,5 +167,5 @@ def token_logprobs(raw: Tensor, tokens: list[int], top: int) -> list[TokenLogpro
         tops = [tuple(zip(i, v, strict=True)) for i, v in pairs]
     else:
         tops = [() for _ in tokens]
-    rows = zip(tokens, chosen, tops, ranks, strict=True)
+    rows = zip(tokens, chosen, tops, rank, strict=True)
     return [TokenLogprob(t, lp, tp, r) for t, lp, tp, r in rows]
