@@ -12,12 +12,37 @@ from quickdraft.config import SpeculativeConfig
 from quickdraft.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from quickdraft.engine.sequence import SeqStatus, Sequence
 from quickdraft.request import FinishReason, Request, SamplingParams
-from quickdraft.speculation.cost import StepCost
+from quickdraft.speculation.cost import StepCost, StepShape
+from quickdraft.speculation.drafters.base import Draft
 from quickdraft.speculation.drafters.ngram import NgramDrafter
 from quickdraft.speculation.policy import BatchPolicy, Candidate
 from quickdraft.speculation.sampling import TokenRng
 from quickdraft.speculation.state import Speculation
 from quickdraft.tokenizer import Tokenizer
+
+
+class ProfileDrafter:
+    """A drafter the policy prices by the request's acceptance profile, as it prices a draft
+    model (a scored lookup would be looked up first, and these made-up tokens never repeat).
+    The harness makes its drafts up itself, so nothing asks this one for any."""
+
+    needs_hidden = hidden_history = False
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self) -> None:
+        self.forwards: list[StepShape] = []
+
+    def new_state(self, prompt_ids: list[int], tenant: str = "") -> None:
+        return None
+
+    def propose(self, jobs: object) -> list[Draft]:
+        raise AssertionError("the harness drafts itself")
+
+    def commit(self, state: object, tokens: list[int], hidden: object) -> None:
+        pass
+
+    def free(self, state: object) -> None:
+        pass
 
 
 class FakeCache:
@@ -182,7 +207,7 @@ def test_scheduler_tells_the_policy_catch_up_and_tokens_left(
     step only the newest token, and the last draft too when all were accepted (a draft model
     feeds d_1..d_{k-1}); `remaining` is what max_tokens still allows."""
     cfg = SpeculativeConfig(method="ngram", num_draft_tokens=2)
-    spec = Speculation(cfg, NgramDrafter(), None)
+    spec = Speculation(cfg, ProfileDrafter(), None)
     h = Harness(tokenizer, SchedulerConfig(max_running=1, max_step_tokens=16), accept=accept)
     seq = h.add(5, 20, spec)
     h.step()  # prefill: the first token

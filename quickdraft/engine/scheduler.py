@@ -35,9 +35,14 @@ from quickdraft.config import PREFILL_CHUNK
 from quickdraft.engine.prefix_cache import PrefixCache
 from quickdraft.engine.sequence import SeqStatus, Sequence
 from quickdraft.models.base import SequenceCache
-from quickdraft.request import TokenLogprob
+from quickdraft.request import Request, TokenLogprob
 from quickdraft.speculation.cost import StepCost, StepShape
 from quickdraft.speculation.policy import Decoding, DraftPlanner
+
+
+def _committed(req: Request) -> Callable[[], list[int]]:
+    """`req`'s committed tokens, built when asked (only a scored lookup's peek asks)."""
+    return lambda: req.all_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +194,8 @@ class Scheduler:
                 req.params.max_tokens - len(req.output_ids),
                 self.context_length - seq.num_computed,
             )
-            views.append(Decoding(seq.spec, seq.decoding, room, seq.num_tokens))
+            committed, greedy = _committed(req), req.params.greedy
+            views.append(Decoding(seq.spec, seq.decoding, room, seq.num_tokens, committed, greedy))
         masked = sum(i.num_tokens > 1 for i in plan.items)  # prefill chunks
         base = StepShape(plan.num_rows, len(plan.items), masked)
         for item, chosen in zip(decoding, self.planner.choose(views, base, budget), strict=True):

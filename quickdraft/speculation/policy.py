@@ -11,7 +11,10 @@ The rule (`BatchPolicy.choose`):
   at which its j-th draft is kept once the drafts before it were; its j-th draft adds
   c_1 ... c_j expected tokens (`Acceptance.chain`; Leviathan et al. 2023, sec. 3, with one
   alpha per position instead of one for all: a lookup's first draft is its weakest). A new
-  request's prior is what its drafter's earlier drafts achieved (`Speculation.pooled`).
+  request's prior is what its drafter's earlier drafts achieved (`Speculation.pooled`). A free
+  lookup that scores its tokens (drafters/confidence.py `ScoredLookup`) is looked up before
+  the choice instead, and its draft is priced token by token by the rates tokens of the same
+  kind were kept at (`Candidate.chain`).
 * Cost. The step's forward with the drafts minus the forward without (cost.py tables, as
   calibrated by the steps that ran), plus the drafter's forwards (its own table; the n-gram
   drafter is free). A drafter that was idle must first catch up on the tokens it missed; that
@@ -60,6 +63,7 @@ from quickdraft.speculation.cost import (
     StepShape,
     running_mean,
 )
+from quickdraft.speculation.drafters.confidence import ScoredLookup
 from quickdraft.speculation.state import Acceptance, SpecState
 
 CATCH_UP_HORIZON = 128  # tokens over which a draft catch-up is spread (at most what is left)
@@ -75,6 +79,9 @@ class Candidate:
     drafter: int = 0  # index into the step's `draft_costs` (requests sharing a drafter pack)
     catch_up: int = 1  # tokens the drafter must feed before its first draft (idle phases)
     remaining: int = CATCH_UP_HORIZON  # tokens the request may still emit (max_tokens, context)
+    # a scored lookup's draft, looked up before the step: what each of its tokens adds
+    # (`ScoredLookup.peek`), priced instead of the acceptance profile; k_max its length
+    chain: list[float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +176,9 @@ class BatchPolicy:
         `budget`: draft rows allowed in total."""
         ks, budget = forced_drafts(cands, budget)
         # per request, the expected tokens its drafts 1 .. k_max add (Acceptance.chain)
-        chains = [c.acceptance.chain(max(c.k_max, 1)) for c in cands]
+        chains = [
+            c.acceptance.chain(max(c.k_max, 1)) if c.chain is None else c.chain for c in cands
+        ]
         num_dec = len(cands)
         t_dec = self.plain_seconds(num_dec)  # the step of plain decoding: num_dec tokens
         t_base = self.seconds(base.rows, base.seqs, base.masked)
@@ -306,6 +315,8 @@ class Decoding:
     can_draft: bool  # it has its first output token (drafting starts from there)
     room: int  # tokens it may still emit (max_tokens, context)
     num_tokens: int  # committed tokens (prompt + output)
+    committed: Callable[[], list[int]] = list  # the committed tokens (a scored lookup's peek)
+    greedy: bool = True  # its sampling (a scored lookup keeps rates per kind of decoding)
 
 
 class DraftPlanner:
@@ -346,7 +357,12 @@ class DraftPlanner:
             if spec is not None and id(spec) in explore:
                 adaptive, k_max = False, min(k_max, EXPLORE_K)
             catch_up = d.num_tokens - (0 if spec is None else spec.synced)
-            cands.append(Candidate(acceptance, k_max, adaptive, index, catch_up, d.room))
+            chain = None
+            if spec is not None and adaptive and k_max > 0:
+                chain = self._peek(spec, d, k_max)
+                if chain is not None:
+                    k_max = len(chain)
+            cands.append(Candidate(acceptance, k_max, adaptive, index, catch_up, d.room, chain))
         if any(c.adaptive for c in cands):
             policy = self.policy
             ks = policy.choose(cands, draft_costs, base, budget)
@@ -354,6 +370,19 @@ class DraftPlanner:
             return [Plan(k, p) for k, p in zip(ks, floors, strict=True)]
         # forced requests only: no cost model needed
         return [Plan(k) for k in forced_drafts(cands, budget)[0]]
+
+    @staticmethod
+    def _peek(spec: SpecState, d: Decoding, k_max: int) -> list[float] | None:
+        """A scored lookup's chain for up to `k_max` drafts (None: the drafter is not one);
+        a lookup that finds nothing counts as asked, as a draft of none would."""
+        drafter = spec.drafter
+        if not isinstance(drafter, ScoredLookup):
+            return None
+        chain = drafter.peek(spec.draft_state, d.committed(), k_max, d.greedy)
+        if not chain:
+            spec.acceptance.asked(0)
+            spec.speculation.pooled.asked(0)
+        return chain
 
     def _pick_drafters(self, decoding: Sequence[Decoding], base: StepShape) -> set[int]:
         """Requests with several drafters pick this step's (adaptive.py); returns the ids of

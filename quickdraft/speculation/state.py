@@ -25,6 +25,7 @@ from quickdraft.config import SpeculativeConfig
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.cost import DraftCost
 from quickdraft.speculation.drafters.base import Drafter, DraftJob
+from quickdraft.speculation.drafters.confidence import ScoredLookup
 from quickdraft.speculation.relaxed import ThinkScan
 
 FIRST_ALPHA = 0.8  # a drafter's acceptance record before its first draft (`Speculation.pooled`)
@@ -195,18 +196,19 @@ def warm_up(arm: Arm, prompt_ids: list[int], k: int) -> None:
     for p in range(max(1, end - WARM_UP_POSITIONS), end):
         job = DraftJob(arm.draft_state, prompt_ids[:p], k, params, generator)
         arm.shadow = drafter.propose([job])[0].tokens
-        shadow_score(arm, prompt_ids[p:])
+        shadow_score(arm, prompt_ids[p:], learn=False)
     arm.acceptance.restart_from_here()
 
 
 AnySpeculation = Speculation | AdaptiveSpeculation
 
 
-def shadow_score(arm: Arm, emitted: Sequence[int]) -> None:
+def shadow_score(arm: Arm, emitted: Sequence[int], learn: bool = True) -> None:
     """Learn from a shadow draft: its prefix that matches the emitted tokens is what verify
     would have accepted (greedy: the emitted tokens are the target's argmaxes; seeded sampling
     of one-hot drafts: each position's draw, verify.py `verify_one_hot`), observed as far as the
-    emitted tokens reach; a mismatch within them is a rejection."""
+    emitted tokens reach; a mismatch within them is a rejection. `learn`: a scored lookup's
+    `Confidence` learns too (not from the prompt's own text, which the target did not write)."""
     shadow, arm.shadow = arm.shadow or [], None
     n = min(len(shadow), len(emitted))
     matched = 0
@@ -214,6 +216,9 @@ def shadow_score(arm: Arm, emitted: Sequence[int]) -> None:
         matched += 1
     arm.acceptance.asked(len(shadow))
     arm.acceptance.update(matched + 1 if matched < n else matched, matched)
+    drafter = arm.speculation.drafter
+    if learn and isinstance(drafter, ScoredLookup):
+        drafter.outcome(arm.draft_state, n, matched)
 
 
 @dataclass(slots=True, eq=False)
@@ -297,6 +302,9 @@ class SpecState:
         arm = self.arm
         arm.acceptance.update(drafted, accepted)
         arm.speculation.pooled.update(drafted, accepted)
+        drafter = arm.speculation.drafter
+        if drafted and isinstance(drafter, ScoredLookup):
+            drafter.outcome(arm.draft_state, drafted, accepted)
         if drafter_ran:
             arm.acceptance.asked(drafted)
             arm.speculation.pooled.asked(drafted)

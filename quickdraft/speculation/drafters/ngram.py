@@ -38,14 +38,15 @@ whoever's, are dropped and their tenants' indexes rebuilt), so many tenants cost
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from quickdraft.config import NGRAM_MAX, NGRAM_MIN, NGRAM_SHARED_TOKENS
 from quickdraft.speculation.cost import StepShape
-from quickdraft.speculation.drafters.base import Draft, DraftJob
+from quickdraft.speculation.drafters.base import Draft
+from quickdraft.speculation.drafters.confidence import Confidence, Peeked, ScoredLookup
 
 
 class Followers:
@@ -81,6 +82,7 @@ class NgramState:
     indexed: int = 0
     prompt_len: int = 0
     tokens: list[int] = field(default_factory=list)  # the committed sequence (`commit`)
+    peeked: Peeked = field(default_factory=Peeked)  # the last lookup (`ScoredLookup`)
 
 
 def index_tokens(
@@ -124,7 +126,7 @@ class SharedIndex:
     size: int = 0  # tokens in outputs
 
 
-class NgramDrafter:
+class NgramDrafter(ScoredLookup):
     needs_hidden = False
     hidden_history = False
     hidden_layers: tuple[int, ...] = ()
@@ -153,6 +155,7 @@ class NgramDrafter:
         self.shared: dict[str, SharedIndex] = {}
         self.learned: deque[str] = deque()  # the tenant of every kept output, oldest first
         self.shared_size = 0  # tokens kept, all tenants together
+        self.confidence = Confidence()  # how often each kind of draft token was kept
 
     def new_state(self, prompt_ids: list[int], tenant: str = "") -> NgramState:
         state = NgramState([{} for _ in range(self.min_n, self.max_n + 1)], tenant)
@@ -160,35 +163,45 @@ class NgramDrafter:
         self._catch_up(state, prompt_ids)
         return state
 
-    def propose(self, jobs: Sequence[DraftJob]) -> list[Draft]:
-        return [self.lookup(job.state, job.tokens, job.k) for job in jobs]
-
     def lookup(self, state: NgramState, tokens: list[int], k: int) -> Draft:
         """Up to k tokens, each the voted follower of the longest earlier-seen suffix of
         `tokens` + the drafts before it; empty when no suffix of length >= min_n occurred."""
+        return Draft(self._draft(state, tokens, k)[0])
+
+    def _draft(
+        self, state: NgramState, tokens: list[int], k: int
+    ) -> tuple[list[int], list[Hashable]]:
+        """`lookup`'s tokens and each one's kind (`Confidence`): (n, unanimous) for a match of
+        n tokens in the request's own index, (0, unanimous) for one in the shared index, where
+        unanimous: every occurrence of the suffix went on with the drafted token."""
         self._catch_up(state, tokens)
         shared = self.shared.get(state.tenant)
         context = tokens[-self.max_n :]
         draft: list[int] = []
+        keys: list[Hashable] = []
         while len(draft) < k:
-            followers = self._longest_match(state.index, context)
+            n, followers = self._longest_match(state.index, context)
             if followers is None and shared is not None:
-                followers = self._longest_match(shared.index, context)
+                n, followers = self._longest_match(shared.index, context)
+                n = 0
             if followers is None:
                 break
             token, share = followers.vote()
             if share < self.min_share:
                 break
             draft.append(token)
+            keys.append((n, share == 1.0))
             context.append(token)
-        return Draft(draft)
+        return draft, keys
 
-    def _longest_match(self, index: list[NgramIndex], context: list[int]) -> Followers | None:
+    def _longest_match(
+        self, index: list[NgramIndex], context: list[int]
+    ) -> tuple[int, Followers | None]:
         for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
             followers = index[n - self.min_n].get(tuple(context[len(context) - n :]))
             if followers is not None:
-                return followers
-        return None
+                return n, followers
+        return 0, None
 
     def commit(
         self, state: NgramState, tokens: list[int], hidden: torch.Tensor | None = None
@@ -247,6 +260,7 @@ class NgramDrafter:
         for table in state.index:
             table.clear()
         state.indexed = 0
+        state.peeked = Peeked()
 
     def _catch_up(self, state: NgramState, tokens: list[int]) -> None:
         """Index the n-grams that gained a following token since the last call."""

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -49,7 +49,8 @@ from quickdraft.config import (
     SUFFIX_SHARED_TOKENS,
 )
 from quickdraft.speculation.cost import StepShape
-from quickdraft.speculation.drafters.base import Draft, DraftJob
+from quickdraft.speculation.drafters.base import Draft
+from quickdraft.speculation.drafters.confidence import Confidence, Peeked, ScoredLookup
 
 
 class Node:
@@ -215,13 +216,14 @@ class SuffixTree:
                 node, used = child, 1
         return Match(length, node, used)
 
-    def walk(self, at: Match, limit: int, min_prob: float) -> tuple[list[int], float]:
+    def walk(self, at: Match, limit: int, min_prob: float) -> tuple[list[int], float, list[float]]:
         """Up to `limit` tokens following `at`, each step to the most frequent continuation
         (the most recently seen among equals), while the path's probability (the product of
-        child count / the occurrences that continued) stays >= min_prob; and the draft's
-        score, the sum of its tokens' probabilities."""
+        child count / the occurrences that continued) stays >= min_prob; the draft's score, the
+        sum of its tokens' probabilities; and those probabilities."""
         node, used = at.node, at.used
         tokens: list[int] = []
+        probs: list[float] = []
         prob, score = 1.0, 0.0
         while len(tokens) < limit:
             if used < node.length:  # inside an edge every occurrence goes on the same way
@@ -243,8 +245,9 @@ class SuffixTree:
             if token < 0:  # a fence (an image row, `SuffixDrafter.barrier`): never drafted
                 break
             tokens.append(token)
+            probs.append(prob)
             score += prob
-        return tokens, score
+        return tokens, score, probs
 
     def counts(self) -> dict[tuple[int, ...], int]:
         """Every node's string -> its count (tests compare trees with it)."""
@@ -265,6 +268,7 @@ class SuffixState:
     tenant: str = ""  # whose shared tree it drafts from and joins at `free`
     prompt_len: int = 0
     tokens: list[int] = field(default_factory=list)  # the committed sequence (`commit`)
+    peeked: Peeked = field(default_factory=Peeked)  # the last lookup (`ScoredLookup`)
 
 
 @dataclass(slots=True)
@@ -275,7 +279,7 @@ class SharedTree:
     size: int = 0  # tokens of its outputs kept
 
 
-class SuffixDrafter:
+class SuffixDrafter(ScoredLookup):
     needs_hidden = False
     hidden_history = False
     hidden_layers: tuple[int, ...] = ()  # reads no hidden states
@@ -310,6 +314,7 @@ class SuffixDrafter:
         self.shared: dict[str, SharedTree] = {}
         self.learned: deque[tuple[str, list[int]]] = deque()  # (tenant, output), oldest first
         self.shared_size = 0  # tokens kept, all tenants together
+        self.confidence = Confidence()  # how often each kind of draft token was kept
 
     def new_state(self, prompt_ids: list[int], tenant: str = "") -> SuffixState:
         tree = SuffixTree(self.max_depth)
@@ -317,34 +322,49 @@ class SuffixDrafter:
         self._catch_up(state, prompt_ids)
         return state
 
-    def propose(self, jobs: Sequence[DraftJob]) -> list[Draft]:
-        return [self.lookup(job.state, job.tokens, job.k) for job in jobs]
-
     def lookup(self, state: SuffixState, tokens: list[int], k: int) -> Draft:
         """The best-scoring draft (module docstring) of at most k tokens from the request's
         own tree or its tenant's shared tree; empty when neither saw the last token go on."""
+        return Draft(self._draft(state, tokens, k)[0])
+
+    def _draft(
+        self, state: SuffixState, tokens: list[int], k: int
+    ) -> tuple[list[int], list[Hashable]]:
+        """`lookup`'s tokens and each one's kind (`Confidence`): the match length (1, 2, 3,
+        4-7, 8+), the token's path probability (1, >= 1/2, below), and the tree (own or
+        shared)."""
         self._catch_up(state, tokens)
-        draft, score = self._best(state.tree, self._own_matches(state), k)
+        draft, score, keys = self._best(state.tree, self._own_matches(state), k, True)
         shared = self.shared.get(state.tenant)
         if shared is not None:
             if self.barrier:  # the context's tail as the trees hold it
                 tokens = self._fenced(
                     tokens[-self.max_depth :], max(len(tokens) - self.max_depth, 0)
                 )
-            other, other_score = self._best(shared.tree, self._matches(shared.tree, tokens), k)
+            matches = self._matches(shared.tree, tokens)
+            other, other_score, other_keys = self._best(shared.tree, matches, k, False)
             if other_score > score:
-                draft = other
-        return Draft(draft)
+                draft, keys = other, other_keys
+        return draft, keys
 
-    def _best(self, tree: SuffixTree, matches: Iterator[Match], k: int) -> tuple[list[int], float]:
+    def _best(
+        self, tree: SuffixTree, matches: Iterator[Match], k: int, own: bool
+    ) -> tuple[list[int], float, list[Hashable]]:
         best: list[int] = []
         best_score = 0.0
+        best_at: Match | None = None
+        best_probs: list[float] = []
         for at in matches:
             limit = min(k, int(at.length * self.max_spec_factor + 1e-6))
-            draft, score = tree.walk(at, limit, self.min_token_prob)
+            draft, score, probs = tree.walk(at, limit, self.min_token_prob)
             if draft and score >= best_score:  # a tie goes to the longer match
-                best, best_score = draft, score
-        return best, best_score
+                best, best_score, best_at, best_probs = draft, score, at, probs
+        if best_at is None:
+            return best, best_score, []
+        m = best_at.length
+        length = m if m < 4 else 4 if m < 8 else 8
+        keys: list[Hashable] = [(length, 2 if p >= 1.0 else int(p >= 0.5), own) for p in best_probs]
+        return best, best_score, keys
 
     def _own_matches(self, state: SuffixState) -> Iterator[Match]:
         """The context's suffixes in the request's own tree: its cursor's active nodes (a
@@ -419,6 +439,7 @@ class SuffixDrafter:
         return [-1 - (start + i) if t in self.barrier else t for i, t in enumerate(tokens)]
 
     def _rebuild(self, state: SuffixState, tokens: list[int]) -> None:
+        state.peeked = Peeked()
         state.tree = SuffixTree(self.max_depth)
         state.cursor = state.tree.cursor([])
         self._catch_up(state, tokens)
