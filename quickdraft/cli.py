@@ -32,6 +32,7 @@ from quickdraft.config import (
     QUANTIZATIONS,
     RELAXED_DELTA,
     RELAXED_TOP_K,
+    RESPONSES_STORE_MB,
     SPEC_METHODS,
     PrefixCacheConfig,
     SpeculativeConfig,
@@ -383,6 +384,7 @@ def serve_options(args: argparse.Namespace) -> tuple[ServeOptions, ServerConfig]
             max_body_bytes=args.max_body_bytes,
             default_max_tokens=args.default_max_tokens,
             allowed_hosts=None if args.allowed_hosts is None else allowed_hosts(args.allowed_hosts),
+            responses_store_mb=args.responses_store_mb,
         ),
         settings_path=settings,
         media=media_policy(args),
@@ -511,6 +513,14 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
     )
     s.add_argument(
         "--max-concurrency", type=int, default=None, help="requests in flight; more: 503"
+    )
+    s.add_argument(
+        "--responses-store-mb",
+        type=int,
+        default=None,
+        help="memory for the Responses API's stored responses (previous_response_id, GET "
+        f"/v1/responses/ID), least recently used dropped first; 0: none (default "
+        f"{RESPONSES_STORE_MB})",
     )
     s.add_argument(
         "--settings",

@@ -155,6 +155,7 @@ DEFAULT_DTYPE = GGUF_DTYPE
 DEFAULT_NUM_DRAFT_TOKENS = 5  # the draft length ceiling k
 BENCH_MAX_TOKENS = 128  # output tokens per request in the benchmarks
 PREFILL_CHUNK = 512  # prompt tokens per forward: bounds the [chunk, context] mask and activations
+RESPONSES_STORE_MB = 256  # the Responses API's stored responses (server/responses_store.py)
 
 SPEC_METHODS = (
     "none",

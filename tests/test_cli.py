@@ -38,6 +38,15 @@ def test_cli_serve_prefix_cache_flags_reach_the_engine_options() -> None:
     assert (opts.prefix_cache.max_gb, opts.prefix_cache.block_size) == (0.5, 32)
 
 
+def test_cli_serve_responses_store_flag_reaches_the_server_config() -> None:
+    _, config = serve_options(build_parser().parse_args(["serve"]))
+    assert config.responses_store_mb == ServerConfig().responses_store_mb > 0
+    _, config = serve_options(build_parser().parse_args(["serve", "--responses-store-mb", "0"]))
+    assert config.responses_store_mb == 0
+    with pytest.raises(ValueError, match="responses_store_mb"):
+        serve_options(build_parser().parse_args(["serve", "--responses-store-mb", "-1"]))
+
+
 def test_cli_serve_other_models_default_to_ngram() -> None:
     cfg = spec("smollm2-135m")
     assert cfg.method == "ngram" and cfg.draft_model is None

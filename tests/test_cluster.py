@@ -136,6 +136,16 @@ def test_cluster_greedy_outputs_equal_the_single_process_server(cluster: str, si
         temperature=0,
     )
     assert r.output_text == ref.choices[0].message.content
+    # stored in the ingress: retrieved, and continued wherever the next turn runs
+    assert got.responses.retrieve(r.id).output_text == r.output_text
+    more: dict[str, Any] = dict(model=MODEL, max_output_tokens=8, temperature=0)
+    on = got.responses.create(input="and then?", previous_response_id=r.id, **more)
+    turns: list[Any] = [
+        {"role": "user", "content": messages[1]["content"]},
+        {"role": "assistant", "content": r.output_text},
+        {"role": "user", "content": "and then?"},
+    ]
+    assert on.output_text == got.responses.create(input=turns, store=False, **more).output_text
     headers = {"Authorization": f"Bearer {KEY}"}
     ids = httpx.post(
         cluster + "/tokenize", json={"model": MODEL, "messages": messages}, headers=headers

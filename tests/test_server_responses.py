@@ -21,7 +21,14 @@ from quickdraft.engine import Engine, ServedModel
 from quickdraft.loading import load
 from quickdraft.server import ServerConfig, create_app
 from quickdraft.server.main import BackgroundServer
-from quickdraft.server.responses_api import ResponsesRequest, response_body, response_events
+from quickdraft.server.protocol import APIError
+from quickdraft.server.responses_api import (
+    MessageItem,
+    ResponsesRequest,
+    response_body,
+    response_events,
+)
+from quickdraft.server.responses_store import ResponseStore
 
 NGRAM = SpeculativeConfig(method="ngram", num_draft_tokens=4, adaptive=False)
 WEATHER = {
@@ -37,7 +44,7 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     """The tiny model with a 4k context (a tool definition takes ~600 byte tokens)."""
     from conftest import make_tiny_hf_model, write_tiny_tokenizer
 
@@ -47,9 +54,14 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     lm = load(str(directory), "fp32", progress=False)
     engine = Engine({"tiny": ServedModel(lm, NGRAM)}, max_waiting=16)
     engine.start()
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def client(engine: Engine) -> Iterator[openai.OpenAI]:
     with BackgroundServer(create_app(engine, ServerConfig())) as srv:
         yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
-    engine.stop()
 
 
 def test_response_equals_the_chat_completion(client: openai.OpenAI) -> None:
@@ -169,7 +181,6 @@ def test_a_forced_tool_call_is_a_function_call_item(client: openai.OpenAI) -> No
 
 def test_what_the_server_cannot_do_is_refused_by_name(client: openai.OpenAI) -> None:
     for bad, param in [
-        ({"previous_response_id": "resp_123"}, "previous_response_id"),
         ({"background": True}, "background"),
         ({"input": []}, "input"),
     ]:
@@ -288,3 +299,134 @@ def test_parallel_function_call_items_are_one_assistant_turn() -> None:
     calls = chat.messages[1].tool_calls
     assert calls is not None and [c.id for c in calls] == ["a", "b"]
     assert [m.tool_call_id for m in chat.messages[2:]] == ["a", "b"]
+
+
+def test_a_stored_response_is_retrieved_listed_and_deleted(client: openai.OpenAI) -> None:
+    r = client.responses.create(model="tiny", input="hello", max_output_tokens=8, temperature=0)
+    assert r.store is True
+    got = client.responses.retrieve(r.id)
+    assert got.id == r.id and got.output_text == r.output_text and got.status == r.status
+    items = client.responses.input_items.list(r.id)
+    assert len(items.data) == 1 and not items.has_more
+    (item,) = items.data
+    assert item.type == "message" and item.role == "user" and item.id.startswith("msg_")
+    deleted = client.delete(f"/responses/{r.id}", cast_to=object)
+    assert deleted == {"id": r.id, "object": "response", "deleted": True}
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    kept_not = client.responses.create(model="tiny", input="hi", max_output_tokens=4, store=False)
+    assert kept_not.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept_not.id)
+
+
+def test_previous_response_id_continues_the_stored_conversation(client: openai.OpenAI) -> None:
+    """A continuation equals the whole conversation sent again (the earlier instructions not
+    carried over, as OpenAI's are not), streamed or not; its input items are that
+    conversation, newest first unless asked otherwise, in pages."""
+    args: dict[str, Any] = dict(model="tiny", max_output_tokens=8, temperature=0)
+    first = client.responses.create(input="hello", instructions="be brief", **args)
+    second = client.responses.create(input="and now?", previous_response_id=first.id, **args)
+    assert second.previous_response_id == first.id and second.instructions is None
+    turns: list[Any] = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": first.output_text}]},
+        {"role": "user", "content": "and now?"},
+    ]
+    replay = client.responses.create(input=turns, store=False, **args)
+    assert second.output_text == replay.output_text
+    items = client.responses.input_items.list(second.id, order="asc")
+    texts = [(i.role, i.content[0].text) for i in items.data]  # type: ignore[union-attr]
+    assert texts == [("user", "hello"), ("assistant", first.output_text), ("user", "and now?")]
+    assert items.data[1].id == first.output[0].id  # the earlier output item, as it was
+    newest = client.responses.input_items.list(second.id, limit=2)
+    assert [i.id for i in newest.data] == [i.id for i in items.data[::-1][:2]]
+    assert newest.has_more
+    rest = client.responses.input_items.list(second.id, limit=2, after=newest.data[-1].id)
+    assert [i.id for i in rest.data] == [items.data[0].id] and not rest.has_more
+
+    events = list(
+        client.responses.create(
+            input="and then?", previous_response_id=second.id, stream=True, **args
+        )
+    )
+    done = events[-1].response  # type: ignore[union-attr]
+    assert done.store is True
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert client.responses.retrieve(done.id).output_text == streamed
+    again = [*turns, {"role": "assistant", "content": second.output_text}]
+    again.append({"role": "user", "content": "and then?"})
+    assert streamed == client.responses.create(input=again, store=False, **args).output_text
+    assert len(client.responses.input_items.list(done.id).data) == 5
+
+
+def test_replayed_reasoning_items_are_taken_and_left_out(client: openai.OpenAI) -> None:
+    args: dict[str, Any] = dict(model="tiny", max_output_tokens=6, temperature=0, store=False)
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [], "content": []}
+    turns: list[Any] = [
+        {"role": "user", "content": "hello"},
+        thought,
+        {"role": "assistant", "content": [{"type": "output_text", "text": "hi"}]},
+        {"role": "user", "content": "more"},
+    ]
+    with_it = client.responses.create(input=turns, **args)
+    without = client.responses.create(input=[t for t in turns if t is not thought], **args)
+    assert with_it.output_text == without.output_text
+
+
+def test_an_unknown_previous_response_is_404_by_name(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.create(model="tiny", input="hi", previous_response_id="resp_123")
+    assert "previous_response_id" in json.dumps(err.value.body)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.input_items.list("resp_x", order="sideways")  # type: ignore[arg-type]
+    assert "order" in json.dumps(bad.value.body)
+
+
+def test_stored_responses_belong_to_their_api_key(engine: Engine) -> None:
+    """Each API key sees only its own stored responses; a server that stores none refuses
+    previous_response_id by name."""
+    config = ServerConfig(api_key="key-a,key-b")
+    with BackgroundServer(create_app(engine, config)) as srv:
+        url = srv.url + "/v1"
+        a = openai.OpenAI(base_url=url, api_key="key-a", max_retries=0)
+        b = openai.OpenAI(base_url=url, api_key="key-b", max_retries=0)
+        r = a.responses.create(model="tiny", input="hello", max_output_tokens=4)
+        assert a.responses.retrieve(r.id).id == r.id
+        with pytest.raises(openai.NotFoundError):
+            b.responses.retrieve(r.id)
+        with pytest.raises(openai.NotFoundError):
+            b.responses.create(model="tiny", input="hi", previous_response_id=r.id)
+        with pytest.raises(openai.NotFoundError):
+            b.delete(f"/responses/{r.id}", cast_to=object)
+        assert a.responses.retrieve(r.id).id == r.id
+    with BackgroundServer(create_app(engine, ServerConfig(responses_store_mb=0))) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        r = c.responses.create(model="tiny", input="hello", max_output_tokens=4)
+        assert r.store is False
+        with pytest.raises(openai.BadRequestError) as err:
+            c.responses.create(model="tiny", input="hi", previous_response_id=r.id)
+        assert "previous_response_id" in json.dumps(err.value.body)
+
+
+def test_the_store_drops_the_least_recently_used_past_its_budget() -> None:
+    item = MessageItem(role="user", content="x" * 100)
+
+    def response(rid: str) -> dict[str, Any]:
+        return {"id": rid, "object": "response", "output": []}
+
+    one = len(json.dumps([[item.model_dump(exclude_none=True)], response("r1")]).replace(" ", ""))
+    store = ResponseStore(3 * one)
+    for rid in ("r1", "r2", "r3"):
+        assert store.put(None, [item], response(rid))
+    store.get("r1", None)  # used: r2 is now the oldest
+    assert store.put(None, [item], response("r4"))
+    assert len(store) == 3 and store.nbytes <= store.max_bytes
+    with pytest.raises(APIError) as err:
+        store.get("r2", None)
+    assert err.value.status == 404
+    assert store.get("r1", None).response["id"] == "r1"
+    with pytest.raises(APIError):
+        store.get("r1", 0)  # another key's
+    huge = MessageItem(role="user", content="x" * (4 * one))
+    assert not store.put(None, [huge], response("r5")) and len(store) == 3

@@ -4,8 +4,9 @@ Stage: the HTTP edge. Routes turn a validated request into token ids (chat throu
 own chat template), submit it to the engine, and relay the engine's outputs either as one JSON
 body or as Server-Sent Events in OpenAI's chunk format. The event loop never touches tensors:
 the engine thread owns the models and hands back text deltas through each request's handle.
-/v1/responses runs as a chat request whose answer responses_api.py reshapes; /tokenize and
-/detokenize (tokens.py) use the same rendering and generate nothing.
+/v1/responses runs as a chat request whose answer responses_api.py reshapes, after the stored
+conversation it continues (responses_store.py keeps them); /tokenize and /detokenize
+(tokens.py) use the same rendering and generate nothing.
 
 The routes talk to a `Backend` (backend.py): the one in-process engine, or engine replicas
 behind Ray (quickdraft/cluster/). Each request carries a route key, the prefix it shares with
@@ -42,7 +43,12 @@ from quickdraft.images import ImageError, ImageInput
 from quickdraft.loading import ContextLengthError
 from quickdraft.request import SamplingParams
 from quickdraft.server import admin
-from quickdraft.server.access import ApiKeyMiddleware, HostCheckMiddleware, tenant_of
+from quickdraft.server.access import (
+    ApiKeyMiddleware,
+    HostCheckMiddleware,
+    key_index,
+    tenant_of,
+)
 from quickdraft.server.backend import Backend, LocalBackend, ModelFront, ReplicaLostError
 from quickdraft.server.errors import BodyLimitMiddleware, error_response, install_error_handlers
 from quickdraft.server.media import read_media
@@ -59,7 +65,15 @@ from quickdraft.server.responses import (
     ModelCard,
     ModelList,
 )
-from quickdraft.server.responses_api import ResponsesRequest, response_body, response_events
+from quickdraft.server.responses_api import (
+    InputItem,
+    ResponsesRequest,
+    as_stored,
+    continued,
+    response_body,
+    response_events,
+)
+from quickdraft.server.responses_store import LIST_LIMIT
 from quickdraft.server.settings import SpeculationSettings
 from quickdraft.server.state import ServerConfig, ServerState, Slot
 from quickdraft.server.tokens import (
@@ -151,12 +165,54 @@ def create_app(
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
-        answer = await _chat(state, body.to_chat(), request)
+        store, owner = state.responses, _owner(state, request)
+        history: list[InputItem] = []
+        if body.previous_response_id is not None:
+            if not store.enabled:
+                msg = "this server stores no responses (--responses-store-mb 0); send the "
+                raise APIError(
+                    400,
+                    f"previous_response_id: {msg}conversation in `input`",
+                    "previous_response_id",
+                )
+            earlier = store.get(body.previous_response_id, owner, "previous_response_id")
+            history = earlier.items + continued(earlier.response["output"])
+        keep = store.enabled and body.store is not False
+        items = history + as_stored(body.items())  # what a stored response answered
+        answer = await _chat(state, body.to_chat(history), request)
         if isinstance(answer, StreamingResponse):  # the chat chunks become response events
-            answer.body_iterator = response_events(answer.body_iterator, body)
+            put = (lambda response: store.put(owner, items, response)) if keep else None
+            answer.body_iterator = response_events(answer.body_iterator, body, put)
             return answer
         chat = json.loads(bytes(answer.body))
-        return JSONResponse(response_body(chat, body), headers=_placement_headers(answer))
+        response = response_body(chat, body, keep)
+        if keep and not store.put(owner, items, response):
+            response["store"] = False  # larger than the whole store
+        return JSONResponse(response, headers=_placement_headers(answer))
+
+    @app.get("/v1/responses/{rid}")
+    async def stored_response(rid: str, request: Request) -> JSONResponse:
+        return JSONResponse(state.responses.get(rid, _owner(state, request)).response)
+
+    @app.delete("/v1/responses/{rid}")
+    async def delete_response(rid: str, request: Request) -> dict[str, Any]:
+        state.responses.delete(rid, _owner(state, request))
+        return {"id": rid, "object": "response", "deleted": True}
+
+    @app.get("/v1/responses/{rid}/input_items")
+    async def input_items(
+        rid: str,
+        request: Request,
+        limit: int = LIST_LIMIT,
+        order: str = "desc",
+        after: str | None = None,
+    ) -> dict[str, Any]:
+        if not 1 <= limit <= 100:
+            raise APIError(400, f"limit must be in [1, 100], got {limit}", "limit")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", "order")
+        stored = state.responses.get(rid, _owner(state, request))
+        return stored.input_items(limit, order, after)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -329,6 +385,12 @@ async def _generate(
     finally:
         for slot in slots:
             slot.release()
+
+
+def _owner(state: ServerState, request: Request) -> int | None:
+    """Whose stored responses a request sees: its API key's (None where the server has none)."""
+    keys = state.config.api_keys
+    return key_index(request.headers.get("authorization", ""), keys) if keys else None
 
 
 def _route_key(tenant: str, shared: list[Any]) -> str:

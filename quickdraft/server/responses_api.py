@@ -5,9 +5,10 @@ cache), and its answer or its chunks become a Response object or Responses strea
 Stage: the HTTP edge, beside app.py's routes. Taken: `input` as a string or as message items
 (roles user / system / developer / assistant; parts input_text, input_image, output_text),
 `instructions` (a system message first), max_output_tokens, temperature, top_p, stream, user,
-metadata (echoed), store (nothing is stored: `previous_response_id` is refused by name),
-function `tools` with `tool_choice` (the chat path's tool calls, as function_call items;
-function_call and function_call_output items in `input` replay a conversation),
+metadata (echoed), store and `previous_response_id` (responses_store.py: the stored
+conversation goes first), function `tools` with `tool_choice` (the chat path's tool calls, as
+function_call items; function_call and function_call_output items in `input` replay a
+conversation, reasoning items there are taken and left out),
 `reasoning.effort` (the chat's reasoning_effort) and `text.format` (the chat's
 response_format: a JSON object or a JSON schema, enforced by its grammar). Answered: a
 "message" item with one output_text part, a "reasoning" item first where the model writes
@@ -23,7 +24,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError
@@ -68,6 +69,67 @@ class FunctionOutputItem(StrictBody):
     status: Text | None = None
 
 
+class ReasoningItem(StrictBody):
+    """An earlier response's reasoning item, sent back: taken and left out of the prompt (the
+    chat templates drop an earlier turn's reasoning)."""
+
+    type: Literal["reasoning"]
+    id: Text | None = None
+    summary: list[Any] | None = None
+    content: list[Any] | None = None
+    encrypted_content: Text | None = None
+    status: Text | None = None
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionOutputItem | ReasoningItem
+_ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def as_stored(items: Sequence[InputItem]) -> list[InputItem]:
+    """`items` as a stored response lists them (OpenAI's input items): each with its type, an
+    id (a new one where the client gave none) and a status, a message's text as one part."""
+    out: list[InputItem] = []
+    for item in items:
+        kind = item.type or "message"
+        update: dict[str, Any] = {"type": kind, "status": item.status or "completed"}
+        if item.id is None:
+            update["id"] = _new_id(_ITEM_IDS.get(kind, "item"))
+        if isinstance(item, MessageItem) and isinstance(item.content, str):
+            text = InputText(type="input_text", text=item.content)
+            if item.role == "assistant":
+                text = InputText(type="output_text", text=item.content)
+            update["content"] = [text]
+        out.append(item.model_copy(update=update))
+    return out
+
+
+def continued(output: Sequence[dict[str, Any]]) -> list[InputItem]:
+    """A response's output items as the input items of the conversation that continues it."""
+    items: list[InputItem] = []
+    for item in output:
+        kind = item["type"]
+        if kind == "message":
+            parts: list[InputText | InputImage] = [
+                InputText(type="output_text", text=p["text"]) for p in item["content"]
+            ]
+            items.append(
+                MessageItem(
+                    type="message",
+                    role="assistant",
+                    content=parts,
+                    id=item["id"],
+                    status=item["status"],
+                )
+            )
+        elif kind == "function_call":
+            call = ("type", "call_id", "name", "arguments", "id", "status")
+            items.append(FunctionCallItem.model_validate({k: item[k] for k in call}))
+        elif kind == "reasoning":
+            thought = ("type", "id", "summary", "content", "status")
+            items.append(ReasoningItem.model_validate({k: item[k] for k in thought}))
+    return items
+
+
 class FunctionTool(StrictBody):
     type: Literal["function"]
     name: Text
@@ -95,14 +157,14 @@ class TextConfig(StrictBody):
 
 class ResponsesRequest(StrictBody):
     model: Text
-    input: Text | list[MessageItem | FunctionCallItem | FunctionOutputItem] = Field(min_length=1)
+    input: Text | list[InputItem] = Field(min_length=1)
     instructions: Text | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stream: bool | None = False
-    store: bool | None = None  # accepted: nothing is stored here
-    previous_response_id: Text | None = None  # refused: nothing is stored to continue from
+    store: bool | None = None  # default true: kept for previous_response_id (responses_store.py)
+    previous_response_id: Text | None = None  # continue that stored response's conversation
     user: Text | None = None
     metadata: dict[str, Text] | None = None
     tools: list[FunctionTool] | None = None
@@ -111,24 +173,22 @@ class ResponsesRequest(StrictBody):
     reasoning: ReasoningConfig | None = None  # its effort goes to the template (gpt-oss)
     text: TextConfig | None = None  # the output's format: text, a JSON object or a schema
 
-    def to_chat(self) -> ChatCompletionRequest:
-        """The chat request this one is (APIError 400 naming the field it cannot be)."""
-        if self.previous_response_id is not None:
-            raise APIError(
-                400,
-                "previous_response_id: this server stores no responses; send the conversation "
-                "in `input`",
-                "previous_response_id",
-            )
+    def items(self) -> list[InputItem]:
+        """`input` as items (a string: one user message)."""
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return list(self.input)
+
+    def to_chat(self, history: Sequence[InputItem] = ()) -> ChatCompletionRequest:
+        """The chat request this one is, after the conversation `history` it continues (a
+        stored response's, `previous_response_id`); APIError 400 naming the field it cannot
+        be."""
         messages: list[dict[str, Any]] = []
         if self.instructions is not None:
             messages.append({"role": "system", "content": self.instructions})
-        items = (
-            [MessageItem(role="user", content=self.input)]
-            if isinstance(self.input, str)
-            else self.input
-        )
-        for item in items:
+        for item in [*history, *self.items()]:
+            if isinstance(item, ReasoningItem):
+                continue
             if isinstance(item, MessageItem):
                 messages.append({"role": item.role, "content": _chat_content(item.content)})
             elif isinstance(item, FunctionCallItem):
@@ -181,8 +241,8 @@ class ResponsesRequest(StrictBody):
         chat.check()
         return chat
 
-    def echo(self) -> dict[str, Any]:
-        """The request fields a Response object repeats."""
+    def echo(self, stored: bool) -> dict[str, Any]:
+        """The request fields a Response object repeats; `stored`: whether it is kept."""
         return {
             "instructions": self.instructions,
             "max_output_tokens": self.max_output_tokens,
@@ -192,7 +252,8 @@ class ResponsesRequest(StrictBody):
             "tools": [t.model_dump(exclude_none=True) for t in self.tools or []],
             "tool_choice": self.tool_choice or "auto",
             "parallel_tool_calls": self.parallel_tool_calls is not False,
-            "store": False,
+            "store": stored,
+            "previous_response_id": self.previous_response_id,
             "user": self.user,
             "reasoning": None if self.reasoning is None else self.reasoning.model_dump(),
             "text": {"format": {"type": "text"}}
@@ -230,7 +291,12 @@ def _usage(chat: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _envelope(
-    rid: str, model: str, req: ResponsesRequest, status: str, output: list[dict[str, Any]]
+    rid: str,
+    model: str,
+    req: ResponsesRequest,
+    status: str,
+    output: list[dict[str, Any]],
+    stored: bool,
 ) -> dict[str, Any]:
     return {
         "id": rid,
@@ -242,7 +308,7 @@ def _envelope(
         "error": None,
         "incomplete_details": None,
         "usage": None,
-        **req.echo(),
+        **req.echo(stored),
     }
 
 
@@ -287,8 +353,10 @@ def _finish(response: dict[str, Any], finish_reason: str | None) -> None:
         response["status"] = "completed"
 
 
-def response_body(chat: dict[str, Any], req: ResponsesRequest) -> dict[str, Any]:
-    """A chat completion's JSON -> the Response object."""
+def response_body(
+    chat: dict[str, Any], req: ResponsesRequest, stored: bool = False
+) -> dict[str, Any]:
+    """A chat completion's JSON -> the Response object (`stored`: it will be kept)."""
     choice = chat["choices"][0]
     message = choice["message"]
     output: list[dict[str, Any]] = []
@@ -297,15 +365,20 @@ def response_body(chat: dict[str, Any], req: ResponsesRequest) -> dict[str, Any]
     if message.get("content") or not message.get("tool_calls"):
         output.append(_message(message.get("content") or ""))
     output += [_function_call(c) for c in message.get("tool_calls") or []]
-    response = _envelope(_new_id("resp"), chat["model"], req, "completed", output)
+    response = _envelope(_new_id("resp"), chat["model"], req, "completed", output, stored)
     _finish(response, choice.get("finish_reason"))
     response["usage"] = _usage(chat.get("usage"))
     return response
 
 
-async def response_events(chunks: AsyncIterable[Any], req: ResponsesRequest) -> AsyncIterator[str]:
-    """A chat stream's SSE chunks -> Responses stream events (SSE)."""
-    stream = _Events(req)
+async def response_events(
+    chunks: AsyncIterable[Any],
+    req: ResponsesRequest,
+    keep: Callable[[dict[str, Any]], object] | None = None,
+) -> AsyncIterator[str]:
+    """A chat stream's SSE chunks -> Responses stream events (SSE); `keep` is given the final
+    Response object (the store's put) before its last event goes out."""
+    stream = _Events(req, keep is not None)
     yield stream.event("response.created", response=stream.response)
     yield stream.event("response.in_progress", response=stream.response)
     async for raw in chunks:
@@ -315,7 +388,10 @@ async def response_events(chunks: AsyncIterable[Any], req: ResponsesRequest) -> 
                 continue
             for event in stream.feed(json.loads(line[6:])):
                 yield event
-    for event in stream.end():
+    last = stream.end()
+    if keep is not None:
+        keep(stream.response)
+    for event in last:
         yield event
 
 
@@ -323,8 +399,8 @@ class _Events:
     """The Responses events of one chat stream, item by item: the reasoning text and the
     message text as they stream, function calls whole at the end."""
 
-    def __init__(self, req: ResponsesRequest) -> None:
-        self.response = _envelope(_new_id("resp"), req.model, req, "in_progress", [])
+    def __init__(self, req: ResponsesRequest, stored: bool) -> None:
+        self.response = _envelope(_new_id("resp"), req.model, req, "in_progress", [], stored)
         self.output: list[dict[str, Any]] = self.response["output"]
         self.open: dict[str, Any] | None = None  # the item whose text is streaming
         self.kind = ""  # its kind: "reasoning" or "message"

@@ -16,10 +16,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from quickdraft.config import SpeculativeConfig
+from quickdraft.config import RESPONSES_STORE_MB, SpeculativeConfig
 from quickdraft.server.backend import Backend, Handle
 from quickdraft.server.media import MediaPolicy
 from quickdraft.server.metrics import Metrics, RequestTrack, now
+from quickdraft.server.responses_store import ResponseStore
 from quickdraft.server.settings import SpeculationSettings, save_settings
 
 NGRAM_SHARED_SCOPES = ("tenant", "global")
@@ -41,6 +42,8 @@ class ServerConfig:
     # key / `user` only, "global" = every request (access.py `tenant_of`)
     ngram_shared_scope: str = "tenant"
     media: MediaPolicy = field(default_factory=MediaPolicy)  # what image parts may be
+    # the Responses API's stored responses, MB of their JSON (0: none stored)
+    responses_store_mb: int = RESPONSES_STORE_MB
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_keys:
@@ -56,6 +59,8 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.responses_store_mb < 0:
+            raise ValueError(f"responses_store_mb must be >= 0, got {self.responses_store_mb}")
 
     @property
     def api_keys(self) -> tuple[str, ...]:
@@ -98,6 +103,7 @@ class ServerState:
     slots: set[Slot] = field(default_factory=set)
     draining: bool = False  # shutting down: no new requests
     configure_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(0))
 
     @property
     def in_flight(self) -> int:
@@ -124,7 +130,8 @@ class ServerState:
             name: given.get(name) or SpeculationSettings.of(cfg) for name, cfg in base.items()
         }
         metrics = Metrics(list(engine.models), engine.prefix_stats, engine.encoder_stats)
-        return cls(engine, config, current, base, metrics)
+        store = ResponseStore(config.responses_store_mb << 20)
+        return cls(engine, config, current, base, metrics, responses=store)
 
     async def reconfigure(self, model: str, new: SpeculationSettings) -> None:
         """Apply `new` to requests submitted from now on, then persist it. Raises ValueError
