@@ -430,3 +430,77 @@ def test_the_store_drops_the_least_recently_used_past_its_budget() -> None:
         store.get("r1", 0)  # another key's
     huge = MessageItem(role="user", content="x" * (4 * one))
     assert not store.put(None, [huge], response("r5")) and len(store) == 3
+
+
+def test_included_logprobs_are_the_chat_completions(client: openai.OpenAI) -> None:
+    """include message.output_text.logprobs with top_logprobs: the output text's tokens with
+    the chat path's logprobs and alternatives, streamed per delta the same."""
+    args: dict[str, Any] = dict(model="tiny", input="count", max_output_tokens=6, temperature=0)
+    logprobs: Any = ["message.output_text.logprobs"]
+    r = client.responses.create(include=logprobs, top_logprobs=2, **args)
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "count"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    got = r.output[0].content[0].logprobs  # type: ignore[union-attr]
+    want = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert got is not None and want is not None and len(got) == len(want) > 0
+    assert [g.token for g in got] == [w.token for w in want]
+    # the same tokens; a logprob may differ in its last bits where one run verified a draft
+    # row and the other stepped one row (fp32 torch here, not the batch-invariant kernels)
+    assert [g.logprob for g in got] == pytest.approx([w.logprob for w in want], rel=1e-5)
+    assert all(len(g.top_logprobs) == 2 for g in got) and r.top_logprobs == 2
+    events = list(client.responses.create(include=logprobs, top_logprobs=2, stream=True, **args))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [s.token for s in streamed] == [g.token for g in got]
+    assert [s.logprob for s in streamed] == pytest.approx([g.logprob for g in got], rel=1e-5)
+    plain = client.responses.create(**args)
+    assert plain.output[0].content[0].logprobs == []  # type: ignore[union-attr]
+
+
+def test_the_other_request_fields_clients_send(client: openai.OpenAI) -> None:
+    """What the OpenAI client may send is taken (a routing key, a tier, stream options, the
+    default truncation, an include with nothing to add) or refused by name."""
+    r = client.responses.create(
+        model="tiny",
+        input="hi",
+        max_output_tokens=4,
+        prompt_cache_key="session-1",
+        safety_identifier="u-1",
+        service_tier="auto",
+        truncation="disabled",
+        include=["reasoning.encrypted_content"],
+        max_tool_calls=2,
+        store=False,
+    )
+    assert r.status in ("completed", "incomplete") and r.truncation == "disabled"
+    for bad, param in [
+        ({"truncation": "auto"}, "truncation"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"include": ["nothing.we.know"]}, "include"),
+    ]:
+        body: dict[str, Any] = {"model": "tiny", "input": "hi", **bad}
+        with pytest.raises(openai.BadRequestError) as err:
+            client.post("/responses", body=body, cast_to=object)
+        assert param in json.dumps(err.value.body), (bad, err.value.body)
+
+
+def test_max_tool_calls_keeps_the_first_calls() -> None:
+    req = ResponsesRequest.model_validate({"model": "m", "input": "hi", "max_tool_calls": 1})
+    calls = [
+        {"id": f"call_{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        for i in range(3)
+    ]
+    chat = {
+        "model": "m",
+        "choices": [
+            {"message": {"content": None, "tool_calls": calls}, "finish_reason": "tool_calls"}
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8},
+    }
+    body = response_body(chat, req)
+    assert [i["call_id"] for i in body["output"]] == ["call_0"] and body["max_tool_calls"] == 1

@@ -9,8 +9,12 @@ metadata (echoed), store and `previous_response_id` (responses_store.py: the sto
 conversation goes first), function `tools` with `tool_choice` (the chat path's tool calls, as
 function_call items; function_call and function_call_output items in `input` replay a
 conversation, reasoning items there are taken and left out),
-`reasoning.effort` (the chat's reasoning_effort) and `text.format` (the chat's
-response_format: a JSON object or a JSON schema, enforced by its grammar). Answered: a
+`reasoning.effort` (the chat's reasoning_effort), `text.format` (the chat's
+response_format: a JSON object or a JSON schema, enforced by its grammar), `include`
+"message.output_text.logprobs" with `top_logprobs` (the chat's logprobs, on the output text and
+on each delta), max_tool_calls, truncation "disabled" ("auto" refused by name: no turn is
+dropped), and prompt_cache_key, safety_identifier, service_tier, stream_options taken with
+nothing to do. Answered: a
 "message" item with one output_text part, a "reasoning" item first where the model writes
 one (gpt-oss's analysis channel), "function_call" items; status "incomplete" with reason
 max_output_tokens where the chat answer stopped at its length; usage in the Responses names.
@@ -29,6 +33,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError
 
+from quickdraft.request import MAX_TOP_LOGPROBS
 from quickdraft.server.protocol import APIError, ChatCompletionRequest, StrictBody, Text
 
 
@@ -155,6 +160,18 @@ class TextConfig(StrictBody):
     format: TextFormat | None = None
 
 
+INCLUDABLE = Literal[
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "code_interpreter_call.outputs",
+]
+
+
 class ResponsesRequest(StrictBody):
     model: Text
     input: Text | list[InputItem] = Field(min_length=1)
@@ -172,6 +189,19 @@ class ResponsesRequest(StrictBody):
     parallel_tool_calls: bool | None = None
     reasoning: ReasoningConfig | None = None  # its effort goes to the template (gpt-oss)
     text: TextConfig | None = None  # the output's format: text, a JSON object or a schema
+    # what else the answer holds: "message.output_text.logprobs" (the chat path's logprobs,
+    # `top_logprobs` alternatives each); the other values OpenAI takes are accepted and have
+    # nothing here to add (reasoning is returned as text, not encrypted)
+    include: list[INCLUDABLE] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    truncation: Literal["auto", "disabled"] | None = None  # "auto" refused: no turn is dropped
+    max_tool_calls: int | None = Field(default=None, ge=1)  # function_call items kept at most
+    # accepted, nothing to do with them here: the prefix cache finds shared prefixes itself;
+    # one tier; the stream's obfuscation padding is not sent
+    prompt_cache_key: Text | None = None
+    safety_identifier: Text | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    stream_options: dict[str, Any] | None = None
 
     def items(self) -> list[InputItem]:
         """`input` as items (a string: one user message)."""
@@ -183,6 +213,9 @@ class ResponsesRequest(StrictBody):
         """The chat request this one is, after the conversation `history` it continues (a
         stored response's, `previous_response_id`); APIError 400 naming the field it cannot
         be."""
+        if self.truncation == "auto":
+            msg = "'auto' is not done here (no turn is dropped); send fewer turns, or 'disabled'"
+            raise APIError(400, f"truncation: {msg}", "truncation")
         messages: list[dict[str, Any]] = []
         if self.instructions is not None:
             messages.append({"role": "system", "content": self.instructions})
@@ -214,6 +247,9 @@ class ResponsesRequest(StrictBody):
         }
         if self.stream:
             body["stream_options"] = {"include_usage": True}
+        if self.logprobs:
+            body["logprobs"] = True
+            body["top_logprobs"] = self.top_logprobs or 0
         if self.reasoning is not None and self.reasoning.effort is not None:
             body["reasoning_effort"] = self.reasoning.effort
         fmt = self.text.format if self.text is not None else None
@@ -241,6 +277,11 @@ class ResponsesRequest(StrictBody):
         chat.check()
         return chat
 
+    @property
+    def logprobs(self) -> bool:
+        """Whether the output text carries its tokens' logprobs (`include`)."""
+        return "message.output_text.logprobs" in (self.include or [])
+
     def echo(self, stored: bool) -> dict[str, Any]:
         """The request fields a Response object repeats; `stored`: whether it is kept."""
         return {
@@ -254,6 +295,10 @@ class ResponsesRequest(StrictBody):
             "parallel_tool_calls": self.parallel_tool_calls is not False,
             "store": stored,
             "previous_response_id": self.previous_response_id,
+            "top_logprobs": self.top_logprobs or 0,
+            "truncation": self.truncation or "disabled",
+            "max_tool_calls": self.max_tool_calls,
+            "service_tier": "default",
             "user": self.user,
             "reasoning": None if self.reasoning is None else self.reasoning.model_dump(),
             "text": {"format": {"type": "text"}}
@@ -312,8 +357,10 @@ def _envelope(
     }
 
 
-def _message(text: str, status: str = "completed") -> dict[str, Any]:
-    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _message(
+    text: str, status: str = "completed", logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
     return {
         "type": "message",
         "id": _new_id("msg"),
@@ -345,6 +392,12 @@ def _function_call(call: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _logprobs(choice: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat choice's (or chunk choice's) content logprobs, as output_text's: the same
+    token / logprob / bytes / top_logprobs entries."""
+    return list((choice.get("logprobs") or {}).get("content") or [])
+
+
 def _finish(response: dict[str, Any], finish_reason: str | None) -> None:
     if finish_reason == "length":
         response["status"] = "incomplete"
@@ -363,8 +416,9 @@ def response_body(
     if message.get("reasoning_content"):
         output.append(_reasoning(message["reasoning_content"]))
     if message.get("content") or not message.get("tool_calls"):
-        output.append(_message(message.get("content") or ""))
-    output += [_function_call(c) for c in message.get("tool_calls") or []]
+        output.append(_message(message.get("content") or "", logprobs=_logprobs(choice)))
+    calls = message.get("tool_calls") or []
+    output += [_function_call(c) for c in calls[: req.max_tool_calls]]
     response = _envelope(_new_id("resp"), chat["model"], req, "completed", output, stored)
     _finish(response, choice.get("finish_reason"))
     response["usage"] = _usage(chat.get("usage"))
@@ -408,6 +462,7 @@ class _Events:
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
         self.seq = 0
+        self.max_calls = req.max_tool_calls
 
     def event(self, kind: str, **data: Any) -> str:
         body = json.dumps({"type": kind, "sequence_number": self.seq, **data})
@@ -436,7 +491,10 @@ class _Events:
                     out += self._start(kind)
                 assert self.open is not None
                 self.open["content"][0]["text"] += piece
-                extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+                extra: dict[str, Any] = {}
+                if kind == "message":
+                    extra["logprobs"] = _logprobs(choice)
+                    self.open["content"][0]["logprobs"] += extra["logprobs"]
                 name = f"response.{'output' if kind == 'message' else 'reasoning'}_text.delta"
                 out.append(self.event(name, **self._at(), content_index=0, delta=piece, **extra))
             for call in delta.get("tool_calls") or []:
@@ -469,7 +527,10 @@ class _Events:
         part = self.open["content"][0]
         at = {**self._at(), "content_index": 0}
         if self.kind == "message":
-            done = self.event("response.output_text.done", **at, text=part["text"], logprobs=[])
+            logprobs = part["logprobs"]
+            done = self.event(
+                "response.output_text.done", **at, text=part["text"], logprobs=logprobs
+            )
         else:
             done = self.event("response.reasoning_text.done", **at, text=part["text"])
         self.open["status"] = "completed"
@@ -485,7 +546,7 @@ class _Events:
         out = self._close()
         if not self.output and not self.calls:  # an empty answer is still one message
             out += self._start("message") + self._close()
-        for i in sorted(self.calls):
+        for i in sorted(self.calls)[: self.max_calls]:
             item = _function_call(self.calls[i])
             self.output.append(item)
             index = len(self.output) - 1
