@@ -169,12 +169,9 @@ def create_app(
         history: list[InputItem] = []
         if body.previous_response_id is not None:
             if not store.enabled:
-                msg = "this server stores no responses (--responses-store-mb 0); send the "
-                raise APIError(
-                    400,
-                    f"previous_response_id: {msg}conversation in `input`",
-                    "previous_response_id",
-                )
+                why = "this server stores no responses (--responses-store-mb 0)"
+                msg = f"previous_response_id: {why}; send the conversation in `input`"
+                raise APIError(400, msg, "previous_response_id")
             earlier = store.get(body.previous_response_id, owner, "previous_response_id")
             history = earlier.items + continued(earlier.response["output"])
         keep = store.enabled and body.store is not False

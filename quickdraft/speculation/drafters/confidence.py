@@ -36,6 +36,8 @@ CONFIDENCE_FORGET = 0.998  # per verified token of the kind: the rates follow th
 
 
 class Confidence:
+    """Per kind of draft token, the tokens reached and kept (module docstring)."""
+
     __slots__ = ("forget", "prior", "rates", "weight")
 
     def __init__(

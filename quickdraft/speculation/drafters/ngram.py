@@ -10,6 +10,8 @@ never a rescan of the history), then drafts one token at a time: the longest suf
 down to min_n) of the committed tokens plus the drafts so far that occurred before votes for
 its most frequent follower (the most recently seen among equals), and drafting stops when no
 suffix occurred or when that follower won less than `min_share` of the suffix's occurrences.
+Each drafted token names its kind (the match length, a unanimous vote or not, own or shared
+index), by which the policy prices it (drafters/confidence.py `ScoredLookup`).
 
 Why votes and a stop: a suffix that was followed by different tokens is a branch point (the
 next JSON value, the name after `def `): guessing there wastes a verify row on a likely

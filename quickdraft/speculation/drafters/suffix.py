@@ -25,7 +25,9 @@ token's probability is the product of the steps' empirical probabilities (child 
 occurrences that continued), and the walk stops below `min_token_prob` or after min(k, floor(
 max_spec_factor x m)) tokens: a long match earns a long draft, a short one a short draft. A
 draft's score is the sum of its tokens' probabilities (its expected accepted length under the
-counts); the best-scoring draft of either tree wins (the request's own on a tie).
+counts); the best-scoring draft of either tree wins (the request's own on a tie). Each drafted
+token names its kind (the match length, its path probability, own or shared tree), by which
+the policy prices it (drafters/confidence.py `ScoredLookup`).
 
 Shared trees: the tenant scoping and the budget of the n-gram drafter's shared index
 (drafters/ngram.py says why per tenant): a request drafts only from the finished outputs of its
