@@ -146,6 +146,14 @@ def test_cluster_greedy_outputs_equal_the_single_process_server(cluster: str, si
         {"role": "user", "content": "and then?"},
     ]
     assert on.output_text == got.responses.create(input=turns, store=False, **more).output_text
+    later = got.responses.create(
+        input="and then?", previous_response_id=r.id, background=True, **more
+    )
+    deadline = time.monotonic() + 120
+    while (polled := got.responses.retrieve(later.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, polled
+        time.sleep(0.1)
+    assert polled.output_text == on.output_text  # run on a replica after its request ended
     headers = {"Authorization": f"Bearer {KEY}"}
     ids = httpx.post(
         cluster + "/tokenize", json={"model": MODEL, "messages": messages}, headers=headers

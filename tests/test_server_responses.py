@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -181,7 +182,7 @@ def test_a_forced_tool_call_is_a_function_call_item(client: openai.OpenAI) -> No
 
 def test_what_the_server_cannot_do_is_refused_by_name(client: openai.OpenAI) -> None:
     for bad, param in [
-        ({"background": True}, "background"),
+        ({"background": True, "stream": True}, "background"),
         ({"input": []}, "input"),
     ]:
         body: dict[str, Any] = {"model": "tiny", "input": "hi", **bad}
@@ -504,3 +505,36 @@ def test_max_tool_calls_keeps_the_first_calls() -> None:
     }
     body = response_body(chat, req)
     assert [i["call_id"] for i in body["output"]] == ["call_0"] and body["max_tool_calls"] == 1
+
+
+def test_a_background_response_is_polled_and_cancelled(client: openai.OpenAI) -> None:
+    """background: answered at once (queued, no output), run on, and found by GET with the
+    answer a foreground request gets; a long one cancelled stays cancelled; what cannot run in
+    the background is refused by name."""
+    args: dict[str, Any] = dict(model="tiny", input="hello", max_output_tokens=8, temperature=0)
+    fg = client.responses.create(**args)
+    bg = client.responses.create(background=True, **args)
+    assert bg.background is True and bg.status in ("queued", "in_progress") and not bg.output
+    deadline = time.monotonic() + 60
+    got = client.responses.retrieve(bg.id)
+    while got.status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, got
+        time.sleep(0.05)
+        got = client.responses.retrieve(bg.id)
+    assert (got.id, got.status, got.output_text) == (bg.id, fg.status, fg.output_text)
+    assert got.created_at == bg.created_at and got.usage is not None
+    assert client.responses.cancel(bg.id).status == got.status  # it has ended: as it ended
+
+    long = client.responses.create(
+        model="tiny", input="count", max_output_tokens=3000, background=True
+    )
+    assert client.responses.cancel(long.id).status == "cancelled"
+    time.sleep(0.2)
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(fg.id)  # not a background response
+    for bad in ({"stream": True}, {"store": False}):
+        body: dict[str, Any] = {"model": "tiny", "input": "hi", "background": True, **bad}
+        with pytest.raises(openai.BadRequestError) as err:
+            client.post("/responses", body=body, cast_to=object)
+        assert "background" in json.dumps(err.value.body), (bad, err.value.body)

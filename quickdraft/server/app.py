@@ -23,6 +23,7 @@ Who may call at all is decided before any route, in access.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -34,7 +35,7 @@ from typing import Any
 import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from quickdraft import __version__
 from quickdraft.engine import Engine, EngineDeadError, QueueFullError
@@ -70,6 +71,7 @@ from quickdraft.server.responses_api import (
     ResponsesRequest,
     as_stored,
     continued,
+    queued,
     response_body,
     response_events,
 )
@@ -176,7 +178,18 @@ def create_app(
             history = earlier.items + continued(earlier.response["output"])
         keep = store.enabled and body.store is not False
         items = history + as_stored(body.items())  # what a stored response answered
-        answer = await _chat(state, body.to_chat(history), request)
+        chat_body = body.to_chat(history)
+        if body.background:
+            if not keep:
+                msg = "background: a background response is kept to be polled; it needs store"
+                raise APIError(400, msg, "background")
+            response = queued(body)
+            store.put(owner, items, response)
+            state.background[response["id"]] = asyncio.create_task(
+                _background(state, body, chat_body, request, owner, items, response)
+            )
+            return JSONResponse(response)
+        answer = await _chat(state, chat_body, request)
         if isinstance(answer, StreamingResponse):  # the chat chunks become response events
             put = (lambda response: store.put(owner, items, response)) if keep else None
             answer.body_iterator = response_events(answer.body_iterator, body, put)
@@ -195,6 +208,25 @@ def create_app(
     async def delete_response(rid: str, request: Request) -> dict[str, Any]:
         state.responses.delete(rid, _owner(state, request))
         return {"id": rid, "object": "response", "deleted": True}
+
+    @app.post("/v1/responses/{rid}/cancel")
+    async def cancel_response(rid: str, request: Request) -> JSONResponse:
+        stored = state.responses.get(rid, _owner(state, request))
+        task = state.background.get(rid)
+        if task is None:
+            if not stored.response.get("background"):
+                msg = f"response {rid!r} was not created in the background: nothing to cancel"
+                raise APIError(400, msg, code="not_background")
+            return JSONResponse(stored.response)  # it has already ended
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        state.background.pop(rid, None)
+        now = state.responses.get(rid, stored.owner)
+        if now.response["status"] in ("queued", "in_progress"):  # cancelled before it ran
+            state.responses.put(now.owner, now.items, {**now.response, "status": "cancelled"})
+            now = state.responses.get(rid, stored.owner)
+        return JSONResponse(now.response)
 
     @app.get("/v1/responses/{rid}/input_items")
     async def input_items(
@@ -382,6 +414,42 @@ async def _generate(
     finally:
         for slot in slots:
             slot.release()
+
+
+async def _background(
+    state: ServerState,
+    body: ResponsesRequest,
+    chat: ChatCompletionRequest,
+    request: Request,
+    owner: int | None,
+    items: list[InputItem],
+    response: dict[str, Any],
+) -> None:
+    """A background response's run: in progress, then its answer under the id it was given
+    (failed with the error, or cancelled), each state stored where GET finds it. The HTTP
+    request has been answered, so the run reads no disconnect from it."""
+    store, rid = state.responses, response["id"]
+
+    async def never() -> Message:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    detached = Request(request.scope, never)
+    try:
+        store.put(owner, items, {**response, "status": "in_progress"})
+        answer = await _chat(state, chat, detached)
+        done = response_body(json.loads(bytes(answer.body)), body, True, rid)
+        done["created_at"] = response["created_at"]
+        store.put(owner, items, done)
+    except asyncio.CancelledError:
+        store.put(owner, items, {**response, "status": "cancelled"})
+        raise
+    except Exception as exc:
+        err = exc if isinstance(exc, APIError) else APIError(500, f"the response failed: {exc}")
+        error = {"code": err.code or "server_error", "message": err.message}
+        store.put(owner, items, {**response, "status": "failed", "error": error})
+    finally:
+        state.background.pop(rid, None)
 
 
 def _owner(state: ServerState, request: Request) -> int | None:

@@ -6,7 +6,9 @@ Stage: the HTTP edge, beside app.py's routes. Taken: `input` as a string or as m
 (roles user / system / developer / assistant; parts input_text, input_image, output_text),
 `instructions` (a system message first), max_output_tokens, temperature, top_p, stream, user,
 metadata (echoed), store and `previous_response_id` (responses_store.py: the stored
-conversation goes first), function `tools` with `tool_choice` (the chat path's tool calls, as
+conversation goes first), `background` (answered at once as "queued", run on, polled with GET
+/v1/responses/{id}, ended by POST .../cancel; not streamed, and kept, so it needs store),
+function `tools` with `tool_choice` (the chat path's tool calls, as
 function_call items; function_call and function_call_output items in `input` replay a
 conversation, reasoning items there are taken and left out),
 `reasoning.effort` (the chat's reasoning_effort), `text.format` (the chat's
@@ -182,6 +184,7 @@ class ResponsesRequest(StrictBody):
     stream: bool | None = False
     store: bool | None = None  # default true: kept for previous_response_id (responses_store.py)
     previous_response_id: Text | None = None  # continue that stored response's conversation
+    background: bool | None = None  # answer at once, run on, poll GET /v1/responses/{id}
     user: Text | None = None
     metadata: dict[str, Text] | None = None
     tools: list[FunctionTool] | None = None
@@ -213,6 +216,11 @@ class ResponsesRequest(StrictBody):
         """The chat request this one is, after the conversation `history` it continues (a
         stored response's, `previous_response_id`); APIError 400 naming the field it cannot
         be."""
+        if self.background and self.stream:
+            msg = (
+                "background: a background response is polled (GET /v1/responses/{id}), not streamed"
+            )
+            raise APIError(400, msg, "background")
         if self.truncation == "auto":
             msg = "'auto' is not done here (no turn is dropped); send fewer turns, or 'disabled'"
             raise APIError(400, f"truncation: {msg}", "truncation")
@@ -294,6 +302,7 @@ class ResponsesRequest(StrictBody):
             "tool_choice": self.tool_choice or "auto",
             "parallel_tool_calls": self.parallel_tool_calls is not False,
             "store": stored,
+            "background": bool(self.background),
             "previous_response_id": self.previous_response_id,
             "top_logprobs": self.top_logprobs or 0,
             "truncation": self.truncation or "disabled",
@@ -406,10 +415,16 @@ def _finish(response: dict[str, Any], finish_reason: str | None) -> None:
         response["status"] = "completed"
 
 
+def queued(req: ResponsesRequest) -> dict[str, Any]:
+    """A background response as it is answered at once: its id, status "queued", no output."""
+    return _envelope(_new_id("resp"), req.model, req, "queued", [], True)
+
+
 def response_body(
-    chat: dict[str, Any], req: ResponsesRequest, stored: bool = False
+    chat: dict[str, Any], req: ResponsesRequest, stored: bool = False, rid: str | None = None
 ) -> dict[str, Any]:
-    """A chat completion's JSON -> the Response object (`stored`: it will be kept)."""
+    """A chat completion's JSON -> the Response object (`stored`: it will be kept; `rid`: the
+    id a background response was given, else a new one)."""
     choice = chat["choices"][0]
     message = choice["message"]
     output: list[dict[str, Any]] = []
@@ -419,7 +434,7 @@ def response_body(
         output.append(_message(message.get("content") or "", logprobs=_logprobs(choice)))
     calls = message.get("tool_calls") or []
     output += [_function_call(c) for c in calls[: req.max_tool_calls]]
-    response = _envelope(_new_id("resp"), chat["model"], req, "completed", output, stored)
+    response = _envelope(rid or _new_id("resp"), chat["model"], req, "completed", output, stored)
     _finish(response, choice.get("finish_reason"))
     response["usage"] = _usage(chat.get("usage"))
     return response

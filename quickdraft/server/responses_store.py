@@ -9,7 +9,9 @@ outputs it continued, then its own input (instructions are not carried over, as 
 not). `previous_response_id` continues from there: the model sees that conversation, the
 response's output items (a reasoning item among them is kept, and the chat templates drop an
 earlier turn's reasoning as they do in a replay) and the new input, so a continuation equals
-the whole conversation sent again, and the prefix cache holds the shared turns.
+the whole conversation sent again, and the prefix cache holds the shared turns. A background
+response (`background`, app.py `_background`) is stored when it is answered ("queued"), in
+progress, and when it ends (completed, incomplete, failed with its error, or cancelled).
 
 Memory: responses are kept in memory up to a budget of bytes (their JSON), the least recently
 used dropped first (`--responses-store-mb`; 0 stores nothing and refuses

@@ -104,6 +104,8 @@ class ServerState:
     draining: bool = False  # shutting down: no new requests
     configure_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(0))
+    # background responses still running, by id (app.py `_background`; cancel ends them)
+    background: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
     @property
     def in_flight(self) -> int:
