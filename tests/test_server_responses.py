@@ -480,7 +480,6 @@ def test_the_other_request_fields_clients_send(client: openai.OpenAI) -> None:
     )
     assert r.status in ("completed", "incomplete") and r.truncation == "disabled"
     for bad, param in [
-        ({"truncation": "auto"}, "truncation"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"include": ["nothing.we.know"]}, "include"),
     ]:
@@ -538,3 +537,28 @@ def test_a_background_response_is_polled_and_cancelled(client: openai.OpenAI) ->
         with pytest.raises(openai.BadRequestError) as err:
             client.post("/responses", body=body, cast_to=object)
         assert "background" in json.dumps(err.value.body), (bad, err.value.body)
+
+
+def test_truncation_auto_drops_the_oldest_turns(client: openai.OpenAI) -> None:
+    """A conversation past the 4k context: refused by default (context_length_exceeded), and
+    with truncation "auto" answered from its newest turns that fit, a user message first,
+    as if only those had been sent."""
+    long = "lorem ipsum " * 150  # 1,800 bytes: tokens of the byte-level tiny tokenizer
+    turns: list[Any] = [
+        {"role": "user", "content": long},
+        {"role": "assistant", "content": long},
+        {"role": "user", "content": long},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "and now?"},
+    ]
+    args: dict[str, Any] = dict(model="tiny", max_output_tokens=8, temperature=0, store=False)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(input=turns, **args)
+    assert "context_length_exceeded" in json.dumps(err.value.body)
+    r = client.responses.create(input=turns, truncation="auto", **args)
+    assert r.truncation == "auto"
+    assert r.output_text == client.responses.create(input=turns[2:], **args).output_text
+    with pytest.raises(openai.BadRequestError):  # nothing left to drop
+        client.responses.create(
+            input=[{"role": "user", "content": long * 3}], truncation="auto", **args
+        )

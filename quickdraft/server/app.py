@@ -178,7 +178,7 @@ def create_app(
             history = earlier.items + continued(earlier.response["output"])
         keep = store.enabled and body.store is not False
         items = history + as_stored(body.items())  # what a stored response answered
-        chat_body = body.to_chat(history)
+        body.to_chat(history)  # its 400s before anything runs
         if body.background:
             if not keep:
                 msg = "background: a background response is kept to be polled; it needs store"
@@ -186,10 +186,10 @@ def create_app(
             response = queued(body)
             store.put(owner, items, response)
             state.background[response["id"]] = asyncio.create_task(
-                _background(state, body, chat_body, request, owner, items, response)
+                _background(state, body, history, request, owner, items, response)
             )
             return JSONResponse(response)
-        answer = await _chat(state, chat_body, request)
+        answer = await _respond(state, body, history, request)
         if isinstance(answer, StreamingResponse):  # the chat chunks become response events
             put = (lambda response: store.put(owner, items, response)) if keep else None
             answer.body_iterator = response_events(answer.body_iterator, body, put)
@@ -416,10 +416,26 @@ async def _generate(
             slot.release()
 
 
+async def _respond(
+    state: ServerState, body: ResponsesRequest, history: list[InputItem], request: Request
+) -> Response:
+    """The chat answer to `body` after the conversation `history`; with truncation "auto",
+    the oldest turns dropped (a user message at a time) while the prompt does not fit."""
+    starts = body.turn_starts(history) if body.truncation == "auto" else []
+    skip = 0
+    while True:
+        try:
+            return await _chat(state, body.to_chat(history, skip), request)
+        except APIError as exc:
+            if exc.code != "context_length_exceeded" or not starts:
+                raise
+            skip = starts.pop(0)
+
+
 async def _background(
     state: ServerState,
     body: ResponsesRequest,
-    chat: ChatCompletionRequest,
+    history: list[InputItem],
     request: Request,
     owner: int | None,
     items: list[InputItem],
@@ -437,7 +453,7 @@ async def _background(
     detached = Request(request.scope, never)
     try:
         store.put(owner, items, {**response, "status": "in_progress"})
-        answer = await _chat(state, chat, detached)
+        answer = await _respond(state, body, history, detached)
         done = response_body(json.loads(bytes(answer.body)), body, True, rid)
         done["created_at"] = response["created_at"]
         store.put(owner, items, done)

@@ -14,8 +14,9 @@ conversation, reasoning items there are taken and left out),
 `reasoning.effort` (the chat's reasoning_effort), `text.format` (the chat's
 response_format: a JSON object or a JSON schema, enforced by its grammar), `include`
 "message.output_text.logprobs" with `top_logprobs` (the chat's logprobs, on the output text and
-on each delta), max_tool_calls, truncation "disabled" ("auto" refused by name: no turn is
-dropped), and prompt_cache_key, safety_identifier, service_tier, stream_options taken with
+on each delta), max_tool_calls, truncation ("auto": the oldest turns dropped, a user message
+at a time, while the prompt does not fit; the stored conversation keeps them), and
+prompt_cache_key, safety_identifier, service_tier, stream_options taken with
 nothing to do. Answered: a
 "message" item with one output_text part, a "reasoning" item first where the model writes
 one (gpt-oss's analysis channel), "function_call" items; status "incomplete" with reason
@@ -197,7 +198,8 @@ class ResponsesRequest(StrictBody):
     # nothing here to add (reasoning is returned as text, not encrypted)
     include: list[INCLUDABLE] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    truncation: Literal["auto", "disabled"] | None = None  # "auto" refused: no turn is dropped
+    # "auto": the oldest turns dropped while the conversation does not fit the context
+    truncation: Literal["auto", "disabled"] | None = None
     max_tool_calls: int | None = Field(default=None, ge=1)  # function_call items kept at most
     # accepted, nothing to do with them here: the prefix cache finds shared prefixes itself;
     # one tier; the stream's obfuscation padding is not sent
@@ -212,22 +214,26 @@ class ResponsesRequest(StrictBody):
             return [MessageItem(role="user", content=self.input)]
         return list(self.input)
 
-    def to_chat(self, history: Sequence[InputItem] = ()) -> ChatCompletionRequest:
+    def turn_starts(self, history: Sequence[InputItem] = ()) -> list[int]:
+        """Where the conversation (`history`, then `input`) may start when its oldest turns are
+        dropped (truncation "auto"): at each user message but the first, in order."""
+        items = [*history, *self.items()]
+        users = [i for i, m in enumerate(items) if isinstance(m, MessageItem) and m.role == "user"]
+        return users[1:] if users and users[0] == 0 else users
+
+    def to_chat(self, history: Sequence[InputItem] = (), skip: int = 0) -> ChatCompletionRequest:
         """The chat request this one is, after the conversation `history` it continues (a
-        stored response's, `previous_response_id`); APIError 400 naming the field it cannot
-        be."""
+        stored response's, `previous_response_id`), its first `skip` items dropped (truncation
+        "auto"); APIError 400 naming the field it cannot be."""
         if self.background and self.stream:
             msg = (
                 "background: a background response is polled (GET /v1/responses/{id}), not streamed"
             )
             raise APIError(400, msg, "background")
-        if self.truncation == "auto":
-            msg = "'auto' is not done here (no turn is dropped); send fewer turns, or 'disabled'"
-            raise APIError(400, f"truncation: {msg}", "truncation")
         messages: list[dict[str, Any]] = []
         if self.instructions is not None:
             messages.append({"role": "system", "content": self.instructions})
-        for item in [*history, *self.items()]:
+        for item in [*history, *self.items()][skip:]:
             if isinstance(item, ReasoningItem):
                 continue
             if isinstance(item, MessageItem):
