@@ -558,6 +558,9 @@ def test_truncation_auto_drops_the_oldest_turns(client: openai.OpenAI) -> None:
     r = client.responses.create(input=turns, truncation="auto", **args)
     assert r.truncation == "auto"
     assert r.output_text == client.responses.create(input=turns[2:], **args).output_text
+    rule = {"role": "developer", "content": "answer in French"}  # kept while turns go
+    r = client.responses.create(input=[rule, *turns], truncation="auto", **args)
+    assert r.output_text == client.responses.create(input=[rule, *turns[2:]], **args).output_text
     with pytest.raises(openai.BadRequestError):  # nothing left to drop
         client.responses.create(
             input=[{"role": "user", "content": long * 3}], truncation="auto", **args

@@ -15,7 +15,8 @@ conversation, reasoning items there are taken and left out),
 response_format: a JSON object or a JSON schema, enforced by its grammar), `include`
 "message.output_text.logprobs" with `top_logprobs` (the chat's logprobs, on the output text and
 on each delta), max_tool_calls, truncation ("auto": the oldest turns dropped, a user message
-at a time, while the prompt does not fit; the stored conversation keeps them), and
+at a time, while the prompt does not fit, system and developer messages kept; the stored
+conversation keeps them all), and
 prompt_cache_key, safety_identifier, service_tier, stream_options taken with
 nothing to do. Answered: a
 "message" item with one output_text part, a "reasoning" item first where the model writes
@@ -91,6 +92,11 @@ class ReasoningItem(StrictBody):
 
 InputItem = MessageItem | FunctionCallItem | FunctionOutputItem | ReasoningItem
 _ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def _standing(item: InputItem) -> bool:
+    """A system or developer message: kept when truncation drops the turns around it."""
+    return isinstance(item, MessageItem) and item.role in ("system", "developer")
 
 
 def as_stored(items: Sequence[InputItem]) -> list[InputItem]:
@@ -216,10 +222,15 @@ class ResponsesRequest(StrictBody):
 
     def turn_starts(self, history: Sequence[InputItem] = ()) -> list[int]:
         """Where the conversation (`history`, then `input`) may start when its oldest turns are
-        dropped (truncation "auto"): at each user message but the first, in order."""
+        dropped (truncation "auto"): at each user message that has a turn before it to drop
+        (system and developer messages are kept, `to_chat`), in order."""
         items = [*history, *self.items()]
-        users = [i for i, m in enumerate(items) if isinstance(m, MessageItem) and m.role == "user"]
-        return users[1:] if users and users[0] == 0 else users
+        starts, dropped = [], False
+        for i, item in enumerate(items):
+            if isinstance(item, MessageItem) and item.role == "user" and dropped:
+                starts.append(i)
+            dropped = dropped or not _standing(item)
+        return starts
 
     def to_chat(self, history: Sequence[InputItem] = (), skip: int = 0) -> ChatCompletionRequest:
         """The chat request this one is, after the conversation `history` it continues (a
@@ -233,7 +244,8 @@ class ResponsesRequest(StrictBody):
         messages: list[dict[str, Any]] = []
         if self.instructions is not None:
             messages.append({"role": "system", "content": self.instructions})
-        for item in [*history, *self.items()][skip:]:
+        items = [*history, *self.items()]
+        for item in [*(i for i in items[:skip] if _standing(i)), *items[skip:]]:
             if isinstance(item, ReasoningItem):
                 continue
             if isinstance(item, MessageItem):
