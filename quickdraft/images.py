@@ -41,6 +41,25 @@ class ImageError(ValueError):
         self.param = param
 
 
+def fit_area(
+    height: int, width: int, factor: int, lo: int, hi: int, frames: int = 1, tp: int = 1
+) -> tuple[int, int]:
+    """smart_resize's fit: both sides multiples of `factor`, the pixels of `frames` frames
+    (rounded to temporal patches of `tp`; an image is one) within [lo, hi], the aspect ratio
+    kept as closely as that allows."""
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = round(frames / tp) * tp
+    if t_bar * h_bar * w_bar > hi:
+        beta = math.sqrt(frames * height * width / hi)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < lo:
+        beta = math.sqrt(lo / (frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 @dataclass(frozen=True, slots=True)
 class ImageProcessing:
     """A checkpoint's preprocessing (preprocessor_config.json; Qwen3.5's values by default).
@@ -106,16 +125,7 @@ class ImageProcessing:
             )
         if self.kind == "gemma4":
             return self.budget_resize(height, width)
-        h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-        if h_bar * w_bar > self.max_pixels:
-            beta = math.sqrt(height * width / self.max_pixels)
-            h_bar = max(factor, math.floor(height / beta / factor) * factor)
-            w_bar = max(factor, math.floor(width / beta / factor) * factor)
-        elif h_bar * w_bar < self.min_pixels:
-            beta = math.sqrt(self.min_pixels / (height * width))
-            h_bar = math.ceil(height * beta / factor) * factor
-            w_bar = math.ceil(width * beta / factor) * factor
-        return h_bar, w_bar
+        return fit_area(height, width, factor, self.min_pixels, self.max_pixels)
 
     def budget_resize(self, height: int, width: int) -> tuple[int, int]:
         """Gemma 4's `get_aspect_ratio_preserving_size`: the largest size of the image's aspect

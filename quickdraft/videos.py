@@ -36,7 +36,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from quickdraft.images import DEFAULT_MAX_IMAGE_PIXELS, ImageError, ImageInput, ImageProcessing
+from quickdraft.images import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    MAX_ASPECT_RATIO,
+    ImageError,
+    ImageInput,
+    ImageProcessing,
+    fit_area,
+)
 
 DEFAULT_MAX_VIDEO_FRAMES = 36_000  # decoded frames refused above this (20 minutes at 30 fps)
 DEFAULT_FPS = 24.0  # transformers' when a stream does not say its rate
@@ -347,21 +354,12 @@ def video_size(
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > 200:
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         raise ImageError(
-            f"video aspect ratio {max(height, width) / min(height, width):.0f} is over 200"
+            f"video aspect ratio {max(height, width) / min(height, width):.0f} is over "
+            f"{MAX_ASPECT_RATIO}"
         )
-    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-    t_bar = round(frames / tp) * tp
-    if t_bar * h_bar * w_bar > hi:
-        beta = math.sqrt(frames * height * width / hi)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < lo:
-        beta = math.sqrt(lo / (frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    return fit_area(height, width, factor, lo, hi, frames, tp)
 
 
 def preprocess_patches(

@@ -105,6 +105,10 @@ class ScoredLookup(ABC):
     def _draft(self, state: Any, tokens: list[int], k: int) -> tuple[list[int], list[Hashable]]:
         """Up to k tokens after `tokens`, and each one's kind."""
 
+    def lookup(self, state: Any, tokens: list[int], k: int) -> Draft:
+        """`_draft`'s tokens, looked up now (no peek; no kinds kept for `outcome`)."""
+        return Draft(self._draft(state, tokens, k)[0])
+
     def propose(self, jobs: Sequence[DraftJob]) -> list[Draft]:
         out = []
         for job in jobs:

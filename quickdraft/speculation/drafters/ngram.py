@@ -47,7 +47,6 @@ import torch
 
 from quickdraft.config import NGRAM_MAX, NGRAM_MIN, NGRAM_SHARED_TOKENS
 from quickdraft.speculation.cost import StepShape
-from quickdraft.speculation.drafters.base import Draft
 from quickdraft.speculation.drafters.confidence import Confidence, Peeked, ScoredLookup
 
 
@@ -165,17 +164,14 @@ class NgramDrafter(ScoredLookup):
         self._catch_up(state, prompt_ids)
         return state
 
-    def lookup(self, state: NgramState, tokens: list[int], k: int) -> Draft:
-        """Up to k tokens, each the voted follower of the longest earlier-seen suffix of
-        `tokens` + the drafts before it; empty when no suffix of length >= min_n occurred."""
-        return Draft(self._draft(state, tokens, k)[0])
-
     def _draft(
         self, state: NgramState, tokens: list[int], k: int
     ) -> tuple[list[int], list[Hashable]]:
-        """`lookup`'s tokens and each one's kind (`Confidence`): (n, unanimous) for a match of
-        n tokens in the request's own index, (0, unanimous) for one in the shared index, where
-        unanimous: every occurrence of the suffix went on with the drafted token."""
+        """Up to k tokens, each the voted follower of the longest earlier-seen suffix of
+        `tokens` + the drafts before it (none when no suffix of length >= min_n occurred), and
+        each one's kind (`Confidence`): (n, unanimous) for a match of n tokens in the request's
+        own index, (0, unanimous) for one in the shared index, where unanimous: every
+        occurrence of the suffix went on with the drafted token."""
         self._catch_up(state, tokens)
         shared = self.shared.get(state.tenant)
         context = tokens[-self.max_n :]

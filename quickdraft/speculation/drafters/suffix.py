@@ -51,7 +51,6 @@ from quickdraft.config import (
     SUFFIX_SHARED_TOKENS,
 )
 from quickdraft.speculation.cost import StepShape
-from quickdraft.speculation.drafters.base import Draft
 from quickdraft.speculation.drafters.confidence import Confidence, Peeked, ScoredLookup
 
 
@@ -324,17 +323,13 @@ class SuffixDrafter(ScoredLookup):
         self._catch_up(state, prompt_ids)
         return state
 
-    def lookup(self, state: SuffixState, tokens: list[int], k: int) -> Draft:
-        """The best-scoring draft (module docstring) of at most k tokens from the request's
-        own tree or its tenant's shared tree; empty when neither saw the last token go on."""
-        return Draft(self._draft(state, tokens, k)[0])
-
     def _draft(
         self, state: SuffixState, tokens: list[int], k: int
     ) -> tuple[list[int], list[Hashable]]:
-        """`lookup`'s tokens and each one's kind (`Confidence`): the match length (1, 2, 3,
-        4-7, 8+), the token's path probability (1, >= 1/2, below), and the tree (own or
-        shared)."""
+        """The best-scoring draft (module docstring) of at most k tokens from the request's
+        own tree or its tenant's shared tree (none when neither saw the last token go on), and
+        each token's kind (`Confidence`): the match length (1, 2, 3, 4-7, 8+), the token's path
+        probability (1, >= 1/2, below), and the tree (own or shared)."""
         self._catch_up(state, tokens)
         draft, score, keys = self._best(state.tree, self._own_matches(state), k, True)
         shared = self.shared.get(state.tenant)
