@@ -79,6 +79,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # vLLM's: end the output like an EOS, ignore_eos or not
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -103,6 +104,7 @@ class SamplingParams:
         check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]")
         check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings")
         check(all(self.stop), "stop", "non-empty strings")
+        check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "token ids >= 0")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             check(-2.0 <= v <= 2.0 and not math.isnan(v), name, "in [-2, 2]")
@@ -263,7 +265,7 @@ class Request:
         self.tenant = tenant  # who sent it: drafters share what they learn only within one
         self.prompt_ids = prompt_ids
         self.params = params
-        self.eos_ids = () if params.ignore_eos else eos_ids
+        self.eos_ids = (() if params.ignore_eos else eos_ids) + params.stop_token_ids
         self.output_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []  # per output id, when params.logprobs is set
         # per prompt id after the first, when params.prompt_logprobs is set (its prefill rows)
@@ -271,6 +273,9 @@ class Request:
         self.text = ""
         self.sent = 0  # chars of `text` already handed out by stream_delta()
         self.finish_reason: FinishReason | None = None
+        # what ended a STOP (vLLM's `stop_reason`): a stop string, a `stop_token_ids` id, or
+        # None for the model's own end of generation
+        self.stop_reason: str | int | None = None
         self.timing = Timing()
         self.spec = SpecStats()
         self._detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
@@ -300,6 +305,8 @@ class Request:
                 break
             kept += 1
             if tok in self.eos_ids:
+                if tok in self.params.stop_token_ids:
+                    self.stop_reason = tok
                 self._finish(FinishReason.STOP)
                 break
             self.output_ids.append(tok)
@@ -328,10 +335,11 @@ class Request:
 
     def _cut_at_stop(self, old_len: int) -> bool:
         search_from = max(0, old_len - self._max_stop + 1)
-        hits = [i for s in self.params.stop if (i := self.text.find(s, search_from)) >= 0]
+        hits = [(i, s) for s in self.params.stop if (i := self.text.find(s, search_from)) >= 0]
         if not hits:
             return False
-        self.text = self.text[: min(hits)]
+        at, self.stop_reason = min(hits)
+        self.text = self.text[:at]
         self._finish(FinishReason.STOP)
         return True
 

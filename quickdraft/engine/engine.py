@@ -120,6 +120,7 @@ class RequestOutput:
     timing: Timing
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per new token id, if asked
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (known from admission)
+    stop_reason: str | int | None = None  # on the last output: `Request.stop_reason`
     # on the first output, if asked: per prompt id after the first, its logprob (the prefill's)
     prompt_logprobs: list[TokenLogprob] | None = None
 
@@ -385,6 +386,7 @@ class Engine:
             req.timing,
             req.logprobs[sent_ids:],
             cached_tokens=cached_tokens,
+            stop_reason=req.stop_reason,
             prompt_logprobs=req.prompt_logprobs
             if sent_ids == 0 and req.params.prompt_logprobs is not None
             else None,

@@ -41,6 +41,7 @@ from quickdraft import __version__
 from quickdraft.engine import Engine, EngineDeadError, QueueFullError
 from quickdraft.grammar import GrammarError
 from quickdraft.images import ImageError, ImageInput
+from quickdraft.infill import FimTokens, InfillError, completion_ids
 from quickdraft.loading import ContextLengthError
 from quickdraft.request import SamplingParams
 from quickdraft.server import admin
@@ -52,6 +53,7 @@ from quickdraft.server.access import (
 )
 from quickdraft.server.backend import Backend, LocalBackend, ModelFront, ReplicaLostError
 from quickdraft.server.errors import BodyLimitMiddleware, error_response, install_error_handlers
+from quickdraft.server.infill_api import InfillRequest, InfillRun
 from quickdraft.server.media import read_media
 from quickdraft.server.metrics import now
 from quickdraft.server.protocol import (
@@ -249,15 +251,51 @@ def create_app(
         body.check()
         lm = _model(state, body.model)
         prompt = body.single_prompt()
+        fim = _fim(lm, "suffix") if body.suffix else None
         if isinstance(prompt, str):
-            prompt_ids = lm.tokenizer.encode(prompt, parse_special=body.parse_special_tokens)
+            prompt_ids = lm.tokenizer.encode(
+                prompt, add_special_tokens=fim is None, parse_special=body.parse_special_tokens
+            )
         else:
             vocab = lm.vocab_size
             if any(not 0 <= t < vocab for t in prompt):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
             prompt_ids = list(prompt)
+        if fim is not None:  # the prompt is the text before the gap, `suffix` the text after
+            assert body.suffix is not None
+            prompt_ids = completion_ids(lm.tokenizer, fim, prompt_ids, body.suffix)
+            body.stop_token_ids = [*(body.stop_token_ids or ()), *fim.stops]
         shared = prompt_ids[:ROUTE_PREFIX_TOKENS]
         return await _generate(state, request, body, prompt_ids, "completion", arrived, shared)
+
+    @app.post("/infill")
+    async def infill(body: InfillRequest, request: Request) -> Response:
+        arrived = now()
+        name = body.model
+        if name is None:
+            if len(state.engine.models) != 1:
+                raise APIError(400, "several models are served: name one in `model`", "model")
+            (name,) = state.engine.models
+        lm = _model(state, name)
+        fim = _fim(lm, "input_prefix")
+        prompt_ids = body.prompt_ids(lm.tokenizer, fim, lm.context_length)
+        completion = body.completion(name, prompt_ids, fim)
+        completion.check()
+        shared = prompt_ids[:ROUTE_PREFIX_TOKENS]
+        relay, slots, where = await _start(
+            state, request, completion, prompt_ids, "completion", arrived, shared
+        )
+        run = InfillRun(relay, body, name, lm.tokenizer)
+        if body.stream:
+            headers = {**_SSE_HEADERS, **where}
+            return _SlotStreamingResponse(
+                slots, run.events(), media_type="text/event-stream", headers=headers
+            )
+        try:
+            return JSONResponse(await run.body_json(request), headers=where)
+        finally:
+            for slot in slots:
+                slot.release()
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
@@ -292,6 +330,14 @@ def create_app(
         return DetokenizeResponse(prompt=lm.tokenizer.decode(body.tokens, False))
 
     return app
+
+
+def _fim(lm: ModelFront, param: str) -> FimTokens:
+    """The served model's fill-in-the-middle tokens; a 400 naming `param` where it has none."""
+    try:
+        return FimTokens.of(lm.tokenizer, param)
+    except InfillError as exc:
+        raise APIError(400, str(exc), exc.param) from None
 
 
 async def _chat(state: ServerState, body: ChatCompletionRequest, request: Request) -> Response:
@@ -341,8 +387,35 @@ async def _generate(
     shared: list[Any],
     images: list[ImageInput] | None = None,
 ) -> Response:
-    """`shared`: the part of the request other requests may share (its route key); `images`:
-    one per image placeholder of `prompt_ids`."""
+    """`_start`'s run answered: one JSON body, or its events."""
+    relay, slots, where = await _start(
+        state, request, body, prompt_ids, kind, arrived, shared, images
+    )
+    if body.stream:
+        headers = {**_SSE_HEADERS, **where}
+        return _SlotStreamingResponse(
+            slots, relay.events(), media_type="text/event-stream", headers=headers
+        )
+    try:
+        return JSONResponse(await relay.collect(request), headers=where)
+    finally:
+        for slot in slots:
+            slot.release()
+
+
+async def _start(
+    state: ServerState,
+    request: Request,
+    body: GenerateRequest,
+    prompt_ids: list[int],
+    kind: str,
+    arrived: float,
+    shared: list[Any],
+    images: list[ImageInput] | None = None,
+) -> tuple[Relay, list[Slot], dict[str, str]]:
+    """A checked request admitted: its relay, its slots (the caller releases them) and the
+    headers naming where it runs. `shared`: the part of the request other requests may share
+    (its route key); `images`: one per image placeholder of `prompt_ids`."""
     lm = _model(state, body.model)
     requested = body.requested_max_tokens()
     images = images or []
@@ -354,6 +427,9 @@ async def _generate(
     except ContextLengthError as exc:
         param = exc.param if exc.param != "prompt" else ("messages" if kind == "chat" else "prompt")
         raise APIError(400, str(exc), param, "context_length_exceeded") from None
+    vocab = lm.vocab_size
+    if any(t >= vocab for t in body.stop_token_ids or ()):
+        raise APIError(400, f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
     max_tokens = requested or min(state.config.default_max_tokens, room)
     runs = body.candidates if isinstance(body, CompletionRequest) else body.choices
     if runs > state.config.max_concurrency:  # each choice is a request: it could never run
@@ -403,17 +479,7 @@ async def _generate(
         for slot in slots:
             slot.release()
         raise
-    relay = Relay(slots, body, rid, lm.tokenizer, prompt_ids)
-    if body.stream:
-        headers = {**_SSE_HEADERS, **where}
-        return _SlotStreamingResponse(
-            slots, relay.events(), media_type="text/event-stream", headers=headers
-        )
-    try:
-        return JSONResponse(await relay.collect(request), headers=where)
-    finally:
-        for slot in slots:
-            slot.release()
+    return Relay(slots, body, rid, lm.tokenizer, prompt_ids), slots, where
 
 
 async def _respond(

@@ -315,6 +315,7 @@ class GenerateRequest(StrictBody):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     structured_outputs: StructuredOutputs | None = None
     ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     # vLLM's: each prompt token's logprob and its `prompt_logprobs` best alternatives
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # quickdraft extension: true / {"top_k", "delta"} / false; absent: the server's setting
@@ -411,6 +412,7 @@ class GenerateRequest(StrictBody):
             min_p=self.min_p or 0.0,
             seed=seed,
             stop=self.stop_strings(),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
@@ -559,8 +561,8 @@ class CompletionRequest(GenerateRequest):
 
     def check(self) -> None:
         super().check()
-        if self.suffix:
-            raise APIError(400, "suffix is not supported", "suffix")
+        if self.suffix and self.echo:
+            raise APIError(400, "echo cannot show a prompt with a suffix: give one of them", "echo")
         if self.best_of is not None:
             if self.best_of < self.choices:
                 msg = f"best_of ({self.best_of}) must be >= n ({self.choices})"

@@ -143,12 +143,12 @@ class Relay:
     # ------------------------------------------------------------------ one JSON body
 
     async def collect(self, request: Request) -> dict[str, Any]:
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, self.choices))
+        watcher = asyncio.create_task(cancel_on_disconnect(request, self.choices))
         try:
             async for _ in self.outputs():
                 pass
         except Exception as exc:  # the request failed inside the engine; the engine lives on
-            raise self._failed(exc) from None
+            raise self.failed(exc) from None
         finally:
             watcher.cancel()
         ran = self.choices
@@ -386,10 +386,10 @@ class Relay:
                 spec = Speculative.of(_merged(self.choices))
                 yield self._chunk(None, None, usage=self._usage(self.choices), spec=spec)
         except Exception as exc:  # as in collect(), but in-band: the stream has started
-            yield _sse(self._failed(exc).body())
+            yield _sse(self.failed(exc).body())
         yield "data: [DONE]\n\n"
 
-    def _failed(self, exc: Exception) -> APIError:
+    def failed(self, exc: Exception) -> APIError:
         for c in self.choices:
             if not c.track.done:
                 c.track.abort(c.handle.id, now(), reason="error")
@@ -480,7 +480,7 @@ def _sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-async def _cancel_on_disconnect(request: Request, choices: list[_Choice]) -> None:
+async def cancel_on_disconnect(request: Request, choices: list[_Choice]) -> None:
     """For non-stream requests: the body has been read, so the next ASGI message is the
     client going away (or the server finishing the response); cancel the request then."""
     while True:
