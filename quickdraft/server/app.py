@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Any
 
@@ -286,16 +287,7 @@ def create_app(
             state, request, completion, prompt_ids, "completion", arrived, shared
         )
         run = InfillRun(relay, body, name, lm.tokenizer)
-        if body.stream:
-            headers = {**_SSE_HEADERS, **where}
-            return _SlotStreamingResponse(
-                slots, run.events(), media_type="text/event-stream", headers=headers
-            )
-        try:
-            return JSONResponse(await run.body_json(request), headers=where)
-        finally:
-            for slot in slots:
-                slot.release()
+        return await _reply(slots, where, body.stream, run.events, partial(run.body_json, request))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
@@ -391,13 +383,27 @@ async def _generate(
     relay, slots, where = await _start(
         state, request, body, prompt_ids, kind, arrived, shared, images
     )
-    if body.stream:
+    return await _reply(
+        slots, where, bool(body.stream), relay.events, partial(relay.collect, request)
+    )
+
+
+async def _reply(
+    slots: list[Slot],
+    where: dict[str, str],
+    stream: bool,
+    events: Callable[[], AsyncIterator[str]],
+    collect: Callable[[], Awaitable[dict[str, Any]]],
+) -> Response:
+    """An admitted run's answer: its `events` streamed, or the body `collect` returns; either
+    way its slots are released when it ends."""
+    if stream:
         headers = {**_SSE_HEADERS, **where}
         return _SlotStreamingResponse(
-            slots, relay.events(), media_type="text/event-stream", headers=headers
+            slots, events(), media_type="text/event-stream", headers=headers
         )
     try:
-        return JSONResponse(await relay.collect(request), headers=where)
+        return JSONResponse(await collect(), headers=where)
     finally:
         for slot in slots:
             slot.release()
