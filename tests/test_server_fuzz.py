@@ -309,9 +309,13 @@ def check_answer(path: str, r: httpx.Response) -> None:
     where = f"{r.request.method} {path} -> {r.status_code}: {r.text[:300]!r}"
     assert r.status_code < 500, where
     if 400 <= r.status_code < 500:
-        error = r.json()["error"]
+        body = r.json()
+        error = body["error"]
         assert isinstance(error["message"], str) and isinstance(error["type"], str), where
-        assert "param" in error and "code" in error, where
+        if path.startswith("/v1/messages"):  # Anthropic's shape on Anthropic's routes
+            assert body["type"] == "error" and set(error) == {"type", "message"}, where
+        else:
+            assert "param" in error and "code" in error, where
         return
     assert 200 <= r.status_code < 300, where
     if path in NOT_JSON:

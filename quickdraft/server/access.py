@@ -14,10 +14,10 @@ another site's page, including one served from a bare IP, from driving the API t
 user's browser. 403 (OpenAI-shaped) otherwise.
 
 API key: when one is set, every route needs `Authorization: Bearer <key>` (the scheme word in
-any case, RFC 7235) except /health and /metrics (probes and scrapers) and /admin (the page is
-static; its API needs the admin token, checked with the same parser in admin.py). So
-/openapi.json sits behind the key; it never lists the admin API either way. Several keys
-(`--api-key a,b`, llama.cpp's comma-separated list) are each accepted.
+any case, RFC 7235; or Anthropic's `x-api-key: <key>`) except /health and /metrics (probes and
+scrapers) and /admin (the page is static; its API needs the admin token, checked with the same
+parser in admin.py). So /openapi.json sits behind the key; it never lists the admin API either
+way. Several keys (`--api-key a,b`, llama.cpp's comma-separated list) are each accepted.
 
 Tenant (`tenant_of()`): who a request comes from, for what the engine shares across requests (the
 n-gram drafter's index of finished outputs, speculation/drafters/ngram.py): the API key it used
@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from quickdraft.server.errors import error_response
+from quickdraft.server.errors import anthropic_error, error_response
 from quickdraft.server.protocol import APIError
 
 PUBLIC_PATHS = ("/health", "/metrics")  # and everything under /admin (its API has its own token)
@@ -50,6 +50,15 @@ def bearer_token(authorization: str) -> str | None:
     if scheme.lower() != "bearer":
         return None
     return token.strip(" \t") or None
+
+
+def credentials(authorization: str | None, api_key: str | None) -> str:
+    """A request's credentials as an `Authorization` value: its Authorization header, or else
+    Anthropic's `x-api-key: KEY` (what the anthropic client sends; llama-server takes both)
+    as `Bearer KEY`."""
+    if authorization:
+        return authorization
+    return f"Bearer {api_key}" if api_key else ""
 
 
 def token_matches(authorization: str, expected: str) -> bool:
@@ -182,12 +191,14 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if (
-            key_index(headers.get(b"authorization", b"").decode("latin-1"), self.api_keys)
-            is not None
-        ):
+        given = credentials(
+            headers.get(b"authorization", b"").decode("latin-1"),
+            headers.get(b"x-api-key", b"").decode("latin-1"),
+        )
+        if key_index(given, self.api_keys) is not None:
             await self.app(scope, receive, send)
             return
         self.on_error(401)
         err = APIError(401, "missing or invalid API key", code="invalid_api_key")
-        await error_response(err)(scope, receive, send)
+        shaped = anthropic_error if path.startswith("/v1/messages") else error_response
+        await shaped(err)(scope, receive, send)

@@ -49,6 +49,7 @@ from quickdraft.server import admin
 from quickdraft.server.access import (
     ApiKeyMiddleware,
     HostCheckMiddleware,
+    credentials,
     key_index,
     tenant_of,
 )
@@ -56,6 +57,12 @@ from quickdraft.server.backend import Backend, LocalBackend, ModelFront, Replica
 from quickdraft.server.errors import BodyLimitMiddleware, error_response, install_error_handlers
 from quickdraft.server.infill_api import InfillRequest, InfillRun
 from quickdraft.server.media import read_media
+from quickdraft.server.messages_api import (
+    MessagesInput,
+    MessagesRequest,
+    message_body,
+    message_events,
+)
 from quickdraft.server.metrics import now
 from quickdraft.server.protocol import (
     APIError,
@@ -269,6 +276,22 @@ def create_app(
         shared = prompt_ids[:ROUTE_PREFIX_TOKENS]
         return await _generate(state, request, body, prompt_ids, "completion", arrived, shared)
 
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        answer = await _chat(state, body.chat(), request)
+        if isinstance(answer, StreamingResponse):  # the chat chunks become Messages events
+            answer.body_iterator = message_events(answer.body_iterator, body)
+            return answer
+        chat = json.loads(bytes(answer.body))
+        return JSONResponse(message_body(chat, body), headers=_placement_headers(answer))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: MessagesInput) -> dict[str, int]:
+        chat = body.to_chat()
+        media, prompt_ids, _, _ = await _chat_prompt(state, chat)
+        lm = _model(state, body.model)
+        return {"input_tokens": _prompt_tokens(lm, prompt_ids, _frames(media))}
+
     @app.post("/infill")
     async def infill(body: InfillRequest, request: Request) -> Response:
         arrived = now()
@@ -324,6 +347,10 @@ def create_app(
     return app
 
 
+def _credentials(request: Request) -> str:
+    return credentials(request.headers.get("authorization"), request.headers.get("x-api-key"))
+
+
 def _fim(lm: ModelFront, param: str) -> FimTokens:
     """The served model's fill-in-the-middle tokens; a 400 naming `param` where it has none."""
     try:
@@ -335,6 +362,20 @@ def _fim(lm: ModelFront, param: str) -> FimTokens:
 async def _chat(state: ServerState, body: ChatCompletionRequest, request: Request) -> Response:
     """A checked chat request run: its media read, its prompt rendered, then `_generate`."""
     arrived = now()
+    media, prompt_ids, messages, tools = await _chat_prompt(state, body)
+    root = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
+    # the conversation's start (stays as it grows), its images and videos by content
+    early = sum(len(m.media_urls()) for m in body.messages[: root + 1])
+    shared = [tools, messages[: root + 1], [m.digest for m in media[:early]]]
+    images = _frames(media)
+    return await _generate(state, request, body, prompt_ids, "chat", arrived, shared, images)
+
+
+async def _chat_prompt(
+    state: ServerState, body: ChatCompletionRequest
+) -> tuple[list[ImageInput | VideoInput], list[int], list[dict[str, Any]], Any]:
+    """A chat request's media (read under the operator's policy), prompt ids, rendered
+    messages and tools."""
     lm = _model(state, body.model)
     media = await read_media(
         body.media_parts(),
@@ -344,12 +385,18 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
         body.model,
     )
     prompt_ids, messages, tools = _chat_ids(lm, body, media)
-    root = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
-    # the conversation's start (stays as it grows), its images and videos by content
-    early = sum(len(m.media_urls()) for m in body.messages[: root + 1])
-    shared = [tools, messages[: root + 1], [m.digest for m in media[:early]]]
-    images = [f for m in media for f in (m.frames if isinstance(m, VideoInput) else (m,))]
-    return await _generate(state, request, body, prompt_ids, "chat", arrived, shared, images)
+    return media, prompt_ids, messages, tools
+
+
+def _frames(media: list[ImageInput | VideoInput]) -> list[ImageInput]:
+    """The images a prompt holds: each image, each video's frames."""
+    return [f for m in media for f in (m.frames if isinstance(m, VideoInput) else (m,))]
+
+
+def _prompt_tokens(lm: ModelFront, prompt_ids: list[int], images: list[ImageInput]) -> int:
+    """The prompt as the model sees it: each image placeholder becomes the image's rows."""
+    merge = lm.image_processing.merge_size if lm.image_processing is not None else 1
+    return len(prompt_ids) + sum(im.num_tokens(merge) - 1 for im in images)
 
 
 def _placement_headers(response: Response) -> dict[str, str]:
@@ -425,9 +472,7 @@ async def _start(
     lm = _model(state, body.model)
     requested = body.requested_max_tokens()
     images = images or []
-    # the prompt as the model will see it: each image placeholder becomes the image's rows
-    merge = lm.image_processing.merge_size if lm.image_processing is not None else 1
-    prompt_tokens = len(prompt_ids) + sum(im.num_tokens(merge) - 1 for im in images)
+    prompt_tokens = _prompt_tokens(lm, prompt_ids, images)
     try:
         room = lm.room(prompt_tokens, requested)
     except ContextLengthError as exc:
@@ -458,9 +503,7 @@ async def _start(
             raise APIError(400, str(exc), exc.param) from None
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     cfg = state.config
-    who = tenant_of(
-        request.headers.get("authorization", ""), cfg.api_keys, body.user, cfg.ngram_shared_scope
-    )
+    who = tenant_of(_credentials(request), cfg.api_keys, body.user, cfg.ngram_shared_scope)
     key = _route_key(who, shared)
     slots: list[Slot] = []
     try:
@@ -543,7 +586,7 @@ async def _background(
 def _owner(state: ServerState, request: Request) -> int | None:
     """Whose stored responses a request sees: its API key's (None where the server has none)."""
     keys = state.config.api_keys
-    return key_index(request.headers.get("authorization", ""), keys) if keys else None
+    return key_index(_credentials(request), keys) if keys else None
 
 
 def _route_key(tenant: str, shared: list[Any]) -> str:

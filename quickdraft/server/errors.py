@@ -1,4 +1,5 @@
-"""Every failure at the HTTP edge becomes an OpenAI-shaped error with the right status.
+"""Every failure at the HTTP edge becomes an OpenAI-shaped error with the right status
+(Anthropic-shaped on Anthropic's routes, /v1/messages).
 
 Stage: the HTTP edge, around the routes (error handlers, body limit). FastAPI
 answers validation failures with 422 and its own body; OpenAI clients expect 400 and
@@ -29,6 +30,30 @@ log = logging.getLogger("quickdraft.server")
 
 def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+# Anthropic's error types by status (its Messages API: messages_api.py)
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error(err: APIError) -> JSONResponse:
+    """`err` as Anthropic shapes it: {"type": "error", "error": {"type", "message"}}, the
+    field it names at the start of the message."""
+    body = err.body()["error"]
+    message, param = body["message"], body["param"]
+    if param and not message.startswith(param):
+        message = f"{param}: {message}"
+    kind = _ANTHROPIC_TYPES.get(err.status, "api_error")
+    content = {"type": "error", "error": {"type": kind, "message": message}}
+    return JSONResponse(content, status_code=err.status, headers=err.headers)
 
 
 # pydantic names each member of a union in the error location ("str", "list[TextPart]",
@@ -100,6 +125,8 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None]) -> Non
         assert isinstance(exc, APIError)
         on_error(exc.status)
         log.info("%s %s -> %d %s", request.method, request.url.path, exc.status, exc.message)
+        if request.url.path.startswith("/v1/messages"):
+            return anthropic_error(exc)
         return error_response(exc)
 
     async def on_validation(request: Request, exc: Exception) -> JSONResponse:

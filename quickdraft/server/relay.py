@@ -212,6 +212,7 @@ class Relay:
             ),
             finish_reason=reason,
             logprobs=self._chat_logprobs(c.logprobs),
+            stop_reason=c.last.stop_reason,
         )
 
     def _completion_choice(self, index: int, c: _Choice) -> CompletionChoice:
@@ -227,6 +228,7 @@ class Relay:
             text=text,
             finish_reason=str(c.last.finish_reason),
             logprobs=logprobs,
+            stop_reason=c.last.stop_reason,
         )
 
     def _echo_text(self) -> str:
@@ -381,7 +383,9 @@ class Relay:
                         reason = "tool_calls"
                     finished += 1  # the last choice to finish carries the telemetry
                     spec = Speculative.of(_merged(self.choices)) if finished == n else None
-                    yield self._chunk(i, Delta(), reason=reason, spec=spec)
+                    yield self._chunk(
+                        i, Delta(), reason=reason, spec=spec, stop_reason=out.stop_reason
+                    )
             if self.body.include_usage:
                 spec = Speculative.of(_merged(self.choices))
                 yield self._chunk(None, None, usage=self._usage(self.choices), spec=spec)
@@ -413,6 +417,7 @@ class Relay:
         offset: int = 0,
         ready: CompletionLogprobs | None = None,
         prompt: list[TokenLogprob] | None = None,
+        stop_reason: int | str | None = None,
     ) -> str:
         """One SSE event. `delta` None = the closing chunk (`choices: []`: usage, speculation);
         `ready`: a completion chunk's logprobs as they are (an echoed prompt's)."""
@@ -442,6 +447,10 @@ class Relay:
             )
         data = chunk.model_dump()
         for choice in data["choices"]:
+            if reason is None:  # vLLM's stop_reason: on the chunk that finishes the choice
+                choice.pop("stop_reason", None)
+            else:
+                choice["stop_reason"] = stop_reason
             if "delta" in choice:  # OpenAI sends only the delta fields that are set
                 choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
             if prompt is not None and self.body.prompt_logprobs is not None:

@@ -106,6 +106,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 class ChatCompletion(BaseModel):
@@ -142,6 +143,7 @@ class ChunkChoice(BaseModel):
     delta: Delta
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
+    stop_reason: int | str | None = None  # on the last chunk only (relay.py)
 
 
 class ChatCompletionChunk(BaseModel):
@@ -159,6 +161,7 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: str | None = None
     logprobs: CompletionLogprobs | None = None
+    stop_reason: int | str | None = None  # vLLM's (ChatChoice); in a stream, on the last chunk
 
 
 class Completion(BaseModel):
