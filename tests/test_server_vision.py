@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -276,3 +277,33 @@ def test_server_several_choices_share_the_image(client: openai.OpenAI, lm: Loade
     )
     r = ask(client, messages, n=2)
     assert [c.message.content for c in r.choices] == [expected, expected]
+
+
+def test_messages_api_image_blocks_equal_the_chat(
+    srv: BackgroundServer, client: openai.OpenAI, image_server: str
+) -> None:
+    """Anthropic's image blocks (a base64 source, a URL source) are the chat's image parts:
+    the same answer and usage; count_tokens counts the image rows too."""
+    anth = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0, timeout=60)
+    data = png(7)
+    b64 = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(data).decode()}
+    blocks = [
+        {"type": "image", "source": b64},
+        {"type": "image", "source": {"type": "url", "url": image_server + "/ok.png"}},
+        {"type": "text", "text": "two pictures"},
+    ]
+    got = anth.messages.create(
+        model="vlm",
+        max_tokens=12,
+        messages=[{"role": "user", "content": blocks}],
+        extra_body={"temperature": 0},
+    )
+    parts = [image(data_url(data)), image(image_server + "/ok.png"), text("two pictures")]
+    want = ask(client, [{"role": "user", "content": parts}])
+    assert got.content[0].text == want.choices[0].message.content
+    u = got.usage
+    assert u.input_tokens + (u.cache_read_input_tokens or 0) == want.usage.prompt_tokens
+    counted = anth.messages.count_tokens(
+        model="vlm", messages=[{"role": "user", "content": blocks}]
+    )
+    assert counted.input_tokens == want.usage.prompt_tokens
