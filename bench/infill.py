@@ -107,6 +107,11 @@ def main() -> None:
         "ngram": SpeculativeConfig(method="ngram"),
         "suffix": SpeculativeConfig(method="suffix"),
         "draft": SpeculativeConfig(method="draft", draft_model=args.draft_model),
+        # the draft model made to draft (the cost model above judges whether its catch-up over
+        # the prompt pays)
+        "draft, k = 5 forced": SpeculativeConfig(
+            method="draft", draft_model=args.draft_model, adaptive=False
+        ),
     }
     core = EngineCore(lm, SchedulerConfig(max_running=1), prefix_cache=PrefixCacheConfig())
     for _, ids in todo:  # warm-up: kernels, cost tables, the draft model, the cached prompts
