@@ -33,7 +33,7 @@ from quickdraft.infill import (
 from quickdraft.loading import LoadedModel, load
 from quickdraft.request import SamplingParams
 from quickdraft.server import ServerConfig, create_app
-from quickdraft.server.infill_api import InfillRequest, _Rules
+from quickdraft.server.llama_api import InfillRequest, _Rules
 from quickdraft.server.main import BackgroundServer
 from quickdraft.tokenizer import Tokenizer
 
@@ -277,3 +277,65 @@ def test_code_completion_stop_rules() -> None:
     time.sleep(0.01)
     assert timed.cut("ab", 1) is None  # no new line yet
     assert timed.cut("ab\nc", 2) == 4
+
+
+def test_native_completion_is_the_completion_of_its_prompt(url: str, lm: LoadedModel) -> None:
+    """llama-server's /completion: a text prompt read with special tokens and the tokenizer's
+    own additions, or token ids; the body, the stream, n_probs, grammar and json_schema."""
+    tok = lm.tokenizer
+    prompt = "def f(x):<|fim_pad|>"
+    ids = tok.encode(prompt, add_special_tokens=True, parse_special=True)
+    assert FimTokens.of(tok).pad in ids  # read as the token, as llama-server reads it
+    for model in ("off", "ngram"):
+        got = post(
+            url,
+            "/completion",
+            {"model": model, "prompt": prompt, "n_predict": 16, "temperature": 0, "n_probs": 2},
+        ).json()
+        same = post(
+            url,
+            "/v1/completions",
+            {"model": model, "prompt": ids, "max_tokens": 16, "temperature": 0, "logprobs": 2},
+        ).json()["choices"][0]
+        assert got["content"] == same["text"] and got["tokens_evaluated"] == len(ids)
+        probs = got["completion_probabilities"]
+        assert len(probs) == got["tokens_predicted"]
+        assert [p["logprob"] for p in probs] == pytest.approx(same["logprobs"]["token_logprobs"])
+        assert all(len(p["top_logprobs"]) == 2 and bytes(p["bytes"]) for p in probs)
+        by_ids = post(
+            url, "/completions", {"model": model, "prompt": ids, "n_predict": 16, "temperature": 0}
+        ).json()
+        assert by_ids["content"] == got["content"]
+        with httpx.stream(
+            "POST",
+            url + "/completion",
+            json={"model": model, "prompt": ids, "n_predict": 16, "temperature": 0, "stream": True},
+        ) as r:
+            parts = [json.loads(line.removeprefix("data: ")) for line in r.iter_lines() if line]
+        assert "".join(p["content"] for p in parts) == got["content"] and parts[-1]["stop"]
+    yes_no = post(
+        url,
+        "/completion",
+        {"model": "off", "prompt": "ok?", "grammar": 'root ::= "yes" | "no"', "temperature": 0},
+    ).json()
+    assert yes_no["content"] in ("yes", "no") and yes_no["stop_type"] == "eos"
+    schema = {
+        "type": "object",
+        "properties": {"n": {"enum": [1, 2]}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    shaped = post(
+        url,
+        "/completion",
+        {"model": "off", "prompt": "ok?", "json_schema": schema, "temperature": 0, "n_predict": 64},
+    ).json()
+    assert json.loads(shaped["content"]) in ({"n": 1}, {"n": 2})
+    for body, param in [
+        ({"prompt": [lm.vocab_size]}, "prompt"),
+        ({"prompt": "a", "grammar": "root ::= x", "json_schema": schema}, "grammar"),
+        ({"prompt": "a", "grammar": "root ::= ("}, "grammar"),
+        ({"prompt": ""}, "prompt"),
+    ]:
+        r = post(url, "/completion", {"model": "off", **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.json()

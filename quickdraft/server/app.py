@@ -55,7 +55,7 @@ from quickdraft.server.access import (
 )
 from quickdraft.server.backend import Backend, LocalBackend, ModelFront, ReplicaLostError
 from quickdraft.server.errors import BodyLimitMiddleware, error_response, install_error_handlers
-from quickdraft.server.infill_api import InfillRequest, InfillRun
+from quickdraft.server.llama_api import InfillRequest, LlamaRequest, NativeCompletion, NativeRun
 from quickdraft.server.media import read_media
 from quickdraft.server.messages_api import (
     MessagesInput,
@@ -292,25 +292,23 @@ def create_app(
         lm = _model(state, body.model)
         return {"input_tokens": _prompt_tokens(lm, prompt_ids, _frames(media))}
 
+    @app.post("/completion")
+    @app.post("/completions")
+    async def native_completion(body: NativeCompletion, request: Request) -> Response:
+        arrived = now()
+        name = _native_model(state, body.model)
+        lm = _model(state, name)
+        prompt_ids = body.prompt_ids(lm.tokenizer, lm.vocab_size)
+        return await _native(state, request, body, name, prompt_ids, (), arrived)
+
     @app.post("/infill")
     async def infill(body: InfillRequest, request: Request) -> Response:
         arrived = now()
-        name = body.model
-        if name is None:
-            if len(state.engine.models) != 1:
-                raise APIError(400, "several models are served: name one in `model`", "model")
-            (name,) = state.engine.models
+        name = _native_model(state, body.model)
         lm = _model(state, name)
         fim = _fim(lm, "input_prefix")
         prompt_ids = body.prompt_ids(lm.tokenizer, fim, lm.context_length)
-        completion = body.completion(name, prompt_ids, fim)
-        completion.check()
-        shared = prompt_ids[:ROUTE_PREFIX_TOKENS]
-        relay, slots, where = await _start(
-            state, request, completion, prompt_ids, "completion", arrived, shared
-        )
-        run = InfillRun(relay, body, name, lm.tokenizer)
-        return await _reply(slots, where, body.stream, run.events, partial(run.body_json, request))
+        return await _native(state, request, body, name, prompt_ids, fim.stops, arrived)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
@@ -345,6 +343,38 @@ def create_app(
         return DetokenizeResponse(prompt=lm.tokenizer.decode(body.tokens, False))
 
     return app
+
+
+def _native_model(state: ServerState, name: str | None) -> str:
+    """The model a llama-server body names, or the one served (it may name none)."""
+    if name is not None:
+        return name
+    if len(state.engine.models) != 1:
+        raise APIError(400, "several models are served: name one in `model`", "model")
+    (only,) = state.engine.models
+    return only
+
+
+async def _native(
+    state: ServerState,
+    request: Request,
+    body: LlamaRequest,
+    name: str,
+    prompt_ids: list[int],
+    stops: tuple[int, ...],
+    arrived: float,
+) -> Response:
+    """A llama-server body run as a completion of `prompt_ids` and answered in its shapes."""
+    completion = body.completion(name, prompt_ids, stops)
+    shared = prompt_ids[:ROUTE_PREFIX_TOKENS]
+    try:
+        relay, slots, where = await _start(
+            state, request, completion, prompt_ids, "completion", arrived, shared
+        )
+    except APIError as exc:  # a grammar that does not compile: the body's field
+        raise body.renamed(exc) from None
+    run = NativeRun(relay, body, name, _model(state, name).tokenizer)
+    return await _reply(slots, where, body.stream, run.events, partial(run.body_json, request))
 
 
 def _credentials(request: Request) -> str:
