@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -159,6 +160,22 @@ def test_cluster_greedy_outputs_equal_the_single_process_server(cluster: str, si
         cluster + "/tokenize", json={"model": MODEL, "messages": messages}, headers=headers
     ).json()
     assert ids["count"] == ref.usage.prompt_tokens
+    # Anthropic's Messages API (x-api-key) and llama-server's /completion through the ingress
+    anth = anthropic.Anthropic(base_url=cluster, api_key=KEY, max_retries=0)
+    m = anth.messages.create(
+        model=MODEL,
+        system=SYSTEM,
+        messages=[{"role": "user", "content": messages[1]["content"]}],
+        max_tokens=GREEDY["max_tokens"],
+        extra_body={"temperature": 0},
+    )
+    assert m.content[0].text == ref.choices[0].message.content
+    native = {"model": MODEL, "prompt": prompt, "n_predict": 24, "temperature": 0}
+    n1, n2 = (
+        httpx.post(url + "/completion", json=native, headers=headers).json()
+        for url in (cluster, single)
+    )
+    assert n1["content"] == n2["content"] and n1["tokens_predicted"] == n2["tokens_predicted"]
 
 
 def test_cluster_routes_a_conversation_to_one_replica_and_reuses_its_cache(cluster: str) -> None:
