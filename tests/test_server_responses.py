@@ -182,7 +182,7 @@ def test_a_forced_tool_call_is_a_function_call_item(client: openai.OpenAI) -> No
 
 def test_what_the_server_cannot_do_is_refused_by_name(client: openai.OpenAI) -> None:
     for bad, param in [
-        ({"background": True, "stream": True}, "background"),
+        ({"background": True, "stream": True, "store": False}, "background"),
         ({"input": []}, "input"),
     ]:
         body: dict[str, Any] = {"model": "tiny", "input": "hi", **bad}
@@ -532,11 +532,53 @@ def test_a_background_response_is_polled_and_cancelled(client: openai.OpenAI) ->
     assert client.responses.retrieve(long.id).status == "cancelled"
     with pytest.raises(openai.BadRequestError):
         client.responses.cancel(fg.id)  # not a background response
-    for bad in ({"stream": True}, {"store": False}):
+    for bad in ({"store": False}, {"store": False, "stream": True}):
         body: dict[str, Any] = {"model": "tiny", "input": "hi", "background": True, **bad}
         with pytest.raises(openai.BadRequestError) as err:
             client.post("/responses", body=body, cast_to=object)
         assert "background" in json.dumps(err.value.body), (bad, err.value.body)
+
+
+def test_a_streamed_background_response_is_resumed(client: openai.OpenAI) -> None:
+    """background + stream: the events stream as they come (the foreground stream's, under
+    the queued response's id), are kept, and GET ?stream=true&starting_after=N replays them
+    from N on, also after the response ended; a response that was not streamed in the
+    background has nothing to resume."""
+    args: dict[str, Any] = dict(model="tiny", input="hello", max_output_tokens=12, temperature=0)
+    fg = client.responses.create(**args)
+    events = list(client.responses.create(background=True, stream=True, **args))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == fg_done(fg)
+    final = events[-1].response
+    assert final.output_text == fg.output_text and final.background is True
+    rid = final.id
+    assert all(getattr(e, "response", final).id == rid for e in events)
+    stored = client.responses.retrieve(rid)
+    assert (stored.status, stored.output_text) == (final.status, fg.output_text)
+    assert stored.created_at == events[0].response.created_at
+    tail = list(client.responses.retrieve(rid, stream=True, starting_after=2))
+    assert [e.model_dump() for e in tail] == [e.model_dump() for e in events[3:]]
+    every = list(client.responses.retrieve(rid, stream=True))
+    assert [e.sequence_number for e in every] == list(range(len(events)))
+    with pytest.raises(openai.BadRequestError):
+        list(client.responses.retrieve(fg.id, stream=True))
+    # a long one resumed while it runs, then cancelled: the stream ends, the status stays
+    long = client.responses.create(
+        model="tiny", input="count", max_output_tokens=3000, background=True, stream=True
+    )
+    first = next(iter(long))
+    lid = first.response.id
+    follower = client.responses.retrieve(lid, stream=True, starting_after=0)
+    assert next(iter(follower)).sequence_number == 1
+    assert client.responses.cancel(lid).status == "cancelled"
+    rest = list(follower)  # ends: the response was cancelled
+    assert all(e.sequence_number > 1 for e in rest)
+    long.close()
+    assert client.responses.retrieve(lid).status == "cancelled"
+
+
+def fg_done(fg: Any) -> str:
+    return "response.completed" if fg.status == "completed" else "response.incomplete"
 
 
 def test_truncation_auto_drops_the_oldest_turns(client: openai.OpenAI) -> None:

@@ -85,7 +85,7 @@ from quickdraft.server.responses_api import (
     response_body,
     response_events,
 )
-from quickdraft.server.responses_store import LIST_LIMIT
+from quickdraft.server.responses_store import LIST_LIMIT, EventLog
 from quickdraft.server.settings import SpeculationSettings
 from quickdraft.server.state import ServerConfig, ServerState, Slot
 from quickdraft.server.tokens import (
@@ -195,9 +195,14 @@ def create_app(
                 raise APIError(400, msg, "background")
             response = queued(body)
             store.put(owner, items, response)
+            log = state.streams.open(response["id"]) if body.stream else None
             state.background[response["id"]] = asyncio.create_task(
-                _background(state, body, history, request, owner, items, response)
+                _background(state, body, history, request, owner, items, response, log)
             )
+            if log is not None:  # its events as they come; it runs on if this client leaves
+                return StreamingResponse(
+                    log.follow(), media_type="text/event-stream", headers=_SSE_HEADERS
+                )
             return JSONResponse(response)
         answer = await _respond(state, body, history, request)
         if isinstance(answer, StreamingResponse):  # the chat chunks become response events
@@ -211,8 +216,22 @@ def create_app(
         return JSONResponse(response, headers=_placement_headers(answer))
 
     @app.get("/v1/responses/{rid}")
-    async def stored_response(rid: str, request: Request) -> JSONResponse:
-        return JSONResponse(state.responses.get(rid, _owner(state, request)).response)
+    async def stored_response(
+        rid: str, request: Request, stream: bool = False, starting_after: int = -1
+    ) -> Response:
+        stored = state.responses.get(rid, _owner(state, request))
+        if not stream:
+            return JSONResponse(stored.response)
+        log = state.streams.get(rid)
+        if log is None:
+            why = "only a background response created with stream: true streams again"
+            raise APIError(400, f"response {rid!r} has no events to stream: {why}", "stream")
+        if starting_after < -1:
+            msg = f"starting_after must be >= -1, got {starting_after}"
+            raise APIError(400, msg, "starting_after")
+        return StreamingResponse(
+            log.follow(starting_after), media_type="text/event-stream", headers=_SSE_HEADERS
+        )
 
     @app.delete("/v1/responses/{rid}")
     async def delete_response(rid: str, request: Request) -> dict[str, Any]:
@@ -585,10 +604,12 @@ async def _background(
     owner: int | None,
     items: list[InputItem],
     response: dict[str, Any],
+    log: EventLog | None = None,
 ) -> None:
     """A background response's run: in progress, then its answer under the id it was given
-    (failed with the error, or cancelled), each state stored where GET finds it. The HTTP
-    request has been answered, so the run reads no disconnect from it."""
+    (failed with the error, or cancelled), each state stored where GET finds it; streamed
+    (`log`), its events as they come. The HTTP request has been answered (or its stream
+    follows `log`), so the run reads no disconnect from it."""
     store, rid = state.responses, response["id"]
 
     async def never() -> Message:
@@ -599,6 +620,9 @@ async def _background(
     try:
         store.put(owner, items, {**response, "status": "in_progress"})
         answer = await _respond(state, body, history, detached)
+        if log is not None:
+            await _follow(answer, body, log, lambda r: store.put(owner, items, r), response)
+            return
         done = response_body(json.loads(bytes(answer.body)), body, True, rid)
         done["created_at"] = response["created_at"]
         store.put(owner, items, done)
@@ -611,6 +635,28 @@ async def _background(
         store.put(owner, items, {**response, "status": "failed", "error": error})
     finally:
         state.background.pop(rid, None)
+        if log is not None:
+            log.close()
+
+
+async def _follow(
+    answer: Response,
+    body: ResponsesRequest,
+    log: EventLog,
+    keep: Callable[[dict[str, Any]], object],
+    response: dict[str, Any],
+) -> None:
+    """A streamed background response's chat stream into `log` as Responses events, the final
+    Response given to `keep`; its slots released however it ends."""
+    assert isinstance(answer, _SlotStreamingResponse)
+    events = response_events(answer.body_iterator, body, keep, response)
+    try:
+        async for event in events:
+            log.append(event)
+    finally:
+        await events.aclose()
+        for slot in answer.slots:
+            slot.release()
 
 
 def _owner(state: ServerState, request: Request) -> int | None:

@@ -7,7 +7,9 @@ Stage: the HTTP edge, beside app.py's routes. Taken: `input` as a string or as m
 `instructions` (a system message first), max_output_tokens, temperature, top_p, stream, user,
 metadata (echoed), store and `previous_response_id` (responses_store.py: the stored
 conversation goes first), `background` (answered at once as "queued", run on, polled with GET
-/v1/responses/{id}, ended by POST .../cancel; not streamed, and kept, so it needs store),
+/v1/responses/{id}, ended by POST .../cancel, and kept, so it needs store; with `stream` its
+events stream as they come and are kept while it runs and after, so a client that lost the
+stream resumes it with GET /v1/responses/{id}?stream=true&starting_after=N),
 function `tools` with `tool_choice` (the chat path's tool calls, as
 function_call items; function_call and function_call_output items in `input` replay a
 conversation, reasoning items there are taken and left out),
@@ -32,7 +34,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterable, Callable, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError
@@ -236,11 +238,6 @@ class ResponsesRequest(StrictBody):
         """The chat request this one is, after the conversation `history` it continues (a
         stored response's, `previous_response_id`), its first `skip` items dropped (truncation
         "auto"); APIError 400 naming the field it cannot be."""
-        if self.background and self.stream:
-            msg = (
-                "background: a background response is polled (GET /v1/responses/{id}), not streamed"
-            )
-            raise APIError(400, msg, "background")
         messages: list[dict[str, Any]] = []
         if self.instructions is not None:
             messages.append({"role": "system", "content": self.instructions})
@@ -462,10 +459,14 @@ async def response_events(
     chunks: AsyncIterable[Any],
     req: ResponsesRequest,
     keep: Callable[[dict[str, Any]], object] | None = None,
-) -> AsyncIterator[str]:
+    queued: dict[str, Any] | None = None,
+) -> AsyncGenerator[str, None]:
     """A chat stream's SSE chunks -> Responses stream events (SSE); `keep` is given the final
-    Response object (the store's put) before its last event goes out."""
+    Response object (the store's put) before its last event goes out; `queued`: the background
+    response these events answer (its id and creation time)."""
     stream = _Events(req, keep is not None)
+    if queued is not None:
+        stream.response.update(id=queued["id"], created_at=queued["created_at"])
     yield stream.event("response.created", response=stream.response)
     yield stream.event("response.in_progress", response=stream.response)
     async for raw in chunks:

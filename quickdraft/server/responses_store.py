@@ -11,7 +11,10 @@ response's output items (a reasoning item among them is kept, and the chat templ
 earlier turn's reasoning as they do in a replay) and the new input, so a continuation equals
 the whole conversation sent again, and the prefix cache holds the shared turns. A background
 response (`background`, app.py `_background`) is stored when it is answered ("queued"), in
-progress, and when it ends (completed, incomplete, failed with its error, or cancelled).
+progress, and when it ends (completed, incomplete, failed with its error, or cancelled). A
+streamed background response also keeps its events (`EventLogs`): while it runs and for the
+last STREAMS_KEPT that ended, GET /v1/responses/{id}?stream=true&starting_after=N replays them
+from N on and follows the rest.
 
 Memory: responses are kept in memory up to a budget of bytes (their JSON), the least recently
 used dropped first (`--responses-store-mb`; 0 stores nothing and refuses
@@ -21,9 +24,11 @@ caller, where the server has no keys): a response id is not a capability.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +36,7 @@ from quickdraft.server.protocol import APIError
 from quickdraft.server.responses_api import InputItem
 
 LIST_LIMIT = 20  # input items a listing returns when it names no limit (OpenAI's)
+STREAMS_KEPT = 64  # ended background streams whose events are kept for a late resume
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,3 +121,56 @@ class ResponseStore:
             entry = self._entries.pop(rid, None)
             if entry is not None:
                 self.nbytes -= entry.nbytes
+
+
+class EventLog:
+    """A streamed background response's events (SSE text, event i with sequence_number i), in
+    order, for every client that follows it: the one that asked, and those that resume it."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.done = False
+        self._changed = asyncio.Event()
+
+    def append(self, event: str) -> None:
+        self.events.append(event)
+        self._wake()
+
+    def close(self) -> None:
+        self.done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self, after: int = -1) -> AsyncIterator[str]:
+        """The events after sequence number `after`, as they come, until the response ends."""
+        i = after + 1
+        while True:
+            if i < len(self.events):
+                yield self.events[i]
+                i += 1
+            elif self.done:
+                return
+            else:
+                await self._changed.wait()
+
+
+class EventLogs:
+    """The event logs of streamed background responses by id: the running ones, and the last
+    `keep` that ended (their events replay to a client that resumes late)."""
+
+    def __init__(self, keep: int = STREAMS_KEPT) -> None:
+        self.keep = keep
+        self._logs: OrderedDict[str, EventLog] = OrderedDict()
+
+    def open(self, rid: str) -> EventLog:
+        log = self._logs[rid] = EventLog()
+        ended = [k for k, v in self._logs.items() if v.done]
+        for k in ended[: max(0, len(ended) - self.keep)]:
+            del self._logs[k]
+        return log
+
+    def get(self, rid: str) -> EventLog | None:
+        return self._logs.get(rid)

@@ -20,7 +20,7 @@ from quickdraft.config import RESPONSES_STORE_MB, SpeculativeConfig
 from quickdraft.server.backend import Backend, Handle
 from quickdraft.server.media import MediaPolicy
 from quickdraft.server.metrics import Metrics, RequestTrack, now
-from quickdraft.server.responses_store import ResponseStore
+from quickdraft.server.responses_store import EventLogs, ResponseStore
 from quickdraft.server.settings import SpeculationSettings, save_settings
 
 NGRAM_SHARED_SCOPES = ("tenant", "global")
@@ -106,6 +106,7 @@ class ServerState:
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(0))
     # background responses still running, by id (app.py `_background`; cancel ends them)
     background: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    streams: EventLogs = field(default_factory=EventLogs)  # streamed background responses'
 
     @property
     def in_flight(self) -> int:
