@@ -155,6 +155,14 @@ def test_cluster_greedy_outputs_equal_the_single_process_server(cluster: str, si
         assert time.monotonic() < deadline, polled
         time.sleep(0.1)
     assert polled.output_text == on.output_text  # run on a replica after its request ended
+    streamed = list(
+        got.responses.create(
+            input="and then?", previous_response_id=r.id, background=True, stream=True, **more
+        )
+    )
+    assert streamed[-1].response.output_text == on.output_text
+    resumed = got.responses.retrieve(streamed[0].response.id, stream=True, starting_after=1)
+    assert [e.sequence_number for e in resumed] == [e.sequence_number for e in streamed[2:]]
     headers = {"Authorization": f"Bearer {KEY}"}
     ids = httpx.post(
         cluster + "/tokenize", json={"model": MODEL, "messages": messages}, headers=headers
