@@ -196,13 +196,16 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         variables: dict[str, Any] | None = None,
+        continue_final: bool = False,
     ) -> str:
         """`variables`: the template's other variables (a request's chat_template_kwargs and
         reasoning_effort); the names set here are not among them (the request check refuses
-        those)."""
+        those). `continue_final`: the text ends with the last message's content, left open for
+        the model to go on (transformers' `continue_final_message`: the rendering cut after
+        that content's last occurrence)."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
-        return _compile(self.chat_template).render(
+        rendered = _compile(self.chat_template).render(
             **(variables or {}),
             messages=messages,
             tools=tools,
@@ -210,6 +213,15 @@ class Tokenizer:
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+        if not continue_final:
+            return rendered
+        final = messages[-1].get("content") if messages else None
+        if isinstance(final, list):  # content parts: the last one's text
+            final = final[-1].get("text") if final and isinstance(final[-1], dict) else None
+        for text in (final, final.strip() if isinstance(final, str) else None):
+            if text and (at := rendered.rfind(text)) >= 0:
+                return rendered[: at + len(text)]
+        raise ValueError("the final message's content is not in the rendered chat to continue")
 
     def encode_chat(
         self,
@@ -218,13 +230,16 @@ class Tokenizer:
         expand: Callable[[str], str] | None = None,
         add_generation_prompt: bool = True,
         variables: dict[str, Any] | None = None,
+        continue_final: bool = False,
     ) -> list[int]:
         """The chat's token ids: the template's special tokens as control tokens, the messages'
         (and tool definitions') text as plain text (see the module docstring). `expand`
         rewrites the rendered text before it is encoded (a video placeholder into its frames':
         client text cannot spell a special token there, it is broken first)."""
         if not self._specials:
-            rendered = self.render_chat(messages, add_generation_prompt, tools, variables)
+            rendered = self.render_chat(
+                messages, add_generation_prompt, tools, variables, continue_final
+            )
             rendered = rendered if expand is None else expand(rendered)
             return self.encode(rendered, add_special_tokens=False)
         texts = _strings([messages, tools, variables])
@@ -243,6 +258,7 @@ class Tokenizer:
             add_generation_prompt,
             None if tools is None else _break_specials(tools, whole, marker),
             None if variables is None else _break_specials(variables, whole, marker),
+            continue_final,
         )
         if expand is not None:
             rendered = expand(rendered)

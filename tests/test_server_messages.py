@@ -264,3 +264,24 @@ def test_errors_are_anthropic_shaped(client: anthropic.Anthropic, url: str) -> N
         )
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model="off", max_tokens=0, messages=ASK)
+
+
+def test_a_prefilled_answer_is_continued(client: anthropic.Anthropic, url: str) -> None:
+    """A last assistant turn is a prefill: the model goes on from it (the prompt is the chat's
+    with continue_final_message) and the answer holds only what it added."""
+    turns = [*ASK, {"role": "assistant", "content": "The answer is"}]
+    got = client.messages.create(model="off", max_tokens=8, messages=turns, extra_body=GREEDY)
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = httpx.post(
+        url + "/tokenize",
+        json={"model": "off", "messages": turns, **flags},
+        headers={"Authorization": "Bearer k1"},
+    ).json()
+    u = got.usage
+    assert u.input_tokens + (u.cache_read_input_tokens or 0) == ids["count"]
+    want = httpx.post(
+        url + "/v1/completions",
+        json={"model": "off", "prompt": ids["tokens"], "max_tokens": 8, "temperature": 0},
+        headers={"Authorization": "Bearer k1"},
+    ).json()
+    assert got.content[0].text == want["choices"][0]["text"]

@@ -144,3 +144,35 @@ def test_chat_template_kwargs_and_reasoning_effort_reach_the_template(switch_url
             switch_url, "/tokenize", {"messages": messages, "chat_template_kwargs": {key: 1}}
         )
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_continue_final_message_leaves_the_answer_open(url: str, lm: LoadedModel) -> None:
+    """vLLM's continue_final_message: the last (assistant) message is continued, not closed;
+    /tokenize gives the ids the completion reads; bad combinations are 400s by name."""
+    messages = [
+        {"role": "user", "content": "hello there"},
+        {"role": "assistant", "content": "well, hello"},
+    ]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    got = post(url, "/tokenize", {"messages": messages, **flags}).json()
+    assert got["tokens"] == lm.tokenizer.encode_chat(
+        messages, add_generation_prompt=False, continue_final=True
+    )
+    closed = post(url, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()
+    assert closed["count"] > got["count"]  # the turn's end tokens are not there
+    assert closed["tokens"][: got["count"]] == got["tokens"]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=1,
+        extra_body=flags,  # type: ignore[arg-type]
+    )
+    assert r.usage is not None and r.usage.prompt_tokens == got["count"]
+    for body in (
+        {"messages": messages, "continue_final_message": True},  # the generation prompt too
+        {"messages": messages[:1], **flags},  # the last message is the user's
+    ):
+        bad = post(url, "/v1/chat/completions", {**body, "max_tokens": 1})
+        assert bad.status_code == 400
+        assert bad.json()["error"]["param"] == "continue_final_message"

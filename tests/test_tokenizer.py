@@ -154,3 +154,25 @@ def test_chat_request_passes_message_names_to_the_template(tiny_model_dir: Path)
     assert tok.encode_chat(chat[:1]) == plain  # ChatML has no place for a name
     tok.chat_template = "{% for m in messages %}{{ m.name or '?' }}: {{ m.content }}\n{% endfor %}"
     assert tok.decode(tok.encode_chat(chat)) == "ada: hi\n?: be brief\n"
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("model", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+def test_continue_final_message_equals_transformers(model: str) -> None:
+    """A prefilled answer left open (vLLM's continue_final_message): the ids transformers'
+    apply_chat_template(continue_final_message=True) gives."""
+    import transformers
+
+    path = hub.resolve(model, "fp32", progress=False)
+    tok = Tokenizer(path)
+    ref = transformers.AutoTokenizer.from_pretrained(str(path))
+    messages = [
+        {"role": "user", "content": "Name a prime number."},
+        {"role": "assistant", "content": "Sure: the first one is"},
+    ]
+    got = tok.encode_chat(messages, add_generation_prompt=False, continue_final=True)
+    want = ref.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True, return_dict=True
+    )["input_ids"]
+    assert got == want
+    assert tok.decode(got, skip_special_tokens=False).endswith("the first one is")

@@ -338,7 +338,7 @@ def create_app(
                 param = body.media_parts()[0][0]
                 msg = "/tokenize takes text: image and video rows count in a completion's usage"
                 raise APIError(400, f"{param}: {msg}", param)
-            ids, _, _ = _chat_ids(lm, body, [], body.add_generation_prompt)
+            ids, _, _ = _chat_ids(lm, body, [])
             if body.add_special_tokens:  # the tokenizer's own additions (a BOS) in front
                 ids = lm.tokenizer.encode("", add_special_tokens=True) + ids
         else:
@@ -695,7 +695,6 @@ def _chat_ids(
     lm: ModelFront,
     body: ChatCompletionRequest,
     media: list[ImageInput | VideoInput],
-    add_generation_prompt: bool = True,
 ) -> tuple[list[int], list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The conversation's prompt ids as the model's template renders it (tools as the template
     takes them, or as Hermes turns), each video's placeholder expanded to its frames'; with the
@@ -714,7 +713,14 @@ def _chat_ids(
         expand = partial(expand_videos, videos=videos, proc=lm.video_processing)
     try:
         variables = body.template_kwargs()
-        ids = lm.tokenizer.encode_chat(messages, tools, expand, add_generation_prompt, variables)
+        ids = lm.tokenizer.encode_chat(
+            messages,
+            tools,
+            expand,
+            body.add_generation_prompt,
+            variables,
+            body.continue_final_message,
+        )
     except ImageError as exc:  # a template that places no video placeholder
         raise APIError(400, str(exc), "messages") from None
     except (ValueError, jinja2.TemplateError) as exc:  # no template / template refused

@@ -10,7 +10,8 @@ earlier turns dropped (what the chat templates do with earlier reasoning); `tool
 functions (`input_schema` their parameters); `tool_choice` auto / any / tool / none as auto /
 required / the named function / none; `stop_sequences` the stops; `thinking` the template's
 `enable_thinking` (Qwen3's switch; a template without one ignores it); `metadata.user_id` the
-request's user (the tenant within an API key). The chat's answer comes back as a Message: a
+request's user (the tenant within an API key); a last assistant turn a prefill the answer goes
+on from (vLLM's `continue_final_message`). The chat's answer comes back as a Message: a
 thinking block where the model reasoned, a text block, its tool_use blocks; stop_reason
 end_turn / max_tokens / stop_sequence (with the string) / tool_use; usage in Anthropic's split
 (prompt tokens the prefix cache served as `cache_read_input_tokens`). Streamed as Anthropic's
@@ -183,6 +184,9 @@ class MessagesInput(StrictBody):
         for m in self.messages:
             messages += _chat_messages(m)
         body: dict[str, Any] = {"model": self.model, "messages": messages, **fields}
+        if self.messages[-1].role == "assistant":  # a prefilled answer: the model goes on
+            body["add_generation_prompt"] = False
+            body["continue_final_message"] = True
         if self.tools:
             body["tools"] = [
                 {

@@ -456,9 +456,21 @@ class ChatCompletionRequest(GenerateRequest):
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     # vLLM's: more variables for the chat template (Qwen3's `enable_thinking`, ...)
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: no assistant turn opened after the messages; or the last (assistant) message
+    # left open for the model to go on with (a prefilled answer)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def check(self) -> None:
         super().check()
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                msg = "continue_final_message needs add_generation_prompt: false"
+                raise APIError(400, msg, "continue_final_message")
+            last = self.messages[-1]
+            if last.role != "assistant" or not last.text():
+                msg = "continue_final_message: the last message must be an assistant's, with text"
+                raise APIError(400, msg, "continue_final_message")
         for key in self.chat_template_kwargs or {}:
             if not key.isidentifier() or key in TEMPLATE_NAMES:
                 msg = f"chat_template_kwargs: {key!r} is not a variable a request may set"

@@ -28,7 +28,6 @@ class TokenizeCompletionRequest(StrictBody):
 class TokenizeChatRequest(ChatCompletionRequest):
     """A chat body (its sampling fields are accepted and unused) with vLLM's tokenize fields."""
 
-    add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the template writes its own BOS
     return_token_strs: bool = False
 
