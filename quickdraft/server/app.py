@@ -1,12 +1,16 @@
 """The OpenAI-compatible HTTP server: `create_app(engine, config)` -> a FastAPI app.
+(Over 400 lines: every route shares one admission path and one closure over the server state;
+each API's own shapes live in its module: responses_api, messages_api, llama_api, tokens.)
 
 Stage: the HTTP edge. Routes turn a validated request into token ids (chat through the model's
 own chat template), submit it to the engine, and relay the engine's outputs either as one JSON
 body or as Server-Sent Events in OpenAI's chunk format. The event loop never touches tensors:
 the engine thread owns the models and hands back text deltas through each request's handle.
 /v1/responses runs as a chat request whose answer responses_api.py reshapes, after the stored
-conversation it continues (responses_store.py keeps them); /tokenize and /detokenize
-(tokens.py) use the same rendering and generate nothing.
+conversation it continues (responses_store.py keeps them); Anthropic's /v1/messages runs as a
+chat request too (messages_api.py); llama-server's /completion and /infill run as completions
+answered in its shapes (llama_api.py); /tokenize and /detokenize (tokens.py) use the same
+rendering and generate nothing.
 
 The routes talk to a `Backend` (backend.py): the one in-process engine, or engine replicas
 behind Ray (quickdraft/cluster/). Each request carries a route key, the prefix it shares with

@@ -1,6 +1,7 @@
 """Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens) on the chat path:
 what clients built on the anthropic package send (coding agents among them), as llama-server
-and vLLM serve it.
+and vLLM serve it. (Over 400 lines: its request's block and config types and both
+translations, answer and stream, in one place.)
 
 Stage: the HTTP edge, beside responses_api.py. A Messages body becomes a chat completion:
 `system` a system message; text and image blocks the chat's content parts (a base64 source as
