@@ -9,6 +9,7 @@ every subcommand's flags live here, so a flag shared by two subcommands is decla
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -42,6 +43,7 @@ from quickdraft.config import (
     require_int,
 )
 from quickdraft.images import DEFAULT_MAX_IMAGE_PIXELS
+from quickdraft.infill import FimTokens, completion_ids
 from quickdraft.request import RelaxedThinking, SamplingParams
 from quickdraft.server.main import ServeOptions
 from quickdraft.server.media import (
@@ -281,6 +283,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for given_, flag in ((images, "--image"), (videos, "--video")):
         if given_ and not args.chat:
             raise ValueError(f"{flag} needs --chat (the chat template places it)")
+    if args.suffix is not None and args.chat:
+        raise ValueError("--suffix fills in the middle of a plain prompt: drop --chat")
     if args.chat:
         parts = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos]
         parts.append({"type": "text", "text": prompt})
@@ -291,6 +295,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             expand = partial(expand_videos, videos=videos, proc=lm.video_processing)
         ids = lm.tokenizer.encode_chat([{"role": "user", "content": content}], None, expand)
         images += [frame for video in videos for frame in video.frames]
+    elif args.suffix is not None:  # the code between the prompt and the suffix
+        fim = FimTokens.of(lm.tokenizer, "--suffix")
+        before = lm.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = completion_ids(lm.tokenizer, fim, before, args.suffix)
+        params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + fim.stops)
     else:
         ids = lm.tokenizer.encode(prompt)
     req = lm.new_request(ids, params, images=images)
@@ -299,7 +308,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for delta in stream(lm, req, spec):
         sys.stdout.write(delta)
         sys.stdout.flush()
-    sys.stdout.write("\n")
+    sys.stdout.write((args.suffix or "") + "\n")
     t = req.timing
     assert t.finished is not None and t.first_token is not None
     n = len(req.output_ids)
@@ -965,6 +974,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help="a video file after the images (repeatable; Gemma 4, with --chat)",
+    )
+    g.add_argument(
+        "--suffix",
+        default=None,
+        help="fill in the middle: the text after the gap (the prompt is the text before it; a "
+        "model with FIM tokens, such as Qwen2.5-Coder)",
     )
     g.add_argument("prompt", nargs="?", default=None)
     g.set_defaults(func=cmd_generate)

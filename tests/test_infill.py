@@ -44,6 +44,7 @@ SUFFIX = "\n\nprint(add(1, 2))\n"
 
 
 def fim_dir(root: Path, specials: tuple[str, ...]) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
     make_tiny_hf_model("qwen2", root, seed=3)
     write_tiny_tokenizer(root, specials)
     return root
@@ -339,3 +340,21 @@ def test_native_completion_is_the_completion_of_its_prompt(url: str, lm: LoadedM
     ]:
         r = post(url, "/completion", {"model": "off", **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.json()
+
+
+def test_cli_generate_fills_in_the_middle(tmp_path: Path, lm: LoadedModel) -> None:
+    """`quickdraft generate --suffix`: the prompt before the gap, the answer, the suffix; a
+    model without FIM tokens is a clear error."""
+    from test_generate import cli
+
+    model = fim_dir(tmp_path / "fim", FIM + REPO)
+    args = ["generate", "--model", str(model), "--dtype", "fp32", "--max-tokens", "6"]
+    res = cli(*args, "--suffix", SUFFIX, PREFIX)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(PREFIX) and res.stdout.endswith(SUFFIX + "\n")
+    fim = FimTokens.of(lm.tokenizer)
+    before = lm.tokenizer.encode(PREFIX, add_special_tokens=False)
+    assert f"prompt {len(completion_ids(lm.tokenizer, fim, before, SUFFIX))} tok" in res.stderr
+    plain = fim_dir(tmp_path / "plain", ())
+    res = cli("generate", "--model", str(plain), "--dtype", "fp32", "--suffix", "x", "y")
+    assert res.returncode == 2 and "cannot fill in the middle" in res.stderr
