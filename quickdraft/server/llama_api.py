@@ -198,7 +198,9 @@ class _Rules:
         if self.n_indent > 0:
             while (nl := text.find("\n", self.scan)) >= 0:
                 start = nl + 1
-                indent = len(text[start:]) - len(text[start:].lstrip(" \t"))
+                indent = 0
+                while start + indent < len(text) and text[start + indent] in " \t":
+                    indent += 1
                 if start + indent == len(text):  # the line's first character is still to come
                     break
                 if indent < self.n_indent:

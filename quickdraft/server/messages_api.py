@@ -29,9 +29,10 @@ import uuid
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from quickdraft.server.protocol import APIError, ChatCompletionRequest, StrictBody, Text
+from quickdraft.server.responses import chat_chunks, merge_call
 
 
 class CacheControl(StrictBody):
@@ -227,18 +228,11 @@ class MessagesInput(StrictBody):
             schema = {"name": "output", "schema": out.format.schema_}
             body["response_format"] = {"type": "json_schema", "json_schema": schema}
         try:
-            chat = ChatCompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise APIError(400, f"messages: {where}: {first['msg']}", "messages") from None
-        try:
-            chat.check()
+            return ChatCompletionRequest.built(body, "messages")
         except APIError as exc:
             if exc.param == "stop":
                 exc.param = "stop_sequences"
             raise
-        return chat
 
 
 class MessagesRequest(MessagesInput):
@@ -396,44 +390,34 @@ async def message_events(chunks: AsyncIterable[Any], req: MessagesRequest) -> As
     finish: str | None = None
     stop_reason: Any = None
     usage: dict[str, Any] | None = None
-    async for raw in chunks:
-        text = bytes(raw).decode() if isinstance(raw, bytes | memoryview) else str(raw)
-        for line in text.splitlines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:  # the chat stream's error event
-                err = chunk["error"]
-                yield _event("error", error={"type": "api_error", "message": err.get("message")})
-                return
-            usage = chunk.get("usage") or usage
-            for choice in chunk.get("choices") or []:
-                delta = choice.get("delta") or {}
-                if choice.get("finish_reason"):
-                    finish, stop_reason = choice["finish_reason"], choice.get("stop_reason")
-                for kind, key in (("thinking", "reasoning_content"), ("text", "content")):
-                    piece = delta.get(key)
-                    if not piece:
-                        continue
-                    if open_kind != kind:
-                        if open_kind:
-                            yield _event("content_block_stop", index=index)
-                        index, open_kind = index + 1, kind
-                        block = {"type": "thinking", "thinking": "", "signature": ""}
-                        if kind == "text":
-                            block = {"type": "text", "text": ""}
-                        yield _event("content_block_start", index=index, content_block=block)
-                    d = {"type": "thinking_delta", "thinking": piece}
+    async for chunk in chat_chunks(chunks):
+        if "error" in chunk:  # the chat stream's error event
+            err = chunk["error"]
+            yield _event("error", error={"type": "api_error", "message": err.get("message")})
+            return
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if choice.get("finish_reason"):
+                finish, stop_reason = choice["finish_reason"], choice.get("stop_reason")
+            for kind, key in (("thinking", "reasoning_content"), ("text", "content")):
+                piece = delta.get(key)
+                if not piece:
+                    continue
+                if open_kind != kind:
+                    if open_kind:
+                        yield _event("content_block_stop", index=index)
+                    index, open_kind = index + 1, kind
+                    block = {"type": "thinking", "thinking": "", "signature": ""}
                     if kind == "text":
-                        d = {"type": "text_delta", "text": piece}
-                    yield _event("content_block_delta", index=index, delta=d)
-                for call in delta.get("tool_calls") or []:
-                    empty = {"id": "", "function": {"name": "", "arguments": ""}}
-                    got = calls.setdefault(call["index"], empty)
-                    got["id"] = call.get("id") or got["id"]
-                    fn = call.get("function") or {}
-                    got["function"]["name"] += fn.get("name") or ""
-                    got["function"]["arguments"] += fn.get("arguments") or ""
+                        block = {"type": "text", "text": ""}
+                    yield _event("content_block_start", index=index, content_block=block)
+                d = {"type": "thinking_delta", "thinking": piece}
+                if kind == "text":
+                    d = {"type": "text_delta", "text": piece}
+                yield _event("content_block_delta", index=index, delta=d)
+            for call in delta.get("tool_calls") or []:
+                merge_call(calls, call)
     if open_kind:
         yield _event("content_block_stop", index=index)
     elif not calls:  # an empty answer is still one text block

@@ -14,7 +14,15 @@ import dataclasses
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+)
 from pydantic_core import PydanticCustomError
 
 from quickdraft.config import RELAXED_DELTA, RELAXED_TOP_K
@@ -460,6 +468,19 @@ class ChatCompletionRequest(GenerateRequest):
     # left open for the model to go on with (a prefilled answer)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+
+    @classmethod
+    def built(cls, body: dict[str, Any], param: str) -> ChatCompletionRequest:
+        """The checked chat request another API's body became (the Responses and Messages
+        APIs); a body it cannot be is a 400 naming that API's field `param`."""
+        try:
+            chat = cls.model_validate(body)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise APIError(400, f"{param}: {where}: {first['msg']}", param) from None
+        chat.check()
+        return chat
 
     def check(self) -> None:
         super().check()

@@ -1,13 +1,17 @@
 """OpenAI wire format, the response side: bodies and stream chunks (requests: protocol.py).
 
 Response models mirror OpenAI's and add two blocks every response carries: `usage` and
-`speculative` (this request's drafted / accepted counts, see request.SpecStats).
+`speculative` (this request's drafted / accepted counts, see request.SpecStats). A chat
+stream's chunks are read back here too (`chat_chunks`, `merge_call`) by the APIs that reshape
+them (responses_api.py, messages_api.py).
 """
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Literal
+from collections.abc import AsyncIterable, AsyncIterator
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -188,3 +192,22 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+async def chat_chunks(events: AsyncIterable[Any]) -> AsyncIterator[dict[str, Any]]:
+    """A chat stream's SSE events (relay.py `Relay.events`, as a response body yields them)
+    read back as chunk objects, for the APIs whose streams are reshaped chat streams."""
+    async for raw in events:
+        text = bytes(raw).decode() if isinstance(raw, bytes | memoryview) else str(raw)
+        for line in text.splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
+def merge_call(calls: dict[int, dict[str, Any]], call: dict[str, Any]) -> None:
+    """A streamed `delta.tool_calls` entry added to the calls read so far, by its index."""
+    got = calls.setdefault(call["index"], {"id": "", "function": {"name": "", "arguments": ""}})
+    got["id"] = call.get("id") or got["id"]
+    fn = call.get("function") or {}
+    got["function"]["name"] += fn.get("name") or ""
+    got["function"]["arguments"] += fn.get("arguments") or ""

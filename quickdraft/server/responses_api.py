@@ -37,10 +37,11 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterable, Callable, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from quickdraft.request import MAX_TOP_LOGPROBS
-from quickdraft.server.protocol import APIError, ChatCompletionRequest, StrictBody, Text
+from quickdraft.server.protocol import ChatCompletionRequest, StrictBody, Text
+from quickdraft.server.responses import chat_chunks, merge_call
 
 
 class InputText(StrictBody):
@@ -291,14 +292,7 @@ class ResponsesRequest(StrictBody):
             ]
             body["tool_choice"] = self.tool_choice
             body["parallel_tool_calls"] = self.parallel_tool_calls
-        try:
-            chat = ChatCompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise APIError(400, f"input: {where}: {first['msg']}", "input") from None
-        chat.check()
-        return chat
+        return ChatCompletionRequest.built(body, "input")
 
     @property
     def logprobs(self) -> bool:
@@ -469,13 +463,9 @@ async def response_events(
         stream.response.update(id=queued["id"], created_at=queued["created_at"])
     yield stream.event("response.created", response=stream.response)
     yield stream.event("response.in_progress", response=stream.response)
-    async for raw in chunks:
-        text = bytes(raw).decode() if isinstance(raw, bytes | memoryview) else str(raw)
-        for line in text.splitlines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for event in stream.feed(json.loads(line[6:])):
-                yield event
+    async for chunk in chat_chunks(chunks):
+        for event in stream.feed(chunk):
+            yield event
     last = stream.end()
     if keep is not None:
         keep(stream.response)
@@ -532,12 +522,7 @@ class _Events:
                 name = f"response.{'output' if kind == 'message' else 'reasoning'}_text.delta"
                 out.append(self.event(name, **self._at(), content_index=0, delta=piece, **extra))
             for call in delta.get("tool_calls") or []:
-                empty = {"id": "", "function": {"name": "", "arguments": ""}}
-                got = self.calls.setdefault(call["index"], empty)
-                got["id"] = call.get("id") or got["id"]
-                fn = call.get("function") or {}
-                got["function"]["name"] += fn.get("name") or ""
-                got["function"]["arguments"] += fn.get("arguments") or ""
+                merge_call(self.calls, call)
         return out
 
     def _start(self, kind: str) -> list[str]:
