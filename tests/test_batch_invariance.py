@@ -84,11 +84,11 @@ def test_batch_invariance_row_alone_equals_row_in_batch(
         assert torch.equal(out[pos : pos + 1], alone), f"row {pos} of M={m} differs from alone"
 
 
-def _row_ops(dtype: torch.dtype) -> dict[str, Callable[[Tensor], Tensor]]:
+def _row_ops(dtype: torch.dtype, rows: int = 80) -> dict[str, Callable[[Tensor], Tensor]]:
     """Each row-wise op of the target's forward as a function of the indices of the rows it
     runs on (its input and per-row side inputs are those rows of fixed random tensors)."""
     g = torch.Generator().manual_seed(1)
-    rows, hidden, heads, d = 80, 200, 3, 40  # not multiples of 8 / 16: scalar tails run too
+    hidden, heads, d = 200, 3, 40  # not multiples of 8 / 16: scalar tails run too
     x = (torch.randn(rows, hidden, generator=g) * 2).to(dtype)
     delta = torch.randn(rows, hidden, generator=g).to(dtype)
     w = torch.randn(hidden, generator=g).to(dtype)
@@ -144,6 +144,20 @@ def test_row_ops_row_alone_equals_row_in_batch(op: str, dtype: torch.dtype) -> N
     alone = run(torch.tensor([0]))
     for m, pos in positions():
         assert torch.equal(run(placed(m, pos))[pos : pos + 1], alone), f"{op}: row {pos}, M={m}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "gated_rms_norm"])
+def test_row_ops_split_between_threads_equal_rows_alone(op: str, dtype: torch.dtype) -> None:
+    """The norms split a prompt's rows between the threads (kernels/ops.h qd_rows_grain:
+    ~32K values a task, so 1,200 rows of these widths take several tasks): every row of the
+    split call equals that row alone, bit for bit, on each side of every cut."""
+    rows = 1200
+    run = _row_ops(dtype, rows)[op]
+    whole = run(torch.arange(rows))
+    for r in (0, 1, 163, 164, 272, 273, 599, 600, 601, 1199):
+        assert torch.equal(whole[r : r + 1], run(torch.tensor([r]))), f"{op}: row {r}"
 
 
 @needs_kernel

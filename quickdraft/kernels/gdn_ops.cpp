@@ -12,13 +12,15 @@
 //
 // Why: in a decode step or a k+1-row verify these tensors are a few KB, so each torch op costs
 // its dispatch and threading overhead, not its arithmetic (a strided bf16 silu ~40 us). One
-// pass each here. The delta rule itself is gdn_delta.cpp.
+// pass each here; a prompt's rows are split between the threads (the conv by channels, the
+// others by rows: qd_rows_grain), each row computed alone. The delta rule itself is gdn_delta.cpp.
 // All math is fp32, rounded once to the output dtype.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
 #include "bf16.h"
+#include "ops.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -132,10 +134,10 @@ void sigmoid_all(const T* x, T* out, int64_t n) {
 
 template <class T, class WT>
 void gated_norm_rows(const float* x, const WT* w, const T* z, int64_t zs0, int64_t zs1, T* out,
-                     int64_t N, int64_t H, int64_t D, float eps) {
+                     int64_t n0, int64_t n1, int64_t H, int64_t D, float eps) {
   std::vector<float> wf(D);
   for (int64_t i = 0; i < D; ++i) wf[i] = load1(w + i);
-  for (int64_t n = 0; n < N; ++n)
+  for (int64_t n = n0; n < n1; ++n)
     for (int64_t h = 0; h < H; ++h) {
       const float* xr = x + (n * H + h) * D;
       const T* zr = z + n * zs0 + h * zs1;
@@ -306,9 +308,12 @@ at::Tensor qd_gated_rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, con
     using T = decltype(tag);
     dispatch_dtype(w, [&](auto wtag) {
       using WT = decltype(wtag);
-      gated_norm_rows<T, WT>(x.data_ptr<float>(), static_cast<const WT*>(w.data_ptr()),
-                             static_cast<const T*>(z.data_ptr()), z.stride(0), z.stride(1),
-                             static_cast<T*>(out.data_ptr()), N, H, D, static_cast<float>(eps));
+      at::parallel_for(0, N, qd_rows_grain(H * D), [&](int64_t n0, int64_t n1) {
+        gated_norm_rows<T, WT>(x.data_ptr<float>(), static_cast<const WT*>(w.data_ptr()),
+                               static_cast<const T*>(z.data_ptr()), z.stride(0), z.stride(1),
+                               static_cast<T*>(out.data_ptr()), n0, n1, H, D,
+                               static_cast<float>(eps));
+      });
     });
   });
   return out;

@@ -381,16 +381,19 @@ Acts acts_at(float* buf, int64_t M, int64_t K, int block) {
 Acts quantize(const at::Tensor& x2, int block, float* buf) {
   const int64_t M = x2.size(0), K = x2.size(1);
   const Acts a = acts_at(buf, M, K, block);
-  for (int64_t m = 0; m < M; ++m) {
-    if (x2.scalar_type() == at::kBFloat16)
-      quantize_row(static_cast<const u16*>(x2.data_ptr()) + m * K, K, block, a.xq + m * K,
-                   a.dx + m * K / block, a.bs16 + m * K / 16);
-    else
-      quantize_row(x2.data_ptr<float>() + m * K, K, block, a.xq + m * K, a.dx + m * K / block,
-                   a.bs16 + m * K / 16);
-  }
-  for (int64_t i = 0; i < M * K / 32; ++i)
-    a.bs32[i] = static_cast<int16_t>(a.bs16[2 * i] + a.bs16[2 * i + 1]);
+  // each row on its own, a prompt's rows split between the threads (qd_rows_grain)
+  at::parallel_for(0, M, qd_rows_grain(K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      if (x2.scalar_type() == at::kBFloat16)
+        quantize_row(static_cast<const u16*>(x2.data_ptr()) + m * K, K, block, a.xq + m * K,
+                     a.dx + m * K / block, a.bs16 + m * K / 16);
+      else
+        quantize_row(x2.data_ptr<float>() + m * K, K, block, a.xq + m * K,
+                     a.dx + m * K / block, a.bs16 + m * K / 16);
+      for (int64_t i = m * K / 32; i < (m + 1) * K / 32; ++i)
+        a.bs32[i] = static_cast<int16_t>(a.bs16[2 * i] + a.bs16[2 * i + 1]);
+    }
+  });
   return a;
 }
 

@@ -5,11 +5,14 @@
 // Why: at decode time a layer's tensors are a few KB, so each torch op costs its dispatch
 // overhead, not its arithmetic: F.rms_norm on a bf16 row is ~8 ops (~30 us here), apply_rope
 // ~6 ops per tensor (~24 us). One pass each in C++ costs ~1-2 us. All math is fp32 with one
-// rounding to the output dtype at the end (as accurate as the torch reference, or more).
+// rounding to the output dtype at the end (as accurate as the torch reference, or more). A
+// prompt's rows are split between the threads (qd_rows_grain): each row computed alone.
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
 #include "bf16.h"
+#include "ops.h"
 
 #include <cmath>
 #include <cstdint>
@@ -56,12 +59,13 @@ inline float sum_squares(const float* v, int64_t n) {
   return s;
 }
 
-// rows [M, H] of x (+ delta) -> sum (if delta) and y = sum * rsqrt(mean(sum^2) + eps) * (w + offset)
+// rows [m0, m1) of x [M, H] (+ delta) -> sum (if delta) and
+// y = sum * rsqrt(mean(sum^2) + eps) * (w + offset)
 template <class T, class WT>
-void norm_rows(const T* x, const T* delta, const WT* w, T* sum_out, T* y, int64_t M, int64_t H,
-               float eps, float offset) {
+void norm_rows(const T* x, const T* delta, const WT* w, T* sum_out, T* y, int64_t m0,
+               int64_t m1, int64_t H, float eps, float offset) {
   std::vector<float> buf(H);
-  for (int64_t m = 0; m < M; ++m) {
+  for (int64_t m = m0; m < m1; ++m) {
     const T* xr = x + m * H;
     for (int64_t i = 0; i < H; ++i) buf[i] = Row<T>::get(xr, i);
     if (delta != nullptr) {
@@ -108,9 +112,12 @@ at::Tensor qd_rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double ep
   at::Tensor y = at::empty_like(x);
   dispatch_dtype(x, [&](auto tag) {
     using T = decltype(tag);
-    norm_rows<T, T>(static_cast<const T*>(x.data_ptr()), nullptr,
-                    static_cast<const T*>(w.data_ptr()), nullptr, static_cast<T*>(y.data_ptr()),
-                    M, H, static_cast<float>(eps), static_cast<float>(offset));
+    at::parallel_for(0, M, qd_rows_grain(H), [&](int64_t m0, int64_t m1) {
+      norm_rows<T, T>(static_cast<const T*>(x.data_ptr()), nullptr,
+                      static_cast<const T*>(w.data_ptr()), nullptr,
+                      static_cast<T*>(y.data_ptr()), m0, m1, H, static_cast<float>(eps),
+                      static_cast<float>(offset));
+    });
   });
   return y;
 }
@@ -128,10 +135,12 @@ std::tuple<at::Tensor, at::Tensor> qd_add_rms_norm(const at::Tensor& x_in,
   at::Tensor s = at::empty_like(x), y = at::empty_like(x);
   dispatch_dtype(x, [&](auto tag) {
     using T = decltype(tag);
-    norm_rows<T, T>(static_cast<const T*>(x.data_ptr()), static_cast<const T*>(d.data_ptr()),
-                    static_cast<const T*>(w.data_ptr()), static_cast<T*>(s.data_ptr()),
-                    static_cast<T*>(y.data_ptr()), M, H, static_cast<float>(eps),
-                    static_cast<float>(offset));
+    at::parallel_for(0, M, qd_rows_grain(H), [&](int64_t m0, int64_t m1) {
+      norm_rows<T, T>(static_cast<const T*>(x.data_ptr()), static_cast<const T*>(d.data_ptr()),
+                      static_cast<const T*>(w.data_ptr()), static_cast<T*>(s.data_ptr()),
+                      static_cast<T*>(y.data_ptr()), m0, m1, H, static_cast<float>(eps),
+                      static_cast<float>(offset));
+    });
   });
   return {s, y};
 }

@@ -4,9 +4,19 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <tuple>
 #include <vector>
+
+// Rows a task takes when a per-row op (a norm, the activations' int8 quantization) splits a
+// prompt's rows between the threads: ~32K values a task, so that a decode step's or a verify's
+// few rows stay on the calling thread (a fork/join would cost more than they do). Each row is
+// computed alone, by the same code, wherever the split falls.
+inline int64_t qd_rows_grain(int64_t row_len) {
+  return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(row_len, 1));
+}
 
 // linear_bf16.cpp
 bool qd_linear_eligible(const at::Tensor& x, const at::Tensor& w,
