@@ -75,16 +75,19 @@ Proj make_proj(std::vector<std::vector<at::Tensor>> packed, std::vector<int64_t>
 }
 
 // The rows of `src` (Acts of some rows, row length K, block `block`) listed in `rows`, copied
-// into `dst` in that order.
+// into `dst` in that order (a prompt's assignments split between the threads).
 void gather(const Acts& src, const std::vector<int64_t>& rows, int64_t K, int block,
             const Acts& dst) {
-  for (size_t a = 0; a < rows.size(); ++a) {
-    const int64_t r = rows[a];
-    std::memcpy(dst.xq + a * K, src.xq + r * K, K);
-    std::memcpy(dst.dx + a * (K / block), src.dx + r * (K / block), K / block * sizeof(float));
-    std::memcpy(dst.bs16 + a * (K / 16), src.bs16 + r * (K / 16), K / 16 * sizeof(int16_t));
-    std::memcpy(dst.bs32 + a * (K / 32), src.bs32 + r * (K / 32), K / 32 * sizeof(int16_t));
-  }
+  const int64_t A = static_cast<int64_t>(rows.size());
+  at::parallel_for(0, A, qd_rows_grain(K), [&](int64_t a0, int64_t a1) {
+    for (int64_t a = a0; a < a1; ++a) {
+      const int64_t r = rows[a];
+      std::memcpy(dst.xq + a * K, src.xq + r * K, K);
+      std::memcpy(dst.dx + a * (K / block), src.dx + r * (K / block), K / block * sizeof(float));
+      std::memcpy(dst.bs16 + a * (K / 16), src.bs16 + r * (K / 16), K / 16 * sizeof(int16_t));
+      std::memcpy(dst.bs32 + a * (K / 32), src.bs32 + r * (K / 32), K / 32 * sizeof(int16_t));
+    }
+  });
 }
 
 Acts offset(const Acts& a, int64_t rows, int64_t K, int block) {
@@ -518,9 +521,8 @@ class QdMoEBlock {
   }
 
   // out + gate * shared, as those two torch ops round in x's dtype (bf16: the product
-  // rounded to bf16, then the sum), in place of out
-  __attribute__((optimize("fp-contract=off"))) static at::Tensor add_gated(
-      at::Tensor out, const at::Tensor& gate, const at::Tensor& shared) {
+  // rounded to bf16, then the sum), in place of out; a prompt's rows split between the threads
+  static at::Tensor add_gated(at::Tensor out, const at::Tensor& gate, const at::Tensor& shared) {
     const bool plain = out.is_contiguous() && shared.is_contiguous() && gate.is_contiguous() &&
                        gate.dim() == 2 && gate.size(1) == 1 && gate.size(0) == out.size(0) &&
                        shared.sizes() == out.sizes() &&
@@ -529,23 +531,34 @@ class QdMoEBlock {
                        (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat);
     if (!plain) return out + gate * shared;
     const int64_t N = out.size(0), H = out.size(1);
-    if (out.scalar_type() == at::kFloat) {
-      float* o = out.data_ptr<float>();
-      const float* g = gate.data_ptr<float>();
-      const float* sv = shared.data_ptr<float>();
-      for (int64_t r = 0; r < N; ++r)
-        for (int64_t c = 0; c < H; ++c) {
-          const float prod = g[r] * sv[r * H + c];
-          o[r * H + c] = o[r * H + c] + prod;
-        }
-      return out;
-    }
+    at::parallel_for(0, N, qd_rows_grain(H), [&](int64_t r0, int64_t r1) {
+      if (out.scalar_type() == at::kFloat)
+        add_gated_rows(out.data_ptr<float>(), gate.data_ptr<float>(), shared.data_ptr<float>(),
+                       r0, r1, H);
+      else
+        add_gated_rows(static_cast<uint16_t*>(out.data_ptr()),
+                       static_cast<const uint16_t*>(gate.data_ptr()),
+                       static_cast<const uint16_t*>(shared.data_ptr()), r0, r1, H);
+    });
+    return out;
+  }
+
+  // rows [r0, r1) of add_gated, fp32 (no fused multiply-add: the product rounds, then the sum)
+  __attribute__((optimize("fp-contract=off"))) static void add_gated_rows(
+      float* o, const float* g, const float* sv, int64_t r0, int64_t r1, int64_t H) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t c = 0; c < H; ++c) {
+        const float prod = g[r] * sv[r * H + c];
+        o[r * H + c] = o[r * H + c] + prod;
+      }
+  }
+
+  // rows [r0, r1) of add_gated, bf16
+  __attribute__((optimize("fp-contract=off"))) static void add_gated_rows(
+      uint16_t* o, const uint16_t* g, const uint16_t* sv, int64_t r0, int64_t r1, int64_t H) {
     using qd_bf16::bf16_to_f32;
     using qd_bf16::f32_to_bf16;
-    auto* o = static_cast<uint16_t*>(out.data_ptr());
-    const auto* g = static_cast<const uint16_t*>(gate.data_ptr());
-    const auto* sv = static_cast<const uint16_t*>(shared.data_ptr());
-    for (int64_t r = 0; r < N; ++r) {
+    for (int64_t r = r0; r < r1; ++r) {
       const float gr = bf16_to_f32(g[r]);
       const __m256 gv = _mm256_set1_ps(gr);
       uint16_t* orow = o + r * H;
@@ -561,7 +574,6 @@ class QdMoEBlock {
         orow[c] = f32_to_bf16(bf16_to_f32(orow[c]) + prod);
       }
     }
-    return out;
   }
 
   QdMoEGGUF experts_;
