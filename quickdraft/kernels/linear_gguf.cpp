@@ -64,12 +64,15 @@ inline __m256 load_f16x8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// Always inlined, as the AVX-512 tile's copy (gguf_tile_avx512.h): left to GCC's heuristics,
+// the Q6_K tile's loop over 4 tokens was kept out of line.
 template <int N, class Fn, int... I>
-inline void static_for_impl(Fn&& fn, std::integer_sequence<int, I...>) {
+__attribute__((always_inline)) inline void static_for_impl(Fn&& fn,
+                                                           std::integer_sequence<int, I...>) {
   (fn(std::integral_constant<int, I>{}), ...);
 }
 template <int N, class Fn>
-inline void static_for(Fn&& fn) {
+__attribute__((always_inline)) inline void static_for(Fn&& fn) {
   static_for_impl<N>(fn, std::make_integer_sequence<int, N>{});
 }
 
