@@ -295,7 +295,9 @@ class QdMoEGGUF {
     }
 
     // gate/up: x quantized once per block size, its rows gathered in assignment order (the
-    // shared expert reads x's own rows)
+    // shared expert reads x's own rows); one row (a decode step) is every expert's, read in
+    // place
+    const bool one_row = N == 1;
     int blocks[2] = {0, 0}, own_blocks[2] = {0, 0}, shared_down[2] = {0, 0};
     for (int64_t f : gu_.fmts) {
       const int b = block_size(static_cast<int>(f));
@@ -329,6 +331,10 @@ class QdMoEGGUF {
       own[which] = quantize(xc, own_blocks[which], buf);
       buf += acts_floats(N, H, own_blocks[which]);
       if (!blocks[which]) continue;
+      if (one_row) {
+        gathered[which] = own[which];
+        continue;
+      }
       gathered[which] = acts_at(buf, A, H, blocks[which]);
       buf += acts_floats(A, H, blocks[which]);
       gather(own[which], rows, H, blocks[which], gathered[which]);
@@ -337,7 +343,7 @@ class QdMoEGGUF {
     at::Tensor hs = sh ? at::empty({N, sh->I2}, x.options()) : at::Tensor();
     std::vector<Seg> segs;
     for (int64_t e : used)
-      segs.push_back(expert_seg(gu_, e, start, gathered, h, gu_bias_));
+      segs.push_back(expert_seg(gu_, e, start, gathered, h, gu_bias_, one_row));
     if (sh)
       segs.push_back(shared_seg(sh->gu, sh->gu_fmts, sh->gu_ns, sh->gu_panels, sh->gu_col, H, N,
                                 own, hs));
@@ -393,14 +399,17 @@ class QdMoEGGUF {
   int64_t act_;
   double alpha_, limit_;
 
-  // expert e's rows [start[e], start[e + 1]) of `acts` (at row 0) times its parts of `p`, into
-  // the same rows of y, plus its row of `bias` [E, p.N] where defined
+  // expert e's rows [start[e], start[e + 1]) of `acts` (at row 0; `row0`: its row 0 for every
+  // expert, one row's) times its parts of `p`, into the same rows of y, plus its row of `bias`
+  // [E, p.N] where defined
   static Seg expert_seg(const Proj& p, int64_t e, const std::vector<int64_t>& start,
-                        const Acts* acts, at::Tensor& y, const at::Tensor& bias) {
+                        const Acts* acts, at::Tensor& y, const at::Tensor& bias,
+                        bool row0 = false) {
     const int64_t a0 = start[e], M = start[e + 1] - start[e];
     Seg g{&p.packed[e], &p.fmts, &p.ns, &p.panels, &p.col, p.K, M, {}, {}, 0, 0};
     for (int which = 0; which < 2; ++which)
-      if (acts[which].xq) g.acts[which] = offset(acts[which], a0, p.K, which ? 256 : 32);
+      if (acts[which].xq)
+        g.acts[which] = offset(acts[which], row0 ? 0 : a0, p.K, which ? 256 : 32);
     g.base = qd_panel::epilogue(nullptr, bias, y);
     g.y_elem = y.element_size();
     g.base.y = static_cast<char*>(g.base.y) + a0 * y.size(1) * static_cast<int64_t>(g.y_elem);
