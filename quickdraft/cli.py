@@ -394,6 +394,7 @@ def serve_options(args: argparse.Namespace) -> tuple[ServeOptions, ServerConfig]
             default_max_tokens=args.default_max_tokens,
             allowed_hosts=None if args.allowed_hosts is None else allowed_hosts(args.allowed_hosts),
             responses_store_mb=args.responses_store_mb,
+            spm_infill=args.spm_infill or None,
         ),
         settings_path=settings,
         media=media_policy(args),
@@ -530,6 +531,12 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
         help="memory for the Responses API's stored responses (previous_response_id, GET "
         f"/v1/responses/ID), least recently used dropped first; 0: none (default "
         f"{RESPONSES_STORE_MB})",
+    )
+    s.add_argument(
+        "--spm-infill",
+        action="store_true",
+        help="/infill prompts put the suffix before the prefix (llama-server's --spm-infill, "
+        "for models trained suffix-prefix-middle)",
     )
     s.add_argument(
         "--settings",

@@ -151,9 +151,11 @@ def infill_ids(
     prompt: str = "",
     context: int = 4096,
     n_predict: int = -1,
+    spm: bool = False,
 ) -> list[int]:
     """llama-server's /infill prompt (module docstring). `prompt`: text the answer starts with
-    (special-token text read as those tokens, as llama-server reads it)."""
+    (special-token text read as those tokens, as llama-server reads it); `spm`: the suffix
+    before the prefix (llama-server's --spm-infill, for models trained that way)."""
     prompt_ids = tok.encode(prompt, add_special_tokens=False, parse_special=True) if prompt else []
     extra_ids: list[int] = []
     if fim.repo is not None:
@@ -173,4 +175,5 @@ def infill_ids(
     before = [fim.prefix, *before[len(before) - take_before :], *prompt_ids]
     after = [fim.suffix, *after[:take_after]]
     head = extra_ids[len(extra_ids) - take_extra :]
-    return [*head, *_bos(tok), *before, *after, fim.middle]
+    first, then = (after, before) if spm else (before, after)
+    return [*head, *_bos(tok), *first, *then, fim.middle]

@@ -47,6 +47,13 @@ def test_cli_serve_responses_store_flag_reaches_the_server_config() -> None:
         serve_options(build_parser().parse_args(["serve", "--responses-store-mb", "-1"]))
 
 
+def test_cli_serve_spm_infill_flag_reaches_the_server_config() -> None:
+    _, config = serve_options(build_parser().parse_args(["serve"]))
+    assert config.spm_infill is False
+    _, config = serve_options(build_parser().parse_args(["serve", "--spm-infill"]))
+    assert config.spm_infill is True
+
+
 def test_cli_serve_other_models_default_to_ngram() -> None:
     cfg = spec("smollm2-135m")
     assert cfg.method == "ngram" and cfg.draft_model is None

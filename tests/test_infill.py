@@ -106,6 +106,14 @@ def test_infill_layout_and_cuts_are_llama_servers(lm: LoadedModel) -> None:
         *[fim.prefix, *text(PREFIX), fim.pad, *text("ret")],  # the prompt reads special tokens
         *[fim.suffix, *text(SUFFIX), fim.middle],
     ]
+    # --spm-infill: the suffix part first, the prefix part (with the prompt) after it
+    spm = infill_ids(tok, fim, PREFIX, SUFFIX, [Chunk("x = 1\n", "util.py")], "ret", spm=True)
+    head = spm.index(fim.suffix)
+    assert spm[head:] == [
+        *[fim.suffix, *text(SUFFIX)],
+        *[fim.prefix, *text(PREFIX), *text("ret"), fim.middle],
+    ]
+    assert spm[:head] == got[: got.index(fim.prefix)]  # the repository part as before
     # the cuts: the prefix's last 3/4 batch, the suffix's first quarter less the prompt and 2,
     # the extra chunks' last tokens after a batch and twice the answer
     long_prefix, long_suffix = "a" * 3000, "b" * 3000
@@ -244,6 +252,25 @@ def test_infill_body_and_stream(url: str, lm: LoadedModel) -> None:
         stopped = post(url, "/infill", {**body, "model": "off", "stop": [word]}).json()
         assert stopped["stop_type"] == "word" and stopped["stopping_word"] == word
         assert stopped["content"] == got["content"][: got["content"].index(word)]
+
+
+def test_infill_spm_server_puts_the_suffix_first(lm: LoadedModel) -> None:
+    """`quickdraft serve --spm-infill` (ServerConfig.spm_infill): /infill evaluates the
+    suffix-prefix-middle prompt, as llama-server started with --spm-infill does."""
+    tok = lm.tokenizer
+    fim = FimTokens.of(tok)
+    engine = Engine({"off": ServedModel(lm)})
+    engine.start()
+    try:
+        with BackgroundServer(create_app(engine, ServerConfig(spm_infill=True))) as srv:
+            body = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 4}
+            got = post(srv.url, "/infill", {**body, "temperature": 0}).json()
+    finally:
+        engine.stop()
+    ids = infill_ids(tok, fim, PREFIX, SUFFIX, (), "", lm.context_length, 4, spm=True)
+    assert ids.index(fim.suffix) < ids.index(fim.prefix)
+    assert got["prompt"] == tok.decode(ids, skip_special_tokens=False)
+    assert got["tokens_evaluated"] == len(ids)
 
 
 def test_infill_bad_bodies(url: str) -> None:

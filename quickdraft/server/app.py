@@ -330,7 +330,7 @@ def create_app(
         name = _native_model(state, body.model)
         lm = _model(state, name)
         fim = _fim(lm, "input_prefix")
-        prompt_ids = body.prompt_ids(lm.tokenizer, fim, lm.context_length)
+        prompt_ids = body.prompt_ids(lm.tokenizer, fim, lm.context_length, state.config.spm_infill)
         return await _native(state, request, body, name, prompt_ids, fim.stops, arrived)
 
     @app.post("/tokenize")

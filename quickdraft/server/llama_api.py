@@ -174,10 +174,20 @@ class InfillRequest(LlamaRequest):
     input_extra: list[ExtraChunk] = Field(default_factory=list)
     prompt: Text = ""
 
-    def prompt_ids(self, tok: Tokenizer, fim: FimTokens, context: int) -> list[int]:
+    def prompt_ids(
+        self, tok: Tokenizer, fim: FimTokens, context: int, spm: bool = False
+    ) -> list[int]:
         extra = [Chunk(c.text, c.filename) for c in self.input_extra]
         return infill_ids(
-            tok, fim, self.input_prefix, self.input_suffix, extra, self.prompt, context, self.length
+            tok,
+            fim,
+            self.input_prefix,
+            self.input_suffix,
+            extra,
+            self.prompt,
+            context,
+            self.length,
+            spm,
         )
 
 

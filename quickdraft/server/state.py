@@ -44,6 +44,8 @@ class ServerConfig:
     media: MediaPolicy = field(default_factory=MediaPolicy)  # what image parts may be
     # the Responses API's stored responses, MB of their JSON (0: none stored)
     responses_store_mb: int = RESPONSES_STORE_MB
+    # /infill's prompt with the suffix before the prefix (llama-server's --spm-infill)
+    spm_infill: bool = False
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_keys:
