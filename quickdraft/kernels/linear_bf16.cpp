@@ -285,10 +285,18 @@ void run(const Problem& p) {
   const int64_t grain = std::max<int64_t>(1, (int64_t{128} << 10) / block_bytes);
   at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
     // acc[g][m][r][8]: lane partial sums for every (row, token) of one row block.
-    std::unique_ptr<float, decltype(&std::free)> acc_buf(
-        static_cast<float*>(std::aligned_alloc(64, (RB * p.M * 32 + 63) / 64 * 64)), &std::free);
-    float* const acc = acc_buf.get();
-    TORCH_CHECK(acc, "quickdraft linear_bf16: out of memory");
+    // a decode step's or a verify's accumulators in a per-thread buffer, a prompt's per call
+    // (as x above: a long prompt does not pin them for the life of the process)
+    const int64_t acc_floats = RB * p.M * 32;
+    std::unique_ptr<float, decltype(&std::free)> acc_buf(nullptr, &std::free);
+    float* acc;
+    if (acc_floats * 4 <= (int64_t{4} << 20)) {
+      acc = qd_simd::scratch<1>(static_cast<size_t>(acc_floats));
+    } else {
+      acc_buf.reset(static_cast<float*>(std::aligned_alloc(64, (acc_floats * 4 + 63) / 64 * 64)));
+      acc = acc_buf.get();
+      TORCH_CHECK(acc, "quickdraft linear_bf16: out of memory");
+    }
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * RB;
       const int64_t rows = std::min(RB, p.N - n0);

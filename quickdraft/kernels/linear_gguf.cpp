@@ -546,8 +546,8 @@ at::Tensor qd_linear_gguf(const at::Tensor& x, const std::vector<at::Tensor>& pa
         qd_panel::Epilogue e = qd_panel::epilogue(nullptr, b, y);
         e.y = static_cast<char*>(e.y) + col[i] * y.element_size();
         if (e.bias) e.bias = static_cast<const char*>(e.bias) + col[i] * b.element_size();
-        part_panels(acts[block_size(f) == 256], M, K, f, packed[i].data_ptr<uint8_t>(), ns[i], e,
-                    p0, p1);
+        part_panels(acts[block_size(f) == 256], M, K, f,
+                    static_cast<const uint8_t*>(packed[i].data_ptr()), ns[i], e, p0, p1);
       }
     }
   });

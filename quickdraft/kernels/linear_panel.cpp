@@ -28,6 +28,7 @@
 
 #include "bf16.h"
 #include "ops.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -164,10 +165,7 @@ void run_group(const u16* packed, int64_t P, int64_t N, int64_t K, const float* 
   const int64_t grain = std::max<int64_t>(1, (int64_t{128} << 10) / panel_bytes);
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
     const int64_t acc_floats = std::max<int64_t>(M, 2) * kPanel;  // M = 1: two panels at once
-    std::unique_ptr<float, decltype(&std::free)> acc_buf(
-        static_cast<float*>(std::aligned_alloc(64, (acc_floats * 4 + 63) / 64 * 64)), &std::free);
-    float* const acc = acc_buf.get();
-    TORCH_CHECK(acc, "quickdraft linear_panel: out of memory");
+    float* const acc = qd_simd::scratch<1>(static_cast<size_t>(acc_floats));
     // y rows of panel p from acc [M][16] (lane order: acc[m][0..7] = rows 0-7, [8..15] = 8-15)
     auto write = [&](int64_t p, const float* pacc) {
       const int64_t rows = std::min<int64_t>(kPanel, N - p * kPanel);

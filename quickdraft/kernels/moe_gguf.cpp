@@ -175,7 +175,8 @@ void run_segs(const std::vector<Seg>& segs) {
         if (ep.bias)
           ep.bias = static_cast<const char*>(ep.bias) + c * static_cast<int64_t>(g.bias_elem);
         part_panels(g.acts[block_size(f) == 256], g.M, g.K, f,
-                    (*g.packed)[part].data_ptr<uint8_t>(), (*g.ns)[part], ep, q, q + len);
+                    static_cast<const uint8_t*>((*g.packed)[part].data_ptr()), (*g.ns)[part],
+                    ep, q, q + len);
         u += len;
       }
     }

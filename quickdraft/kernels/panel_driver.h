@@ -92,10 +92,7 @@ void run_range(const uint8_t* packed, int64_t M, int64_t N, int64_t G, int64_t g
   const int64_t nch = (M + tmax - 1) / tmax;  // balanced token chunks
   const int64_t GB = nch == 1 ? G : block_groups;
   const int64_t panel_bytes = G * group_bytes;
-  std::unique_ptr<float, decltype(&std::free)> acc_buf(
-      static_cast<float*>(std::aligned_alloc(64, (M * kPanel * 4 + 63) / 64 * 64)), &std::free);
-  float* const acc = acc_buf.get();
-  TORCH_CHECK(acc, "quickdraft panel kernel: out of memory");
+  float* const acc = qd_simd::scratch<1>(static_cast<size_t>(M * kPanel));
   for (int64_t pi = p0; pi < p1; ++pi) {
     const uint8_t* wp = packed + pi * panel_bytes;
     for (int64_t g0 = 0; g0 < G; g0 += GB) {

@@ -74,8 +74,11 @@ inline float hmax(__m256 v) {
 }
 
 // Per-thread, 64-byte aligned fp32 scratch that only grows: a fresh large malloc per call would
-// be an mmap plus page faults on every forward. One buffer per thread for all kernels, so a
-// caller must be done with it before it calls another kernel that uses it (none nest).
+// be an mmap plus page faults on every forward. One buffer per thread and slot for all kernels,
+// so a caller must be done with a slot before it calls another kernel that uses it: slot 0 for
+// a kernel's inputs (activations, attention rows), slot 1 for the GEMM drivers' accumulators,
+// which run while their caller's slot 0 holds the activations.
+template <int Slot = 0>
 inline float* scratch(size_t floats) {
   struct Free {
     void operator()(float* p) const { std::free(p); }
