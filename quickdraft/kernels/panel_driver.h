@@ -16,8 +16,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <memory>
 
 #include "bf16.h"
 #include "simd.h"
