@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from quickdraft.server.errors import anthropic_error, error_response
+from quickdraft.server.errors import error_for, error_response
 from quickdraft.server.protocol import APIError
 
 PUBLIC_PATHS = ("/health", "/metrics")  # and everything under /admin (its API has its own token)
@@ -200,5 +200,4 @@ class ApiKeyMiddleware:
             return
         self.on_error(401)
         err = APIError(401, "missing or invalid API key", code="invalid_api_key")
-        shaped = anthropic_error if path.startswith("/v1/messages") else error_response
-        await shaped(err)(scope, receive, send)
+        await error_for(path, err)(scope, receive, send)

@@ -56,6 +56,11 @@ def anthropic_error(err: APIError) -> JSONResponse:
     return JSONResponse(content, status_code=err.status, headers=err.headers)
 
 
+def error_for(path: str, err: APIError) -> JSONResponse:
+    """`err` shaped for the route it answers: Anthropic's on /v1/messages, OpenAI's elsewhere."""
+    return anthropic_error(err) if path.startswith("/v1/messages") else error_response(err)
+
+
 # pydantic names each member of a union in the error location ("str", "list[TextPart]",
 # "function-after[_unicode(), str]"); a client knows only the field, so these are dropped
 _UNION_TAGS = {"str", "int", "float", "bool"}
@@ -125,9 +130,7 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None]) -> Non
         assert isinstance(exc, APIError)
         on_error(exc.status)
         log.info("%s %s -> %d %s", request.method, request.url.path, exc.status, exc.message)
-        if request.url.path.startswith("/v1/messages"):
-            return anthropic_error(exc)
-        return error_response(exc)
+        return error_for(request.url.path, exc)
 
     async def on_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)

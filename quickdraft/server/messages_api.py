@@ -344,6 +344,25 @@ def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
     return {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": args}
 
 
+def _message(
+    req: MessagesRequest,
+    content: list[dict[str, Any]],
+    stop: tuple[str | None, str | None],
+    usage: dict[str, Any],
+) -> dict[str, Any]:
+    """A Message (a new id) with its content, (stop_reason, stop_sequence) and usage."""
+    return {
+        "id": _new_id(),
+        "type": "message",
+        "role": "assistant",
+        "model": req.model,
+        "content": content,
+        "stop_reason": stop[0],
+        "stop_sequence": stop[1],
+        "usage": usage,
+    }
+
+
 def message_body(chat: dict[str, Any], req: MessagesRequest) -> dict[str, Any]:
     """A chat completion's answer as a Message."""
     choice = chat["choices"][0]
@@ -355,17 +374,8 @@ def message_body(chat: dict[str, Any], req: MessagesRequest) -> dict[str, Any]:
     if msg.get("content") or not calls:
         content.append({"type": "text", "text": msg.get("content") or ""})
     content += [_tool_use(c) for c in calls]
-    stop_reason, stop_sequence = _stop(choice.get("finish_reason"), choice.get("stop_reason"))
-    return {
-        "id": _new_id(),
-        "type": "message",
-        "role": "assistant",
-        "model": req.model,
-        "content": content,
-        "stop_reason": stop_reason,
-        "stop_sequence": stop_sequence,
-        "usage": _usage(chat.get("usage")),
-    }
+    stop = _stop(choice.get("finish_reason"), choice.get("stop_reason"))
+    return _message(req, content, stop, _usage(chat.get("usage")))
 
 
 def _event(kind: str, **data: Any) -> str:
@@ -374,16 +384,7 @@ def _event(kind: str, **data: Any) -> str:
 
 async def message_events(chunks: AsyncIterable[Any], req: MessagesRequest) -> AsyncIterator[str]:
     """A chat stream's SSE chunks -> the Messages stream (SSE events)."""
-    message: dict[str, Any] = {
-        "id": _new_id(),
-        "type": "message",
-        "role": "assistant",
-        "model": req.model,
-        "content": [],
-        "stop_reason": None,
-        "stop_sequence": None,
-        "usage": {"input_tokens": 0, "output_tokens": 0},
-    }
+    message = _message(req, [], (None, None), _usage(None))
     yield _event("message_start", message=message)
     index, open_kind = -1, ""
     calls: dict[int, dict[str, Any]] = {}
