@@ -120,14 +120,15 @@ def test_answer_equals_the_chat_completion(
 
 def test_tool_use_round_trip(client: anthropic.Anthropic, chat: openai.OpenAI) -> None:
     forced = {"type": "tool", "name": "lookup"}
-    got = client.messages.create(
-        model="off",
-        max_tokens=160,
-        messages=ASK,
-        tools=TOOLS,
-        tool_choice=forced,
-        extra_body=GREEDY,
-    )
+    ask: dict[str, Any] = {
+        "model": "off",
+        "max_tokens": 160,
+        "messages": ASK,
+        "tools": TOOLS,
+        "tool_choice": forced,
+        "extra_body": GREEDY,
+    }
+    got = client.messages.create(**ask)
     fn = {"type": "function", "function": {"name": "lookup"}}
     tools = [
         {
@@ -154,14 +155,7 @@ def test_tool_use_round_trip(client: anthropic.Anthropic, chat: openai.OpenAI) -
     assert [(u.name, u.input) for u in uses] == [
         (c.function.name, json.loads(c.function.arguments)) for c in calls
     ]
-    with client.messages.stream(
-        model="off",
-        max_tokens=160,
-        messages=ASK,
-        tools=TOOLS,
-        tool_choice=forced,
-        extra_body=GREEDY,
-    ) as stream:
+    with client.messages.stream(**ask) as stream:
         final = stream.get_final_message()
     assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [
         (u.name, u.input) for u in uses
