@@ -15,6 +15,11 @@ also held out in turn: the best k is picked on the other rounds' medians and the
 divided by that k in the held-out round; the median of those ratios is the unbiased figure
 ("policy vs best k, held out").
 
+How far that figure moves by noise alone: `--control K [K ...]` (one k per drafter, in
+--drafters' order) runs a second, identical fixed k = K as one more configuration ("k=K
+again"), scored exactly as the policy is (over the best fixed k, held out): a configuration
+that IS one of the fixed ks reads that far from 1.0 in the same rounds.
+
     flock /tmp/quickdraft-bench.lock .venv/bin/python bench/policy.py --rounds 5
 """
 
@@ -45,6 +50,7 @@ def main() -> None:
     ap.add_argument("--k-max", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--control", type=int, nargs="*", default=[], help="module docstring")
     ap.add_argument("--name", default="policy")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -56,10 +62,13 @@ def main() -> None:
     }
     sets = {s: ids[: args.per_set] for s, ids in sets.items()}
     configs: dict[str, SpeculativeConfig | None] = {"none": None}
+    controls = dict(zip(args.drafters, args.control, strict=False))
     for d in args.drafters:
         configs[f"{d} policy"] = SpeculativeConfig(method=d, num_draft_tokens=args.k_max)
         for k in range(1, args.k_max + 1):
             configs[f"{d} k={k}"] = SpeculativeConfig(method=d, num_draft_tokens=k, adaptive=False)
+        if d in controls:
+            configs[f"{d} k={controls[d]} again"] = configs[f"{d} k={controls[d]}"]
     for ids in sets[args.sets[0]][:2]:  # warm-up: kernels, caches, the stored cost table
         ours(lm, ids, args.tokens, make_speculation(lm, SpeculativeConfig(method="ngram")), None)
     rng = random.Random(0)
@@ -98,23 +107,29 @@ def main() -> None:
         for d in args.drafters:
             fixed = {k: results[s][f"{d} k={k}"]["vs_off"] for k in range(1, args.k_max + 1)}
             best = max(fixed, key=lambda k: fixed[k])
-            results[s][f"{d} policy"]["vs_best_fixed"] = round(
-                results[s][f"{d} policy"]["vs_off"] / fixed[best], 3
-            )
             results[s][f"{d} policy"]["best_fixed_k"] = best
-            ratio, picks = held_out(speeds[s], d, args.k_max)
-            results[s][f"{d} policy"]["vs_best_fixed_held_out"] = ratio
-            results[s][f"{d} policy"]["held_out_k"] = picks
+            for name in (f"{d} policy", f"{d} k={controls.get(d, 0)} again"):
+                if name not in results[s]:
+                    continue
+                ratio, picks = held_out(speeds[s], d, args.k_max, name)
+                results[s][name]["vs_best_fixed"] = round(
+                    results[s][name]["vs_off"] / fixed[best], 3
+                )
+                results[s][name]["vs_best_fixed_held_out"] = ratio
+                results[s][name]["held_out_k"] = picks
     report["results"] = results
     write(args.name, report, markdown(report), plot(report))
 
 
-def held_out(speeds: dict[str, list[float]], drafter: str, k_max: int) -> tuple[float, list[int]]:
-    """The policy over the best fixed k with each round held out: k picked by its median
-    speedup over speculation off on the other rounds, the ratio taken in the held-out round;
-    the median of those ratios, and the k picked for each round."""
+def held_out(
+    speeds: dict[str, list[float]], drafter: str, k_max: int, name: str = ""
+) -> tuple[float, list[int]]:
+    """Configuration `name` (default: the drafter's policy) over the best fixed k with each
+    round held out: k picked by its median speedup over speculation off on the other rounds,
+    the ratio taken in the held-out round; the median of those ratios, and the k picked for
+    each round."""
     base, rounds = speeds["none"], len(speeds["none"])
-    pol = speeds[f"{drafter} policy"]
+    pol = speeds[name or f"{drafter} policy"]
     ratios, picks = [], []
     for i in range(rounds):
         others = [j for j in range(rounds) if j != i] or [i]
@@ -154,6 +169,15 @@ def markdown(r: dict[str, Any]) -> str:
                     f"{pol['vs_best_fixed_held_out']:.3f}",
                 ]
             )
+            twin = [n for n in res if n.startswith(f"{d} k=") and n.endswith(" again")]
+            if a.get("control"):
+                got = res[twin[0]] if twin else None
+                rows[-1].append(
+                    "-"
+                    if got is None
+                    else f"{twin[0].split()[1]}: {got['vs_best_fixed']:.3f} / "
+                    f"{got['vs_best_fixed_held_out']:.3f}"
+                )
     out += table(
         [
             "set",
@@ -164,6 +188,7 @@ def markdown(r: dict[str, Any]) -> str:
             "policy vs best k",
             "k picked per held-out round",
             "policy vs best k, held out",
+            *(["a fixed k again, vs best k (in-sample / held out)"] if a.get("control") else []),
         ],
         rows,
     )
