@@ -44,7 +44,7 @@ from quickdraft.config import (
 )
 from quickdraft.images import DEFAULT_MAX_IMAGE_PIXELS
 from quickdraft.infill import FimTokens, completion_ids
-from quickdraft.request import RelaxedThinking, SamplingParams
+from quickdraft.request import POOLINGS, RelaxedThinking, SamplingParams
 from quickdraft.server.main import ServeOptions
 from quickdraft.server.media import (
     DEFAULT_IMAGES_PER_PROMPT,
@@ -395,6 +395,7 @@ def serve_options(args: argparse.Namespace) -> tuple[ServeOptions, ServerConfig]
             allowed_hosts=None if args.allowed_hosts is None else allowed_hosts(args.allowed_hosts),
             responses_store_mb=args.responses_store_mb,
             spm_infill=args.spm_infill or None,
+            pooling=args.pooling,
         ),
         settings_path=settings,
         media=media_policy(args),
@@ -537,6 +538,13 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
         action="store_true",
         help="/infill prompts put the suffix before the prefix (llama-server's --spm-infill, "
         "for models trained suffix-prefix-middle)",
+    )
+    s.add_argument(
+        "--pooling",
+        choices=POOLINGS,
+        default=None,
+        help="how /v1/embeddings pools a prompt's hidden rows (llama-server's --pooling; "
+        "default: what the model declares, else last)",
     )
     s.add_argument(
         "--settings",

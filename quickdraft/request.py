@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from torch import Tensor
+
 from quickdraft.grammar import Grammar
 from quickdraft.images import ImageLayout
 from quickdraft.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -21,6 +23,7 @@ MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 MAX_LOGIT_BIAS = 100.0  # |bias|, OpenAI's range
 MAX_RELAXED_TOP_K = 64  # relaxed thinking acceptance: the widest top-k a request may ask for
+POOLINGS = ("last", "mean", "cls")  # how an embedding request pools its prompt's rows
 
 
 class SamplingError(ValueError):
@@ -70,7 +73,11 @@ class SamplingParams:
     `prompt_logprobs` the same for the prompt's tokens (the prefill then scores every row and
     skips the prefix cache, whose rows were never scored).
     `relaxed_thinking`: this request's relaxed acceptance inside a reasoning block (None: the
-    model's `SpeculativeConfig.relaxed_thinking`; `RelaxedThinking()`: off)."""
+    model's `SpeculativeConfig.relaxed_thinking`; `RelaxedThinking()`: off). `pooling`: an
+    embedding request (/v1/embeddings): the prefill also pools the prompt's post-final-norm
+    hidden rows into `Request.embedding` ("last": the last row, "mean": their mean, "cls": the
+    first; the two that read more than the last row skip the prefix cache, as prompt_logprobs
+    does); the one token it samples is not the point."""
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -90,6 +97,7 @@ class SamplingParams:
     grammar: Grammar | None = None
     relaxed_thinking: RelaxedThinking | None = None
     skip_special_tokens: bool = True  # False: the text keeps them (gpt-oss's harmony markers)
+    pooling: str | None = None  # "last" / "mean" / "cls": pool the prompt's hidden rows
 
     def __post_init__(self) -> None:
         def check(ok: bool, param: str, rule: str) -> None:
@@ -121,10 +129,17 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             lp = getattr(self, name)
             check(lp is None or 0 <= lp <= MAX_TOP_LOGPROBS, name, f"in [0, {MAX_TOP_LOGPROBS}]")
+        check(self.pooling in (None, *POOLINGS), "pooling", f"one of {', '.join(POOLINGS)}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def reads_every_prompt_row(self) -> bool:
+        """Whether every prompt row must run (none from the prefix cache): its logprobs are
+        reported, or its pooling reads more than the last row."""
+        return self.prompt_logprobs is not None or self.pooling in ("mean", "cls")
 
     @property
     def shapes_logits(self) -> bool:
@@ -270,6 +285,9 @@ class Request:
         self.logprobs: list[TokenLogprob] = []  # per output id, when params.logprobs is set
         # per prompt id after the first, when params.prompt_logprobs is set (its prefill rows)
         self.prompt_logprobs: list[TokenLogprob] = []
+        # params.pooling: the prompt's pooled hidden rows (fp32 [hidden]; a sum until the last
+        # prompt row ran, for "mean"), set by the prefill (engine/spec_cycle.py `pool`)
+        self.embedding: Tensor | None = None
         self.text = ""
         self.sent = 0  # chars of `text` already handed out by stream_delta()
         self.finish_reason: FinishReason | None = None

@@ -54,6 +54,17 @@ def test_cli_serve_spm_infill_flag_reaches_the_server_config() -> None:
     assert config.spm_infill is True
 
 
+def test_cli_serve_pooling_flag_reaches_the_server_config() -> None:
+    _, config = serve_options(build_parser().parse_args(["serve"]))
+    assert config.pooling is None  # the model's own, else last
+    _, config = serve_options(build_parser().parse_args(["serve", "--pooling", "mean"]))
+    assert config.pooling == "mean"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--pooling", "max"])
+    with pytest.raises(ValueError, match="pooling"):
+        ServerConfig(pooling="max")
+
+
 def test_cli_serve_other_models_default_to_ngram() -> None:
     cfg = spec("smollm2-135m")
     assert cfg.method == "ngram" and cfg.draft_model is None

@@ -19,6 +19,7 @@ from typing import Any
 
 import anthropic
 import httpx
+import numpy as np
 import openai
 import pytest
 from serve_process import free_port
@@ -184,6 +185,12 @@ def test_cluster_greedy_outputs_equal_the_single_process_server(cluster: str, si
         for url in (cluster, single)
     )
     assert n1["content"] == n2["content"] and n1["tokens_predicted"] == n2["tokens_predicted"]
+    # /v1/embeddings through the ingress: each input runs on a replica, the vectors in order
+    texts = [prompt, SYSTEM]
+    e1, e2 = (client(url).embeddings.create(model=MODEL, input=texts) for url in (cluster, single))
+    assert e1.usage.prompt_tokens == e2.usage.prompt_tokens
+    for a, b in zip(e1.data, e2.data, strict=True):
+        np.testing.assert_allclose(a.embedding, b.embedding, atol=1e-6)
 
 
 def test_cluster_routes_a_conversation_to_one_replica_and_reuses_its_cache(cluster: str) -> None:

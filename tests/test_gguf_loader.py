@@ -84,10 +84,12 @@ PROMPT = "Hello world, this is a test of a tiny model."
 LOGGER = "quickdraft.models.formats.gguf_loader"
 
 
-def write_tiny_gguf(path: Path, arch: str, types: dict[str, str], seed: int = 0) -> Path:
+def write_tiny_gguf(
+    path: Path, arch: str, types: dict[str, str], seed: int = 0, extra: dict[str, int] | None = None
+) -> Path:
     """A GGUF model file of `arch` with a byte-level BPE tokenizer (the 256 byte symbols, one
     merge "Ġ t", <s> </s> <|im_start|> <|im_end|> as control tokens, padded to VOCAB) and a
-    ChatML template; each weight of kind k in `types[k]`."""
+    ChatML template; each weight of kind k in `types[k]`; `extra`: more uint32 metadata."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(256)
@@ -99,6 +101,8 @@ def write_tiny_gguf(path: Path, arch: str, types: dict[str, str], seed: int = 0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
     add_tiny_tokenizer(w, VOCAB)
+    for key, value in (extra or {}).items():
+        w.add_uint32(key, value)
 
     def matrix(name: str, n: int, k: int) -> None:
         kind = name.split(".")[-2]

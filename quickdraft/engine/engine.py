@@ -123,6 +123,8 @@ class RequestOutput:
     stop_reason: str | int | None = None  # on the last output: `Request.stop_reason`
     # on the first output, if asked: per prompt id after the first, its logprob (the prefill's)
     prompt_logprobs: list[TokenLogprob] | None = None
+    # on the last output of a pooling request: the prompt's pooled hidden rows (not normalised)
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -297,7 +299,9 @@ class Engine:
                 raise EngineDeadError("the engine is not running")
             if self.num_waiting >= self.max_waiting:
                 raise QueueFullError(f"{self.num_waiting} requests are already waiting")
-            handle = RequestHandle(request, model, served.speculation)
+            # an embedding request (params.pooling) only prefills: it never speculates
+            speculation = served.speculation if params.pooling is None else None
+            handle = RequestHandle(request, model, speculation)
             self._waiting.append(handle)
             self._wake.notify()
         return handle
@@ -389,5 +393,8 @@ class Engine:
             stop_reason=req.stop_reason,
             prompt_logprobs=req.prompt_logprobs
             if sent_ids == 0 and req.params.prompt_logprobs is not None
+            else None,
+            embedding=req.embedding.tolist()
+            if req.finished and req.embedding is not None
             else None,
         )

@@ -145,7 +145,7 @@ class Scheduler:
         tenant is still prefilling: it then waits for that prefill and copies the blocks from
         the prefix cache instead of computing them a second time (n choices of one request, a
         burst of requests with one system prompt)."""
-        if self.prefix is None or seq.request.params.prompt_logprobs is not None:
+        if self.prefix is None or seq.request.params.reads_every_prompt_row:
             return False
         req, size = seq.request, self.prefix.size
         if len(req.prompt_ids) <= size:
@@ -166,8 +166,8 @@ class Scheduler:
         if speculation is not None:
             seq.spec = speculation.start(req.prompt_ids, req.tenant)
             req.spec.method = speculation.config.method
-        scored = req.params.prompt_logprobs is not None  # every prompt row must run
-        if self.prefix is not None and not scored:  # cached blocks of the prompt: not prefilled
+        # cached blocks of the prompt are not prefilled, unless every prompt row must run
+        if self.prefix is not None and not req.params.reads_every_prompt_row:
             seq.prefix = self.prefix.admit(
                 req.prompt_ids, seq.cache, seq.spec, req.tenant, req.prompt_keys
             )

@@ -155,6 +155,7 @@ class SpecCycle:
             else:
                 logit_start.append(-1)
             scored.append(self._prompt_rows(seq, len(ids), len(fed)))
+            want_hidden |= seq.request.params.pooling is not None
             ids.extend(fed)
             ids.extend(draft.tokens)
             caches.append(seq.cache)
@@ -258,6 +259,9 @@ class SpecCycle:
             top = req.params.prompt_logprobs or 0
             rows = out.logits[first : first + n]
             req.prompt_logprobs += token_logprobs(rows, nxt, top, ranks=True)
+        if seq.request.params.pooling is not None:
+            assert out.hidden is not None
+            pool(seq, out.hidden[row_start : row_start + item.num_tokens])
         kept = item.num_tokens + (verdict.accepted if verdict is not None else 0)
         seq.cache.commit(seq.cache.length + kept)
         if verdict is not None and seq.controls is not None:
@@ -277,6 +281,28 @@ class SpecCycle:
             hidden = rows
         if verdict is not None:
             spec.drafter.commit(spec.draft_state, seq.request.all_ids + verdict.tokens, hidden)
+
+
+def pool(seq: Sequence, rows: Tensor) -> None:
+    """Pool the prompt rows among `rows` (the step's post-final-norm rows of `seq`, from
+    position `seq.num_computed`) into `request.embedding` as its `pooling` says. "mean" adds
+    the rows one by one in prompt order, in fp32, so its bits do not depend on how the prompt
+    was cut into chunks (nor on what else the steps ran), and divides once at the last."""
+    req = seq.request
+    start, prompt = seq.num_computed, len(req.prompt_ids)
+    rows = rows[: max(0, prompt - start)].float()
+    if not len(rows):
+        return
+    how, last = req.params.pooling, start + len(rows) == prompt
+    if how == "cls" and start == 0:
+        req.embedding = rows[0].clone()
+    elif how == "last" and last:
+        req.embedding = rows[-1].clone()
+    elif how == "mean":
+        acc = torch.zeros_like(rows[0]) if req.embedding is None else req.embedding
+        for row in rows:
+            acc = acc + row
+        req.embedding = acc / prompt if last else acc
 
 
 def _constrain(draft: Draft, item: ScheduledSeq) -> Draft:

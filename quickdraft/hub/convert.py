@@ -224,6 +224,11 @@ def _hf_config(
     }
     if arch not in ("qwen2", "qwen2vl"):  # these always have q/k/v biases, and no such field
         cfg["attention_bias"] = any(t.name == "blk.0.attn_q.bias" for t in reader.tensors)
+    # an embedding model's pooling (llama.cpp's llama_pooling_type: 1 mean, 2 cls, 3 last; its
+    # NONE and RANK leave /v1/embeddings to the server's default)
+    pooling = {1: "mean", 2: "cls", 3: "last"}.get(int(meta("pooling_type", 0)))
+    if pooling is not None:
+        cfg["pooling"] = pooling
     if arch == "qwen2vl":  # the M-RoPE sections (llama.cpp pads them to four with a 0)
         sections = meta("rope.dimension_sections", required=True)
         cfg["rope_parameters"]["mrope_section"] = [int(s) for s in list(sections)[:3]]

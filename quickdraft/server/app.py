@@ -58,6 +58,7 @@ from quickdraft.server.access import (
     tenant_of,
 )
 from quickdraft.server.backend import Backend, LocalBackend, ModelFront, ReplicaLostError
+from quickdraft.server.embeddings import EmbeddingRequest, declared_pooling, embedding_body
 from quickdraft.server.errors import BodyLimitMiddleware, error_response, install_error_handlers
 from quickdraft.server.llama_api import InfillRequest, LlamaRequest, NativeCompletion, NativeRun
 from quickdraft.server.media import read_media
@@ -298,6 +299,15 @@ def create_app(
             body.stop_token_ids = [*(body.stop_token_ids or ()), *fim.stops]
         shared = prompt_ids[:ROUTE_PREFIX_TOKENS]
         return await _generate(state, request, body, prompt_ids, "completion", arrived, shared)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
+        arrived = now()
+        lm = _model(state, body.model)
+        inputs = body.token_lists(lm.tokenizer, lm.vocab_size, lm.context_length)
+        pooling = state.config.pooling or declared_pooling(lm.path) or "last"
+        vectors = await _embed(state, request, body, inputs, pooling, arrived)
+        return JSONResponse(embedding_body(body, vectors, sum(map(len, inputs))))
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request) -> Response:
@@ -667,6 +677,54 @@ def _owner(state: ServerState, request: Request) -> int | None:
     """Whose stored responses a request sees: its API key's (None where the server has none)."""
     keys = state.config.api_keys
     return key_index(_credentials(request), keys) if keys else None
+
+
+async def _embed(
+    state: ServerState,
+    request: Request,
+    body: EmbeddingRequest,
+    inputs: list[list[int]],
+    pooling: str,
+    arrived: float,
+) -> list[list[float]]:
+    """Each input's pooled vector, in order: prefill-only requests (SamplingParams.pooling;
+    they never speculate), admitted as many at a time as the server has room for (a wave waits
+    for the one before it; no room at all: 503, as for any request)."""
+    cfg = state.config
+    who = tenant_of(_credentials(request), cfg.api_keys, body.user, cfg.ngram_shared_scope)
+    params = SamplingParams(max_tokens=1, pooling=pooling)
+    rid = f"embd-{uuid.uuid4().hex}"
+    vectors: list[list[float]] = []
+    while len(vectors) < len(inputs):
+        room = max(1, cfg.max_concurrency - state.in_flight)
+        slots: list[Slot] = []
+        try:
+            for ids in inputs[len(vectors) : len(vectors) + room]:
+                seq_id = f"{rid}-{len(vectors) + len(slots)}"
+                key = _route_key(who, ids[:ROUTE_PREFIX_TOKENS])
+                slots.append(
+                    _admit(state, body.model, ids, params, seq_id, arrived, who, key, [], len(ids))
+                )
+            for slot in slots:  # admitted first: no other request takes the room meanwhile
+                await _placement(state, [slot])
+            vectors += await asyncio.gather(*(_pooled(state, slot) for slot in slots))
+        finally:
+            for slot in slots:
+                slot.release()
+    return vectors
+
+
+async def _pooled(state: ServerState, slot: Slot) -> list[float]:
+    """The pooled vector an embedding request's last output carries."""
+    last = None
+    try:
+        async for out in slot.handle:
+            last = out
+    except EngineDeadError as exc:  # a replica lost included
+        raise _refused(state, exc) from None
+    assert last is not None and last.embedding is not None, "a pooling request's last output"
+    slot.track.finish(last, now())
+    return last.embedding
 
 
 def _route_key(tenant: str, shared: list[Any]) -> str:

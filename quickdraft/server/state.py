@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quickdraft.config import RESPONSES_STORE_MB, SpeculativeConfig
+from quickdraft.request import POOLINGS
 from quickdraft.server.backend import Backend, Handle
 from quickdraft.server.media import MediaPolicy
 from quickdraft.server.metrics import Metrics, RequestTrack, now
@@ -46,6 +47,8 @@ class ServerConfig:
     responses_store_mb: int = RESPONSES_STORE_MB
     # /infill's prompt with the suffix before the prefix (llama-server's --spm-infill)
     spm_infill: bool = False
+    # /v1/embeddings' pooling (request.py POOLINGS); None: the model's own, else "last"
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_keys:
@@ -61,6 +64,8 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.pooling not in (None, *POOLINGS):
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
         if self.responses_store_mb < 0:
             raise ValueError(f"responses_store_mb must be >= 0, got {self.responses_store_mb}")
 
