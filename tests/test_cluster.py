@@ -185,6 +185,10 @@ def test_cluster_greedy_outputs_equal_the_single_process_server(cluster: str, si
         for url in (cluster, single)
     )
     assert n1["content"] == n2["content"] and n1["tokens_predicted"] == n2["tokens_predicted"]
+    # several calls for one HTTP request (n choices, embedding inputs) each routed: Ray Serve
+    # gave them one internal request id, and its router then left all but one unrouted
+    two = got.completions.create(model=MODEL, prompt=prompt, n=2, **GREEDY)
+    assert [c.text for c in two.choices] == [c1.choices[0].text] * 2
     # /v1/embeddings through the ingress: each input runs on a replica, the vectors in order
     texts = [prompt, SYSTEM]
     e1, e2 = (client(url).embeddings.create(model=MODEL, input=texts) for url in (cluster, single))

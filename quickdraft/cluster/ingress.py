@@ -16,9 +16,11 @@ streams and feeds `/metrics`, `/health` and the admin page.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import logging
 import threading
+import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from ray.serve import context as serve_context
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from quickdraft.cluster.calls import GenerateCall, ModelInfo, Refusal, ReplicaStatus
@@ -252,7 +255,20 @@ class RayBackend:
         return RayHandle(self, call)
 
     def stream(self, call: GenerateCall) -> DeploymentResponseGenerator:
-        gen = self.handle.options(stream=True).generate.remote(call)
+        """`call` on a replica, as a stream. Each call gets an internal request id of its own:
+        Ray Serve takes a handle call's from the HTTP request being served, so the several
+        calls of one request (`n` choices, /v1/embeddings' inputs) shared one, and its router,
+        which indexes pending calls by that id, then left all but one unrouted, spinning
+        (seen with two embedding inputs; Ray's own broadcast gives each call a fresh id)."""
+
+        def send() -> Any:
+            context = serve_context._get_serve_request_context()
+            own = dataclasses.replace(context, _internal_request_id=uuid.uuid4().hex)
+            current: Any = serve_context._serve_request_context  # typed for its None default
+            current.set(own)
+            return self.handle.options(stream=True).generate.remote(call)
+
+        gen = contextvars.copy_context().run(send)  # the HTTP request's own context untouched
         assert isinstance(gen, DeploymentResponseGenerator)
         return gen
 
