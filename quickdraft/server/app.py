@@ -705,8 +705,6 @@ async def _embed(
                 slots.append(
                     _admit(state, body.model, ids, params, seq_id, arrived, who, key, [], len(ids))
                 )
-            for slot in slots:  # admitted first: no other request takes the room meanwhile
-                await _placement(state, [slot])
             vectors += await asyncio.gather(*(_pooled(state, slot) for slot in slots))
         finally:
             for slot in slots:
@@ -715,7 +713,9 @@ async def _embed(
 
 
 async def _pooled(state: ServerState, slot: Slot) -> list[float]:
-    """The pooled vector an embedding request's last output carries."""
+    """The pooled vector an embedding request's last output carries, once it has a place
+    (each placed and read on its own: a Ray replica's stream is read as it comes)."""
+    await _placement(state, [slot])
     last = None
     try:
         async for out in slot.handle:
