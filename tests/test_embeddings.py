@@ -137,6 +137,7 @@ def test_formats_dimensions_normalize_and_token_inputs(
         ({"input": "x", "dimensions": 1000}, 400, "dimensions"),
         ({"input": "x", "dimensions": 0}, 400, "dimensions"),
         ({"input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
+        ({"input": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
         ({"input": "x", "model": "nope"}, 404, "model"),
     ],
 )

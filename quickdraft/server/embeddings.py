@@ -58,6 +58,9 @@ class EmbeddingRequest(StrictBody):
             raise APIError(400, "input must not be empty", "input")
         if len(items) > MAX_INPUTS:
             raise APIError(400, f"input has {len(items)} items; at most {MAX_INPUTS}", "input")
+        if self.truncate_prompt_tokens == 0:
+            msg = "truncate_prompt_tokens must be -1 (the context) or >= 1"
+            raise APIError(400, msg, "truncate_prompt_tokens")
         keep = context - 1 if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
         out = []
         for i, item in enumerate(items):
@@ -71,7 +74,7 @@ class EmbeddingRequest(StrictBody):
             if not ids:
                 raise APIError(400, f"{param} must not be empty", param)
             if keep is not None and len(ids) > keep:
-                ids = ids[len(ids) - keep :] if keep > 0 else ids[-1:]
+                ids = ids[len(ids) - keep :]
             if len(ids) >= context:  # the prefill also samples one token
                 msg = (
                     f"{param} has {len(ids)} tokens; this model's context is {context} "
