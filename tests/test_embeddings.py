@@ -210,6 +210,17 @@ def test_pooled_rows_do_not_depend_on_chunks_batches_or_the_prefix_cache(
             e.stop()
 
 
+def test_declared_pooling_reads_the_config_then_sentence_transformers(tmp_path: Path) -> None:
+    st, both, none = (tmp_path / n for n in ("st", "both", "none"))
+    for d in (st, both, none):
+        (d / "1_Pooling").mkdir(parents=True)
+        (d / "config.json").write_text('{"model_type": "qwen3"}')
+    for d in (st, both):
+        (d / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
+    (both / "config.json").write_text('{"pooling": "last"}')
+    assert [declared_pooling(d) for d in (st, both, none)] == ["mean", "last", None]
+
+
 def test_gguf_vectors_equal_llama_cpp(home: Path, tmp_path: Path) -> None:
     """A qwen3 F32 GGUF that declares its pooling (llama.cpp's `qwen3.pooling_type`, as
     Qwen3-Embedding's files do: 3 = last; and 1 = mean): the served default follows it, and

@@ -258,8 +258,8 @@ class RayBackend:
         """`call` on a replica, as a stream. Each call gets an internal request id of its own:
         Ray Serve takes a handle call's from the HTTP request being served, so the several
         calls of one request (`n` choices, /v1/embeddings' inputs) shared one, and its router,
-        which indexes pending calls by that id, then left all but one unrouted, spinning
-        (seen with two embedding inputs; Ray's own broadcast gives each call a fresh id)."""
+        which indexes pending calls by that id, then leaves all but one unrouted, spinning
+        (Ray's own broadcast gives each of its calls a fresh id too)."""
 
         def send() -> Any:
             context = serve_context._get_serve_request_context()
