@@ -19,11 +19,10 @@ own ways on a quantized file).
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
-import subprocess
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 
 from quickdraft.bench.report import bar_chart, machine, table, write
+from quickdraft.bench.serving import served
 from quickdraft.config import PrefixCacheConfig
 from quickdraft.engine import Engine, ServedModel
 from quickdraft.hub.catalog import gguf_file
@@ -64,41 +64,18 @@ def ours(engine: Engine, inputs: list[list[int]], together: bool) -> tuple[float
     return time.perf_counter() - t, [o.embedding for o in outs]
 
 
-class LlamaServer:
-    """`llama-server --embeddings` on `gguf`, on a free loopback port, until `close`."""
+def llama_server_argv(binary: str, gguf: Path, threads: int, port: int) -> list[str]:
+    """`llama-server --embeddings` on `gguf`: last-token pooling, 4 slots."""
+    argv = [binary, "-m", str(gguf), "--embeddings", "--pooling", "last", "-t", str(threads)]
+    return [*argv, "-c", "8192", "-np", "4", "-b", "2048", "-ub", "2048", "--port", str(port)]
 
-    def __init__(self, binary: str, gguf: Path, threads: int) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        argv = [binary, "-m", str(gguf), "--embeddings", "--pooling", "last", "-t", str(threads)]
-        argv += ["-c", "8192", "-np", "4", "-b", "2048", "-ub", "2048", "--port", str(self.port)]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.close()
-        raise RuntimeError("llama-server did not become ready")
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def embed(self, texts: list[str]) -> tuple[float, int]:
-        """Seconds for one /v1/embeddings request of `texts`, and its prompt tokens."""
-        t = time.perf_counter()
-        r = httpx.post(self.url + "/v1/embeddings", json={"input": texts}, timeout=600)
-        r.raise_for_status()
-        return time.perf_counter() - t, int(r.json()["usage"]["prompt_tokens"])
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
+def server_embed(url: str, texts: list[str]) -> tuple[float, int]:
+    """Seconds for one /v1/embeddings request of `texts` to `url`, and its prompt tokens."""
+    t = time.perf_counter()
+    r = httpx.post(url + "/v1/embeddings", json={"input": texts}, timeout=600)
+    r.raise_for_status()
+    return time.perf_counter() - t, int(r.json()["usage"]["prompt_tokens"])
 
 
 def main() -> None:
@@ -132,9 +109,15 @@ def main() -> None:
     )
     peer_tokens = sum(len(peer.tokenize(d.encode(), special=False)) for d in docs)
     ours_tokens = sum(map(len, inputs))
+    stack = ExitStack()
     server = None
-    if args.llama_server:
-        server = LlamaServer(args.llama_server, gguf_file(args.model, progress=False), args.threads)
+    if args.llama_server:  # the bench package's server launcher (waits for /health)
+        gguf = gguf_file(args.model, progress=False)
+
+        def argv(port: int, *_: Any) -> list[str]:
+            return llama_server_argv(args.llama_server, gguf, args.threads, port)
+
+        server = stack.enter_context(served(argv, 120, "llama-server"))
     names: tuple[str, ...] = ("ours, together", "ours, one by one", "llama.cpp")
     names += ("llama-server",) if server else ()
     seconds: dict[str, list[float]] = {name: [] for name in names}
@@ -153,14 +136,13 @@ def main() -> None:
             theirs = peer.embed(docs, normalize=True)
             seconds["llama.cpp"].append(time.perf_counter() - t)
             if server is not None:
-                s, server_tokens = server.embed(docs)
+                s, server_tokens = server_embed(server.url, docs)
                 seconds["llama-server"].append(s)
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(
                 f"{k} {v[-1]:.2f} s" for k, v in seconds.items()), flush=True)  # fmt: skip
     finally:
         engine.stop()
-        if server is not None:
-            server.close()
+        stack.close()
     a = np.asarray(vectors, dtype=np.float64)
     b = np.asarray(theirs, dtype=np.float64)
     cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
