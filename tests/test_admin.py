@@ -174,6 +174,27 @@ def test_admin_unknown_model_is_404(srv: BackgroundServer) -> None:
     assert admin(srv, "PUT", "/admin/api/models/other", json=good).status_code == 404
 
 
+def test_admin_changes_a_model_named_by_its_path(lm: LoadedModel, tmp_path: Path) -> None:
+    """`quickdraft serve /some/dir` names the model by its path: its settings can be changed
+    through the admin API, the name's slashes sent as they are or percent-encoded."""
+    name = "/models/org/tiny"
+    engine = Engine({name: ServedModel(lm, SpeculativeConfig(adaptive=False))})
+    engine.start()
+    config = ServerConfig(admin_token=ADMIN, settings_path=tmp_path / "settings.json")
+    try:
+        with BackgroundServer(create_app(engine, config)) as server:
+            on = {"enabled": True, "method": "ngram", "draft_model": None, "num_draft_tokens": 3}
+            for path in (name, "%2Fmodels%2Forg%2Ftiny"):
+                r = admin(server, "PUT", "/admin/api/models/" + path, json=on)
+                assert r.status_code == 200, r.text
+                on = {**on, "num_draft_tokens": 2}
+            (got,) = admin(server, "GET", "/admin/api/state").json()["models"]
+            assert got["name"] == name and got["settings"]["num_draft_tokens"] == 2  # the last PUT
+            assert admin(server, "PUT", "/admin/api/models/org/tiny", json=on).status_code == 404
+    finally:
+        engine.stop()
+
+
 def test_admin_serve_cli_loads_the_settings_file_at_start(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

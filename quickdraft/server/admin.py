@@ -61,8 +61,11 @@ def router(state: ServerState) -> APIRouter:
     async def get_state() -> dict[str, Any]:
         return snapshot(state)
 
+    # {name:path}: a model served under its directory's path (the default name) holds slashes
     @r.put(
-        "/admin/api/models/{name}", dependencies=[Depends(require_admin)], include_in_schema=False
+        "/admin/api/models/{name:path}",
+        dependencies=[Depends(require_admin)],
+        include_in_schema=False,
     )
     async def put_model(name: str, body: SpeculationSettings) -> dict[str, Any]:
         if name not in state.engine.models:
