@@ -720,6 +720,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     spec=spec,
                     concurrency=None if args.concurrency is None else tuple(args.concurrency),
                     requests=args.requests,
+                    rounds=args.rounds,
                     max_tokens=args.max_tokens,
                     threads=args.threads,
                     out_dir=None if args.out is None else Path(args.out),
@@ -786,6 +787,13 @@ def _add_bench_args(b: argparse.ArgumentParser) -> None:
     )
     b.add_argument(
         "--requests", type=int, default=None, help="--serve: requests per level; --soak: all"
+    )
+    b.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="--serve: speculation off and on alternated this many times per level (1); the "
+        "speedup is the median of the rounds' ratios",
     )
     b.add_argument("--max-tokens", type=int, default=None, help="output tokens per request")
     b.add_argument("--per-set", type=int, default=None, help="prompts per set (default: all)")

@@ -2,12 +2,14 @@
 
 Starts one `quickdraft serve` process, then at each concurrency level runs speculation off, then
 on (switched through the admin API, so both run in the same process on the same weights),
-sending streaming chat requests and measuring what a client sees: output tok/s (all
-completion tokens / wall time of the level), TTFT p50/p99, inter-token latency (per request:
-(last token - first token) / (tokens - 1)), end-to-end latency p50/p99, and the acceptance the
-responses report. Warm-up requests after each switch are excluded. Same prompts (a round-robin
-mix of the code / prose / json / repetitive sets), greedy, in both phases. Writes
-serve-<model>.{json,md,png} and returns the report.
+`rounds` times in alternation (a level reports each round's on / off ratio and their median:
+these shared machines drift by 10-20 % within a minute), sending streaming chat requests and
+measuring what a client sees: output tok/s (all completion tokens / wall time of the level),
+TTFT p50/p99, inter-token latency (per request: (last token - first token) / (tokens - 1)),
+end-to-end latency p50/p99, and the acceptance the responses report. Warm-up requests after
+each switch are excluded. Same prompts (a round-robin mix of the code / prose / json /
+repetitive sets), greedy, in both phases. Writes serve-<model>.{json,md,png} and returns the
+report.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -44,12 +47,17 @@ class LoadTest:
     dtype: str = DEFAULT_DTYPE
     spec: SpeculativeConfig = field(default_factory=lambda: SpeculativeConfig(method="ngram"))
     concurrency: tuple[int, ...] = (1, 4, 8)
-    requests: int = 8  # per concurrency level and phase
+    requests: int = 8  # per concurrency level, phase and round
+    rounds: int = 1  # off / on pairs per level, alternating
     max_tokens: int = BENCH_MAX_TOKENS
     threads: int | None = None  # the server's torch threads (None: torch's default)
     start_timeout_s: float = 3600.0  # first use of a model may download + convert it
     out_dir: Path = RESULTS
     device: str = "auto"  # the server's --device
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
 
 
 @dataclass(slots=True)
@@ -239,7 +247,7 @@ def _switch(url: str, token: str, model: str, on: bool) -> None:
     state = httpx.get(url + "/admin/api/state", headers=headers, timeout=30).json()
     settings = next(m for m in state["models"] if m["name"] == model)["settings"]
     r = httpx.put(
-        f"{url}/admin/api/models/{model}",
+        f"{url}/admin/api/models/{quote(model, safe='')}",
         json={**settings, "enabled": on},
         headers=headers,
         timeout=1800,  # switching on may load the draft model
@@ -255,30 +263,41 @@ def run_load_test(t: LoadTest) -> dict[str, Any]:
         url, token = server.url, server.token
         prompts = _prompts(t.requests)
         results: dict[str, dict[str, Any]] = {phase: {} for phase in PHASES}
-        # off and on alternate per level (not one phase after the other): on a shared machine
-        # load drifts over minutes, and the ratio should see the same conditions on both sides
+        ratios: dict[str, list[float]] = {}  # level -> on / off output tok/s of each round
+        # off and on alternate per level and round (not one phase after the other): on a
+        # shared machine load drifts over minutes, and each ratio should see the same
+        # conditions on both sides
         for conc in t.concurrency:
+            pooled: dict[str, tuple[list[Sample], float]] = {p: ([], 0.0) for p in PHASES}
+            rates: dict[str, float] = {}
+            for r in range(t.rounds):
+                for phase in PHASES:
+                    _switch(url, token, t.model, on=phase == "on")
+                    # warm-up, excluded: kernels, allocator, (re)loaded draft model, this batch
+                    asyncio.run(_level(url, t.model, prompts[:conc], conc, 8))
+                    samples, wall = asyncio.run(_level(url, t.model, prompts, conc, t.max_tokens))
+                    row = _summary(samples, wall)
+                    rates[phase] = row["output_tok_s"]
+                    got, walls = pooled[phase]
+                    pooled[phase] = (got + samples, walls + wall)
+                    where = f"{phase} c={conc} round {r + 1}"
+                    print(f"[serve bench] {where}: {json.dumps(row)}", flush=True)
+                ratios.setdefault(str(conc), []).append(round(rates["on"] / rates["off"], 3))
             for phase in PHASES:
-                _switch(url, token, t.model, on=phase == "on")
-                # warm-up, excluded: kernels, allocator, (re)loaded draft model, this batch size
-                asyncio.run(_level(url, t.model, prompts[:conc], conc, 8))
-                samples, wall = asyncio.run(_level(url, t.model, prompts, conc, t.max_tokens))
-                results[phase][str(conc)] = row = _summary(samples, wall)
-                print(f"[serve bench] {phase} c={conc}: {json.dumps(row)}", flush=True)
-    speedup = {
-        c: round(results["on"][c]["output_tok_s"] / results["off"][c]["output_tok_s"], 3)
-        for c in results["on"]
-    }
+                results[phase][str(conc)] = _summary(*pooled[phase])
+    speedup = {c: statistics.median(r) for c, r in ratios.items()}
     report = {
         "bench": "serve",
         "model": t.model,
         "dtype": t.dtype,
         "speculation": asdict(t.spec),
         "requests_per_level": t.requests,
+        "rounds": t.rounds,
         "max_tokens": t.max_tokens,
         "machine": host,
         "results": results,
-        "speedup_on_vs_off": speedup,
+        "speedup_on_vs_off": speedup,  # the median of the rounds' ratios
+        "round_ratios": ratios,
     }
     stem = f"serve-{Path(t.model).name}"  # not Path.with_suffix: names hold dots
     write(stem, report, markdown(report), _plot(report), t.out_dir, figsize=(13, 3.8))
@@ -288,14 +307,22 @@ def run_load_test(t: LoadTest) -> dict[str, Any]:
 def markdown(report: dict[str, Any]) -> str:
     spec = report["speculation"]
     what = spec["method"] + (f" ({spec['draft_model']})" if spec["method"] == "draft" else "")
+    rounds = report.get("rounds", 1)
+    per_round = report.get("round_ratios", {})
     lines = [
         f"{report['model']} {report['dtype']}, speculation {what} k <= {spec['num_draft_tokens']}"
         f", {report['requests_per_level']} requests/level, max_tokens {report['max_tokens']}, "
-        "greedy, streamed over HTTP",
+        "greedy, streamed over HTTP"
+        + (
+            f"; off and on alternated {rounds} times per level: figures over all rounds, the "
+            "speedup the median of the rounds' ratios"
+            if rounds > 1
+            else ""
+        ),
         "",
         "| concurrency | speculation | output tok/s | speedup | TTFT p50 / p99 s | ITL mean ms "
-        "| e2e p50 / p99 s | acceptance | AL |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| e2e p50 / p99 s | acceptance | AL |" + (" per round |" if rounds > 1 else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if rounds > 1 else ""),
     ]
     for conc in report["results"]["off"]:
         for phase in PHASES:
@@ -308,6 +335,13 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {conc} | {phase} | {r['output_tok_s']:.2f} | {speedup:.2f}x | "
                 f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | {itl} | "
                 f"{r['e2e_p50_s']:.1f} / {r['e2e_p99_s']:.1f} | {acc} | {al} |"
+                + (
+                    f" {' / '.join(f'{x:.2f}' for x in per_round.get(conc, []))} |"
+                    if rounds > 1 and phase == "on"
+                    else " |"
+                    if rounds > 1
+                    else ""
+                )
             )
     return "\n".join(lines) + "\n"
 
