@@ -168,10 +168,13 @@ def write_full(arch: str, directory: Path) -> Path:
 
 def streamed_bytes(path: Path, cfg: dict[str, Any]) -> tuple[float, dict[str, int]]:
     """Weight bytes one decoded token reads (without the MTP block, which plain decoding
-    does not run), and the file's tensors per block format."""
+    does not run), and the file's tensors per block format. A file without `output.weight`
+    (Gemma 4: tied embeddings) scores every token against the whole embedding table."""
     total = 0.0
     formats: Counter[str] = Counter()
-    for t in GGUFReader(str(path)).tensors:
+    tensors = GGUFReader(str(path)).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    for t in tensors:
         formats[t.tensor_type.name] += 1
         if t.name.startswith(f"blk.{cfg['num_hidden_layers']}."):  # the MTP block: not read
             continue
@@ -179,7 +182,7 @@ def streamed_bytes(path: Path, cfg: dict[str, Any]) -> tuple[float, dict[str, in
         if "_exps." in t.name:
             n *= cfg["num_experts_per_tok"] / cfg["num_experts"]
         elif t.name == "token_embd.weight":
-            n /= cfg["vocab_size"]
+            n *= (1 if tied else 0) + 1 / cfg["vocab_size"]  # the head, and the token's row
         total += n
     return total, dict(formats.most_common())
 
