@@ -285,7 +285,7 @@ def run_load_test(t: LoadTest) -> dict[str, Any]:
                 ratios.setdefault(str(conc), []).append(round(rates["on"] / rates["off"], 3))
             for phase in PHASES:
                 results[phase][str(conc)] = _summary(*pooled[phase])
-    speedup = {c: statistics.median(r) for c, r in ratios.items()}
+    speedup = {c: round(statistics.median(r), 3) for c, r in ratios.items()}
     report = {
         "bench": "serve",
         "model": t.model,
@@ -328,6 +328,8 @@ def markdown(report: dict[str, Any]) -> str:
         for phase in PHASES:
             r = report["results"][phase][conc]
             speedup = report["speedup_on_vs_off"][conc] if phase == "on" else 1.0
+            ratios = per_round.get(conc, []) if phase == "on" else []
+            each = " / ".join(f"{x:.2f}" for x in ratios)  # the per-round column
             itl = "" if r["itl_mean_s"] is None else f"{1000 * r['itl_mean_s']:.1f}"
             acc = f"{100 * r['acceptance_rate']:.0f} %" if r["drafted"] else "-"
             al = r["mean_acceptance_length"] if r["drafted"] else "-"
@@ -335,13 +337,7 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {conc} | {phase} | {r['output_tok_s']:.2f} | {speedup:.2f}x | "
                 f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | {itl} | "
                 f"{r['e2e_p50_s']:.1f} / {r['e2e_p99_s']:.1f} | {acc} | {al} |"
-                + (
-                    f" {' / '.join(f'{x:.2f}' for x in per_round.get(conc, []))} |"
-                    if rounds > 1 and phase == "on"
-                    else " |"
-                    if rounds > 1
-                    else ""
-                )
+                + (f" {each} |" if rounds > 1 else "")
             )
     return "\n".join(lines) + "\n"
 
