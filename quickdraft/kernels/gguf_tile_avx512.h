@@ -66,15 +66,23 @@ inline __m512i unpack_quad(const uint8_t* wb, int g, __m512i tbl) {
     const __m512i lb = _mm512_broadcast_i64x4(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 128 + (C / 2) * 32)));
     constexpr int k0 = 2 * (C % 2), k1 = k0 + 1;
-    __m512i u = _mm512_and_si512(_mm512_srlv_epi16(lb, halves(2 * k0, 2 * k1)), _mm512_set1_epi8(3));
+    const __m512i lo = _mm512_srlv_epi16(lb, halves(2 * k0, 2 * k1));  // bits 0-1 wanted
     if constexpr (Tr::kBits == 3) {  // bit 2 (C % 4) + h of the 1-bit plane's vector C / 4
       const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(wb + Tr::kLow + g * 64 + (C / 4) * 32)));
+      // bit j of every byte straight to its bit 2 (one shift of the 16-bit lanes moves both
+      // bytes' bit j alike), then (lo & 3) | (hi & 4) by one ternlog: one op a quad less than
+      // shifting the bit to bit 0, masking and shifting it up
       constexpr int j0 = 2 * (C % 4), j1 = j0 + 1;
-      const __m512i bit = _mm512_and_si512(_mm512_srlv_epi16(hb, halves(j0, j1)), _mm512_set1_epi8(1));
-      u = _mm512_or_si512(u, _mm512_slli_epi16(bit, 2));
+      __m512i hi;
+      if constexpr (j1 <= 2)
+        hi = _mm512_sllv_epi16(hb, halves(2 - j0, 2 - j1));
+      else
+        hi = _mm512_srlv_epi16(hb, halves(j0 - 2, j1 - 2));
+      hi = _mm512_and_si512(hi, _mm512_set1_epi8(4));
+      return _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(3), 0xEC);  // (a & c) | b
     }
-    return u;
+    return _mm512_and_si512(lo, _mm512_set1_epi8(3));
   } else {
     const __m512i v = _mm512_broadcast_i64x4(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 256 + C * 32)));

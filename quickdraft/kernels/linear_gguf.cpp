@@ -105,9 +105,14 @@ inline void unpack_quad(const uint8_t* wb, int g, __m256i u[2]) {
       const __m256i hb = _mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(wb + Tr::kLow + g * 64 + (C / 4) * 32));
       static_for<2>([&](auto h) {
+        // bit k of every byte straight to its bit 2 (one shift, then a mask and an or)
         constexpr int k = 2 * (C % 4) + decltype(h)::value;
-        const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(hb, k), _mm256_set1_epi8(1));
-        u[h] = _mm256_or_si256(u[h], _mm256_slli_epi16(bit, 2));
+        __m256i at2;
+        if constexpr (k <= 2)
+          at2 = _mm256_slli_epi16(hb, 2 - k);
+        else
+          at2 = _mm256_srli_epi16(hb, k - 2);
+        u[h] = _mm256_or_si256(u[h], _mm256_and_si256(at2, _mm256_set1_epi8(4)));
       });
     }
     return;
