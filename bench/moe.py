@@ -668,6 +668,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--qtype",
+        help="llama.cpp's file type for every --arch's cut file (default Q4_K_M, gpt-oss "
+        "MXFP4_MOE): Q3_K_M, Q2_K, ... as the smaller uploads are",
+    )
     ap.add_argument("--name", default="moe")
     ap.add_argument("--full", action="store_true", help="the full-size qwen35moe file instead")
     ap.add_argument("--ours", type=Path, help=argparse.SUPPRESS)  # the child of --full
@@ -686,6 +691,8 @@ def main() -> None:
     )
     ap.add_argument("--ours-mtp", type=Path, help=argparse.SUPPRESS)  # the child of --mtp-cuts
     args = ap.parse_args()
+    if args.qtype:
+        QTYPES.update({a: args.qtype for a in args.arch})
     torch.set_num_threads(args.threads)
     if args.ours:
         print(json.dumps(ours_once(args.ours, args.files, args.tokens)))
