@@ -71,8 +71,7 @@ inline __m512i unpack_quad(const uint8_t* wb, int g, __m512i tbl) {
       const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(wb + Tr::kLow + g * 64 + (C / 4) * 32)));
       // bit j of every byte straight to its bit 2 (one shift of the 16-bit lanes moves both
-      // bytes' bit j alike), then (lo & 3) | (hi & 4) by one ternlog: one op a quad less than
-      // shifting the bit to bit 0, masking and shifting it up
+      // bytes' bit j alike), then (lo & 3) | (hi & 4) by one ternlog
       constexpr int j0 = 2 * (C % 4), j1 = j0 + 1;
       __m512i hi;
       if constexpr (j1 <= 2)
