@@ -122,14 +122,14 @@ def main() -> None:
 
 
 def held_out(
-    speeds: dict[str, list[float]], drafter: str, k_max: int, name: str = ""
+    speeds: dict[str, list[float]], drafter: str, k_max: int, name: str
 ) -> tuple[float, list[int]]:
-    """Configuration `name` (default: the drafter's policy) over the best fixed k with each
-    round held out: k picked by its median speedup over speculation off on the other rounds,
-    the ratio taken in the held-out round; the median of those ratios, and the k picked for
-    each round."""
+    """Configuration `name` (the drafter's policy, or a fixed k again) over the best fixed k
+    with each round held out: k picked by its median speedup over speculation off on the other
+    rounds, the ratio taken in the held-out round; the median of those ratios, and the k
+    picked for each round."""
     base, rounds = speeds["none"], len(speeds["none"])
-    pol = speeds[name or f"{drafter} policy"]
+    pol = speeds[name]
     ratios, picks = [], []
     for i in range(rounds):
         others = [j for j in range(rounds) if j != i] or [i]
