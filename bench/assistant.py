@@ -37,7 +37,8 @@ from typing import Any
 import torch
 
 from quickdraft.bench.report import bar_chart, machine, table, write
-from quickdraft.bench.shapes import MOE_REAL, init_
+from quickdraft.bench.shapes import GEMMA4_ASSISTANT, init_
+from quickdraft.bench.speculative import forward_seconds
 from quickdraft.kernels.gemm import to_panels
 from quickdraft.loading import load
 from quickdraft.models.families.gemma4 import Gemma4LM, quantizer
@@ -45,38 +46,14 @@ from quickdraft.models.heads.gemma4_assistant import AssistantConfig, Gemma4Assi
 from quickdraft.models.layers import convert_operands_
 from quickdraft.speculation.drafters.assistant import AssistantDrafter, assistant_step_seconds
 
-# the released gemma-4-26B-A4B-it-assistant's text config (its config.json): the target's
-# attention shapes, window and RoPE, 4 query-only layers of its own widths
-ASSISTANT_TEXT: dict[str, Any] = {
-    **MOE_REAL["gemma4"],
-    "hidden_size": 1024,
-    "intermediate_size": 8192,
-    "num_hidden_layers": 4,
-    "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
-    "num_kv_shared_layers": 4,
-    "enable_moe_block": False,
-}
 ACCEPTANCE, K = 0.68, 4
-
-
-def forward_s(model: Gemma4LM, rows: int, context: int = 64, reps: int = 5) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        cache = model.new_cache(context + rows + 8)
-        model(torch.randint(0, 1000, (context,)), [cache], [context])
-        cache.commit(context)
-        ids = torch.randint(0, 1000, (rows,))
-        t = time.perf_counter()
-        model(ids, [cache], [rows])
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def assistant_for(target: Gemma4LM, quantization: str) -> Gemma4Assistant:
     raw = {
         "model_type": "gemma4_assistant",
         "backbone_hidden_size": target.config.hidden_size,
-        "text_config": {**ASSISTANT_TEXT, "vocab_size": target.config.vocab_size},
+        "text_config": {**GEMMA4_ASSISTANT, "vocab_size": target.config.vocab_size},
     }
     cfg = AssistantConfig.from_dict(raw, {}, target.config)
     head = Gemma4Assistant(cfg, torch.bfloat16, "cpu", target)
@@ -102,9 +79,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = load(str(args.files / "gemma4-Q4_K_M-model"), "gguf", progress=False).model
     assert isinstance(model, Gemma4LM)
-    forward_s(model, 1)  # warm
-    step = forward_s(model, 1)
-    verify = forward_s(model, K + 1)
+    forward_seconds(model, 1)  # warm
+    step = forward_seconds(model, 1)
+    verify = forward_seconds(model, K + 1)
     cfg = model.config
     grow = 262144 / cfg.vocab_size  # the real vocabulary over the cut one
     head_s = head_seconds(model._logits, cfg.hidden_size, model.dtype)

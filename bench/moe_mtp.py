@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import resource
-import statistics
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -48,13 +46,18 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from quickdraft.bench.report import bar_chart, machine, read_bandwidth_gbs, table, write
-from quickdraft.bench.speculative import Batch, serve_batch
+from quickdraft.bench.report import bar_chart, machine, read_bandwidth_gbs, write
+from quickdraft.bench.speculative import (
+    calibrated_temperature,
+    compare,
+    compare_table,
+    serve_batch,
+)
 from quickdraft.config import SpeculativeConfig
 from quickdraft.hub.convert import convert_gguf
 from quickdraft.kernels import project
 from quickdraft.kernels.linear_gguf import GGUFWeight
-from quickdraft.loading import LoadedModel, load
+from quickdraft.loading import load
 from quickdraft.memory import freeze_loaded
 from quickdraft.models.families.qwen3_next import HybridLM
 from quickdraft.models.heads.mtp import MTPHead
@@ -117,17 +120,6 @@ def staged_agreement(model: HybridLM, keep: int, n: int = 64) -> tuple[float, to
     return (target == logits.argmax(-1)).float().mean().item(), logits
 
 
-def calibrated_temperature(logits: torch.Tensor, accuracy: float) -> float:
-    """The logit scale T at which the mean top probability of softmax(T logits) is `accuracy`
-    (bisection in log T): the staged head as sure of its guesses as they are right."""
-    lo, hi = -6.0, 6.0
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        top = torch.softmax(logits * math.exp(mid), -1).max(-1).values.mean().item()
-        lo, hi = (mid, hi) if top < accuracy else (lo, mid)
-    return math.exp((lo + hi) / 2)
-
-
 def stage_head(head: MTPHead, model: HybridLM, temperature: float) -> None:
     """The head predicts what the token's embedding predicts through the target's final norm,
     its logits times `temperature` (its (1 + w) final norm scaled): the chain probabilities
@@ -138,40 +130,6 @@ def stage_head(head: MTPHead, model: HybridLM, temperature: float) -> None:
         final.copy_(model.get_parameter("model.norm.weight"))
         final.mul_(temperature).add_(temperature - 1.0)
     head.fc_weight = identity_fc(head.hidden_size, HEAD_GAIN)
-
-
-def measure(
-    lm: LoadedModel,
-    specs: dict[str, Speculation | None],
-    prompts: list[list[int]],
-    tokens: int,
-    c: int,
-    rounds: int,
-) -> dict[str, Any]:
-    """Every method in `specs` over the same prompts, alternating per round; medians."""
-    runs: dict[str, list[Batch]] = {name: [] for name in specs}
-    for _ in range(rounds):
-        for name, spec in specs.items():
-            runs[name].append(serve_batch(lm, spec, prompts, tokens, c))
-    off = runs["off"]
-    out: dict[str, Any] = {}
-    for name, rs in runs.items():
-        tps = statistics.median(r.tok_s for r in rs)
-        drafted = sum(r.stats.draft_rows for r in rs)
-        steps = sum(r.stats.steps for r in rs)
-        emitted = sum(len(o) for r in rs for o in r.outputs)
-        out[name] = {
-            "tok_s": round(tps, 2),
-            "tok_s_rounds": [round(r.tok_s, 2) for r in rs],
-            "speedup": round(tps / statistics.median(r.tok_s for r in off), 3),
-            "acceptance_rate": round(sum(r.stats.accepted for r in rs) / drafted, 3)
-            if drafted
-            else None,
-            "drafted_per_step": round(drafted / steps, 2),
-            "emitted_per_step": round(emitted / steps, 3),
-            "identical_outputs": all(r.outputs == o.outputs for r, o in zip(rs, off, strict=True)),
-        }
-    return out
 
 
 def main() -> None:
@@ -245,9 +203,9 @@ def main() -> None:
         "rounds": 1 if args.probe else args.rounds,
     }
     rounds = 1 if args.probe else args.rounds
-    report["concurrency_1"] = measure(lm, specs, prompts, args.tokens, 1, rounds)
+    report["concurrency_1"] = compare(lm, specs, prompts, args.tokens, 1, rounds)
     if not args.probe:
-        report["concurrency_4"] = measure(
+        report["concurrency_4"] = compare(
             lm, {"off": None, "cost model": policy}, prompts, args.tokens, 4, rounds
         )
     report["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
@@ -271,24 +229,8 @@ def markdown(report: dict[str, Any]) -> str:
     for key in ("concurrency_1", "concurrency_4"):
         if key not in report:
             continue
-        rows = [
-            [
-                name,
-                r["tok_s"],
-                f"{r['speedup']:.3f}x",
-                r["acceptance_rate"] if r["acceptance_rate"] is not None else "-",
-                r["emitted_per_step"],
-                r["identical_outputs"],
-            ]
-            for name, r in report[key].items()
-        ]
         out.append(f"## {key.replace('_', ' ')}\n")
-        out.append(
-            table(
-                ["speculation", "tok/s", "vs off", "acceptance", "tokens a step", "identical"],
-                rows,
-            )
-        )
+        out.append(compare_table(report[key]))
     return "\n".join(out)
 
 

@@ -232,3 +232,18 @@ def test_serve_batch_serves_every_prompt_the_same_with_speculation(tiny_model_di
     assert off.tok_s > 0 and on.tok_s > 0
     assert off.stats.steps > 0 and off.stats.draft_rows == 0
     assert on.stats.draft_rows > 0
+
+
+def test_compare_pairs_each_round_with_speculation_off(tiny_model_dir: Path) -> None:
+    """`compare` runs every method over the same prompts in each round: one ratio to off per
+    round, off's own ratios all 1, drafting counted only where a drafter drafts, and a forced
+    n-gram drafter's outputs equal off's."""
+    lm = load(str(tiny_model_dir), "fp32")
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 5, 6, 7]]
+    spec = make_speculation(lm, SpeculativeConfig(method="ngram", adaptive=False))
+    got = speculative.compare(lm, {"off": None, "ngram": spec}, prompts, 8, 1, 2)
+    off, ngram = got["off"], got["ngram"]
+    assert off["round_ratios"] == [1.0, 1.0] and off["paired_speedup"] == 1.0
+    assert off["acceptance_rate"] is None and off["drafted_per_step"] == 0
+    assert len(ngram["round_ratios"]) == 2 and ngram["drafted_per_step"] > 0
+    assert ngram["identical_outputs"] and 0.0 <= ngram["acceptance_rate"] <= 1.0

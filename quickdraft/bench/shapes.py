@@ -159,6 +159,19 @@ MOE_CUTS: dict[str, dict[str, Any]] = {
 }
 
 
+# the released gemma-4-26B-A4B-it-assistant's text config (its config.json): the target's
+# attention shapes, window and RoPE, 4 query-only layers of its own widths
+GEMMA4_ASSISTANT: dict[str, Any] = {
+    **MOE_REAL["gemma4"],
+    "hidden_size": 1024,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 4,
+    "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+    "num_kv_shared_layers": 4,
+    "enable_moe_block": False,
+}
+
+
 def init_(module: torch.nn.Module, seed: int, out_scale: float) -> None:
     """Unit-gain random weights (std fan_in^-0.5), unit-RMS embeddings, stable GDN decays.
     `out_scale` scales what the layers write into the residual stream: a small one makes the

@@ -45,7 +45,7 @@ import torch
 
 from quickdraft import hub
 from quickdraft.bench.peers import PEERS, LlamaCpp
-from quickdraft.bench.report import RESULTS, bar_chart, machine, write
+from quickdraft.bench.report import RESULTS, bar_chart, machine, table, write
 from quickdraft.config import (
     BENCH_MAX_TOKENS,
     DEFAULT_DRAFT_QUANTIZATION,
@@ -62,6 +62,7 @@ from quickdraft.config import (
 from quickdraft.engine import EngineCore, SchedulerConfig, stream
 from quickdraft.engine.core import StepStats
 from quickdraft.loading import LoadedModel, load
+from quickdraft.models.base import LanguageModel
 from quickdraft.models.heads.dflash import DFlashConfig
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.factory import make_speculation
@@ -240,6 +241,92 @@ def serve_batch(
     seconds = time.perf_counter() - t
     outputs = [list(r.output_ids) for r in reqs]
     return Batch(sum(len(o) for o in outputs) / seconds, outputs, core.stats)
+
+
+def compare(
+    lm: LoadedModel,
+    specs: dict[str, AnySpeculation | None],
+    prompts: list[list[int]],
+    tokens: int,
+    concurrency: int,
+    rounds: int,
+) -> dict[str, Any]:
+    """Every method in `specs` (None: speculation off, named "off") over the same prompts
+    `concurrency` at a time, alternating per round: median output tok/s and speedup over off
+    (the ratio of medians, and the median of each round's ratio), acceptance rate (accepted /
+    drafted), drafted and emitted rows a step, and whether every output equals off's."""
+    runs: dict[str, list[Batch]] = {name: [] for name in specs}
+    for _ in range(rounds):
+        for name, spec in specs.items():
+            runs[name].append(serve_batch(lm, spec, prompts, tokens, concurrency))
+    off = runs["off"]
+    out: dict[str, Any] = {}
+    for name, rs in runs.items():
+        tps = statistics.median(r.tok_s for r in rs)
+        drafted = sum(r.stats.draft_rows for r in rs)
+        steps = sum(r.stats.steps for r in rs)
+        emitted = sum(len(o) for r in rs for o in r.outputs)
+        out[name] = {
+            "tok_s": round(tps, 2),
+            "tok_s_rounds": [round(r.tok_s, 2) for r in rs],
+            "speedup": round(tps / statistics.median(r.tok_s for r in off), 3),
+            # each round against off's in the same round (seconds apart): steadier on a host
+            # whose rounds move by more than the methods differ
+            "round_ratios": [round(r.tok_s / o.tok_s, 3) for r, o in zip(rs, off, strict=True)],
+            "paired_speedup": round(
+                statistics.median(r.tok_s / o.tok_s for r, o in zip(rs, off, strict=True)), 3
+            ),
+            "acceptance_rate": round(sum(r.stats.accepted for r in rs) / drafted, 3)
+            if drafted
+            else None,
+            "drafted_per_step": round(drafted / steps, 2),
+            "emitted_per_step": round(emitted / steps, 3),
+            "identical_outputs": all(r.outputs == o.outputs for r, o in zip(rs, off, strict=True)),
+        }
+    return out
+
+
+def compare_table(results: dict[str, Any]) -> str:
+    """`compare`'s results as a markdown table, a row a method."""
+    rows = [
+        [
+            name,
+            r["tok_s"],
+            f"{r['speedup']:.3f}x",
+            f"{r['paired_speedup']:.3f}x",
+            r["acceptance_rate"] if r["acceptance_rate"] is not None else "-",
+            r["emitted_per_step"],
+            r["identical_outputs"],
+        ]
+        for name, r in results.items()
+    ]
+    head = ["speculation", "tok/s", "vs off", "vs off, paired", "acceptance", "tokens a step"]
+    return table([*head, "identical"], rows)
+
+
+def calibrated_temperature(logits: torch.Tensor, accuracy: float) -> float:
+    """The logit scale T at which the mean top probability of softmax(T logits) is `accuracy`
+    (bisection in log T): the staged head as sure of its guesses as they are right."""
+    lo, hi = -6.0, 6.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        top = torch.softmax(logits * math.exp(mid), -1).max(-1).values.mean().item()
+        lo, hi = (mid, hi) if top < accuracy else (lo, mid)
+    return math.exp((lo + hi) / 2)
+
+
+def forward_seconds(model: LanguageModel, rows: int, context: int = 64, reps: int = 5) -> float:
+    """Best of `reps` forwards of `rows` random rows after `context` committed ones (seconds)."""
+    best = float("inf")
+    for _ in range(reps):
+        cache = model.new_cache(context + rows + 8)
+        model(torch.randint(0, 1000, (context,)), [cache], [context])
+        cache.commit(context)
+        ids = torch.randint(0, 1000, (rows,))
+        t = time.perf_counter()
+        model(ids, [cache], [rows])
+        best = min(best, time.perf_counter() - t)
+    return best
 
 
 def hf_run(model: Any, ids: list[int], n: int, eos: tuple[int, ...], **kw: Any) -> Run:

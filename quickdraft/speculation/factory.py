@@ -27,7 +27,11 @@ from quickdraft.memory import trim_heap
 from quickdraft.models.formats.gguf_loader import GGUFFormatError
 from quickdraft.models.heads.gemma4_assistant import is_assistant_dir
 from quickdraft.speculation.cost import DraftCost, StepCost, model_cost
-from quickdraft.speculation.drafters.assistant import assistant_drafter, assistant_step_seconds
+from quickdraft.speculation.drafters.assistant import (
+    AssistantDrafter,
+    assistant_drafter,
+    assistant_step_seconds,
+)
 from quickdraft.speculation.drafters.base import Drafter
 from quickdraft.speculation.drafters.dflash import block_step_seconds, dflash_drafter
 from quickdraft.speculation.drafters.draft_model import DraftModelDrafter
@@ -194,12 +198,18 @@ def _assistant(lm: LoadedModel, config: SpeculativeConfig) -> tuple[Drafter, Cos
         )
     # --draft-quantization (int4 by default on the CPU) as for draft models
     drafter = assistant_drafter(lm.model, config.draft_model, _draft_format(lm, config))
+    return drafter, assistant_costs(lm, drafter)
 
-    def table() -> StepCost:  # priced like the MTP head: one chained step, the target's curve
+
+def assistant_costs(lm: LoadedModel, drafter: AssistantDrafter) -> Callable[[], StepCost]:
+    """What measures an assistant's step-cost table: priced like the MTP head, one chained
+    step on the target's curve."""
+
+    def table() -> StepCost:
         target = model_cost(lm.model)
         return target.scaled(assistant_step_seconds(drafter) / target.seconds[0])
 
-    return drafter, table
+    return table
 
 
 # method -> factory(loaded target, config) -> (drafter, what measures its cost table)
