@@ -128,9 +128,9 @@ class QdGemma4Layer {
     const int64_t k = top_k_;
     at::Tensor weight, idx;
     std::tie(weight, idx) = at::topk(probs, k, -1);
-    // w / (w_0 + w_1 + ... in slot order) * float(per_expert_scale[id]) per row, in place: the
-    // Python router's fp32 adds, division and product as tensor ops, each IEEE op rounding
-    // alike (one loop where they were ~3 k torch ops a layer)
+    // w / (w_0 + w_1 + ... in slot order) * float(per_expert_scale[id]) per row, in place, in
+    // one loop: the Python router's fp32 adds, division and product, each IEEE op rounding
+    // as its tensor op does
     weight = weight.contiguous();
     idx = idx.contiguous();
     const at::Tensor scale = norms_.at("per_expert_scale").to(at::kFloat).contiguous();
