@@ -498,8 +498,10 @@ class QdMoEBlock {
       std::tie(weight, idx) = at::topk(at::softmax(logits.to(at::kFloat), -1), top_k_, -1);
     }
     if (norm_topk_) renormalize(weight);
-    // gpt-oss's block hands the experts its fp32 weights; the Qwen blocks round them to x's dtype
-    const at::Tensor w = topk_first_ ? weight : weight.to(x.scalar_type());
+    // gpt-oss's block hands the experts its fp32 weights; the Qwen blocks round them to x's
+    // dtype, which the experts' fp32 sum reads back: rounded in place, the same values
+    if (!topk_first_ && x.scalar_type() == at::kBFloat16) round_to_bf16(weight);
+    const at::Tensor& w = weight;
     if (shared_.gu.empty()) return experts_.forward(x, idx, w);
     // the shared expert's gate_up and down in the routed experts' two parallel regions (the
     // bits of linear_gguf and silu_mul on it)
@@ -529,6 +531,14 @@ class QdMoEBlock {
       const float t = total;
       for (int64_t j = 0; j < k; ++j) row[j] = row[j] / t;
     }
+  }
+
+  // each fp32 weight rounded to bf16 (nearest even, as torch's cast) and widened back, in place
+  static void round_to_bf16(at::Tensor& weight) {
+    weight = weight.contiguous();
+    float* w = weight.data_ptr<float>();
+    for (int64_t i = 0; i < weight.numel(); ++i)
+      w[i] = qd_bf16::bf16_to_f32(qd_bf16::f32_to_bf16(w[i]));
   }
 
   // out + gate * shared, as those two torch ops round in x's dtype (bf16: the product
