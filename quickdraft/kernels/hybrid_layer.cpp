@@ -153,20 +153,30 @@ class QdGDNLayer {
       const int64_t t = counts[i];
       TORCH_CHECK(t >= 0 && row + t <= n,
                   "quickdraft GDNLayer: counts must be >= 0 and sum to the rows");
-      // HybridCache.gdn_state_deferred
+      // HybridCache.gdn_state_deferred; the state and the checkpoint slots by their strides
+      // (a select is a torch op each, and they are read only by pointer here)
       const at::Tensor window = convs[i].select(0, slot_).select(0, committed[i]);
-      const at::Tensor state = ssms[i].select(0, slot_).select(0, committed[i]);
-      const at::Tensor ins = cp_inputs[i].select(0, slot_), ks = cp_k[i].select(0, slot_),
-                       ds = cp_d[i].select(0, slot_), gs = cp_g[i].select(0, slot_);
+      const at::Tensor ins = cp_inputs[i].select(0, slot_);
+      const at::Tensor &ssm = ssms[i], &ck = cp_k[i], &cd = cp_d[i], &cg = cp_g[i];
       TORCH_CHECK(t <= ins.size(0), "quickdraft GDNLayer: reserve() before the forward");
-      TORCH_CHECK(state.is_contiguous() && window.is_contiguous() && ins.stride(1) == 1 &&
+      TORCH_CHECK(ssm.dim() == 5 && ck.dim() == 4 && cd.dim() == 4 && cg.dim() == 3 &&
+                      slot_ < ssm.size(0) && committed[i] >= 0 && committed[i] < ssm.size(1) &&
+                      slot_ < ck.size(0) && slot_ < cd.size(0) && slot_ < cg.size(0),
+                  "quickdraft GDNLayer: the HybridCache's slots");
+      TORCH_CHECK(ssm.stride(4) == 1 && ssm.stride(3) == dv_ && ssm.stride(2) == dk_ * dv_ &&
+                      window.is_contiguous() && ins.stride(1) == 1 &&
                       ins.scalar_type() == window.scalar_type() &&
                       mixed.scalar_type() == window.scalar_type() &&
-                      ks.stride(2) == 1 && ks.stride(1) == dk_ && ds.stride(2) == 1 &&
-                      ds.stride(1) == dv_ && gs.stride(1) == 1 &&
-                      state.scalar_type() == at::kFloat && ks.scalar_type() == at::kFloat &&
-                      ds.scalar_type() == at::kFloat && gs.scalar_type() == at::kFloat,
+                      ck.stride(3) == 1 && ck.stride(2) == dk_ && cd.stride(3) == 1 &&
+                      cd.stride(2) == dv_ && cg.stride(2) == 1 &&
+                      ssm.scalar_type() == at::kFloat && ck.scalar_type() == at::kFloat &&
+                      cd.scalar_type() == at::kFloat && cg.scalar_type() == at::kFloat,
                   "quickdraft GDNLayer: the HybridCache's layout");
+      float* const state =
+          ssm.data_ptr<float>() + slot_ * ssm.stride(0) + committed[i] * ssm.stride(1);
+      float* const kp = ck.data_ptr<float>() + slot_ * ck.stride(0);
+      float* const dp = cd.data_ptr<float>() + slot_ * cd.stride(0);
+      float* const gp = cg.data_ptr<float>() + slot_ * cg.stride(0);
       const int64_t p = pending[i];
       advance_window(window, ins, p);
       const at::Tensor seg = mixed.narrow(0, row, t);
@@ -178,18 +188,22 @@ class QdGDNLayer {
       io.C = y.size(1);
       io.g = gc.data_ptr<float>() + row * hv;
       io.beta = bc.data_ptr<float>() + row * hv;
-      io.state = state.data_ptr<float>();
+      io.state = state;
       io.m = p;
-      io.pk = io.k = ks.data_ptr<float>(), io.pk_hs = io.k_hs = ks.stride(0);
-      io.pd = io.d = ds.data_ptr<float>(), io.pd_hs = io.d_hs = ds.stride(0);
-      io.pg = io.gout = gs.data_ptr<float>(), io.pg_hs = io.gout_hs = gs.stride(0);
+      io.pk = io.k = kp, io.pk_hs = io.k_hs = ck.stride(1);
+      io.pd = io.d = dp, io.pd_hs = io.d_hs = cd.stride(1);
+      io.pg = io.gout = gp, io.pg_hs = io.gout_hs = cg.stride(1);
       io.out = core.data_ptr<float>() + row * hv * dv_, io.out_ts = hv * dv_;
-      TORCH_CHECK(y.is_contiguous() && p <= ks.size(1) && t <= ks.size(1),
+      TORCH_CHECK(y.is_contiguous() && p <= ck.size(2) && t <= ck.size(2),
                   "quickdraft GDNLayer: the checkpoint slots");
-      if (t > 0)
+      if (t > 0) {
         qd_gdn_delta_raw(io, hv, dk_, dv_, t, k_heads_);
-      else if (p > 0)  // no rows: the pending updates still go into the state
-        qd_gdn_advance(state, ks.narrow(1, 0, p), ds.narrow(1, 0, p), gs.narrow(1, 0, p));
+      } else if (p > 0) {  // no rows: the pending updates still go into the state
+        const at::Tensor ks = ck.select(0, slot_), ds = cd.select(0, slot_),
+                         gs = cg.select(0, slot_);
+        qd_gdn_advance(ssm.select(0, slot_).select(0, committed[i]), ks.narrow(1, 0, p),
+                       ds.narrow(1, 0, p), gs.narrow(1, 0, p));
+      }
       copy_rows(ins, seg);  // HybridCache.keep_checkpoints' inputs
       row += t;
     }
