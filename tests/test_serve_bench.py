@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,12 @@ from quickdraft.bench.serving import LoadTest, markdown, run_load_test
 from quickdraft.config import SpeculativeConfig
 
 
-def test_rounds_alternate_and_report_each_ratio(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_rounds_alternate_and_report_each_ratio(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where the server's temp dir goes
     t = LoadTest(
         model=str(tiny_model_dir),
         dtype="fp32",
@@ -41,6 +47,7 @@ def test_rounds_alternate_and_report_each_ratio(tiny_model_dir: Path, tmp_path: 
     table = markdown(report)
     assert "alternated 2 times per level" in table
     assert " / ".join(f"{x:.2f}" for x in report["round_ratios"]["2"]) in table
+    assert not list(scratch.glob("quickdraft-*")), "the server's temp dir (its token) was left"
 
 
 def test_rounds_below_one_are_refused() -> None:

@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
 import socket
 import statistics
 import subprocess
@@ -120,7 +121,8 @@ def served(
 ) -> Iterator[Served]:
     """A `quickdraft serve` subprocess, `command(port, admin_token, settings_file)`, on a free
     loopback port with its log and settings in a fresh temp dir, yielded once healthy; if the
-    body fails, the log's tail goes to stderr; terminated (killed after 30 s) at the end."""
+    body fails, the log's tail goes to stderr; terminated (killed after 30 s) at the end, and
+    its temp dir removed."""
     port, token = _free_port(), secrets.token_urlsafe(12)
     url = f"http://127.0.0.1:{port}"
     workdir = Path(tempfile.mkdtemp(prefix=f"quickdraft-{name}-"))
@@ -144,6 +146,8 @@ def served(
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
+        shutil.rmtree(workdir, ignore_errors=True)  # its settings hold the admin token
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
