@@ -59,6 +59,7 @@ from gguf import GGUFReader
 from quickdraft.bench.peers import llama_cpp_quantize
 from quickdraft.bench.report import bar_chart, machine, read_bandwidth_gbs, table, write
 from quickdraft.bench.shapes import MOE_CUTS, MOE_REAL, init_
+from quickdraft.bench.speculative import forward_seconds
 from quickdraft.config import ModelConfig
 from quickdraft.hub.convert import convert_gguf
 from quickdraft.hub.gguf_write import (
@@ -209,14 +210,7 @@ class Ours:
         self.rss_mb = _rss_mb()
 
     def forward_s(self, rows: int, context: int = 0) -> float:
-        cache = self.model.new_cache(context + rows + 8)
-        if context:
-            self.model(torch.randint(0, self.vocab, (context,)), [cache], [context])
-            cache.commit(context)
-        ids = torch.randint(0, self.vocab, (rows,))
-        t = time.perf_counter()
-        self.model(ids, [cache], [rows])
-        return time.perf_counter() - t
+        return forward_seconds(self.model, rows, context, reps=1, vocab=self.vocab)
 
     def decode_s(self, tokens: int) -> list[float]:
         """Per-step seconds of `tokens` greedy one-row steps from an empty cache."""

@@ -266,16 +266,15 @@ def compare(
         drafted = sum(r.stats.draft_rows for r in rs)
         steps = sum(r.stats.steps for r in rs)
         emitted = sum(len(o) for r in rs for o in r.outputs)
+        # each round against off's in the same round (seconds apart): steadier on a host whose
+        # rounds move by more than the methods differ
+        ratios = [r.tok_s / o.tok_s for r, o in zip(rs, off, strict=True)]
         out[name] = {
             "tok_s": round(tps, 2),
             "tok_s_rounds": [round(r.tok_s, 2) for r in rs],
             "speedup": round(tps / statistics.median(r.tok_s for r in off), 3),
-            # each round against off's in the same round (seconds apart): steadier on a host
-            # whose rounds move by more than the methods differ
-            "round_ratios": [round(r.tok_s / o.tok_s, 3) for r, o in zip(rs, off, strict=True)],
-            "paired_speedup": round(
-                statistics.median(r.tok_s / o.tok_s for r, o in zip(rs, off, strict=True)), 3
-            ),
+            "round_ratios": [round(x, 3) for x in ratios],
+            "paired_speedup": round(statistics.median(ratios), 3),
             "acceptance_rate": round(sum(r.stats.accepted for r in rs) / drafted, 3)
             if drafted
             else None,
@@ -315,14 +314,18 @@ def calibrated_temperature(logits: torch.Tensor, accuracy: float) -> float:
     return math.exp((lo + hi) / 2)
 
 
-def forward_seconds(model: LanguageModel, rows: int, context: int = 64, reps: int = 5) -> float:
-    """Best of `reps` forwards of `rows` random rows after `context` committed ones (seconds)."""
+def forward_seconds(
+    model: LanguageModel, rows: int, context: int = 64, reps: int = 5, vocab: int = 1000
+) -> float:
+    """Best of `reps` forwards of `rows` random ids (< `vocab`) after `context` committed ones
+    (seconds)."""
     best = float("inf")
     for _ in range(reps):
         cache = model.new_cache(context + rows + 8)
-        model(torch.randint(0, 1000, (context,)), [cache], [context])
-        cache.commit(context)
-        ids = torch.randint(0, 1000, (rows,))
+        if context:
+            model(torch.randint(0, vocab, (context,)), [cache], [context])
+            cache.commit(context)
+        ids = torch.randint(0, vocab, (rows,))
         t = time.perf_counter()
         model(ids, [cache], [rows])
         best = min(best, time.perf_counter() - t)

@@ -21,6 +21,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "bf16.h"
 #include "layer_parts.h"
 #include "ops.h"
 
@@ -133,8 +134,18 @@ class QdGemma4Layer {
     // as its tensor op does
     weight = weight.contiguous();
     idx = idx.contiguous();
-    const at::Tensor scale = norms_.at("per_expert_scale").to(at::kFloat).contiguous();
-    const float* sc = scale.data_ptr<float>();
+    // the scales read in place (bf16 widened exactly, as the tensor op's cast): no cast a call
+    const at::Tensor& pes = norms_.at("per_expert_scale");
+    const at::Tensor scale =
+        pes.scalar_type() == at::kBFloat16 || pes.scalar_type() == at::kFloat
+            ? pes.contiguous()
+            : pes.to(at::kFloat).contiguous();
+    const bool bf16 = scale.scalar_type() == at::kBFloat16;
+    const void* sc = scale.data_ptr();
+    auto scale_of = [&](int64_t e) {
+      return bf16 ? qd_bf16::bf16_to_f32(static_cast<const uint16_t*>(sc)[e])
+                  : static_cast<const float*>(sc)[e];
+    };
     const int64_t* id = idx.data_ptr<int64_t>();
     float* w = weight.data_ptr<float>();
     for (int64_t r = 0; r < weight.size(0); ++r) {
@@ -144,7 +155,7 @@ class QdGemma4Layer {
       const float t = total;
       for (int64_t j = 0; j < k; ++j) {
         const float q = row[j] / t;  // rounded, then the product rounded, as the tensor ops
-        row[j] = q * sc[id[r * k + j]];
+        row[j] = q * scale_of(id[r * k + j]);
       }
     }
     return {weight, idx};

@@ -501,13 +501,12 @@ class QdMoEBlock {
     // gpt-oss's block hands the experts its fp32 weights; the Qwen blocks round them to x's
     // dtype, which the experts' fp32 sum reads back: rounded in place, the same values
     if (!topk_first_ && x.scalar_type() == at::kBFloat16) round_to_bf16(weight);
-    const at::Tensor& w = weight;
-    if (shared_.gu.empty()) return experts_.forward(x, idx, w);
+    if (shared_.gu.empty()) return experts_.forward(x, idx, weight);
     // the shared expert's gate_up and down in the routed experts' two parallel regions (the
     // bits of linear_gguf and silu_mul on it)
     at::Tensor shared;
     const at::Tensor xc = x.contiguous();
-    at::Tensor out = experts_.forward(xc, idx, w, &shared_, &shared);
+    at::Tensor out = experts_.forward(xc, idx, weight, &shared_, &shared);
     // the gate [1, H]: a plain tensor (the bf16 linear kernel) or packed in a panel
     const at::Tensor gate = qd_sigmoid(
         shared_gate_panel_n_ < 0
