@@ -53,3 +53,15 @@ def test_rounds_alternate_and_report_each_ratio(
 def test_rounds_below_one_are_refused() -> None:
     with pytest.raises(ValueError, match="rounds must be >= 1"):
         LoadTest(rounds=0)
+
+
+def test_an_admin_token_that_starts_with_a_dash_reaches_the_server(tmp_path: Path) -> None:
+    """token_urlsafe draws tokens that start with "-" (1 in 64): the server's command line
+    must still carry it as the value of --admin-token, not as an option."""
+    from quickdraft.bench.serving import _server_cmd
+    from quickdraft.cli import build_parser
+
+    t = LoadTest(model="m", dtype="fp32", spec=SpeculativeConfig(method="ngram"))
+    cmd = _server_cmd(t, 8000, "-Xy_z", tmp_path / "settings.json")
+    args = build_parser().parse_args(cmd[cmd.index("serve") :])
+    assert args.admin_token == "-Xy_z"

@@ -86,7 +86,8 @@ def _free_port() -> int:
 def _server_cmd(t: LoadTest, port: int, token: str, settings: Path) -> list[str]:
     cmd = [sys.executable, "-m", "quickdraft", "serve", t.model, "--dtype", t.dtype]
     cmd += ["--device", t.device]
-    cmd += ["--port", str(port), "--admin-token", token, "--settings", str(settings)]
+    # one argument: a token that starts with "-" (token_urlsafe draws them) is not an option
+    cmd += ["--port", str(port), f"--admin-token={token}", "--settings", str(settings)]
     cmd += [
         "--speculative-method",
         t.spec.method,

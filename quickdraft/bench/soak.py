@@ -206,7 +206,8 @@ def settle(url: str, limit_s: float = 60.0) -> dict[str, int]:
 def server_cmd(t: SoakTest, port: int, token: str, settings: Path) -> list[str]:
     cmd = [sys.executable, "-m", "quickdraft", "serve", t.model, "--dtype", t.dtype]
     cmd += ["--device", t.device]
-    cmd += ["--port", str(port), "--admin-token", token, "--settings", str(settings)]
+    # one argument: a token that starts with "-" (token_urlsafe draws them) is not an option
+    cmd += ["--port", str(port), f"--admin-token={token}", "--settings", str(settings)]
     cmd += ["--speculative-method", t.spec.method]
     cmd += ["--num-draft-tokens", str(t.spec.num_draft_tokens)]
     if t.spec.draft_model:
