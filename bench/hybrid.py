@@ -51,7 +51,7 @@ from gguf import GGUFReader
 from quickdraft.bench.peers import llama_cpp_quantize
 from quickdraft.bench.report import bars, machine, peak_rss_mb, table, write
 from quickdraft.bench.shapes import HYBRID_CONFIG, MOE_CUTS, MOE_REAL, init_
-from quickdraft.bench.speculative import serve_batch
+from quickdraft.bench.speculative import compare
 from quickdraft.config import SpeculativeConfig
 from quickdraft.hub.convert import convert_gguf
 from quickdraft.hub.gguf_write import WRITABLE, llama_cpp_tensors, write_gguf
@@ -154,29 +154,29 @@ def build_gguf(
     return lm.model, load_mtp_head(lm.model, lm.path), params, head_params, written, lm
 
 
-def engine_rows(lm: LoadedModel, k: int, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+def engine_rows(
+    lm: LoadedModel, k: int, prompts: list[list[int]], tokens: int, rounds: int
+) -> dict[str, Any]:
     """MTP with the cost model choosing k (<= `k`) through the engine, against speculation off,
-    at concurrency 1 and 4 (issue 56: never below speculation off at 4), methods alternating
-    per round."""
+    at concurrency 1 and 4 (issue 56: never below speculation off at 4), in `rounds` rounds of
+    off then MTP (`compare`: each round's ratio is taken seconds apart)."""
     spec = make_speculation(lm, SpeculativeConfig(method="mtp", num_draft_tokens=k))
     out: dict[str, Any] = {}
     for c in (1, 4):
         batch = prompts if len(prompts) >= c else (prompts * c)[:c]
-        rounds: dict[str, list[float]] = {"off": [], "mtp": []}
-        same = True
-        for _ in range(2):
-            off = serve_batch(lm, None, batch, tokens, c)
-            on = serve_batch(lm, spec, batch, tokens, c)
-            rounds["off"].append(off.tok_s)
-            rounds["mtp"].append(on.tok_s)
-            same &= off.outputs == on.outputs
-        off_tps, on_tps = statistics.median(rounds["off"]), statistics.median(rounds["mtp"])
+        res = compare(lm, {"off": None, "mtp": spec}, batch, tokens, c, rounds)
+        mtp = res["mtp"]
         out[str(c)] = {
             "requests": len(batch),
-            "off_tok_s": round(off_tps, 2),
-            "mtp_policy_tok_s": round(on_tps, 2),
-            "speedup": round(on_tps / off_tps, 3),
-            "identical_outputs": same,
+            "rounds": rounds,
+            "off_tok_s": res["off"]["tok_s"],
+            "mtp_policy_tok_s": mtp["tok_s"],
+            "speedup": mtp["speedup"],
+            "paired_speedup": mtp["paired_speedup"],
+            "round_ratios": mtp["round_ratios"],
+            "acceptance_rate": mtp["acceptance_rate"],
+            "drafted_per_step": mtp["drafted_per_step"],
+            "identical_outputs": mtp["identical_outputs"],
         }
     return out
 
@@ -385,6 +385,8 @@ def main() -> None:
         help="with --gguf: also MTP with the cost model through the engine at concurrency 1 "
         "and 4 against speculation off",
     )
+    ap.add_argument("--engine-rounds", type=int, default=4, help="--engine's rounds")
+    ap.add_argument("--name", help="results name (default hybrid[-gguf][-SHAPE])")
     args = ap.parse_args()
     config, arch, shape = SHAPES[args.shape]
     torch.manual_seed(0)
@@ -485,7 +487,7 @@ def main() -> None:
         },
         # through the engine with the cost model (GGUF runs: a LoadedModel to serve)
         **(
-            {"engine": engine_rows(lm, k, prompts, args.tokens)}
+            {"engine": engine_rows(lm, k, prompts, args.tokens, args.engine_rounds)}
             if lm is not None and args.engine
             else {}
         ),
@@ -499,7 +501,7 @@ def main() -> None:
             "peak_rss_mb": round(peak_rss_mb(), 1),
         },
     }
-    name = ("hybrid" if written is None else "hybrid-gguf") + (
+    name = args.name or ("hybrid" if written is None else "hybrid-gguf") + (
         "" if args.shape == "qwen35" else f"-{args.shape}"
     )
     write(name, result, markdown(result), plot(result), figsize=(13, 4))
@@ -580,6 +582,8 @@ def markdown(result: dict[str, Any]) -> str:
                 "off tok/s",
                 "MTP (cost model) tok/s",
                 "speedup",
+                "paired (each round's ratio)",
+                "drafted rows a step",
                 "identical",
             ],
             [
@@ -589,6 +593,8 @@ def markdown(result: dict[str, Any]) -> str:
                     e["off_tok_s"],
                     e["mtp_policy_tok_s"],
                     f"{e['speedup']}x",
+                    f"{e.get('paired_speedup', '-')}x {e.get('round_ratios', '')}",
+                    e.get("drafted_per_step", "-"),
                     e["identical_outputs"],
                 ]
                 for c, e in result["engine"].items()
