@@ -593,8 +593,8 @@ def markdown(result: dict[str, Any]) -> str:
                     e["off_tok_s"],
                     e["mtp_policy_tok_s"],
                     f"{e['speedup']}x",
-                    f"{e.get('paired_speedup', '-')}x {e.get('round_ratios', '')}",
-                    e.get("drafted_per_step", "-"),
+                    f"{e['paired_speedup']}x {e['round_ratios']}",
+                    e["drafted_per_step"],
                     e["identical_outputs"],
                 ]
                 for c, e in result["engine"].items()
