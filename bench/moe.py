@@ -24,6 +24,10 @@ with ours also at context 64, in interleaved rounds.
 `--pairs N`: decode and pp512 in N back-to-back pairs (ours, then each peer's `llama-bench -p 512`,
 the order swapped every pair), the ratio taken within each pair and its median reported: two
 runs seconds apart share the host's phase far more often than two a minute apart.
+`--full --arch qwen35moe` (or qwen3moe): the full-size file of that shape (every layer, expert
+and id: Qwen3.6-35B-A3B's 20 GiB, Qwen3-30B-A3B's 17 GiB), random Q4_K_M blocks streamed to
+disk, then each engine alone in its own process: our first start once, then --rounds rounds of
+our second start and each peer in swapped order, the median of the rounds' ratios reported.
 `--full --mtp-cuts N ...`: MTP's costs on the full-size qwen35moe file instead (a forward by
 rows 1..8 at context 64 beside each peer's `llama-bench -p N`, the file's nextn head one chained
 step with every id and cut to the first N ids, `--draft-vocab`), and the speedup by k projected
@@ -285,12 +289,19 @@ def ours_once(path: Path, work: Path, tokens: int) -> dict[str, Any]:
 
 
 def run_full(
-    arch: str, work: Path, peers: dict[str, tuple[Path, list[str]]], threads: int, tokens: int
+    arch: str,
+    work: Path,
+    peers: dict[str, tuple[Path, list[str]]],
+    threads: int,
+    tokens: int,
+    rounds: int,
 ) -> dict[str, Any]:
     """The full-size file: written (streamed), then each engine alone in its own process, so
     that the machine's memory holds one engine's weights at a time: quickdraft's first start
-    (repack + packed copy; skipped where a run before left the copy), its second (the packed
-    copy), then the peers."""
+    (repack + packed copy; skipped where a run before left the copy), then `rounds` rounds of
+    its second start (the packed copy) and each peer, the order swapped every round. Per
+    engine the medians of its rounds; decode and pp512 against the best peer as the median of
+    the rounds' ratios (a ratio within a round shares the host's phase)."""
     t = time.perf_counter()
     path = write_full(arch, work)
     written_s = time.perf_counter() - t
@@ -304,30 +315,66 @@ def run_full(
         "machine_memory_gib": round(
             os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1
         ),
+        "rounds": rounds,
         "engines": {},
     }
     child = [sys.executable, __file__, "--ours", str(path), "--files", str(work)]
     child += ["--threads", str(threads), "--tokens", str(tokens)]
-    for _ in range(2):  # a first start writes the packed copy; one left by a run before is reused
-        packed = (work / f"{path.stem}-model" / PACKED_NAME).exists()
-        start = f"quickdraft {'second' if packed else 'first'}_start"
-        if start in out["engines"]:
-            break
+
+    def ours() -> dict[str, Any]:
         run = subprocess.run(child, capture_output=True, text=True, timeout=3600)
         if run.returncode:
-            out["engines"][start] = {"error": run.stderr[-2000:]}
-            continue
-        got = json.loads(run.stdout.strip().splitlines()[-1])
+            return {"error": run.stderr[-2000:]}
+        got: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
         got["decode_gbs"] = round(got["decode_tps"] * per_token / 1e9, 1)
-        out["engines"][start] = got
-    for name, (binary, extra) in peers.items():
+        return got
+
+    def peer(name: str) -> dict[str, Any]:
+        binary, extra = peers[name]
         try:
-            got = llama_bench(binary, path, threads, tokens, extra, prompts="512")
+            got: dict[str, Any] = llama_bench(binary, path, threads, tokens, extra, prompts="512")
         except subprocess.CalledProcessError as e:
-            out["engines"][name] = {"error": (e.stderr or "")[-2000:], "flags": extra}
-            continue
+            return {"error": (e.stderr or "")[-2000:]}
         got["decode_gbs"] = round(got["decode_tps"] * per_token / 1e9, 1)
-        out["engines"][name] = {**got, "flags": extra}
+        return got
+
+    if not (work / f"{path.stem}-model" / PACKED_NAME).exists():  # a run before left none
+        out["engines"]["quickdraft first_start"] = ours()
+    second = "quickdraft second_start"
+    order = [second, *peers]
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in order}
+    for r in range(rounds):
+        for name in order if r % 2 == 0 else order[::-1]:
+            runs[name].append(ours() if name == second else peer(name))
+    for name, got in runs.items():
+        ok = [g for g in got if "error" not in g]
+        if not ok:
+            out["engines"][name] = got[-1]
+            continue
+        summary: dict[str, Any] = {
+            k: statistics.median(g[k] for g in ok) for k in ok[0] if k != "peak_rss_mb"
+        }
+        if "peak_rss_mb" in ok[0]:
+            summary["peak_rss_mb"] = max(g["peak_rss_mb"] for g in ok)
+        summary["rounds"] = got
+        if name in peers:
+            summary["flags"] = peers[name][1]
+        out["engines"][name] = summary
+    ratios: dict[str, list[float]] = {"decode_tps": [], "pp512_tps": []}
+    for r in range(rounds):
+        mine = runs[second][r]
+        theirs = [runs[p][r] for p in peers if "error" not in runs[p][r]]
+        if "error" in mine or not theirs:
+            continue
+        for key, series in ratios.items():
+            series.append(round(mine[key] / max(g[key] for g in theirs), 3))
+    if ratios["decode_tps"]:
+        out["vs_best_peer"] = {
+            "decode_rounds": ratios["decode_tps"],
+            "decode": statistics.median(ratios["decode_tps"]),
+            "pp512_rounds": ratios["pp512_tps"],
+            "pp512": statistics.median(ratios["pp512_tps"]),
+        }
     return out
 
 
@@ -668,7 +715,7 @@ def main() -> None:
         "MXFP4_MOE): Q3_K_M, Q2_K, ... as the smaller uploads are",
     )
     ap.add_argument("--name", default="moe")
-    ap.add_argument("--full", action="store_true", help="the full-size qwen35moe file instead")
+    ap.add_argument("--full", action="store_true", help="the full-size files of --arch instead")
     ap.add_argument("--ours", type=Path, help=argparse.SUPPRESS)  # the child of --full
     ap.add_argument(
         "--narrow", action="store_true", help="the per-layer work of a 40-layer qwen35moe step"
@@ -754,7 +801,8 @@ def main() -> None:
         return
     if args.full:
         report["full"] = {
-            a: run_full(a, args.files, peers, args.threads, args.tokens) for a in args.arch
+            a: run_full(a, args.files, peers, args.threads, args.tokens, args.rounds)
+            for a in args.arch
         }
         write(args.name, report, markdown_full(report), plot_full(report))
         return
@@ -850,12 +898,14 @@ def markdown_full(report: dict[str, Any]) -> str:
         rows = []
         for name, e in f["engines"].items():
             if "error" in e:
-                rows.append([name, "failed", "-", "-", "-", "-", "-"])
+                rows.append([name, "failed", "-", "-", "-", "-", "-", "-"])
                 continue
+            per_round = " / ".join(str(g.get("decode_tps", "failed")) for g in e.get("rounds", [e]))
             rows.append(
                 [
                     name,
                     e["decode_tps"],
+                    per_round,
                     e["decode_gbs"],
                     e.get("pp512_tps", "-"),
                     e.get("start_s", "-"),
@@ -864,14 +914,17 @@ def markdown_full(report: dict[str, Any]) -> str:
                 ]
             )
         written = f"written in {f['write_s']} s" if f["write_s"] >= 1 else "written before"
+        rounds = f.get("rounds", 1)
         out.append(
             f"\n## {arch}: real widths, {f['file_gib']} GiB Q4_K_M (random blocks, {written}), "
             f"{f['weight_mb_per_token']} MB of weights per token, "
-            f"{f['machine_memory_gib']} GiB of memory, each engine alone\n\n"
+            f"{f['machine_memory_gib']} GiB of memory, each engine alone, {rounds} rounds in "
+            f"swapped order (medians; peak RSS the highest)\n\n"
             + table(
                 [
                     "engine",
                     "decode tok/s",
+                    "decode by round",
                     "GB/s",
                     "pp512 tok/s",
                     "start s",
@@ -882,6 +935,27 @@ def markdown_full(report: dict[str, Any]) -> str:
             )
             + f"\nTensors by format: {f['tensors_by_format']}.\n"
         )
+        vs = f.get("vs_best_peer")
+        if vs:
+            out.append(
+                "\n"
+                + table(
+                    ["quickdraft", "ratio", "by round"],
+                    [
+                        [
+                            "decode vs best peer (median of round ratios)",
+                            f"{vs['decode']:.2f}x",
+                            ", ".join(str(v) for v in vs["decode_rounds"]),
+                        ],
+                        [
+                            "pp512 vs best peer (median of round ratios)",
+                            f"{vs['pp512']:.2f}x",
+                            ", ".join(str(v) for v in vs["pp512_rounds"]),
+                        ],
+                    ],
+                )
+                + "\n"
+            )
     return "".join(out)
 
 
