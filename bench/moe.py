@@ -321,22 +321,21 @@ def run_full(
     child = [sys.executable, __file__, "--ours", str(path), "--files", str(work)]
     child += ["--threads", str(threads), "--tokens", str(tokens)]
 
+    def gbs(got: dict[str, Any]) -> dict[str, Any]:
+        return {**got, "decode_gbs": round(got["decode_tps"] * per_token / 1e9, 1)}
+
     def ours() -> dict[str, Any]:
         run = subprocess.run(child, capture_output=True, text=True, timeout=3600)
         if run.returncode:
             return {"error": run.stderr[-2000:]}
-        got: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
-        got["decode_gbs"] = round(got["decode_tps"] * per_token / 1e9, 1)
-        return got
+        return gbs(json.loads(run.stdout.strip().splitlines()[-1]))
 
     def peer(name: str) -> dict[str, Any]:
         binary, extra = peers[name]
         try:
-            got: dict[str, Any] = llama_bench(binary, path, threads, tokens, extra, prompts="512")
+            return gbs(llama_bench(binary, path, threads, tokens, extra, prompts="512"))
         except subprocess.CalledProcessError as e:
             return {"error": (e.stderr or "")[-2000:]}
-        got["decode_gbs"] = round(got["decode_tps"] * per_token / 1e9, 1)
-        return got
 
     if not (work / f"{path.stem}-model" / PACKED_NAME).exists():  # a run before left none
         out["engines"]["quickdraft first_start"] = ours()
@@ -914,11 +913,10 @@ def markdown_full(report: dict[str, Any]) -> str:
                 ]
             )
         written = f"written in {f['write_s']} s" if f["write_s"] >= 1 else "written before"
-        rounds = f.get("rounds", 1)
         out.append(
             f"\n## {arch}: real widths, {f['file_gib']} GiB Q4_K_M (random blocks, {written}), "
             f"{f['weight_mb_per_token']} MB of weights per token, "
-            f"{f['machine_memory_gib']} GiB of memory, each engine alone, {rounds} rounds in "
+            f"{f['machine_memory_gib']} GiB of memory, each engine alone, {f['rounds']} rounds in "
             f"swapped order (medians; peak RSS the highest)\n\n"
             + table(
                 [
