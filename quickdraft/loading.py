@@ -30,7 +30,7 @@ from quickdraft.images import (
     ImageProcessing,
     load_image,
 )
-from quickdraft.kernels import kernels_available, panels_apply
+from quickdraft.kernels import kernels_available, panels_apply, prefetch
 from quickdraft.models.base import LanguageModel
 from quickdraft.models.families.gemma4_config import Gemma4Config
 from quickdraft.models.families.vision import ImageTower, VisionConfig
@@ -38,6 +38,7 @@ from quickdraft.models.formats.gguf_gpu import runs_on_device
 from quickdraft.models.formats.gguf_loader import is_gguf_dir
 from quickdraft.models.formats.gguf_vision import QWEN_VIDEO_TOKEN, load_mmproj, placeholders
 from quickdraft.models.formats.loader import load_model, load_vision
+from quickdraft.models.formats.packed_copy import operands_of
 from quickdraft.models.graphs import for_device
 from quickdraft.models.registry import model_class, read_config
 from quickdraft.request import Request, SamplingError, SamplingParams
@@ -275,6 +276,8 @@ def load(
         net.quantize_(quantization)
     elif panels_apply(net.dtype, net.device):
         net.pack_()  # bf16 on CPU: the layout the panel kernel streams
+    if net.device.type == "cpu":
+        prefetch.tune(operands_of(net))  # this host's distance, over this model's operands
     tokenizer = Tokenizer(path)
     eos = set(net.config.eos_token_ids)
     if tokenizer.eos_token_id is not None:

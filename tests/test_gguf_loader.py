@@ -34,13 +34,13 @@ from torch import Tensor
 from quickdraft.engine import stream
 from quickdraft.hub.errors import HubError
 from quickdraft.hub.gguf_write import add_tiny_tokenizer
-from quickdraft.kernels import PanelWeight
+from quickdraft.kernels import PanelWeight, build, prefetch
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
 from quickdraft.loading import LoadedModel, load
 from quickdraft.models.formats.gguf_loader import GGUFTensorError
 from quickdraft.models.formats.loader import load_model
-from quickdraft.models.formats.packed_copy import PACKED_NAME, packed_name
+from quickdraft.models.formats.packed_copy import PACKED_NAME, operands_of, packed_name
 from quickdraft.models.layers import GGUFEmbedding
 from quickdraft.request import SamplingParams
 
@@ -285,6 +285,32 @@ def test_second_load_reads_the_packed_copy(built: Built, caplog: pytest.LogCaptu
     assert torch.equal(all_logits(second, built.ids), built.logits)
     with safe_open(str(packed), framework="pt") as f:  # a valid safetensors file
         assert torch.equal(f.get_tensor("head.0"), net.head.parts[0].packed)
+
+
+def test_load_measures_the_prefetch_distance_over_the_models_operands(
+    built: Built, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model past prefetch.MIN_BYTES (here: any) is timed at load over its own operands and
+    the best distance set; a model no larger loaded next (a draft) keeps it; the logits are
+    the same bits whatever the distance."""
+    if not build.kernels_available():
+        pytest.skip("no CPU kernels here")
+    ext = build.extension()
+    default, default_32 = build.prefetch_bytes(), build.prefetch_bytes_32()
+    monkeypatch.setattr(build, "_prefetch_setting", None)
+    monkeypatch.setattr(build, "_tuned", None)
+    monkeypatch.setattr(prefetch, "MIN_BYTES", 0)
+    try:
+        lm = load(str(built.gguf), "gguf", progress=False)
+        tuned = build.tuned()
+        assert tuned is not None and tuned.distance in prefetch.CANDIDATES
+        ops = operands_of(lm.model)
+        assert tuned.model_bytes == sum(prefetch.operand_bytes(w) for w in ops) > 0
+        assert torch.equal(all_logits(lm, built.ids), built.logits)
+        load(str(built.gguf), "gguf", progress=False)
+        assert build.tuned() is tuned
+    finally:
+        ext.set_prefetch_bytes(default, default_32)
 
 
 @pytest.mark.parametrize("quant", ["int4", "int8"])

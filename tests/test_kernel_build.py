@@ -171,6 +171,7 @@ def test_prefetch_distance_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     """QUICKDRAFT_PREFETCH_BYTES overrides the vendor's distance; a bad value is a clear error
     naming the variable, raised before any build."""
     monkeypatch.setattr(build, "_prefetch_setting", None)
+    monkeypatch.setattr(build, "_tuned", None)  # what a model's load measured: prefetch.py
     vendor = build.cpu_vendor()
     assert build.prefetch_bytes() == build.PREFETCH_BYTES.get(vendor, build.DEFAULT_PREFETCH_BYTES)
     assert build.prefetch_bytes_32() == build.PREFETCH_BYTES_32.get(vendor, build.prefetch_bytes())

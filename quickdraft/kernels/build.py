@@ -44,7 +44,11 @@ disabled = os.environ.get(DISABLE_ENV) == "1"
 # once, like DISABLE_ENV. Unset: `PREFETCH_BYTES` by CPU vendor.
 PREFETCH_ENV = "QUICKDRAFT_PREFETCH_BYTES"
 _prefetch_setting = os.environ.get(PREFETCH_ENV)
-# Measured per vendor (docs/benchmarks.md, "Prefetch distance on the AMX Xeon"): on an Intel
+# What kernels/prefetch.py's `tune` measured over a loaded model (a prefetch.Tuned), which
+# then holds the distances; None until a model was tuned.
+_tuned: Any = None
+# Before that (and for a model too small to tune), measured per vendor (docs/benchmarks.md,
+# "Prefetch distance on the AMX Xeon"): on an Intel
 # Xeon (AMX) VM 4 KiB streamed the 4-bit panels at 18-23 GB/s with 2 threads and 1.5 KiB at
 # 25-28; 4 KiB is what the AMD EPYC hosts were tuned with, and stays theirs until measured.
 PREFETCH_BYTES = {"GenuineIntel": 1536}
@@ -134,10 +138,30 @@ def cpu_vendor() -> str:
     return _cpuinfo("vendor_id")
 
 
+def prefetch_setting() -> str | None:
+    """`QUICKDRAFT_PREFETCH_BYTES` as it was when this module was imported (None: unset)."""
+    return _prefetch_setting
+
+
+def tuned() -> Any:
+    """The prefetch.Tuned in effect, or None."""
+    return _tuned
+
+
+def set_tuned(tuned: Any) -> None:
+    """Record what prefetch.tune measured and set (its distances are now `prefetch_bytes()`'s
+    and `prefetch_bytes_32()`'s); None forgets it."""
+    global _tuned
+    _tuned = tuned
+
+
 def prefetch_bytes_32() -> int:
     """The distance of the GGUF formats of 32-value blocks in a one-row pass (a decode step's
     GEMV; more rows take `prefetch_bytes()`): `QUICKDRAFT_PREFETCH_BYTES` when set (it sets
-    both), else this CPU vendor's measured best for them, else `prefetch_bytes()`."""
+    both), else what `tune` measured, else this CPU vendor's measured best for them, else
+    `prefetch_bytes()`."""
+    if _prefetch_setting is None and _tuned is not None:
+        return int(_tuned.distance_32)
     if _prefetch_setting is None and cpu_vendor() in PREFETCH_BYTES_32:
         return PREFETCH_BYTES_32[cpu_vendor()]
     return prefetch_bytes()
@@ -145,7 +169,10 @@ def prefetch_bytes_32() -> int:
 
 def prefetch_bytes() -> int:
     """The panel kernels' prefetch distance: `QUICKDRAFT_PREFETCH_BYTES` when set (a multiple
-    of 64 in [0, 65536]; 0 turns software prefetch off), else this CPU vendor's measured best."""
+    of 64 in [0, 65536]; 0 turns software prefetch off), else what `prefetch.tune` measured over
+    the loaded model, else this CPU vendor's measured best."""
+    if _prefetch_setting is None and _tuned is not None:
+        return int(_tuned.distance)
     if _prefetch_setting is None:
         return PREFETCH_BYTES.get(cpu_vendor(), DEFAULT_PREFETCH_BYTES)
     try:

@@ -63,6 +63,16 @@ def _operands(model: nn.Module) -> list[tuple[str, OperandModule, str]]:
     ]
 
 
+def operands_of(model: nn.Module) -> list[Weight]:
+    """Every GEMM operand of `model` that the packed copy holds: each module's `OPERANDS` and
+    each MoE layer's routed experts (the members of their per-expert tuples)."""
+    ops: list[Weight] = [getattr(module, op) for _, module, op in _operands(model)]
+    for module in model.modules():
+        if isinstance(module, Experts | GptOssMoE) and module.operands is not None:
+            ops += [w for each in module.operands for w in each]
+    return ops
+
+
 def _put(tensors: dict[str, Tensor], meta: dict[str, str], key: str, w: Weight) -> None:
     """Operand `w` under `key`: its packed tensors, and how to rebuild it in `meta`."""
     if isinstance(w, GGUFWeight):
