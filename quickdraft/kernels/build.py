@@ -18,6 +18,7 @@ the baseline (AVX-512, VNNI, AMX) checks for it before it runs, and never runs w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import functools
 import hashlib
@@ -41,12 +42,27 @@ log = logging.getLogger(__name__)
 DISABLE_ENV = "QUICKDRAFT_NO_KERNELS"
 disabled = os.environ.get(DISABLE_ENV) == "1"
 # How far ahead the panel kernels prefetch their weight stream (panel_driver.h), in bytes; read
-# once, like DISABLE_ENV. Unset: `PREFETCH_BYTES` by CPU vendor.
+# once, like DISABLE_ENV. Unset: measured when a model loads (prefetch.py), and before that
+# `PREFETCH_BYTES` by CPU vendor.
 PREFETCH_ENV = "QUICKDRAFT_PREFETCH_BYTES"
 _prefetch_setting = os.environ.get(PREFETCH_ENV)
-# What kernels/prefetch.py's `tune` measured over a loaded model (a prefetch.Tuned), which
-# then holds the distances; None until a model was tuned.
-_tuned: Any = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tuned:
+    """What kernels/prefetch.py's `tune` measured over a loaded model: the distances it set,
+    each candidate's median GB/s (empty where the model had no operands of that group), and
+    the operand bytes of the model it ran over."""
+
+    distance: int
+    distance_32: int
+    gbs: dict[int, float]
+    gbs_32: dict[int, float]
+    model_bytes: int
+
+
+# `tune`'s measurement, which then holds the distances; None until a model was tuned
+_tuned: Tuned | None = None
 # Before that (and for a model too small to tune), measured per vendor (docs/benchmarks.md,
 # "Prefetch distance on the AMX Xeon"): on an Intel
 # Xeon (AMX) VM 4 KiB streamed the 4-bit panels at 18-23 GB/s with 2 threads and 1.5 KiB at
@@ -143,12 +159,12 @@ def prefetch_setting() -> str | None:
     return _prefetch_setting
 
 
-def tuned() -> Any:
-    """The prefetch.Tuned in effect, or None."""
+def tuned() -> Tuned | None:
+    """What `prefetch.tune` measured and set, or None."""
     return _tuned
 
 
-def set_tuned(tuned: Any) -> None:
+def set_tuned(tuned: Tuned | None) -> None:
     """Record what prefetch.tune measured and set (its distances are now `prefetch_bytes()`'s
     and `prefetch_bytes_32()`'s); None forgets it."""
     global _tuned
@@ -161,7 +177,7 @@ def prefetch_bytes_32() -> int:
     both), else what `tune` measured, else this CPU vendor's measured best for them, else
     `prefetch_bytes()`."""
     if _prefetch_setting is None and _tuned is not None:
-        return int(_tuned.distance_32)
+        return _tuned.distance_32
     if _prefetch_setting is None and cpu_vendor() in PREFETCH_BYTES_32:
         return PREFETCH_BYTES_32[cpu_vendor()]
     return prefetch_bytes()
@@ -172,7 +188,7 @@ def prefetch_bytes() -> int:
     of 64 in [0, 65536]; 0 turns software prefetch off), else what `prefetch.tune` measured over
     the loaded model, else this CPU vendor's measured best."""
     if _prefetch_setting is None and _tuned is not None:
-        return int(_tuned.distance)
+        return _tuned.distance
     if _prefetch_setting is None:
         return PREFETCH_BYTES.get(cpu_vendor(), DEFAULT_PREFETCH_BYTES)
     try:

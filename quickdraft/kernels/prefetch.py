@@ -12,14 +12,13 @@ The distance changes no result bits (tests/test_kernel_build.py), only time.
 
 Not tuned: a model whose panel operands are under MIN_BYTES (it decodes from cache, where the
 distance matters little and a pass is too short to time), `QUICKDRAFT_PREFETCH_BYTES` set (the
-user's choice), and a model smaller than one tuned before in this process (a draft model loaded
-after its target keeps the target's distance: the target's stream is the larger part of a
-step).
+user's choice), and a model no larger than one tuned before in this process (a draft model
+loaded after its target keeps the target's distance: the target's stream is the larger part of
+a step).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import statistics
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 
 from quickdraft.kernels import build
+from quickdraft.kernels.build import Tuned
 from quickdraft.kernels.gemm import Weight, project
 from quickdraft.kernels.linear_gguf import GGUFWeight
 from quickdraft.kernels.linear_int import Int4Weight, Int8Weight
@@ -44,18 +44,6 @@ MIN_BYTES = 64 << 20
 # the operands whose kernels prefetch at these distances (bf16 panels keep their own scheme)
 Panel = GGUFWeight | Int4Weight | Int8Weight
 ROUNDS = 3
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Tuned:
-    """What `tune` measured: the distances set, each candidate's median GB/s (empty where
-    that group had no operands), and the operand bytes of the model it ran over."""
-
-    distance: int
-    distance_32: int
-    gbs: dict[int, float]
-    gbs_32: dict[int, float]
-    model_bytes: int
 
 
 def operand_bytes(w: Weight) -> int:
