@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from quickdraft.kernels import build, prefetch, project
-from quickdraft.kernels.linear_gguf import GGUFWeight, random_blocks
+from quickdraft.kernels.linear_gguf import FORMATS, GGUFWeight, random_blocks
 from quickdraft.kernels.linear_int import Int4Weight
 
 pytestmark = pytest.mark.skipif(not build.kernels_available(), reason="no CPU kernels here")
@@ -17,18 +17,17 @@ pytestmark = pytest.mark.skipif(not build.kernels_available(), reason="no CPU ke
 
 @pytest.fixture()
 def untuned(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """No environment setting and nothing tuned; the extension's distances restored after."""
+    """No environment setting and nothing tuned; the extension's distances in effect before
+    (what an earlier load measured, if one did) restored after."""
     ext = build.extension()
+    default, default_32 = build.prefetch_bytes(), build.prefetch_bytes_32()
     monkeypatch.setattr(build, "_prefetch_setting", None)
     monkeypatch.setattr(build, "_tuned", None)
-    default, default_32 = build.prefetch_bytes(), build.prefetch_bytes_32()
     yield ext
     ext.set_prefetch_bytes(default, default_32)
 
 
 def operands() -> list[Any]:
-    from quickdraft.kernels.linear_gguf import FORMATS
-
     k = 512
     ops: list[Any] = [
         GGUFWeight.from_raw(f, random_blocks(FORMATS[f], n, k, seed=i), k)
