@@ -247,3 +247,23 @@ def test_compare_pairs_each_round_with_speculation_off(tiny_model_dir: Path) -> 
     assert off["acceptance_rate"] is None and off["drafted_per_step"] == 0
     assert len(ngram["round_ratios"]) == 2 and ngram["drafted_per_step"] > 0
     assert ngram["identical_outputs"] and 0.0 <= ngram["acceptance_rate"] <= 1.0
+
+
+def test_reports_name_the_cpu_by_family_model_and_stepping(tmp_path: Path) -> None:
+    """A report's host line carries family.model.stepping where /proc/cpuinfo has them (two
+    VMs of one model name and one flag set were different CPUs); a report written before the
+    field existed renders as it did."""
+    from quickdraft.bench import report
+
+    got = report.cpu_id()
+    if Path("/proc/cpuinfo").exists() and "cpu family" in Path("/proc/cpuinfo").read_text():
+        parts = got.split(".")
+        assert len(parts) == 3 and all(p.isdigit() for p in parts), got
+    m = {"cpu": "Some CPU", "isa": ["avx2"], "commit": "abc1234", "gpu": None}
+    for machine, line in (
+        ({**m, "cpu_id": "6.207.2"}, "Some CPU, 6.207.2 (avx2), commit abc1234"),
+        (m, "Some CPU (avx2), commit abc1234"),
+    ):
+        report.write("r", {"machine": machine}, "# t\n", lambda fig: None, tmp_path)
+        assert (tmp_path / "r.md").read_text() == f"# t\n\n{line}\n"
+    assert report.machine()["cpu_id"] == got

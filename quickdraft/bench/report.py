@@ -44,6 +44,23 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_id() -> str:
+    """The CPU's family, model and stepping ("6.207.2"), empty where /proc/cpuinfo does not
+    say: two VMs of one model name and the same flags were different CPUs with different
+    best kernel settings (docs/benchmarks.md, "The prefetch distance, measured at load")."""
+    fields = {"cpu family": "", "model": "", "stepping": ""}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() in fields and not fields[name.strip()]:
+                fields[name.strip()] = value.strip()
+            if not line.strip():  # the first CPU's block ends
+                break
+    except OSError:
+        return ""
+    return ".".join(fields.values()) if all(fields.values()) else ""
+
+
 def gpu() -> dict[str, Any] | None:
     """The GPU torch sees (name, memory, driver, CUDA), or None."""
     if not torch.cuda.is_available():
@@ -74,6 +91,7 @@ def machine() -> dict[str, Any]:
     changed = _git("status", "--porcelain", "--untracked-files=all", "quickdraft")
     return {
         "cpu": cpu_model(),
+        "cpu_id": cpu_id(),  # family.model.stepping
         "isa": isa(),
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
@@ -150,7 +168,8 @@ def write(
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     m = report["machine"]
-    host = f"\n{m['cpu']} ({' '.join(m['isa']) or 'no listed ISA flags'}), commit {m['commit']}\n"
+    cpu = f"{m['cpu']}, {m['cpu_id']}" if m.get("cpu_id") else m["cpu"]
+    host = f"\n{cpu} ({' '.join(m['isa']) or 'no listed ISA flags'}), commit {m['commit']}\n"
     if m.get("gpu"):
         g = m["gpu"]
         host += (
