@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from quickdraft.kernels.build import isa
+from quickdraft.kernels.build import cpu_id, isa
 
 RESULTS = Path("bench/results")  # relative to where a benchmark is run: the checkout's root
 
@@ -42,23 +42,6 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def cpu_id() -> str:
-    """The CPU's family, model and stepping ("6.207.2"), empty where /proc/cpuinfo does not
-    say: two VMs of one model name and the same flags were different CPUs with different
-    best kernel settings (docs/benchmarks.md, "The prefetch distance, measured at load")."""
-    fields = {"cpu family": "", "model": "", "stepping": ""}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            name, _, value = line.partition(":")
-            if name.strip() in fields and not fields[name.strip()]:
-                fields[name.strip()] = value.strip()
-            if not line.strip():  # the first CPU's block ends
-                break
-    except OSError:
-        return ""
-    return ".".join(fields.values()) if all(fields.values()) else ""
 
 
 def gpu() -> dict[str, Any] | None:

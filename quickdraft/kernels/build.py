@@ -154,6 +154,14 @@ def cpu_vendor() -> str:
     return _cpuinfo("vendor_id")
 
 
+def cpu_id() -> str:
+    """The CPU's family, model and stepping ("6.207.2"), empty where /proc/cpuinfo does not
+    say: two VMs of one model name and the same flags were different CPUs with different best
+    prefetch distances (docs/benchmarks.md, "The prefetch distance, measured at load")."""
+    fields = [_cpuinfo(f) for f in ("cpu family", "model", "stepping")]
+    return ".".join(fields) if all(fields) else ""
+
+
 def prefetch_setting() -> str | None:
     """`QUICKDRAFT_PREFETCH_BYTES` as it was when this module was imported (None: unset)."""
     return _prefetch_setting
