@@ -116,7 +116,15 @@ def _row_ops(dtype: torch.dtype, rows: int = 80) -> dict[str, Callable[[Tensor],
         "sigmoid": lambda i: pointwise.sigmoid(x[i]),
         "sigmoid_column": lambda i: pointwise.sigmoid(x[i, :1]),  # a [N, 1] gate (MoE shared)
         "gdn_gates": lambda i: torch.cat(gdn.gates(x[i, :16], x[i, 16:32], a_log, dt_bias), dim=1),
+        "greedy_pick": lambda i: _picked(pointwise.greedy_pick(x[i], with_prob=True)),
     }
+
+
+def _picked(pick: tuple[Tensor, Tensor | None]) -> Tensor:
+    """greedy_pick's ids and probabilities as one [N, 2] fp64 tensor (ids < 2^53: exact)."""
+    ids, probs = pick
+    assert probs is not None
+    return torch.stack((ids.double(), probs.double()), dim=1)
 
 
 ROW_OPS = [
@@ -129,6 +137,7 @@ ROW_OPS = [
     "sigmoid",
     "sigmoid_column",
     "gdn_gates",
+    "greedy_pick",
 ]
 
 

@@ -175,3 +175,27 @@ def test_rope_rows_is_the_reference_in_four_ops(dtype: torch.dtype) -> None:
     out = pointwise.rope_rows(qk, cos, signed)
     assert out.dtype == dtype
     torch.testing.assert_close(out, pointwise.reference_rope(qk, cos, sin), **tol(dtype))
+
+
+@needs_kernel
+@DTYPES
+@pytest.mark.parametrize("vocab", [1, 7, 8, 17, 200, 151936], ids=str)
+def test_greedy_pick_matches_reference(vocab: int, dtype: torch.dtype) -> None:
+    """Ids equal torch.argmax's bit for bit (ties: the first index, NaN: the first NaN, an
+    all -inf row: 0) and the probabilities the reference's softmax within fp32 rounding, on
+    rows whose tail is -inf as a cut draft vocabulary leaves it."""
+    g = torch.Generator().manual_seed(vocab)
+    x = (torch.randn(6, vocab, generator=g) * 4).to(dtype)
+    x[1] = 1.0  # every id ties
+    x[2, vocab // 2 :] = float("-inf")
+    x[3] = float("-inf")
+    if vocab > 3:
+        x[4, 3] = x[4, vocab - 1] = float("nan")
+        x[5, vocab - 1] = x[5].max() + 1  # the maximum in the scalar tail
+    ids, probs = pointwise.greedy_pick(x, with_prob=True)
+    ref_ids, ref_probs = pointwise.reference_greedy_pick(x, with_prob=True)
+    assert ids.dtype == torch.int64 and torch.equal(ids, ref_ids)
+    assert probs is not None and ref_probs is not None and probs.dtype == torch.float32
+    torch.testing.assert_close(probs, ref_probs, rtol=2e-6, atol=1e-7, equal_nan=True)
+    only, none = pointwise.greedy_pick(x)
+    assert torch.equal(only, ids) and none is None

@@ -72,6 +72,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("gate_up"), py::call_guard<py::gil_scoped_release>());
   m.def("sigmoid", &qd_sigmoid, "elementwise sigmoid, the same bits wherever an element is",
         py::arg("x"), py::call_guard<py::gil_scoped_release>());
+  m.def("greedy_pick", &qd_greedy_pick,
+        "per row the first index of its maximum and, with_prob, that index's softmax probability",
+        py::arg("logits"), py::arg("with_prob"), py::call_guard<py::gil_scoped_release>());
   m.def("gdn_gates", &qd_gdn_gates, "Gated DeltaNet log decay g and beta, fp32",
         py::arg("a"), py::arg("b"), py::arg("a_log"), py::arg("dt_bias"),
         py::call_guard<py::gil_scoped_release>());

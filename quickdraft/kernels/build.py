@@ -95,6 +95,7 @@ SOURCES = [
         "norm_rope.cpp",
         "gdn_ops.cpp",
         "gdn_delta.cpp",
+        "pick.cpp",
         "attention.cpp",
         "attention_avx512.cpp",
         "dense_layer.cpp",

@@ -41,6 +41,8 @@ at::Tensor qd_gated_rms_norm(const at::Tensor& x, const at::Tensor& w, const at:
                              double eps);
 at::Tensor qd_causal_conv_silu(const at::Tensor& x, const at::Tensor& window,
                                const at::Tensor& weight);
+// pick.cpp
+std::tuple<at::Tensor, at::Tensor> qd_greedy_pick(const at::Tensor& logits, bool with_prob);
 // gdn_delta.cpp
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qd_gdn_delta(
     const at::Tensor& y, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& state,

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from quickdraft.kernels.pointwise import greedy_pick
 from quickdraft.request import SamplingParams, TokenLogprob
 from quickdraft.speculation.sampling import TokenRng, probabilities, sample, sample_with
 
@@ -99,7 +100,7 @@ def verify_greedy(
         f"need [k + 1, vocab] target logits for k={k}, got {tuple(target_logits.shape)}"
     )
     # One argmax over all rows and one device sync; the compare is k python ints.
-    target_ids: list[int] = target_logits.argmax(-1).tolist()  # [k + 1]
+    target_ids: list[int] = greedy_pick(target_logits)[0].tolist()  # [k + 1]
     accepted = relaxed = 0
     while accepted < k and draft[accepted] == target_ids[accepted]:
         accepted += 1

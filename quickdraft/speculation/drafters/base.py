@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from quickdraft.images import ImageLayout
+from quickdraft.kernels.pointwise import greedy_pick
 from quickdraft.models.base import KVBlock, SequenceCache
 from quickdraft.request import SamplingParams
 from quickdraft.speculation.cost import StepShape
@@ -85,12 +86,9 @@ def draft_one(logits: Tensor, job: DraftJob, draft: tuple[list[int], list[Tensor
     if job.controls is not None:  # draft what the target may accept: the same shaping
         logits = job.controls.shape_next(logits[None], tokens)[0]
     if job.params.greedy:
-        token = int(logits.argmax())
-        tokens.append(token)
-        if job.min_prob <= 0.0:
-            return 1.0
-        row = logits.float()
-        return float(torch.exp(row[token] - torch.logsumexp(row, 0)))
+        ids, probs = greedy_pick(logits[None], with_prob=job.min_prob > 0.0)
+        tokens.append(int(ids[0]))
+        return 1.0 if probs is None else float(probs[0])
     p_draft = probabilities(logits[None], job.params)  # [1, vocab]
     token = int(sample(p_draft, job.generator)[0])
     tokens.append(token)
