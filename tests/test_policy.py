@@ -205,17 +205,40 @@ def test_calibration_follows_measured_steps_per_shape() -> None:
     assert cal.factor(8, 8, 0) == 1.0  # nothing measured: the table
     for _ in range(4):
         cal.observe(8, 8, 0, measured=0.8, predicted=1.0)
-    assert cal.factor(8, 8, 0) == pytest.approx((0.8 + 4 * 0.8) / 5)
-    assert cal.factor(8, 1, 1) == pytest.approx(0.8)  # never run: the overall ratio
-    for _ in range(4):
+    assert cal.factor(8, 8, 0) == pytest.approx(0.8, rel=0.02)
+    assert cal.factor(8, 1, 1) == pytest.approx(cal.speed)  # never run: the host's speed
+    for _ in range(8):
         cal.observe(9, 1, 1, measured=2.0, predicted=1.0)  # a shape the table underrates
-    assert 0.8 < cal.overall < 2.0  # moving towards the newer ratio
-    assert cal.factor(9, 1, 1) == pytest.approx((cal.overall + 4 * 2.0) / 5)
-    assert cal.factor(8, 8, 0) == pytest.approx((cal.overall + 4 * 0.8) / 5)
+        cal.observe(8, 8, 0, measured=0.8, predicted=1.0)
+    # each shape towards what its own steps measured, through one speed and two premiums
+    # (a premium shrunk towards 1: the speed counts as one observation of it)
+    assert 1.5 < cal.factor(9, 1, 1) <= 2.0
+    assert 0.8 <= cal.factor(8, 8, 0) < 1.0
+    assert cal.factor(9, 1, 1) / cal.factor(8, 8, 0) > 1.8
+    assert cal.factor(9, 1, 1) == pytest.approx(cal.speed * cal.premium((9, 1, 1)))
+    mean, n = cal.premiums[9, 1, 1]
+    assert n == 8 and cal.premium((9, 1, 1)) == pytest.approx((1 + 4 * mean) / 5)
+    before = cal.factor(8, 8, 0)
     cal.observe(8, 8, 0, measured=100.0, predicted=1.0)  # one stalled step: clamped to 4x
-    assert cal.ratios[8, 8, 0][0] == pytest.approx(0.8 + (4.0 - 0.8) / 4)
+    assert before < cal.factor(8, 8, 0) < 4.0 * before
     cal.observe(40, 2, 1, measured=2.0, predicted=1.0)  # prefill-sized rows share a bucket
-    assert cal.ratios[64, 2, 1] == (2.0, 1)
+    assert cal.premiums[64, 2, 1][1] == 1
+
+
+def test_calibration_moves_the_shapes_not_run_with_the_host() -> None:
+    """Two shapes, one priced right by the table and one at twice its price, run alike; then
+    the host speeds up 2x while only the first runs. The second follows the host (to ~1.0 of
+    the table), keeping its premium over the first, where one running ratio per shape kept it
+    at the slow phase's 2x (1.9x after the change) and the policy never chose it again."""
+    cal = Calibration(window=10)
+    for _ in range(20):
+        cal.observe(2, 1, 1, measured=1.0, predicted=1.0)
+        cal.observe(4, 1, 1, measured=2.0, predicted=1.0)
+    assert cal.factor(4, 1, 1) / cal.factor(2, 1, 1) == pytest.approx(2.0, rel=0.1)
+    for _ in range(40):
+        cal.observe(2, 1, 1, measured=0.5, predicted=1.0)
+    assert cal.factor(2, 1, 1) == pytest.approx(0.5, rel=0.05)
+    assert cal.factor(4, 1, 1) == pytest.approx(1.0, rel=0.15)
 
 
 def test_policy_keeps_drafting_when_the_whole_table_is_slow() -> None:

@@ -5,8 +5,9 @@ seconds for one forward over M packed rows, measured at start-up (`measure_step_
 model gets its own table, the MTP head the target's scaled by one timed head step). A table
 timed on a shared machine can be off by 20% and more, more than the margin a draft decision is
 made on, so every step's target forward is timed and the table is scaled by a running ratio of
-measured to predicted seconds (`Calibration`, per step shape); a drafter's table likewise
-(`DraftCost`). docs/speculation.md has the measurements behind these choices.
+measured to predicted seconds (`Calibration`: the host's speed times a premium per step shape);
+a drafter's table likewise (`DraftCost`). docs/speculation.md has the measurements behind these
+choices.
 """
 
 from __future__ import annotations
@@ -193,20 +194,30 @@ def running_mean(mean: float, n: int, x: float, window: int) -> float:
     return mean + (x - mean) / min(n, window)
 
 
+PREMIUM_WINDOWS = 4  # a shape's premium averages over this many of the speed's windows
+
+
 @dataclass(slots=True)
 class Calibration:
-    """The running ratio of measured to predicted forward seconds, overall and per step
-    shape: each the mean of its first `window` observations, then an exponential average over
-    about `window`. A shape's factor is its own ratio shrunk towards the overall one (which
-    counts as one observation), so a shape never run follows the machine's overall speed:
-    when the whole table is off (a start-up timed on a busy host), the shapes that ran and the
-    ones that did not stay comparable. Each ratio is clamped to [1/4, 4] so one stalled step
-    (a page fault, another process) cannot swing it."""
+    """Measured over predicted forward seconds, modelled as the host's current speed times the
+    step shape's own premium (what its steps say of the table's price for it against the
+    others'): each step's ratio updates the speed by ratio / its shape's premium, then that
+    premium by ratio / speed; each a running mean of its first `window` values, then an
+    exponential average over about `window`. A shape's factor is the speed times its premium
+    shrunk towards 1 (1 counting as one observation), so a shape never run follows the
+    machine's speed, and so does a shape not run lately: when the host speeds up or slows down
+    while the policy runs one shape, the others move with it and keep only their premium. (Kept
+    as one ratio per shape, a shape measured in a slow phase stayed dear through the fast phase
+    that followed, only the shapes that ran being corrected: on the full-size 35B-A3B MTP run a
+    4-row verify stayed priced at ~250 ms, its measured median 232, while the policy ran only
+    2-row steps.) Each ratio is clamped to [1/4, 4] so one stalled step (a page fault, another
+    process) cannot swing it."""
 
     window: int = 10
-    overall: float = 1.0
+    speed: float = 1.0
     seen: int = 0
-    ratios: dict[tuple[int, int, int], tuple[float, int]] = field(default_factory=dict)
+    # per shape key: (its premium's running mean, observations)
+    premiums: dict[tuple[int, int, int], tuple[float, int]] = field(default_factory=dict)
 
     @staticmethod
     def key(rows: int, seqs: int, masked: int) -> tuple[int, int, int]:
@@ -214,20 +225,27 @@ class Calibration:
         bucket = rows if rows <= 16 else 1 << (rows - 1).bit_length()
         return bucket, seqs, masked
 
+    def premium(self, key: tuple[int, int, int]) -> float:
+        """The shape's premium shrunk towards 1 by its observations (at most `window`)."""
+        mean, n = self.premiums.get(key, (1.0, 0))
+        n = min(n, self.window)
+        return (1.0 + mean * n) / (1 + n)
+
     def observe(self, rows: int, seqs: int, masked: int, measured: float, predicted: float) -> None:
         if measured <= 0.0 or predicted <= 0.0:
             return
         ratio = clamped_ratio(measured, predicted)
-        self.seen += 1
-        self.overall = running_mean(self.overall, self.seen, ratio, self.window)
         key = self.key(rows, seqs, masked)
-        mean, n = self.ratios.get(key, (1.0, 0))
-        self.ratios[key] = (running_mean(mean, n + 1, ratio, self.window), n + 1)
+        self.seen += 1
+        self.speed = running_mean(self.speed, self.seen, ratio / self.premium(key), self.window)
+        mean, n = self.premiums.get(key, (1.0, 0))
+        # premiums move slower than the speed (PREMIUM_WINDOWS windows), so that a change of
+        # the host's pace shows as speed, not as the premium of the shape that ran through it
+        window = PREMIUM_WINDOWS * self.window
+        self.premiums[key] = (running_mean(mean, n + 1, ratio / self.speed, window), n + 1)
 
     def factor(self, rows: int, seqs: int, masked: int) -> float:
-        mean, n = self.ratios.get(self.key(rows, seqs, masked), (1.0, 0))
-        n = min(n, self.window)
-        return (self.overall + mean * n) / (1 + n)
+        return self.speed * self.premium(self.key(rows, seqs, masked))
 
 
 @dataclass(frozen=True, slots=True)
