@@ -21,7 +21,7 @@ Contract (each op = its `reference_*` function up to fp32 rounding; outputs in x
         row at ~2 GB/s and its logsumexp of a row holding -inf (a cut draft vocabulary) took
         1.6 ms: ~7 ms of a full-size MoE verify step with 3 drafts (pick.cpp)
 `offset=1.0` is the zero-centred (1 + w) RMSNorm of Qwen3-Next / Qwen3.5. The C++ versions
-(norm_rope.cpp, gdn_ops.cpp) run on CPU tensors in bf16 / fp32
+(norm_rope.cpp, gdn_ops.cpp, pick.cpp) run on CPU tensors in bf16 / fp32
 with a matching weight dtype; anything else (CUDA, fp16, a failed build,
 QUICKDRAFT_NO_KERNELS=1) runs the reference, which is the same math in a few torch ops.
 

@@ -35,6 +35,7 @@ import torch
 from quickdraft.config import PREFILL_CHUNK
 from quickdraft.image_encoder import ImageEncoder
 from quickdraft.images import ImageLayout, ImageRows, pack_image_rows
+from quickdraft.kernels.pointwise import greedy_pick
 from quickdraft.models.base import LanguageModel, SequenceCache
 from quickdraft.speculation.cost import StepShape
 from quickdraft.speculation.drafters.base import Draft, DraftBlock, DraftJob, draft_position
@@ -211,7 +212,7 @@ class DraftModelDrafter:
         chain = getattr(self.model, "greedy_chain", None)
         if chain is not None and len(set(ks)) == 1 and ks[0] > 1 and self.encoder is None:
             return self._graph_chain(chain, states, logits, ks[0])
-        picks = [logits.argmax(-1)]  # per position: the argmax of the jobs drafting there
+        picks = [greedy_pick(logits)[0]]  # per position: the argmax of the jobs drafting there
         at = [list(range(len(jobs)))]  # per position: those jobs, in `picks` order
         for step in range(1, max(ks)):
             active = [j for j in at[-1] if ks[j] > step]
@@ -223,7 +224,7 @@ class DraftModelDrafter:
             self.forwards.append(StepShape(len(active), len(active)))
             for j in active:
                 states[j].cache.commit(states[j].cache.length + 1)
-            picks.append(out.logits.argmax(-1))
+            picks.append(greedy_pick(out.logits)[0])
             at.append(active)
         values = torch.cat(picks).tolist()  # the one read back
         tokens: list[list[int]] = [[] for _ in jobs]
@@ -239,7 +240,7 @@ class DraftModelDrafter:
     ) -> list[Draft]:
         """`_device_chain` where every job drafts k tokens and the model runs its k - 1 steps as
         one call (GraphModel.greedy_chain: one captured graph on a GPU)."""
-        first = logits.argmax(-1)
+        first = greedy_pick(logits)[0]
         rest = chain(first, [s.cache for s in states], k - 1)  # [k - 1, B]
         self.forwards.extend([StepShape(len(states), len(states))] * (k - 1))
         values = torch.cat([first[None], rest]).T.tolist()  # the one read back
