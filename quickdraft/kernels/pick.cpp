@@ -104,12 +104,11 @@ std::tuple<at::Tensor, at::Tensor> qd_greedy_pick(const at::Tensor& logits, bool
   at::Tensor probs = at::empty({with_prob ? N : 0}, x.options().dtype(at::kFloat));
   int64_t* ip = ids.data_ptr<int64_t>();
   float* pp = with_prob ? probs.data_ptr<float>() : nullptr;
-  float unused = 0.0f;
   const bool fp32 = x.scalar_type() == at::kFloat;
   const void* base = x.data_ptr();
   at::parallel_for(0, N, qd_rows_grain(V), [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
-      float* p = with_prob ? pp + n : &unused;
+      float* p = with_prob ? pp + n : nullptr;  // written only with_prob
       if (fp32)
         pick_row(static_cast<const float*>(base) + n * V, V, with_prob, ip + n, p);
       else
