@@ -1,11 +1,18 @@
-"""The Gemma 4 assistant end to end on the cut Gemma-4-26B-A4B file: plain decoding against the
-assistant drafting through the engine, with acceptance staged as bench/moe_mtp.py stages MTP's.
+"""The Gemma 4 assistant end to end: plain decoding against the assistant drafting through the
+engine, with acceptance staged as bench/moe_mtp.py stages MTP's, on the cut Gemma-4-26B-A4B file
+or on Gemma 4 E2B whole (`--shape e2b`).
 
-No Gemma 4 or assistant weights exist offline. The target is bench/moe.py's random-weight
-Gemma-4-26B-A4B file (6 layers, 32 experts top 8, vocabulary 32k; Q4_K_M by llama.cpp's
-quantizer) run on its own blocks; the assistant a random one of the released 26B-A4B
-assistant's shape (bench/assistant.py: 4 query-only layers of hidden 1024 over the target's KV),
-in int4 as `--draft-quantization` has it by default on the CPU. Acceptance, and only
+No Gemma 4 or assistant weights exist offline. `--shape 26b-a4b`: the target is bench/moe.py's
+random-weight Gemma-4-26B-A4B file (6 layers, 32 experts top 8, vocabulary 32k; Q4_K_M by
+llama.cpp's quantizer) run on its own blocks; the assistant a random one of the released
+26B-A4B assistant's shape (bench/assistant.py: 4 query-only layers of hidden 1024 over the
+target's KV). `--shape e2b`: the target is Gemma 4 E2B's whole language model
+(quickdraft/bench/shapes.py GEMMA4_E2B: 35 layers, per-layer embeddings, 20 KV-sharing layers,
+vocabulary 262,144), random Q4_K_M blocks typed as llama.cpp's quantizer types a tied Gemma 4,
+streamed to --files once (3.5 GB); the assistant one of the released E2B assistant's shape
+(GEMMA4_E2B_ASSISTANT: 4 layers of hidden 256) with its centroid-masked head: 2048 clusters of
+128 ids, the top 32 scored. Either assistant in int4 as `--draft-quantization` has it by
+default on the CPU (the masked head reads its rows by id, as loaded). Acceptance, and only
 acceptance, is staged in memory after loading: every weight is still read, every expert routed.
   target     its embedding lookup returns the table's row pi(t) for token t (pi a random
              permutation of the ids other than the end-of-generation ones) times --gain, so
@@ -24,11 +31,19 @@ acceptance, is staged in memory after loading: every weight is still read, every
              the text to the next (pi's cycle; over the few hundred positions a run visits
              the share moves by a few hundredths, so each row reports the rate it measured).
              Its final norm is a temperature calibrated so that its mean top probability is
-             a: the cost model reads its chain probabilities.
+             a: the cost model reads its chain probabilities. E2B's masked head: the
+             clusters are what trained centroids give, each id in a cluster whose centroid
+             points its way: random unit centroids, each id (its head row) placed in the
+             best of its 8 nearest with room (ids in random order), then each centroid the
+             mean of its ids' rows; the report gives how often an id's own cluster is among
+             the 32 its row scores highest.
 Which a: the released 26B-A4B assistant's reported draft acceptance is 67-69 % at k = 4
 (community runs on a DGX Spark; bench/assistant.py). Read as vLLM's acceptance rate (accepted
 / drafted) that is a = 0.85 per position; read as the chance of each chained draft, a = 0.68.
-Both are run (--accept 0.68 0.85); each row reports the rate it measured.
+Both are run (--accept 0.68 0.85); each row reports the rate it measured. The released E2B
+assistant's published figures are fewer: llama-server accepted 21 of its 25 drafts at k = 1
+(0.84) and a fused engine 12 of 28 (0.43) (both on an M4 Max, elizaOS/eliza#9033 and #9273):
+run with --accept 0.43 0.84.
 
 Measured in one process, 2 threads, methods alternating per round: output tok/s of --prompts
 random prompts (--prompt-len ids, then --tokens greedy tokens each, prefills included) one at a
@@ -38,7 +53,7 @@ every output equals speculation off; the assistant's step and a 5-row verify aga
 step. Writes bench/results/<name>.json, .md and .png; the JSON is also the last line printed.
 
     flock /tmp/quickdraft-bench.lock .venv/bin/python bench/assistant_staged.py \\
-        --files /work/moe-files
+        --files /work/moe-files [--shape e2b --accept 0.43 0.84]
 """
 
 from __future__ import annotations
@@ -46,13 +61,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from quickdraft.bench.report import bar_chart, machine, write
-from quickdraft.bench.shapes import GEMMA4_ASSISTANT, init_
+from quickdraft.bench.shapes import GEMMA4_ASSISTANT, GEMMA4_E2B, GEMMA4_E2B_ASSISTANT, init_
 from quickdraft.bench.speculative import (
     calibrated_temperature,
     compare,
@@ -61,9 +79,16 @@ from quickdraft.bench.speculative import (
     serve_batch,
 )
 from quickdraft.config import SpeculativeConfig
+from quickdraft.hub.gguf_write import (
+    llama_cpp_tensors,
+    q4_k_m_types,
+    random_chunks,
+    write_gguf_streamed,
+)
 from quickdraft.loading import load
 from quickdraft.memory import freeze_loaded
 from quickdraft.models.families.gemma4 import Gemma4LM, quantizer
+from quickdraft.models.families.gemma4_config import Gemma4Config
 from quickdraft.models.heads.gemma4_assistant import AssistantConfig, Gemma4Assistant
 from quickdraft.models.layers import convert_operands_
 from quickdraft.speculation.cost import DraftCost, model_cost
@@ -72,6 +97,84 @@ from quickdraft.speculation.factory import assistant_costs
 from quickdraft.speculation.state import Speculation
 
 ROWS = 4096  # table rows a chunk when projecting the target's table
+# per shape: the assistant's text config and its head (centroid-masked for E2B)
+ASSISTANTS: dict[str, dict[str, Any]] = {
+    "26b-a4b": {"text_config": GEMMA4_ASSISTANT},
+    "e2b": {
+        "text_config": GEMMA4_E2B_ASSISTANT,
+        "use_ordered_embeddings": True,
+        "num_centroids": 2048,
+        "centroid_intermediate_top_k": 32,
+    },
+}
+
+
+def write_e2b(directory: Path) -> Path:
+    """Gemma 4 E2B's whole language model as random blocks, typed as llama.cpp's quantizer
+    types a tied Gemma 4 in Q4_K_M (hub/gguf_write.py `q4_k_m_types`), streamed to
+    `directory` (kept for later runs)."""
+    path = directory / "gemma4-e2b-Q4_K_M.gguf"
+    if path.exists():
+        return path
+    cfg = GEMMA4_E2B
+    model = Gemma4LM(Gemma4Config.from_dict(cfg), torch.bfloat16, "meta")
+    tensors = llama_cpp_tensors(model.state_dict(), "gemma4", cfg)
+    shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+    types = q4_k_m_types(shapes, cfg["num_hidden_layers"], tied=True)
+    plan = {n: (shapes[n], types[n]) for n in shapes}
+
+    def chunks(name: str, shape: tuple[int, ...], qtype: str) -> Iterator[np.ndarray]:
+        if name == "rope_freqs.weight":  # the global layers' RoPE, values not weights
+            yield tensors[name].numpy()
+        elif name.endswith("layer_output_scale.weight"):  # scales the layer's whole stream
+            rng = np.random.default_rng(zlib.crc32(name.encode()))
+            yield rng.uniform(0.8, 1.0, shape).astype(np.float32)
+        else:
+            yield from random_chunks(name, shape, qtype)
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".part")
+    write_gguf_streamed(tmp, "gemma4", cfg, plan, chunks)
+    tmp.rename(path)
+    return path
+
+
+def stage_centroids(head: Gemma4Assistant, gen: torch.Generator, near: int = 8) -> float:
+    """Clusters and centroids of the staged head as trained ones make them (the module's
+    docstring); returns how often an id's cluster is among the top-k its own row scores."""
+    masked = head.masked_embedding
+    assert masked is not None
+    unit = torch.nn.functional.normalize
+    rows = unit(head.head_rows.float(), dim=-1)
+    count, size = masked.num_centroids, len(rows) // masked.num_centroids
+    centroids = unit(torch.randn(count, rows.shape[1], generator=gen), dim=-1)
+    starts = range(0, len(rows), ROWS)
+    nearest = torch.cat([torch.topk(rows[i : i + ROWS] @ centroids.T, near)[1] for i in starts])
+    nearest_ids = nearest.tolist()
+    room = [size] * count
+    members: list[list[int]] = [[] for _ in range(count)]
+    left = []
+    for token in torch.randperm(len(rows), generator=gen).tolist():
+        cluster = next((c for c in nearest_ids[token] if room[c]), None)
+        if cluster is None:
+            left.append(token)
+            continue
+        room[cluster] -= 1
+        members[cluster].append(token)
+    for cluster in range(count):  # the few whose nearest were full: wherever room is left
+        while room[cluster]:
+            members[cluster].append(left.pop())
+            room[cluster] -= 1
+    ordering = torch.tensor(members)  # [count, size]
+    centroids = unit(rows[ordering].mean(1), dim=-1)
+    with torch.no_grad():
+        masked.token_ordering.copy_(ordering.reshape(-1))
+        masked.centroids.weight.copy_(centroids.to(masked.centroids.weight.dtype))
+    cluster_of = torch.empty(len(rows), dtype=torch.int64)
+    cluster_of[ordering.reshape(-1)] = torch.arange(count).repeat_interleave(size)
+    probe = torch.randint(0, len(rows), (4096,), generator=gen)
+    top = torch.topk(rows[probe] @ centroids.T, masked.top_k).indices
+    return (top == cluster_of[probe, None]).any(-1).float().mean().item()
 
 
 class PermutedEmbedding(torch.nn.Module):
@@ -119,13 +222,16 @@ def staged_assistant(
     agreement: float,
     gain: float,
     ids: torch.Tensor,
+    shape: str,
 ) -> tuple[Gemma4Assistant, dict[str, float]]:
     """A random assistant of the released shape, staged (the module's docstring), in int4."""
     cfg = model.config
+    spec = ASSISTANTS[shape]
     raw = {
+        **spec,
         "model_type": "gemma4_assistant",
         "backbone_hidden_size": cfg.hidden_size,
-        "text_config": {**GEMMA4_ASSISTANT, "vocab_size": cfg.vocab_size},
+        "text_config": {**spec["text_config"], "vocab_size": cfg.vocab_size},
     }
     head = Gemma4Assistant(AssistantConfig.from_dict(raw, {}, cfg), torch.bfloat16, "cpu", model)
     init_(head, 1, 1.0)
@@ -147,7 +253,13 @@ def staged_assistant(
         # the head's logits over the staged inputs (its layers add next to nothing)
         x = table_rows(model.model.embed_tokens.perm[ids]).float() @ proj.T  # type: ignore[index]
         x = x / x.pow(2).mean(-1, keepdim=True).sqrt()
-        temperature = calibrated_temperature(x @ head.lm_head.weight.float().T, accept)
+        staged: dict[str, float] = {}
+        if head.masked_embedding is not None:
+            staged["own_cluster_in_top_k"] = round(stage_centroids(head, gen), 4)
+            scored = head.masked_embedding.logits(x.to(head.dtype), head.head_rows)
+        else:
+            scored = x @ head.lm_head.weight.float().T
+        temperature = calibrated_temperature(scored, accept)
         head.model.norm.weight.fill_(temperature)
     head.lm_head.op = head.lm_head.weight.detach()
     convert = quantizer("int4")
@@ -156,12 +268,14 @@ def staged_assistant(
     return head, {
         "temperature": round(temperature, 4),
         "negated": round(wrong.float().mean().item(), 4),
+        **staged,
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--files", type=Path, default=Path("/tmp/quickdraft-moe"))
+    ap.add_argument("--shape", choices=sorted(ASSISTANTS), default="26b-a4b")
     ap.add_argument("--accept", type=float, nargs="+", default=[0.68, 0.85])
     ap.add_argument("--gain", type=float, default=1e3, help="the target's embedding gain")
     ap.add_argument("--assistant-gain", type=float, default=1.0, help="its pre-projection's")
@@ -174,7 +288,12 @@ def main() -> None:
     ap.add_argument("--name", default="assistant-staged")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    lm = load(str(args.files / "gemma4-Q4_K_M-model"), "gguf", progress=False)
+    if args.shape == "e2b":
+        file = write_e2b(args.files)
+        lm = load(str(file), "gguf", progress=False)
+    else:
+        file = args.files / "gemma4-Q4_K_M-model"
+        lm = load(str(file), "gguf", progress=False)
     freeze_loaded()  # as `quickdraft serve` does after loading
     model = lm.model
     assert isinstance(model, Gemma4LM)
@@ -197,7 +316,8 @@ def main() -> None:
         "machine": machine(),
         "threads": args.threads,
         "setup": {
-            "file": "gemma4-Q4_K_M.gguf",
+            "shape": args.shape,
+            "file": "gemma4-e2b-Q4_K_M.gguf" if args.shape == "e2b" else "gemma4-Q4_K_M.gguf",
             "gain": args.gain,
             "assistant_gain": args.assistant_gain,
             "target_agreement": round(agreement, 3),
@@ -212,7 +332,7 @@ def main() -> None:
     }
     for accept in args.accept:
         head, staged = staged_assistant(
-            model, table_rows, accept, agreement, args.assistant_gain, probe
+            model, table_rows, accept, agreement, args.assistant_gain, probe, args.shape
         )
         drafter = AssistantDrafter(head)
         assistant_ms = min(assistant_step_seconds(drafter, 64) for _ in range(3)) * 1e3
@@ -250,11 +370,20 @@ def main() -> None:
 
 def markdown(report: dict[str, Any]) -> str:
     s = report["setup"]
+    e2b = s.get("shape") == "e2b"
+    target = (
+        "E2B whole: 35 layers, per-layer embeddings, vocabulary 262,144"
+        if e2b
+        else "cut: 6 layers, 32 experts, vocabulary 32k"
+    )
     out = [
-        "# The Gemma 4 assistant end to end (26B-A4B shapes, acceptance staged)\n",
-        f"{s['file']} (cut: 6 layers, 32 experts, vocabulary 32k; random Q4_K_M blocks), "
-        f"{report['threads']} threads; assistant of the released 26B-A4B assistant's shape in "
-        f"int4. Staged: target embeddings x {s['gain']} (its next token is pi(t) "
+        f"# The Gemma 4 assistant end to end ({'E2B' if e2b else '26B-A4B'} shapes, "
+        "acceptance staged)\n",
+        f"{s['file']} ({target}; random Q4_K_M blocks), "
+        f"{report['threads']} threads; assistant of the released "
+        f"{'E2B' if e2b else '26B-A4B'} assistant's shape in "
+        f"int4{' (its centroid-masked head: top 32 of 2048 clusters)' if e2b else ''}. "
+        f"Staged: target embeddings x {s['gain']} (its next token is pi(t) "
         f"{s['target_agreement']} of the time), the assistant's head negated on a share of "
         f"the ids. {s['prompts']} random prompts of {s['prompt_len']} ids, {s['tokens']} greedy "
         f'tokens each, {s["rounds"]} rounds alternating (medians; "paired": the median of '
@@ -266,7 +395,14 @@ def markdown(report: dict[str, Any]) -> str:
         out.append(
             f"## a = {accept} per position (assistant step {run['assistant_step_ms']} ms, "
             f"{run['assistant_over_step']}x a target step; {run['staged']['negated']:.1%} of "
-            "the ids negated)\n"
+            "the ids negated"
+            + (
+                f"; an id's own cluster among the 32 its row scores highest "
+                f"{run['staged']['own_cluster_in_top_k']:.1%} of the time"
+                if "own_cluster_in_top_k" in run["staged"]
+                else ""
+            )
+            + ")\n"
         )
         for key in ("concurrency_1", "concurrency_4"):
             out.append(f"{key.replace('_', ' ')}:\n")
@@ -277,8 +413,9 @@ def markdown(report: dict[str, Any]) -> str:
 def plot(report: dict[str, Any]) -> Any:
     runs = report["runs"]
     names = list(next(iter(runs.values()))["concurrency_1"])
+    shape = "E2B" if report["setup"].get("shape") == "e2b" else "26B-A4B cut"
     return bar_chart(
-        "Gemma 4 assistant end to end (staged)",
+        f"Gemma 4 assistant end to end, {shape} (staged)",
         "x speculation off",
         names,
         {

@@ -14,15 +14,18 @@ import torch
 from gguf import GGUFReader
 from hybrid_models import one_thread  # noqa: F401 (autouse fixture)
 
-from quickdraft.bench.shapes import MOE_REAL, init_
+from quickdraft.bench.shapes import GEMMA4_E2B, MOE_REAL, init_
 from quickdraft.hub.gguf_write import (
     llama_cpp_tensors,
     q4_k_m_type,
+    q4_k_m_types,
     random_chunks,
     write_gguf,
     write_gguf_streamed,
 )
 from quickdraft.loading import load
+from quickdraft.models.families.gemma4 import Gemma4LM
+from quickdraft.models.families.gemma4_config import Gemma4Config
 from quickdraft.models.families.hybrid_config import HybridConfig
 from quickdraft.models.families.qwen3_next import HybridLM
 
@@ -101,3 +104,39 @@ def test_streamed_file_reads_back_and_runs(tmp_path: Path) -> None:
 
     run = LlamaCpp(path, 2, 64).generate(ids.tolist(), 4, ())
     assert len(run.tokens) == 4
+
+
+# Gemma 4 E2B's structure (per-layer embeddings 8 x 256 wide, KV sharing, double-wide
+# MLPs, a tied head) at widths of whole 256-value rows
+GEMMA4_CFG: dict[str, Any] = {
+    **GEMMA4_E2B,
+    **dict(vocab_size=512, vocab_size_per_layer_input=512, hidden_size=256),
+    **dict(intermediate_size=256, num_hidden_layers=8, num_kv_shared_layers=3),
+    **dict(hidden_size_per_layer_input=256, head_dim=256, global_head_dim=256),
+    "layer_types": ["sliding_attention", "full_attention"] * 4,
+    "max_position_embeddings": 512,
+}
+
+
+def test_q4_k_m_rule_types_a_tied_gemma4_as_llama_cpp(tmp_path: Path) -> None:
+    """A tied head: llama.cpp's quantizer gives both token tables (the per-layer one too) the
+    head's Q6_K and leaves the per-layer model projection as it was, and places attn_v among
+    the layers that have one; `q4_k_m_types(tied=True)` says the same for every tensor."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the `peers` extra) is not installed")
+    from quickdraft.bench.peers import llama_cpp_quantize
+
+    cfg = GEMMA4_CFG
+    model = Gemma4LM(Gemma4Config.from_dict(cfg), torch.bfloat16)
+    init_(model, 0, 1.0)
+    state = llama_cpp_tensors(model.state_dict(), "gemma4", cfg)
+    f32 = write_gguf(tmp_path / "f32.gguf", "gemma4", cfg, state)
+    q = tmp_path / "q4_k_m.gguf"
+    llama_cpp_quantize(f32, q, "Q4_K_M", 2)
+    theirs = {t.name: t.tensor_type.name for t in GGUFReader(str(q)).tensors}
+    shapes = {n: tuple(t.shape) for n, t in state.items()}
+    ours = q4_k_m_types(shapes, cfg["num_hidden_layers"], tied=True)
+    assert theirs == ours
+    assert theirs["per_layer_token_embd.weight"] == theirs["token_embd.weight"] == "Q6_K"
+    # attn_v by its place among the 5 layers that have one, not by its layer's of 8
+    got = [ours[f"blk.{i}.attn_v.weight"] for i in range(5)]
+    assert got == ["Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q6_K"]

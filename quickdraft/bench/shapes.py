@@ -1,8 +1,8 @@
 """Random-weight models of real shapes for the benchmarks that have no real weights offline:
 Qwen3.5-0.8B's language model (the hybrid Gated DeltaNet family, vocabulary cut to 32k), the
 sparse MoE models' configs (Qwen3.6-35B-A3B, Qwen3-30B-A3B, gpt-oss-20b, Gemma-4-26B-A4B) and
-their cuts, and
-how weights are drawn (`init_`). bench/hybrid.py, bench/prefix_cache.py and the vision set
+their cuts, Gemma 4 E2B and the assistants of the 26B-A4B and of E2B, and how weights are
+drawn (`init_`). bench/hybrid.py, bench/prefix_cache.py and the vision set
 (quickdraft/bench/vision.py) build on them."""
 
 from __future__ import annotations
@@ -169,6 +169,52 @@ GEMMA4_ASSISTANT: dict[str, Any] = {
     "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
     "num_kv_shared_layers": 4,
     "enable_moe_block": False,
+}
+
+
+# Gemma 4 E2B's language model, whole: 35 layers, 4 local (512-key window) to 1 global, 8
+# query heads over 1 KV head (256 wide, 512 in the global layers); the last 20 layers read the
+# KV of the last local / global layer before them and have an MLP twice as wide (12288 for
+# 6144); per-layer embeddings of 256 a layer; vocabulary 262,144, the head tied. llama.cpp
+# names a 35-layer gemma4 E2B; these widths give its 4.65 B parameters (llama-bench's count
+# of a released E2B file, ggml-org/llama.cpp#22738)
+GEMMA4_E2B: dict[str, Any] = {
+    **MOE_REAL["gemma4"],
+    "hidden_size": 1536,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 35,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 1,
+    "num_global_key_value_heads": None,
+    "attention_k_eq_v": False,
+    "sliding_window": 512,
+    "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7,
+    "num_kv_shared_layers": 20,
+    "use_double_wide_mlp": True,
+    "hidden_size_per_layer_input": 256,
+    "vocab_size_per_layer_input": 262144,
+    "enable_moe_block": False,
+    "num_experts": None,
+    "top_k_experts": None,
+    "num_experts_per_tok": None,
+    "moe_intermediate_size": None,
+}
+
+# the released gemma-4-E2B-it-assistant's text config as its published file shows it: 4
+# query-only layers of hidden 256 over E2B's KV, read back to 1536 (llama.cpp's conversion:
+# block_count 4, embedding_length 256, out 1536, 162 MB in f16); its MLP width 2048 is what
+# those 81 M parameters leave beside the 262,144 x 256 tied table (inferred, not published).
+# The head is centroid-masked: 2048 clusters of 128 ids, the top 32 scored (4096 ids).
+GEMMA4_E2B_ASSISTANT: dict[str, Any] = {
+    **GEMMA4_E2B,
+    "hidden_size": 256,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 4,
+    "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+    "num_kv_shared_layers": 4,
+    "use_double_wide_mlp": False,
+    "hidden_size_per_layer_input": 0,
+    "vocab_size_per_layer_input": 0,
 }
 
 

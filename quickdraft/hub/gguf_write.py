@@ -483,19 +483,46 @@ def _use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def q4_k_m_type(name: str, shape: tuple[int, ...], blocks: int) -> str:
+_VALUES = ("attn_v.weight", "attn_qkv.weight")  # llama.cpp counts these together
+
+
+def q4_k_m_type(
+    name: str,
+    shape: tuple[int, ...],
+    blocks: int,
+    tied: bool = False,
+    values: tuple[int, int] | None = None,
+) -> str:
     """The type llama.cpp's quantizer gives tensor `name` in a Q4_K_M file of `blocks` blocks
     (as it typed every tensor of the cut files): routers, norms, conv and decay F32; the head
-    Q6_K; attn_v / attn_qkv and every ffn_down Q6_K on _use_more_bits' layers; the rest Q4_K."""
+    Q6_K; attn_v / attn_qkv and every ffn_down Q6_K on _use_more_bits' layers; the rest Q4_K.
+    `tied` (no output.weight): the token tables (per-layer ones too) take the head's Q6_K, and
+    Gemma's per-layer model projection stays as the source has it (F32 here). `values`: this
+    attn_v / attn_qkv tensor's place among the file's and their number, where some layers
+    have none (`q4_k_m_types`); by default its layer of `blocks`."""
     if len(shape) == 1 or shape[-1] % 256 or name.endswith("ffn_gate_inp.weight"):
         return "F32"
-    if name == "output.weight":
+    if name == "output.weight" or (tied and name.endswith("token_embd.weight")):
         return "Q6_K"
+    if name == "per_layer_model_proj.weight":
+        return "F32"
     if name == "token_embd.weight" or not name.startswith("blk."):
         return "Q4_K"
     layer, kind = int(name.split(".")[1]), name.split(".", 2)[2]
-    more = kind in ("attn_v.weight", "attn_qkv.weight") or kind.startswith("ffn_down")
-    return "Q6_K" if more and _use_more_bits(layer, blocks) else "Q4_K"
+    if kind in _VALUES:
+        return "Q6_K" if _use_more_bits(*(values or (layer, blocks))) else "Q4_K"
+    return "Q6_K" if kind.startswith("ffn_down") and _use_more_bits(layer, blocks) else "Q4_K"
+
+
+def q4_k_m_types(
+    shapes: dict[str, tuple[int, ...]], blocks: int, tied: bool = False
+) -> dict[str, str]:
+    """`q4_k_m_type` of every tensor of a file (names in file order): llama.cpp places the
+    n-th attn_v / attn_qkv tensor it meets by n over their number, which is the layer only
+    where every layer has one (Gemma 4's KV-sharing layers have none)."""
+    found = [n for n in shapes if n.startswith("blk.") and n.split(".", 2)[2] in _VALUES]
+    place = {n: (i, len(found)) for i, n in enumerate(found)}
+    return {n: q4_k_m_type(n, s, blocks, tied, place.get(n)) for n, s in shapes.items()}
 
 
 # |d| (and dmin) per format for random blocks of zero-mean weights of ~0.05
