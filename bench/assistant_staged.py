@@ -61,16 +61,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import zlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from quickdraft.bench.report import bar_chart, machine, write
-from quickdraft.bench.shapes import GEMMA4_ASSISTANT, GEMMA4_E2B, GEMMA4_E2B_ASSISTANT, init_
+from quickdraft.bench.shapes import (
+    GEMMA4_ASSISTANT,
+    GEMMA4_E2B_ASSISTANT,
+    init_,
+    write_gemma4_e2b,
+)
 from quickdraft.bench.speculative import (
     calibrated_temperature,
     compare,
@@ -79,16 +81,9 @@ from quickdraft.bench.speculative import (
     serve_batch,
 )
 from quickdraft.config import SpeculativeConfig
-from quickdraft.hub.gguf_write import (
-    llama_cpp_tensors,
-    q4_k_m_types,
-    random_chunks,
-    write_gguf_streamed,
-)
 from quickdraft.loading import load
 from quickdraft.memory import freeze_loaded
 from quickdraft.models.families.gemma4 import Gemma4LM, quantizer
-from quickdraft.models.families.gemma4_config import Gemma4Config
 from quickdraft.models.heads.gemma4_assistant import AssistantConfig, Gemma4Assistant
 from quickdraft.models.layers import convert_operands_
 from quickdraft.speculation.cost import DraftCost, model_cost
@@ -107,36 +102,6 @@ ASSISTANTS: dict[str, dict[str, Any]] = {
         "centroid_intermediate_top_k": 32,
     },
 }
-
-
-def write_e2b(directory: Path) -> Path:
-    """Gemma 4 E2B's whole language model as random blocks, typed as llama.cpp's quantizer
-    types a tied Gemma 4 in Q4_K_M (hub/gguf_write.py `q4_k_m_types`), streamed to
-    `directory` (kept for later runs)."""
-    path = directory / "gemma4-e2b-Q4_K_M.gguf"
-    if path.exists():
-        return path
-    cfg = GEMMA4_E2B
-    model = Gemma4LM(Gemma4Config.from_dict(cfg), torch.bfloat16, "meta")
-    tensors = llama_cpp_tensors(model.state_dict(), "gemma4", cfg)
-    shapes = {n: tuple(t.shape) for n, t in tensors.items()}
-    types = q4_k_m_types(shapes, cfg["num_hidden_layers"], tied=True)
-    plan = {n: (shapes[n], types[n]) for n in shapes}
-
-    def chunks(name: str, shape: tuple[int, ...], qtype: str) -> Iterator[np.ndarray]:
-        if name == "rope_freqs.weight":  # the global layers' RoPE, values not weights
-            yield tensors[name].numpy()
-        elif name.endswith("layer_output_scale.weight"):  # scales the layer's whole stream
-            rng = np.random.default_rng(zlib.crc32(name.encode()))
-            yield rng.uniform(0.8, 1.0, shape).astype(np.float32)
-        else:
-            yield from random_chunks(name, shape, qtype)
-
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".part")
-    write_gguf_streamed(tmp, "gemma4", cfg, plan, chunks)
-    tmp.rename(path)
-    return path
 
 
 def stage_centroids(head: Gemma4Assistant, gen: torch.Generator, near: int = 8) -> float:
@@ -289,7 +254,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.shape == "e2b":
-        file = write_e2b(args.files)
+        file = write_gemma4_e2b(args.files)
         lm = load(str(file), "gguf", progress=False)
     else:
         file = args.files / "gemma4-Q4_K_M-model"

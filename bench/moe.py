@@ -21,6 +21,9 @@ Measured in interleaved rounds (these machines are noisy), threads fixed for eve
 `--rows`: a forward's cost by rows 1..8 (a decode step, then verifies of k = 1..7) from an
 empty cache, ours against each peer's `llama-bench -p N` on the same file (ms = N / its tok/s),
 with ours also at context 64, in interleaved rounds.
+`--arch gemma4-e2b` (with --pairs): Gemma 4 E2B whole, dense, beside them (random Q4_K_M blocks
+streamed as quickdraft/bench/shapes.py `write_gemma4_e2b` writes them, typed as llama.cpp's
+quantizer types a tied Gemma 4).
 `--pairs N`: decode and pp512 in N back-to-back pairs (ours, then each peer's `llama-bench -p 512`,
 the order swapped every pair), the ratio taken within each pair and its median reported: two
 runs seconds apart share the host's phase far more often than two a minute apart.
@@ -62,7 +65,7 @@ from gguf import GGUFReader
 
 from quickdraft.bench.peers import llama_cpp_quantize
 from quickdraft.bench.report import bar_chart, machine, read_bandwidth_gbs, table, write
-from quickdraft.bench.shapes import MOE_CUTS, MOE_REAL, init_
+from quickdraft.bench.shapes import GEMMA4_E2B, MOE_CUTS, MOE_REAL, init_, write_gemma4_e2b
 from quickdraft.bench.speculative import forward_seconds
 from quickdraft.config import ModelConfig
 from quickdraft.hub.convert import convert_gguf
@@ -85,7 +88,9 @@ from quickdraft.models.families.qwen3_next import HybridLM
 from quickdraft.models.formats.packed_copy import PACKED_NAME
 from quickdraft.models.heads.mtp import MTPHead, hybrid_mtp_parts
 
-REAL, CUTS = MOE_REAL, MOE_CUTS  # quickdraft/bench/shapes.py
+# quickdraft/bench/shapes.py; Gemma 4 E2B (dense, whole) beside the MoE files for --pairs
+REAL: dict[str, dict[str, Any]] = {**MOE_REAL, "gemma4-e2b": GEMMA4_E2B}
+CUTS: dict[str, dict[str, Any]] = {**MOE_CUTS, "gemma4-e2b": {}}
 
 
 def config(arch: str) -> dict[str, Any]:
@@ -99,6 +104,8 @@ QTYPES = {"gpt-oss": "MXFP4_MOE"}
 def write_file(arch: str, directory: Path) -> Path:
     """The random-weight file of `arch` in its QTYPES file type, Q4_K_M by default (kept in
     `directory` for later runs)."""
+    if arch == "gemma4-e2b":  # whole: random blocks, streamed
+        return write_gemma4_e2b(directory)
     qtype = QTYPES.get(arch, "Q4_K_M")
     path = directory / f"{arch}-{qtype}.gguf"
     if path.exists():
@@ -188,6 +195,8 @@ def streamed_bytes(path: Path, cfg: dict[str, Any]) -> tuple[float, dict[str, in
             n *= cfg["num_experts_per_tok"] / cfg["num_experts"]
         elif t.name == "token_embd.weight":
             n *= (1 if tied else 0) + 1 / cfg["vocab_size"]  # the head, and the token's row
+        elif t.name == "per_layer_token_embd.weight":  # Gemma 4's per-layer table: one row
+            n /= cfg["vocab_size_per_layer_input"]
         total += n
     return total, dict(formats.most_common())
 

@@ -1,15 +1,28 @@
 """Random-weight models of real shapes for the benchmarks that have no real weights offline:
 Qwen3.5-0.8B's language model (the hybrid Gated DeltaNet family, vocabulary cut to 32k), the
 sparse MoE models' configs (Qwen3.6-35B-A3B, Qwen3-30B-A3B, gpt-oss-20b, Gemma-4-26B-A4B) and
-their cuts, Gemma 4 E2B and the assistants of the 26B-A4B and of E2B, and how weights are
-drawn (`init_`). bench/hybrid.py, bench/prefix_cache.py and the vision set
-(quickdraft/bench/vision.py) build on them."""
+their cuts, Gemma 4 E2B (and its file: `write_gemma4_e2b`) and the assistants of the 26B-A4B
+and of E2B, and how weights are drawn (`init_`). bench/hybrid.py, bench/prefix_cache.py and the
+vision set (quickdraft/bench/vision.py) build on them."""
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+
+from quickdraft.hub.gguf_write import (
+    llama_cpp_tensors,
+    q4_k_m_types,
+    random_chunks,
+    write_gguf_streamed,
+)
+from quickdraft.models.families.gemma4 import Gemma4LM
+from quickdraft.models.families.gemma4_config import Gemma4Config
 
 # Qwen3.5-0.8B's language model: hidden 1024; 24 layers = 18 GDN + 6 gated attention; 16 GDN
 # heads of 128; 8 query / 2 KV heads of 256; MLP 3584; the vocabulary cut to 32k
@@ -216,6 +229,36 @@ GEMMA4_E2B_ASSISTANT: dict[str, Any] = {
     "hidden_size_per_layer_input": 0,
     "vocab_size_per_layer_input": 0,
 }
+
+
+def write_gemma4_e2b(directory: Path) -> Path:
+    """Gemma 4 E2B's whole language model as random blocks, typed as llama.cpp's quantizer
+    types a tied Gemma 4 in Q4_K_M (hub/gguf_write.py `q4_k_m_types`), streamed to
+    `directory` (kept for later runs)."""
+    path = directory / "gemma4-e2b-Q4_K_M.gguf"
+    if path.exists():
+        return path
+    cfg = GEMMA4_E2B
+    model = Gemma4LM(Gemma4Config.from_dict(cfg), torch.bfloat16, "meta")
+    tensors = llama_cpp_tensors(model.state_dict(), "gemma4", cfg)
+    shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+    types = q4_k_m_types(shapes, cfg["num_hidden_layers"], tied=True)
+    plan = {n: (shapes[n], types[n]) for n in shapes}
+
+    def chunks(name: str, shape: tuple[int, ...], qtype: str) -> Iterator[np.ndarray]:
+        if name == "rope_freqs.weight":  # the global layers' RoPE, values not weights
+            yield tensors[name].numpy()
+        elif name.endswith("layer_output_scale.weight"):  # scales the layer's whole stream
+            rng = np.random.default_rng(zlib.crc32(name.encode()))
+            yield rng.uniform(0.8, 1.0, shape).astype(np.float32)
+        else:
+            yield from random_chunks(name, shape, qtype)
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".part")
+    write_gguf_streamed(tmp, "gemma4", cfg, plan, chunks)
+    tmp.rename(path)
+    return path
 
 
 def init_(module: torch.nn.Module, seed: int, out_scale: float) -> None:
