@@ -635,7 +635,7 @@ def paired_decode(
 
 def markdown_pairs(report: dict[str, Any]) -> str:
     out = [
-        "# MoE decode and pp512 in back-to-back pairs: quickdraft vs llama-bench on the same file\n"
+        "# Decode and pp512 in back-to-back pairs: quickdraft vs llama-bench on the same file\n"
     ]
     for arch, r in report["pairs"].items():
         peers = list(r["ratios"])
@@ -789,7 +789,7 @@ def main() -> None:
         }
         pairs = report["pairs"]
         chart = bar_chart(
-            "MoE decode, back-to-back pairs: quickdraft over each peer",
+            "Decode, back-to-back pairs: quickdraft over each peer",
             "x peer (median of pairs)",
             list(pairs),
             {p: [pairs[a]["median_ratio"][p] for a in pairs] for p in peers},
