@@ -634,9 +634,7 @@ def paired_decode(
 
 
 def markdown_pairs(report: dict[str, Any]) -> str:
-    out = [
-        "# Decode and pp512 in back-to-back pairs: quickdraft vs llama-bench on the same file\n"
-    ]
+    out = ["# Decode and pp512 in back-to-back pairs: quickdraft vs llama-bench on the same file\n"]
     for arch, r in report["pairs"].items():
         peers = list(r["ratios"])
         rows = [
