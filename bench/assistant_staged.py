@@ -253,12 +253,9 @@ def main() -> None:
     ap.add_argument("--name", default="assistant-staged")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if args.shape == "e2b":
-        file = write_gemma4_e2b(args.files)
-        lm = load(str(file), "gguf", progress=False)
-    else:
-        file = args.files / "gemma4-Q4_K_M-model"
-        lm = load(str(file), "gguf", progress=False)
+    e2b = args.shape == "e2b"
+    file = write_gemma4_e2b(args.files) if e2b else args.files / "gemma4-Q4_K_M-model"
+    lm = load(str(file), "gguf", progress=False)
     freeze_loaded()  # as `quickdraft serve` does after loading
     model = lm.model
     assert isinstance(model, Gemma4LM)
@@ -282,7 +279,7 @@ def main() -> None:
         "threads": args.threads,
         "setup": {
             "shape": args.shape,
-            "file": "gemma4-e2b-Q4_K_M.gguf" if args.shape == "e2b" else "gemma4-Q4_K_M.gguf",
+            "file": file.name if e2b else "gemma4-Q4_K_M.gguf",
             "gain": args.gain,
             "assistant_gain": args.assistant_gain,
             "target_agreement": round(agreement, 3),

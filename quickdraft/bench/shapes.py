@@ -189,8 +189,9 @@ GEMMA4_ASSISTANT: dict[str, Any] = {
 # query heads over 1 KV head (256 wide, 512 in the global layers); the last 20 layers read the
 # KV of the last local / global layer before them and have an MLP twice as wide (12288 for
 # 6144); per-layer embeddings of 256 a layer; vocabulary 262,144, the head tied. llama.cpp
-# names a 35-layer gemma4 E2B; these widths give its 4.65 B parameters (llama-bench's count
-# of a released E2B file, ggml-org/llama.cpp#22738)
+# names a 35-layer gemma4 E2B; these widths give 4.65 B parameters with the K/V projections
+# the sharing layers keep unused (llama-bench's count of a released E2B file,
+# ggml-org/llama.cpp#22738), 4.63 B without them (our model, and the file we write)
 GEMMA4_E2B: dict[str, Any] = {
     **MOE_REAL["gemma4"],
     "hidden_size": 1536,
