@@ -140,3 +140,37 @@ def test_q4_k_m_rule_types_a_tied_gemma4_as_llama_cpp(tmp_path: Path) -> None:
     # attn_v by its place among the 5 layers that have one, not by its layer's of 8
     got = [ours[f"blk.{i}.attn_v.weight"] for i in range(5)]
     assert got == ["Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q6_K"]
+
+
+def test_q4_k_m_rule_falls_back_as_llama_cpp_on_rows_of_32_value_blocks(tmp_path: Path) -> None:
+    """Gemma-4-26B-A4B's structure (a GeGLU MLP of 96 beside experts of 64: rows that are
+    not whole 256-value blocks): llama.cpp's quantizer falls back to Q5_0 / Q8_0 there, and
+    `q4_k_m_types` says so for every tensor; random blocks of those types stream and load."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the `peers` extra) is not installed")
+    from quickdraft.bench.peers import llama_cpp_quantize
+
+    cfg = {
+        **MOE_REAL["gemma4"],
+        **dict(vocab_size=512, hidden_size=256, intermediate_size=96, num_hidden_layers=8),
+        **dict(num_experts=4, top_k_experts=2, num_experts_per_tok=2, moe_intermediate_size=64),
+        **dict(num_attention_heads=2, num_key_value_heads=1, num_global_key_value_heads=1),
+        **dict(head_dim=256, global_head_dim=256, max_position_embeddings=512),
+        "layer_types": ["sliding_attention", "full_attention"] * 4,
+    }
+    model = Gemma4LM(Gemma4Config.from_dict(cfg), torch.bfloat16)
+    init_(model, 0, 1.0)
+    state = llama_cpp_tensors(model.state_dict(), "gemma4", cfg)
+    f32 = write_gguf(tmp_path / "f32.gguf", "gemma4", cfg, state)
+    q = tmp_path / "q4_k_m.gguf"
+    llama_cpp_quantize(f32, q, "Q4_K_M", 2)
+    theirs = {t.name: t.tensor_type.name for t in GGUFReader(str(q)).tensors}
+    shapes = {n: tuple(t.shape) for n, t in state.items()}
+    ours = q4_k_m_types(shapes, cfg["num_hidden_layers"], tied=True)
+    assert theirs == ours
+    assert {"Q5_0", "Q8_0"} <= set(ours.values())
+    plan = {n: (shapes[n], ours[n]) for n in shapes}
+    path = write_gguf_streamed(tmp_path / "streamed.gguf", "gemma4", cfg, plan, random_chunks)
+    lm = load(str(path), "gguf", progress=False)
+    ids = torch.tensor([1, 5, 9, 300])
+    logits = lm.model(ids, [lm.model.new_cache(8)], [4]).logits  # type: ignore[operator]
+    assert bool(torch.isfinite(logits.float()).all())

@@ -233,13 +233,17 @@ GEMMA4_E2B_ASSISTANT: dict[str, Any] = {
 
 
 def write_gemma4_e2b(directory: Path) -> Path:
-    """Gemma 4 E2B's whole language model as random blocks, typed as llama.cpp's quantizer
-    types a tied Gemma 4 in Q4_K_M (hub/gguf_write.py `q4_k_m_types`), streamed to
-    `directory` (kept for later runs)."""
-    path = directory / "gemma4-e2b-Q4_K_M.gguf"
+    """Gemma 4 E2B whole (`write_gemma4`)."""
+    return write_gemma4(directory, "gemma4-e2b", GEMMA4_E2B)
+
+
+def write_gemma4(directory: Path, stem: str, cfg: dict[str, Any]) -> Path:
+    """A Gemma 4 language model of config `cfg` as random blocks, typed as llama.cpp's
+    quantizer types a tied Gemma 4 in Q4_K_M (hub/gguf_write.py `q4_k_m_types`), streamed to
+    `directory`/`stem`-Q4_K_M.gguf (kept for later runs)."""
+    path = directory / f"{stem}-Q4_K_M.gguf"
     if path.exists():
         return path
-    cfg = GEMMA4_E2B
     model = Gemma4LM(Gemma4Config.from_dict(cfg), torch.bfloat16, "meta")
     tensors = llama_cpp_tensors(model.state_dict(), "gemma4", cfg)
     shapes = {n: tuple(t.shape) for n, t in tensors.items()}

@@ -484,6 +484,8 @@ def _use_more_bits(i: int, n: int) -> bool:
 
 
 _VALUES = ("attn_v.weight", "attn_qkv.weight")  # llama.cpp counts these together
+# llama.cpp's types for rows that are not whole 256-value blocks (tensor_type_fallback)
+_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
 
 
 def q4_k_m_type(
@@ -499,13 +501,28 @@ def q4_k_m_type(
     `tied` (no output.weight): the token tables (per-layer ones too) take the head's Q6_K, and
     Gemma's per-layer model projection stays as the source has it (F32 here). `values`: this
     attn_v / attn_qkv tensor's place among the file's and their number, where some layers
-    have none (`q4_k_m_types`); by default its layer of `blocks`."""
-    if len(shape) == 1 or shape[-1] % 256 or name.endswith("ffn_gate_inp.weight"):
+    have none (`q4_k_m_types`); by default its layer of `blocks`. Rows that are not whole
+    256-value blocks fall back as llama.cpp's do: Q4_K to Q5_0, Q6_K to Q8_0 (32-value
+    blocks), F16 where even those do not fit."""
+    if len(shape) == 1 or name.endswith("ffn_gate_inp.weight") or "ssm_conv1d" in name:
         return "F32"
-    if name == "output.weight" or (tied and name.endswith("token_embd.weight")):
-        return "Q6_K"
     if name == "per_layer_model_proj.weight":
         return "F32"
+    kind = _k_type(name, shape, blocks, tied, values)
+    if shape[-1] % 256 == 0:
+        return kind
+    return _FALLBACK[kind] if shape[-1] % 32 == 0 else "F16"
+
+
+def _k_type(
+    name: str,
+    shape: tuple[int, ...],
+    blocks: int,
+    tied: bool,
+    values: tuple[int, int] | None,
+) -> str:
+    if name == "output.weight" or (tied and name.endswith("token_embd.weight")):
+        return "Q6_K"
     if name == "token_embd.weight" or not name.startswith("blk."):
         return "Q4_K"
     layer, kind = int(name.split(".")[1]), name.split(".", 2)[2]
@@ -526,7 +543,7 @@ def q4_k_m_types(
 
 
 # |d| (and dmin) per format for random blocks of zero-mean weights of ~0.05
-_D = {"Q4_K": (2e-4, 1.5e-3), "Q6_K": (2e-5, 0.0)}
+_D = {"Q4_K": (2e-4, 1.5e-3), "Q6_K": (2e-5, 0.0), "Q5_0": (6e-3, 0.0), "Q8_0": (7e-4, 0.0)}
 
 
 def random_chunks(name: str, shape: tuple[int, ...], qtype: str) -> Iterator[np.ndarray]:
@@ -543,6 +560,9 @@ def random_chunks(name: str, shape: tuple[int, ...], qtype: str) -> Iterator[np.
             yield (1 + rng.uniform(-0.1, 0.1, n)).astype(np.float32)
         else:  # routers, the shared expert's gate, conv
             yield (rng.standard_normal(n) * shape[-1] ** -0.5).astype(np.float32)
+        return
+    if qtype == "F16":
+        yield (rng.standard_normal(int(np.prod(shape))) * 0.05).astype(np.float16)
         return
     block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
     rows, k = int(np.prod(shape[:-1])), shape[-1]
