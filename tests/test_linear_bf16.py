@@ -290,10 +290,10 @@ def test_big_packed_weights_sit_on_huge_page_eligible_aligned_memory(kind: str) 
     a mapping the kernel reports as THP-eligible; smaller ones share such a mapping (`_Arena`),
     each aligned, never inside the big one's huge pages (the kernel may merge two adjacent
     mappings of the same flags into one entry, so entries are not compared). Values survive."""
-    w = torch.randn(4000, 896, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    w = torch.randn(8000, 896, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     make = {"panel": PanelWeight.pack, "int8": Int8Weight.quantize, "int4": Int4Weight.quantize}
     big, small, other = make[kind](w), make[kind](w[:48]), make[kind](w[48:96])
-    assert big.packed.numel() * big.packed.element_size() >= linear_bf16.HUGE_PAGE
+    assert linear_bf16.own_mapping(big.packed.numel() * big.packed.element_size())
     assert big.packed.data_ptr() % linear_bf16.HUGE_PAGE == 0
     smaps = _smaps_entry(big.packed.data_ptr())
     assert re.search(r"THPeligible:\s+1", smaps) and re.search(r"VmFlags:.* hg", smaps), smaps
@@ -320,6 +320,29 @@ def test_big_packed_weights_sit_on_huge_page_eligible_aligned_memory(kind: str) 
     torch.testing.assert_close(
         big.dequantize(torch.float32), w.float(), rtol=0, atol=float(w.abs().max()) / 6
     )
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/smaps").exists()
+    or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
+    reason="needs Linux with transparent huge pages",
+)
+def test_weights_mostly_padding_on_their_own_pages_share_the_arena() -> None:
+    """A packed weight just over 2 MiB (Gemma-4-26B-A4B's expert gate / up rows are 2.3 MB)
+    would hold 4 MiB on its own huge pages: it goes to the arena, the next such weight right
+    after it in the same mapping; weights of whole huge pages keep their own."""
+    page = linear_bf16.HUGE_PAGE
+    assert not linear_bf16.own_mapping(page + page // 8)  # 2.25 MiB: 1.75 MiB of padding
+    assert linear_bf16.own_mapping(2 * page) and linear_bf16.own_mapping(3 * page - page // 4)
+    assert linear_bf16.own_mapping(linear_bf16.ARENA_BYTES // 4 + 1)  # big: own whatever
+    w = torch.randn(4000, 896, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    a, b = Int4Weight.quantize(w), Int4Weight.quantize(w)
+    n = a.packed.nbytes
+    assert n > page and not linear_bf16.own_mapping(n)
+    if a.packed.untyped_storage().data_ptr() == b.packed.untyped_storage().data_ptr():
+        assert b.packed.data_ptr() == a.packed.data_ptr() + -(-n // 256) * 256
+    assert re.search(r"VmFlags:.* hg", _smaps_entry(a.packed.data_ptr()))
+    torch.testing.assert_close(a.dequantize(torch.float32), b.dequantize(torch.float32))
 
 
 # --- bf16 weights in 16-row panels ----------------------------------------------------------
