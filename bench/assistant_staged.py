@@ -1,12 +1,14 @@
 """The Gemma 4 assistant end to end: plain decoding against the assistant drafting through the
-engine, with acceptance staged as bench/moe_mtp.py stages MTP's, on the cut Gemma-4-26B-A4B file
-or on Gemma 4 E2B whole (`--shape e2b`).
+engine, with acceptance staged as bench/moe_mtp.py stages MTP's, on the cut Gemma-4-26B-A4B file,
+on it whole (`--shape 26b-a4b-full`) or on Gemma 4 E2B whole (`--shape e2b`).
 
 No Gemma 4 or assistant weights exist offline. `--shape 26b-a4b`: the target is bench/moe.py's
 random-weight Gemma-4-26B-A4B file (6 layers, 32 experts top 8, vocabulary 32k; Q4_K_M by
 llama.cpp's quantizer) run on its own blocks; the assistant a random one of the released
 26B-A4B assistant's shape (bench/assistant.py: 4 query-only layers of hidden 1024 over the
-target's KV). `--shape e2b`: the target is Gemma 4 E2B's whole language model
+target's KV). `--shape 26b-a4b-full`: the same assistant over Gemma-4-26B-A4B whole (every
+layer, expert and id; random Q4_K_M blocks streamed to --files once, 16.8 GB, typed as below).
+`--shape e2b`: the target is Gemma 4 E2B's whole language model
 (quickdraft/bench/shapes.py GEMMA4_E2B: 35 layers, per-layer embeddings, 20 KV-sharing layers,
 vocabulary 262,144), random Q4_K_M blocks typed as llama.cpp's quantizer types a tied Gemma 4,
 streamed to --files once (3.5 GB); the assistant one of the released E2B assistant's shape
@@ -71,6 +73,7 @@ from quickdraft.bench.shapes import (
     GEMMA4_ASSISTANT,
     GEMMA4_E2B_ASSISTANT,
     init_,
+    write_gemma4_26b_a4b,
     write_gemma4_e2b,
 )
 from quickdraft.bench.speculative import (
@@ -95,6 +98,7 @@ ROWS = 4096  # table rows a chunk when projecting the target's table
 # per shape: the assistant's text config and its head (centroid-masked for E2B)
 ASSISTANTS: dict[str, dict[str, Any]] = {
     "26b-a4b": {"text_config": GEMMA4_ASSISTANT},
+    "26b-a4b-full": {"text_config": GEMMA4_ASSISTANT},
     "e2b": {
         "text_config": GEMMA4_E2B_ASSISTANT,
         "use_ordered_embeddings": True,
@@ -253,8 +257,9 @@ def main() -> None:
     ap.add_argument("--name", default="assistant-staged")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    e2b = args.shape == "e2b"
-    file = write_gemma4_e2b(args.files) if e2b else args.files / "gemma4-Q4_K_M-model"
+    writers = {"e2b": write_gemma4_e2b, "26b-a4b-full": write_gemma4_26b_a4b}
+    whole = args.shape in writers
+    file = writers[args.shape](args.files) if whole else args.files / "gemma4-Q4_K_M-model"
     lm = load(str(file), "gguf", progress=False)
     freeze_loaded()  # as `quickdraft serve` does after loading
     model = lm.model
@@ -279,7 +284,7 @@ def main() -> None:
         "threads": args.threads,
         "setup": {
             "shape": args.shape,
-            "file": file.name if e2b else "gemma4-Q4_K_M.gguf",
+            "file": file.name if whole else "gemma4-Q4_K_M.gguf",
             "gain": args.gain,
             "assistant_gain": args.assistant_gain,
             "target_agreement": round(agreement, 3),
@@ -333,11 +338,10 @@ def main() -> None:
 def markdown(report: dict[str, Any]) -> str:
     s = report["setup"]
     e2b = s.get("shape") == "e2b"
-    target = (
-        "E2B whole: 35 layers, per-layer embeddings, vocabulary 262,144"
-        if e2b
-        else "cut: 6 layers, 32 experts, vocabulary 32k"
-    )
+    target = {
+        "e2b": "E2B whole: 35 layers, per-layer embeddings, vocabulary 262,144",
+        "26b-a4b-full": "whole: 30 layers, 128 experts, vocabulary 262,144",
+    }.get(s.get("shape", ""), "cut: 6 layers, 32 experts, vocabulary 32k")
     out = [
         f"# The Gemma 4 assistant end to end ({'E2B' if e2b else '26B-A4B'} shapes, "
         "acceptance staged)\n",
@@ -375,7 +379,9 @@ def markdown(report: dict[str, Any]) -> str:
 def plot(report: dict[str, Any]) -> Any:
     runs = report["runs"]
     names = list(next(iter(runs.values()))["concurrency_1"])
-    shape = "E2B" if report["setup"].get("shape") == "e2b" else "26B-A4B cut"
+    shape = {"e2b": "E2B", "26b-a4b-full": "26B-A4B whole"}.get(
+        report["setup"].get("shape", ""), "26B-A4B cut"
+    )
     return bar_chart(
         f"Gemma 4 assistant end to end, {shape} (staged)",
         "x speculation off",

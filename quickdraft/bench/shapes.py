@@ -237,6 +237,12 @@ def write_gemma4_e2b(directory: Path) -> Path:
     return write_gemma4(directory, "gemma4-e2b", GEMMA4_E2B)
 
 
+def write_gemma4_26b_a4b(directory: Path) -> Path:
+    """Gemma-4-26B-A4B whole, every layer, expert and id (`write_gemma4`; 16.8 GB)."""
+    cfg = MOE_REAL["gemma4"]
+    return write_gemma4(directory, "gemma4-full", {**cfg, "layer_types": cfg["layer_types"] * 5})
+
+
 def write_gemma4(directory: Path, stem: str, cfg: dict[str, Any]) -> Path:
     """A Gemma 4 language model of config `cfg` as random blocks, typed as llama.cpp's
     quantizer types a tied Gemma 4 in Q4_K_M (hub/gguf_write.py `q4_k_m_types`), streamed to
