@@ -118,14 +118,13 @@ GEMMA4_CFG: dict[str, Any] = {
 }
 
 
-def test_q4_k_m_rule_types_a_tied_gemma4_as_llama_cpp(tmp_path: Path) -> None:
-    """A tied head: llama.cpp's quantizer gives both token tables (the per-layer one too) the
-    head's Q6_K and leaves the per-layer model projection as it was, and places attn_v among
-    the layers that have one; `q4_k_m_types(tied=True)` says the same for every tensor."""
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the `peers` extra) is not installed")
+def gemma4_types(
+    cfg: dict[str, Any], tmp_path: Path
+) -> tuple[dict[str, tuple[int, ...]], dict[str, str], dict[str, str]]:
+    """A random Gemma 4 of `cfg` written F32 and quantized to Q4_K_M by llama.cpp: each
+    tensor's shape, the type llama.cpp gave it, and the one `q4_k_m_types` (tied) says."""
     from quickdraft.bench.peers import llama_cpp_quantize
 
-    cfg = GEMMA4_CFG
     model = Gemma4LM(Gemma4Config.from_dict(cfg), torch.bfloat16)
     init_(model, 0, 1.0)
     state = llama_cpp_tensors(model.state_dict(), "gemma4", cfg)
@@ -134,7 +133,15 @@ def test_q4_k_m_rule_types_a_tied_gemma4_as_llama_cpp(tmp_path: Path) -> None:
     llama_cpp_quantize(f32, q, "Q4_K_M", 2)
     theirs = {t.name: t.tensor_type.name for t in GGUFReader(str(q)).tensors}
     shapes = {n: tuple(t.shape) for n, t in state.items()}
-    ours = q4_k_m_types(shapes, cfg["num_hidden_layers"], tied=True)
+    return shapes, theirs, q4_k_m_types(shapes, cfg["num_hidden_layers"], tied=True)
+
+
+def test_q4_k_m_rule_types_a_tied_gemma4_as_llama_cpp(tmp_path: Path) -> None:
+    """A tied head: llama.cpp's quantizer gives both token tables (the per-layer one too) the
+    head's Q6_K and leaves the per-layer model projection as it was, and places attn_v among
+    the layers that have one; `q4_k_m_types(tied=True)` says the same for every tensor."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the `peers` extra) is not installed")
+    _, theirs, ours = gemma4_types(GEMMA4_CFG, tmp_path)
     assert theirs == ours
     assert theirs["per_layer_token_embd.weight"] == theirs["token_embd.weight"] == "Q6_K"
     # attn_v by its place among the 5 layers that have one, not by its layer's of 8
@@ -147,8 +154,6 @@ def test_q4_k_m_rule_falls_back_as_llama_cpp_on_rows_of_32_value_blocks(tmp_path
     not whole 256-value blocks): llama.cpp's quantizer falls back to Q5_0 / Q8_0 there, and
     `q4_k_m_types` says so for every tensor; random blocks of those types stream and load."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python (the `peers` extra) is not installed")
-    from quickdraft.bench.peers import llama_cpp_quantize
-
     cfg = {
         **MOE_REAL["gemma4"],
         **dict(vocab_size=512, hidden_size=256, intermediate_size=96, num_hidden_layers=8),
@@ -157,15 +162,7 @@ def test_q4_k_m_rule_falls_back_as_llama_cpp_on_rows_of_32_value_blocks(tmp_path
         **dict(head_dim=256, global_head_dim=256, max_position_embeddings=512),
         "layer_types": ["sliding_attention", "full_attention"] * 4,
     }
-    model = Gemma4LM(Gemma4Config.from_dict(cfg), torch.bfloat16)
-    init_(model, 0, 1.0)
-    state = llama_cpp_tensors(model.state_dict(), "gemma4", cfg)
-    f32 = write_gguf(tmp_path / "f32.gguf", "gemma4", cfg, state)
-    q = tmp_path / "q4_k_m.gguf"
-    llama_cpp_quantize(f32, q, "Q4_K_M", 2)
-    theirs = {t.name: t.tensor_type.name for t in GGUFReader(str(q)).tensors}
-    shapes = {n: tuple(t.shape) for n, t in state.items()}
-    ours = q4_k_m_types(shapes, cfg["num_hidden_layers"], tied=True)
+    shapes, theirs, ours = gemma4_types(cfg, tmp_path)
     assert theirs == ours
     assert {"Q5_0", "Q8_0"} <= set(ours.values())
     plan = {n: (shapes[n], ours[n]) for n in shapes}
