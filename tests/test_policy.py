@@ -6,14 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hybrid_models import random_hybrid
 
 from quickdraft.config import SpeculativeConfig
 from quickdraft.loading import load
+from quickdraft.models.caches.state_cache import HybridCache
 from quickdraft.speculation.cost import (
     Calibration,
     DraftCost,
     StepCost,
     StepShape,
+    cost_sequences,
     measure_step_cost,
 )
 from quickdraft.speculation.drafters.ngram import NgramDrafter
@@ -196,6 +199,36 @@ def test_measure_step_cost_on_tiny_model_is_monotone(tiny_model_dir: Path) -> No
     lm = load(str(tiny_model_dir), "fp32", progress=False)
     cost = measure_step_cost(lm.model, rows=(1, 2, 4, 8), seqs=4)
     assert cost.rows == (1, 2, 4, 8)
+    assert all(b >= a > 0 for a, b in zip(cost.seconds, cost.seconds[1:], strict=False))
+    assert cost.per_seq >= 0.0 and cost.per_masked >= 0.0
+
+
+def test_cost_sequences_keep_the_measurements_caches_in_budget() -> None:
+    assert cost_sequences(10 << 20, 8) == 8  # a dense model's caches: all eight
+    assert cost_sequences(138 << 20, 8) == 2  # the 35B-A3B shape's recurrent state: two
+    assert cost_sequences(64 << 20, 8) == 4
+    assert cost_sequences(1 << 30, 8) == 2  # never below two where several are asked
+    assert cost_sequences(1 << 30, 1) == 1 and cost_sequences(1 << 30, 2) == 2
+
+
+def test_measure_step_cost_on_a_hybrid_model_within_a_cache_budget() -> None:
+    """A hybrid model's recurrent state in every cache: a budget of two caches still times the
+    one-sequence rows and prices further sequences from the two."""
+    model = random_hybrid("qwen3_5_moe")
+    per_cache = model.new_cache(64).nbytes()
+    made: list[int] = []  # the capacity of every cache the measurement makes
+    new_cache = model.new_cache
+
+    def counted(capacity: int) -> HybridCache:
+        made.append(capacity)
+        return new_cache(capacity)
+
+    model.new_cache = counted  # type: ignore[method-assign]
+    cost = measure_step_cost(
+        model, rows=(1, 2, 4), context=16, seqs=6, others=4, cache_budget=2 * per_cache
+    )
+    assert len(made) == 2  # six asked, two fit the budget
+    assert cost.rows == (1, 2, 4)
     assert all(b >= a > 0 for a, b in zip(cost.seconds, cost.seconds[1:], strict=False))
     assert cost.per_seq >= 0.0 and cost.per_masked >= 0.0
 

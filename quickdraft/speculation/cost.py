@@ -101,6 +101,10 @@ COST_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 32, 64)  # dense where the curv
 # An extra row attends to every cached token, so at 8 the curve was near flat where requests
 # pay for rows: SmolLM2 Q4, 3 rows over 1 cost +5 % after 8 tokens, +29 % after 200
 COST_CONTEXT = 256
+# The measurement's caches together hold at most this (two sequences at least): a hybrid
+# model's cache carries its recurrent state whatever its length, ~138 MB at Qwen3.6-35B-A3B's
+# shape, and eight of them lifted a server's first start from the file + 1.45 GiB to + 2.58
+COST_CACHE_BYTES = 256 << 20
 
 
 def settle(device: torch.device) -> None:
@@ -126,12 +130,22 @@ def monotone(values: Sequence[float]) -> list[float]:
     return [total / count for total, count in blocks for _ in range(int(count))]
 
 
+def cost_sequences(cache_bytes: int, seqs: int, budget: int = COST_CACHE_BYTES) -> int:
+    """How many sequences `measure_step_cost` times together when each one's cache holds
+    `cache_bytes`: `seqs`, or as many as `budget` holds, but never below two where `seqs` asks
+    for several (per_seq and per_masked need a second sequence)."""
+    if seqs <= 2:
+        return seqs
+    return max(2, min(seqs, budget // max(cache_bytes, 1)))
+
+
 def measure_step_cost(
     model: LanguageModel,
     rows: Sequence[int] = COST_ROWS,
     context: int = COST_CONTEXT,
     seqs: int = 8,
     others: int = 8,
+    cache_budget: int = COST_CACHE_BYTES,
 ) -> StepCost:
     """Time target forwards over `rows` new tokens of one sequence after `context` cached ones
     (best of three up to 16 rows, where the draft decisions are made and noise matters, one
@@ -140,16 +154,19 @@ def measure_step_cost(
     and of two rows each, which give `per_seq` and `per_masked` (see StepCost). The best of
     three, because on a shared host one timing was seen 2x another of the same forward (a 64 ms
     `per_seq` from one start-up, 0 from the next); what noise is left, the policy's
-    calibration corrects for the shapes that run. ~20 s for a 1.5B model on this CPU, ~1 s for
-    a 135M one."""
+    calibration corrects for the shapes that run. Fewer sequences where `seqs` caches would
+    hold more than `cache_budget` (`cost_sequences`). ~20 s for a 1.5B model on this CPU,
+    ~1 s for a 135M one."""
     device = model.device
     max_rows = max(max(rows), 2 * seqs)
     context = max(1, min(context, model.config.max_position_embeddings - max_rows - 1))
+    caches = [model.new_cache(context + max_rows + 1)]
+    seqs = cost_sequences(caches[0].nbytes(), seqs, cache_budget)
     lengths = [context] + [others] * (seqs - 1)
     ids = torch.randint(
         0, model.config.vocab_size, (max(sum(lengths), context + max_rows),), device=device
     )
-    caches = [model.new_cache(n + max_rows + 1) for n in lengths]
+    caches += [model.new_cache(n + max_rows + 1) for n in lengths[1:]]
     for start in range(0, context, PREFILL_CHUNK):  # the first cache's context, in chunks
         n = min(PREFILL_CHUNK, context - start)
         model(ids[start : start + n], caches[:1], [n])
