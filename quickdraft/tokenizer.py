@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Callable
 from datetime import datetime
 from functools import lru_cache
@@ -107,9 +108,10 @@ class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
         self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
-        # the same tokenizer reading special tokens as plain text
-        self._plain = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
-        self._plain.encode_special_tokens = True
+        # encode() reads special tokens as plain text by switching the tokenizer's
+        # `encode_special_tokens` for the call, under this lock: a second copy for it held
+        # ~150 MB at a 248k-token vocabulary (Qwen3.6), as much as its first
+        self._encoding = threading.Lock()
         added_by_id = self._tok.get_added_tokens_decoder()
         added = added_by_id.values()
         # longest first: at one position the longest token wins, as in the tokenizer itself
@@ -179,8 +181,12 @@ class Tokenizer:
     ) -> list[int]:
         """`parse_special`: read special-token text in `text` as those tokens (else as plain
         text). `add_special_tokens`: the tokenizer's own additions, such as a BOS."""
-        tok = self._tok if parse_special else self._plain
-        return tok.encode(text, add_special_tokens=add_special_tokens).ids
+        with self._encoding:
+            self._tok.encode_special_tokens = not parse_special
+            try:
+                return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+            finally:
+                self._tok.encode_special_tokens = False
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

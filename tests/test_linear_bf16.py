@@ -290,7 +290,7 @@ def test_big_packed_weights_sit_on_huge_page_eligible_aligned_memory(kind: str) 
     a mapping the kernel reports as THP-eligible; smaller ones share such a mapping (`_Arena`),
     each aligned, never inside the big one's huge pages (the kernel may merge two adjacent
     mappings of the same flags into one entry, so entries are not compared). Values survive."""
-    w = torch.randn(8000, 896, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    w = torch.randn(16000, 896, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     make = {"panel": PanelWeight.pack, "int8": Int8Weight.quantize, "int4": Int4Weight.quantize}
     big, small, other = make[kind](w), make[kind](w[:48]), make[kind](w[48:96])
     assert linear_bf16.own_mapping(big.packed.numel() * big.packed.element_size())
@@ -333,6 +333,7 @@ def test_weights_mostly_padding_on_their_own_pages_share_the_arena() -> None:
     after it in the same mapping; weights of whole huge pages keep their own."""
     page = linear_bf16.HUGE_PAGE
     assert not linear_bf16.own_mapping(page + page // 8)  # 2.25 MiB: 1.75 MiB of padding
+    assert not linear_bf16.own_mapping(4849664)  # a 35B-A3B projection part: 4.6 of 6 MiB
     assert linear_bf16.own_mapping(2 * page) and linear_bf16.own_mapping(3 * page - page // 4)
     assert linear_bf16.own_mapping(linear_bf16.ARENA_BYTES // 4 + 1)  # big: own whatever
     w = torch.randn(4000, 896, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)

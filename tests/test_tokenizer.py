@@ -102,9 +102,12 @@ def test_tokenizer_encode_prompt_parses_specials_only_on_request(tok: Tokenizer)
         *tok.encode("a", add_special_tokens=False),
         IM_END,
     ]
+    parsed = tok.encode(text, add_special_tokens=False, parse_special=True)
     plain = tok.encode(text, add_special_tokens=False, parse_special=False)
     assert len(plain) == len(text) and all(i < 256 for i in plain)
     assert tok.decode(plain) == text
+    # one tokenizer serves both: reading specials as text is undone after the call
+    assert tok.encode(text, add_special_tokens=False, parse_special=True) == parsed
 
 
 @pytest.mark.real

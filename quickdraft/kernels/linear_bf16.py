@@ -89,7 +89,11 @@ def reference_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
 
 
 HUGE_PAGE = 2 << 20
-ARENA_BYTES = 32 << 20  # one shared mapping of huge pages holds the weights under 2 MiB
+# one shared mapping of huge pages holds the weights under 2 MiB and those `own_mapping` turns
+# away; each mapping's last huge page is partly filled, so fewer, larger ones waste less (the
+# full-size 35B-A3B shape's 31k packed weights: 0.30 GiB past their bytes at 32 MiB and
+# padding up to half a weight, 0.07 GiB at 128 MiB and a quarter)
+ARENA_BYTES = 128 << 20
 _ARENA_ALIGN = 256
 
 
@@ -148,12 +152,13 @@ def streamed_empty(
 
 def own_mapping(nbytes: int) -> bool:
     """Whether a packed weight of `nbytes` gets its own huge-page mapping: from 2 MiB on,
-    unless rounding it up to whole huge pages would add more than half of it again and it fits
-    a quarter of an arena mapping (Gemma-4-26B-A4B's 2.3 MB expert gate / up rows would take 4
-    MiB each: 6.6 GB of padding over its 3840 experts); those go to the arena."""
+    unless rounding it up to whole huge pages would add more than a quarter of it again and it
+    fits a quarter of an arena mapping (Gemma-4-26B-A4B's 2.3 MB expert gate / up rows would
+    take 4 MiB each: 6.6 GB of padding over its 3840 experts; the 35B-A3B shape's 4.6 MiB
+    projection parts 6 MiB); those go to the arena."""
     if nbytes < HUGE_PAGE:
         return False
-    return -nbytes % HUGE_PAGE <= nbytes // 2 or nbytes > ARENA_BYTES // 4
+    return -nbytes % HUGE_PAGE <= nbytes // 4 or nbytes > ARENA_BYTES // 4
 
 
 def streamed_zeros(
