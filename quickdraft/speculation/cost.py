@@ -103,7 +103,7 @@ COST_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 32, 64)  # dense where the curv
 COST_CONTEXT = 256
 # The measurement's caches together hold at most this (two sequences at least): a hybrid
 # model's cache carries its recurrent state whatever its length, ~138 MB at Qwen3.6-35B-A3B's
-# shape: eight of them took a served MTP start of it to the file + 2.58 GiB (+ 1.46 without)
+# shape: eight of them took a served MTP start of it to the file + 2.58 GiB (+ 1.47 without)
 COST_CACHE_BYTES = 256 << 20
 
 

@@ -240,7 +240,7 @@ def _one(lm: LoadedModel, config: SpeculativeConfig) -> Speculation:
     if config.adaptive:  # only the adaptive policy needs costs (forced requests draft k always)
         # measured now (seconds), not in the first request's first step, and before the
         # drafter loads: the measurement's caches and logits are freed by then, so a start's
-        # peak holds one or the other (a full-size hybrid's first start: + 0.37 GiB less)
+        # peak holds one or the other (a full-size hybrid's first start: 0.35 GiB less)
         model_cost(lm.model)
     drafter, table = DRAFTERS[config.method](lm, config)
     cost = DraftCost(table()) if config.adaptive and table is not None else None
