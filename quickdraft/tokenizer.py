@@ -134,6 +134,16 @@ class Tokenizer:
         decoder = self._tok.decoder
         self._byte_level = decoder is not None and b"ByteLevel" in decoder.__getstate__()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # pickled whole (a Ray Serve ingress holds one), less its lock, which cannot be
+        state = self.__dict__.copy()
+        del state["_encoding"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._encoding = threading.Lock()
+
     @property
     def backend(self) -> HFTokenizer:
         """The `tokenizers` tokenizer itself (for libraries that read the vocabulary)."""

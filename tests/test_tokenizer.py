@@ -8,6 +8,7 @@ on the tiny byte-level tokenizer and on the real packaged models.
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,10 @@ def test_tokenizer_encode_prompt_parses_specials_only_on_request(tok: Tokenizer)
     assert tok.decode(plain) == text
     # one tokenizer serves both: reading specials as text is undone after the call
     assert tok.encode(text, add_special_tokens=False, parse_special=True) == parsed
+    # and it pickles (a Ray Serve ingress holds one), lock and all
+    copy = pickle.loads(pickle.dumps(tok))
+    assert copy.encode(text, add_special_tokens=False, parse_special=False) == plain
+    assert copy.encode(text, add_special_tokens=False, parse_special=True) == parsed
 
 
 @pytest.mark.real
