@@ -279,11 +279,14 @@ def _smaps_entry(addr: int) -> str:
     return "\n".join(entry)
 
 
-@pytest.mark.skipif(
+needs_thp = pytest.mark.skipif(
     not Path("/proc/self/smaps").exists()
     or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
     reason="needs Linux with transparent huge pages",
 )
+
+
+@needs_thp
 @pytest.mark.parametrize("kind", ["panel", "int8", "int4"])
 def test_big_packed_weights_sit_on_huge_page_eligible_aligned_memory(kind: str) -> None:
     """Each format's packed weight, from 2 MiB on, is on its own 2 MiB-aligned huge pages of
@@ -322,11 +325,7 @@ def test_big_packed_weights_sit_on_huge_page_eligible_aligned_memory(kind: str) 
     )
 
 
-@pytest.mark.skipif(
-    not Path("/proc/self/smaps").exists()
-    or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
-    reason="needs Linux with transparent huge pages",
-)
+@needs_thp
 def test_weights_mostly_padding_on_their_own_pages_share_the_arena() -> None:
     """A packed weight just over 2 MiB (Gemma-4-26B-A4B's expert gate / up rows are 2.3 MB)
     would hold 4 MiB on its own huge pages: it goes to the arena, the next such weight right

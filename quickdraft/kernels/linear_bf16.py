@@ -134,15 +134,14 @@ def streamed_empty(
     shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> Tensor:
     """An uninitialized CPU tensor for a packed weight that every decode step streams, on
-    transparent huge pages (Linux, THP in "madvise" or "always" mode): from 2 MiB on its own
-    2 MiB-aligned anonymous mapping (`own_mapping`), below that packed into a shared one
-    (`_Arena`). With 4 KiB
-    pages the stream costs a TLB miss per page and the hardware prefetcher stops at every page
-    boundary: measured on the 0.5B draft's int4 weights (40 interleaved rounds, one process), a
-    pass took 8.98 ms (min) / 11.84 ms (median) on huge pages vs 10.49 / 13.37 ms; its 0.5-0.65
-    MB attention projections, read from DRAM, took 24-32 us a call packed together on huge
-    pages against 31-38 us each on its own 4 KiB pages (2-core Xeon). Costs up to 2 MiB of
-    padding per large weight. Off the CPU, or without MADV_HUGEPAGE, plain `torch.empty`."""
+    transparent huge pages (Linux, THP in "madvise" or "always" mode): from 2 MiB on its own 2
+    MiB-aligned anonymous mapping (`own_mapping`), below that packed into a shared one (`_Arena`).
+    With 4 KiB pages the stream costs a TLB miss per page and the hardware prefetcher stops at every
+    page boundary: measured on the 0.5B draft's int4 weights (40 interleaved rounds, one process), a
+    pass took 8.98 ms (min) / 11.84 ms (median) on huge pages vs 10.49 / 13.37 ms; its 0.5-0.65 MB
+    attention projections, read from DRAM, took 24-32 us a call packed together on huge pages
+    against 31-38 us each on its own 4 KiB pages (2-core Xeon). Costs up to 2 MiB of padding per
+    large weight. Off the CPU, or without MADV_HUGEPAGE, plain `torch.empty`."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if not hasattr(mmap, "MADV_HUGEPAGE") or torch.device(device).type != "cpu" or nbytes == 0:
         return torch.empty(shape, dtype=dtype, device=device)
