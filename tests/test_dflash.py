@@ -36,7 +36,6 @@ from second_token import assert_second_token_follows, plain_distribution, second
 from test_mtp import DENSE_CONFIG as DENSE  # a tiny Qwen3 with an untied lm_head
 from torch import Tensor
 
-from quickdraft.cli import main as cli_main
 from quickdraft.config import ModelConfig, SpeculativeConfig, parse_speculative_config
 from quickdraft.engine import Engine, ServedModel, stream
 from quickdraft.engine.scheduler import SchedulerConfig
@@ -707,6 +706,10 @@ def test_dflash_sampled_matches_target_distribution(tmp_path: Path) -> None:
 
 
 def test_dflash_cli_and_vllm_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # imported here: the CLI brings the server (fastapi), which the GPU image lacks, and
+    # tests/test_graphs.py imports this module's helpers on the GPU (bench/gpu_session.sh)
+    from quickdraft.cli import main as cli_main
+
     lm, directory = target_and_drafter("dense", tmp_path)
     assert parse_speculative_config(
         json.dumps({"method": "dflash", "model": str(directory), "num_speculative_tokens": 3})

@@ -26,7 +26,6 @@ from parity import packed_propose_equals_alone
 from safetensors.torch import load_file, save_file
 
 from quickdraft.bench.speculative import prompt_sets
-from quickdraft.cli import main as cli_main
 from quickdraft.config import ModelConfig, SpeculativeConfig
 from quickdraft.engine import Engine, ServedModel, stream
 from quickdraft.engine.scheduler import SchedulerConfig
@@ -267,6 +266,10 @@ def test_mtp_missing_head_fails_fast(
     lm = load(str(headless_dir), "fp32", progress=False)
     with pytest.raises(ValueError, match="no MTP head"):
         make_speculation(lm, SPEC)
+    # imported here: the CLI brings the server (fastapi), which the GPU image lacks, and
+    # tests/test_graphs.py imports this module's helpers on the GPU (bench/gpu_session.sh)
+    from quickdraft.cli import main as cli_main
+
     argv = ["generate", "--model", str(headless_dir), "--dtype", "fp32", "--max-tokens", "4"]
     assert cli_main([*argv, "--speculative-method", "mtp", "hi"]) == 2
     assert "no MTP head (no mtp.* tensors)" in capsys.readouterr().err
